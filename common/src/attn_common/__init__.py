@@ -1,0 +1,101 @@
+"""attn-common: the specs every attention backend shares.
+
+One definition each of the config, the segment bounds and mask predicate, the soft cap
+and its derivative, the block ranges kernels visit, the sparse-MLA and paged-write
+tables, and the input contracts. The reference and every kernel import these.
+"""
+
+from importlib import metadata as _metadata
+
+from attn_common.bounds import (
+    SEGMENT_CANDIDATE,
+    SEGMENT_HISTORY,
+    SEGMENT_PADDING,
+    BlockRanges,
+    SegmentBounds,
+    check_bounds,
+    normalize_bounds,
+    ranker_kv_block_ranges,
+    ranker_mask,
+    ranker_q_block_ranges,
+)
+from attn_common.cap import (
+    CapMethod,
+    CapParams,
+    cap_derivative,
+    cap_derivative_from_output,
+    cap_forward,
+)
+from attn_common.config import KernelConfig
+from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
+from attn_common.sparse_mla import (
+    SparseMlaProblem,
+    check_sparse_mla_inputs,
+    lift_ragged_indices,
+    padded_dk,
+    ragged_query_info,
+    seq_id_from_cu_q_lens,
+)
+from attn_common.suite import RANKER_SUITE, RankerCase, ranker_case
+from attn_common.tables import (
+    TOKEN_RUN,
+    WORD_RUN,
+    BlockUnitTables,
+    LossyUnionCapWarning,
+    WriteRuns,
+    build_block_unit_tables,
+    build_write_runs,
+    default_write_run_cap,
+    kv_packing,
+    lossless_u_max,
+    resolve_u_max,
+    sanitize_unit_ids,
+)
+
+try:
+    __version__ = _metadata.version("attn-common")
+except _metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "RANKER_SUITE",
+    "SEGMENT_CANDIDATE",
+    "SEGMENT_HISTORY",
+    "SEGMENT_PADDING",
+    "TOKEN_RUN",
+    "WORD_RUN",
+    "BlockRanges",
+    "BlockUnitTables",
+    "CapMethod",
+    "CapParams",
+    "KernelConfig",
+    "LossyUnionCapWarning",
+    "RankerCase",
+    "RankerProblem",
+    "SegmentBounds",
+    "SparseMlaProblem",
+    "WriteRuns",
+    "build_block_unit_tables",
+    "build_write_runs",
+    "cap_derivative",
+    "cap_derivative_from_output",
+    "cap_forward",
+    "check_bounds",
+    "check_ranker_inputs",
+    "check_sparse_mla_inputs",
+    "default_write_run_cap",
+    "kv_packing",
+    "lift_ragged_indices",
+    "lossless_u_max",
+    "normalize_bounds",
+    "padded_dk",
+    "ragged_query_info",
+    "ranker_case",
+    "ranker_flops",
+    "ranker_kv_block_ranges",
+    "ranker_mask",
+    "ranker_q_block_ranges",
+    "resolve_u_max",
+    "sanitize_unit_ids",
+    "seq_id_from_cu_q_lens",
+]

@@ -1,0 +1,125 @@
+"""Logit soft-capping: one definition of the cap and its derivative.
+
+The reference and every kernel call these functions, so the math lives here once.
+All functions are plain ``jnp`` elementwise ops: they trace inside Pallas kernels
+(Mosaic GPU and TPU) as well as in ordinary JAX code.
+
+Methods (``s`` is the scaled logit ``(q . k) * sm_scale``, ``c`` the cap value):
+
+* ``NONE``:      ``y = s``
+* ``TANH``:      ``y = c * tanh(s / c)``
+* ``SOFT_SIGN``: ``y = s / (1 + |s| / c)``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import jax.numpy as jnp
+
+
+class CapMethod(enum.Enum):
+    """How logits are soft-capped before the softmax."""
+
+    NONE = "none"
+    TANH = "tanh"
+    SOFT_SIGN = "soft_sign"
+
+
+@dataclasses.dataclass(frozen=True)
+class CapParams:
+    """A soft cap: ``method`` and its positive, finite ``value`` (ignored for NONE).
+
+    Frozen and hashable, so it can be a static argument of ``jax.jit``.
+    """
+
+    method: CapMethod = CapMethod.NONE
+    value: float | None = None
+
+    def __post_init__(self) -> None:
+        method = self.method
+        if isinstance(method, str):
+            try:
+                method = CapMethod(method.lower())
+            except ValueError:
+                raise ValueError(
+                    f"CapParams.method: got {self.method!r}, expected one of "
+                    f"{[m.value for m in CapMethod]}"
+                ) from None
+            object.__setattr__(self, "method", method)
+        if not isinstance(method, CapMethod):
+            raise TypeError(f"CapParams.method: got {type(method).__name__}, expected CapMethod")
+        if method is CapMethod.NONE:
+            object.__setattr__(self, "value", None)
+            return
+        value = self.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(
+                f"CapParams.value: got {value!r} for method {method.value}, expected a "
+                "positive finite number"
+            )
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"CapParams.value: got {value!r} for method {method.value}, expected a "
+                "positive finite number"
+            )
+        object.__setattr__(self, "value", float(value))
+
+    @property
+    def active(self) -> bool:
+        return self.method is not CapMethod.NONE
+
+
+NO_CAP = CapParams()
+
+
+def normalize_cap(cap: CapParams | None) -> CapParams:
+    """``None`` -> no cap; validates the type of anything else."""
+    if cap is None:
+        return NO_CAP
+    if not isinstance(cap, CapParams):
+        raise TypeError(f"cap: got {type(cap).__name__}, expected CapParams or None")
+    return cap
+
+
+def cap_forward(s, cap: CapParams | None):
+    """Apply the cap to logits ``s`` (any shape, float). Returns an array like ``s``."""
+    cap = normalize_cap(cap)
+    if cap.method is CapMethod.NONE:
+        return s
+    c = cap.value
+    if cap.method is CapMethod.TANH:
+        return c * jnp.tanh(s * (1.0 / c))
+    return s / (1.0 + jnp.abs(s) * (1.0 / c))
+
+
+def cap_derivative(s, cap: CapParams | None):
+    """``d cap_forward(s) / d s`` from the uncapped logits ``s``."""
+    cap = normalize_cap(cap)
+    if cap.method is CapMethod.NONE:
+        return jnp.ones_like(s)
+    c = cap.value
+    if cap.method is CapMethod.TANH:
+        t = jnp.tanh(s * (1.0 / c))
+        return 1.0 - t * t
+    d = 1.0 + jnp.abs(s) * (1.0 / c)
+    return 1.0 / (d * d)
+
+
+def cap_derivative_from_output(y, cap: CapParams | None):
+    """``d cap_forward(s) / d s`` written in terms of the capped value ``y``.
+
+    Backward kernels that keep only capped logits use this form:
+    tanh: ``1 - (y/c)^2``; soft_sign: ``(1 - |y|/c)^2``.
+    """
+    cap = normalize_cap(cap)
+    if cap.method is CapMethod.NONE:
+        return jnp.ones_like(y)
+    c = cap.value
+    r = y * (1.0 / c)
+    if cap.method is CapMethod.TANH:
+        return 1.0 - r * r
+    a = 1.0 - jnp.abs(r)
+    return a * a

@@ -1,0 +1,130 @@
+"""Ranker attention: the input contract every backend validates the same way.
+
+Shapes: ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]``, ``bounds [B, 4]`` (see
+``attn_common.bounds``). Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+Outputs ``out [B, S, Hq, D]`` (q's dtype) and optionally ``lse [B, Hq, S]`` float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection
+
+import jax.numpy as jnp
+
+from attn_common.cap import CapParams, normalize_cap
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerProblem:
+    """Static facts about one ranker call, after validation."""
+
+    batch: int
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sm_scale: float
+    cap: CapParams
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (GQA)."""
+        return self.q_heads // self.kv_heads
+
+
+def array_shape(x, name: str) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: got {type(x).__name__}, expected an array")
+    return tuple(shape)
+
+
+def resolve_sm_scale(sm_scale, head_dim: int, *, required: bool = False) -> float:
+    """``None`` -> ``1/sqrt(head_dim)`` (unless required); else a positive finite float."""
+    if sm_scale is None:
+        if required:
+            raise ValueError("sm_scale: got None, expected a positive float (it is required)")
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, int | float):
+        raise TypeError(f"sm_scale: got {sm_scale!r}, expected a Python float")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale: got {sm_scale!r}, expected a positive finite float")
+    return float(sm_scale)
+
+
+def check_ranker_inputs(
+    q,
+    k,
+    v,
+    *,
+    sm_scale=None,
+    cap: CapParams | None = None,
+    dtypes: Collection | None = None,
+    head_dims: Collection[int] | None = None,
+) -> RankerProblem:
+    """Validate ranker inputs before tracing; raise naming the argument and the rule.
+
+    ``dtypes`` / ``head_dims`` restrict what a kernel supports (the reference takes any
+    float dtype and head dim).
+    """
+    q_shape, k_shape, v_shape = array_shape(q, "q"), array_shape(k, "k"), array_shape(v, "v")
+    for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
+        if len(shape) != 4:
+            raise ValueError(f"{name}: got shape {shape}, expected rank 4 [B, S, H, D]")
+    batch, seq_len, q_heads, head_dim = q_shape
+    if k_shape[:2] != (batch, seq_len) or k_shape[3] != head_dim:
+        raise ValueError(
+            f"k: got shape {k_shape}, expected [B={batch}, S={seq_len}, Hkv, D={head_dim}] "
+            "(self-attention: k shares q's batch, length and head dim)"
+        )
+    if v_shape != k_shape:
+        raise ValueError(f"v: got shape {v_shape}, expected k's shape {k_shape}")
+    kv_heads = k_shape[2]
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(
+            f"k: got {kv_heads} kv heads for {q_heads} query heads, expected Hq % Hkv == 0"
+        )
+    if seq_len == 0 or head_dim == 0 or batch == 0:
+        raise ValueError(f"q: got shape {q_shape}, expected non-empty B, S and D")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name}: got dtype {x.dtype}, expected a floating dtype")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: got dtypes {q.dtype}, {k.dtype}, {v.dtype}, expected one dtype")
+    if dtypes is not None and jnp.dtype(q.dtype) not in {jnp.dtype(d) for d in dtypes}:
+        raise TypeError(
+            f"q: got dtype {q.dtype}, expected one of {sorted(str(jnp.dtype(d)) for d in dtypes)}"
+        )
+    if head_dims is not None and head_dim not in head_dims:
+        raise NotImplementedError(
+            f"q: got head dim {head_dim}, this backend supports {sorted(head_dims)}"
+        )
+    return RankerProblem(
+        batch=batch,
+        seq_len=seq_len,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        sm_scale=resolve_sm_scale(sm_scale, head_dim),
+        cap=normalize_cap(cap),
+    )
+
+
+def ranker_flops(bounds_array, q_heads: int, head_dim: int, *, backward: bool = False) -> float:
+    """Effective FLOPs over allowed pairs: ``4 * D * Hq * sum |allowed(i)|`` (x3.5 fwd+bwd).
+
+    ``bounds_array`` is a concrete, clipped ``[B, 4]`` array.
+    """
+    import numpy as np
+
+    b = np.asarray(bounds_array, dtype=np.int64)
+    hist = b[:, 1] - b[:, 0]
+    cand = b[:, 3] - b[:, 2]
+    # overlap of H and C (candidates inside H count their self key once)
+    ov = np.maximum(np.minimum(b[:, 1], b[:, 3]) - np.maximum(b[:, 0], b[:, 2]), 0)
+    queries_reading_hist = hist + cand - ov
+    pairs = queries_reading_hist * hist + (cand - ov)
+    flops = 4.0 * head_dim * q_heads * float(pairs.sum())
+    return flops * 3.5 if backward else flops

@@ -1,0 +1,117 @@
+"""KernelConfig: defaults, per-field validation naming the field, frozen/hashable, replace."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attn_common import KernelConfig
+
+BLOCK_FIELDS = ("block_q", "block_kv", "query_block")
+OPTIONAL_BLOCK_FIELDS = ("block_q_bwd", "block_kv_bwd")
+STAGE_FIELDS = ("num_stages", "num_dma_buffers")
+
+
+def test_defaults_valid():
+    c = KernelConfig()
+    assert (c.block_q, c.block_kv, c.num_stages) == (64, 64, 2)
+    assert c.block_q_bwd is None and c.block_kv_bwd is None
+    assert c.query_block == 256 and c.num_dma_buffers == 4
+    assert c.bwd_block_q == 64 and c.bwd_block_kv == 64
+
+
+def test_bwd_blocks_default_to_forward():
+    c = KernelConfig(block_q=128, block_kv=32)
+    assert (c.bwd_block_q, c.bwd_block_kv) == (128, 32)
+    c = KernelConfig(block_q=128, block_kv=32, block_q_bwd=16, block_kv_bwd=1024)
+    assert (c.bwd_block_q, c.bwd_block_kv) == (16, 1024)
+
+
+@pytest.mark.parametrize("field", BLOCK_FIELDS + OPTIONAL_BLOCK_FIELDS)
+@pytest.mark.parametrize("value", [16, 32, 48, 64, 128, 1024])
+def test_block_fields_accept(field, value):
+    c = KernelConfig(**{field: value})
+    assert getattr(c, field) == value
+
+
+@pytest.mark.parametrize("field", BLOCK_FIELDS + OPTIONAL_BLOCK_FIELDS)
+@pytest.mark.parametrize("value", [0, -16, -1, 8, 15, 17, 100, 1040, 2048])
+def test_block_fields_reject_values(field, value):
+    with pytest.raises(ValueError, match=rf"KernelConfig\.{field}: got {value}\b"):
+        KernelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", BLOCK_FIELDS + OPTIONAL_BLOCK_FIELDS)
+@pytest.mark.parametrize("value", [64.0, "64", True, False, [64], jnp.int32(64)])
+def test_block_fields_reject_types(field, value):
+    with pytest.raises(TypeError, match=rf"KernelConfig\.{field}"):
+        KernelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", BLOCK_FIELDS)
+def test_required_block_fields_reject_none(field):
+    with pytest.raises(TypeError, match=rf"KernelConfig\.{field}"):
+        KernelConfig(**{field: None})
+
+
+@pytest.mark.parametrize("field", STAGE_FIELDS)
+@pytest.mark.parametrize("value", [1, 2, 4, 8])
+def test_stage_fields_accept(field, value):
+    assert getattr(KernelConfig(**{field: value}), field) == value
+
+
+@pytest.mark.parametrize("field", STAGE_FIELDS)
+@pytest.mark.parametrize("value", [0, 9, -1, 100])
+def test_stage_fields_reject_values(field, value):
+    with pytest.raises(ValueError, match=rf"KernelConfig\.{field}: got {value}\b"):
+        KernelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", STAGE_FIELDS)
+@pytest.mark.parametrize("value", [2.0, True, None, "2"])
+def test_stage_fields_reject_types(field, value):
+    with pytest.raises(TypeError, match=rf"KernelConfig\.{field}"):
+        KernelConfig(**{field: value})
+
+
+def test_frozen_and_hashable():
+    a = KernelConfig(block_q=128)
+    b = KernelConfig(block_q=128)
+    assert a == b and hash(a) == hash(b)
+    assert a != KernelConfig()
+    assert len({a, b, KernelConfig()}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.block_q = 64
+
+
+def test_static_jit_arg():
+    traces = []
+
+    def f(x, config):
+        traces.append(config)
+        return x * config.block_q
+
+    jf = jax.jit(f, static_argnames="config")
+    assert int(jf(jnp.int32(2), config=KernelConfig(block_q=32))) == 64
+    assert int(jf(jnp.int32(3), config=KernelConfig(block_q=32))) == 96
+    assert len(traces) == 1
+    assert int(jf(jnp.int32(2), config=KernelConfig(block_q=16))) == 32
+    assert len(traces) == 2
+
+
+def test_replace_validates():
+    c = KernelConfig()
+    d = c.replace(block_kv=128, num_stages=4)
+    assert (d.block_kv, d.num_stages) == (128, 4)
+    assert (c.block_kv, c.num_stages) == (64, 2)  # original untouched
+    with pytest.raises(ValueError, match=r"KernelConfig\.block_kv"):
+        c.replace(block_kv=100)
+    with pytest.raises(ValueError, match=r"KernelConfig\.num_stages"):
+        c.replace(num_stages=9)
+    with pytest.raises(TypeError, match=r"KernelConfig\.block_q_bwd"):
+        c.replace(block_q_bwd=True)
+    with pytest.raises(TypeError):
+        c.replace(no_such_field=1)

@@ -1,0 +1,321 @@
+"""Reference sparse MLA prefill (SPEC section 4): flat and ragged paged modes.
+
+Both modes reduce to one gather-based core: each query gathers the ``K * read_block``
+key rows of its selected units from a row-addressable latent store (``kv`` flattened
+over the batch, or the paged cache flattened over pages), marks which gathered rows are
+valid (a real selection, first occurrence of its unit, ``position >= t``, ``t <
+kv_len``), and runs an exact masked softmax. Queries are processed in chunks so memory
+stays bounded by one chunk's gathered keys.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from attn_common import (
+    build_block_unit_tables,
+    check_sparse_mla_inputs,
+    lift_ragged_indices,
+    ragged_query_info,
+    resolve_u_max,
+    sanitize_unit_ids,
+)
+
+_CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
+
+
+class _UnitRows(NamedTuple):
+    """Where each query's selected units live, all ``[N, K]`` int32 except ``[N]``."""
+
+    first_row: jax.Array  # first row of the unit in the flattened store; -1 = not selected
+    first_pos: jax.Array  # request-local position of the unit's first token
+    position: jax.Array  # [N] query position (causal bound)
+    kv_len: jax.Array  # [N] number of valid key positions
+
+
+def _dedupe(first_row: jax.Array) -> jax.Array:
+    """Drop repeated selections of a unit (selections are sets): later copies -> -1."""
+    k = first_row.shape[-1]
+    same = first_row[:, :, None] == first_row[:, None, :]
+    earlier = jnp.tril(jnp.ones((k, k), bool), k=-1)[None]
+    repeated = jnp.any(same & earlier, axis=2)
+    return jnp.where(repeated, -1, first_row)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "chunk"))
+def _attend_units(q, store, units: _UnitRows, *, sm_scale, dv, read_block, chunk):
+    """q ``[N, H, Dk]``, store ``[R, >=Dk]`` -> out ``[N, H, dv]`` f32, lse ``[N, H]``."""
+    n, heads, dk = q.shape
+    rows_total = store.shape[0]
+    first_row = _dedupe(units.first_row)
+    r = jnp.arange(read_block, dtype=jnp.int32)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+
+    def chunked(x, fill):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+        return x.reshape(n_chunks, chunk, *x.shape[1:])
+
+    qf = q.astype(jnp.float32)
+    xs = (
+        chunked(qf, 0),
+        chunked(first_row, -1),
+        chunked(units.first_pos, 0),
+        chunked(units.position, -1),
+        chunked(units.kv_len, 0),
+    )
+
+    def attend(args):
+        q_c, row0, pos0, qpos, kv_len = args
+        rows = (row0[:, :, None] + r).reshape(chunk, -1)  # [c, K*RB]
+        tpos = (pos0[:, :, None] + r).reshape(chunk, -1)
+        selected = jnp.repeat(row0 >= 0, read_block, axis=1)
+        valid = selected & (tpos <= qpos[:, None]) & (tpos < kv_len[:, None])
+        keys = store[jnp.clip(rows, 0, rows_total - 1), :dk].astype(jnp.float32)
+        s = jnp.einsum("chd,ctd->cht", q_c, keys, precision=jax.lax.Precision.HIGHEST)
+        s = jnp.where(valid[:, None, :], s * sm_scale, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        denom = jnp.sum(p, axis=-1)
+        safe = jnp.where(denom > 0, denom, 1.0)
+        o = jnp.einsum("cht,ctd->chd", p, keys[..., :dv], precision=jax.lax.Precision.HIGHEST)
+        lse = jnp.where(denom > 0, m[..., 0] + jnp.log(safe), -jnp.inf)
+        return o / safe[..., None], lse
+
+    out, lse = jax.lax.map(attend, xs)
+    return out.reshape(-1, heads, dv)[:n], lse.reshape(-1, heads)[:n]
+
+
+def _flat_units(indices, positions, *, kv_len: int, read_block: int, num_units: int):
+    batch, seq, _ = indices.shape
+    unit = sanitize_unit_ids(indices, num_units)
+    batch_base = (jnp.arange(batch, dtype=jnp.int32) * kv_len)[:, None, None]
+    first_row = jnp.where(unit >= 0, batch_base + unit * read_block, -1)
+    return _UnitRows(
+        first_row=first_row.reshape(batch * seq, -1),
+        first_pos=(jnp.maximum(unit, 0) * read_block).reshape(batch * seq, -1),
+        position=positions.astype(jnp.int32).reshape(-1),
+        kv_len=jnp.full((batch * seq,), kv_len, jnp.int32),
+    )
+
+
+def _ragged_units(
+    indices,
+    positions,
+    q_seq_id,
+    seq_lens,
+    cu_kv_lens,
+    page_indices,
+    *,
+    page_size: int,
+    num_pages: int,
+):
+    info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
+    keys = lift_ragged_indices(indices[0], info, page_indices.shape[0])  # [S, K] slots
+    phys = jnp.asarray(page_indices, jnp.int32)[jnp.maximum(keys, 0)]
+    ok = (keys >= 0) & (phys >= 0) & (phys < num_pages)
+    local_page = keys - info.base_page[:, None]
+    return _UnitRows(
+        first_row=jnp.where(ok, phys * page_size, -1),
+        first_pos=jnp.where(ok, local_page * page_size, 0),
+        position=positions.astype(jnp.int32).reshape(-1),
+        kv_len=info.kv_len,
+    )
+
+
+def _check_indices(indices, num_units: int) -> None:
+    checkify.check(
+        jnp.all((indices >= -1) & (indices < num_units)),
+        "indices out of range: need -1 <= index < {n}",
+        n=jnp.asarray(num_units, jnp.int32),  # checkify formats arrays only, not ints
+    )
+
+
+def sparse_mla_attention(
+    q: jax.Array,
+    kv: jax.Array,
+    indices: jax.Array,
+    positions: jax.Array,
+    *,
+    sm_scale: float,
+    kv_lora_rank: int = 512,
+    read_block: int = 128,
+    return_lse: bool = False,
+    page_size: int | None = None,
+    q_seq_id: jax.Array | None = None,
+    seq_lens: jax.Array | None = None,
+    cu_kv_lens: jax.Array | None = None,
+    page_indices: jax.Array | None = None,
+    interpret: object = False,
+    debug_checks: bool = False,
+):
+    """Sparse MLA attention over selected KV units (DeepSeek sparse attention prefill).
+
+    Flat mode: ``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]`` int unit ids
+    (unit = ``read_block`` tokens; ``-1`` or out-of-range = none; duplicates count once),
+    ``positions [B, S]``. Ragged paged mode (``q_seq_id`` given): ``B == 1``, ``kv`` the
+    paged cache ``[num_pages, page_size // pk, pk, Dk_pad]``, ``indices`` request-local
+    page ids; see ``attn_common.sparse_mla`` for the layout.
+
+    Returns ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse [B, S, H])``.
+    """
+    del interpret
+    problem = check_sparse_mla_inputs(
+        q,
+        kv,
+        indices,
+        positions,
+        sm_scale=sm_scale,
+        kv_lora_rank=kv_lora_rank,
+        read_block=read_block,
+        page_size=page_size,
+        q_seq_id=q_seq_id,
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+    )
+    if debug_checks:
+        _check_indices(indices, problem.num_units)
+    batch, seq, heads, dk = q.shape
+    if problem.ragged:
+        units = _ragged_units(
+            indices,
+            positions,
+            q_seq_id,
+            seq_lens,
+            cu_kv_lens,
+            page_indices,
+            page_size=page_size,
+            num_pages=kv.shape[0],
+        )
+        store = kv.reshape(-1, kv.shape[-1])
+    else:
+        units = _flat_units(
+            indices,
+            positions,
+            kv_len=problem.kv_len,
+            read_block=read_block,
+            num_units=problem.num_units,
+        )
+        store = kv.reshape(-1, dk)
+    per_query = problem.top_k * read_block * dk
+    chunk = max(1, min(batch * seq, _CHUNK_ELEMENTS // max(1, per_query)))
+    out, lse = _attend_units(
+        q.reshape(batch * seq, heads, dk),
+        store,
+        units,
+        sm_scale=problem.sm_scale,
+        dv=problem.dv,
+        read_block=read_block,
+        chunk=chunk,
+    )
+    out = out.reshape(batch, seq, heads, problem.dv)
+    lse = lse.reshape(batch, seq, heads)
+    return (out, lse) if return_lse else out
+
+
+def sparse_mla_attention_qblock(
+    q: jax.Array,
+    kv: jax.Array,
+    indices: jax.Array,
+    positions: jax.Array,
+    *,
+    sm_scale: float,
+    kv_lora_rank: int = 512,
+    read_block: int = 128,
+    return_lse: bool = False,
+    page_size: int | None = None,
+    q_seq_id: jax.Array | None = None,
+    seq_lens: jax.Array | None = None,
+    cu_kv_lens: jax.Array | None = None,
+    page_indices: jax.Array | None = None,
+    query_block: int = 256,
+    u_max: int | None = None,
+    interpret: object = False,
+    debug_checks: bool = False,
+):
+    """Same semantics as ``sparse_mla_attention``, with the query-blocked kernel's knobs.
+
+    With the default (lossless) ``u_max`` the result equals ``sparse_mla_attention``.
+    A smaller ``u_max`` warns once and reproduces the kernel's documented lossy
+    behaviour: per block of ``query_block`` queries only the ``u_max`` smallest selected
+    unit keys are kept (keys are global page-table slots in ragged mode).
+    """
+    problem = check_sparse_mla_inputs(
+        q,
+        kv,
+        indices,
+        positions,
+        sm_scale=sm_scale,
+        kv_lora_rank=kv_lora_rank,
+        read_block=read_block,
+        page_size=page_size,
+        q_seq_id=q_seq_id,
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+    )
+    if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
+        raise ValueError(f"query_block: got {query_block!r}, expected a positive int")
+    if debug_checks:  # before the lossy cap below drops out-of-range ids
+        _check_indices(indices, problem.num_units)
+    lossless = u_max is None
+    u_max = resolve_u_max(
+        u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
+    )
+    if not lossless and u_max < problem.top_k * query_block:
+        indices = _cap_block_unions(
+            indices,
+            problem,
+            query_block=query_block,
+            u_max=u_max,
+            page_size=page_size,
+            q_seq_id=q_seq_id,
+            seq_lens=seq_lens,
+            cu_kv_lens=cu_kv_lens,
+        )
+    return sparse_mla_attention(
+        q,
+        kv,
+        indices,
+        positions,
+        sm_scale=sm_scale,
+        kv_lora_rank=kv_lora_rank,
+        read_block=read_block,
+        return_lse=return_lse,
+        page_size=page_size,
+        q_seq_id=q_seq_id,
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+        interpret=interpret,
+        debug_checks=debug_checks,
+    )
+
+
+def _cap_block_unions(
+    indices, problem, *, query_block, u_max, page_size, q_seq_id, seq_lens, cu_kv_lens
+):
+    """Keep, per query, only selections inside its block's capped union (lossy u_max)."""
+    if problem.ragged:
+        info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
+        keys = lift_ragged_indices(indices[0], info, problem.num_units)[None]
+        base = info.base_page[None, :, None]
+    else:
+        keys = sanitize_unit_ids(indices, problem.num_units)
+        base = 0
+    batch, seq, _ = keys.shape
+    tables = jax.vmap(
+        functools.partial(build_block_unit_tables, query_block=query_block, u_max=u_max)
+    )(keys)
+    n_blocks = tables.units.shape[1]
+    units = jnp.repeat(tables.units, query_block, axis=1)[:, :seq]  # [B, S, u_max]
+    member = tables.member.reshape(batch, n_blocks * query_block, u_max)[:, :seq]
+    kept = jnp.where(member > 0, units, -1)
+    return jnp.where(kept >= 0, kept - base, -1)
