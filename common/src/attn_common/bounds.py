@@ -76,9 +76,7 @@ class SegmentBounds:
             if _is_concrete(x) and np.any(np.asarray(x) < 0):
                 raise ValueError(f"{name}: got negative values {np.asarray(x)}, expected >= 0")
         try:
-            h, c, s = jnp.broadcast_arrays(
-                jnp.atleast_1d(h), jnp.atleast_1d(c), jnp.atleast_1d(s)
-            )
+            h, c, s = jnp.broadcast_arrays(jnp.atleast_1d(h), jnp.atleast_1d(c), jnp.atleast_1d(s))
         except ValueError:
             raise ValueError(
                 f"history_len, candidate_len, history_start: got shapes {h.shape}, {c.shape}, "

@@ -21,6 +21,7 @@ from attn_common import (
     build_block_unit_tables,
     check_sparse_mla_inputs,
     lift_ragged_indices,
+    lossless_u_max,
     ragged_query_info,
     resolve_u_max,
     sanitize_unit_ids,
@@ -269,7 +270,7 @@ def sparse_mla_attention_qblock(
     u_max = resolve_u_max(
         u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
     )
-    if not lossless and u_max < problem.top_k * query_block:
+    if not lossless and u_max < lossless_u_max(query_block, problem.top_k, problem.num_units):
         indices = _cap_block_unions(
             indices,
             problem,

@@ -1,0 +1,161 @@
+"""Input generators and comparison helpers shared by the conformance tests.
+
+Inputs are fresh random draws from ``np.random.default_rng(seed)``, never zeros.
+Comparisons use the relative L2 error and the max-abs error; NaN never passes.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+
+# dtype name -> (rel L2, max-abs) for out vs the float64 oracle on the (upcast) inputs.
+# float32: the reference computes in float32 at HIGHEST precision. bfloat16: the output
+# is rounded to bf16 (relative step 2**-8).
+RANKER_TOL = {"float32": (1e-5, 3e-5), "bfloat16": (1e-2, 2e-2)}
+
+
+def rng_for(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def randn(rng: np.random.Generator, shape, dtype=np.float32, scale: float = 1.0) -> np.ndarray:
+    """Standard normal draws in ``dtype`` (a numpy dtype or ``"bfloat16"``)."""
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return x.astype(BF16 if str(dtype) == "bfloat16" else dtype)
+
+
+def upcast(x) -> np.ndarray:
+    """The exact float64 value of an array of any float dtype (bf16 included)."""
+    return np.asarray(x).astype(np.float32).astype(np.float64)
+
+
+def rel_l2(got, want) -> float:
+    got, want = upcast(got), upcast(want)
+    denom = np.linalg.norm(want.ravel())
+    num = np.linalg.norm((got - want).ravel())
+    return float(num / denom) if denom > 0 else float(num)
+
+
+def max_abs(got, want) -> float:
+    got, want = upcast(got), upcast(want)
+    return float(np.max(np.abs(got - want))) if got.size else 0.0
+
+
+def assert_close(got, want, *, rtol_l2: float, atol: float, name: str = "out") -> None:
+    """``got`` finite everywhere, same shape, rel L2 < ``rtol_l2`` and max-abs < ``atol``."""
+    got, want = upcast(got), upcast(want)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.all(np.isfinite(want)), f"{name}: oracle has non-finite values (test bug)"
+    assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite values"
+    err, mx = rel_l2(got, want), max_abs(got, want)
+    assert err < rtol_l2, f"{name}: rel L2 {err:.3g} >= {rtol_l2:.3g} (max-abs {mx:.3g})"
+    assert mx < atol, f"{name}: max-abs {mx:.3g} >= {atol:.3g} (rel L2 {err:.3g})"
+
+
+def assert_lse_close(got, want, *, atol: float, name: str = "lse") -> None:
+    """-inf exactly where the oracle has -inf, finite elsewhere, max-abs < ``atol``."""
+    got, want = upcast(got), upcast(want)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert not np.any(np.isnan(got)), f"{name}: NaN present"
+    empty = np.isneginf(want)
+    assert np.array_equal(np.isneginf(got), empty), (
+        f"{name}: -inf at {np.argwhere(np.isneginf(got) != empty)[:5].tolist()} "
+        "does not match the oracle's empty rows"
+    )
+    assert np.all(np.isfinite(got[~empty])), f"{name}: non-finite value on a non-empty row"
+    if (~empty).any():
+        mx = float(np.max(np.abs(got[~empty] - want[~empty])))
+        assert mx < atol, f"{name}: max-abs {mx:.3g} >= {atol:.3g}"
+
+
+def assert_exact_zero_rows(out, lse, *, out_axes_last: int = 1) -> None:
+    """Where lse is -inf the output row is exactly 0 (not merely small)."""
+    out, lse = upcast(out), upcast(lse)
+    assert not np.any(np.isnan(out))
+    empty = np.isneginf(lse)
+    assert np.all(out[empty] == 0.0), "rows with no valid key are not exactly 0"
+
+
+# --------------------------------------------------------------------------------------
+# Ranker inputs
+
+
+def ranker_inputs(
+    seed: int, batch: int, seq: int, q_heads: int, kv_heads: int, dim: int, dtype="float32"
+):
+    rng = rng_for(seed)
+    q = randn(rng, (batch, seq, q_heads, dim), dtype)
+    k = randn(rng, (batch, seq, kv_heads, dim), dtype)
+    v = randn(rng, (batch, seq, kv_heads, dim), dtype)
+    return q, k, v
+
+
+# --------------------------------------------------------------------------------------
+# Ragged paged layout
+
+
+def build_ragged_layout(
+    rng: np.random.Generator,
+    *,
+    seq_lens,
+    new_lens,
+    extra_pages,
+    page_size: int,
+    spare_pages: int = 2,
+):
+    """A packed ragged batch with shuffled physical pages.
+
+    seq_lens[r]: kv length of request r (its last ``new_lens[r]`` tokens are the new
+    queries); extra_pages[r]: unused page-table slots past the last needed page.
+    Returns a dict with numpy int32 tables: seq_lens, cu_kv_lens (page aligned),
+    cu_q_lens, q_seq_id, positions, page_indices (a random permutation of physical pages,
+    ``spare_pages`` physical pages stay unreferenced), num_pages.
+    """
+    seq_lens = np.asarray(seq_lens, np.int64)
+    new_lens = np.asarray(new_lens, np.int64)
+    assert np.all(new_lens <= seq_lens)
+    pages = [-(-int(n) // page_size) + int(e) for n, e in zip(seq_lens, extra_pages, strict=True)]
+    cu_kv = np.concatenate([[0], np.cumsum(pages)]) * page_size
+    total_pages = int(sum(pages))
+    num_pages = total_pages + spare_pages
+    page_indices = rng.permutation(num_pages)[:total_pages]
+    cu_q = np.concatenate([[0], np.cumsum(new_lens)])
+    q_seq_id = np.repeat(np.arange(len(seq_lens)), new_lens)
+    positions = np.concatenate(
+        [np.arange(int(s) - int(n), int(s)) for s, n in zip(seq_lens, new_lens, strict=True)]
+    )
+    return {
+        "seq_lens": seq_lens.astype(np.int32),
+        "new_lens": new_lens.astype(np.int32),
+        "cu_kv_lens": cu_kv.astype(np.int32),
+        "cu_q_lens": cu_q.astype(np.int32),
+        "q_seq_id": q_seq_id.astype(np.int32),
+        "positions": positions.astype(np.int32),
+        "page_indices": page_indices.astype(np.int32),
+        "num_pages": num_pages,
+        "extents": np.asarray(pages, np.int64),
+    }
+
+
+def random_page_selection(rng: np.random.Generator, layout, top_k: int, page_size: int):
+    """Request-local page ids ``[S, K]`` mixing valid ids (most near the query), -1,
+    duplicates and ids at or beyond the request's page extent."""
+    q_seq_id = layout["q_seq_id"]
+    extents = layout["extents"]
+    num_q = q_seq_id.shape[0]
+    sel = np.empty((num_q, top_k), np.int64)
+    for i in range(num_q):
+        ext = int(extents[q_seq_id[i]])
+        own = int(layout["positions"][i]) // page_size
+        choices = rng.integers(0, ext, size=top_k)
+        choices[0] = own  # the query's own page: keeps most rows non-empty
+        kinds = rng.random(top_k)
+        choices = np.where(kinds < 0.15, -1, choices)
+        choices = np.where((kinds >= 0.15) & (kinds < 0.25), ext + rng.integers(0, 3), choices)
+        if top_k > 2 and rng.random() < 0.5:
+            choices[-1] = choices[0]  # a duplicate
+        sel[i] = choices
+    return sel.astype(np.int32)

@@ -1,0 +1,345 @@
+"""Ragged paged sparse MLA, paged_write_back and prefill_write_and_attend_ragged reference
+vs the independent float64 / numpy oracles (SPEC section 4)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from helpers import (
+    assert_close,
+    assert_exact_zero_rows,
+    assert_lse_close,
+    build_ragged_layout,
+    randn,
+    random_page_selection,
+    rng_for,
+    upcast,
+)
+from oracle import capped_selection_ragged, scatter_oracle, sparse_mla_oracle_ragged
+
+from attn_common import LossyUnionCapWarning
+from attn_common import tables as _tables
+from attn_reference import (
+    paged_write_back,
+    prefill_write_and_attend_ragged,
+    prefill_write_and_attend_ragged_qblock,
+    sparse_mla_attention,
+    sparse_mla_attention_qblock,
+)
+
+DV, ROPE = 32, 8
+DK = DV + ROPE  # 40
+DK_PAD = 128
+HEADS = 4
+TOP_K = 5
+SM_SCALE = 0.19
+# Request 0: 37 tokens (not a page multiple); request 2 has no new queries.
+SEQ_LENS = [37, 64, 5, 50, 20]
+NEW_LENS = [9, 16, 0, 5, 20]
+EXTRA_PAGES = [1, 0, 2, 0, 1]
+
+CASES = [(16, "bfloat16"), (16, "float32"), (32, "bfloat16"), (32, "float32")]
+CASE_IDS = [f"ps{p}-{d}" for p, d in CASES]
+
+
+def _pk(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else 1
+
+
+def make_case(seed: int, page_size: int, dtype: str):
+    """Layout, random cache (junk in the feature padding, spare pages and past seq_len),
+    q and selections; two queries get positions past their request's kv length."""
+    rng = rng_for(seed)
+    layout = build_ragged_layout(
+        rng, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES, page_size=page_size
+    )
+    pk = _pk(dtype)
+    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, DK_PAD), dtype)
+    num_q = int(sum(NEW_LENS))
+    q = randn(rng, (1, num_q, HEADS, DK), dtype)
+    idx = random_page_selection(rng, layout, TOP_K, page_size)
+    idx[3] = -1  # a query with nothing selected
+    positions = layout["positions"].copy()
+    positions[[5, num_q - 1]] += 40  # kv_len (seq_lens) is then the binding bound
+    return layout, cache, q, idx, positions
+
+
+def _ragged_call(fn, layout, cache, q, idx, positions, page_size, **kw):
+    return fn(
+        q,
+        cache,
+        idx[None],
+        positions[None],
+        sm_scale=SM_SCALE,
+        kv_lora_rank=DV,
+        read_block=page_size,
+        page_size=page_size,
+        q_seq_id=layout["q_seq_id"],
+        seq_lens=layout["seq_lens"],
+        cu_kv_lens=layout["cu_kv_lens"],
+        page_indices=layout["page_indices"],
+        return_lse=True,
+        **kw,
+    )
+
+
+def _ragged_oracle(layout, cache, q, idx, positions, page_size):
+    return sparse_mla_oracle_ragged(
+        upcast(q),
+        upcast(cache),
+        idx,
+        positions,
+        layout["q_seq_id"],
+        layout["seq_lens"],
+        layout["cu_kv_lens"],
+        layout["page_indices"],
+        page_size=page_size,
+        sm_scale=SM_SCALE,
+        dv=DV,
+    )
+
+
+def _check(out, lse, want_out, want_lse):
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert_close(out, want_out, rtol_l2=1e-5, atol=1e-5)
+    assert_lse_close(lse, want_lse, atol=1e-4)
+    assert_exact_zero_rows(out, lse)
+
+
+@pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)
+def test_ragged_vs_oracle(page_size, dtype):
+    layout, cache, q, idx, positions = make_case(60, page_size, dtype)
+    out, lse = _ragged_call(sparse_mla_attention, layout, cache, q, idx, positions, page_size)
+    assert out.shape == (1, q.shape[1], HEADS, DV)
+    want_out, want_lse = _ragged_oracle(layout, cache, q, idx, positions, page_size)
+    assert np.isneginf(want_lse[0, 3]).all()
+    assert np.isfinite(want_lse).mean() > 0.8
+    _check(out, lse, want_out, want_lse)
+
+
+def test_ragged_under_jit():
+    """Tables as numpy constants closed over by jit, or as traced jit arguments."""
+    layout, cache, q, idx, positions = make_case(64, 16, "bfloat16")
+    want = _ragged_call(sparse_mla_attention, layout, cache, q, idx, positions, 16)
+
+    @jax.jit
+    def closed(q, cache, idx, positions):
+        return _ragged_call(sparse_mla_attention, layout, cache, q, idx, positions, 16)
+
+    @jax.jit
+    def traced(q, cache, idx, positions, tables):
+        return _ragged_call(sparse_mla_attention, tables, cache, q, idx, positions, 16)
+
+    tables = {k: layout[k] for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")}
+    for got in (closed(q, cache, idx, positions), traced(q, cache, idx, positions, tables)):
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(("page_size", "dtype"), CASES[:2], ids=CASE_IDS[:2])
+def test_ragged_ids_outside_extent_ignored(page_size, dtype):
+    """Ids < 0 or >= the request's own extent select nothing (never another request)."""
+    layout, cache, q, idx, positions = make_case(61, page_size, dtype)
+    extents = layout["extents"][layout["q_seq_id"]][:, None]
+    cleaned = np.where((idx >= 0) & (idx < extents), idx, -1).astype(np.int32)
+    assert (cleaned != idx).any()
+    a = _ragged_call(sparse_mla_attention, layout, cache, q, idx, positions, page_size)
+    b = _ragged_call(sparse_mla_attention, layout, cache, q, cleaned, positions, page_size)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("query_block", [8, 256])
+def test_ragged_qblock_default_equals_plain(query_block):
+    layout, cache, q, idx, positions = make_case(62, 16, "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LossyUnionCapWarning)
+        a = _ragged_call(
+            sparse_mla_attention_qblock,
+            layout,
+            cache,
+            q,
+            idx,
+            positions,
+            16,
+            query_block=query_block,
+        )
+    b = _ragged_call(sparse_mla_attention, layout, cache, q, idx, positions, 16)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(("query_block", "u_max"), [(8, 3), (4, 2), (16, 6)])
+def test_ragged_qblock_lossy_u_max(query_block, u_max):
+    """Lossy cap in ragged mode: keys are global page-table slots; blocks straddle requests."""
+    layout, cache, q, idx, positions = make_case(63, 16, "float32")
+    _tables._warn_lossy_u_max.cache_clear()
+    try:
+        with pytest.warns(LossyUnionCapWarning):
+            out, lse = _ragged_call(
+                sparse_mla_attention_qblock,
+                layout,
+                cache,
+                q,
+                idx,
+                positions,
+                16,
+                query_block=query_block,
+                u_max=u_max,
+            )
+    finally:
+        _tables._warn_lossy_u_max.cache_clear()
+    capped = capped_selection_ragged(
+        idx,
+        layout["q_seq_id"],
+        layout["cu_kv_lens"],
+        page_size=16,
+        query_block=query_block,
+        u_max=u_max,
+    )
+    want_out, want_lse = _ragged_oracle(layout, cache, q, capped, positions, 16)
+    _check(out, lse, want_out, want_lse)
+    full_out, _ = _ragged_oracle(layout, cache, q, idx, positions, 16)
+    assert np.abs(full_out - want_out).max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------
+# paged_write_back
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _assert_bit_identical(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def _write_case(seed, page_size, dtype, rows_dtype):
+    rng = rng_for(seed)
+    pk = _pk(dtype)
+    num_pages = 7
+    slots = num_pages * page_size
+    cache = randn(rng, (num_pages, page_size // pk, pk, DK_PAD), dtype)
+    num_rows = 40
+    rows = randn(rng, (num_rows, DK_PAD), rows_dtype)
+    loc = rng.permutation(slots - 1)[:num_rows].astype(np.int64)  # distinct valid slots
+    kind = rng.random(num_rows)
+    loc = np.where(kind < 0.15, -1, loc)
+    loc = np.where((kind >= 0.15) & (kind < 0.25), slots + rng.integers(0, 50, num_rows), loc)
+    loc = np.where((kind >= 0.25) & (kind < 0.3), -rng.integers(2, 10**6, num_rows), loc)
+    loc[:2] = [slots - 1, slots]  # the last slot, and one past it
+    return cache, rows, loc.astype(np.int32)
+
+
+@pytest.mark.parametrize("rows_dtype", ["float32", "same"])
+@pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)
+def test_paged_write_back_random(page_size, dtype, rows_dtype):
+    rows_dtype = dtype if rows_dtype == "same" else rows_dtype
+    cache, rows, loc = _write_case(70, page_size, dtype, rows_dtype)
+    new = paged_write_back(cache, rows, loc, page_size=page_size)
+    _assert_bit_identical(new, scatter_oracle(cache, rows, loc))
+    assert not np.array_equal(_bits(new), _bits(cache))
+
+
+@pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)
+def test_paged_write_back_runs(page_size, dtype):
+    """Contiguous runs (the kernel's DMA path): unaligned starts crossing pages, a gap."""
+    rng = rng_for(71)
+    pk = _pk(dtype)
+    cache = randn(rng, (6, page_size // pk, pk, DK_PAD), dtype)
+    loc = np.concatenate(
+        [np.arange(3, 3 + 37), [-1, -1], np.arange(page_size * 4 + 1, page_size * 4 + 20)]
+    )
+    rows = randn(rng, (loc.shape[0], DK_PAD), "float32")
+    new = paged_write_back(cache, rows, loc.astype(np.int32), page_size=page_size, r_cap=1)
+    _assert_bit_identical(new, scatter_oracle(cache, rows, loc))
+
+
+# --------------------------------------------------------------------------------------
+# prefill_write_and_attend_ragged
+
+
+def _new_token_slots(layout, page_size):
+    """Flat cache slot of each new token, from the layout rule (independently of the ref)."""
+    slots = []
+    for r, (n_kv, n_new) in enumerate(zip(layout["seq_lens"], layout["new_lens"], strict=True)):
+        base = int(layout["cu_kv_lens"][r]) // page_size
+        for j in range(int(n_kv) - int(n_new), int(n_kv)):
+            phys = int(layout["page_indices"][base + j // page_size])
+            slots.append(phys * page_size + j % page_size)
+    return np.asarray(slots, np.int32)
+
+
+@pytest.mark.parametrize("kpe_rank", [2, 3])
+@pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)
+def test_prefill_write_and_attend(page_size, dtype, kpe_rank):
+    layout, cache, _, idx, _ = make_case(80, page_size, dtype)
+    rng = rng_for(81)
+    num_q = int(sum(NEW_LENS))
+    ql = randn(rng, (num_q, HEADS, DV), dtype)
+    qpe = randn(rng, (num_q, HEADS, ROPE), dtype)
+    kvc = randn(rng, (num_q, DV), dtype)
+    kpe = randn(rng, (num_q, ROPE) if kpe_rank == 2 else (num_q, 1, ROPE), dtype)
+    loc = _new_token_slots(layout, page_size)
+    loc[7] = -1  # one token not written: attention then reads the old cache row
+    positions = layout["positions"]
+    args = (
+        ql,
+        qpe,
+        kvc,
+        kpe,
+        cache,
+        idx,
+        positions,
+        loc,
+        layout["seq_lens"],
+        layout["cu_q_lens"],
+        layout["cu_kv_lens"],
+        layout["page_indices"],
+    )
+    kw = {"kv_lora_rank": DV, "page_size": page_size, "sm_scale": SM_SCALE}
+    out, new_cache = prefill_write_and_attend_ragged(*args, **kw)
+    assert out.shape == (num_q, HEADS, DV) and out.dtype == np.float32
+
+    rows = np.zeros((num_q, DK_PAD), np.float32)
+    rows[:, :DV] = upcast(kvc)
+    rows[:, DV:DK] = upcast(kpe).reshape(num_q, ROPE)
+    want_cache = scatter_oracle(cache, rows.astype(cache.dtype), loc)
+    _assert_bit_identical(new_cache, want_cache)
+
+    q = np.concatenate([upcast(ql), upcast(qpe)], axis=-1)[None]
+    q_seq_id = np.repeat(np.arange(len(SEQ_LENS)), NEW_LENS)
+    want_out, want_lse = sparse_mla_oracle_ragged(
+        q,
+        upcast(want_cache),
+        idx,
+        positions,
+        q_seq_id,
+        layout["seq_lens"],
+        layout["cu_kv_lens"],
+        layout["page_indices"],
+        page_size=page_size,
+        sm_scale=SM_SCALE,
+        dv=DV,
+    )
+    assert_close(np.asarray(out), want_out[0], rtol_l2=1e-5, atol=1e-5)
+    empty = np.isneginf(want_lse[0])
+    assert np.all(np.asarray(out)[empty] == 0.0)
+
+    qb_out, qb_cache = prefill_write_and_attend_ragged_qblock(*args, **kw, query_block=8)
+    np.testing.assert_array_equal(np.asarray(qb_out), np.asarray(out))
+    _assert_bit_identical(qb_cache, new_cache)
+
+    if kpe_rank == 2:  # under jit, every table traced
+        j_out, j_cache = jax.jit(functools.partial(prefill_write_and_attend_ragged, **kw))(*args)
+        np.testing.assert_array_equal(np.asarray(j_out), np.asarray(out))
+        _assert_bit_identical(j_cache, new_cache)

@@ -1,0 +1,361 @@
+"""Ranker attention reference vs the independent float64 oracle (SPEC section 3)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    RANKER_TOL,
+    assert_close,
+    assert_exact_zero_rows,
+    assert_lse_close,
+    ranker_inputs,
+    rng_for,
+    upcast,
+)
+from jax.test_util import check_grads
+from oracle import ranker_allowed, ranker_oracle, ranker_oracle_grad
+
+from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds
+from attn_reference import ranker_attention
+from attn_reference.ranker import _ranker_reference
+
+CAPS = {
+    "none": None,
+    "tanh30": CapParams(CapMethod.TANH, 30.0),
+    "soft_sign80": CapParams(CapMethod.SOFT_SIGN, 80.0),
+    "tanh2": CapParams(CapMethod.TANH, 2.0),
+    "soft_sign2": CapParams(CapMethod.SOFT_SIGN, 2.0),
+}
+
+
+def _cap_args(cap):
+    if cap is None:
+        return {"cap_method": "none", "cap_value": None}
+    return {"cap_method": cap.method, "cap_value": cap.value}
+
+
+# Bounds for B = 4 rows of S = 37 (nothing is a multiple of a block size).
+S37 = 37
+BOUNDS_37 = {
+    "empty_history": [[0, 0, 0, 37], [0, 0, 5, 17], [0, 0, 36, 37], [3, 3, 0, 1]],
+    "empty_candidates": [[0, 37, 37, 37], [0, 20, 20, 20], [3, 17, 30, 30], [0, 1, 1, 1]],
+    "all_padding": [[0, 0, 0, 0], [5, 5, 9, 9], [20, 10, 30, 12], [37, 37, 37, 37]],
+    "unaligned_per_row": [[0, 17, 17, 29], [3, 21, 24, 35], [1, 2, 2, 37], [11, 30, 30, 31]],
+    "gaps_and_padding": [[2, 10, 15, 20], [0, 5, 30, 37], [10, 20, 0, 5], [0, 16, 16, 32]],
+    "overlap_h_c": [[0, 20, 10, 30], [5, 25, 5, 25], [0, 37, 0, 37], [10, 20, 15, 18]],
+    "out_of_range": [[-5, 20, 20, 50], [-3, -1, 40, 45], [30, 100, -7, 3], [0, 37, 37, 1000]],
+    "mixed": [[0, 0, 0, 37], [0, 37, 37, 37], [9, 3, 40, 2], [3, 21, 24, 35]],
+}
+
+
+def _run(q, k, v, bounds, **kw):
+    out, lse = ranker_attention(q, k, v, bounds, return_lse=True, **kw)
+    return np.asarray(out), np.asarray(lse)
+
+
+def _check_against_oracle(
+    q, k, v, bounds, *, cap=None, sm_scale=None, dtype="float32", ref_bounds=None, **kw
+):
+    out, lse = _run(q, k, v, bounds, cap=cap, sm_scale=sm_scale, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == np.float32
+    want_out, want_lse = ranker_oracle(
+        upcast(q),
+        upcast(k),
+        upcast(v),
+        bounds if ref_bounds is None else ref_bounds,
+        sm_scale=sm_scale,
+        **_cap_args(cap),
+    )
+    rtol, atol = RANKER_TOL[dtype]
+    assert_close(out, want_out, rtol_l2=rtol, atol=atol)
+    assert_lse_close(lse, want_lse, atol=1e-4 if dtype == "float32" else 1e-3)
+    assert_exact_zero_rows(np.moveaxis(out, 2, 1), lse)
+    return out, lse, want_out, want_lse
+
+
+@pytest.mark.parametrize("cap_name", list(CAPS))
+@pytest.mark.parametrize("case", list(BOUNDS_37))
+def test_bounds_cases_gqa5(case, cap_name):
+    """Every bounds pattern x every cap; GQA 5:1 (Hq=10, Hkv=2), D=64, S=37."""
+    q, k, v = ranker_inputs(1, 4, S37, 10, 2, 64)
+    bounds = np.asarray(BOUNDS_37[case], np.int32)
+    # sm_scale = 1 gives logits with std ~8, so every cap (even 30 and 80) bends them.
+    _check_against_oracle(q, k, v, bounds, cap=CAPS[cap_name], sm_scale=1.0)
+
+
+def test_small_cap_matters():
+    """The oracle itself: with cap 2.0 the answer is far from the uncapped one."""
+    q, k, v = ranker_inputs(2, 1, S37, 2, 2, 64)
+    bounds = np.asarray([[0, 20, 20, 37]])
+    plain, _ = ranker_oracle(q, k, v, bounds)
+    capped, _ = ranker_oracle(q, k, v, bounds, cap_method="tanh", cap_value=2.0)
+    assert np.linalg.norm(plain - capped) > 0.1 * np.linalg.norm(plain)
+
+
+def test_empty_rows_exact():
+    """Padding / gap / empty-segment rows: out exactly 0 and lse exactly -inf."""
+    q, k, v = ranker_inputs(3, 4, S37, 10, 2, 64)
+    bounds = np.asarray(BOUNDS_37["gaps_and_padding"], np.int32)
+    out, lse = _run(q, k, v, bounds)
+    for b, row in enumerate(bounds):
+        has_key = ranker_allowed(row, S37).any(axis=1)
+        assert np.all(out[b, ~has_key] == 0.0)
+        assert np.all(np.isneginf(lse[b][:, ~has_key]))
+        assert np.all(np.isfinite(lse[b][:, has_key]))
+        assert np.all(np.any(out[b, has_key] != 0.0, axis=-1))
+
+
+# Shapes: (B, S, Hq, Hkv, D). S is not a multiple of anything.
+SHAPES = {
+    "gqa5_d64_s130": (2, 130, 10, 2, 64),
+    "gqa5_d128_s130": (2, 130, 10, 2, 128),
+    "gqa5_d256_s37": (2, 37, 10, 2, 256),
+    "mha_d128_s37": (2, 37, 4, 4, 128),
+    "mha_d256_s130": (1, 130, 2, 2, 256),
+}
+
+
+def _bounds_for(seq: int, batch: int, rng) -> np.ndarray:
+    rows = []
+    for _ in range(batch):
+        hl = int(rng.integers(0, seq // 4))
+        hu = int(rng.integers(hl, seq * 3 // 4))
+        cl = int(rng.integers(hu, seq))
+        cu = int(rng.integers(cl, seq + 1))
+        rows.append([hl, hu, cl, cu])
+    return np.asarray(rows, np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cap_name", ["none", "tanh30", "soft_sign80"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_shapes_dtypes(shape, cap_name, dtype):
+    batch, seq, hq, hkv, dim = SHAPES[shape]
+    q, k, v = ranker_inputs(4, batch, seq, hq, hkv, dim, dtype)
+    bounds = _bounds_for(seq, batch, rng_for(5))
+    _check_against_oracle(q, k, v, bounds, cap=CAPS[cap_name], dtype=dtype)
+
+
+def test_float16_inputs():
+    q, k, v = ranker_inputs(6, 2, S37, 4, 2, 64, np.float16)
+    bounds = np.asarray([[0, 20, 20, 33], [3, 9, 12, 37]], np.int32)
+    out, lse = _run(q, k, v, bounds, cap=CAPS["tanh30"])
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    want_out, want_lse = ranker_oracle(q, k, v, bounds, cap_method="tanh", cap_value=30.0)
+    assert_close(out, want_out, rtol_l2=2e-3, atol=5e-3)
+    assert_lse_close(lse, want_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("sm_scale", [0.05, 0.3, 2.0])
+def test_explicit_sm_scale(sm_scale):
+    q, k, v = ranker_inputs(7, 4, S37, 10, 2, 64)
+    bounds = np.asarray(BOUNDS_37["unaligned_per_row"], np.int32)
+    _check_against_oracle(q, k, v, bounds, sm_scale=sm_scale, cap=CAPS["soft_sign80"])
+
+
+def test_default_sm_scale_is_rsqrt_d():
+    q, k, v = ranker_inputs(8, 4, S37, 10, 2, 64)
+    bounds = np.asarray(BOUNDS_37["mixed"], np.int32)
+    a, _ = _run(q, k, v, bounds)
+    b, _ = _run(q, k, v, bounds, sm_scale=1.0 / 8.0)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_bounds_forms_agree():
+    """SegmentBounds (from_array / from_lengths / from_segment_ids), [4] and [1, 4]."""
+    q, k, v = ranker_inputs(9, 4, S37, 10, 2, 64)
+    hist = np.asarray([20, 0, 7, 30], np.int32)
+    cand = np.asarray([10, 5, 0, 7], np.int32)
+    start = np.asarray([0, 3, 2, 0], np.int32)
+    arr = np.stack([start, start + hist, start + hist, start + hist + cand], axis=1)
+    _check_against_oracle(q, k, v, arr)
+
+    seg_ids = np.zeros((4, S37), np.int32)
+    for b in range(4):
+        seg_ids[b, arr[b, 0] : arr[b, 1]] = 1
+        seg_ids[b, arr[b, 2] : arr[b, 3]] = 2
+    forms = {
+        "from_array": SegmentBounds.from_array(arr),
+        "from_lengths": SegmentBounds.from_lengths(hist, cand, start),
+        "from_segment_ids": SegmentBounds.from_segment_ids(seg_ids),
+    }
+    ref_out, ref_lse = _run(q, k, v, arr)
+    for name, sb in forms.items():
+        out, lse = _run(q, k, v, sb)
+        np.testing.assert_array_equal(out, ref_out, err_msg=name)
+        np.testing.assert_array_equal(lse, ref_lse, err_msg=name)
+
+    # One row of bounds broadcast to every batch row.
+    row = np.asarray([2, 19, 25, 36], np.int32)
+    for bounds in (row, row[None], SegmentBounds.from_array(row)):
+        _check_against_oracle(q, k, v, bounds, ref_bounds=np.repeat(row[None], 4, axis=0))
+    _check_against_oracle(q, k, v, jnp.asarray(row))
+
+
+def test_config_and_interpret_accepted():
+    q, k, v = ranker_inputs(10, 4, S37, 10, 2, 64)
+    bounds = np.asarray(BOUNDS_37["mixed"], np.int32)
+    a, la = _run(q, k, v, bounds)
+    b, lb = _run(q, k, v, bounds, config=KernelConfig(block_q=16, block_kv=32), interpret=True)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(la, lb)
+    only_out = ranker_attention(q, k, v, bounds)
+    np.testing.assert_array_equal(np.asarray(only_out), a)
+
+
+def test_traced_bounds_one_compile():
+    """Bounds are data: one jitted function serves different bound values."""
+    q, k, v = ranker_inputs(11, 4, S37, 10, 2, 64)
+
+    @jax.jit
+    def f(q, k, v, bounds):
+        return ranker_attention(q, k, v, bounds, return_lse=True, cap=CAPS["tanh30"])
+
+    for case in ("unaligned_per_row", "overlap_h_c", "out_of_range", "all_padding"):
+        bounds = np.asarray(BOUNDS_37[case], np.int32)
+        out, lse = f(q, k, v, bounds)
+        want_out, want_lse = ranker_oracle(q, k, v, bounds, cap_method="tanh", cap_value=30.0)
+        assert_close(out, want_out, rtol_l2=1e-5, atol=3e-5, name=case)
+        assert_lse_close(lse, want_lse, atol=1e-4, name=case)
+    assert f._cache_size() == 1
+
+    # The un-jitted entry point: new bound values do not retrace the inner jit.
+    ranker_attention(q, k, v, np.asarray(BOUNDS_37["mixed"], np.int32), cap=CAPS["tanh30"])
+    size = _ranker_reference._cache_size()
+    ranker_attention(q, k, v, np.asarray(BOUNDS_37["gaps_and_padding"]), cap=CAPS["tanh30"])
+    ranker_attention(q, k, v, SegmentBounds.from_lengths(3, 4), cap=CAPS["tanh30"])
+    assert _ranker_reference._cache_size() == size
+
+
+# --------------------------------------------------------------------------------------
+# Gradients (float64)
+
+GRAD_BOUNDS = np.asarray(
+    [[1, 7, 9, 12], [0, 0, 3, 5], [4, 4, 20, 2]],
+    np.int32,  # gaps/padding; no history; empty
+)
+GRAD_SHAPE = (3, 13, 4, 2, 8)
+
+
+def _loss_fn(bounds, cap, w_out, w_lse, sm_scale=None):
+    def loss(q, k, v):
+        out, lse = ranker_attention(q, k, v, bounds, cap=cap, sm_scale=sm_scale, return_lse=True)
+        lse_term = jnp.where(jnp.isfinite(lse), lse * w_lse, 0.0)
+        return jnp.sum(out * w_out) + jnp.sum(lse_term)
+
+    return loss
+
+
+@pytest.mark.parametrize("cap_name", ["none", "tanh2", "soft_sign2"])
+def test_check_grads_float64(cap_name):
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in ranker_inputs(12, *GRAD_SHAPE))
+        rng = rng_for(13)
+        w_out = jnp.asarray(rng.standard_normal(q.shape))
+        w_lse = jnp.asarray(rng.standard_normal((q.shape[0], q.shape[2], q.shape[1])))
+        loss = _loss_fn(jnp.asarray(GRAD_BOUNDS), CAPS[cap_name], w_out, w_lse, sm_scale=0.7)
+        assert loss(q, k, v).dtype == jnp.float64
+        check_grads(loss, (q, k, v), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("cap_name", ["none", "tanh2", "soft_sign80"])
+def test_grads_vs_analytic_oracle_float64(cap_name):
+    """jax.grad of the reference == the oracle's hand-derived float64 backward."""
+    cap = CAPS[cap_name]
+    with jax.enable_x64(True):
+        qn, kn, vn = (x.astype(np.float64) for x in ranker_inputs(14, *GRAD_SHAPE))
+        rng = rng_for(15)
+        w_out = rng.standard_normal(qn.shape)
+        w_lse = rng.standard_normal((qn.shape[0], qn.shape[2], qn.shape[1]))
+        loss = _loss_fn(jnp.asarray(GRAD_BOUNDS), cap, jnp.asarray(w_out), jnp.asarray(w_lse))
+        grads = jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x) for x in (qn, kn, vn)))
+        want = ranker_oracle_grad(qn, kn, vn, GRAD_BOUNDS, w_out, w_lse, **_cap_args(cap))
+        for name, g, w in zip("qkv", grads, want, strict=True):
+            assert g.dtype == jnp.float64
+            assert_close(np.asarray(g), w, rtol_l2=1e-10, atol=1e-10, name=f"d{name}")
+
+
+def test_grads_float32_vs_oracle_gqa5():
+    """float32 gradients at the S=37 GQA 5:1 shape, against the float64 oracle."""
+    cap = CAPS["soft_sign80"]
+    q, k, v = ranker_inputs(16, 4, S37, 10, 2, 64)
+    bounds = np.asarray(BOUNDS_37["mixed"], np.int32)
+    rng = rng_for(17)
+    w_out = rng.standard_normal(q.shape).astype(np.float32)
+    w_lse = rng.standard_normal((4, 10, S37)).astype(np.float32)
+    loss = _loss_fn(bounds, cap, w_out, w_lse)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    want = ranker_oracle_grad(q, k, v, bounds, w_out, w_lse, **_cap_args(cap))
+    for name, g, w in zip("qkv", grads, want, strict=True):
+        assert_close(np.asarray(g), w, rtol_l2=1e-5, atol=1e-4, name=f"d{name}")
+
+
+def test_zero_grads_for_empty_rows_and_unread_keys():
+    """float64: no NaN anywhere; rows with no key and keys nobody reads get exactly 0."""
+    bounds = np.asarray([[2, 6, 9, 11], [0, 0, 0, 0], [5, 12, 0, 3]], np.int32)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in ranker_inputs(18, *GRAD_SHAPE))
+        rng = rng_for(19)
+        w_out = jnp.asarray(rng.standard_normal(q.shape))
+        w_lse = jnp.asarray(rng.standard_normal((q.shape[0], q.shape[2], q.shape[1])))
+        loss = _loss_fn(jnp.asarray(bounds), CAPS["tanh2"], w_out, w_lse)
+        dq, dk, dv = (np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    seq = GRAD_SHAPE[1]
+    for g in (dq, dk, dv):
+        assert np.all(np.isfinite(g))
+    for b, row in enumerate(bounds):
+        allowed = ranker_allowed(row, seq)
+        no_key = ~allowed.any(axis=1)  # query rows with nothing to attend
+        unread = ~allowed.any(axis=0)  # keys no query reads
+        assert no_key.any() and unread.any()
+        assert np.all(dq[b, no_key] == 0.0)
+        assert np.all(dk[b, unread] == 0.0) and np.all(dv[b, unread] == 0.0)
+        assert np.all(np.any(dq[b, ~no_key] != 0.0, axis=-1))
+        assert np.all(np.any(dv[b, ~unread] != 0.0, axis=-1))
+
+
+# --------------------------------------------------------------------------------------
+# Memory bound at the phoenix shape (compile only; nothing runs)
+
+PHOENIX = (64, 1152, 20, 4, 128)
+MEMORY_LIMIT = 4 << 30  # bytes of XLA temp; the target GPU has far more, 24 GiB is the bar
+
+
+def _phoenix_args():
+    batch, seq, hq, hkv, dim = PHOENIX
+    return (
+        jax.ShapeDtypeStruct((batch, seq, hq, dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, seq, hkv, dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, seq, hkv, dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, 4), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("which", ["forward", "grad"])
+def test_phoenix_memory_bound(which):
+    cap = CAPS["soft_sign80"]
+
+    def forward(q, k, v, bounds):
+        return ranker_attention(q, k, v, bounds, cap=cap, return_lse=True)
+
+    def loss(q, k, v, bounds):
+        out, lse = forward(q, k, v, bounds)
+        masked = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(jnp.square(out.astype(jnp.float32))) + jnp.sum(masked)
+
+    fn = forward if which == "forward" else jax.grad(loss, argnums=(0, 1, 2))
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*_phoenix_args()).compile()
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    assert mem is not None
+    assert mem.temp_size_in_bytes < MEMORY_LIMIT, (
+        f"{which}: temp {mem.temp_size_in_bytes / 2**30:.2f} GiB >= {MEMORY_LIMIT / 2**30:.0f} GiB"
+    )
+    assert seconds < 60, f"{which}: compile took {seconds:.1f} s"

@@ -1,0 +1,220 @@
+"""Flat sparse MLA reference vs the independent float64 oracle (SPEC section 4)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+from helpers import assert_close, assert_exact_zero_rows, assert_lse_close, randn, rng_for, upcast
+from oracle import capped_selection_flat, sparse_mla_oracle_flat
+
+from attn_common import LossyUnionCapWarning
+from attn_common import tables as _tables
+from attn_reference import sparse_mla_attention, sparse_mla_attention_qblock
+
+F32_TOL = {"rtol_l2": 1e-5, "atol": 1e-5}
+LSE_ATOL = 1e-4
+
+
+def flat_inputs(
+    seed, *, batch, seq, heads, dk, num_tokens, top_k, read_block, dtype="float32", causal=False
+):
+    """Random q/kv and selections with -1, duplicates, out-of-range ids; a few rows with no
+    valid key (all -1, or a position before every selected token)."""
+    rng = rng_for(seed)
+    q = randn(rng, (batch, seq, heads, dk), dtype)
+    kv = randn(rng, (batch, num_tokens, dk), dtype)
+    units = -(-num_tokens // read_block)
+    idx = rng.integers(0, units, size=(batch, seq, top_k))
+    kind = rng.random((batch, seq, top_k))
+    idx = np.where(kind < 0.15, -1, idx)
+    idx = np.where((kind >= 0.15) & (kind < 0.22), units + rng.integers(0, 3, idx.shape), idx)
+    idx = np.where((kind >= 0.22) & (kind < 0.25), 2**30, idx)
+    idx = np.where((kind >= 0.25) & (kind < 0.28), -(2**20), idx)
+    dup = rng.random((batch, seq)) < 0.4
+    idx[..., -1] = np.where(dup, idx[..., 0], idx[..., -1])
+    if causal:
+        pos = np.broadcast_to(np.arange(num_tokens - seq, num_tokens), (batch, seq)).copy()
+    else:
+        pos = rng.integers(0, num_tokens + 8, size=(batch, seq))  # some beyond T
+    # Row 0 of batch 0: nothing selected. Row 1: selects only units after its position.
+    idx[0, 0] = -1
+    idx[0, 1] = units - 1
+    pos[0, 1] = rng.integers(0, (units - 1) * read_block)
+    return q, kv, idx.astype(np.int32), pos.astype(np.int32)
+
+
+def _oracle(q, kv, idx, pos, *, sm_scale, dv, read_block):
+    return sparse_mla_oracle_flat(upcast(q), upcast(kv), idx, pos, sm_scale, dv, read_block)
+
+
+def _check(out, lse, want_out, want_lse, *, tol=F32_TOL):
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert_close(out, want_out, **tol)
+    assert_lse_close(lse, want_lse, atol=LSE_ATOL)
+    assert_exact_zero_rows(out, lse)
+
+
+SMALL = {"batch": 2, "seq": 19, "dk": 40, "num_tokens": 45, "top_k": 4, "read_block": 16}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_flat_small_dims(heads, dtype, causal):
+    """Dk=40, Dv=32, T=45 (last unit of 16 has 13 tokens), -1/dups/out-of-range ids."""
+    q, kv, idx, pos = flat_inputs(20 + heads, heads=heads, dtype=dtype, causal=causal, **SMALL)
+    sm_scale = 0.21
+    out, lse = sparse_mla_attention(
+        q, kv, idx, pos, sm_scale=sm_scale, kv_lora_rank=32, read_block=16, return_lse=True
+    )
+    assert out.shape == (2, 19, heads, 32) and lse.shape == (2, 19, heads)
+    want_out, want_lse = _oracle(q, kv, idx, pos, sm_scale=sm_scale, dv=32, read_block=16)
+    # Both the oracle and the reference see the exact bf16 values; the reference computes
+    # in float32, so the float32 tolerance applies to bf16 inputs too.
+    _check(out, lse, want_out, want_lse)
+    empty = np.isneginf(want_lse)
+    assert empty[0, 0].all() and empty[0, 1].all() and (~empty).sum() > empty.sum()
+    plain = sparse_mla_attention(q, kv, idx, pos, sm_scale=sm_scale, kv_lora_rank=32, read_block=16)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(out))
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_flat_mla_dims(heads):
+    """Dk=576, Dv=512 (the defaults kv_lora_rank=512, read_block=128), small T=300."""
+    q, kv, idx, pos = flat_inputs(
+        30 + heads, batch=1, seq=6, heads=heads, dk=576, num_tokens=300, top_k=3, read_block=128
+    )
+    sm_scale = 1.0 / math.sqrt(192.0)
+    out, lse = sparse_mla_attention(q, kv, idx, pos, sm_scale=sm_scale, return_lse=True)
+    assert out.shape == (1, 6, heads, 512)
+    want_out, want_lse = _oracle(q, kv, idx, pos, sm_scale=sm_scale, dv=512, read_block=128)
+    _check(out, lse, want_out, want_lse)
+
+
+def _call(q, kv, idx, pos, **kw):
+    out, lse = sparse_mla_attention(
+        q, kv, idx, pos, sm_scale=0.21, kv_lora_rank=32, read_block=16, return_lse=True, **kw
+    )
+    return np.asarray(out), np.asarray(lse)
+
+
+def test_no_valid_key_rows():
+    """All -1; all out of range; position before every selected token; only t >= T."""
+    rng = rng_for(40)
+    q = randn(rng, (1, 5, 4, 40))
+    kv = randn(rng, (1, 45, 40))
+    idx = np.asarray(
+        [[[-1, -1, -1, -1], [3, 7, -5, 99], [2, 2, -1, 1], [2, -1, -1, -1], [0, -1, 1, -1]]],
+        np.int32,
+    )
+    pos = np.asarray([[44, 44, 15, 31, 0]], np.int32)
+    out, lse = _call(q, kv, idx, pos)
+    want_out, want_lse = _oracle(q, kv, idx, pos, sm_scale=0.21, dv=32, read_block=16)
+    assert np.isneginf(want_lse[0, :4]).all() and np.isfinite(want_lse[0, 4]).all()
+    _check(out, lse, want_out, want_lse)
+    assert np.all(out[0, :4] == 0.0) and np.all(np.isneginf(lse[0, :4]))
+    # Query 4 sees exactly token 0: out is v_0 and lse is its scaled logit.
+    np.testing.assert_allclose(out[0, 4], np.broadcast_to(kv[0, 0, :32], (4, 32)), rtol=1e-6)
+
+
+def test_duplicates_and_order_are_a_set():
+    q, kv, idx, pos = flat_inputs(41, heads=4, **SMALL)
+    base_out, base_lse = _call(q, kv, idx, pos)
+    rng = rng_for(42)
+    # Same sets written differently: shuffled order, every id repeated.
+    shuffled = np.take_along_axis(
+        idx, rng.permuted(np.tile(np.arange(4), (*idx.shape[:2], 1)), axis=-1), axis=-1
+    )
+    doubled = np.concatenate([idx, idx[..., ::-1]], axis=-1)
+    for name, alt in (("shuffled", shuffled), ("doubled", doubled)):
+        out, lse = _call(q, kv, alt, pos)
+        assert_close(out, base_out, rtol_l2=1e-6, atol=1e-5, name=name)
+        assert_lse_close(lse, base_lse, atol=1e-5, name=name)
+    # Duplicates removed by hand (set semantics computed here, not by the reference).
+    dedup = idx.copy()
+    for b, s in np.ndindex(idx.shape[:2]):
+        seen = set()
+        for kk in range(idx.shape[2]):
+            u = int(idx[b, s, kk])
+            if u in seen:
+                dedup[b, s, kk] = -1
+            seen.add(u)
+    out, lse = _call(q, kv, dedup, pos)
+    assert_close(out, base_out, rtol_l2=1e-6, atol=1e-5, name="dedup")
+
+
+def test_out_of_range_ids_ignored():
+    q, kv, idx, pos = flat_inputs(43, heads=4, **SMALL)
+    units = -(-SMALL["num_tokens"] // SMALL["read_block"])
+    cleaned = np.where((idx >= 0) & (idx < units), idx, -1).astype(np.int32)
+    assert (cleaned != idx).any()
+    out, lse = _call(q, kv, idx, pos)
+    out2, lse2 = _call(q, kv, cleaned, pos)
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(lse, lse2)
+
+
+# --------------------------------------------------------------------------------------
+# Query-blocked twin
+
+
+@pytest.mark.parametrize("query_block", [4, 8, 256])
+def test_qblock_default_equals_plain(query_block):
+    q, kv, idx, pos = flat_inputs(50, heads=4, **SMALL)
+    kw = {"sm_scale": 0.21, "kv_lora_rank": 32, "read_block": 16, "return_lse": True}
+    out, lse = sparse_mla_attention(q, kv, idx, pos, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LossyUnionCapWarning)
+        qout, qlse = sparse_mla_attention_qblock(q, kv, idx, pos, query_block=query_block, **kw)
+        # An explicit lossless cap (>= min(QB * K, num_units)) neither warns nor changes.
+        units = -(-SMALL["num_tokens"] // 16)
+        lossless = min(query_block * 4, units)
+        eout, else_ = sparse_mla_attention_qblock(
+            q, kv, idx, pos, query_block=query_block, u_max=lossless, **kw
+        )
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(qout))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(qlse))
+    # The explicit cap may re-order the selections (a different summation order).
+    assert_close(eout, out, rtol_l2=1e-6, atol=1e-5, name="explicit lossless u_max")
+    assert_lse_close(else_, lse, atol=1e-5)
+
+
+@pytest.fixture
+def fresh_lossy_warning():
+    """The lossy-cap warning fires once per (u_max, bound) per process; reset it."""
+    _tables._warn_lossy_u_max.cache_clear()
+    yield
+    _tables._warn_lossy_u_max.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("query_block", "u_max", "read_block"), [(4, 1, 16), (8, 2, 16), (19, 2, 16), (8, 5, 4)]
+)
+def test_qblock_lossy_u_max(fresh_lossy_warning, query_block, u_max, read_block):
+    """u_max below the union: warns (once), then equals the oracle on the capped selection
+    (per block, only the u_max smallest distinct unit ids of the block's union)."""
+    shape = {**SMALL, "read_block": read_block}
+    q, kv, idx, pos = flat_inputs(51, heads=4, **shape)
+    kw = {"sm_scale": 0.21, "kv_lora_rank": 32, "read_block": read_block, "return_lse": True}
+    with pytest.warns(LossyUnionCapWarning, match="u_max"):
+        out, lse = sparse_mla_attention_qblock(
+            q, kv, idx, pos, query_block=query_block, u_max=u_max, **kw
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LossyUnionCapWarning)  # the second call is silent
+        out2, _ = sparse_mla_attention_qblock(
+            q, kv, idx, pos, query_block=query_block, u_max=u_max, **kw
+        )
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+
+    units = -(-SMALL["num_tokens"] // read_block)
+    capped = capped_selection_flat(idx, units, query_block=query_block, u_max=u_max)
+    oracle_kw = {"sm_scale": 0.21, "dv": 32, "read_block": read_block}
+    want_out, want_lse = _oracle(q, kv, capped, pos, **oracle_kw)
+    _check(out, lse, want_out, want_lse)
+    full_out, _ = _oracle(q, kv, idx, pos, **oracle_kw)
+    assert np.abs(full_out - want_out).max() > 1e-3  # the cap really dropped something
