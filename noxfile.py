@@ -217,3 +217,24 @@ def demo(session: nox.Session) -> None:
     """The main job: run the pure-JAX reference demo on CPU."""
     session.install(f"jax=={JAX_VERSION}", f"./{COMMON}", f"./{REFERENCE}")
     session.run("python", "-m", "attn_reference.demo", *session.posargs)
+
+
+@nox.session(python=PYTHON, name="bench-gpu")
+def bench_gpu(session: nox.Session) -> None:
+    """Hopper GPU: the SPEC section 7 ranker suite against cuDNN/XLA/FA3 (docs/results)."""
+    session.install(f"jax[cuda13]=={JAX_VERSION}", f"./{COMMON}", f"./{MOSAIC_GPU}", "matplotlib")
+    session.run(
+        "python", "benchmarks/ranker_gpu.py", *(session.posargs or ["--out", "docs/results"])
+    )
+
+
+@nox.session(python=PYTHON, name="measure-tpu")
+def measure_tpu(session: nox.Session) -> None:
+    """No TPU needed: DMA bytes/count of the TPU sparse-MLA kernels from the tables."""
+    session.install(f"jax=={JAX_VERSION}", f"./{COMMON}")
+    session.run(
+        "python",
+        f"{PALLAS_TPU}/scripts/measure_dma.py",
+        *(session.posargs or ["--write-docs"]),
+        env={"JAX_PLATFORMS": "cpu"},
+    )

@@ -1,0 +1,576 @@
+"""Ranker attention forward for Hopper (sm_90a): a warp-specialized Pallas Mosaic GPU kernel.
+
+Op (SPEC section 3): ``q [B,S,Hq,D]``, ``k, v [B,S,Hkv,D]``, traced ``bounds [B,4]``;
+query ``i`` attends key ``j`` iff ``attn_common.ranker_mask`` allows it; logits
+``cap(q.k * sm_scale)``; ``out [B,S,Hq,D]`` in q's dtype and optionally ``lse [B,Hq,S]``
+float32 (natural log). A row with no allowed key gives ``out = 0``, ``lse = -inf``.
+
+Schedule
+--------
+Grid ``(Hq, q_tiles, B)`` (heads fastest, so the query heads of one GQA group run next to
+each other and share K/V in L2). One program owns ``2 * block_q`` query rows of one
+(batch row, query head) and runs three warpgroups (``num_threads=3``):
+
+* WG0, WG1 (compute, ``setmaxnreg 232``): each owns ``block_q`` rows. It TMA-loads its Q
+  tile into its half of the Q/O shared buffer (one barrier per WG), then walks the KV
+  steps: ``S = Q K^T`` by wgmma from shared memory, ``sm_scale``, the soft cap
+  (``attn_common.cap_forward``), the ranker mask (``attn_common.ranker_mask`` on the tile
+  iotas, only on steps whose block is not fully allowed for all of the WG's rows), an
+  online softmax in base 2, and ``O += P V`` by wgmma with P from registers. At the end it
+  normalises, writes O into the same shared buffer (Q is dead by then) and LSE into a
+  small f32 buffer, and TMA-stores both to global memory.
+* WG2 (memory, ``setmaxnreg 40``): TMA-loads the K and V blocks of every step into a ring
+  of ``num_stages`` slots. The first ``num_stages`` steps are issued at once; step
+  ``s + num_stages`` waits on the slot's *consumed* barriers before reusing it.
+
+The KV steps are ``attn_common.ranker_kv_block_ranges`` of the program's ``2 * block_q``
+rows: the history blocks merged with the blocks holding the tile's candidates' own keys,
+so a block shared by both runs is visited once. Both compute WGs walk the same steps (the
+mask handles the rows), which keeps every barrier's arrival count static. Bounds are read
+per batch row from the int32 ``[B, 4]`` array in global memory; nothing about them is
+static, so one compiled kernel serves every batch.
+
+Barriers (all in shared memory):
+
+* ``k_ready[slot]``, ``v_ready[slot]``: TMA completion (transaction-count barriers)
+  for K and V of a slot; both compute WGs wait on them. V is waited separately, after the
+  softmax, so the QK^T of a step can start as soon as K has landed.
+* ``q_ready[wg]``: the WG's Q tile has landed.
+* ``k_consumed[slot]``, ``v_consumed[slot]`` (2 arrivals: one per compute WG): the slot's
+  K (after QK^T) or V (after PV) is no longer read; the memory WG waits on them before
+  refilling the slot.
+* ``schedule`` (2 arrivals): the FA3 ping-pong. WG1 starts one phase late, so while one
+  WG runs its softmax on the CUDA cores the other owns the tensor cores for its wgmmas.
+  Every WG arrives twice per step (once in QK^T, once after the softmax), plus once before
+  or after the loop, so the two stay balanced whatever the step count.
+
+A WG whose rows are all padding (no history or candidate row) does not compute: it walks
+the same steps doing only its barrier arrivals (so the other WG and the memory WG never
+stall) and writes zeros / ``-inf``. A program with zero steps writes zeros and ``-inf``
+for both WGs, so every element of ``out`` and ``lse`` is written.
+
+Softmax: ``m`` is tracked in base-2 units (``m = max(s) * log2(e)``) and starts at a
+large finite negative number instead of ``-inf``, so a row that has seen no allowed key
+yet gives ``exp2(-inf - m) = 0`` and ``exp2(m - m) = 1`` rather than
+``exp2(-inf - -inf) = NaN``. At the end ``l == 0`` marks an empty row: ``out = 0`` (the
+divide is guarded) and ``lse = -inf``; otherwise ``lse = (m + log2(l)) * ln(2)``.
+
+Interpret mode (``interpret=True`` / ``plgpu.InterpretGPUParams``, CPU): jax 0.11.2's
+Mosaic GPU interpreter implements neither ``run_state`` nor a wgmma whose A operand is
+in registers, so the PV product is computed from a copy of P in shared memory into a
+fresh accumulator that is then added (``accumulate_in_place=False``). Everything else
+(TMA, barriers and their phases, the ring, QK^T, mask, softmax, stores) is the GPU code.
+
+Any ``S`` is supported: q, k, v are zero-padded to a multiple of ``2 * block_q`` and of
+``block_kv``, and the outputs sliced. Padding keys are never allowed because bounds are
+clipped to ``[0, S]`` (``attn_common.normalize_bounds``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attn_common import (
+    CapParams,
+    KernelConfig,
+    cap_forward,
+    check_ranker_inputs,
+    normalize_bounds,
+    ranker_kv_block_ranges,
+    ranker_mask,
+)
+
+__all__ = [
+    "SMEM_LIMIT_BYTES",
+    "default_config",
+    "ranker_attention_fwd",
+    "smem_bytes",
+    "validate_config",
+]
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+# Opt-in shared memory per block on H100/H200 (sm_90): 227 KiB.
+SMEM_LIMIT_BYTES = 227 * 1024
+# Accumulator registers per thread (f32 S and O tiles) a compute WG may hold; 232 are
+# granted by setmaxnreg, the rest is left for addresses, m, l, P and the mask.
+_ACC_REGISTER_LIMIT = 160
+_COMPUTE_WGS = 2
+_COMPUTE_REGISTERS = 232
+_MEMORY_REGISTERS = 40
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
+_M_INIT = -1e30
+_SMEM_ALIGN = 1024  # swizzled buffers are 1024-byte aligned
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def default_config(head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
+    """The tuned default tiling per head dim (bf16 and fp16 share it: both 2 bytes).
+
+    Shared memory (``smem_bytes``, with LSE): D=64 ~145 KiB, D=128 ~161 KiB,
+    D=256 ~193 KiB, all under the 227 KiB limit.
+    """
+    del dtype  # both supported dtypes are 2 bytes wide
+    if head_dim <= 64:
+        return KernelConfig(block_q=64, block_kv=128, num_stages=4)
+    if head_dim <= 128:
+        return KernelConfig(block_q=64, block_kv=128, num_stages=2)
+    return KernelConfig(block_q=64, block_kv=64, num_stages=2)
+
+
+def smem_bytes(config: KernelConfig, head_dim: int, dtype, *, return_lse: bool = True) -> int:
+    """Shared memory the kernel allocates for ``config`` (bytes, with alignment slack).
+
+    Q/O tiles of both compute WGs + ``num_stages`` K and V blocks + the LSE staging
+    buffer + barriers.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    qo = _COMPUTE_WGS * config.block_q * head_dim * itemsize
+    kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
+    lse = _COMPUTE_WGS * config.block_q * 4 if return_lse else 0
+    barriers = 8 * (4 * config.num_stages + _COMPUTE_WGS + 1)
+    return _round_up(qo, _SMEM_ALIGN) + _round_up(kv // 2, _SMEM_ALIGN) * 2 + lse + barriers
+
+
+def validate_config(config: KernelConfig, head_dim: int, dtype, *, return_lse: bool = True) -> None:
+    """Raise ``ValueError`` naming the Hopper rule ``config`` breaks for this problem."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
+    if config.block_q != 64:
+        raise ValueError(
+            f"config.block_q: got {config.block_q}, expected 64 (each compute warpgroup owns "
+            "block_q rows and one wgmma has M = 64 rows per warpgroup)"
+        )
+    if config.block_kv % 64 or config.block_kv > 256:
+        raise ValueError(
+            f"config.block_kv: got {config.block_kv}, expected a multiple of 64 no larger "
+            "than 256 (wgmma N <= 256 and the 128-byte swizzle tile of K/V; TMA boxes hold "
+            "at most 256 rows)"
+        )
+    if config.num_stages < 2:
+        raise ValueError(
+            f"config.num_stages: got {config.num_stages}, expected >= 2 (the K/V ring needs "
+            "a second slot so the next block loads while the current one is consumed)"
+        )
+    acc_regs = config.block_q * (head_dim + config.block_kv) // 128
+    if acc_regs > _ACC_REGISTER_LIMIT:
+        raise ValueError(
+            f"config: block_q * (D + block_kv) / 128 = {acc_regs} f32 accumulator registers "
+            f"per thread for D={head_dim}, block_kv={config.block_kv}; the limit is "
+            f"{_ACC_REGISTER_LIMIT} of the {_COMPUTE_REGISTERS} a compute warpgroup gets "
+            "(use a smaller block_kv)"
+        )
+    need = smem_bytes(config, head_dim, dtype, return_lse=return_lse)
+    if need > SMEM_LIMIT_BYTES:
+        raise ValueError(
+            f"config: needs {need} bytes of shared memory (Q/O {_COMPUTE_WGS}x{config.block_q}"
+            f"x{head_dim}, K+V {config.num_stages}x2x{config.block_kv}x{head_dim}, "
+            f"{jnp.dtype(dtype).name}), more than the {SMEM_LIMIT_BYTES} bytes (227 KiB) "
+            "available per block on sm_90; lower num_stages or block_kv"
+        )
+
+
+def _resolve_interpret(interpret):
+    if interpret is None or interpret is False:
+        return None
+    if interpret is True:
+        return plgpu.InterpretGPUParams()
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    raise TypeError(
+        f"interpret: got {type(interpret).__name__}, expected a bool or "
+        "jax.experimental.pallas.mosaic_gpu.InterpretGPUParams"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Static facts the kernel is specialised on (hashable: a jit static argument)."""
+
+    batch: int
+    seq_pad: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sm_scale: float
+    cap: CapParams
+    block_q: int
+    block_kv: int
+    num_stages: int
+    return_lse: bool
+
+
+def _overlap(lo, hi, seg_lo, seg_hi):
+    """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)`` (scalars)."""
+    return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
+
+
+def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
+    """The kernel body; ``accumulate_in_place=False`` avoids run_state (interpret mode)."""
+    block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
+    num_slots = st.num_stages
+    group = st.q_heads // st.kv_heads
+    cap = st.cap
+    # Base-2 logits: s2 = cap(qk * sm_scale) * log2(e); with no cap, one multiply.
+    qk_scale = st.sm_scale * _LOG2E if not cap.active else st.sm_scale
+
+    def fast_reciprocal(d):
+        # d = 1 + |s|/c > 0: rsqrt(d)^2 is one MUFU op (rsqrt.approx under approx_math)
+        # and a multiply, where an IEEE divide is a long sequence with a slow path.
+        r = lax.rsqrt(d)
+        return r * r
+
+    def scale_and_cap(qk):
+        if not cap.active:
+            return qk * qk_scale
+        return cap_forward(qk * qk_scale, cap, reciprocal=fast_reciprocal) * _LOG2E
+
+    def kernel(q_ref, k_ref, v_ref, bounds_ref, out_ref, lse_ref, scoped):
+        (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2), ready, consumed, schedule = scoped
+        k_ready, v_ready, q_ready = ready
+        k_consumed, v_consumed = consumed
+
+        batch = lax.axis_index("batch")
+        q_head = lax.axis_index("heads")
+        q_tile = lax.axis_index("q_seq")
+        wg = lax.axis_index("wg")
+        kv_head = lax.div(q_head, jnp.int32(group))
+
+        hl = bounds_ref[batch, 0]
+        hu = bounds_ref[batch, 1]
+        cl = bounds_ref[batch, 2]
+        cu = bounds_ref[batch, 3]
+        tile_start = q_tile * (2 * block_q)
+        ranges = ranker_kv_block_ranges(
+            hl, hu, cl, cu, tile_start, tile_start + 2 * block_q, block_kv
+        )
+        total_steps = ranges.total_steps
+
+        def schedule_sync():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            row0 = tile_start + wg * block_q
+            row1 = row0 + block_q
+            n_hist = _overlap(row0, row1, hl, hu)
+            n_cand = _overlap(row0, row1, cl, cu)
+            n_both = _overlap(row0, row1, jnp.maximum(hl, cl), jnp.minimum(hu, cu))
+            active = (n_hist + n_cand) > 0
+            # Every row of this WG is a history or candidate row: a KV block lying inside
+            # H is then fully allowed and needs no mask.
+            rows_full = (n_hist + n_cand - n_both) == block_q
+            full_lo = (hl + block_kv - 1) // block_kv
+            full_hi = hu // block_kv
+            has_full = active & rows_full & (full_hi > full_lo)
+            first_start, first_steps = ranges.first_start, ranges.first_steps
+            unmasked_lo = jnp.where(has_full, jnp.clip(full_lo - first_start, 0, first_steps), 0)
+            unmasked_hi = jnp.where(
+                has_full, jnp.clip(full_hi - first_start, unmasked_lo, first_steps), 0
+            )
+            wg_steps = jnp.where(active, total_steps, 0)
+
+            @pl.when(active)
+            def _load_q():
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_ready.at[wg]
+                )
+                plgpu.barrier_wait(q_ready.at[wg])
+
+            m_i = plgpu.layout_cast(
+                jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            )
+            l_i = plgpu.layout_cast(
+                jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            )
+            acc = plgpu.layout_cast(
+                jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
+            )
+
+            @pl.when(wg_steps > 0)
+            def _wait_first_k():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            pl.when(wg == 1)(schedule_sync)
+
+            def kv_step(step, carry, *, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step, jnp.int32(num_slots))
+
+                def compute_qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule_sync()
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+
+                s = scale_and_cap(qk)
+                if masked:
+                    kv0 = ranges.block_at(step) * block_kv
+                    q_ids = row0 + plgpu.broadcasted_iota(
+                        jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
+                    )
+                    kv_ids = kv0 + plgpu.broadcasted_iota(
+                        jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
+                    )
+                    allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
+                    s = jnp.where(allowed, s, -jnp.inf)
+
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
+
+                def end_softmax():
+                    plgpu.barrier_arrive(schedule)  # softmax done
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(schedule)  # tensor cores are ours
+
+                if head_dim <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    end_softmax()
+                else:
+                    end_softmax()
+                    l_i = l_i + p.sum(axis=1)
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = step + 1
+
+                    @pl.when(nxt < wg_steps)
+                    def _wait_next_k():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(num_slots))])
+
+                if accumulate_in_place:
+                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                else:
+                    # Interpret mode (jax 0.11.2) implements neither run_state_p nor a
+                    # wgmma whose A operand is in registers: P is staged through shared
+                    # memory and the product goes into a fresh accumulator, then added.
+                    p_smem = p_smem2.at[wg]
+                    p_smem[...] = p16
+                    plgpu.commit_smem()
+
+                    def compute_pv_fresh(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                        nxt = step + 1
+
+                        @pl.when(nxt < wg_steps)
+                        def _wait_next_k():
+                            plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(num_slots))])
+
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(
+                        compute_pv_fresh, plgpu.ACC((block_q, head_dim), jnp.float32)
+                    )
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l_i
+
+            masked_step = functools.partial(kv_step, masked=True)
+            full_step = functools.partial(kv_step, masked=False)
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, unmasked_lo, masked_step, carry)
+            carry = lax.fori_loop(unmasked_lo, unmasked_hi, full_step, carry)
+            carry = lax.fori_loop(unmasked_hi, wg_steps, masked_step, carry)
+            acc, m_i, l_i = carry
+
+            def idle_step(step, _):
+                # All-padding WG: keep the barrier protocol of a computing WG.
+                slot = lax.rem(step, jnp.int32(num_slots))
+                schedule_sync()
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                schedule_sync()
+                plgpu.barrier_arrive(v_consumed.at[slot])
+
+            lax.fori_loop(wg_steps, total_steps, idle_step, None)
+            pl.when(wg == 0)(schedule_sync)
+
+            has_key = l_i > 0.0
+            inv_l = 1.0 / jnp.where(has_key, l_i, 1.0)
+            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+            qo_smem[...] = out.astype(dtype)
+            if lse_smem2 is not None:
+                lse_smem = lse_smem2.at[wg]
+                lse = jnp.where(
+                    has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf
+                )
+                lse_smem[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
+            if lse_smem2 is not None:
+                plgpu.copy_smem_to_gmem(
+                    lse_smem2.at[wg], lse_ref.at[batch, q_head, pl.ds(row0, block_q)]
+                )
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            def kv_rows(step):
+                return (batch, pl.ds(ranges.block_at(step) * block_kv, block_kv), kv_head)
+
+            for i in range(num_slots):
+
+                @pl.when(i < total_steps)
+                def _prologue(i=i):
+                    rows = kv_rows(jnp.int32(i))
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[i], k_ready.at[i])
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[i], v_ready.at[i])
+
+            @pl.loop(num_slots, jnp.maximum(total_steps, num_slots))
+            def _steady(step):
+                slot = lax.rem(step, jnp.int32(num_slots))
+                rows = kv_rows(step)
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+            # Drain: observe the consumption of the last num_slots steps, so that every
+            # completed phase of the consumed barriers is waited on before they are
+            # freed (interpret mode checks this; on the GPU it costs an idle warpgroup
+            # a few waits).
+            @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
+            def _drain(step):
+                slot = lax.rem(step, jnp.int32(num_slots))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+    def entry(q_ref, k_ref, v_ref, bounds_ref, out_ref, lse_ref=None):
+        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        qo = plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
+        k_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
+        v_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
+        lse_buf = plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32) if st.return_lse else None
+        p_buf = None
+        if not accumulate_in_place:
+            p_buf = plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
+        pl.run_scoped(
+            lambda *args: kernel(q_ref, k_ref, v_ref, bounds_ref, out_ref, lse_ref, args),
+            [qo, k_buf, v_buf, lse_buf, p_buf],
+            (
+                plgpu.Barrier(num_barriers=num_slots),
+                plgpu.Barrier(num_barriers=num_slots),
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+            ),
+            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    return entry
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
+    """q/k/v already padded to ``st.seq_pad``; bounds clipped int32 ``[B, 4]``."""
+    out_type = [jax.ShapeDtypeStruct((st.batch, st.seq_pad, st.q_heads, st.head_dim), q.dtype)]
+    if st.return_lse:
+        out_type.append(jax.ShapeDtypeStruct((st.batch, st.q_heads, st.seq_pad), jnp.float32))
+    results = plgpu.kernel(
+        _build_kernel(st, q.dtype, accumulate_in_place=interpret is None),
+        out_type=out_type,
+        grid=(st.q_heads, st.seq_pad // (2 * st.block_q), st.batch),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, k, v, bounds)
+    return tuple(results)
+
+
+def ranker_attention_fwd(
+    q,
+    k,
+    v,
+    bounds,
+    *,
+    sm_scale: float | None = None,
+    cap: CapParams | None = None,
+    config: KernelConfig | None = None,
+    return_lse: bool = False,
+    interpret=False,
+):
+    """Ranker attention forward on Hopper (see the module docstring for the schedule).
+
+    Args:
+      q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]`` same dtype,
+        ``Hq % Hkv == 0``; D in {64, 128, 256}. Any ``S``.
+      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]`` (history_lo, history_hi,
+        candidate_lo, candidate_hi); traced data, clipped to ``[0, S]``.
+      sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
+      cap: ``CapParams`` (none / tanh / soft_sign) or ``None``.
+      config: ``KernelConfig`` (block_q, block_kv, num_stages); ``None`` picks
+        ``default_config(D)``. Checked against the Hopper limits (``validate_config``).
+      return_lse: also return ``lse [B, Hq, S]`` float32, natural log, ``-inf`` on rows
+        with no allowed key.
+      interpret: ``True`` or a ``plgpu.InterpretGPUParams`` to run in Mosaic GPU interpret
+        mode on the CPU.
+
+    Returns:
+      ``out [B, S, Hq, D]`` in q's dtype, or ``(out, lse)``.
+    """
+    problem = check_ranker_inputs(
+        q,
+        k,
+        v,
+        sm_scale=sm_scale,
+        cap=cap,
+        dtypes=SUPPORTED_DTYPES,
+        head_dims=SUPPORTED_HEAD_DIMS,
+    )
+    if config is None:
+        config = default_config(problem.head_dim, q.dtype)
+    validate_config(config, problem.head_dim, q.dtype, return_lse=bool(return_lse))
+    clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    interpret = _resolve_interpret(interpret)
+
+    seq = problem.seq_len
+    tile = math.lcm(2 * config.block_q, config.block_kv)
+    seq_pad = _round_up(seq, tile)
+    if seq_pad != seq:
+        pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    st = _Static(
+        batch=problem.batch,
+        seq_pad=seq_pad,
+        q_heads=problem.q_heads,
+        kv_heads=problem.kv_heads,
+        head_dim=problem.head_dim,
+        sm_scale=problem.sm_scale,
+        cap=problem.cap,
+        block_q=config.block_q,
+        block_kv=config.block_kv,
+        num_stages=config.num_stages,
+        return_lse=bool(return_lse),
+    )
+    results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
+    out = results[0][:, :seq] if seq_pad != seq else results[0]
+    if not return_lse:
+        return out
+    lse = results[1][:, :, :seq] if seq_pad != seq else results[1]
+    return out, lse

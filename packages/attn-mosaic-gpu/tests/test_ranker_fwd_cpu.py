@@ -1,0 +1,286 @@
+"""CPU checks of the Hopper ranker forward kernel (no GPU needed).
+
+* Cross-lowering: ``jax.export`` with ``platforms=["cuda"]`` at the SPEC section 7
+  benchmark shapes (and D=256) traces and lowers the kernel to its Mosaic GPU custom call
+  on a CPU-only machine. It catches tracing and lowering errors, not every ptxas error.
+* Interpret mode: ``plgpu.InterpretGPUParams`` (race detection on, buffers start as NaN so
+  an unwritten element fails) at small shapes against ``attn_reference`` run in float32
+  on the upcast inputs.
+* Input validation: bad dtypes, head dims and configs raise before tracing.
+
+Interpret mode of jax 0.11.2 implements neither ``run_state`` nor a wgmma with its A
+operand in registers, so there the kernel stages P through shared memory for the PV
+wgmma (``accumulate_in_place=False``); everything else (TMA, barriers, the ring, the
+QK^T wgmma, masking, softmax, stores) is the code that runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# Private in jax 0.11 (the race state and the reset after a failed interpretation).
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    get_races,
+    reset_gpu_interpret_mode_state,
+)
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds
+from attn_mosaic_gpu.ranker_fwd import (
+    SMEM_LIMIT_BYTES,
+    default_config,
+    ranker_attention_fwd,
+    smem_bytes,
+)
+from attn_reference.ranker import ranker_attention
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+SMALL = KernelConfig(block_q=64, block_kv=64, num_stages=2)
+TOL = {jnp.bfloat16: (2e-2, 3e-2), jnp.float16: (5e-3, 5e-3)}
+LSE_ATOL = 2e-3
+
+SOFT_SIGN = CapParams(CapMethod.SOFT_SIGN, 5.0)
+TANH = CapParams(CapMethod.TANH, 3.0)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype):
+    rng = np.random.default_rng(seed)
+
+    def draw(heads, scale=1.0):
+        x = rng.standard_normal((batch, seq, heads, head_dim)).astype(np.float32) * scale
+        return jnp.asarray(x).astype(dtype)
+
+    # q scaled up so that the soft caps actually bite.
+    return draw(q_heads, 2.0), draw(kv_heads, 2.0), draw(kv_heads)
+
+
+def _f32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), dtype=np.float64)
+
+
+def _run_interpret(*args, **kwargs):
+    try:
+        result = ranker_attention_fwd(*args, interpret=INTERPRET, **kwargs)
+        jax.block_until_ready(result)
+    except Exception:
+        reset_gpu_interpret_mode_state()
+        raise
+    assert not get_races().races_found, "interpret mode race detector reported a race"
+    return result
+
+
+def _check(q, k, v, bounds, *, cap=None, sm_scale=None, config=SMALL):
+    out, lse = _run_interpret(
+        q, k, v, bounds, cap=cap, sm_scale=sm_scale, config=config, return_lse=True
+    )
+    want_out, want_lse = ranker_attention(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        bounds,
+        cap=cap,
+        sm_scale=sm_scale,
+        return_lse=True,
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == jnp.float32
+    got, want = _f32(out), _f32(want_out)
+    got_lse, want_lse = _f32(lse), _f32(want_lse)
+
+    assert np.all(np.isfinite(got)), f"out: {np.sum(~np.isfinite(got))} non-finite values"
+    assert not np.any(np.isnan(got_lse)), "lse: NaN present"
+    empty = np.isneginf(want_lse)  # [B, Hq, S]
+    assert np.array_equal(np.isneginf(got_lse), empty), (
+        "lse: -inf rows differ from the reference at "
+        f"{np.argwhere(np.isneginf(got_lse) != empty)[:5].tolist()}"
+    )
+    assert np.all(np.isfinite(got_lse[~empty]))
+    if (~empty).any():
+        lse_err = np.max(np.abs(got_lse[~empty] - want_lse[~empty]))
+        assert lse_err < LSE_ATOL, f"lse: max-abs {lse_err:.3g}"
+    empty_out = np.moveaxis(empty, 1, 2)  # [B, S, Hq]
+    assert np.all(got[empty_out] == 0.0), "rows with no allowed key are not exactly 0"
+
+    rtol_l2, atol = TOL[q.dtype.type]
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    mx = np.max(np.abs(got - want))
+    assert err < rtol_l2, f"out: rel L2 {err:.3g} (max-abs {mx:.3g})"
+    assert mx < atol, f"out: max-abs {mx:.3g} (rel L2 {err:.3g})"
+    return got, got_lse
+
+
+# ------------------------------------------------------------------ interpret mode
+
+
+def test_interpret_unaligned_per_row_gqa_soft_sign():
+    """GQA 2:1, soft_sign; per-row bounds: a history block shared with candidates,
+    history starting mid-sequence, empty history, padding rows; ring reuse (4 > 2 steps)."""
+    q, k, v = _inputs(0, 3, 200, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array(
+        [
+            [0, 100, 100, 150],  # block 1 holds history and candidates; 150.. padding
+            [10, 37, 37, 190],  # leading padding rows 0..9, trailing 190..199
+            [0, 0, 5, 133],  # empty history: candidates attend only themselves
+        ],
+        jnp.int32,
+    )
+    _check(q, k, v, bounds, cap=SOFT_SIGN)
+
+
+def test_interpret_tanh_empty_candidates_and_gap():
+    """tanh cap, explicit sm_scale; empty candidates; a padding gap between H and C that
+    leaves a whole compute warpgroup idle (rows 64..127 of row 1)."""
+    q, k, v = _inputs(1, 2, 200, 2, 1, 64, jnp.bfloat16)
+    bounds = SegmentBounds.from_array(jnp.array([[0, 170, 170, 170], [20, 60, 130, 200]]))
+    _check(q, k, v, bounds, cap=TANH, sm_scale=0.2)
+
+
+def test_interpret_no_cap_empty_row_aligned_and_overlap_fp16():
+    """fp16, no cap; an all-padding row (zero-step programs), block-aligned history
+    (the unmasked fast path), and candidates overlapping the history; default config
+    for D=64 (block_kv=128, 4 stages)."""
+    q, k, v = _inputs(2, 3, 200, 2, 2, 64, jnp.float16)
+    bounds = jnp.array([[0, 0, 0, 0], [0, 128, 128, 200], [0, 128, 64, 180]], jnp.int32)
+    _check(q, k, v, bounds, config=default_config(64, jnp.float16))
+
+
+def test_interpret_out_only_broadcast_bounds():
+    """return_lse=False returns only out; [4] bounds broadcast to every row."""
+    q, k, v = _inputs(3, 2, 130, 2, 1, 64, jnp.bfloat16)
+    bounds = jnp.array([3, 90, 90, 121], jnp.int32)
+    out = _run_interpret(q, k, v, bounds, config=SMALL)
+    assert isinstance(out, jax.Array) and out.shape == q.shape
+    want = ranker_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), bounds
+    )
+    got = _f32(out)
+    assert np.all(np.isfinite(got))
+    assert np.linalg.norm(got - _f32(want)) / np.linalg.norm(_f32(want)) < 2e-2
+    assert np.all(got[:, :3] == 0.0) and np.all(got[:, 121:] == 0.0)
+
+
+# ------------------------------------------------------------------- cross-lowering
+
+
+def _sds(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# name, B, S, Hq, Hkv, D, cap, return_lse, dtype  (SPEC section 7 + D=256)
+LOWERING_SHAPES = [
+    ("phoenix", 64, 1152, 20, 4, 128, CapParams(CapMethod.SOFT_SIGN, 80.0), True, jnp.bfloat16),
+    ("long", 8, 5120, 16, 16, 128, CapParams(CapMethod.TANH, 30.0), False, jnp.bfloat16),
+    ("small-d64", 128, 640, 8, 8, 64, None, False, jnp.bfloat16),
+    # ragged: same shapes as phoenix; the per-row bounds are traced data.
+    ("ragged", 64, 1152, 20, 4, 128, CapParams(CapMethod.SOFT_SIGN, 80.0), True, jnp.bfloat16),
+    ("d256", 8, 1000, 16, 4, 256, CapParams(CapMethod.TANH, 30.0), True, jnp.bfloat16),
+    ("d256-fp16", 4, 777, 8, 8, 256, None, False, jnp.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "name,batch,seq,q_heads,kv_heads,head_dim,cap,return_lse,dtype",
+    LOWERING_SHAPES,
+    ids=[s[0] for s in LOWERING_SHAPES],
+)
+def test_cross_lowering_cuda(name, batch, seq, q_heads, kv_heads, head_dim, cap, return_lse, dtype):
+    def f(q, k, v, bounds):
+        return ranker_attention_fwd(q, k, v, bounds, cap=cap, return_lse=return_lse)
+
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        _sds(batch, seq, q_heads, head_dim, dtype=dtype),
+        _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+        _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+        _sds(batch, 4, dtype=jnp.int32),
+    )
+    text = exported.mlir_module()
+    assert "mosaic_gpu" in text, f"{name}: no Mosaic GPU custom call in the lowered module"
+    out_avals = exported.out_avals
+    assert out_avals[0].shape == (batch, seq, q_heads, head_dim)
+    assert out_avals[0].dtype == dtype
+    if return_lse:
+        assert out_avals[1].shape == (batch, q_heads, seq)
+        assert out_avals[1].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "head_dim,config",
+    [
+        (64, KernelConfig(block_q=64, block_kv=64, num_stages=4)),
+        (64, KernelConfig(block_q=64, block_kv=128, num_stages=3)),
+        (64, KernelConfig(block_q=64, block_kv=192, num_stages=2)),
+        (128, KernelConfig(block_q=64, block_kv=64, num_stages=4)),
+        (256, KernelConfig(block_q=64, block_kv=64, num_stages=2)),
+    ],
+    ids=lambda x: f"kv{x.block_kv}x{x.num_stages}" if isinstance(x, KernelConfig) else f"d{x}",
+)
+def test_cross_lowering_configs(head_dim, config):
+    def f(q, k, v, bounds):
+        return ranker_attention_fwd(q, k, v, bounds, cap=TANH, config=config, return_lse=True)
+
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        _sds(2, 1000, 4, head_dim, dtype=jnp.float16),
+        _sds(2, 1000, 2, head_dim, dtype=jnp.float16),
+        _sds(2, 1000, 2, head_dim, dtype=jnp.float16),
+        _sds(2, 4, dtype=jnp.int32),
+    )
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+# ----------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_default_config_fits_shared_memory(head_dim, dtype):
+    cfg = default_config(head_dim, dtype)
+    assert smem_bytes(cfg, head_dim, dtype, return_lse=True) <= SMEM_LIMIT_BYTES
+
+
+def _bad(dtype=jnp.bfloat16, head_dim=64, q_heads=2, kv_heads=1):
+    q = jnp.zeros((1, 64, q_heads, head_dim), dtype)
+    kv = jnp.zeros((1, 64, kv_heads, head_dim), dtype)
+    return q, kv, kv, jnp.array([0, 32, 32, 48], jnp.int32)
+
+
+def test_rejects_float32():
+    with pytest.raises(TypeError, match="q: got dtype float32"):
+        ranker_attention_fwd(*_bad(jnp.float32))
+
+
+def test_rejects_head_dim():
+    with pytest.raises(NotImplementedError, match="head dim 96"):
+        ranker_attention_fwd(*_bad(head_dim=96))
+
+
+def test_rejects_bad_gqa():
+    with pytest.raises(ValueError, match="Hq % Hkv"):
+        ranker_attention_fwd(*_bad(q_heads=3, kv_heads=2))
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        (KernelConfig(block_q=128, block_kv=64), "block_q"),
+        (KernelConfig(block_q=64, block_kv=96), "block_kv"),
+        (KernelConfig(block_q=64, block_kv=64, num_stages=1), "num_stages"),
+        (KernelConfig(block_q=64, block_kv=256, num_stages=1 + 1), "registers"),
+        (KernelConfig(block_q=64, block_kv=128, num_stages=4), "shared memory"),
+    ],
+)
+def test_rejects_config(config, match):
+    q, k, v, bounds = _bad(head_dim=128)
+    with pytest.raises(ValueError, match=match):
+        ranker_attention_fwd(q, k, v, bounds, config=config)
+
+
+def test_rejects_bad_bounds_shape():
+    q, k, v, _ = _bad()
+    with pytest.raises(ValueError, match="bounds"):
+        ranker_attention_fwd(q, k, v, jnp.zeros((3, 4), jnp.int32))

@@ -1,0 +1,204 @@
+"""H200 conformance of the Hopper ranker forward kernel at real sizes.
+
+Skipped unless JAX's default backend is a GPU. Every case compares against
+``attn_reference.ranker_attention`` run in float32 (HIGHEST precision) on the upcast
+inputs: relative L2 below 2e-2 (bf16) / 5e-3 (fp16), outputs finite, LSE ``-inf``
+exactly on the rows with no allowed key and the output exactly 0 there.
+
+GPU output buffers cannot be pre-filled through the public API, so before each kernel
+call the allocator is handed a NaN-filled block of the outputs' size and freed again
+(XLA's allocator then tends to reuse it): an element the kernel forgets to write then
+reads NaN and fails the finiteness check.
+
+Run (on the H200, from the repository root):
+
+    PYTHONPATH=common/src:packages/attn-reference/src:packages/attn-mosaic-gpu/src \
+        python -m pytest packages/attn-mosaic-gpu/tests/test_ranker_fwd_gpu.py -q
+
+Timing lives in ``benchmarks/ranker_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
+
+from attn_common import (
+    CapMethod,
+    CapParams,
+    KernelConfig,
+)
+from attn_mosaic_gpu.ranker_fwd import default_config, ranker_attention_fwd
+from attn_reference.ranker import ranker_attention
+
+REL_L2 = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 5e-3}
+LSE_ATOL = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 5e-3}
+
+CAPS = {
+    "none": None,
+    "tanh": CapParams(CapMethod.TANH, 30.0),
+    "soft_sign": CapParams(CapMethod.SOFT_SIGN, 80.0),
+    "tanh_tight": CapParams(CapMethod.TANH, 5.0),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype, scale=1.0):
+    key_q, key_k, key_v = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = (jax.random.normal(key_q, (batch, seq, q_heads, head_dim)) * scale).astype(dtype)
+    k = (jax.random.normal(key_k, (batch, seq, kv_heads, head_dim)) * scale).astype(dtype)
+    v = jax.random.normal(key_v, (batch, seq, kv_heads, head_dim)).astype(dtype)
+    return q, k, v
+
+
+def _poison_allocator(nbytes: int) -> None:
+    x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
+
+
+def _check(q, k, v, bounds, *, cap=None, config=None, sm_scale=None, return_lse=True):
+    b, s, hq, d = q.shape
+    _poison_allocator(b * s * hq * (d * q.dtype.itemsize + 4))
+    got = ranker_attention_fwd(
+        q, k, v, bounds, cap=cap, config=config, sm_scale=sm_scale, return_lse=return_lse
+    )
+    want_out, want_lse = ranker_attention(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        bounds,
+        cap=cap,
+        sm_scale=sm_scale,
+        return_lse=True,
+    )
+    out, lse = got if return_lse else (got, None)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    o = np.asarray(out.astype(jnp.float32), np.float64)
+    w = np.asarray(want_out, np.float64)
+    wl = np.asarray(want_lse, np.float64)
+    assert np.all(np.isfinite(o)), f"out: {np.sum(~np.isfinite(o))} non-finite values"
+    empty = np.isneginf(wl)  # [B, Hq, S]
+    assert np.all(o[np.moveaxis(empty, 1, 2)] == 0.0), "empty rows are not exactly 0"
+    err = np.linalg.norm(o - w) / np.linalg.norm(w)
+    assert err < REL_L2[q.dtype], f"out: rel L2 {err:.3g}, max-abs {np.abs(o - w).max():.3g}"
+    if return_lse:
+        assert lse.shape == (b, hq, s) and lse.dtype == jnp.float32
+        gl = np.asarray(lse, np.float64)
+        assert not np.any(np.isnan(gl)), "lse: NaN"
+        assert np.array_equal(np.isneginf(gl), empty), "lse: -inf rows differ"
+        assert np.all(np.isfinite(gl[~empty]))
+        if (~empty).any():
+            mx = np.abs(gl[~empty] - wl[~empty]).max()
+            assert mx < LSE_ATOL[q.dtype], f"lse: max-abs {mx:.3g}"
+
+
+def _ragged_bounds(seed, batch, seq, n_cand=64, lo=126, hi=1022):
+    rng = np.random.default_rng(seed)
+    hist = rng.integers(lo, hi + 1, size=batch)
+    cand_end = np.minimum(hist + n_cand, seq)
+    return jnp.asarray(np.stack([np.zeros(batch), hist, hist, cand_end], 1).astype(np.int32))
+
+
+# ---------------------------------------------------------------- benchmark shapes
+
+
+# name, B (reduced), S, Hq, Hkv, D, bounds, cap, return_lse
+BENCH = [
+    ("phoenix", 64, 1152, 20, 4, 128, [0, 1024, 1024, 1088], CAPS["soft_sign"], True),
+    ("long", 8, 5120, 16, 16, 128, [0, 4096, 4096, 5120], CAPS["tanh"], False),
+    ("small-d64", 128, 640, 8, 8, 64, [0, 512, 512, 640], None, False),
+    ("ragged", 64, 1152, 20, 4, 128, "ragged", CAPS["soft_sign"], True),
+]
+REDUCED_BATCH = {"phoenix": 4, "long": 1, "small-d64": 8, "ragged": 8}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", BENCH, ids=[c[0] for c in BENCH])
+def test_benchmark_shapes(case, dtype):
+    name, _, seq, hq, hkv, d, bounds, cap, lse = case
+    batch = REDUCED_BATCH[name]
+    q, k, v = _inputs(1, batch, seq, hq, hkv, d, dtype)
+    if isinstance(bounds, str):
+        bounds = _ragged_bounds(2, batch, seq)
+    else:
+        bounds = jnp.asarray(bounds, jnp.int32)
+    _check(q, k, v, bounds, cap=cap, return_lse=lse)
+
+
+# ----------------------------------------------------------- head dims x dtypes x caps
+
+
+def _mixed_bounds(seq):
+    """Per-row bounds: unaligned H/C sharing a block, gaps, empty H, empty C, all-padding,
+    overlapping H and C, block-aligned full tiles."""
+    return jnp.asarray(
+        [
+            [0, 333, 333, 397],  # unaligned: a block holds history and candidates
+            [17, 290, 301, 650],  # leading padding, a gap between H and C
+            [0, 0, 40, 555],  # empty history
+            [0, 640, 640, 640],  # empty candidates, aligned history
+            [0, 0, 0, 0],  # all padding
+            [64, 512, 256, seq],  # candidates overlapping the history, to the end
+        ],
+        jnp.int32,
+    )
+
+
+@pytest.mark.parametrize("cap", list(CAPS), ids=list(CAPS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_head_dims_dtypes_caps_gqa(head_dim, dtype, cap):
+    seq = 700
+    q, k, v = _inputs(3, 6, seq, 10, 2, head_dim, dtype, scale=1.5)  # GQA 5:1
+    _check(q, k, v, _mixed_bounds(seq), cap=CAPS[cap])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        KernelConfig(block_q=64, block_kv=64, num_stages=2),
+        KernelConfig(block_q=64, block_kv=64, num_stages=4),
+        KernelConfig(block_q=64, block_kv=128, num_stages=3),
+        KernelConfig(block_q=64, block_kv=192, num_stages=2),
+    ],
+    ids=lambda c: f"kv{c.block_kv}x{c.num_stages}",
+)
+def test_configs(config):
+    seq = 1000
+    q, k, v = _inputs(4, 6, seq, 4, 2, 64, jnp.bfloat16)
+    _check(q, k, v, _mixed_bounds(seq), cap=CAPS["tanh"], config=config)
+
+
+@pytest.mark.parametrize("seq", [1, 65, 127, 129, 300])
+def test_odd_lengths(seq):
+    q, k, v = _inputs(5, 2, seq, 4, 4, 128, jnp.bfloat16)
+    bounds = jnp.asarray([[0, seq // 2, seq // 2, seq], [1, seq, 0, 0]], jnp.int32)
+    _check(q, k, v, bounds, cap=CAPS["soft_sign"], sm_scale=0.05)
+
+
+def test_one_compile_serves_every_bounds():
+    q, k, v = _inputs(6, 4, 1152, 20, 4, 128, jnp.bfloat16)
+    fwd = jax.jit(functools.partial(ranker_attention_fwd, cap=CAPS["soft_sign"]))
+    # same shape [4, 4] as the ragged bounds, other values: must reuse one executable
+    a = fwd(q, k, v, jnp.tile(jnp.asarray([0, 1024, 1024, 1088], jnp.int32), (4, 1)))
+    b = fwd(q, k, v, _ragged_bounds(7, 4, 1152))
+    jax.block_until_ready((a, b))
+    assert fwd._cache_size() == 1
+
+
+def test_default_configs_compile():
+    for d in (64, 128, 256):
+        cfg = default_config(d)
+        q, k, v = _inputs(8, 1, 512, 2, 1, d, jnp.bfloat16)
+        bounds = jnp.asarray([0, 384, 384, 512], jnp.int32)
+        _check(q, k, v, bounds, config=cfg)
