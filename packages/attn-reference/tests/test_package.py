@@ -3,8 +3,9 @@
 import inspect
 from importlib import metadata
 
-import attn_reference
 import pytest
+
+import attn_reference
 
 # SPEC section 9: parameters every backend's public functions must accept.
 SPEC_API = {
