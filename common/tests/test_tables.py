@@ -483,3 +483,12 @@ def test_write_runs_reversed_is_many_runs():
     out = _runs_jit(jnp.asarray(loc), kv_packing=2, r_cap=16)
     assert int(out.num_runs) == 16
     check_write_runs(loc, 2, 16, out)
+
+
+def test_lossy_u_max_warning_points_at_the_caller(fresh_warning_cache):
+    # The warning must name the user's line, not a module inside attn_common or jax.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_u_max(3, query_block=4, top_k=2, num_units=100)
+    assert len(caught) == 1
+    assert caught[0].filename == __file__

@@ -27,6 +27,12 @@ from attn_common.cap import (
     cap_forward,
 )
 from attn_common.config import KernelConfig
+from attn_common.paged import (
+    check_paged_cache,
+    check_prefill_inputs,
+    check_write_back_inputs,
+    latent_rows,
+)
 from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
 from attn_common.sparse_mla import (
     SparseMlaProblem,
@@ -81,10 +87,14 @@ __all__ = [
     "cap_derivative_from_output",
     "cap_forward",
     "check_bounds",
+    "check_paged_cache",
+    "check_prefill_inputs",
     "check_ranker_inputs",
     "check_sparse_mla_inputs",
+    "check_write_back_inputs",
     "default_write_run_cap",
     "kv_packing",
+    "latent_rows",
     "lift_ragged_indices",
     "lossless_u_max",
     "normalize_bounds",

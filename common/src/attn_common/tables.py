@@ -9,6 +9,8 @@ form ~1 ms; compaction is done by sorting, not by scattering into a table.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 import warnings
 from typing import NamedTuple
 
@@ -45,6 +47,31 @@ def lossless_u_max(query_block: int, top_k: int, num_units: int) -> int:
     return max(1, min(query_block * top_k, num_units))
 
 
+# Packages whose frames a warning skips, so it points at the user's call site (under
+# ``jax.jit`` the frames between the user and the backend are jax's own).
+_INTERNAL_PACKAGES = ("attn_reference", "attn_pallas_tpu", "attn_mosaic_gpu", "jax")
+
+
+@functools.cache
+def _internal_dirs() -> tuple[str, ...]:
+    """Directory prefixes of attn_common, the backends and jax (those not installed skipped).
+
+    Found with ``importlib.util.find_spec``, which does not import the package.
+    """
+    dirs = [os.path.dirname(__file__)]
+    for name in _INTERNAL_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(spec.submodule_search_locations)
+    # Both the spelling the import system used (it is what frames report) and the absolute
+    # path; the trailing separator keeps ``.../jax`` from matching ``.../jaxlib``.
+    out = {os.path.join(d, "") for d in dirs} | {os.path.join(os.path.abspath(d), "") for d in dirs}
+    return tuple(sorted(out))
+
+
 @functools.cache
 def _warn_lossy_u_max(u_max: int, lossless: int) -> None:
     # functools.cache: one warning per distinct (u_max, lossless bound), not per trace.
@@ -53,7 +80,7 @@ def _warn_lossy_u_max(u_max: int, lossless: int) -> None:
         "num_units): a query block whose union of selected units is larger keeps only its "
         "u_max smallest unit ids, and keys of the dropped units are not attended.",
         LossyUnionCapWarning,
-        stacklevel=3,
+        skip_file_prefixes=_internal_dirs(),
     )
 
 

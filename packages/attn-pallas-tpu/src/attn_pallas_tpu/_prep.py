@@ -1,0 +1,161 @@
+"""Preprocessing shared by the sparse-MLA kernels: validation, the KV row store, unit keys.
+
+Everything here is plain ``jnp`` that runs outside the kernels. Both kernels see the KV
+cache as one row-addressable store ``[R, Dk_pad]`` in HBM and address a unit by
+
+* its **key**: an opaque int32 id whose tokens sit at global positions
+  ``key * read_block + r`` (flat: the unit id; ragged: the global page-table slot, so the
+  request-local position of token ``r`` is ``key * page_size + r - base_page * page_size``);
+* its **source**: the first store row of the unit divided by 8 (``src8``). The kernels
+  DMA from row ``src8 * 8``: a multiple of 8 that Mosaic can prove, which is what lets a
+  dynamic sublane offset into the tiled HBM store lower (the paged-attention idiom).
+
+A key token at global position ``kpg`` is valid for a query iff the query selected the
+unit and ``kpg < lim``, where ``lim = base_tok + max(min(position, kv_len - 1) + 1, 0)``
+folds the causal bound and the kv length into one int32 per query.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from attn_common import (
+    SparseMlaProblem,
+    check_sparse_mla_inputs,
+    lift_ragged_indices,
+    ragged_query_info,
+    sanitize_unit_ids,
+)
+
+SUBLANE = 8
+ROW_MULTIPLE = 16  # read_block rule of the TPU kernels: bf16 sublane packing (16, 128)
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def resolve_interpret(interpret) -> pltpu.InterpretParams | bool:
+    """``False`` -> compile for TPU; ``True`` -> default TPU interpret mode; params as given."""
+    if interpret is True:
+        return pltpu.InterpretParams()
+    if interpret is False or interpret is None:
+        return False
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    raise TypeError(
+        f"interpret: got {interpret!r}, expected a bool or a pltpu.InterpretParams instance"
+    )
+
+
+def check_tpu_sparse_mla_inputs(q, kv, indices, positions, **kwargs) -> SparseMlaProblem:
+    """The shared contract plus the TPU kernels' rules (dtypes, ``read_block % 16``)."""
+    problem = check_sparse_mla_inputs(q, kv, indices, positions, **kwargs)
+    for name, x in (("q", q), ("kv", kv)):
+        if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
+            raise TypeError(
+                f"{name}: got dtype {x.dtype}, the TPU kernels take float32 or bfloat16"
+            )
+    if problem.read_block % ROW_MULTIPLE:
+        raise ValueError(
+            f"read_block: got {problem.read_block}, the TPU kernels need a multiple of "
+            f"{ROW_MULTIPLE} (one unit is DMA'd as whole bf16 sublane tiles)"
+        )
+    if problem.ragged and kv.shape[-1] != problem.dk_pad:  # also checked by the contract
+        raise ValueError(f"kv: got last dim {kv.shape[-1]}, expected Dk_pad = {problem.dk_pad}")
+    return problem
+
+
+class UnitSpace(NamedTuple):
+    """Where the selected units live, for every query (all int32).
+
+    store:     ``[R, Dk_pad]`` the row store the kernels DMA from (lives in HBM).
+    keys:      ``[B, S, K]`` unit keys, ``-1`` = no selection (sanitized / lifted).
+    src8:      ``[B, S, K]`` first store row of each selected unit // 8 (0 where none).
+    unit_ok:   ``[B, S, K]`` bool, the unit exists (ragged: its physical page is valid).
+    base_tok:  ``[B, S]`` the query's global position offset (ragged: base page * PS).
+    lim:       ``[B, S]`` global key positions ``< lim`` are causal and inside kv_len.
+    """
+
+    store: jax.Array
+    keys: jax.Array
+    src8: jax.Array
+    unit_ok: jax.Array
+    base_tok: jax.Array
+    lim: jax.Array
+
+
+def _limit(positions, kv_len):
+    pos = positions.astype(jnp.int32)
+    return jnp.maximum(jnp.minimum(pos, kv_len - 1) + 1, 0)
+
+
+def unit_source(
+    keys,
+    *,
+    flat_rows_per_batch=None,
+    read_block=None,
+    page_indices=None,
+    page_size=None,
+    num_pages=None,
+):
+    """``(src8, ok)`` of unit keys ``[B, ...]``: first store row // 8, and whether it exists.
+
+    Flat (``flat_rows_per_batch`` given): key ``u`` of batch row ``b`` starts at store row
+    ``b * Tp + u * read_block``. Ragged: global page-table slot ``g`` starts at row
+    ``page_indices[g] * page_size``; a physical page outside ``[0, num_pages)`` is not read.
+    """
+    ok = keys >= 0
+    if flat_rows_per_batch is not None:
+        b = jax.lax.broadcasted_iota(jnp.int32, keys.shape, 0)
+        row0 = b * flat_rows_per_batch + jnp.maximum(keys, 0) * read_block
+        return jnp.where(ok, row0 // SUBLANE, 0), ok
+    phys = jnp.asarray(page_indices, jnp.int32)[jnp.maximum(keys, 0)]
+    ok = ok & (phys >= 0) & (phys < num_pages)
+    return jnp.where(ok, phys * (page_size // SUBLANE), 0), ok
+
+
+def unit_space(
+    problem: SparseMlaProblem,
+    kv,
+    indices,
+    positions,
+    *,
+    page_size,
+    q_seq_id,
+    seq_lens,
+    cu_kv_lens,
+    page_indices,
+) -> UnitSpace:
+    """Build the row store and per-query unit keys/sources for flat or ragged mode."""
+    batch, seq = problem.batch, problem.num_queries
+    rb = problem.read_block
+    dk, dk_pad = problem.dk, problem.dk_pad
+    if not problem.ragged:
+        # Flat: pad features to Dk_pad (lane width) and tokens to whole units, then merge
+        # the batch into the row axis. One XLA pad of kv per call (documented cost).
+        t = problem.kv_len
+        tp = problem.num_units * rb
+        store = jnp.pad(kv, ((0, 0), (0, tp - t), (0, dk_pad - dk))).reshape(batch * tp, dk_pad)
+        keys = sanitize_unit_ids(indices, problem.num_units)
+        src8, unit_ok = unit_source(keys, flat_rows_per_batch=tp, read_block=rb)
+        base_tok = jnp.zeros((batch, seq), jnp.int32)
+        lim = _limit(positions, jnp.int32(t))
+        return UnitSpace(store, keys, src8, unit_ok, base_tok, lim)
+
+    num_pages = kv.shape[0]
+    store = kv.reshape(num_pages * page_size, kv.shape[-1])  # [P * PS, Dk_pad]
+    info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
+    keys = lift_ragged_indices(indices[0], info, problem.num_units)[None]  # [1, S, K]
+    src8, unit_ok = unit_source(
+        keys, page_indices=page_indices, page_size=page_size, num_pages=num_pages
+    )
+    base_tok = info.base_page * page_size
+    lim = base_tok + _limit(positions[0], info.kv_len)
+    return UnitSpace(store, keys, src8, unit_ok, base_tok[None], lim[None])
+
+
+def pad_features(q, dk_pad: int):
+    """Zero-pad the last axis of ``q`` to ``dk_pad`` (zeros meet the store's zero pad)."""
+    return jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, dk_pad - q.shape[-1])])

@@ -1,0 +1,370 @@
+"""Paged KV write-back kernel and the ragged write-then-attend wrappers, Pallas Mosaic TPU.
+
+``paged_write_back(cache, rows, loc)`` performs ``cache[loc[t]] = rows[t]`` (``loc >= 0``)
+in place. The XLA scatter it replaces goes through a flat ``[slots, D]`` view of the 4-D
+pool, which costs full-cache relayout copies on TPU; here the pool is input/output
+aliased and only the new rows move.
+
+Schedule (one program). ``attn_common.build_write_runs`` splits ``loc`` into maximal
+contiguous runs (a chunked prefill of one request is one run; a ragged batch about one
+run per request and page boundary) and each run into three table entries: unaligned
+head tokens, the word-aligned middle, tail tokens. The table ``[3 * r_cap * 4]`` int32
+lives in SMEM. Both the pool and the rows stay in HBM, viewed as kv-packing words
+(``[slots / pk, pk, D]``: the leading word axis is untiled, so a dynamic word offset is
+legal where a single packed token row is not).
+
+1. Every ``WORD_RUN`` entry starts one HBM->HBM DMA of ``n`` words on semaphore
+   ``sem[0]``; all of them are in flight together.
+2. Every ``TOKEN_RUN`` token is a synchronous word read-modify-write through VMEM on
+   ``sem[1]``: read the destination word and the source word, overwrite the one token
+   (static phase branches), write the word back. The words touched here are never
+   touched by a word run (valid slots are distinct and word runs cover whole words of
+   their own run), so step 2 overlaps step 1 without a race.
+3. Wait for every word run (same descriptors, rebuilt from the table).
+
+When the run table overflows (``num_runs > r_cap``: a pathologically fragmented
+``loc``) a ``lax.cond`` takes the scatter instead; the result is bit-identical either way
+(a DMA copies the bits the scatter would write). ``loc`` outside ``[0, slots)`` is
+dropped before the table is built, so no run can write outside the pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attn_common import (
+    TOKEN_RUN,
+    WORD_RUN,
+    build_write_runs,
+    check_prefill_inputs,
+    check_write_back_inputs,
+    default_write_run_cap,
+    latent_rows,
+    seq_id_from_cu_q_lens,
+)
+from attn_pallas_tpu._prep import resolve_interpret
+from attn_pallas_tpu.sparse_mla import sparse_mla_attention
+from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
+
+_FIELDS = 4  # (kind, src, dst, n) per table entry
+
+
+def _write_back_kernel(table_ref, rows_hbm, cache_in, cache_w, word_dst, word_src, sems):
+    del cache_in  # aliased with cache_w; every access goes through cache_w
+    pk = cache_w.shape[1]
+    n_entries = table_ref.shape[0] // _FIELDS
+
+    def field(e, f):
+        return table_ref[e * _FIELDS + f]
+
+    def word_copy(e):
+        src, dst, n = field(e, 1), field(e, 2), field(e, 3)
+        return pltpu.make_async_copy(
+            rows_hbm.at[pl.ds(src, n)], cache_w.at[pl.ds(dst, n)], sems.at[0]
+        )
+
+    def is_word_run(e):
+        return (field(e, 0) == WORD_RUN) & (field(e, 3) > 0)
+
+    def start_words(e, carry):
+        @pl.when(is_word_run(e))
+        def _():
+            word_copy(e).start()
+
+        return carry
+
+    def tokens(e, carry):
+        @pl.when((field(e, 0) == TOKEN_RUN) & (field(e, 3) > 0))
+        def _():
+            src, dst = field(e, 1), field(e, 2)
+
+            def one_token(i, c):
+                st, dt = src + i, dst + i  # non-negative: lax.div / lax.rem suffice
+                sw, sp_, dw, dp_ = (
+                    jax.lax.div(st, pk),
+                    jax.lax.rem(st, pk),
+                    jax.lax.div(dt, pk),
+                    jax.lax.rem(dt, pk),
+                )
+                read_dst = pltpu.make_async_copy(cache_w.at[pl.ds(dw, 1)], word_dst, sems.at[1])
+                read_src = pltpu.make_async_copy(rows_hbm.at[pl.ds(sw, 1)], word_src, sems.at[1])
+                read_dst.start()
+                read_src.start()
+                read_dst.wait()
+                read_src.wait()
+                for sp in range(pk):
+                    for dp in range(pk):
+
+                        @pl.when((sp_ == sp) & (dp_ == dp))
+                        def _(sp=sp, dp=dp):
+                            word_dst[0, dp, :] = word_src[0, sp, :]
+
+                write = pltpu.make_async_copy(word_dst, cache_w.at[pl.ds(dw, 1)], sems.at[1])
+                write.start()
+                write.wait()
+                return c
+
+            jax.lax.fori_loop(0, field(e, 3), one_token, 0)
+
+        return carry
+
+    def wait_words(e, carry):
+        @pl.when(is_word_run(e))
+        def _():
+            word_copy(e).wait()
+
+        return carry
+
+    jax.lax.fori_loop(0, n_entries, start_words, 0)
+    if pk > 1:  # with pk == 1 every run is a word run
+        jax.lax.fori_loop(0, n_entries, tokens, 0)
+    jax.lax.fori_loop(0, n_entries, wait_words, 0)
+
+
+def _write_back_call(cache_w, rows_w, table, *, interpret):
+    _, pk, feat = cache_w.shape
+    return pl.pallas_call(
+        _write_back_kernel,
+        in_specs=[
+            pl.BlockSpec(memory_space=pltpu.SMEM),  # run table
+            pl.BlockSpec(memory_space=pltpu.HBM),  # rows, word view
+            pl.BlockSpec(memory_space=pltpu.HBM),  # cache (aliased with the output)
+        ],
+        out_specs=pl.BlockSpec(memory_space=pltpu.HBM),
+        out_shape=jax.ShapeDtypeStruct(cache_w.shape, cache_w.dtype),
+        scratch_shapes=[
+            pltpu.VMEM((1, pk, feat), cache_w.dtype),
+            pltpu.VMEM((1, pk, feat), cache_w.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+        ],
+        input_output_aliases={2: 0},
+        compiler_params=pltpu.CompilerParams(has_side_effects=True),
+        interpret=interpret,
+    )(table, rows_w, cache_w)
+
+
+def _scatter(cache, rows, loc):
+    flat = cache.reshape(-1, cache.shape[-1])
+    flat = flat.at[loc].set(rows, mode="drop", wrap_negative_indices=False)
+    return flat.reshape(cache.shape)
+
+
+def paged_write_back(
+    cache: jax.Array,
+    rows: jax.Array,
+    loc: jax.Array,
+    *,
+    page_size: int,
+    r_cap: int | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """``cache[loc[t]] = rows[t]`` for every valid ``loc[t]``, in place; returns the cache.
+
+    Args:
+      cache: paged cache ``[num_pages, page_size // pk, pk, D]`` (``pk`` =
+        ``attn_common.kv_packing(dtype)``); flat slot ``s`` is page ``s // page_size``,
+        row ``s % page_size``. Donate it (``jax.jit(..., donate_argnums=...)``) for a
+        true in-place update.
+      rows: ``[T, D]`` new rows, cast to the cache dtype.
+      loc: int ``[T]`` flat slot per row; negative or ``>= num_pages * page_size`` rows
+        are dropped. Valid slots must be distinct.
+      r_cap: run-table size (static); default ``attn_common.default_write_run_cap``.
+        More contiguous runs than this fall back to the XLA scatter.
+    """
+    num_pages, _, pk, feat = check_write_back_inputs(cache, rows, loc, page_size)
+    num_tokens = rows.shape[0]
+    if r_cap is None:
+        r_cap = default_write_run_cap(num_tokens, page_size)
+    if isinstance(r_cap, bool) or not isinstance(r_cap, int) or r_cap < 1:
+        raise ValueError(f"r_cap: got {r_cap!r}, expected a positive int")
+    interpret = resolve_interpret(interpret)
+    if num_tokens == 0:
+        return cache
+
+    slots = num_pages * page_size
+    loc = loc.astype(jnp.int32)
+    loc = jnp.where((loc >= 0) & (loc < slots), loc, -1)
+    rows = rows.astype(cache.dtype)
+    padded = -(-num_tokens // pk) * pk  # whole source words
+    rows_p = jnp.pad(rows, ((0, padded - num_tokens), (0, 0)))
+    loc_p = jnp.pad(loc, (0, padded - num_tokens), constant_values=-1)
+    runs = build_write_runs(loc_p, kv_packing=pk, r_cap=r_cap)
+
+    def kernel(cache):
+        # Word views: merging the leading axes keeps the tiled minor (pk, D) axes, so
+        # these reshapes are free; the kernel sees no ref reshape (interpret mode cannot
+        # DMA through one in jax 0.11.2).
+        cache_w = cache.reshape(slots // pk, pk, feat)
+        rows_w = rows_p.reshape(padded // pk, pk, feat)
+        out = _write_back_call(cache_w, rows_w, runs.table.reshape(-1), interpret=interpret)
+        return out.reshape(cache.shape)
+
+    def scatter(cache):
+        return _scatter(cache, rows, loc)
+
+    return jax.lax.cond(runs.num_runs <= r_cap, kernel, scatter, cache)
+
+
+def _prefill(
+    attend,
+    ql,
+    qpe,
+    kvc,
+    kpe,
+    cache,
+    topk_pages,
+    positions,
+    loc,
+    seq_lens,
+    cu_q_lens,
+    cu_kv_lens,
+    page_indices,
+    *,
+    kv_lora_rank,
+    page_size,
+    sm_scale,
+    interpret,
+    **attend_kwargs,
+):
+    check_prefill_inputs(
+        ql,
+        qpe,
+        kvc,
+        kpe,
+        cache,
+        topk_pages,
+        positions,
+        loc,
+        seq_lens,
+        cu_q_lens,
+        cu_kv_lens,
+        page_indices,
+        kv_lora_rank=kv_lora_rank,
+        page_size=page_size,
+    )
+    num_tokens = ql.shape[0]
+    rows = latent_rows(kvc, kpe, width=cache.shape[-1], dtype=cache.dtype)
+    new_cache = paged_write_back(cache, rows, loc, page_size=page_size, interpret=interpret)
+    q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]
+    out = attend(
+        q,
+        new_cache,
+        topk_pages[None],
+        positions.reshape(1, num_tokens),
+        sm_scale=sm_scale,
+        kv_lora_rank=kv_lora_rank,
+        read_block=page_size,
+        page_size=page_size,
+        q_seq_id=seq_id_from_cu_q_lens(cu_q_lens, num_tokens),
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+        interpret=interpret,
+        **attend_kwargs,
+    )
+    return out[0], new_cache
+
+
+def prefill_write_and_attend_ragged(
+    ql: jax.Array,
+    qpe: jax.Array,
+    kvc: jax.Array,
+    kpe: jax.Array,
+    cache: jax.Array,
+    topk_pages: jax.Array,
+    positions: jax.Array,
+    loc: jax.Array,
+    seq_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    cu_kv_lens: jax.Array,
+    page_indices: jax.Array,
+    *,
+    kv_lora_rank: int,
+    page_size: int,
+    sm_scale: float,
+    interpret: bool | pltpu.InterpretParams = False,
+    query_block: int = 256,
+) -> tuple[jax.Array, jax.Array]:
+    """Write the new tokens' latents into the paged cache, then attend (per-query kernel).
+
+    Args:
+      ql: ``[T, H, kv_lora_rank]`` absorbed latent query; qpe: ``[T, H, rope]``.
+      kvc: ``[T, kv_lora_rank]`` new latents; kpe: ``[T, rope]`` (or ``[T, 1, rope]``).
+      cache: ``[num_pages, page_size // pk, pk, Dk_pad]``, Dk_pad = kv_lora_rank + rope
+        rounded up to 128.
+      topk_pages: ``[T, K]`` request-local page ids (``-1`` = none).
+      positions: ``[T]`` request-local query positions. loc: ``[T]`` flat cache slot.
+      seq_lens / cu_q_lens / cu_kv_lens / page_indices: the packed ragged tables.
+      query_block: ignored here; accepted so the ``_qblock`` twin is a drop-in.
+
+    Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
+    """
+    del query_block
+    return _prefill(
+        sparse_mla_attention,
+        ql,
+        qpe,
+        kvc,
+        kpe,
+        cache,
+        topk_pages,
+        positions,
+        loc,
+        seq_lens,
+        cu_q_lens,
+        cu_kv_lens,
+        page_indices,
+        kv_lora_rank=kv_lora_rank,
+        page_size=page_size,
+        sm_scale=sm_scale,
+        interpret=interpret,
+    )
+
+
+def prefill_write_and_attend_ragged_qblock(
+    ql: jax.Array,
+    qpe: jax.Array,
+    kvc: jax.Array,
+    kpe: jax.Array,
+    cache: jax.Array,
+    topk_pages: jax.Array,
+    positions: jax.Array,
+    loc: jax.Array,
+    seq_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    cu_kv_lens: jax.Array,
+    page_indices: jax.Array,
+    *,
+    kv_lora_rank: int,
+    page_size: int,
+    sm_scale: float,
+    interpret: bool | pltpu.InterpretParams = False,
+    query_block: int = 256,
+    u_max: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Same as :func:`prefill_write_and_attend_ragged`, attending with the query-blocked
+    kernel (``query_block`` queries per program, optional lossy ``u_max``)."""
+    return _prefill(
+        sparse_mla_attention_qblock,
+        ql,
+        qpe,
+        kvc,
+        kpe,
+        cache,
+        topk_pages,
+        positions,
+        loc,
+        seq_lens,
+        cu_q_lens,
+        cu_kv_lens,
+        page_indices,
+        kv_lora_rank=kv_lora_rank,
+        page_size=page_size,
+        sm_scale=sm_scale,
+        interpret=interpret,
+        query_block=query_block,
+        u_max=u_max,
+    )

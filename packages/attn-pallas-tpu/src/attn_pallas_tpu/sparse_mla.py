@@ -1,0 +1,272 @@
+"""Per-query sparse-MLA prefill kernel (flat and ragged paged KV), Pallas Mosaic TPU.
+
+Schedule. The grid has one program per query (``B * S`` programs, all independent:
+``parallel``). Before the kernel, plain ``jnp`` turns each query's ``K`` selections into
+a compact list of distinct units, sorted by store row: duplicates and invalid ids
+(``-1``, out of range, a page-table slot past the request's extent or a physical page
+outside the cache) are dropped there, so the kernel walks ``count <= K`` units and
+selections are sets by construction. The per-query list travels in SMEM (one block of
+the table per program):
+
+* ``src``  ``[N, 1, K]``: first store row of each unit, divided by 8;
+* ``kb``   ``[N, 1, K]``: global position of the unit's first token;
+* ``meta`` ``[N, 1, 2]``: ``(count, lim)``; key position ``p`` is valid iff ``p < lim``.
+
+The KV store ``[R, Dk_pad]`` stays in HBM (``memory_space=HBM``). The program copies
+unit ``j`` (``read_block`` rows starting at row ``src[j] * 8``) into slot ``j % NBUF``
+of a VMEM ring ``[NBUF, read_block, Dk_pad]``; slot ``s`` signals DMA semaphore
+``sem[s]``. The prologue starts units ``0 .. NBUF-2``; iteration ``j`` starts unit
+``j + NBUF - 1`` into the slot iteration ``j - 1`` finished reading, then waits for unit
+``j`` and computes on it, so ``NBUF - 1`` copies are in flight behind the compute. Every
+started copy is waited for before the program ends.
+
+Compute per unit: scores ``q [H, Dk_pad] . k^T -> [H, RB]`` in float32, the mask
+``kb[j] + r < lim`` (causal and kv_len; the unit's selection is implied by the list),
+then an online softmax over the units. Rows that have seen no valid key keep
+``m = -inf``; the exponent uses ``m`` replaced by 0 there, so ``exp(-inf - 0) = 0`` and
+no ``-inf - -inf`` NaN appears. The output is ``acc / l`` (0 where ``l == 0``) and the
+LSE ``m + log(l)`` in natural log (``-inf`` where ``l == 0``), both always written.
+
+The per-query kernel re-fetches a unit once for every query that selected it; the
+query-blocked kernel (``sparse_mla_qblock``) fetches each unit once per block of queries.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attn_pallas_tpu._prep import (
+    SUBLANE,
+    check_tpu_sparse_mla_inputs,
+    pad_features,
+    resolve_interpret,
+    unit_space,
+)
+
+NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
+_SENTINEL = jnp.iinfo(jnp.int32).max
+
+
+def _per_query_kernel(
+    meta_ref,  # SMEM [1, 1, 2]: (count, lim)
+    src_ref,  # SMEM [1, 1, K]: first store row // 8 of each unit (compacted)
+    kb_ref,  # SMEM [1, 1, K]: global position of each unit's first token
+    q_ref,  # VMEM [1, H, Dk_pad]
+    kv_hbm,  # HBM  [R, Dk_pad] row store
+    o_ref,  # VMEM [1, H, Dv] float32
+    lse_ref,  # VMEM [1, H, 1] float32
+    ring,  # VMEM [NBUF, RB, Dk_pad] unit ring
+    sems,  # DMA semaphores [NBUF]
+    *,
+    sm_scale: float,
+    dk: int,
+    dv: int,
+    rb: int,
+):
+    count = meta_ref[0, 0, 0]
+    lim = meta_ref[0, 0, 1]
+    q = q_ref[0]
+    heads, dk_pad = q.shape
+
+    def copy(j, slot):
+        start = pl.multiple_of(src_ref[0, 0, j] * SUBLANE, SUBLANE)
+        return pltpu.make_async_copy(kv_hbm.at[pl.ds(start, rb)], ring.at[slot], sems.at[slot])
+
+    for d in range(NBUF - 1):  # prologue: fill the ring
+
+        @pl.when(d < count)
+        def _(d=d):
+            copy(d, d).start()
+
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, rb), 1)
+    feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
+
+    def body(j, carry):
+        m_i, l_i, acc = carry
+        nxt = j + NBUF - 1
+
+        @pl.when(nxt < count)
+        def _():
+            copy(nxt, jax.lax.rem(nxt, NBUF)).start()
+
+        slot = jax.lax.rem(j, NBUF)
+        copy(j, slot).wait()
+        kv = ring[slot]  # [RB, Dk_pad]
+        if dk < dk_pad:  # the paged cache's feature padding may hold anything
+            kv = jnp.where(feat < dk, kv, jnp.zeros_like(kv))
+        s = jax.lax.dot_general(
+            q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [H, RB]
+        valid = (kb_ref[0, 0, j] + lanes) < lim  # [1, RB]
+        s = jnp.where(valid, s * sm_scale, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1, keepdims=True))  # [H, 1]
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_i - m_safe)  # m_i = -inf -> 0 (acc and l are 0 there anyway)
+        l_new = l_i * alpha + jnp.sum(p, axis=1, keepdims=True)
+        pv = jax.lax.dot_general(
+            p.astype(kv.dtype),
+            kv[:, :dv],
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        return m_new, l_new, acc * alpha + pv
+
+    init = (
+        jnp.full((heads, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((heads, 1), jnp.float32),
+        jnp.zeros((heads, dv), jnp.float32),
+    )
+    m_i, l_i, acc = jax.lax.fori_loop(0, count, body, init)
+    empty = l_i == 0.0
+    o_ref[0] = acc / jnp.where(empty, 1.0, l_i)
+    lse_ref[0] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)))
+
+
+def _compact_units(src8, kb, ok):
+    """Per query: distinct units (by store row) first, ascending; returns count too."""
+    key = jnp.where(ok, src8, _SENTINEL)
+    key, kb = jax.lax.sort((key, kb), dimension=-1, num_keys=1)
+    dup = jnp.concatenate(
+        [jnp.zeros_like(key[..., :1], bool), key[..., 1:] == key[..., :-1]], axis=-1
+    )
+    key = jnp.where(dup, _SENTINEL, key)
+    key, kb = jax.lax.sort((key, kb), dimension=-1, num_keys=1)
+    live = key != _SENTINEL
+    count = live.sum(axis=-1).astype(jnp.int32)
+    return jnp.where(live, key, 0), jnp.where(live, kb, 0), count
+
+
+def _vmem_limit(*nbytes: int) -> int:
+    """Scoped VMEM request: the buffers, doubled for pipelining slack, within [16, 100] MiB."""
+    need = 2 * sum(nbytes)
+    return int(min(max(need, 16 << 20), 100 << 20))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dk", "dv", "rb", "interpret"))
+def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, interpret):
+    n, heads, dk_pad = q.shape
+    top_k = src8.shape[-1]
+    meta = jnp.stack([count, lim], axis=-1).reshape(n, 1, 2)
+    smem = pltpu.SMEM
+    kernel = functools.partial(_per_query_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb)
+    itemsize = jnp.dtype(store.dtype).itemsize
+    return pl.pallas_call(
+        kernel,
+        grid=(n,),
+        in_specs=[
+            pl.BlockSpec((1, 1, 2), lambda i: (i, 0, 0), memory_space=smem),
+            pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
+            pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
+            pl.BlockSpec((1, heads, dk_pad), lambda i: (i, 0, 0)),
+            pl.BlockSpec(memory_space=pltpu.HBM),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, heads, dv), lambda i: (i, 0, 0)),
+            pl.BlockSpec((1, heads, 1), lambda i: (i, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, heads, dv), jnp.float32),
+            jax.ShapeDtypeStruct((n, heads, 1), jnp.float32),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((NBUF, rb, dk_pad), store.dtype),
+            pltpu.SemaphoreType.DMA((NBUF,)),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",),
+            vmem_limit_bytes=_vmem_limit(
+                NBUF * rb * dk_pad * itemsize,
+                2 * heads * dk_pad * q.dtype.itemsize,
+                3 * heads * dv * 4,
+                3 * heads * rb * 4,
+            ),
+        ),
+        interpret=interpret,
+    )(meta, src8.reshape(n, 1, top_k), kb.reshape(n, 1, top_k), q, store)
+
+
+def sparse_mla_attention(
+    q: jax.Array,
+    kv: jax.Array,
+    indices: jax.Array,
+    positions: jax.Array,
+    *,
+    sm_scale: float,
+    kv_lora_rank: int = 512,
+    read_block: int = 128,
+    return_lse: bool = False,
+    page_size: int | None = None,
+    q_seq_id: jax.Array | None = None,
+    seq_lens: jax.Array | None = None,
+    cu_kv_lens: jax.Array | None = None,
+    page_indices: jax.Array | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+):
+    """Sparse MLA attention, one TPU program per query (DeepSeek sparse attention prefill).
+
+    Flat mode: ``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]`` int unit ids
+    (a unit is ``read_block`` tokens; ``-1`` or out of range = none; duplicates count
+    once), ``positions [B, S]``. Ragged paged mode (``q_seq_id`` given): ``B == 1``,
+    ``kv`` the paged cache ``[num_pages, page_size // pk, pk, Dk_pad]``, ``indices``
+    request-local page ids, ``read_block == page_size``; the layout is defined in
+    ``attn_common.sparse_mla``. dtypes: float32 or bfloat16; ``read_block % 16 == 0``.
+
+    Returns ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse [B, S, H])`` with
+    ``return_lse=True`` (natural log; ``-inf`` and ``out == 0`` for a query with no
+    valid key). ``interpret``: ``True`` or a ``pltpu.InterpretParams`` runs the kernel
+    in TPU interpret mode (CPU).
+    """
+    problem = check_tpu_sparse_mla_inputs(
+        q,
+        kv,
+        indices,
+        positions,
+        sm_scale=sm_scale,
+        kv_lora_rank=kv_lora_rank,
+        read_block=read_block,
+        page_size=page_size,
+        q_seq_id=q_seq_id,
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+    )
+    interpret = resolve_interpret(interpret)
+    space = unit_space(
+        problem,
+        kv,
+        indices,
+        positions,
+        page_size=page_size,
+        q_seq_id=q_seq_id,
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+    )
+    batch, seq, heads = problem.batch, problem.num_queries, problem.heads
+    n = batch * seq
+    rb = problem.read_block
+    src8, kb, count = _compact_units(space.src8, space.keys * rb, space.unit_ok)
+    q_pad = pad_features(q.astype(kv.dtype), problem.dk_pad).reshape(n, heads, problem.dk_pad)
+    out, lse = _per_query_call(
+        q_pad,
+        space.store,
+        src8.reshape(n, -1),
+        kb.reshape(n, -1),
+        count.reshape(n),
+        space.lim.reshape(n),
+        sm_scale=problem.sm_scale,
+        dk=problem.dk,
+        dv=problem.dv,
+        rb=rb,
+        interpret=interpret,
+    )
+    out = out.reshape(batch, seq, heads, problem.dv)
+    if not return_lse:
+        return out
+    return out, lse.reshape(batch, seq, heads)
