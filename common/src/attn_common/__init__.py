@@ -32,6 +32,7 @@ from attn_common.paged import (
     check_prefill_inputs,
     check_write_back_inputs,
     latent_rows,
+    write_then_attend,
 )
 from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
 from attn_common.sparse_mla import (
@@ -108,4 +109,5 @@ __all__ = [
     "resolve_u_max",
     "sanitize_unit_ids",
     "seq_id_from_cu_q_lens",
+    "write_then_attend",
 ]

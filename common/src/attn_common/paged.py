@@ -145,3 +145,59 @@ def check_prefill_inputs(
     dk_pad = padded_dk(dv + rope)
     if cache.shape[-1] != dk_pad:
         raise ValueError(f"cache: got last dim {cache.shape[-1]}, expected Dk_pad = {dk_pad}")
+
+
+def write_then_attend(
+    write_back,
+    attend,
+    ql,
+    qpe,
+    kvc,
+    kpe,
+    cache,
+    topk_pages,
+    positions,
+    loc,
+    seq_lens,
+    cu_q_lens,
+    cu_kv_lens,
+    page_indices,
+    *,
+    kv_lora_rank: int,
+    page_size: int,
+    sm_scale: float,
+    **attend_kwargs,
+):
+    """The ``prefill_write_and_attend_ragged`` composition, for any backend.
+
+    Validates, builds each new token's row ``[c_kv | k_rope | 0...]``, writes the rows with
+    ``write_back(cache, rows, loc, page_size=...)``, then runs ragged sparse MLA with
+    ``attend`` (a backend's ``sparse_mla_attention`` or its ``_qblock`` twin) over the new
+    cache. Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
+    """
+    from attn_common.sparse_mla import seq_id_from_cu_q_lens
+
+    check_prefill_inputs(
+        ql, qpe, kvc, kpe, cache, topk_pages, positions, loc, seq_lens, cu_q_lens,
+        cu_kv_lens, page_indices, kv_lora_rank=kv_lora_rank, page_size=page_size,
+    )  # fmt: skip
+    num_tokens = ql.shape[0]
+    rows = latent_rows(kvc, kpe, width=cache.shape[-1], dtype=cache.dtype)
+    new_cache = write_back(cache, rows, loc, page_size=page_size)
+    q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]
+    out = attend(
+        q,
+        new_cache,
+        topk_pages[None],
+        positions.reshape(1, num_tokens),
+        sm_scale=sm_scale,
+        kv_lora_rank=kv_lora_rank,
+        read_block=page_size,
+        page_size=page_size,
+        q_seq_id=seq_id_from_cu_q_lens(cu_q_lens, num_tokens),
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+        **attend_kwargs,
+    )
+    return out[0], new_cache

@@ -30,6 +30,8 @@ dropped before the table is built, so no run can write outside the pool.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -39,11 +41,9 @@ from attn_common import (
     TOKEN_RUN,
     WORD_RUN,
     build_write_runs,
-    check_prefill_inputs,
     check_write_back_inputs,
     default_write_run_cap,
-    latent_rows,
-    seq_id_from_cu_q_lens,
+    write_then_attend,
 )
 from attn_pallas_tpu._prep import resolve_interpret
 from attn_pallas_tpu.sparse_mla import sparse_mla_attention
@@ -208,64 +208,12 @@ def paged_write_back(
     return jax.lax.cond(runs.num_runs <= r_cap, kernel, scatter, cache)
 
 
-def _prefill(
-    attend,
-    ql,
-    qpe,
-    kvc,
-    kpe,
-    cache,
-    topk_pages,
-    positions,
-    loc,
-    seq_lens,
-    cu_q_lens,
-    cu_kv_lens,
-    page_indices,
-    *,
-    kv_lora_rank,
-    page_size,
-    sm_scale,
-    interpret,
-    **attend_kwargs,
-):
-    check_prefill_inputs(
-        ql,
-        qpe,
-        kvc,
-        kpe,
-        cache,
-        topk_pages,
-        positions,
-        loc,
-        seq_lens,
-        cu_q_lens,
-        cu_kv_lens,
-        page_indices,
-        kv_lora_rank=kv_lora_rank,
-        page_size=page_size,
-    )
-    num_tokens = ql.shape[0]
-    rows = latent_rows(kvc, kpe, width=cache.shape[-1], dtype=cache.dtype)
-    new_cache = paged_write_back(cache, rows, loc, page_size=page_size, interpret=interpret)
-    q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]
-    out = attend(
-        q,
-        new_cache,
-        topk_pages[None],
-        positions.reshape(1, num_tokens),
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=seq_id_from_cu_q_lens(cu_q_lens, num_tokens),
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        interpret=interpret,
-        **attend_kwargs,
-    )
-    return out[0], new_cache
+def _prefill(attend, *args, kv_lora_rank, page_size, sm_scale, interpret, **attend_kwargs):
+    write_back = functools.partial(paged_write_back, interpret=interpret)
+    return write_then_attend(
+        write_back, attend, *args, kv_lora_rank=kv_lora_rank, page_size=page_size,
+        sm_scale=sm_scale, interpret=interpret, **attend_kwargs,
+    )  # fmt: skip
 
 
 def prefill_write_and_attend_ragged(

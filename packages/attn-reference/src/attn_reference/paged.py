@@ -10,12 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn_common import (
-    check_prefill_inputs,
-    check_write_back_inputs,
-    latent_rows,
-    seq_id_from_cu_q_lens,
-)
+from attn_common import check_write_back_inputs, write_then_attend
 from attn_reference.sparse_mla import sparse_mla_attention
 
 
@@ -86,41 +81,11 @@ def prefill_write_and_attend_ragged(
     Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
     """
     del query_block
-    check_prefill_inputs(
-        ql,
-        qpe,
-        kvc,
-        kpe,
-        cache,
-        topk_pages,
-        positions,
-        loc,
-        seq_lens,
-        cu_q_lens,
-        cu_kv_lens,
-        page_indices,
-        kv_lora_rank=kv_lora_rank,
-        page_size=page_size,
-    )
-    num_tokens = ql.shape[0]
-    rows = latent_rows(kvc, kpe, width=cache.shape[-1], dtype=cache.dtype)
-    new_cache = paged_write_back(cache, rows, loc, page_size=page_size)
-    q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]
-    out = sparse_mla_attention(
-        q,
-        new_cache,
-        topk_pages[None],
-        positions.reshape(1, num_tokens),
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=seq_id_from_cu_q_lens(cu_q_lens, num_tokens),
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-    )
-    return out[0], new_cache
+    return write_then_attend(
+        paged_write_back, sparse_mla_attention, ql, qpe, kvc, kpe, cache, topk_pages,
+        positions, loc, seq_lens, cu_q_lens, cu_kv_lens, page_indices,
+        kv_lora_rank=kv_lora_rank, page_size=page_size, sm_scale=sm_scale,
+    )  # fmt: skip
 
 
 prefill_write_and_attend_ragged_qblock = prefill_write_and_attend_ragged
