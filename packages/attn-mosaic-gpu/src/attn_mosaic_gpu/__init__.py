@@ -1,13 +1,18 @@
 """Pallas Mosaic GPU attention kernels for NVIDIA Hopper (sm_90a).
 
-``ranker_attention``: the warp-specialized ranker-attention forward kernel (history +
-isolated candidates, logit soft cap, GQA, optional LSE), under the shared API name.
-Its backward kernels and the sparse MLA kernels for Hopper are separate issues.
+``ranker_attention``: ranker attention (history + isolated candidates, logit soft cap,
+GQA, optional differentiable LSE) under the shared API name. The forward is the
+warp-specialized kernel of ``ranker_fwd``; ``jax.grad`` / ``jax.vjp`` run the dq and
+dk/dv kernels of ``ranker_bwd`` (fixed accumulation order, no atomics; GQA dK/dV
+accumulated per kv head). The backward is a first, unpipelined version: correct, slower
+than cuDNN on most shapes (docs/ranker_gpu_forward.md).
+The sparse MLA kernels for Hopper are a separate issue.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from attn_mosaic_gpu.ranker import ranker_attention
+from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_fwd import default_config, ranker_attention_fwd
 
 try:
@@ -15,4 +20,4 @@ try:
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["default_config", "ranker_attention", "ranker_attention_fwd"]
+__all__ = ["default_config", "ranker_attention", "ranker_attention_bwd", "ranker_attention_fwd"]

@@ -1,8 +1,12 @@
-"""Public ranker attention for Hopper: the forward kernel behind the shared API name.
+"""Public ranker attention for Hopper: forward and backward kernels behind the shared API name.
 
-``ranker_attention`` runs ``ranker_fwd.ranker_attention_fwd``. Its backward kernels are
-not written yet (issue 5): differentiating it raises ``NotImplementedError`` at trace
-time instead of silently falling back, and says where gradients are available today.
+``ranker_attention`` is a ``jax.custom_vjp`` of the function returning ``(out, lse)``:
+the forward runs ``ranker_fwd.ranker_attention_fwd`` (always computing the LSE, which the
+backward needs) and the backward runs the dq and dk/dv kernels of ``ranker_bwd``. The
+residuals are ``q, k, v, bounds, out, lse``. With ``return_lse=True`` the LSE is
+differentiable: its cotangent enters the backward through ``delta' = rowsum(dO * O) -
+dlse``. ``bounds`` (integers) gets no cotangent. The kernels accumulate in a fixed order without
+atomics, so gradients are meant to be bitwise deterministic (not yet verified on a GPU).
 """
 
 from __future__ import annotations
@@ -12,29 +16,47 @@ import functools
 import jax
 
 from attn_common import CapParams, KernelConfig
+from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
 
-_NO_BACKWARD = (
-    "attn_mosaic_gpu.ranker_attention has no backward kernel yet (Hopper dq/dk/dv kernels "
-    "are tracked as a separate issue); for gradients use attn_reference.ranker_attention, "
-    "which has the same signature and semantics"
-)
+
+def _fwd_kwargs(kwargs):
+    kw = dict(kwargs)
+    kw["return_lse"] = True
+    return kw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _forward_only(q, k, v, bounds, kwargs):
-    return ranker_attention_fwd(q, k, v, bounds, **dict(kwargs))
+def _attention(q, k, v, bounds, kwargs):
+    return ranker_attention_fwd(q, k, v, bounds, **_fwd_kwargs(kwargs))
 
 
-def _fwd(q, k, v, bounds, kwargs):
-    return _forward_only(q, k, v, bounds, kwargs), None
+def _attention_fwd(q, k, v, bounds, kwargs):
+    out, lse = ranker_attention_fwd(q, k, v, bounds, **_fwd_kwargs(kwargs))
+    return (out, lse), (q, k, v, bounds, out, lse)
 
 
-def _bwd(kwargs, residuals, cotangents):
-    raise NotImplementedError(_NO_BACKWARD)
+def _attention_bwd(kwargs, residuals, cotangents):
+    q, k, v, bounds, out, lse = residuals
+    dout, dlse = cotangents
+    kw = dict(kwargs)
+    dq, dk, dv = ranker_attention_bwd(
+        q,
+        k,
+        v,
+        bounds,
+        out,
+        lse,
+        dout,
+        dlse,
+        sm_scale=kw["sm_scale"],
+        cap=kw["cap"],
+        interpret=kw["interpret"],
+    )
+    return dq, dk, dv, None
 
 
-_forward_only.defvjp(_fwd, _bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def ranker_attention(
@@ -54,9 +76,13 @@ def ranker_attention(
     Args:
       q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]``; D in {64, 128, 256}.
       bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]``; traced data.
-      sm_scale, cap, config, return_lse, interpret: see ``ranker_attention_fwd``.
+      sm_scale, cap, config, return_lse, interpret: see ``ranker_attention_fwd``
+        (``config`` tiles the forward; the backward uses its own fixed 64x64 blocks).
 
-    Returns ``out [B, S, Hq, D]`` or ``(out, lse [B, Hq, S])``. Forward only for now.
+    Returns ``out [B, S, Hq, D]`` or ``(out, lse [B, Hq, S])``. Differentiable in q, k, v
+    (``jax.grad`` / ``jax.vjp``, under ``jit``), including through ``lse``. The forward
+    kernel always computes the LSE (a residual of the backward), also when
+    ``return_lse=False``; ``config`` is then validated with the LSE buffer.
     """
     if isinstance(interpret, bool) and not interpret:
         interpret = False
@@ -64,7 +90,7 @@ def ranker_attention(
         ("sm_scale", sm_scale),
         ("cap", cap),
         ("config", config),
-        ("return_lse", bool(return_lse)),
         ("interpret", interpret),
     )
-    return _forward_only(q, k, v, bounds, kwargs)
+    out, lse = _attention(q, k, v, bounds, kwargs)
+    return (out, lse) if return_lse else out

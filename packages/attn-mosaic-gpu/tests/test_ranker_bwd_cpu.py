@@ -1,0 +1,191 @@
+"""CPU checks of the Hopper ranker backward (dq and dk/dv kernels, custom_vjp wiring).
+
+* Interpret mode (``plgpu.InterpretGPUParams``, race detection on, buffers start as NaN
+  so an unwritten element fails): ``jax.grad`` of ``attn_mosaic_gpu.ranker_attention``
+  under ``jit`` against ``jax.grad`` of ``attn_reference.ranker_attention`` on the f32
+  upcast inputs, with a loss on ``out`` and a z-loss on the LSE. Checks: rel L2 per
+  tensor, no NaN, exact zeros for rows with no allowed key (dq) and for keys nobody
+  attends (dk, dv). The interpret path is the GPU path of the backward kernels.
+* Cross-lowering: ``jax.export`` of ``jit(grad(loss))`` with ``platforms=["cuda"]`` at
+  every SPEC section 7 benchmark shape and D=256 (tracing and Mosaic GPU lowering; not
+  ptxas). Determinism can only be tested on the GPU (``test_ranker_bwd_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    get_races,
+    reset_gpu_interpret_mode_state,
+)
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
+from attn_mosaic_gpu import ranker_attention
+from attn_mosaic_gpu.ranker_bwd import SMEM_LIMIT_BYTES, bwd_smem_bytes, validate_bwd
+from attn_reference.ranker import ranker_attention as reference
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+SMALL = KernelConfig(block_q=64, block_kv=64, num_stages=2)
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
+TANH = CapParams(CapMethod.TANH, 5.0)
+SOFT_SIGN = CapParams(CapMethod.SOFT_SIGN, 8.0)
+
+
+def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype):
+    rng = np.random.default_rng(seed)
+
+    def draw(heads, scale=1.0):
+        x = rng.standard_normal((batch, seq, heads, head_dim)).astype(np.float32) * scale
+        return jnp.asarray(x).astype(dtype)
+
+    return draw(q_heads, 2.0), draw(kv_heads, 2.0), draw(kv_heads)
+
+
+def _loss(fn, q, k, v, bounds, w, *, cap, use_lse, **kw):
+    if use_lse:
+        out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
+        z = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) ** 2)
+        return jnp.sum(out.astype(jnp.float32) * w) + 0.1 * z
+    out = fn(q, k, v, bounds, cap=cap, **kw)
+    return jnp.sum(out.astype(jnp.float32) * w)
+
+
+def _check_grads(q, k, v, bounds, *, cap=None, use_lse=True, seed=0):
+    w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
+
+    def kernel_loss(q, k, v):
+        return _loss(
+            ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse,
+            config=SMALL, interpret=INTERPRET,
+        )  # fmt: skip
+
+    try:
+        got = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))(q, k, v)
+        jax.block_until_ready(got)
+    except Exception:
+        reset_gpu_interpret_mode_state()
+        raise
+    assert not get_races().races_found, "interpret mode race detector reported a race"
+
+    def ref_loss(q, k, v):
+        return _loss(reference, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
+
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.grad(ref_loss, argnums=(0, 1, 2))(*up)
+
+    # Rows with no allowed key and keys nobody attends must get exactly 0.
+    arr = bounds.as_array() if isinstance(bounds, SegmentBounds) else jnp.asarray(bounds)
+    arr = np.broadcast_to(np.clip(np.asarray(arr), 0, q.shape[1]), (q.shape[0], 4))
+    pos = np.arange(q.shape[1])
+    allowed = np.asarray(
+        ranker_mask(pos[None, :, None], pos[None, None, :], *(arr[:, i, None, None] for i in range(4)))
+    )  # fmt: skip
+    row_dead = ~allowed.any(axis=2)  # [B, S]
+    key_dead = ~allowed.any(axis=1)  # [B, S]
+
+    for name, g, r, dead in zip(
+        ("dq", "dk", "dv"), got, want, (row_dead, key_dead, key_dead), strict=True
+    ):
+        assert g.dtype == q.dtype and g.shape == r.shape, name
+        g = np.asarray(g.astype(jnp.float32), np.float64)
+        r = np.asarray(r, np.float64)
+        assert not np.isnan(g).any(), f"{name}: NaN"
+        assert np.isfinite(g).all(), f"{name}: non-finite"
+        assert np.all(g[dead] == 0.0), f"{name}: nonzero gradient where nothing is allowed"
+        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+        assert err < TOL[q.dtype.type], f"{name}: rel L2 {err:.3g}"
+
+
+def test_grad_gqa_unaligned_shared_block_tanh_bf16():
+    """GQA 2:1, tanh 5; per-row unaligned bounds where history and candidates share a
+    block; leading and trailing padding rows; z-loss on the LSE with out."""
+    q, k, v = _inputs(0, 2, 200, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array([[0, 100, 100, 150], [10, 37, 37, 190]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=TANH)
+
+
+def test_grad_soft_sign_empty_history_overlap_fp16():
+    """fp16, soft_sign 8; empty history (candidates attend only themselves); candidates
+    overlapping the history; SegmentBounds input."""
+    q, k, v = _inputs(1, 2, 160, 2, 2, 64, jnp.float16)
+    bounds = SegmentBounds.from_array(jnp.array([[0, 0, 5, 133], [0, 100, 40, 150]]))
+    _check_grads(q, k, v, bounds, cap=SOFT_SIGN, seed=1)
+
+
+def test_grad_no_cap_empty_candidates_padding_row_out_only():
+    """No cap, out-only loss (return_lse=False); S=260 unaligned; empty candidates and an
+    all-padding batch row (every gradient of that row is exactly 0)."""
+    q, k, v = _inputs(2, 2, 260, 2, 2, 64, jnp.bfloat16)
+    bounds = jnp.array([[20, 150, 150, 150], [0, 0, 0, 0]], jnp.int32)
+    _check_grads(q, k, v, bounds, use_lse=False, seed=2)
+
+
+def test_grad_d256_gqa_soft_sign_fp16():
+    """D=256 (the dk/dv kernel splits the head dim in two programs), GQA 2:1."""
+    q, k, v = _inputs(3, 1, 100, 2, 1, 256, jnp.float16)
+    bounds = jnp.array([[3, 70, 70, 95]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=SOFT_SIGN, seed=3)
+
+
+# ------------------------------------------------------------------- cross-lowering
+
+
+def _sds(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# name, B, S, Hq, Hkv, D, cap, dtype  (SPEC section 7 + D=256)
+LOWERING_SHAPES = [
+    ("phoenix", 64, 1152, 20, 4, 128, CapParams(CapMethod.SOFT_SIGN, 80.0), jnp.bfloat16),
+    ("long", 8, 5120, 16, 16, 128, CapParams(CapMethod.TANH, 30.0), jnp.bfloat16),
+    ("small-d64", 128, 640, 8, 8, 64, None, jnp.bfloat16),
+    ("ragged", 64, 1152, 20, 4, 128, CapParams(CapMethod.SOFT_SIGN, 80.0), jnp.bfloat16),
+    ("d256", 8, 1000, 16, 4, 256, CapParams(CapMethod.TANH, 30.0), jnp.bfloat16),
+    ("d256-fp16", 4, 777, 8, 8, 256, None, jnp.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "name,batch,seq,q_heads,kv_heads,head_dim,cap,dtype",
+    LOWERING_SHAPES,
+    ids=[s[0] for s in LOWERING_SHAPES],
+)
+@pytest.mark.parametrize("use_lse", [False, True], ids=["out", "out+lse"])
+def test_cross_lowering_grad_cuda(
+    name, batch, seq, q_heads, kv_heads, head_dim, cap, dtype, use_lse
+):
+    def loss(q, k, v, bounds, w):
+        return _loss(ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    exported = jax.export.export(grad, platforms=["cuda"])(
+        _sds(batch, seq, q_heads, head_dim, dtype=dtype),
+        _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+        _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+        _sds(batch, 4, dtype=jnp.int32),
+        _sds(batch, seq, q_heads, head_dim, dtype=jnp.float32),
+    )
+    text = exported.mlir_module()
+    # forward + dq + dk/dv kernels
+    assert text.count("mosaic_gpu_v2") >= 3 or text.count("mosaic_gpu") >= 3, name
+    dq, dk, dv = exported.out_avals
+    assert dq.shape == (batch, seq, q_heads, head_dim) and dq.dtype == dtype
+    assert dk.shape == dv.shape == (batch, seq, kv_heads, head_dim)
+    assert dk.dtype == dv.dtype == dtype
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_backward_fits_shared_memory(head_dim, dtype):
+    validate_bwd(head_dim, dtype)
+    for name, need in bwd_smem_bytes(head_dim, dtype).items():
+        assert need <= SMEM_LIMIT_BYTES, name
+
+
+def test_backward_rejects_head_dim():
+    with pytest.raises(ValueError, match="head_dim"):
+        validate_bwd(96, jnp.bfloat16)
