@@ -1,7 +1,7 @@
 """Nox sessions for the attention-kernels monorepo.
 
     nox -s lint tests-cpu   # what CI runs (.ci/run); every developer, CPU only
-    nox -s demo             # the main job: the pure-JAX reference demo
+    nox -s demo             # the main job: `attn run ranker` / `attn run sparse-mla` on CPU
     nox -s build            # the four wheels, each installed alone in a fresh venv
     nox -s tests-cuda13     # on a Hopper GPU machine (JAX with the CUDA 13 plugin)
     nox -s tests-tpu        # on a TPU VM
@@ -214,9 +214,16 @@ print(f"{name} {mod.__version__}: imports alone; attn distributions installed: {
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The main job: run the pure-JAX reference demo on CPU."""
+    """The main job: `attn run ranker` and `attn run sparse-mla` on the CPU default.
+
+    Installs attn-common (the `attn` command) and the reference backend from this
+    checkout. Arguments after ``--`` go to both `attn run` calls (e.g. ``-- --small``).
+    """
     session.install(f"jax=={JAX_VERSION}", f"./{COMMON}", f"./{REFERENCE}")
-    session.run("python", "-m", "attn_reference.demo", *session.posargs)
+    env = {"JAX_PLATFORMS": "cpu"}
+    session.run("attn", "info", env=env)
+    for op in ("ranker", "sparse-mla"):
+        session.run("attn", "run", op, *session.posargs, env=env)
 
 
 @nox.session(python=PYTHON, name="bench-gpu")

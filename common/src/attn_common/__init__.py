@@ -3,6 +3,13 @@
 One definition each of the config, the segment bounds and mask predicate, the soft cap
 and its derivative, the block ranges kernels visit, the sparse-MLA and paged-write
 tables, and the input contracts. The reference and every kernel import these.
+
+It is also the front door for users: ``ranker_attention``, ``sparse_mla_attention``,
+``sparse_mla_attention_qblock``, ``paged_write_back`` and
+``prefill_write_and_attend_ragged(_qblock)`` here take ``implementation=None |
+"mosaic-gpu" | "pallas-tpu" | "reference"`` and run on the best installed backend
+(``attn_common.dispatch``); ``attn_common.sharding`` wraps them in ``jax.shard_map``;
+``attn_common.cli`` is the ``attn`` command.
 """
 
 from importlib import metadata as _metadata
@@ -27,6 +34,18 @@ from attn_common.cap import (
     cap_forward,
 )
 from attn_common.config import KernelConfig
+from attn_common.dispatch import (
+    BackendUnavailableError,
+    device_class,
+    installed_backends,
+    paged_write_back,
+    prefill_write_and_attend_ragged,
+    prefill_write_and_attend_ragged_qblock,
+    ranker_attention,
+    select_backend,
+    sparse_mla_attention,
+    sparse_mla_attention_qblock,
+)
 from attn_common.paged import (
     check_paged_cache,
     check_prefill_inputs,
@@ -35,6 +54,7 @@ from attn_common.paged import (
     write_then_attend,
 )
 from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
+from attn_common.sharding import shard_ranker_attention, shard_sparse_mla_attention
 from attn_common.sparse_mla import (
     SparseMlaProblem,
     check_sparse_mla_inputs,
@@ -71,6 +91,7 @@ __all__ = [
     "SEGMENT_PADDING",
     "TOKEN_RUN",
     "WORD_RUN",
+    "BackendUnavailableError",
     "BlockRanges",
     "BlockUnitTables",
     "CapMethod",
@@ -94,13 +115,19 @@ __all__ = [
     "check_sparse_mla_inputs",
     "check_write_back_inputs",
     "default_write_run_cap",
+    "device_class",
+    "installed_backends",
     "kv_packing",
     "latent_rows",
     "lift_ragged_indices",
     "lossless_u_max",
     "normalize_bounds",
     "padded_dk",
+    "paged_write_back",
+    "prefill_write_and_attend_ragged",
+    "prefill_write_and_attend_ragged_qblock",
     "ragged_query_info",
+    "ranker_attention",
     "ranker_case",
     "ranker_flops",
     "ranker_kv_block_ranges",
@@ -108,6 +135,11 @@ __all__ = [
     "ranker_q_block_ranges",
     "resolve_u_max",
     "sanitize_unit_ids",
+    "select_backend",
     "seq_id_from_cu_q_lens",
+    "shard_ranker_attention",
+    "shard_sparse_mla_attention",
+    "sparse_mla_attention",
+    "sparse_mla_attention_qblock",
     "write_then_attend",
 ]

@@ -1,0 +1,163 @@
+"""Multi-device helpers: run the ops under ``jax.shard_map`` with batch and head sharding.
+
+Both ops are independent per batch row and per head (per kv-head group for GQA), so
+sharding needs no communication: every device runs the single-device op on its shard.
+
+Ranker attention (``q [B, S, Hq, D]``, ``k``/``v`` ``[B, S, Hkv, D]``, ``bounds [B, 4]``)::
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    attend = shard_ranker_attention(mesh, cap=CapParams(CapMethod.SOFT_SIGN, 80.0))
+    out = attend(q, k, v, bounds)  # same result as the unsharded call
+
+``B`` is split over ``batch_axis`` and both ``Hq`` and ``Hkv`` over ``head_axis`` in
+contiguous blocks. With GQA (``group = Hq // Hkv``) query head ``h`` reads kv head
+``h // group``; splitting both head dimensions into the same number of contiguous
+blocks keeps every query head on the device that holds its kv head, so ``Hkv`` (and
+hence ``Hq``) must be divisible by the ``head_axis`` size. ``bounds`` given as ``[4]``
+are broadcast to ``[B, 4]`` before sharding.
+
+Sparse MLA, flat mode (``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]``,
+``positions [B, S]``): ``B`` over ``batch_axis``, ``H`` over ``head_axis``; the latent
+cache has no head dimension and is replicated along ``head_axis``. Ragged paged mode
+(one packed batch row) is not sharded by this helper.
+
+Either axis may be ``None`` (no sharding along it). ``fn`` defaults to the dispatching
+op (``attn_common.ranker_attention`` / ``sparse_mla_attention``, with
+``implementation=``); pass a backend's function directly to pin one. The returned
+callable is jitted.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from attn_common.bounds import SegmentBounds
+
+
+def _axis_size(mesh: Mesh, axis: str | None) -> int:
+    if axis is None:
+        return 1
+    if axis not in mesh.shape:
+        raise ValueError(f"axis {axis!r} is not in the mesh axes {tuple(mesh.shape)}")
+    return int(mesh.shape[axis])
+
+
+def _divisible(name: str, size: int, axis: str | None, n: int) -> None:
+    if size % n:
+        raise ValueError(f"{name} = {size} is not divisible by the size {n} of mesh axis {axis!r}")
+
+
+def _shard_map(fn, mesh, in_specs, out_specs, check_vma):
+    mapped = jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+    )
+
+    def placed(*args):
+        # Lay the inputs out as in_specs says (a no-op when they already are): needed for
+        # meshes with explicit axes, where shard_map checks the inputs' own shardings.
+        args = [
+            jax.device_put(x, NamedSharding(mesh, spec))
+            for x, spec in zip(args, in_specs, strict=True)
+        ]
+        return mapped(*args)
+
+    return jax.jit(placed)
+
+
+def shard_ranker_attention(
+    mesh: Mesh,
+    fn: Callable[..., Any] | None = None,
+    *,
+    batch_axis: str | None = "data",
+    head_axis: str | None = "model",
+    implementation: str | None = None,
+    check_vma: bool = False,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """A jitted ``(q, k, v, bounds) -> out`` (or ``(out, lse)``) sharded over ``mesh``.
+
+    ``kwargs`` (``sm_scale``, ``cap``, ``config``, ``return_lse``, ...) go to ``fn``.
+    ``sm_scale`` defaults to ``1/sqrt(D)`` inside ``fn`` as usual (D is not sharded).
+    ``check_vma=False`` by default because Pallas kernels do not declare how their
+    outputs vary across the mesh; every output here is fully sharded anyway.
+    """
+    if fn is None:
+        from attn_common.dispatch import ranker_attention
+
+        fn = functools.partial(ranker_attention, implementation=implementation)
+    nb, nh = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
+    return_lse = bool(kwargs.get("return_lse", False))
+    qkv = PartitionSpec(batch_axis, None, head_axis, None)
+    bspec = PartitionSpec(batch_axis, None)
+    lse_spec = PartitionSpec(batch_axis, head_axis, None)  # lse [B, Hq, S]
+    out_specs = (qkv, lse_spec) if return_lse else qkv
+
+    def local(q, k, v, bounds):
+        return fn(q, k, v, bounds, **kwargs)
+
+    sharded = _shard_map(local, mesh, (qkv, qkv, qkv, bspec), out_specs, check_vma)
+
+    def call(q, k, v, bounds):
+        batch, _, hq, _ = q.shape
+        hkv = k.shape[2]
+        _divisible("batch", batch, batch_axis, nb)
+        _divisible("kv heads", hkv, head_axis, nh)
+        _divisible("q heads", hq, head_axis, nh)
+        if isinstance(bounds, SegmentBounds):
+            bounds = bounds.as_array()
+        bounds = jnp.asarray(bounds, jnp.int32)
+        if bounds.ndim == 1:
+            bounds = jnp.broadcast_to(bounds, (batch, 4))
+        return sharded(q, k, v, bounds)
+
+    return call
+
+
+def shard_sparse_mla_attention(
+    mesh: Mesh,
+    fn: Callable[..., Any] | None = None,
+    *,
+    batch_axis: str | None = "data",
+    head_axis: str | None = "model",
+    implementation: str | None = None,
+    check_vma: bool = False,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """A jitted flat-mode ``(q, kv, indices, positions) -> out`` (or ``(out, lse)``).
+
+    ``kwargs`` (``sm_scale`` is required; ``kv_lora_rank``, ``read_block``,
+    ``return_lse``, ``interpret``, ...) go to ``fn`` (default: the dispatching
+    ``attn_common.sparse_mla_attention``; pass e.g. ``sparse_mla_attention_qblock`` of a
+    backend to shard that one).
+    """
+    if "q_seq_id" in kwargs or "page_size" in kwargs:
+        raise ValueError("shard_sparse_mla_attention shards the flat mode only")
+    if fn is None:
+        from attn_common.dispatch import sparse_mla_attention
+
+        fn = functools.partial(sparse_mla_attention, implementation=implementation)
+    nb, nh = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
+    return_lse = bool(kwargs.get("return_lse", False))
+    q_spec = PartitionSpec(batch_axis, None, head_axis, None)
+    kv_spec = PartitionSpec(batch_axis, None, None)
+    row_spec = PartitionSpec(batch_axis, None)
+    lse_spec = PartitionSpec(batch_axis, None, head_axis)  # lse [B, S, H]
+    out_specs = (q_spec, lse_spec) if return_lse else q_spec
+
+    def local(q, kv, indices, positions):
+        return fn(q, kv, indices, positions, **kwargs)
+
+    sharded = _shard_map(local, mesh, (q_spec, kv_spec, kv_spec, row_spec), out_specs, check_vma)
+
+    def call(q, kv, indices, positions):
+        _divisible("batch", q.shape[0], batch_axis, nb)
+        _divisible("heads", q.shape[2], head_axis, nh)
+        return sharded(q, kv, indices, positions)
+
+    return call
