@@ -18,9 +18,12 @@ from attn_common import (
     CapMethod,
     CapParams,
     SegmentBounds,
+    kv_packing,
+    padded_dk,
     ranker_attention,
     shard_ranker_attention,
     shard_sparse_mla_attention,
+    shard_sparse_mla_attention_ragged,
     sparse_mla_attention,
 )
 
@@ -61,6 +64,36 @@ def check_sparse_mla(mesh, **kw):
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+def check_sparse_mla_ragged(mesh, **kw):
+    """Three requests packed in one row over a shuffled paged cache; heads sharded."""
+    h, dv, rope, ps, top_k = 8, 64, 16, 16, 3
+    dk = dv + rope
+    lens, new = [50, 33, 70], [5, 3, 6]
+    pages = [-(-n // ps) for n in lens]
+    rng = np.random.default_rng(2)
+    pk = kv_packing(jnp.float32)
+    cache = jax.random.normal(jax.random.PRNGKey(3), (sum(pages), ps // pk, pk, padded_dk(dk)))
+    page_indices = jnp.asarray(rng.permutation(sum(pages)), jnp.int32)
+    cu_kv = jnp.asarray(np.concatenate([[0], np.cumsum(pages)]) * ps, jnp.int32)
+    sid = np.concatenate([np.full(m, r) for r, m in enumerate(new)]).astype(np.int32)
+    pos = np.concatenate([np.arange(n - m, n) for n, m in zip(lens, new, strict=True)])
+    sel = np.stack([rng.integers(-1, pages[r], size=top_k) for r in sid]).astype(np.int32)
+    q = jax.random.normal(jax.random.PRNGKey(4), (1, len(sid), h, dk))
+    args = (q, cache, jnp.asarray(sel)[None], jnp.asarray(pos, jnp.int32)[None],
+            jnp.asarray(sid), jnp.asarray(lens, jnp.int32), cu_kv, page_indices)  # fmt: skip
+    opts = dict(sm_scale=1 / math.sqrt(dk), kv_lora_rank=dv, page_size=ps, return_lse=True)
+    q_, cache_, idx_, pos_, sid_, sl_, cu_, pi_ = args
+    want, want_lse = sparse_mla_attention(
+        q_, cache_, idx_, pos_, read_block=ps, q_seq_id=sid_, seq_lens=sl_, cu_kv_lens=cu_,
+        page_indices=pi_, **opts,
+    )  # fmt: skip
+    got, got_lse = shard_sparse_mla_attention_ragged(mesh, **opts, **kw)(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_allclose(np.asarray(got_lse)[finite], np.asarray(want_lse)[finite], 1e-5)
+
+
 def main() -> None:
     assert len(jax.devices()) == 8, (jax.devices(), os.environ.get("XLA_FLAGS"))
     mesh = jax.make_mesh((4, 2), ("data", "model"))
@@ -72,6 +105,8 @@ def main() -> None:
     auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     check_ranker(auto)
     check_sparse_mla(auto)
+    check_sparse_mla_ragged(jax.make_mesh((8,), ("model",)))
+    check_sparse_mla_ragged(mesh, head_axis="model")
     print("OK")
 
 

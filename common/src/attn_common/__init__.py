@@ -54,7 +54,11 @@ from attn_common.paged import (
     write_then_attend,
 )
 from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
-from attn_common.sharding import shard_ranker_attention, shard_sparse_mla_attention
+from attn_common.sharding import (
+    shard_ranker_attention,
+    shard_sparse_mla_attention,
+    shard_sparse_mla_attention_ragged,
+)
 from attn_common.sparse_mla import (
     SparseMlaProblem,
     check_sparse_mla_inputs,
@@ -139,6 +143,7 @@ __all__ = [
     "seq_id_from_cu_q_lens",
     "shard_ranker_attention",
     "shard_sparse_mla_attention",
+    "shard_sparse_mla_attention_ragged",
     "sparse_mla_attention",
     "sparse_mla_attention_qblock",
     "write_then_attend",

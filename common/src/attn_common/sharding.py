@@ -18,8 +18,9 @@ are broadcast to ``[B, 4]`` before sharding.
 
 Sparse MLA, flat mode (``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]``,
 ``positions [B, S]``): ``B`` over ``batch_axis``, ``H`` over ``head_axis``; the latent
-cache has no head dimension and is replicated along ``head_axis``. Ragged paged mode
-(one packed batch row) is not sharded by this helper.
+cache has no head dimension and is replicated along ``head_axis``. Ragged paged mode packs
+every request into one batch row, so ``shard_sparse_mla_attention_ragged`` shards the
+heads only; the paged cache and the ragged tables are replicated.
 
 Either axis may be ``None`` (no sharding along it). ``fn`` defaults to the dispatching
 op (``attn_common.ranker_attention`` / ``sparse_mla_attention``, with
@@ -159,5 +160,51 @@ def shard_sparse_mla_attention(
         _divisible("batch", q.shape[0], batch_axis, nb)
         _divisible("heads", q.shape[2], head_axis, nh)
         return sharded(q, kv, indices, positions)
+
+    return call
+
+
+def shard_sparse_mla_attention_ragged(
+    mesh: Mesh,
+    fn: Callable[..., Any] | None = None,
+    *,
+    head_axis: str = "model",
+    implementation: str | None = None,
+    check_vma: bool = False,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """A jitted ragged paged-mode sparse MLA, heads sharded over ``head_axis``.
+
+    The returned callable takes ``(q [1, S, H, Dk], cache, indices [1, S, K],
+    positions [1, S], q_seq_id, seq_lens, cu_kv_lens, page_indices)`` and returns ``out``
+    (or ``(out, lse)``). ``kwargs`` (``sm_scale``, ``page_size``, ``kv_lora_rank``,
+    ``return_lse``, ...) go to ``fn`` (default: the dispatching
+    ``attn_common.sparse_mla_attention``); ``read_block`` defaults to ``page_size``.
+    """
+    if "page_size" not in kwargs:
+        raise ValueError("page_size: missing; ragged mode needs the cache page size")
+    kwargs.setdefault("read_block", kwargs["page_size"])
+    if fn is None:
+        from attn_common.dispatch import sparse_mla_attention
+
+        fn = functools.partial(sparse_mla_attention, implementation=implementation)
+    nh = _axis_size(mesh, head_axis)
+    return_lse = bool(kwargs.get("return_lse", False))
+    q_spec = PartitionSpec(None, None, head_axis, None)
+    lse_spec = PartitionSpec(None, None, head_axis)  # lse [1, S, H]
+    out_specs = (q_spec, lse_spec) if return_lse else q_spec
+    replicated = PartitionSpec()
+
+    def local(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices):
+        return fn(
+            q, cache, indices, positions, q_seq_id=q_seq_id, seq_lens=seq_lens,
+            cu_kv_lens=cu_kv_lens, page_indices=page_indices, **kwargs,
+        )  # fmt: skip
+
+    sharded = _shard_map(local, mesh, (q_spec,) + (replicated,) * 7, out_specs, check_vma)
+
+    def call(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices):
+        _divisible("heads", q.shape[2], head_axis, nh)
+        return sharded(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices)
 
     return call
