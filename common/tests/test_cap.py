@@ -18,6 +18,7 @@ from attn_common import (
     cap_derivative,
     cap_derivative_from_output,
     cap_forward,
+    cap_scaled_with_derivative,
 )
 
 N = 64  # fixed length so compiled kernels are reused across examples
@@ -69,6 +70,35 @@ def test_forward_and_derivatives_float64(s, method, c):
         if method is not CapMethod.NONE:
             assert (np.abs(np.asarray(y)) <= c).all()
             assert ((d > 0) | (np.abs(s) > 10 * c)).all() and (d <= 1).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits,
+    methods,
+    cap_values,
+    st.floats(0.01, 4.0),
+    st.sampled_from([1.0, math.log2(math.e)]),
+    st.booleans(),
+)
+def test_scaled_with_derivative_matches_forward_and_derivative(raw, method, c, scale, out, rec):
+    """The folded kernel form equals out * cap(scale * raw) and cap'(scale * raw)."""
+    cap = CapParams(method, c)
+    raw = np.array(raw, np.float64)
+    reciprocal = (lambda d: 1.0 / d) if rec else None
+    with jax.enable_x64(True):
+        x = jnp.asarray(raw, jnp.float64)
+        y, d = cap_scaled_with_derivative(x, cap, scale, out_scale=out, reciprocal=reciprocal)
+        s = raw * scale
+        np.testing.assert_allclose(
+            np.asarray(y), out * forward_np(s, method, c), rtol=1e-12, atol=1e-12
+        )
+        if method is CapMethod.NONE:
+            assert d is None
+        else:
+            np.testing.assert_allclose(
+                np.asarray(d), derivative_np(s, method, c), rtol=1e-12, atol=1e-14
+            )
 
 
 @settings(max_examples=25, deadline=None)

@@ -22,6 +22,8 @@ from attn_common.bounds import (
     SegmentBounds,
     check_bounds,
     normalize_bounds,
+    ranker_full_kv_steps,
+    ranker_full_q_steps,
     ranker_kv_block_ranges,
     ranker_mask,
     ranker_q_block_ranges,
@@ -32,6 +34,7 @@ from attn_common.cap import (
     cap_derivative,
     cap_derivative_from_output,
     cap_forward,
+    cap_scaled_with_derivative,
 )
 from attn_common.config import KernelConfig
 from attn_common.dispatch import (
@@ -112,6 +115,7 @@ __all__ = [
     "cap_derivative",
     "cap_derivative_from_output",
     "cap_forward",
+    "cap_scaled_with_derivative",
     "check_bounds",
     "check_paged_cache",
     "check_prefill_inputs",
@@ -134,6 +138,8 @@ __all__ = [
     "ranker_attention",
     "ranker_case",
     "ranker_flops",
+    "ranker_full_kv_steps",
+    "ranker_full_q_steps",
     "ranker_kv_block_ranges",
     "ranker_mask",
     "ranker_q_block_ranges",

@@ -296,3 +296,78 @@ def ranker_q_block_ranges(
     c0 = jnp.where(has_c, c_lo // block_q, 0)
     c1 = jnp.where(has_c, _cdiv(c_hi, block_q), 0)
     return _merge_block_ranges(h0, h1, c0, c1)
+
+
+def _overlap_len(lo, hi, seg_lo, seg_hi):
+    """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)``."""
+    return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
+
+
+def _clip_to_first_run(ranges: BlockRanges, ok, block_lo, block_hi):
+    """Steps ``[lo, hi)`` of the first run of ``ranges`` whose block lies in
+    ``[block_lo, block_hi)`` (empty unless ``ok``)."""
+    ok = ok & (block_hi > block_lo)
+    lo = jnp.where(ok, jnp.clip(block_lo - ranges.first_start, 0, ranges.first_steps), 0)
+    hi = jnp.where(ok, jnp.clip(block_hi - ranges.first_start, lo, ranges.first_steps), 0)
+    return lo, hi
+
+
+def ranker_full_kv_steps(
+    ranges: BlockRanges,
+    history_lo,
+    history_hi,
+    candidate_lo,
+    candidate_hi,
+    q_start,
+    q_end,
+    block_kv: int,
+):
+    """Steps ``[lo, hi)`` of ``ranges`` whose KV block every row of ``[q_start, q_end)``
+    may attend in full, so a kernel can skip the mask there.
+
+    ``ranges`` are KV block ranges (``ranker_kv_block_ranges``) of a tile containing the
+    rows (it may be larger: two warpgroups walk the steps of their shared tile). When
+    every row is a history or candidate row, a block inside the history is fully allowed;
+    those blocks are contiguous and lie in the first run. Any other block holds a key
+    that some row of a multi-row tile may not see, so for ``q_end - q_start >= 2`` the
+    result is every fully allowed step of the first run.
+    """
+    rows = q_end - q_start
+    n_hist = _overlap_len(q_start, q_end, history_lo, history_hi)
+    n_cand = _overlap_len(q_start, q_end, candidate_lo, candidate_hi)
+    n_both = _overlap_len(
+        q_start, q_end, jnp.maximum(history_lo, candidate_lo), jnp.minimum(history_hi, candidate_hi)
+    )
+    rows_full = (rows > 0) & (n_hist + n_cand - n_both == rows)
+    return _clip_to_first_run(
+        ranges, rows_full, _cdiv(history_lo, block_kv), history_hi // block_kv
+    )
+
+
+def ranker_full_q_steps(
+    ranges: BlockRanges,
+    history_lo,
+    history_hi,
+    candidate_lo,
+    candidate_hi,
+    kv_start,
+    kv_end,
+    block_q: int,
+):
+    """Steps ``[lo, hi)`` of ``ranges`` whose query block may attend every key of
+    ``[kv_start, kv_end)`` in full (the transpose of ``ranker_full_kv_steps``).
+
+    ``ranges`` are query block ranges (``ranker_q_block_ranges``) of a key tile
+    containing the keys. When every key is a history key, a query block is fully
+    allowed iff each of its rows is a history or candidate row. The blocks counted are
+    those inside the history, or inside history + candidates when the two touch (the
+    ranker layouts), and they lie in the first run. When the segments touch or there
+    are no candidates that is every fully allowed step of the first run; with a gap
+    between them, blocks made only of candidate rows are left to the masked path.
+    """
+    keys_hist = (kv_end > kv_start) & (kv_start >= history_lo) & (kv_end <= history_hi)
+    has_cand = candidate_lo < candidate_hi
+    touch = has_cand & (candidate_lo <= history_hi) & (history_lo <= candidate_hi)
+    rows_lo = jnp.where(touch, jnp.minimum(history_lo, candidate_lo), history_lo)
+    rows_hi = jnp.where(touch, jnp.maximum(history_hi, candidate_hi), history_hi)
+    return _clip_to_first_run(ranges, keys_hist, _cdiv(rows_lo, block_q), rows_hi // block_q)

@@ -135,3 +135,28 @@ def cap_derivative_from_output(y, cap: CapParams | None):
         return 1.0 - r * r
     a = 1.0 - jnp.abs(r)
     return a * a
+
+
+def cap_scaled_with_derivative(
+    raw, cap: CapParams | None, scale: float, *, out_scale=1.0, reciprocal=None
+):
+    """``(out_scale * cap(scale * raw), cap'(scale * raw))`` with the constants folded.
+
+    The form backward kernels want: ``raw`` is the unscaled ``q . k`` tile, ``out_scale``
+    typically ``log2(e)`` for an ``exp2`` softmax. Folding ``scale``, ``1/c`` and
+    ``out_scale`` into the few multiplies the cap needs anyway, and taking the derivative
+    from the quantities already computed (soft_sign: ``1/d^2`` from the reciprocal
+    ``1/d``; tanh: ``1 - t^2`` from ``t = tanh``), saves about half the elementwise work
+    of ``cap_forward`` + ``cap_derivative_from_output``. The derivative is ``None`` for
+    ``CapMethod.NONE`` (it is 1). ``reciprocal`` as in ``cap_forward``.
+    """
+    cap = normalize_cap(cap)
+    if cap.method is CapMethod.NONE:
+        return raw * (scale * out_scale), None
+    c = cap.value
+    if cap.method is CapMethod.TANH:
+        t = jnp.tanh(raw * (scale / c))
+        return t * (c * out_scale), 1.0 - t * t
+    denom = 1.0 + jnp.abs(raw) * (scale / c)
+    inv = _divide(jnp.ones_like(denom), denom) if reciprocal is None else reciprocal(denom)
+    return (raw * inv) * (scale * out_scale), inv * inv

@@ -124,6 +124,23 @@ def test_grad_no_cap_empty_candidates_padding_row_out_only():
     _check_grads(q, k, v, bounds, use_lse=False, seed=2)
 
 
+def test_grad_ring_wraps_d128_gqa_unmasked_steps():
+    """D=128 (3-slot ring): a 600-key history gives each query tile 10 KV steps and each
+    key tile 3 heads x 10 query steps, so the rings wrap many times; history rows take the
+    unmasked path on full history blocks; GQA 3:1 sums dK/dV over a head loop; a second
+    row with a gap between history and candidates (separate block runs)."""
+    q, k, v = _inputs(4, 2, 700, 3, 1, 128, jnp.bfloat16)
+    bounds = jnp.array([[0, 600, 600, 690], [64, 300, 450, 520]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=SOFT_SIGN, seed=4)
+
+
+def test_grad_ring_wraps_d64_tanh():
+    """D=64 (4-slot ring) with 9 history blocks: the ring wraps; tanh cap."""
+    q, k, v = _inputs(5, 1, 640, 2, 1, 64, jnp.float16)
+    bounds = jnp.array([[0, 576, 576, 640]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=TANH, seed=5)
+
+
 def test_grad_d256_gqa_soft_sign_fp16():
     """D=256 (the dk/dv kernel splits the head dim in two programs), GQA 2:1."""
     q, k, v = _inputs(3, 1, 100, 2, 1, 256, jnp.float16)

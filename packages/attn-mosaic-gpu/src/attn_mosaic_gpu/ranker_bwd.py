@@ -1,4 +1,11 @@
-"""Ranker attention backward for Hopper (sm_90a): two single-warpgroup Pallas Mosaic GPU kernels.
+"""Ranker attention backward for Hopper (sm_90a): dq and dk/dv Pallas Mosaic GPU kernels.
+
+``ranker_attention_bwd`` is the public entry. For D in {64, 128} it runs the
+warp-specialized, TMA-pipelined kernels of ``ranker_bwd_pipelined`` (two compute
+warpgroups and a memory warpgroup per program). For D = 256 the f32 dK and dV
+accumulators of two 64-row warpgroups do not fit the register file next to the
+pipeline's shared memory, so it runs the simple single-warpgroup kernels defined here
+(no prefetch, head dim of the outputs split in halves); they are correct but slower.
 
 Math (per query head ``h``, kv head ``g = h // (Hq / Hkv)``, ``lse`` natural log from the
 forward): ``s = q.k * sm_scale``, ``y = cap(s)``, ``p = exp(y - lse)`` on allowed pairs
@@ -6,9 +13,9 @@ forward): ``s = q.k * sm_scale``, ``y = cap(s)``, ``p = exp(y - lse)`` on allowe
 here), ``ds = p * (dp - delta') * cap'(y)``; ``dq = sum_j ds_ij k_j * sm_scale``,
 ``dk_j = sum_{h in group, i} ds_ij q_i * sm_scale``, ``dv_j = sum_{h in group, i} p_ij dO_i``.
 
-Schedule (deliberately simple, correctness first: one warpgroup per program, no warp
+Schedule of the simple D = 256 kernels (one warpgroup per program, no warp
 specialization, no prefetch, fixed 64x64 blocks, every wgmma operand staged in shared
-memory; performance is well below the forward's and is future work):
+memory):
 
 * ``dq`` kernel, grid ``(Hq, (S / block_q) * d_split, B)``: a program owns ``block_q``
   query rows of one (batch row, query head) and, for ``D = 256``, one of ``d_split = 2``
@@ -69,6 +76,11 @@ from attn_common import (
     ranker_mask,
     ranker_q_block_ranges,
 )
+from attn_mosaic_gpu.ranker_bwd_pipelined import (
+    PIPELINED_HEAD_DIMS,
+    pipelined_bwd,
+    pipelined_smem_bytes,
+)
 from attn_mosaic_gpu.ranker_fwd import (
     SMEM_LIMIT_BYTES,
     SUPPORTED_DTYPES,
@@ -96,8 +108,7 @@ def _d_split(head_dim: int) -> int:
     return 2 if head_dim > 128 else 1
 
 
-def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
-    """Shared memory of the dq and dk/dv kernels (bytes, with alignment slack)."""
+def _simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
     item = jnp.dtype(dtype).itemsize
     b = BWD_BLOCK
     tile = _round_up(b * head_dim * item, _SMEM_ALIGN)
@@ -110,12 +121,20 @@ def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
     return {"dq": dq, "dkv": dkv}
 
 
+def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
+    """Shared memory of the dq and dk/dv kernels used for ``head_dim`` (bytes)."""
+    if head_dim in PIPELINED_HEAD_DIMS:
+        return pipelined_smem_bytes(head_dim, dtype)
+    return _simple_smem_bytes(head_dim, dtype)
+
+
 def validate_bwd(head_dim: int, dtype) -> None:
     """Raise ``ValueError`` naming the Hopper limit the backward would break."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim: got {head_dim}, expected one of {SUPPORTED_HEAD_DIMS}")
     b = BWD_BLOCK
     dh = head_dim // _d_split(head_dim)
+    # per compute thread: dQ (or dK + dV) accumulators and the two 64x64 score tiles
     dq_regs = b * (dh + 2 * b) // 128
     dkv_regs = b * (2 * dh + 2 * b) // 128
     for name, regs in (("dq", dq_regs), ("dk/dv", dkv_regs)):
@@ -448,7 +467,9 @@ def ranker_attention_bwd(
     lse2 = jnp.where(finite, lse.astype(jnp.float32) * _LOG2E, jnp.inf)
 
     seq = problem.seq_len
-    seq_pad = _round_up(seq, BWD_BLOCK)
+    pipelined = problem.head_dim in PIPELINED_HEAD_DIMS
+    # the pipelined kernels own 2 x 64 rows per program
+    seq_pad = _round_up(seq, 2 * BWD_BLOCK if pipelined else BWD_BLOCK)
     dout = dout.astype(q.dtype)
     if seq_pad != seq:
         pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))
@@ -456,7 +477,7 @@ def ranker_attention_bwd(
         pad_vec = ((0, 0), (0, 0), (0, seq_pad - seq))
         lse2 = jnp.pad(lse2, pad_vec, constant_values=jnp.inf)
         delta = jnp.pad(delta, pad_vec)
-    st = _BwdStatic(
+    fields = dict(
         batch=problem.batch,
         seq_pad=seq_pad,
         q_heads=problem.q_heads,
@@ -465,9 +486,15 @@ def ranker_attention_bwd(
         sm_scale=problem.sm_scale,
         cap=problem.cap,
     )
-    dq, dk, dv = _ranker_bwd_padded(
-        q, k, v, dout, lse2, delta, clipped.astype(jnp.int32), st=st, interpret=interpret
-    )
+    bounds = clipped.astype(jnp.int32)
+    if pipelined:
+        dq, dk, dv = pipelined_bwd(
+            q, k, v, dout, lse2, delta, bounds, st_fields=fields, interpret=interpret
+        )
+    else:
+        dq, dk, dv = _ranker_bwd_padded(
+            q, k, v, dout, lse2, delta, bounds, st=_BwdStatic(**fields), interpret=interpret
+        )
     if seq_pad != seq:
         dq, dk, dv = dq[:, :seq], dk[:, :seq], dv[:, :seq]
     return dq, dk, dv

@@ -84,6 +84,7 @@ from attn_common import (
     cap_forward,
     check_ranker_inputs,
     normalize_bounds,
+    ranker_full_kv_steps,
     ranker_kv_block_ranges,
     ranker_mask,
 )
@@ -219,6 +220,14 @@ def _overlap(lo, hi, seg_lo, seg_hi):
     return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
 
 
+def fast_reciprocal(d):
+    """``1 / d`` for ``d >= 1`` (soft_sign's ``1 + |s|/c``) as ``rsqrt(d)^2``: one MUFU
+    op (``rsqrt.approx`` under ``approx_math``) and a multiply, where an IEEE divide is a
+    long instruction sequence with a slow path."""
+    r = lax.rsqrt(d)
+    return r * r
+
+
 def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     """The kernel body; ``accumulate_in_place=False`` avoids run_state (interpret mode)."""
     block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
@@ -227,12 +236,6 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     cap = st.cap
     # Base-2 logits: s2 = cap(qk * sm_scale) * log2(e); with no cap, one multiply.
     qk_scale = st.sm_scale * _LOG2E if not cap.active else st.sm_scale
-
-    def fast_reciprocal(d):
-        # d = 1 + |s|/c > 0: rsqrt(d)^2 is one MUFU op (rsqrt.approx under approx_math)
-        # and a multiply, where an IEEE divide is a long sequence with a slow path.
-        r = lax.rsqrt(d)
-        return r * r
 
     def scale_and_cap(qk):
         if not cap.active:
@@ -270,20 +273,10 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             qo_smem = qo_smem2.at[wg]
             row0 = tile_start + wg * block_q
             row1 = row0 + block_q
-            n_hist = _overlap(row0, row1, hl, hu)
-            n_cand = _overlap(row0, row1, cl, cu)
-            n_both = _overlap(row0, row1, jnp.maximum(hl, cl), jnp.minimum(hu, cu))
-            active = (n_hist + n_cand) > 0
-            # Every row of this WG is a history or candidate row: a KV block lying inside
-            # H is then fully allowed and needs no mask.
-            rows_full = (n_hist + n_cand - n_both) == block_q
-            full_lo = (hl + block_kv - 1) // block_kv
-            full_hi = hu // block_kv
-            has_full = active & rows_full & (full_hi > full_lo)
-            first_start, first_steps = ranges.first_start, ranges.first_steps
-            unmasked_lo = jnp.where(has_full, jnp.clip(full_lo - first_start, 0, first_steps), 0)
-            unmasked_hi = jnp.where(
-                has_full, jnp.clip(full_hi - first_start, unmasked_lo, first_steps), 0
+            active = (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
+            # Steps whose block every row of this WG attends in full need no mask.
+            unmasked_lo, unmasked_hi = ranker_full_kv_steps(
+                ranges, hl, hu, cl, cu, row0, row1, block_kv
             )
             wg_steps = jnp.where(active, total_steps, 0)
 

@@ -1,0 +1,128 @@
+"""Per-kernel timing of the Hopper ranker backward under its schedule knobs (H200).
+
+For each SPEC section 7 case given (default: phoenix and long), times the dq and dk/dv
+kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separately (CUPTI, median of
+iterations) for each variant of the knobs ``fold`` (folded cap constants, derivative
+from the same terms), ``overlap`` (P computed while dP's wgmma runs; dS while dV's runs)
+and ``num_stages`` (ring depth). Inputs: random bf16 q, k, v, dO; the LSE from our
+forward kernel, so the probabilities are the real ones.
+
+    python benchmarks/ranker_bwd_sweep.py --out docs/results
+
+Writes ``ranker_bwd_sweep.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from attn_common import ranker_case, ranker_flops
+from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_stages
+from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
+
+VARIANTS = {
+    "plain (no fold, no overlap)": {"fold": False, "overlap": False},
+    "fold": {"fold": True, "overlap": False},
+    "fold + overlap (default)": {"fold": True, "overlap": True},
+    "fold + overlap, 2 stages": {"fold": True, "overlap": True, "num_stages": 2},
+}
+
+
+def kernel_ms(fn, *args, iterations):
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, per_iter = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    by_name: dict[str, list[float]] = {}
+    for timings in per_iter:
+        for name, ms in timings:
+            by_name.setdefault(name, []).append(ms)
+    return {name: statistics.median(v) for name, v in by_name.items()}
+
+
+def run_case(name, iterations):
+    case = ranker_case(name)
+    b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
+    assert s % 128 == 0, s
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (b, s, hq, d), jnp.bfloat16)
+    bounds_np = case.bounds(seed=0)
+    bounds = jnp.asarray(bounds_np, jnp.int32)
+    sm_scale = 1.0 / math.sqrt(d)
+    out, lse = ranker_attention_fwd(q, k, v, bounds, cap=case.cap, return_lse=True)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    lse2 = jnp.where(jnp.isfinite(lse), lse * math.log2(math.e), jnp.inf)
+    fields = dict(
+        batch=b, seq_pad=s, q_heads=hq, kv_heads=hkv, head_dim=d, sm_scale=sm_scale, cap=case.cap
+    )
+    flops_bwd = 2.5 * ranker_flops(bounds_np, hq, d)
+    rows = []
+    for label, tuning in VARIANTS.items():
+
+        def bwd(q, k, v, do, lse2, delta, bounds, tuning=tuning):
+            return pipelined_bwd(
+                q, k, v, do, lse2, delta, bounds, st_fields=fields, interpret=None, tuning=tuning
+            )
+
+        fn = jax.jit(bwd)
+        times = kernel_ms(fn, q, k, v, do, lse2, delta, bounds, iterations=iterations)
+        total = sum(times.values())
+        row = {
+            "case": name,
+            "variant": label,
+            "num_stages": tuning.get("num_stages", pipelined_stages(d)),
+            "kernels_ms": times,
+            "total_ms": total,
+            "bwd_effective_tflops": flops_bwd / total * 1e-9,  # ms -> TFLOP/s
+        }
+        rows.append(row)
+        parts = ", ".join(f"{n}: {t:.3f}" for n, t in times.items())
+        print(f"{name:8s} {label:30s} total {total:.3f} ms ({parts})", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--cases", nargs="*", default=["phoenix", "long"])
+    parser.add_argument("--iterations", type=int, default=10)
+    args = parser.parse_args()
+    rows = []
+    for name in args.cases:
+        rows += run_case(name, args.iterations)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0].device_kind
+    (args.out / "ranker_bwd_sweep.json").write_text(
+        json.dumps({"device": device, "jax": jax.__version__, "rows": rows}, indent=2)
+    )
+    lines = [
+        f"# Ranker backward kernels by schedule knob ({device}, jax {jax.__version__})",
+        "",
+        "`python benchmarks/ranker_bwd_sweep.py --out docs/results`: CUPTI median per "
+        "kernel; backward only (no forward, no XLA delta); effective TFLOP/s = 2.5 x "
+        "forward FLOPs over allowed pairs / kernel time.",
+        "",
+        "| case | variant | stages | kernels (ms) | total (ms) | bwd TFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        parts = "; ".join(f"{n}: {t:.3f}" for n, t in r["kernels_ms"].items())
+        lines.append(
+            f"| {r['case']} | {r['variant']} | {r['num_stages']} | {parts} | "
+            f"{r['total_ms']:.3f} | {r['bwd_effective_tflops']:.0f} |"
+        )
+    (args.out / "ranker_bwd_sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

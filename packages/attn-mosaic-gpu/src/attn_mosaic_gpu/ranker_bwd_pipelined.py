@@ -1,0 +1,505 @@
+"""Ranker attention backward for Hopper, D in {64, 128}: two warp-specialized kernels.
+
+Math as in ``ranker_bwd`` (``p = exp2(y * log2e - lse2)``, ``ds = p * (dp - delta') *
+cap'(y)``, ``dq = sm_scale * sum_j ds_ij k_j``, ``dk_j = sm_scale * sum ds_ij q_i``,
+``dv_j = sum p_ij dO_i``; ``lse2`` is the base-2 LSE, ``+inf`` on rows with no allowed key).
+
+Both kernels have the forward's shape: one program owns a tile of ``2 * 64`` rows (dq:
+query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
+
+* WG0, WG1 (compute, ``setmaxnreg 232``): each owns 64 rows of the tile. It TMA-loads
+  its fixed operands once into its own shared buffers (dq: Q, dO, lse2, delta'; dk/dv:
+  K, V), then walks the steps, reading the streamed operands from a ring slot:
+
+  - dq: ``S = Q K^T`` and ``dP = dO V^T`` (one wgmma scope, both from shared memory),
+    cap, mask, ``P``, ``dS``, then ``dQ += dS K`` with ``dS`` as the register A operand.
+  - dk/dv: ``S^T = K Q^T`` and ``dP^T = V dO^T``, cap, mask, ``P^T``, ``dS^T``, then
+    ``dV += P^T dO`` and ``dK += dS^T Q`` in one wgmma scope, A operands from registers.
+
+  After the last step it writes its f32 accumulators (scaled) into its fixed buffers
+  (Q / K, V are dead by then) and TMA-stores them. The mask
+  (``attn_common.ranker_mask`` on the tile iotas) is skipped on the steps
+  ``attn_common.ranker_full_kv_steps`` / ``ranker_full_q_steps`` prove fully allowed
+  for the WG's rows (most history steps).
+* WG2 (memory, ``setmaxnreg 40``): TMA-loads the streamed operands of every step into a
+  ring of ``num_stages`` slots (dq: K and V blocks of the tile's
+  ``ranker_kv_block_ranges``; dk/dv: Q, dO, lse2 and delta' blocks of the tile's
+  ``ranker_q_block_ranges`` for each query head of the kv head's GQA group in turn).
+  Step ``t + num_stages`` waits on slot ``t % num_stages``'s *consumed* barrier.
+
+Both compute WGs walk every step of the tile (a WG whose rows see nothing gets ``p = 0``
+and writes zeros), which keeps every barrier's arrival count static. Barriers:
+``*_ready[slot]`` (TMA transaction barriers, one per streamed operand so each wait
+covers one copy), ``fixed[wg]`` (one per fixed operand and WG) and ``consumed[slot]``
+(2 arrivals, one per compute WG, after the step's last wgmma has completed).
+
+dK/dV of a kv head are summed over its query heads in a fixed order inside one program:
+no atomics, no per-head copies, bitwise deterministic. Every program writes its whole
+output tile, so rows and keys with no allowed pair get exactly 0.
+
+Interpret mode (CPU): jax 0.11.2's Mosaic GPU interpreter has no ``run_state`` and no
+register-A wgmma, so ``P``/``dS`` are staged through per-WG shared buffers and the
+products go into fresh accumulators that are then added. Everything else is the GPU code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attn_common import (
+    CapParams,
+    cap_derivative_from_output,
+    cap_forward,
+    cap_scaled_with_derivative,
+    ranker_full_kv_steps,
+    ranker_full_q_steps,
+    ranker_kv_block_ranges,
+    ranker_mask,
+    ranker_q_block_ranges,
+)
+from attn_mosaic_gpu.ranker_fwd import fast_reciprocal
+
+__all__ = ["PIPELINED_HEAD_DIMS", "pipelined_bwd", "pipelined_smem_bytes", "pipelined_stages"]
+
+BLOCK = 64  # rows per compute WG and rows per streamed block (one wgmma M)
+PIPELINED_HEAD_DIMS = (64, 128)
+_COMPUTE_WGS = 2
+_COMPUTE_REGISTERS = 232
+_MEMORY_REGISTERS = 40
+_LOG2E = math.log2(math.e)
+_SMEM_ALIGN = 1024
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pipelined_stages(head_dim: int) -> int:
+    """Ring depth: 3 for D=128 (~161 KiB of shared memory), 4 for D=64 (~97 KiB)."""
+    return 3 if head_dim > 64 else 4
+
+
+def pipelined_smem_bytes(head_dim: int, dtype, *, interpret: bool = False) -> dict[str, int]:
+    """Shared memory of the dq and dk/dv kernels (bytes, with alignment slack)."""
+    item = jnp.dtype(dtype).itemsize
+    stages = pipelined_stages(head_dim)
+    tile = _round_up(BLOCK * head_dim * item, _SMEM_ALIGN)
+    square = _round_up(BLOCK * BLOCK * item, _SMEM_ALIGN)
+    vec = BLOCK * 4
+    fixed = 2 * _COMPUTE_WGS * tile
+    streamed = 2 * stages * tile
+    staging = _COMPUTE_WGS * square if interpret else 0
+    barriers = 8 * (6 * stages + 4 * _COMPUTE_WGS)
+    dq = fixed + 2 * _COMPUTE_WGS * vec + streamed + staging + barriers
+    dkv = fixed + streamed + 2 * stages * vec + 2 * staging + barriers
+    return {"dq": dq, "dkv": dkv}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    batch: int
+    seq_pad: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sm_scale: float
+    cap: CapParams
+    num_stages: int
+    # Schedule knobs (benchmarks/ranker_bwd_sweep.py measures each; both on by default).
+    # fold: the cap with folded constants and its derivative from the same terms
+    #   (attn_common.cap_scaled_with_derivative) instead of cap_forward +
+    #   cap_derivative_from_output.
+    # overlap: compute P on the CUDA cores while dP's wgmma still runs (wait for S only),
+    #   and in dk/dv form dS while dV's wgmma runs.
+    fold: bool = True
+    overlap: bool = True
+
+
+def _transforms():
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
+    """``P`` (f32) and ``cap'`` (``None`` without a cap) from the raw ``Q.K`` tile.
+
+    ``q_axis`` is the axis of the tile that indexes queries (``lse2`` runs along it);
+    ``allowed`` is ``None`` on fully allowed steps.
+    """
+    if st.fold:
+        s2, dcap = cap_scaled_with_derivative(
+            raw, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=fast_reciprocal
+        )
+    else:
+        s, dcap = raw * st.sm_scale, None
+        if st.cap.active:
+            s = cap_forward(s, st.cap, reciprocal=fast_reciprocal)
+            dcap = cap_derivative_from_output(s, st.cap)
+        s2 = s * _LOG2E
+    if allowed is not None:
+        s2 = jnp.where(allowed, s2, -jnp.inf)
+    return jnp.exp2(s2 - lax.broadcast_in_dim(lse2, raw.shape, [q_axis])), dcap
+
+
+def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int):
+    """Issue ``S = A B^T`` and ``dP = C D^T`` (one wgmma scope); return ``P`` and
+    ``(dP - delta') * cap'`` in f32, so that ``dS = P * factor``.
+
+    With ``st.overlap`` the softmax terms are computed once S has landed, while the dP
+    wgmma is still in flight (``wgmma.wait_group 1``); the mask predicate is built
+    while S is in flight.
+    """
+    a, b, c, d = operands
+
+    def body(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, a, b.transpose((1, 0)))
+        plgpu.wgmma(dp_ref, c, d.transpose((1, 0)))
+        allowed = None if mask_fn is None else mask_fn()
+        raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if st.overlap else 0)
+        p, dcap = _softmax_terms(raw, lse2, allowed, st, q_axis)
+        factor = dp_ref[...] - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
+        if dcap is not None:
+            factor = factor * dcap
+        return p, factor
+
+    acc = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
+    return pl.run_scoped(body, acc, acc)
+
+
+def _accumulate(accs, lhs, rhs_smem, staging, in_place: bool):
+    """``accs[i] += lhs[i] @ rhs_smem[i]`` for each pair, waited once.
+
+    On the GPU the A operands stay in registers and the wgmmas accumulate in place;
+    in interpret mode they are staged through ``staging[i]`` into fresh accumulators.
+    """
+    if in_place:
+
+        def body(refs):
+            for ref, a, b in zip(refs, lhs, rhs_smem, strict=True):
+                plgpu.wgmma(ref, a, b)
+
+        return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs))
+    for buf, a in zip(staging, lhs, strict=True):
+        buf[...] = a
+    plgpu.commit_smem()  # generic-proxy writes visible to the async proxy (wgmma)
+
+    def fresh(*refs):
+        for ref, buf, b in zip(refs, staging, rhs_smem, strict=True):
+            plgpu.wgmma(ref, buf, b)
+        return tuple(ref[...] for ref in refs)
+
+    shapes = [plgpu.ACC(a.shape, jnp.float32) for a in accs]
+    products = pl.run_scoped(fresh, *shapes)
+    return tuple(a + d for a, d in zip(accs, products, strict=True))
+
+
+def _dkv_update(dk, dv, p_t, factor, q_slot, do_slot, staging, st: _Static, in_place, dtype):
+    """``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS^T = P^T * factor``.
+
+    With ``st.overlap`` (GPU path) dV's wgmma is issued first and dS^T is formed on the
+    CUDA cores while it runs.
+    """
+    if in_place and st.overlap:
+
+        def body(refs):
+            dv_ref, dk_ref = refs
+            plgpu.wgmma(dv_ref, p_t.astype(dtype), do_slot)
+            ds_t = p_t * factor
+            plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_slot)
+
+        dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        return dk, dv
+    lhs = (p_t.astype(dtype), (p_t * factor).astype(dtype))
+    dv, dk = _accumulate((dv, dk), lhs, (do_slot, q_slot), staging, in_place)
+    return dk, dv
+
+
+def _ring_loads(num_slots, total_steps, issue, consumed):
+    """The memory WG's loop: fill the ring, refill a slot once both compute WGs have
+    consumed it, then observe the last ``num_slots`` consumptions (so every completed
+    barrier phase is waited before the barriers are freed; interpret mode checks this)."""
+    for i in range(num_slots):
+
+        @pl.when(i < total_steps)
+        def _prologue(i=i):
+            issue(jnp.int32(i), i)
+
+    @pl.loop(num_slots, jnp.maximum(total_steps, num_slots))
+    def _steady(step):
+        slot = lax.rem(step, jnp.int32(num_slots))
+        plgpu.barrier_wait(consumed.at[slot])
+        issue(step, slot)
+
+    @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
+    def _drain(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(num_slots))])
+
+
+def _three_phase_loop(lo, hi, total, step, carry):
+    """Masked steps ``[0, lo)``, unmasked ``[lo, hi)``, masked ``[hi, total)``."""
+    masked = functools.partial(step, masked=True)
+    carry = lax.fori_loop(0, lo, masked, carry)
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(hi, total, masked, carry)
+
+
+def _bounds(bounds_ref, batch):
+    return tuple(bounds_ref[batch, i] for i in range(4))
+
+
+def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
+    b = BLOCK
+    num_slots = st.num_stages
+    group = st.q_heads // st.kv_heads
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
+        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2 = bufs
+        batch = lax.axis_index("batch")
+        q_head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        kv_head = lax.div(q_head, jnp.int32(group))
+        hl, hu, cl, cu = _bounds(bounds_ref, batch)
+        tile_start = lax.axis_index("q_seq") * (_COMPUTE_WGS * b)
+        ranges = ranker_kv_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
+        total_steps = ranges.total_steps
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            row0 = tile_start + wg * b
+            rows = (batch, pl.ds(row0, b), q_head)
+            vec = (batch, q_head, pl.ds(row0, b))
+            srcs = (q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec])
+            dsts = (q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
+            for src, dst, bar in zip(srcs, dsts, fixed_ready, strict=True):
+                plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+            for bar in fixed_ready:
+                plgpu.barrier_wait(bar.at[wg])
+            lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
+            staging = None if in_place else (ds_smem2.at[wg],)
+
+            def step(i, dq, *, masked):
+                slot = lax.rem(i, jnp.int32(num_slots))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                mask_fn = None
+                if masked:
+
+                    def mask_fn():
+                        kv0 = ranges.block_at(i) * b
+                        layout = plgpu.Layout.WGMMA
+                        q_ids = row0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
+                        kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
+                        return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
+
+                operands = (q_smem, k_smem.at[slot], do_smem, v_smem.at[slot])
+                p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
+                ds = p * factor
+                (dq,) = _accumulate(
+                    (dq,), (ds.astype(dtype),), (k_smem.at[slot],), staging, in_place
+                )
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dq
+
+            dq0 = plgpu.layout_cast(
+                jnp.full((b, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
+            )
+            dq = _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+            q_smem[...] = (dq * st.sm_scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            def issue(step, slot):
+                kv_rows = (batch, pl.ds(ranges.block_at(step) * b, b), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+
+            _ring_loads(num_slots, total_steps, issue, consumed)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref):
+        t = _transforms()
+        own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
+        own_vec = plgpu.SMEM((_COMPUTE_WGS, b), jnp.float32)
+        ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
+        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        pl.run_scoped(
+            lambda *args: kernel(
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, args
+            ),
+            [own, own, own_vec, own_vec, ring, ring, staging],
+            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 4,
+            (plgpu.Barrier(num_barriers=num_slots),) * 2,
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+            collective_axes="wg",
+        )
+
+    return entry
+
+
+def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
+    b = BLOCK
+    num_slots = st.num_stages
+    group = st.q_heads // st.kv_heads
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, scoped):
+        bufs, fixed_ready, ready, consumed = scoped
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs
+        q_ready, do_ready, lse_ready, delta_ready = ready
+        batch = lax.axis_index("batch")
+        kv_head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        hl, hu, cl, cu = _bounds(bounds_ref, batch)
+        tile_start = lax.axis_index("kv_seq") * (_COMPUTE_WGS * b)
+        ranges = ranker_q_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
+        head_steps = ranges.total_steps  # steps per query head of the group
+        total_steps = group * head_steps
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            kv0 = tile_start + wg * b
+            kv_rows = (batch, pl.ds(kv0, b), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, fixed_ready[0].at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, fixed_ready[1].at[wg])
+            plgpu.barrier_wait(fixed_ready[0].at[wg])
+            plgpu.barrier_wait(fixed_ready[1].at[wg])
+            full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
+            staging = None if in_place else (p_smem2.at[wg], ds_smem2.at[wg])
+            layout = plgpu.Layout.WGMMA
+            kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
+
+            def step(i, carry, *, head, masked):
+                dk, dv = carry
+                slot = lax.rem(head * head_steps + i, jnp.int32(num_slots))
+                for bar in (q_ready, lse_ready, do_ready, delta_ready):
+                    plgpu.barrier_wait(bar.at[slot])
+                lse2 = plgpu.load(lse_smem.at[slot], layout=layout.reduce(0))
+                delta = plgpu.load(delta_smem.at[slot], layout=layout.reduce(0))
+                mask_fn = None
+                if masked:
+
+                    def mask_fn():
+                        q0 = ranges.block_at(i) * b
+                        q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
+                        return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
+
+                operands = (k_smem, q_smem.at[slot], v_smem, do_smem.at[slot])
+                p_t, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 1)
+                dk, dv = _dkv_update(
+                    dk, dv, p_t, factor, q_smem.at[slot], do_smem.at[slot], staging, st,
+                    in_place, dtype,
+                )  # fmt: skip
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            def head_loop(head, carry):
+                fn = functools.partial(step, head=head)
+                return _three_phase_loop(full_lo, full_hi, head_steps, fn, carry)
+
+            zeros = plgpu.layout_cast(jnp.full((b, st.head_dim), 0.0, jnp.float32), layout)
+            dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+            k_smem[...] = (dk * st.sm_scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[kv_rows])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[kv_rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            def issue(step, slot):
+                head = lax.div(step, jnp.maximum(head_steps, 1))
+                i = step - head * head_steps
+                q_head = kv_head * group + head
+                q0 = ranges.block_at(i) * b
+                rows = (batch, pl.ds(q0, b), q_head)
+                vec = (batch, q_head, pl.ds(q0, b))
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot]
+                )
+
+            _ring_loads(num_slots, total_steps, issue, consumed)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref):
+        t = _transforms()
+        own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
+        ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
+        ring_vec = plgpu.SMEM((num_slots, b), jnp.float32)
+        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        pl.run_scoped(
+            lambda *args: kernel(
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, args
+            ),
+            [own, own, ring, ring, ring_vec, ring_vec, staging, staging],
+            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
+            (plgpu.Barrier(num_barriers=num_slots),) * 4,
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+            collective_axes="wg",
+        )
+
+    return entry
+
+
+def pipelined_bwd(
+    q, k, v, do, lse2, delta, bounds, *, st_fields: dict, interpret, tuning: dict | None = None
+):
+    """Run both kernels on padded inputs (``S`` a multiple of 128).
+
+    ``q, do [B,S,Hq,D]``, ``k, v [B,S,Hkv,D]``, ``lse2, delta [B,Hq,S]`` float32 (base-2
+    LSE with ``+inf`` on empty rows; ``delta'``), ``bounds [B,4]`` int32 clipped.
+    ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
+    ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``
+    (for ``benchmarks/ranker_bwd_sweep.py``; the defaults are the measured best).
+    """
+    knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
+    st = _Static(**st_fields, **knobs)
+    return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
+    in_place = interpret is None
+    tiles = st.seq_pad // (_COMPUTE_WGS * BLOCK)
+    common = dict(
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    dq = plgpu.kernel(
+        _build_dq_kernel(st, q.dtype, in_place=in_place),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(st.q_heads, tiles, st.batch),
+        grid_names=("heads", "q_seq", "batch"),
+        **common,
+    )(q, k, v, do, lse2, delta, bounds)
+    dk, dv = plgpu.kernel(
+        _build_dkv_kernel(st, q.dtype, in_place=in_place),
+        out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        grid=(st.kv_heads, tiles, st.batch),
+        grid_names=("heads", "kv_seq", "batch"),
+        **common,
+    )(q, k, v, do, lse2, delta, bounds)
+    return dq, dk, dv
