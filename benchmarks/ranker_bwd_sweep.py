@@ -1,6 +1,6 @@
 """Per-kernel timing of the Hopper ranker backward under its schedule knobs (H200).
 
-For each SPEC section 7 case given (default: phoenix and long), times the dq and dk/dv
+For each SPEC section 7 case given (default: phoenix, long, ragged), times the dq and dk/dv
 kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separately (CUPTI, median of
 iterations) for each variant of the knobs ``fold`` (folded cap constants, derivative
 from the same terms), ``overlap`` (P computed while dP's wgmma runs; dS while dV's runs)
@@ -28,22 +28,26 @@ from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_stages
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
 
 VARIANTS = {
-    "plain (no fold, no overlap)": {"fold": False, "overlap": False},
-    "fold": {"fold": True, "overlap": False},
-    "fold + overlap (default)": {"fold": True, "overlap": True},
+    "plain, 3 stages": {"fold": False, "overlap": False, "num_stages": 3},
+    "fold, 3 stages": {"fold": True, "overlap": False, "num_stages": 3},
+    "fold, 2 stages": {"fold": True, "overlap": False, "num_stages": 2},
+    "fold + overlap, 3 stages": {"fold": True, "overlap": True, "num_stages": 3},
     "fold + overlap, 2 stages": {"fold": True, "overlap": True, "num_stages": 2},
 }
+KERNELS = ("dq", "dk/dv")  # launch order of pipelined_bwd
 
 
 def kernel_ms(fn, *args, iterations):
+    """Median time per kernel, keyed by launch position (both kernels share a name)."""
     from jax.experimental.mosaic.gpu import profiler
 
     _, per_iter = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-    by_name: dict[str, list[float]] = {}
+    by_kernel: dict[str, list[float]] = {}
     for timings in per_iter:
-        for name, ms in timings:
-            by_name.setdefault(name, []).append(ms)
-    return {name: statistics.median(v) for name, v in by_name.items()}
+        labels = KERNELS if len(timings) == len(KERNELS) else [n for n, _ in timings]
+        for label, (_, ms) in zip(labels, timings, strict=True):
+            by_kernel.setdefault(label, []).append(ms)
+    return {label: statistics.median(v) for label, v in by_kernel.items()}
 
 
 def run_case(name, iterations):
@@ -79,7 +83,7 @@ def run_case(name, iterations):
         row = {
             "case": name,
             "variant": label,
-            "num_stages": tuning.get("num_stages", pipelined_stages(d)),
+            "num_stages": tuning["num_stages"],
             "kernels_ms": times,
             "total_ms": total,
             "bwd_effective_tflops": flops_bwd / total * 1e-9,  # ms -> TFLOP/s
@@ -93,9 +97,10 @@ def run_case(name, iterations):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
-    parser.add_argument("--cases", nargs="*", default=["phoenix", "long"])
+    parser.add_argument("--cases", nargs="*", default=["phoenix", "long", "ragged"])
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args()
+    print(f"defaults: fold and overlap on; stages {pipelined_stages(128)} (D=128)")
     rows = []
     for name in args.cases:
         rows += run_case(name, args.iterations)

@@ -53,13 +53,25 @@ import sharding_check  # the CPU checks, reused on a 2-GPU mesh
 DRY_RUN = False
 
 
-def _equal(got, want, err_msg=""):
-    if DRY_RUN:  # reference backend on CPU: same math, not necessarily the same bits
-        np.testing.assert_allclose(
-            np.asarray(got, np.float32), np.asarray(want, np.float32), 2e-2, 2e-2, err_msg=err_msg
-        )
-    else:
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=err_msg)
+FAILURES: list[str] = []
+
+
+def _compare(label, got, want, *, rel_tol, require_bitwise=False):
+    """Record (and print) how ``got`` compares with ``want``; failures are collected so
+    that one run reports every comparison."""
+    g = np.asarray(got.astype(jnp.float32) if hasattr(got, "astype") else got, np.float64)
+    w = np.asarray(want.astype(jnp.float32) if hasattr(want, "astype") else want, np.float64)
+    same_inf = np.array_equal(np.isneginf(g), np.isneginf(w))
+    fin = np.isfinite(w)
+    bitwise = bool(np.array_equal(np.asarray(got), np.asarray(want)))
+    rel = _rel(g[fin], w[fin]) if fin.any() else 0.0
+    ok = same_inf and np.isfinite(g[fin]).all() and rel < rel_tol
+    if require_bitwise and not DRY_RUN:
+        ok = ok and bitwise
+    print(f"  {label}: bitwise={bitwise} rel_l2={rel:.2e} {'ok' if ok else 'FAIL'}")
+    if not ok:
+        FAILURES.append(label)
+    return {"bitwise": bitwise, "rel_l2": rel}
 
 
 def _inputs(b, s, hq, hkv, d, seed=0):
@@ -89,17 +101,19 @@ def check_ranker(mesh, report, **kw):
     sharded = shard_ranker_attention(mesh, cap=cap, return_lse=True, **kw)
     got, got_lse = jax.jit(sharded)(q, k, v, bounds)
     assert got.sharding.mesh.size == mesh.size
-    _equal(got, want)
-    _equal(got_lse, want_lse)
+    key = f"ranker {dict(mesh.shape)} {kw or ''}".strip()
+    print(key)
+    entry = {"check": key}
+    # the same program computes each (row, head) sharded or not: expect the same bits
+    tight = 1e-3 if DRY_RUN else 1e-6  # the CPU reference is not bitwise across shardings
+    entry["out"] = _compare("out vs unsharded", got, want, rel_tol=tight, require_bitwise=True)
+    entry["lse"] = _compare("lse vs unsharded", got_lse, want_lse, rel_tol=tight)
 
-    ref, ref_lse = ranker_attention(
+    ref, _ = ranker_attention(
         *(x.astype(jnp.float32) for x in (q, k, v)), bounds,
         cap=cap, return_lse=True, implementation="reference",
     )  # fmt: skip
-    err = _rel(got.astype(jnp.float32), ref)
-    assert err < 2e-2, err
-    finite = np.isfinite(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(got_lse)), finite)
+    entry["out_vs_reference"] = _compare("out vs f32 reference", got, ref, rel_tol=2e-2)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v, bounds).astype(jnp.float32) * w)
@@ -110,21 +124,11 @@ def check_ranker(mesh, report, **kw):
     plain = shard_ranker_attention(mesh, cap=cap, **kw)
     g_want = jax.jit(jax.grad(loss(unsharded), argnums=(0, 1, 2)))(q, k, v)
     g_got = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
-    grad_err = {}
+    # delta' = rowsum(dO * O) is an XLA reduction whose order may change with the
+    # sharded shapes, so gradients agree to rounding, not necessarily bit for bit
     for name, g, r in zip(("dq", "dk", "dv"), g_got, g_want, strict=True):
-        g32, r32 = np.asarray(g.astype(jnp.float32)), np.asarray(r.astype(jnp.float32))
-        assert np.isfinite(g32).all(), name
-        grad_err[name] = _rel(g32, r32)
-        # delta' = rowsum(dO * O) is an XLA reduction whose order may change with the
-        # sharded shapes, so gradients agree to rounding, not bit for bit
-        assert grad_err[name] < 1e-2, (name, grad_err[name])
-    key = f"ranker {dict(mesh.shape)} {kw or ''}".strip()
-    report["checks"].append(
-        {"check": key, "out_vs_reference_rel_l2": err, "bitwise": True, "grad_rel_l2": grad_err}
-    )
-    worst = max(grad_err.values())
-    print(f"OK {key}: out, lse bitwise equal to unsharded; grads rel L2 <= {worst:.1e}; "
-          f"out rel L2 vs f32 ref {err:.2e}")  # fmt: skip
+        entry[name] = _compare(f"{name} vs unsharded", g, r, rel_tol=1e-2)
+    report["checks"].append(entry)
 
 
 def _wall_ms(fn, *args, iterations=10, samples=5):
@@ -200,14 +204,21 @@ def main() -> None:
     check_ranker(jax.make_mesh((2,), ("batch",), devices=devices[:2]), report,
                  batch_axis="batch", head_axis=None)  # fmt: skip
     for mesh in (both, heads):
-        sharding_check.check_sparse_mla(mesh)
-        sharding_check.check_sparse_mla_ragged(mesh, head_axis="model")
-        report["checks"].append({"check": f"sparse MLA flat + ragged {dict(mesh.shape)}"})
-        print(f"OK sparse MLA flat + ragged paged {dict(mesh.shape)}")
+        label = f"sparse MLA flat + ragged paged {dict(mesh.shape)}"
+        try:
+            sharding_check.check_sparse_mla(mesh)
+            sharding_check.check_sparse_mla_ragged(mesh, head_axis="model")
+        except AssertionError as e:
+            print(f"FAIL {label}: {e}")
+            FAILURES.append(label)
+            continue
+        report["checks"].append({"check": label})
+        print(f"OK {label}")
     if DRY_RUN:
-        print("OK (dry run)")
+        print("FAILED: " + ", ".join(FAILURES) if FAILURES else "OK (dry run)")
         return
     time_phoenix(both, report)
+    report["failures"] = FAILURES
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sharding_gpu.json").write_text(json.dumps(report, indent=2))
@@ -222,12 +233,13 @@ def main() -> None:
             "|---|---|",
         ]
         for c in report["checks"]:
-            res = "out, lse bitwise equal to unsharded" if c.get("bitwise") else "matches unsharded"
-            if "grad_rel_l2" in c:
-                res += f"; grads rel L2 <= {max(c['grad_rel_l2'].values()):.1e}"
-            if "out_vs_reference_rel_l2" in c:
-                res += f"; out rel L2 vs f32 reference {c['out_vs_reference_rel_l2']:.2e}"
-            lines.append(f"| {c['check']} | {res} |")
+            parts = []
+            for field in ("out", "lse", "dq", "dk", "dv", "out_vs_reference"):
+                if field in c:
+                    r = c[field]
+                    how = "bitwise equal" if r["bitwise"] else f"rel L2 {r['rel_l2']:.1e}"
+                    parts.append(f"{field}: {how}")
+            lines.append(f"| {c['check']} | {'; '.join(parts) or 'matches unsharded'} |")
         lines += ["", "| phoenix | 1 GPU (ms) | 2 GPUs, batch-sharded (ms) | speed-up |",
                   "|---|---|---|---|"]  # fmt: skip
         for r in report["timing"]:
@@ -236,6 +248,8 @@ def main() -> None:
                 f"{r['speedup']:.2f}x |"
             )
         (args.out / "sharding_gpu.md").write_text("\n".join(lines) + "\n")
+    if FAILURES:
+        raise SystemExit("FAILED: " + ", ".join(FAILURES))
     print("OK")
 
 
