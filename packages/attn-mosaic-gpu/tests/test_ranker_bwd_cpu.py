@@ -240,3 +240,34 @@ def test_schedule_knobs_do_not_change_results():
     for name, a, b in zip(("dq", "dk", "dv"), base, run(num_stages=2, fold=False), strict=True):
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), name
         assert np.abs(a).sum() > 0, name
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kernel_axis_names_are_namespaced(head_dim):
+    """Every axis a kernel names (grid, warpgroups, axis_index) carries the package
+    prefix. ``lax.axis_index`` also sees the mesh axes of an enclosing ``shard_map``: with
+    a plain ``"batch"`` grid axis, batch sharding over a mesh axis named ``"batch"`` gave
+    wrong outputs and NaN gradients on two H200s (interpret mode cannot run multi-device,
+    so this structural check stands in for it on the CPU)."""
+    import re
+
+    from attn_mosaic_gpu import _axes
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 1, head_dim), jnp.bfloat16)
+    bounds = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+
+    def fwd_bwd(q, k, v, b):
+        def loss(q, k, v):
+            out, lse = ranker_attention(q, k, v, b, return_lse=True)
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    text = str(jax.make_jaxpr(fwd_bwd)(q, kv, kv, bounds))
+    names = set(re.findall(r"axis_name=(\w+)", text))
+    for grid in re.findall(r"grid_names=\(([^)]*)\)", text):
+        names |= {n.strip(" '") for n in grid.split(",") if n.strip(" '")}
+    assert names, "no kernel axes found: the check inspects nothing"
+    assert names <= set(_axes.KERNEL_AXES), names - set(_axes.KERNEL_AXES)
+    assert len(re.findall(r"grid_names=", text)) >= 3, "expected fwd, dq and dk/dv kernels"

@@ -76,6 +76,7 @@ from attn_common import (
     ranker_mask,
     ranker_q_block_ranges,
 )
+from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.ranker_bwd_pipelined import (
     PIPELINED_HEAD_DIMS,
     pipelined_bwd,
@@ -189,9 +190,9 @@ def _build_dq_kernel(st: _BwdStatic, dtype):
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
         (q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, lse_smem, delta_smem), bars = scoped
-        batch = lax.axis_index("batch")
-        q_head = lax.axis_index("heads")
-        idx = lax.axis_index("q_seq")
+        batch = lax.axis_index(_axes.BATCH)
+        q_head = lax.axis_index(_axes.HEADS)
+        idx = lax.axis_index(_axes.Q_TILES)
         q_tile = lax.div(idx, jnp.int32(d_split))
         d0 = lax.rem(idx, jnp.int32(d_split)) * dh
         kv_head = lax.div(q_head, jnp.int32(group))
@@ -295,9 +296,9 @@ def _build_dkv_kernel(st: _BwdStatic, dtype):
         bufs, bars = scoped
         k_smem, v_smem, q_smem, do_smem, qh_smem, doh_smem, p_smem, ds_smem = bufs[:8]
         lse_smem, delta_smem = bufs[8:]
-        batch = lax.axis_index("batch")
-        kv_head = lax.axis_index("heads")
-        idx = lax.axis_index("kv_seq")
+        batch = lax.axis_index(_axes.BATCH)
+        kv_head = lax.axis_index(_axes.HEADS)
+        idx = lax.axis_index(_axes.KV_TILES)
         kv_tile = lax.div(idx, jnp.int32(d_split))
         part = lax.rem(idx, jnp.int32(d_split))
         d0 = part * dh
@@ -409,14 +410,14 @@ def _ranker_bwd_padded(q, k, v, do, lse2, delta, bounds, *, st: _BwdStatic, inte
         _build_dq_kernel(st, q.dtype),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(st.q_heads, (st.seq_pad // b) * _d_split(st.head_dim), st.batch),
-        grid_names=("heads", "q_seq", "batch"),
+        grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
         interpret=interpret,
     )(q, k, v, do, lse2, delta, bounds)
     dk, dv = plgpu.kernel(
         _build_dkv_kernel(st, q.dtype),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, (st.seq_pad // b) * _d_split(st.head_dim), st.batch),
-        grid_names=("heads", "kv_seq", "batch"),
+        grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
         interpret=interpret,
     )(q, k, v, do, lse2, delta, bounds)
     return dq, dk, dv

@@ -65,6 +65,7 @@ from attn_common import (
     ranker_mask,
     ranker_q_block_ranges,
 )
+from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.ranker_fwd import fast_reciprocal
 
 __all__ = ["PIPELINED_HEAD_DIMS", "pipelined_bwd", "pipelined_smem_bytes", "pipelined_stages"]
@@ -263,12 +264,12 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
         bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2 = bufs
-        batch = lax.axis_index("batch")
-        q_head = lax.axis_index("heads")
-        wg = lax.axis_index("wg")
+        batch = lax.axis_index(_axes.BATCH)
+        q_head = lax.axis_index(_axes.HEADS)
+        wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
         hl, hu, cl, cu = _bounds(bounds_ref, batch)
-        tile_start = lax.axis_index("q_seq") * (_COMPUTE_WGS * b)
+        tile_start = lax.axis_index(_axes.Q_TILES) * (_COMPUTE_WGS * b)
         ranges = ranker_kv_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
         total_steps = ranges.total_steps
 
@@ -347,7 +348,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 4,
             (plgpu.Barrier(num_barriers=num_slots),) * 2,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
-            collective_axes="wg",
+            collective_axes=_axes.WARPGROUP,
         )
 
     return entry
@@ -362,11 +363,11 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         bufs, fixed_ready, ready, consumed = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs
         q_ready, do_ready, lse_ready, delta_ready = ready
-        batch = lax.axis_index("batch")
-        kv_head = lax.axis_index("heads")
-        wg = lax.axis_index("wg")
+        batch = lax.axis_index(_axes.BATCH)
+        kv_head = lax.axis_index(_axes.HEADS)
+        wg = lax.axis_index(_axes.WARPGROUP)
         hl, hu, cl, cu = _bounds(bounds_ref, batch)
-        tile_start = lax.axis_index("kv_seq") * (_COMPUTE_WGS * b)
+        tile_start = lax.axis_index(_axes.KV_TILES) * (_COMPUTE_WGS * b)
         ranges = ranker_q_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
         head_steps = ranges.total_steps  # steps per query head of the group
         total_steps = group * head_steps
@@ -457,7 +458,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
             (plgpu.Barrier(num_barriers=num_slots),) * 4,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
-            collective_axes="wg",
+            collective_axes=_axes.WARPGROUP,
         )
 
     return entry
@@ -485,7 +486,7 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
     tiles = st.seq_pad // (_COMPUTE_WGS * BLOCK)
     common = dict(
         num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
+        thread_name=_axes.WARPGROUP,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
@@ -493,14 +494,14 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
         _build_dq_kernel(st, q.dtype, in_place=in_place),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(st.q_heads, tiles, st.batch),
-        grid_names=("heads", "q_seq", "batch"),
+        grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
         **common,
     )(q, k, v, do, lse2, delta, bounds)
     dk, dv = plgpu.kernel(
         _build_dkv_kernel(st, q.dtype, in_place=in_place),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, tiles, st.batch),
-        grid_names=("heads", "kv_seq", "batch"),
+        grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
         **common,
     )(q, k, v, do, lse2, delta, bounds)
     return dq, dk, dv

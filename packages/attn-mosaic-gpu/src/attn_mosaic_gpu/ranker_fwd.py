@@ -88,6 +88,7 @@ from attn_common import (
     ranker_kv_block_ranges,
     ranker_mask,
 )
+from attn_mosaic_gpu import _axes
 
 __all__ = [
     "SMEM_LIMIT_BYTES",
@@ -247,10 +248,10 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         k_ready, v_ready, q_ready = ready
         k_consumed, v_consumed = consumed
 
-        batch = lax.axis_index("batch")
-        q_head = lax.axis_index("heads")
-        q_tile = lax.axis_index("q_seq")
-        wg = lax.axis_index("wg")
+        batch = lax.axis_index(_axes.BATCH)
+        q_head = lax.axis_index(_axes.HEADS)
+        q_tile = lax.axis_index(_axes.Q_TILES)
+        wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
 
         hl = bounds_ref[batch, 0]
@@ -471,7 +472,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             ),
             (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
-            collective_axes="wg",
+            collective_axes=_axes.WARPGROUP,
         )
 
     return entry
@@ -487,9 +488,9 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
         _build_kernel(st, q.dtype, accumulate_in_place=interpret is None),
         out_type=out_type,
         grid=(st.q_heads, st.seq_pad // (2 * st.block_q), st.batch),
-        grid_names=("heads", "q_seq", "batch"),
+        grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
         num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
+        thread_name=_axes.WARPGROUP,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(q, k, v, bounds)
