@@ -271,3 +271,10 @@ def test_kernel_axis_names_are_namespaced(head_dim):
     assert names, "no kernel axes found: the check inspects nothing"
     assert names <= set(_axes.KERNEL_AXES), names - set(_axes.KERNEL_AXES)
     assert len(re.findall(r"grid_names=", text)) >= 3, "expected fwd, dq and dk/dv kernels"
+
+
+def test_backward_tiles_other_than_64_rejected():
+    q, k, v = _inputs(8, 1, 64, 1, 1, 64, jnp.bfloat16)
+    bad = KernelConfig(block_q=64, block_kv=64, num_stages=2, block_kv_bwd=128)
+    with pytest.raises(ValueError, match="block_kv_bwd"):
+        ranker_attention(q, k, v, jnp.array([0, 32, 32, 64]), config=bad, interpret=True)

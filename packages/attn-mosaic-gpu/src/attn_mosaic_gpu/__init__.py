@@ -3,9 +3,9 @@
 ``ranker_attention``: ranker attention (history + isolated candidates, logit soft cap,
 GQA, optional differentiable LSE) under the shared API name. The forward is the
 warp-specialized kernel of ``ranker_fwd``; ``jax.grad`` / ``jax.vjp`` run the dq and
-dk/dv kernels of ``ranker_bwd`` (fixed accumulation order, no atomics; GQA dK/dV
-accumulated per kv head). The backward is a first, unpipelined version: correct, slower
-than cuDNN on most shapes (docs/ranker_gpu_forward.md).
+dk/dv kernels of ``ranker_bwd`` (warp-specialized and TMA-pipelined for D 64/128 in
+``ranker_bwd_pipelined``; fixed accumulation order, no atomics, bitwise deterministic;
+GQA dK/dV accumulated per kv head). Measured results: docs/ranker_gpu.md.
 The sparse MLA kernels for Hopper are a separate issue.
 """
 

@@ -5,8 +5,8 @@ the forward runs ``ranker_fwd.ranker_attention_fwd`` (always computing the LSE, 
 backward needs) and the backward runs the dq and dk/dv kernels of ``ranker_bwd``. The
 residuals are ``q, k, v, bounds, out, lse``. With ``return_lse=True`` the LSE is
 differentiable: its cotangent enters the backward through ``delta' = rowsum(dO * O) -
-dlse``. ``bounds`` (integers) gets no cotangent. The kernels accumulate in a fixed order without
-atomics, so gradients are meant to be bitwise deterministic (not yet verified on a GPU).
+dlse``. ``bounds`` (integers) gets no cotangent. The kernels accumulate in a fixed order
+without atomics, so gradients are bitwise deterministic (checked on an H200).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import jax
 
 from attn_common import CapParams, KernelConfig
-from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
+from attn_mosaic_gpu.ranker_bwd import BWD_BLOCK, ranker_attention_bwd
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
 
 
@@ -77,7 +77,8 @@ def ranker_attention(
       q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]``; D in {64, 128, 256}.
       bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]``; traced data.
       sm_scale, cap, config, return_lse, interpret: see ``ranker_attention_fwd``
-        (``config`` tiles the forward; the backward uses its own fixed 64x64 blocks).
+        (``config`` tiles the forward; the backward uses fixed 64-row blocks, so
+        ``block_q_bwd`` / ``block_kv_bwd`` other than 64 are rejected).
 
     Returns ``out [B, S, Hq, D]`` or ``(out, lse [B, Hq, S])``. Differentiable in q, k, v
     (``jax.grad`` / ``jax.vjp``, under ``jit``), including through ``lse``. The forward
@@ -86,6 +87,14 @@ def ranker_attention(
     """
     if isinstance(interpret, bool) and not interpret:
         interpret = False
+    if config is not None:
+        for field in ("block_q_bwd", "block_kv_bwd"):
+            value = getattr(config, field, None)
+            if value is not None and value != BWD_BLOCK:
+                raise ValueError(
+                    f"config.{field}: got {value}; the Hopper backward kernels use fixed "
+                    f"{BWD_BLOCK}-row blocks (leave it None or set {BWD_BLOCK})"
+                )
     kwargs = (
         ("sm_scale", sm_scale),
         ("cap", cap),
