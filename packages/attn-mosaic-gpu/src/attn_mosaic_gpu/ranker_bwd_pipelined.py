@@ -16,6 +16,13 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   - dk/dv: ``S^T = K Q^T`` and ``dP^T = V dO^T``, cap, mask, ``P^T``, ``dS^T``, then
     ``dV += P^T dO`` and ``dK += dS^T Q`` in one wgmma scope, A operands from registers.
 
+  Within a step (knob ``overlap``, on by default): the mask predicate is built while S
+  is in flight, ``P`` is computed after ``wgmma.wait_group 1`` (S landed, dP still
+  running), and in dk/dv ``dS^T`` is formed while dV's wgmma runs. The cap and its
+  derivative come from ``attn_common.cap_scaled_with_derivative`` (knob ``fold``). The
+  ring has 2 slots for D=128 and 4 for D=64. ``benchmarks/ranker_bwd_sweep.py`` measures
+  the knobs (``docs/results/ranker_bwd_sweep.md``).
+
   After the last step it writes its f32 accumulators (scaled) into its fixed buffers
   (Q / K, V are dead by then) and TMA-stores them. The mask
   (``attn_common.ranker_mask`` on the tile iotas) is skipped on the steps
