@@ -159,3 +159,58 @@ def random_page_selection(rng: np.random.Generator, layout, top_k: int, page_siz
             choices[-1] = choices[0]  # a duplicate
         sel[i] = choices
     return sel.astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------
+# Dirty caches: garbage in every row no query attends
+
+POISON = (np.nan, np.inf, -np.inf)
+
+
+def attended_rows_flat(indices, positions, *, kv_len: int, read_block: int) -> np.ndarray:
+    """bool ``[B, T]``: key rows some query of the batch row attends (flat mode)."""
+    indices, positions = np.asarray(indices), np.asarray(positions)
+    batch, seq, _ = indices.shape
+    num_units = -(-kv_len // read_block)
+    seen = np.zeros((batch, kv_len), bool)
+    for b in range(batch):
+        for s in range(seq):
+            for u in set(int(x) for x in indices[b, s]):
+                if 0 <= u < num_units:
+                    lo, hi = u * read_block, min((u + 1) * read_block, kv_len)
+                    hi = min(hi, int(positions[b, s]) + 1)
+                    if hi > lo:
+                        seen[b, lo:hi] = True
+    return seen
+
+
+def attended_rows_ragged(layout, indices, positions, *, page_size: int, num_pages: int):
+    """bool ``[num_pages * page_size]``: physical cache rows some query attends."""
+    indices, positions = np.asarray(indices), np.asarray(positions)
+    cu, seq_lens = layout["cu_kv_lens"], layout["seq_lens"]
+    page_indices = layout["page_indices"]
+    seen = np.zeros((num_pages * page_size,), bool)
+    for t, r in enumerate(np.asarray(layout["q_seq_id"])):
+        base, extent = cu[r] // page_size, (cu[r + 1] - cu[r]) // page_size
+        for p in set(int(x) for x in indices[t]):
+            if not (0 <= p < extent and base + p < len(page_indices)):
+                continue
+            phys = int(page_indices[base + p])
+            if not 0 <= phys < num_pages:
+                continue
+            for i in range(page_size):
+                j = p * page_size + i
+                if j <= positions[t] and j < seq_lens[r]:
+                    seen[phys * page_size + i] = True
+    return seen
+
+
+def poison_rows(rows: np.ndarray, keep: np.ndarray, *, seed: int = 0) -> np.ndarray:
+    """Copy of ``rows [..., R, D]`` with every row where ``keep`` is False set to a mix of
+    NaN, +Inf and -Inf (whole rows, every feature)."""
+    rng = rng_for(seed)
+    out = np.array(rows, copy=True)
+    bad = ~np.broadcast_to(keep, out.shape[:-1])
+    junk = rng.choice(np.asarray(POISON, np.float32), size=out.shape).astype(out.dtype)
+    out[bad] = junk[bad]
+    return out

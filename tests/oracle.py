@@ -1,4 +1,4 @@
-"""Independent float64 numpy oracles, written from the SPEC text (sections 3 and 4).
+"""Independent float64 numpy oracles, written from docs/design.md (the two ops' semantics).
 
 Nothing here imports ``attn_common`` or ``attn_reference``: every rule (the ranker mask,
 the soft caps, unit selection as a set, the ragged paged layout, the scatter) is
@@ -25,7 +25,7 @@ def _cap_name(cap_method) -> str:
 
 
 def apply_cap(s: np.ndarray, cap_method, cap_value) -> np.ndarray:
-    """The soft cap of SPEC section 3, in float64."""
+    """The soft cap (docs/design.md#ranker-attention), in float64."""
     name = _cap_name(cap_method)
     if name == "none":
         return s
@@ -51,7 +51,8 @@ def cap_grad(s: np.ndarray, cap_method, cap_value) -> np.ndarray:
 
 
 def ranker_allowed(bounds_row, seq_len: int) -> np.ndarray:
-    """``[S, S]`` bool: query i may attend key j (SPEC section 3), by explicit loops.
+    """``[S, S]`` bool: query i may attend key j (docs/design.md#ranker-attention), by
+    explicit loops.
 
     Bounds are used exactly as written: ``j in [lo, hi)`` for positions ``0 <= j < S``.
     Out-of-range values therefore act as if clipped, and ``hi <= lo`` is empty.
@@ -275,55 +276,3 @@ def scatter_oracle(cache, rows, loc):
             page, row = divmod(int(slot), page_size)
             new[page, row // pk, row % pk] = rows[t].astype(new.dtype)
     return new
-
-
-def capped_selection_flat(indices, num_units: int, *, query_block: int, u_max: int):
-    """The lossy-``u_max`` selection: per block of ``query_block`` consecutive queries of a
-    batch row, keep only the ``u_max`` smallest distinct valid unit ids of the block's
-    union; each query keeps its selections inside that kept set (others -> -1)."""
-    indices = np.asarray(indices, dtype=np.int64)
-    out = np.full_like(indices, -1)
-    batch, seq, _ = indices.shape
-    for b in range(batch):
-        for start in range(0, seq, query_block):
-            blk = indices[b, start : start + query_block]
-            union = sorted({int(u) for u in blk.ravel() if 0 <= u < num_units})
-            kept = set(union[:u_max])
-            for qi in range(blk.shape[0]):
-                for kk, u in enumerate(blk[qi]):
-                    if int(u) in kept:
-                        out[b, start + qi, kk] = u
-    return out
-
-
-def capped_selection_ragged(
-    indices, q_seq_id, cu_kv_lens, *, page_size: int, query_block: int, u_max: int
-):
-    """The lossy-``u_max`` selection in ragged mode, ``[S, K]`` request-local ids.
-
-    A selection's key is its global page-table slot ``cu_kv_lens[r] // page_size + p``
-    (only valid ids ``0 <= p < extent`` count). Per block of ``query_block`` consecutive
-    packed queries (a block may straddle requests) the ``u_max`` smallest distinct keys of
-    the block's union are kept; a query keeps its selections whose key is kept.
-    """
-    indices = np.asarray(indices, dtype=np.int64).reshape(len(q_seq_id), -1)
-    cu_kv_lens = np.asarray(cu_kv_lens, dtype=np.int64)
-    num_q, top_k = indices.shape
-    keys = np.full_like(indices, -1)
-    for i in range(num_q):
-        r = int(q_seq_id[i])
-        base = int(cu_kv_lens[r]) // page_size
-        extent = (int(cu_kv_lens[r + 1]) - int(cu_kv_lens[r])) // page_size
-        for kk in range(top_k):
-            p = int(indices[i, kk])
-            if 0 <= p < extent:
-                keys[i, kk] = base + p
-    out = np.full_like(indices, -1)
-    for start in range(0, num_q, query_block):
-        blk = keys[start : start + query_block]
-        kept = set(sorted({int(x) for x in blk.ravel() if x >= 0})[:u_max])
-        for qi in range(blk.shape[0]):
-            for kk in range(top_k):
-                if int(blk[qi, kk]) in kept:
-                    out[start + qi, kk] = indices[start + qi, kk]
-    return out

@@ -98,7 +98,6 @@ def _flat_bad_cases():
         "kv rank": ((q, sds((2, 300, 1, 576)), idx, pos), {}, ValueError, "kv"),
         "kv batch": ((q, sds((3, 300, 576)), idx, pos), {}, ValueError, "kv"),
         "kv dk": ((q, sds((2, 300, 512)), idx, pos), {}, ValueError, "kv"),
-        "kv empty": ((q, sds((2, 0, 576)), idx, pos), {}, ValueError, "kv"),
         "kv_lora_rank > Dk": ((q, kv, idx, pos), {"kv_lora_rank": 640}, ValueError, "kv_lora_rank"),
         "kv_lora_rank Dk + 1": (
             (q, kv, idx, pos),
@@ -388,3 +387,23 @@ def test_ragged_query_info_clips_bad_seq_ids():
     np.testing.assert_array_equal(np.asarray(info.base_page), [0, 1])
     np.testing.assert_array_equal(np.asarray(info.pages), [1, 2])
     np.testing.assert_array_equal(np.asarray(info.kv_len), [10, 30])
+
+
+@pytest.mark.parametrize(
+    ("s", "k", "t"), [(0, 2, 300), (10, 0, 300), (10, 2, 0)], ids=["S0", "K0", "T0"]
+)
+def test_empty_work_is_valid_and_empty(s, k, t):
+    """S, K or T = 0 is empty work (zeros, -inf LSE), not an error."""
+    from attn_common.sparse_mla import empty_result
+
+    problem = check_sparse_mla_inputs(
+        sds((2, s, 4, 576)),
+        sds((2, t, 576)),
+        sds((2, s, k), jnp.int32),
+        sds((2, s), jnp.int32),
+        sm_scale=0.1,
+    )
+    assert problem.is_empty
+    out, lse = empty_result(problem, True)
+    assert out.shape == (2, s, 4, 512) and lse.shape == (2, s, 4)
+    assert not out.any() and bool(jnp.all(jnp.isneginf(lse)))

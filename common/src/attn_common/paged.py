@@ -7,7 +7,8 @@ pages a request owns is given by the ragged tables (see the ragged paged mode in
 ``attn_common.sparse_mla``'s module docstring for the full layout). For sparse MLA each
 row is ``[c_kv | k_rope | 0 ...]``, ``D = Dk_pad = padded_dk(kv_lora_rank + rope)``.
 
-``paged_write_back(cache, rows, loc)`` writes ``cache[loc[t]] = rows[t]``;
+``paged_write_back(cache, rows, loc)`` writes ``cache[loc[t]] = rows[t]`` in increasing
+``t`` (a slot listed twice keeps the last row: ``attn_common.keep_last_writes``);
 ``prefill_write_and_attend_ragged`` builds the rows with :func:`latent_rows`, writes
 them, then runs ragged sparse MLA over the cache. Every backend validates their inputs
 here, before tracing, so they reject the same calls with the same errors.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attn_common.metadata import check_ragged_metadata
 from attn_common.ranker import array_shape
 from attn_common.sparse_mla import _check_positive_int, padded_dk
 from attn_common.tables import kv_packing
@@ -182,6 +184,16 @@ def write_then_attend(
         cu_kv_lens, page_indices, kv_lora_rank=kv_lora_rank, page_size=page_size,
     )  # fmt: skip
     num_tokens = ql.shape[0]
+    check_ragged_metadata(
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+        page_size=page_size,
+        num_pages=cache.shape[0],
+        cu_q_lens=cu_q_lens,
+        num_tokens=num_tokens,
+        debug_checks=attend_kwargs.get("debug_checks", False),
+    )
     rows = latent_rows(kvc, kpe, width=cache.shape[-1], dtype=cache.dtype)
     new_cache = write_back(cache, rows, loc, page_size=page_size)
     q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attn_common.metadata import check_ragged_metadata, check_unit_indices
 from attn_common.ranker import array_shape, resolve_sm_scale
 from attn_common.tables import kv_packing
 
@@ -54,6 +55,18 @@ class SparseMlaProblem:
     @property
     def dk_pad(self) -> int:
         return padded_dk(self.dk)
+
+    @property
+    def is_empty(self) -> bool:
+        """No query can attend any key: zero batch, queries, heads, selections or keys."""
+        return 0 in (self.batch, self.num_queries, self.heads, self.top_k, self.kv_len)
+
+
+def empty_result(problem: SparseMlaProblem, return_lse: bool):
+    """The answer to empty work: ``out`` zeros ``[B, S, H, Dv]``, ``lse`` ``-inf`` ``[B, S, H]``."""
+    b, s, h = problem.batch, problem.num_queries, problem.heads
+    out = jnp.zeros((b, s, h, problem.dv), jnp.float32)
+    return (out, jnp.full((b, s, h), -jnp.inf, jnp.float32)) if return_lse else out
 
 
 def _check_int_array(x, name: str, ndim: int, shape_hint: str) -> tuple[int, ...]:
@@ -87,8 +100,14 @@ def check_sparse_mla_inputs(
     seq_lens=None,
     cu_kv_lens=None,
     page_indices=None,
+    debug_checks: bool = False,
 ) -> SparseMlaProblem:
-    """Validate sparse-MLA inputs before tracing; raise naming the argument and the rule."""
+    """Validate sparse-MLA inputs before launch; raise naming the argument and the rule.
+
+    Shapes, dtypes and static arguments always. The ragged tables too when they are host
+    values (``attn_common.metadata``); under jit, with ``debug_checks=True``, the same
+    rules and the index range become ``checkify`` checks.
+    """
     q_shape = array_shape(q, "q")
     if len(q_shape) != 4:
         raise ValueError(f"q: got shape {q_shape}, expected rank 4 [B, S, H, Dk]")
@@ -128,9 +147,7 @@ def check_sparse_mla_inputs(
             raise ValueError(f"{given[0]}: given without q_seq_id; ragged mode needs q_seq_id")
         if len(kv_shape) != 3 or kv_shape[0] != batch or kv_shape[2] != dk:
             raise ValueError(f"kv: got shape {kv_shape}, expected [B={batch}, T, Dk={dk}]")
-        kv_len = kv_shape[1]
-        if kv_len == 0:
-            raise ValueError("kv: got T = 0, expected at least one key token")
+        kv_len = kv_shape[1]  # T = 0 is empty work: every query gets out 0, LSE -inf
         num_units = -(-kv_len // read_block)
     else:
         if batch != 1:
@@ -165,6 +182,16 @@ def check_sparse_mla_inputs(
                 f"[num_pages, {', '.join(map(str, want))}] for dtype {kv.dtype}"
             )
         kv_len = kv_shape[0] * page_size
+        check_ragged_metadata(
+            q_seq_id=q_seq_id,
+            seq_lens=seq_lens,
+            cu_kv_lens=cu_kv_lens,
+            page_indices=page_indices,
+            page_size=page_size,
+            num_pages=kv_shape[0],
+            debug_checks=debug_checks,
+        )
+    check_unit_indices(indices, num_units, debug_checks=debug_checks)
     return SparseMlaProblem(
         batch=batch,
         num_queries=num_queries,

@@ -8,10 +8,6 @@ form ~1 ms; compaction is done by sorting, not by scattering into a table.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -26,11 +22,12 @@ TOKEN_RUN = 1  # table entry copies single tokens (read-modify-write of a word)
 class BlockUnitTables(NamedTuple):
     """Per query block: the union of selected units and who selected what.
 
-    units:   int32 ``[nQB, u_max]``: the block's distinct unit ids ascending, ``-1`` padded.
-    member:  int8 ``[nQB, query_block, u_max]``: 1 where query ``q`` of the block selected
-             ``units[b, u]`` (indexed by union slot, so its size is bounded by ``u_max``).
-    counts:  int32 ``[nQB]``: the true union size, uncapped; ``counts > u_max`` means the
-             tables dropped the tail of the union (only possible with a lossy ``u_max``).
+    units:   int32 ``[nQB, width]``: the block's distinct unit ids ascending, ``-1`` padded.
+    member:  int8 ``[nQB, query_block, width]``: 1 where query ``q`` of the block selected
+             ``units[b, u]`` (indexed by union slot).
+    counts:  int32 ``[nQB]``: the true union size. Callers build the tables at least
+             ``lossless_u_max`` wide, so ``counts <= width`` and nothing is dropped; the
+             query-blocked kernel then walks the slots in chunks of ``u_max``.
     """
 
     units: jax.Array
@@ -38,61 +35,28 @@ class BlockUnitTables(NamedTuple):
     counts: jax.Array
 
 
-class LossyUnionCapWarning(UserWarning):
-    """``u_max`` is below the lossless bound: blocks may drop part of their union."""
-
-
 def lossless_u_max(query_block: int, top_k: int, num_units: int) -> int:
-    """The smallest union cap that can never overflow: ``min(query_block * K, num_units)``."""
+    """The largest union a block can have: ``min(query_block * K, num_units)`` (>= 1).
+
+    A ``u_max`` this wide walks every block's union in one chunk; a smaller one streams
+    it in several chunks (the result is the same, only VMEM and speed change).
+    """
     return max(1, min(query_block * top_k, num_units))
 
 
-# Packages whose frames a warning skips, so it points at the user's call site (under
-# ``jax.jit`` the frames between the user and the backend are jax's own).
-_INTERNAL_PACKAGES = ("attn_reference", "attn_pallas_tpu", "attn_mosaic_gpu", "jax")
-
-
-@functools.cache
-def _internal_dirs() -> tuple[str, ...]:
-    """Directory prefixes of attn_common, the backends and jax (those not installed skipped).
-
-    Found with ``importlib.util.find_spec``, which does not import the package.
-    """
-    dirs = [os.path.dirname(__file__)]
-    for name in _INTERNAL_PACKAGES:
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(spec.submodule_search_locations)
-    # Both the spelling the import system used (it is what frames report) and the absolute
-    # path; the trailing separator keeps ``.../jax`` from matching ``.../jaxlib``.
-    out = {os.path.join(d, "") for d in dirs} | {os.path.join(os.path.abspath(d), "") for d in dirs}
-    return tuple(sorted(out))
-
-
-@functools.cache
-def _warn_lossy_u_max(u_max: int, lossless: int) -> None:
-    # functools.cache: one warning per distinct (u_max, lossless bound), not per trace.
-    warnings.warn(
-        f"u_max={u_max} is below the lossless bound {lossless} = min(query_block * K, "
-        "num_units): a query block whose union of selected units is larger keeps only its "
-        "u_max smallest unit ids, and keys of the dropped units are not attended.",
-        LossyUnionCapWarning,
-        skip_file_prefixes=_internal_dirs(),
-    )
+DEFAULT_U_MAX_CAP = 2048  # union slots per chunk by default: SMEM/VMEM-safe on every chip
 
 
 def resolve_u_max(u_max: int | None, *, query_block: int, top_k: int, num_units: int) -> int:
-    """Default ``u_max`` to the lossless bound; validate it and warn once if lossy."""
-    lossless = lossless_u_max(query_block, top_k, num_units)
+    """The union chunk width: default ``min(lossless_u_max, DEFAULT_U_MAX_CAP)``.
+
+    ``u_max`` is a VMEM/speed knob and never changes the answer: the query-blocked
+    kernel streams a larger union in chunks of ``u_max`` slots.
+    """
     if u_max is None:
-        return lossless
+        return min(lossless_u_max(query_block, top_k, num_units), DEFAULT_U_MAX_CAP)
     if isinstance(u_max, bool) or not isinstance(u_max, int) or u_max < 1:
         raise ValueError(f"u_max: got {u_max!r}, expected a positive int or None")
-    if u_max < lossless:
-        _warn_lossy_u_max(u_max, lossless)
     return u_max
 
 
@@ -114,7 +78,8 @@ def build_block_unit_tables(
         requests. ``T`` need not be a multiple of ``query_block``: the tail is padded
         with empty queries.
       query_block: queries per block (QB).
-      u_max: static width of the union table.
+      u_max: static width of the union table; pass at least
+        ``lossless_u_max(query_block, K, num_units)`` so that no union is truncated.
     """
     num_tokens, top_k = topk_units.shape
     n_blocks = -(-num_tokens // query_block)
@@ -158,6 +123,26 @@ class WriteRuns(NamedTuple):
 
     table: jax.Array
     num_runs: jax.Array
+
+
+def keep_last_writes(loc: jax.Array, num_slots: int) -> jax.Array:
+    """``loc`` with every slot written once: the last write wins, the rest become ``-1``.
+
+    ``paged_write_back`` defines ``cache[loc[t]] = rows[t]`` in increasing ``t``, so when
+    a slot appears more than once the row with the largest ``t`` is the one kept. Slots
+    outside ``[0, num_slots)`` are dropped (``-1``). Two sorts, no scatter; int32 ``[T]``.
+    """
+    loc = loc.astype(jnp.int32)
+    (num_tokens,) = loc.shape
+    if num_tokens == 0:
+        return loc
+    key = jnp.where((loc >= 0) & (loc < num_slots), loc, _SENTINEL)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    skey, st = jax.lax.sort((key, t), num_keys=2)  # by slot, then by t
+    last = jnp.concatenate([skey[1:] != skey[:-1], jnp.ones((1,), bool)])
+    keep_sorted = (last & (skey != _SENTINEL)).astype(jnp.int32)
+    _, keep = jax.lax.sort((st, keep_sorted), num_keys=1)  # back to token order
+    return jnp.where(keep > 0, loc, -1)
 
 
 def kv_packing(dtype) -> int:

@@ -11,13 +11,17 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
     assert_close,
     assert_exact_zero_rows,
     assert_lse_close,
+    attended_rows_flat,
+    attended_rows_ragged,
     build_ragged_layout,
+    poison_rows,
     randn,
     random_page_selection,
     rng_for,
@@ -26,9 +30,15 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
-from attn_common import LossyUnionCapWarning
-from attn_common import tables as _tables
+from attn_common.sparse_mla_plan import (
+    block_union_sizes,
+    distinct_units_per_query,
+    per_query_seconds,
+    qblock_seconds,
+    static_qblock_config,
+)
 from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
+from attn_pallas_tpu._prep import default_chip
 
 INTERPRET = pltpu.InterpretParams(
     detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
@@ -108,6 +118,7 @@ def test_flat_vs_reference(kernel):
     _check(got, want, "float32")
 
 
+@pytest.mark.slow
 def test_flat_bf16_heads4_rb32():
     case = flat_case(2, batch=1, seq=13, heads=4, kv_len=128, rb=32, top_k=3, dtype="bfloat16")
     want = _flat_call(ref.sparse_mla_attention, case, rb=32)
@@ -117,6 +128,7 @@ def test_flat_bf16_heads4_rb32():
         _check(got, want, "bfloat16")
 
 
+@pytest.mark.slow
 def test_flat_out_only():
     case = flat_case(3, batch=1, seq=9)
     q, kv, idx, pos = case
@@ -128,29 +140,33 @@ def test_flat_out_only():
         assert_close(np.asarray(out), np.asarray(want), **TOL["float32"])
 
 
-@pytest.mark.parametrize(("query_block", "u_max"), [(8, 3), (16, 5)])
-def test_flat_qblock_lossy_u_max(query_block, u_max):
-    """A cap below the union size warns and drops the same units as the reference."""
-    case = flat_case(4)
-    _tables._warn_lossy_u_max.cache_clear()
-    try:
-        with pytest.warns(LossyUnionCapWarning):
-            got = _flat_call(
-                sparse_mla_attention_qblock,
-                case,
-                query_block=query_block,
-                u_max=u_max,
-                interpret=INTERPRET,
-            )
-        _no_races()
-        want = _flat_call(
-            ref.sparse_mla_attention_qblock, case, query_block=query_block, u_max=u_max
-        )
-        lossless = _flat_call(ref.sparse_mla_attention, case)
-    finally:
-        _tables._warn_lossy_u_max.cache_clear()
+def big_union_case(seed, dtype="float32"):
+    """Flat, 100 units of 16 tokens, K = 16 scattered picks: block unions of 8 queries
+    reach ~70-90 units, so 32- and 64-slot chunks are walked several times."""
+    rng = rng_for(seed)
+    kv_len, rb, top_k, seq = 1600, 16, 16, 19
+    q = randn(rng, (1, seq, 2, DK), dtype)
+    kv = randn(rng, (1, kv_len, DK), dtype)
+    pos = rng.integers(kv_len // 2, kv_len, size=(1, seq)).astype(np.int32)
+    idx = rng.integers(-1, kv_len // rb, size=(1, seq, top_k)).astype(np.int32)
+    idx[0, :, 0] = pos[0] // rb
+    idx[0, 4, 1] = idx[0, 4, 2]  # a duplicate
+    return q, kv, idx, pos
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("u_max", [1, 40, None])
+def test_qblock_exact_for_any_u_max(u_max):
+    """u_max is a chunk width: unions larger than a chunk are streamed, never dropped."""
+    case = big_union_case(4)
+    unions = np.asarray(block_union_sizes(case[2], query_block=8))
+    assert unions.max() > 64  # three 32-slot chunks, two 64-slot chunks
+    got = _flat_call(
+        sparse_mla_attention_qblock, case, query_block=8, u_max=u_max, interpret=INTERPRET
+    )
+    _no_races()
+    want = _flat_call(ref.sparse_mla_attention, case)
     _check(got, want, "float32")
-    assert not np.allclose(np.asarray(want[0]), np.asarray(lossless[0]))  # the cap bit
 
 
 # ------------------------------------------------------------------------------------
@@ -220,55 +236,193 @@ def test_ragged_vs_reference(kernel, page_size, dtype):
     _check(got, want, dtype)
 
 
-def test_ragged_invalid_physical_page_masked():
-    """A page-table entry outside the cache is never read (masked like the reference)."""
+TABLES = ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
+
+
+def _ragged_jit(fn, case, page_size, **kw):
+    """Run with the ragged tables as traced jit arguments (no host-side check)."""
+    layout, cache, q, idx, positions = case
+    tables = {k: layout[k] for k in TABLES}
+
+    @jax.jit
+    def run(q, cache, idx, positions, tables):
+        return _ragged_call(fn, (tables, cache, q, idx, positions), page_size, **kw)
+
+    return run(q, cache, idx, positions, tables)
+
+
+@pytest.mark.slow
+def test_ragged_invalid_physical_page():
+    """A page-table entry outside the cache: refused when the tables are host values;
+    under jit never read (masked like the reference)."""
     layout, cache, q, idx, positions = ragged_case(11, 16, "float32")
     layout = dict(layout)
     page_indices = layout["page_indices"].copy()
     page_indices[[0, 5]] = [-3, layout["num_pages"] + 4]
     layout["page_indices"] = page_indices
     case = (layout, cache, q, idx, positions)
-    want = _ragged_call(ref.sparse_mla_attention, case, 16)
+    for fn in (ref.sparse_mla_attention, PER_QUERY, KERNELS["qblock_qb8"]):
+        with pytest.raises(ValueError, match="page_indices: entry 0 is -3"):
+            _ragged_call(fn, case, 16)
+    want = _ragged_jit(ref.sparse_mla_attention, case, 16)
     for kernel in ("per_query", "qblock_qb8"):
-        got = _ragged_call(KERNELS[kernel], case, 16)
+        got = _ragged_jit(KERNELS[kernel], case, 16)
         _no_races()
         _check(got, want, "float32")
 
 
-@pytest.mark.parametrize(("query_block", "u_max"), [(8, 3), (16, 6)])
-def test_ragged_qblock_lossy_u_max(query_block, u_max):
+@pytest.mark.parametrize("u_max", [1, 64])
+def test_ragged_qblock_chunked_u_max(u_max):
     case = ragged_case(12, 16, "float32")
-    _tables._warn_lossy_u_max.cache_clear()
-    try:
-        with pytest.warns(LossyUnionCapWarning):
-            got = _ragged_call(
-                sparse_mla_attention_qblock,
-                case,
-                16,
-                query_block=query_block,
-                u_max=u_max,
-                interpret=INTERPRET,
-            )
-        _no_races()
-        want = _ragged_call(
-            ref.sparse_mla_attention_qblock, case, 16, query_block=query_block, u_max=u_max
-        )
-        lossless = _ragged_call(ref.sparse_mla_attention, case, 16)
-    finally:
-        _tables._warn_lossy_u_max.cache_clear()
+    got = _ragged_call(
+        sparse_mla_attention_qblock, case, 16, query_block=16, u_max=u_max, interpret=INTERPRET
+    )
+    _no_races()
+    want = _ragged_call(ref.sparse_mla_attention, case, 16)
     _check(got, want, "float32")
-    assert not np.allclose(np.asarray(want[0]), np.asarray(lossless[0]))
 
 
 def test_qblock_under_jit_with_traced_tables():
     """The ragged tables may be traced jit arguments (one compile serves every batch)."""
-    layout, cache, q, idx, positions = ragged_case(13, 16, "float32")
-    tables = {k: layout[k] for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")}
-
-    @jax.jit
-    def run(q, cache, idx, positions, tables):
-        return _ragged_call(KERNELS["qblock_qb8"], (tables, cache, q, idx, positions), 16)
-
-    got = run(q, cache, idx, positions, tables)
-    want = _ragged_call(ref.sparse_mla_attention, (layout, cache, q, idx, positions), 16)
+    case = ragged_case(13, 16, "float32")
+    got = _ragged_jit(KERNELS["qblock_qb8"], case, 16)
+    want = _ragged_call(ref.sparse_mla_attention, case, 16)
     _check(got, want, "float32")
+
+
+# ------------------------------------------------------------------------------------
+# Automatic tiling: host values plan on the true unions, traced values guard at run time
+
+AUTO = functools.partial(sparse_mla_attention_qblock, interpret=INTERPRET)
+
+
+@pytest.mark.slow
+def test_auto_tiling_flat_and_ragged():
+    flat = flat_case(21)
+    _check(_flat_call(AUTO, flat), _flat_call(ref.sparse_mla_attention, flat), "float32")
+    _no_races()
+    ragged = ragged_case(22, 16, "float32")
+    want = _ragged_call(ref.sparse_mla_attention, ragged, 16)
+    _check(_ragged_call(AUTO, ragged, 16), want, "float32")
+    _check(_ragged_jit(AUTO, ragged, 16), want, "float32")  # lax.cond guard
+    _no_races()
+
+
+def _jit_guard_picks_qblock(sel, *, heads, dk_pad, itemsize):
+    """The wrapper's run-time condition, recomputed from the public model functions."""
+    shape = dict(
+        heads=heads, top_k=sel.shape[-1], read_block=16, dk_pad=dk_pad, dv=DV,
+        itemsize=itemsize, chip=default_chip(),
+    )  # fmt: skip
+    qb, hb, u_max = static_qblock_config(num_units=100, **shape)
+    unions = block_union_sizes(jnp.asarray(sel), query_block=qb)
+    distinct = distinct_units_per_query(jnp.asarray(sel))
+    fewer_bytes = (heads // hb) * int(unions.sum()) < int(distinct.sum())
+    faster = float(
+        qblock_seconds(unions, query_block=qb, head_block=hb, u_max=u_max, num_units=100, **shape)
+    ) < float(per_query_seconds(distinct, **shape))
+    return fewer_bytes and faster
+
+
+@pytest.mark.slow
+def test_auto_tiling_under_jit_takes_both_branches():
+    """Shared selections -> the query-blocked branch; disjoint ones -> per-query (equal
+    bytes: a tie goes to per-query). Both must equal the reference."""
+    q, kv, idx, pos = big_union_case(23)
+    shared = np.broadcast_to(idx[:, :1], idx.shape).copy()  # every query: query 0's units
+    disjoint = np.arange(19 * 5, dtype=np.int32).reshape(1, 19, 5)  # nothing shared
+    for sel, want_qblock in ((shared, True), (disjoint, False)):
+        assert _jit_guard_picks_qblock(sel, heads=2, dk_pad=256, itemsize=4) == want_qblock
+        c = (q, kv, sel, pos)
+        got = jax.jit(lambda q, kv, i, p: _flat_call(AUTO, (q, kv, i, p)))(*c)
+        _no_races()
+        _check(got, _flat_call(ref.sparse_mla_attention, c), "float32")
+
+
+# ------------------------------------------------------------------------------------
+# Dirty caches: outputs depend only on the rows a query attends
+
+
+def _all_fns():
+    return {**KERNELS, "qblock_auto": AUTO, "reference": ref.sparse_mla_attention}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flat_poisoned_unattended_rows(dtype):
+    q, kv, idx, pos = flat_case(30, dtype=dtype)
+    want = _flat_call(ref.sparse_mla_attention, (q, kv, idx, pos))
+    keep = attended_rows_flat(idx, pos, kv_len=kv.shape[1], read_block=16)
+    assert (~keep).any() and keep.any()
+    dirty = poison_rows(kv, keep, seed=30)
+    for name, fn in _all_fns().items():
+        got = _flat_call(fn, (q, dirty, idx, pos))
+        _no_races()
+        try:
+            _check(got, want, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from e
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_poisoned_unattended_rows(dtype):
+    """NaN / +-Inf in page tails past seq_len, unreferenced pages, unselected pages and in
+    the feature padding of every row."""
+    layout, cache, q, idx, positions = ragged_case(31, 16, dtype)
+    case = (layout, cache, q, idx, positions)
+    want = _ragged_call(ref.sparse_mla_attention, case, 16)
+    num_pages = cache.shape[0]
+    keep = attended_rows_ragged(layout, idx, positions, page_size=16, num_pages=num_pages)
+    assert (~keep).any() and keep.any()
+    rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=31)
+    rows[:, DK:] = np.nan  # the lane padding past Dk
+    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
+    for name, fn in _all_fns().items():
+        got = _ragged_call(fn, dirty, 16)
+        _no_races()
+        try:
+            _check(got, want, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from e
+
+
+@pytest.mark.slow
+def test_qblock_row_attended_by_one_query_only():
+    """A NaN row that one query attends: that query is NaN (as in the reference); the
+    other queries of its block, which share the fetched unit, are untouched."""
+    q, kv, idx, pos = flat_case(32, batch=1, seq=8)
+    idx = np.broadcast_to(idx[:, :1], idx.shape).copy()  # every query selects one unit...
+    pos[0, :] = 40  # ...of kv_len 88: unit (40 // 16) = 2, rows 32..47
+    idx[0, :, 0] = 2
+    pos[0, 3] = 47  # query 3 alone sees row 47
+    want = _flat_call(ref.sparse_mla_attention, (q, kv, idx, pos))
+    dirty = kv.copy()
+    dirty[0, 47] = np.nan
+    got_ref = _flat_call(ref.sparse_mla_attention, (q, dirty, idx, pos))
+    for fn in (KERNELS["qblock_qb8"], PER_QUERY):
+        got = _flat_call(fn, (q, dirty, idx, pos))
+        _no_races()
+        out = np.asarray(got[0])
+        assert np.isnan(out[0, 3]).all() and np.isnan(np.asarray(got_ref[0])[0, 3]).all()
+        others = [i for i in range(8) if i != 3]
+        assert_close(out[:, others], np.asarray(want[0])[:, others], **TOL["float32"])
+
+
+# ------------------------------------------------------------------------------------
+# Empty work
+
+
+@pytest.mark.parametrize(
+    ("seq", "top_k", "kv_len"), [(0, 3, 32), (5, 0, 32), (5, 3, 0)], ids=["S0", "K0", "T0"]
+)
+def test_empty_work(seq, top_k, kv_len):
+    rng = rng_for(40)
+    q = randn(rng, (2, seq, 2, DK))
+    kv = randn(rng, (2, kv_len, DK))
+    idx = np.zeros((2, seq, top_k), np.int32)
+    pos = np.zeros((2, seq), np.int32)
+    for fn in (*KERNELS.values(), AUTO, ref.sparse_mla_attention):
+        out, lse = _flat_call(fn, (q, kv, idx, pos))
+        assert out.shape == (2, seq, 2, DV) and lse.shape == (2, seq, 2)
+        assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))

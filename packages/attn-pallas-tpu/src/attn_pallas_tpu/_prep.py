@@ -30,6 +30,7 @@ from attn_common import (
     ragged_query_info,
     sanitize_unit_ids,
 )
+from attn_common.sparse_mla_plan import TpuChip, chip_for_device_kind
 
 SUBLANE = 8
 ROW_MULTIPLE = 16  # read_block rule of the TPU kernels: bf16 sublane packing (16, 128)
@@ -47,6 +48,13 @@ def resolve_interpret(interpret) -> pltpu.InterpretParams | bool:
     raise TypeError(
         f"interpret: got {interpret!r}, expected a bool or a pltpu.InterpretParams instance"
     )
+
+
+def default_chip() -> TpuChip:
+    """The chip the automatic tiling plans for: the default device's TPU generation, or
+    the most conservative chip off TPU (interpret mode, cross-lowering)."""
+    device = jax.devices()[0]
+    return chip_for_device_kind(device.device_kind if device.platform == "tpu" else None)
 
 
 def check_tpu_sparse_mla_inputs(q, kv, indices, positions, **kwargs) -> SparseMlaProblem:
@@ -134,10 +142,15 @@ def unit_space(
     dk, dk_pad = problem.dk, problem.dk_pad
     if not problem.ragged:
         # Flat: pad features to Dk_pad (lane width) and tokens to whole units, then merge
-        # the batch into the row axis. One XLA pad of kv per call (documented cost).
+        # the batch into the row axis. When either pad is needed this is one XLA copy of
+        # the whole kv per call (B * T * Dk_pad * itemsize bytes read and written),
+        # counted in docs/tpu_sparse_mla.md; serving caches use the ragged paged mode,
+        # which reads the cache in place. Aligned inputs are only reshaped.
         t = problem.kv_len
         tp = problem.num_units * rb
-        store = jnp.pad(kv, ((0, 0), (0, tp - t), (0, dk_pad - dk))).reshape(batch * tp, dk_pad)
+        if tp != t or dk_pad != dk:
+            kv = jnp.pad(kv, ((0, 0), (0, tp - t), (0, dk_pad - dk)))
+        store = kv.reshape(batch * tp, dk_pad)
         keys = sanitize_unit_ids(indices, problem.num_units)
         src8, unit_ok = unit_source(keys, flat_rows_per_batch=tp, read_block=rb)
         base_tok = jnp.zeros((batch, seq), jnp.int32)

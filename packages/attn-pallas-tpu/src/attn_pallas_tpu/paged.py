@@ -22,6 +22,10 @@ legal where a single packed token row is not).
    their own run), so step 2 overlaps step 1 without a race.
 3. Wait for every word run (same descriptors, rebuilt from the table).
 
+``loc`` is first reduced by ``attn_common.keep_last_writes``: a slot listed more than once
+keeps only its last row, so no two runs ever write the same slot and the result never
+depends on DMA order (it is ``cache[loc[t]] = rows[t]`` applied in increasing ``t``).
+
 When the run table overflows (``num_runs > r_cap``: a pathologically fragmented
 ``loc``) a ``lax.cond`` takes the scatter instead; the result is bit-identical either way
 (a DMA copies the bits the scatter would write). ``loc`` outside ``[0, slots)`` is
@@ -43,6 +47,7 @@ from attn_common import (
     build_write_runs,
     check_write_back_inputs,
     default_write_run_cap,
+    keep_last_writes,
     write_then_attend,
 )
 from attn_pallas_tpu._prep import resolve_interpret
@@ -170,7 +175,8 @@ def paged_write_back(
         true in-place update.
       rows: ``[T, D]`` new rows, cast to the cache dtype.
       loc: int ``[T]`` flat slot per row; negative or ``>= num_pages * page_size`` rows
-        are dropped. Valid slots must be distinct.
+        are dropped. A slot listed more than once takes the last of its rows (largest
+        ``t``), as a sequential write would (``attn_common.keep_last_writes``).
       r_cap: run-table size (static); default ``attn_common.default_write_run_cap``.
         More contiguous runs than this fall back to the XLA scatter.
     """
@@ -185,8 +191,9 @@ def paged_write_back(
         return cache
 
     slots = num_pages * page_size
-    loc = loc.astype(jnp.int32)
-    loc = jnp.where((loc >= 0) & (loc < slots), loc, -1)
+    # Out-of-range slots dropped, a repeated slot kept only for its last row: the runs
+    # never overlap, so DMA order cannot matter, and the result is the sequential write.
+    loc = keep_last_writes(loc, slots)
     rows = rows.astype(cache.dtype)
     padded = -(-num_tokens // pk) * pk  # whole source words
     rows_p = jnp.pad(rows, ((0, padded - num_tokens), (0, 0)))
@@ -234,7 +241,9 @@ def prefill_write_and_attend_ragged(
     page_size: int,
     sm_scale: float,
     interpret: bool | pltpu.InterpretParams = False,
-    query_block: int = 256,
+    query_block: int | None = None,
+    u_max: int | None = None,
+    debug_checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (per-query kernel).
 
@@ -246,11 +255,12 @@ def prefill_write_and_attend_ragged(
       topk_pages: ``[T, K]`` request-local page ids (``-1`` = none).
       positions: ``[T]`` request-local query positions. loc: ``[T]`` flat cache slot.
       seq_lens / cu_q_lens / cu_kv_lens / page_indices: the packed ragged tables.
-      query_block: ignored here; accepted so the ``_qblock`` twin is a drop-in.
+      query_block / u_max: ignored here; accepted so the ``_qblock`` twin is a drop-in.
+      debug_checks: checkify the ragged tables and indices under jit.
 
     Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
     """
-    del query_block
+    del query_block, u_max
     return _prefill(
         sparse_mla_attention,
         ql,
@@ -269,6 +279,7 @@ def prefill_write_and_attend_ragged(
         page_size=page_size,
         sm_scale=sm_scale,
         interpret=interpret,
+        debug_checks=debug_checks,
     )
 
 
@@ -290,11 +301,13 @@ def prefill_write_and_attend_ragged_qblock(
     page_size: int,
     sm_scale: float,
     interpret: bool | pltpu.InterpretParams = False,
-    query_block: int = 256,
+    query_block: int | None = None,
     u_max: int | None = None,
+    debug_checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Same as :func:`prefill_write_and_attend_ragged`, attending with the query-blocked
-    kernel (``query_block`` queries per program, optional lossy ``u_max``)."""
+    kernel (``query_block`` queries per program and ``u_max`` union slots per chunk;
+    ``None`` = the automatic tiling of :func:`sparse_mla_attention_qblock`)."""
     return _prefill(
         sparse_mla_attention_qblock,
         ql,
@@ -315,4 +328,5 @@ def prefill_write_and_attend_ragged_qblock(
         interpret=interpret,
         query_block=query_block,
         u_max=u_max,
+        debug_checks=debug_checks,
     )

@@ -22,7 +22,10 @@ started copy is waited for before the program ends.
 
 Compute per unit: scores ``q [H, Dk_pad] . k^T -> [H, RB]`` in float32, the mask
 ``kb[j] + r < lim`` (causal and kv_len; the unit's selection is implied by the list),
-then an online softmax over the units. Rows that have seen no valid key keep
+then an online softmax over the units. The value rows of invalid keys are zeroed before
+the ``P V`` product: a cache row no query may see (a page tail past ``seq_len``, an
+unwritten or recycled slot) may hold NaN or Inf, and ``0 * NaN`` would otherwise reach
+the output. Rows that have seen no valid key keep
 ``m = -inf``; the exponent uses ``m`` replaced by 0 there, so ``exp(-inf - 0) = 0`` and
 no ``-inf - -inf`` NaN appears. The output is ``acc / l`` (0 where ``l == 0``) and the
 LSE ``m + log(l)`` in natural log (``-inf`` where ``l == 0``), both always written.
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from attn_common.sparse_mla import empty_result
 from attn_pallas_tpu._prep import (
     SUBLANE,
     check_tpu_sparse_mla_inputs,
@@ -84,6 +88,7 @@ def _per_query_kernel(
             copy(d, d).start()
 
     lanes = jax.lax.broadcasted_iota(jnp.int32, (1, rb), 1)
+    key_rows = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
     feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
 
     def body(j, carry):
@@ -102,7 +107,11 @@ def _per_query_kernel(
         s = jax.lax.dot_general(
             q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [H, RB]
-        valid = (kb_ref[0, 0, j] + lanes) < lim  # [1, RB]
+        kb = kb_ref[0, 0, j]
+        valid = (kb + lanes) < lim  # [1, RB]
+        # Rows past lim (page tails, future tokens) may hold NaN/Inf: zero their values so
+        # that p = 0 times garbage cannot reach the output.
+        values = jnp.where((kb + key_rows) < lim, kv[:, :dv], jnp.zeros_like(kv[:, :dv]))
         s = jnp.where(valid, s * sm_scale, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1, keepdims=True))  # [H, 1]
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -111,7 +120,7 @@ def _per_query_kernel(
         l_new = l_i * alpha + jnp.sum(p, axis=1, keepdims=True)
         pv = jax.lax.dot_general(
             p.astype(kv.dtype),
-            kv[:, :dv],
+            values,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
@@ -207,6 +216,7 @@ def sparse_mla_attention(
     cu_kv_lens: jax.Array | None = None,
     page_indices: jax.Array | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    debug_checks: bool = False,
 ):
     """Sparse MLA attention, one TPU program per query (DeepSeek sparse attention prefill).
 
@@ -219,8 +229,11 @@ def sparse_mla_attention(
 
     Returns ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse [B, S, H])`` with
     ``return_lse=True`` (natural log; ``-inf`` and ``out == 0`` for a query with no
-    valid key). ``interpret``: ``True`` or a ``pltpu.InterpretParams`` runs the kernel
-    in TPU interpret mode (CPU).
+    valid key; empty work, ``S``, ``K`` or ``T`` = 0, gives the same). ``interpret``:
+    ``True`` or a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU).
+    The ragged tables are checked before launch when they are host values;
+    ``debug_checks=True`` checks them and the index range under jit through checkify
+    (``attn_common.metadata``). Cache rows no query attends may hold anything.
     """
     problem = check_tpu_sparse_mla_inputs(
         q,
@@ -235,18 +248,35 @@ def sparse_mla_attention(
         seq_lens=seq_lens,
         cu_kv_lens=cu_kv_lens,
         page_indices=page_indices,
+        debug_checks=debug_checks,
     )
     interpret = resolve_interpret(interpret)
-    space = unit_space(
+    if problem.is_empty:
+        return empty_result(problem, return_lse)
+    return _per_query(
         problem,
+        q,
         kv,
         indices,
         positions,
+        return_lse=return_lse,
+        interpret=interpret,
         page_size=page_size,
         q_seq_id=q_seq_id,
         seq_lens=seq_lens,
         cu_kv_lens=cu_kv_lens,
         page_indices=page_indices,
+    )
+
+
+def _per_query(problem, q, kv, indices, positions, *, return_lse, interpret, **ragged):
+    """The per-query path after validation (also the query-blocked wrapper's fallback)."""
+    space = unit_space(
+        problem,
+        kv,
+        indices,
+        positions,
+        **ragged,
     )
     batch, seq, heads = problem.batch, problem.num_queries, problem.heads
     n = batch * seq

@@ -11,19 +11,27 @@ online softmax over ``Hb * QB`` score rows.
 Preprocessing (plain ``jnp``, outside the kernel). Unit keys (flat: unit ids; ragged:
 request-local pages lifted to global page-table slots with
 ``attn_common.lift_ragged_indices``, so a block may straddle requests) go through
-``attn_common.build_block_unit_tables``: per block the sorted union ``units``
-(``-1`` padded to ``u_max``), the membership ``member[q, slot]`` indexed by union slot
-(scatter-free) and the true union size. Units whose physical page is invalid keep their
-slot but get membership 0. Per query one int32 ``lim`` folds the causal bound and the
-kv length (key position ``p`` valid iff ``p < lim``; in ragged mode positions are global,
-``key * page_size + r``, and ``lim`` carries the request's base).
+``attn_common.build_block_unit_tables`` at a width ``C * UC`` that no union can exceed
+(``UC`` = ``u_max`` rounded up to 32, ``C = ceil(min(QB * K, num_units) / UC)``): per
+block the sorted union ``units``, the membership ``member[q, slot]`` indexed by union
+slot (scatter-free) and the true union size. Units whose physical page is invalid keep
+their slot but get membership 0. Per query one int32 ``lim`` folds the causal bound and
+the kv length (key position ``p`` valid iff ``p < lim``; in ragged mode positions are
+global, ``key * page_size + r``, and ``lim`` carries the request's base).
 
-Grid ``(B, nQB, G)``: batch row, query block, head group of ``Hb = H / G`` heads (the
-score rows of one program are ``r = h * QB + q`` for the group's heads ``h``; ``Hb`` is
-the largest divisor of ``H`` with ``Hb * QB <= max_rows`` so the ``[rows, Dv]`` float32
-accumulator fits VMEM). Each program gets in SMEM the block's union as ``kb`` (first
-token position of each slot), ``src`` (first store row // 8) and the count; in VMEM the
-membership ``[U_pad, QB]`` int8, ``lim [1, QB]`` and its q rows ``[Hb * QB, Dk_pad]``.
+Grid ``(B, nQB, G, C)``: batch row, query block, head group of ``Hb = H / G`` heads (the
+score rows of one program are ``r = h * QB + q`` for the group's heads ``h``), and the
+union chunk. The union sizes ``[B * nQB]`` are scalar-prefetched. A step gets in SMEM
+its chunk of the union as ``kb`` (first token position of each slot) and ``src`` (first
+store row // 8), ``[B, nQB * C, 1, UC]`` tables; in VMEM the chunk's membership
+``[UC, QB]`` int8, ``lim [1, QB]`` and the group's q rows ``[Hb * QB, Dk_pad]``. The
+chunk axis is sequential (``arbitrary``) and innermost: the output block, resident
+across it, is the accumulator, and the running max ``m`` and denominator ``l`` live in
+VMEM scratch, initialised at chunk 0 and turned into ``out``/``lse`` at chunk ``C - 1``.
+A chunk past the block's union maps (index maps read the prefetched sizes) to the
+block's last real chunk, so the pipeline sees an unchanged block index and fetches
+nothing; the kernel skips it. So ``u_max`` trades VMEM/SMEM for per-chunk prologues
+and never changes the answer.
 
 DMA schedule. The KV row store stays in HBM. Union slot ``j`` (``read_block`` rows from
 row ``src[j] * 8``) is copied into slot ``j % NBUF`` of a VMEM ring
@@ -44,11 +52,14 @@ valid key keeps ``m = -inf`` and uses 0 in the exponent (``exp(-inf - 0) = 0``, 
 ``acc / l`` (exactly 0 for an empty row) and the LSE ``m + log(l)`` (natural log,
 ``-inf`` for an empty row), always written.
 
-``u_max``: the union table width. The default ``min(QB * K, num_units)`` is lossless. A
-smaller cap warns once per (u_max, lossless bound) (``LossyUnionCapWarning``) and is
-lossy: a block whose union is larger keeps only its ``u_max`` smallest unit keys, and
-keys of the dropped units are not attended by any query of that block (the reference's
-``sparse_mla_attention_qblock`` reproduces exactly this).
+Dirty caches. The value tile's non-finite entries are replaced by 0 before ``P V``: a
+row may be attended by some queries of the block and not by others (page tails past
+``seq_len``, unwritten slots, another request's rows), and ``0 * NaN`` would reach every
+query of the block. A query that attends such a row still has its non-finite score.
+
+Tiling. ``sparse_mla_attention_qblock`` picks ``(QB, Hb, u_max)`` itself unless told
+(``attn_common.sparse_mla_plan``: a DMA bytes / DMA count / VMEM model per chip) and
+runs the per-query kernel instead whenever that moves no more KV bytes.
 
 HBM traffic per layer: ``G * sum_blocks(union) * read_block * Dk_pad * itemsize``.
 """
@@ -59,22 +70,38 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import build_block_unit_tables, resolve_u_max
+from attn_common import build_block_unit_tables, lossless_u_max, resolve_u_max
+from attn_common.metadata import is_concrete
+from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla_plan import (
+    VMEM_USABLE_FRACTION,
+    block_union_sizes,
+    choose_plan,
+    distinct_units_per_query,
+    per_query_seconds,
+    qblock_seconds,
+    qblock_vmem_bytes,
+    static_qblock_config,
+)
 from attn_pallas_tpu._prep import (
     SUBLANE,
     check_tpu_sparse_mla_inputs,
+    default_chip,
     pad_features,
     resolve_interpret,
     unit_source,
     unit_space,
 )
+from attn_pallas_tpu.sparse_mla import _per_query
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
 MEMBER_TILE = 32  # int8 sublane tile: aligned window for the dynamic membership row
 MAX_ROWS = 4096  # default cap on score rows (Hb * QB) per program
+AUTO_QUERY_BLOCKS = (8, 16, 32, 64, 128, 256)  # query blocks the automatic tiling compares
 
 
 def _lane_tile(x, times: int):
@@ -83,27 +110,66 @@ def _lane_tile(x, times: int):
 
 
 def _qblock_kernel(
-    cnt_ref,  # SMEM [1, 1, 1, 1]: union size walked (capped at u_max)
-    kb_ref,  # SMEM [1, 1, 1, U_pad]: first token position of each union slot
-    src_ref,  # SMEM [1, 1, 1, U_pad]: first store row // 8 of each union slot
+    unions_ref,  # scalar prefetch SMEM [B * nQB]: true union size per block
+    kb_ref,  # SMEM [1, 1, 1, UC]: first token position of each slot of this chunk
+    src_ref,  # SMEM [1, 1, 1, UC]: first store row // 8 of each slot of this chunk
     lim_ref,  # VMEM [1, 1, 1, QB] int32: key positions < lim are valid, per query
-    mem_ref,  # VMEM [1, 1, U_pad, QB] int8: membership by union slot
+    mem_ref,  # VMEM [1, 1, UC, QB] int8: membership of this chunk's slots
     q_ref,  # VMEM [1, 1, 1, rows, Dk_pad], row = h * QB + q
     kv_hbm,  # HBM  [R, Dk_pad] row store
     o_ref,  # VMEM [1, 1, 1, rows, Dv] float32 (doubles as the accumulator)
     lse_ref,  # VMEM [1, 1, 1, 1, rows] float32
     ring,  # VMEM [NBUF, RB, Dk_pad]
     sems,  # DMA semaphores [NBUF]
+    m_ref,  # VMEM [1, rows] float32: running max, carried across chunks
+    l_ref,  # VMEM [1, rows] float32: running denominator, carried across chunks
     *,
     sm_scale: float,
     dk: int,
     dv: int,
     rb: int,
     heads_per_group: int,
+    n_blocks: int,
+    u_chunk: int,
+    n_chunks: int,
 ):
-    count = cnt_ref[0, 0, 0, 0]
+    chunk = pl.program_id(3)
+    union = unions_ref[pl.program_id(0) * n_blocks + pl.program_id(1)]
+    count = jnp.clip(union - chunk * u_chunk, 0, u_chunk)  # slots walked in this chunk
+    rows = q_ref.shape[3]
+
+    @pl.when(chunk == 0)
+    def _():
+        o_ref[0, 0, 0] = jnp.zeros((rows, dv), jnp.float32)
+        m_ref[...] = jnp.full((1, rows), -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros((1, rows), jnp.float32)
+
+    @pl.when(count > 0)
+    def _():
+        m_i, l_i = _walk_chunk(
+            count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, kv_hbm, o_ref, ring, sems,
+            m_ref[0], l_ref[0], sm_scale=sm_scale, dk=dk, dv=dv, rb=rb,
+            heads_per_group=heads_per_group,
+        )  # fmt: skip
+        m_ref[0] = m_i
+        l_ref[0] = l_i
+
+    @pl.when(chunk == n_chunks - 1)
+    def _():
+        m_i, l_i = m_ref[0], l_ref[0]
+        empty = l_i == 0.0
+        safe_l = jnp.where(empty, 1.0, l_i)
+        o_ref[0, 0, 0] = o_ref[0, 0, 0] / safe_l[:, None]
+        lse_ref[0, 0, 0] = jnp.where(empty, -jnp.inf, m_i + jnp.log(safe_l))[None, :]
+
+
+def _walk_chunk(
+    count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, kv_hbm, o_ref, ring, sems, m_i, l_i, *,
+    sm_scale, dk, dv, rb, heads_per_group,
+):  # fmt: skip
+    """Online softmax over ``count`` union slots of one chunk; returns the new ``(m, l)``."""
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
-    rows, dk_pad = q.shape
+    dk_pad = q.shape[1]
     lim = _lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
 
     def copy(j, slot):
@@ -116,7 +182,6 @@ def _qblock_kernel(
         def _(d=d):
             copy(d, d).start()
 
-    o_ref[0, 0, 0] = jnp.zeros((rows, dv), jnp.float32)
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
     win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
     feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
@@ -141,6 +206,13 @@ def _qblock_kernel(
         kv = ring[slot]  # [RB, Dk_pad]
         if dk < dk_pad:  # the paged cache's feature padding may hold anything
             kv = jnp.where(feat < dk, kv, jnp.zeros_like(kv))
+        # A row may be attended by some queries of the block and not by others, so a
+        # per-row zeroing cannot keep garbage out of the shared P V product; replacing
+        # non-finite values by 0 does: a query that attends such a row already has a
+        # non-finite (NaN / +Inf: its output is NaN) or -Inf (weight 0) score for it.
+        values = kv[:, :dv]
+        finite = jnp.isfinite(values.astype(jnp.float32))  # Mosaic's is_finite takes f32
+        values = jnp.where(finite, values, jnp.zeros_like(values))
         s = jax.lax.dot_general(
             kv, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [RB, rows]
@@ -152,19 +224,14 @@ def _qblock_kernel(
         l_new = l_i * alpha + jnp.sum(p, axis=0)
         pv = jax.lax.dot_general(
             p.astype(kv.dtype),
-            kv[:, :dv],
+            values,
             (((0,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )  # [rows, Dv]: contracts the key axis
         o_ref[0, 0, 0] = o_ref[0, 0, 0] * alpha[:, None] + pv
         return m_new, l_new
 
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    m_i, l_i = jax.lax.fori_loop(0, count, body, init)
-    empty = l_i == 0.0
-    safe_l = jnp.where(empty, 1.0, l_i)
-    o_ref[0, 0, 0] = o_ref[0, 0, 0] / safe_l[:, None]
-    lse_ref[0, 0, 0] = jnp.where(empty, -jnp.inf, m_i + jnp.log(safe_l))[None, :]
+    return jax.lax.fori_loop(0, count, body, (m_i, l_i))
 
 
 def _head_group(heads: int, query_block: int, head_block: int | None, max_rows: int) -> int:
@@ -178,75 +245,89 @@ def _head_group(heads: int, query_block: int, head_block: int | None, max_rows: 
     return max(fits, default=1)
 
 
-def qblock_vmem_bytes(
-    *, rows: int, query_block: int, u_pad: int, rb: int, dk_pad: int, dv: int, itemsize: int
-) -> int:
-    """VMEM estimate of one program: pipelined blocks (x2), ring, score temporaries."""
-    blocks = (
-        rows * dk_pad * itemsize  # q
-        + rows * dv * 4  # out (accumulator)
-        + rows * 4  # lse
-        + u_pad * query_block  # membership int8
-        + query_block * 4  # lim
-    )
-    temps = 5 * rb * rows * 4 + 2 * rows * dv * 4  # s, p, masks; acc update
-    return 2 * blocks + NBUF * rb * dk_pad * itemsize + temps
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "dk", "dv", "rb", "heads_per_group", "interpret"),
 )
 def _qblock_call(
-    q5, store, kb, src8, counts, lim, member, *, sm_scale, dk, dv, rb, heads_per_group, interpret
+    q5, store, kb, src8, unions, lim, member, *, sm_scale, dk, dv, rb, heads_per_group, interpret
 ):
     batch, n_blocks, groups, rows, dk_pad = q5.shape
-    u_pad = kb.shape[-1]
+    u_chunk = kb.shape[-1]
+    n_chunks = kb.shape[1] // n_blocks
     query_block = lim.shape[-1]
-    smem = pltpu.SMEM
     kernel = functools.partial(
-        _qblock_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb, heads_per_group=heads_per_group
-    )
-    per_block = lambda b, n, g: (b, n, 0, 0)  # noqa: E731
+        _qblock_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb, heads_per_group=heads_per_group,
+        n_blocks=n_blocks, u_chunk=u_chunk, n_chunks=n_chunks,
+    )  # fmt: skip
+
+    def chunk_of(b, n, c, unions_ref):
+        # Chunks past the block's union repeat its last real chunk: the pipeline sees the
+        # same block index and fetches nothing, and the kernel skips the step.
+        # lax.div, not //: the union is >= 0, and jnp's floor division lowers through
+        # sign(), which asks for the TPU generation (absent when cross-lowering).
+        last = jnp.maximum(jax.lax.div(unions_ref[b * n_blocks + n] + u_chunk - 1, u_chunk) - 1, 0)
+        return jnp.minimum(c, last)
+
+    def per_chunk(b, n, g, c, unions_ref):  # membership [B, nQB, C * UC, QB]
+        return b, n, chunk_of(b, n, c, unions_ref), 0
+
+    def per_chunk_smem(b, n, g, c, unions_ref):  # unit tables [B, nQB * C, 1, UC]
+        return b, n * n_chunks + chunk_of(b, n, c, unions_ref), 0, 0
+
+    def per_block(b, n, g, c, unions_ref):
+        return b, n, 0, 0
+
+    def per_group(b, n, g, c, unions_ref):
+        return b, n, g, 0, 0
+
+    smem = pltpu.SMEM
+    vmem_cap = int(default_chip().vmem_bytes / VMEM_USABLE_FRACTION)  # a core's physical VMEM
     vmem = qblock_vmem_bytes(
         rows=rows,
         query_block=query_block,
-        u_pad=u_pad,
-        rb=rb,
+        u_max=u_chunk,
+        read_block=rb,
         dk_pad=dk_pad,
         dv=dv,
         itemsize=jnp.dtype(store.dtype).itemsize,
     )
-    return pl.pallas_call(
-        kernel,
-        grid=(batch, n_blocks, groups),
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(batch, n_blocks, groups, n_chunks),
         in_specs=[
-            pl.BlockSpec((1, 1, 1, 1), per_block, memory_space=smem),
-            pl.BlockSpec((1, 1, 1, u_pad), per_block, memory_space=smem),
-            pl.BlockSpec((1, 1, 1, u_pad), per_block, memory_space=smem),
+            pl.BlockSpec((1, 1, 1, u_chunk), per_chunk_smem, memory_space=smem),
+            pl.BlockSpec((1, 1, 1, u_chunk), per_chunk_smem, memory_space=smem),
             pl.BlockSpec((1, 1, 1, query_block), per_block),
-            pl.BlockSpec((1, 1, u_pad, query_block), per_block),
-            pl.BlockSpec((1, 1, 1, rows, dk_pad), lambda b, n, g: (b, n, g, 0, 0)),
+            pl.BlockSpec((1, 1, u_chunk, query_block), per_chunk),
+            pl.BlockSpec((1, 1, 1, rows, dk_pad), per_group),
             pl.BlockSpec(memory_space=pltpu.HBM),
         ],
         out_specs=[
-            pl.BlockSpec((1, 1, 1, rows, dv), lambda b, n, g: (b, n, g, 0, 0)),
-            pl.BlockSpec((1, 1, 1, 1, rows), lambda b, n, g: (b, n, g, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, n_blocks, groups, rows, dv), jnp.float32),
-            jax.ShapeDtypeStruct((batch, n_blocks, groups, 1, rows), jnp.float32),
+            pl.BlockSpec((1, 1, 1, rows, dv), per_group),
+            pl.BlockSpec((1, 1, 1, 1, rows), per_group),
         ],
         scratch_shapes=[
             pltpu.VMEM((NBUF, rb, dk_pad), store.dtype),
             pltpu.SemaphoreType.DMA((NBUF,)),
+            pltpu.VMEM((1, rows), jnp.float32),
+            pltpu.VMEM((1, rows), jnp.float32),
+        ],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, n_blocks, groups, rows, dv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, n_blocks, groups, 1, rows), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel"),
-            vmem_limit_bytes=int(min(max(vmem * 5 // 4, 32 << 20), 100 << 20)),
+            # The chunk axis carries the softmax state: sequential, innermost.
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=int(min(max(vmem * 5 // 4, 32 << 20), vmem_cap)),
         ),
         interpret=interpret,
-    )(counts, kb, src8, lim, member, q5, store)
+    )(unions, kb, src8, lim, member, q5, store)
 
 
 def sparse_mla_attention_qblock(
@@ -264,26 +345,35 @@ def sparse_mla_attention_qblock(
     seq_lens: jax.Array | None = None,
     cu_kv_lens: jax.Array | None = None,
     page_indices: jax.Array | None = None,
-    query_block: int = 256,
+    query_block: int | None = None,
     u_max: int | None = None,
     head_block: int | None = None,
     max_rows: int = MAX_ROWS,
     interpret: bool | pltpu.InterpretParams = False,
+    debug_checks: bool = False,
 ):
     """Sparse MLA attention, query-blocked: one program per (query block, head group).
 
     Same arguments and results as :func:`attn_pallas_tpu.sparse_mla_attention` (flat
     ``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]``, ``positions [B, S]``;
     or ragged paged mode with ``q_seq_id`` etc.), returning ``out [B, S, H, Dv]`` float32
-    and optionally ``lse [B, S, H]``. Extra knobs:
+    and optionally ``lse [B, S, H]``. None of the knobs changes the answer:
 
-    query_block: queries per program (``QB``, a multiple of 8; 128-multiples keep the
-      lane tiling of the membership free on TPU). ``S`` need not be a multiple.
-    u_max: union table width; ``None`` = the lossless ``min(QB * K, num_units)``. A
-      smaller value warns (``LossyUnionCapWarning``) and drops, per block, every unit key
-      beyond the ``u_max`` smallest (see the module docstring).
+    query_block: queries per program (``QB``, a multiple of 8). ``None`` together with
+      ``head_block=None`` (the default) plans the tiling automatically (below).
+    u_max: union slots per chunk (rounded up to 32): a block's union is streamed in
+      chunks of this many units with the softmax carried across chunks, so it is a
+      VMEM/speed knob only. ``None``: ``attn_common.resolve_u_max``.
     head_block / max_rows: heads per program; default the largest divisor of ``H`` with
       ``head_block * query_block <= max_rows``. Each head group re-reads the union.
+
+    Automatic tiling (``query_block`` and ``head_block`` both ``None``): with host-value
+    inputs the true per-query unit counts and per-block union sizes are computed and
+    ``attn_common.sparse_mla_plan.choose_plan`` picks the fastest (kernel, QB, head
+    block, u_max) under the chip's VMEM in its DMA-bytes/DMA-count model, the per-query
+    kernel whenever that moves no more bytes. Under jit the tiling comes from the shapes
+    (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel
+    whenever the query-blocked one would move more KV bytes.
     """
     problem = check_tpu_sparse_mla_inputs(
         q,
@@ -298,34 +388,106 @@ def sparse_mla_attention_qblock(
         seq_lens=seq_lens,
         cu_kv_lens=cu_kv_lens,
         page_indices=page_indices,
+        debug_checks=debug_checks,
     )
-    if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
-        raise ValueError(f"query_block: got {query_block!r}, expected a positive int")
-    if query_block % SUBLANE:
-        raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
-    u_max = resolve_u_max(
-        u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
-    )
+    if query_block is not None:
+        if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
+            raise ValueError(f"query_block: got {query_block!r}, expected a positive int or None")
+        if query_block % SUBLANE:
+            raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
+    if u_max is not None:
+        resolve_u_max(u_max, query_block=8, top_k=1, num_units=1)  # validates
+    if head_block is not None:
+        _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
     interpret = resolve_interpret(interpret)
-    batch, seq, heads = problem.batch, problem.num_queries, problem.heads
-    hb = _head_group(heads, query_block, head_block, max_rows)
-    groups = heads // hb
-    rb = problem.read_block
-    dk_pad = problem.dk_pad
-
-    space = unit_space(
-        problem,
-        kv,
-        indices,
-        positions,
+    if problem.is_empty:
+        return empty_result(problem, return_lse)
+    ragged = dict(
         page_size=page_size,
         q_seq_id=q_seq_id,
         seq_lens=seq_lens,
         cu_kv_lens=cu_kv_lens,
         page_indices=page_indices,
     )
+    space = unit_space(problem, kv, indices, positions, **ragged)
+    per_query = functools.partial(
+        _per_query, problem, q, kv, indices, positions, return_lse=return_lse,
+        interpret=interpret, **ragged,
+    )  # fmt: skip
+    qblock = functools.partial(
+        _qblock, problem, q, kv, space, return_lse=return_lse, interpret=interpret,
+        page_size=page_size, page_indices=page_indices,
+    )  # fmt: skip
+    shape_args = dict(
+        heads=problem.heads,
+        top_k=problem.top_k,
+        num_units=problem.num_units,
+        read_block=problem.read_block,
+        dk_pad=problem.dk_pad,
+        dv=problem.dv,
+        itemsize=jnp.dtype(kv.dtype).itemsize,
+        chip=default_chip(),
+    )
+    if query_block is not None or head_block is not None:  # explicit tiling: no fallback
+        qb = query_block or static_qblock_config(**shape_args, max_rows=max_rows)[0]
+        hb = _head_group(problem.heads, qb, head_block, max_rows)
+        return qblock(query_block=qb, head_block=hb, u_max=u_max)
+
+    live_keys = jnp.where(space.unit_ok, space.keys, -1)
+    if is_concrete(live_keys):
+        plan = choose_plan(
+            distinct_per_query=np.asarray(distinct_units_per_query(live_keys)),
+            union_sizes={
+                qb: np.asarray(block_union_sizes(space.keys, query_block=qb))
+                for qb in AUTO_QUERY_BLOCKS
+            },
+            max_rows=max_rows,
+            **shape_args,
+        )
+        if plan.kernel == "per_query":
+            return per_query()
+        return qblock(
+            query_block=plan.query_block,
+            head_block=plan.head_block,
+            u_max=u_max if u_max is not None else plan.u_max,
+        )
+    # Under jit the unions are data: plan from the shapes, then decide at run time. The
+    # query-blocked kernel runs only if it moves fewer KV bytes (DMAs of one unit each)
+    # and the model predicts it faster; otherwise (and on ties) the per-query kernel.
+    qb, hb, plan_u_max = static_qblock_config(**shape_args, max_rows=max_rows)
+    plan_u_max = u_max if u_max is not None else plan_u_max
+    unions = block_union_sizes(space.keys, query_block=qb)
+    distinct = distinct_units_per_query(live_keys)
+    qblock_dmas = (problem.heads // hb) * jnp.sum(unions)
+    per_query_dmas = jnp.sum(distinct)
+    qblock_s = qblock_seconds(unions, query_block=qb, head_block=hb, u_max=plan_u_max, **shape_args)
+    per_query_s = per_query_seconds(
+        distinct, **{k: v for k, v in shape_args.items() if k != "num_units"}
+    )
+    return jax.lax.cond(
+        (qblock_dmas < per_query_dmas) & (qblock_s < per_query_s),
+        lambda: qblock(query_block=qb, head_block=hb, u_max=plan_u_max),
+        per_query,
+    )
+
+
+def _qblock(
+    problem, q, kv, space, *, query_block, head_block, u_max, return_lse, interpret, page_size,
+    page_indices,
+):  # fmt: skip
+    """Build the chunked union tables and run the query-blocked kernel."""
+    batch, seq, heads = problem.batch, problem.num_queries, problem.heads
+    rb, dk_pad, dv = problem.read_block, problem.dk_pad, problem.dv
+    groups = heads // head_block
+    u_max = resolve_u_max(
+        u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
+    )
+    u_chunk = -(-u_max // MEMBER_TILE) * MEMBER_TILE
+    widest = lossless_u_max(query_block, problem.top_k, problem.num_units)
+    n_chunks = -(-widest // u_chunk)
+    width = n_chunks * u_chunk  # >= every union: nothing is dropped
     tables = jax.vmap(
-        functools.partial(build_block_unit_tables, query_block=query_block, u_max=u_max)
+        functools.partial(build_block_unit_tables, query_block=query_block, u_max=width)
     )(space.keys)
     n_blocks = tables.units.shape[1]
     if problem.ragged:
@@ -336,42 +498,42 @@ def sparse_mla_attention_qblock(
         src8, ok = unit_source(
             tables.units, flat_rows_per_batch=problem.num_units * rb, read_block=rb
         )
-    u_pad = -(-u_max // MEMBER_TILE) * MEMBER_TILE
-    slot_pad = ((0, 0), (0, 0), (0, u_pad - u_max))
     member = jnp.where(ok[:, :, None, :], tables.member, 0).astype(jnp.int8)
-    member = jnp.pad(member.transpose(0, 1, 3, 2), (*slot_pad, (0, 0)))  # [B, nQB, U_pad, QB]
-    kb = jnp.pad(jnp.maximum(tables.units, 0) * rb, slot_pad)[:, :, None, :]
-    src8 = jnp.pad(src8, slot_pad)[:, :, None, :]
-    counts = jnp.minimum(tables.counts, u_max).reshape(batch, n_blocks, 1, 1)
+    member = member.transpose(0, 1, 3, 2)  # [B, nQB, width, QB]
+    # Unit tables [B, nQB * C, 1, UC]: a (1, UC) SMEM block per (block, chunk) keeps the
+    # last two block dims equal to the array's, as Mosaic requires.
+    kb = (jnp.maximum(tables.units, 0) * rb).reshape(batch, n_blocks * n_chunks, 1, u_chunk)
+    src8 = src8.reshape(batch, n_blocks * n_chunks, 1, u_chunk)
+    unions = tables.counts.reshape(batch * n_blocks)
 
     seq_pad = n_blocks * query_block
     lim = jnp.pad(space.lim, ((0, 0), (0, seq_pad - seq)))  # padded queries: lim 0
     lim = lim.reshape(batch, n_blocks, 1, query_block)
     q5 = pad_features(q.astype(kv.dtype), dk_pad)
     q5 = jnp.pad(q5, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0)))
-    q5 = q5.reshape(batch, n_blocks, query_block, groups, hb, dk_pad)
-    q5 = q5.transpose(0, 1, 3, 4, 2, 5).reshape(batch, n_blocks, groups, hb * query_block, dk_pad)
+    q5 = q5.reshape(batch, n_blocks, query_block, groups, head_block, dk_pad)
+    q5 = q5.transpose(0, 1, 3, 4, 2, 5)
+    q5 = q5.reshape(batch, n_blocks, groups, head_block * query_block, dk_pad)
 
     out, lse = _qblock_call(
         q5,
         space.store,
         kb,
         src8,
-        counts,
+        unions,
         lim,
         member,
         sm_scale=problem.sm_scale,
         dk=problem.dk,
-        dv=problem.dv,
+        dv=dv,
         rb=rb,
-        heads_per_group=hb,
+        heads_per_group=head_block,
         interpret=interpret,
     )
-    dv = problem.dv
-    out = out.reshape(batch, n_blocks, groups, hb, query_block, dv)
+    out = out.reshape(batch, n_blocks, groups, head_block, query_block, dv)
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, seq_pad, heads, dv)[:, :seq]
     if not return_lse:
         return out
-    lse = lse.reshape(batch, n_blocks, groups, hb, query_block)
+    lse = lse.reshape(batch, n_blocks, groups, head_block, query_block)
     lse = lse.transpose(0, 1, 4, 2, 3).reshape(batch, seq_pad, heads)[:, :seq]
     return out, lse

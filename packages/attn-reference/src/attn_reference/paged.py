@@ -1,4 +1,4 @@
-"""Reference paged KV write and the ragged write-then-attend wrapper (SPEC section 4).
+"""Reference paged KV write and the ragged write-then-attend wrapper (docs/design.md).
 
 ``paged_write_back`` is the scatter the TPU kernel must match bit for bit;
 ``prefill_write_and_attend_ragged`` writes the new tokens' latents into the paged
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn_common import check_write_back_inputs, write_then_attend
+from attn_common import check_write_back_inputs, keep_last_writes, write_then_attend
 from attn_reference.sparse_mla import sparse_mla_attention
 
 
@@ -30,12 +30,13 @@ def paged_write_back(
         page ``s // page_size``, row ``s % page_size``.
       rows: ``[T, D]`` new rows, cast to the cache dtype.
       loc: int ``[T]`` flat slot per row; negative or ``>= num_pages * page_size`` rows
-        are dropped. Valid slots must be distinct (a slot written twice is undefined).
+        are dropped. A slot listed more than once takes the last of its rows (largest
+        ``t``), as if the writes ran in order.
       r_cap: the kernel's run-table size; accepted for API parity.
     """
     del r_cap, interpret
-    check_write_back_inputs(cache, rows, loc, page_size)
-    return _scatter_rows(cache, rows, loc)
+    num_pages, rows_per_page, pk, _ = check_write_back_inputs(cache, rows, loc, page_size)
+    return _scatter_rows(cache, rows, keep_last_writes(loc, num_pages * rows_per_page * pk))
 
 
 @jax.jit
@@ -65,7 +66,9 @@ def prefill_write_and_attend_ragged(
     page_size: int,
     sm_scale: float,
     interpret: object = False,
-    query_block: int = 256,
+    query_block: int | None = None,
+    u_max: int | None = None,
+    debug_checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (ragged mode).
 
@@ -76,15 +79,17 @@ def prefill_write_and_attend_ragged(
       topk_pages: ``[T, K]`` request-local page ids (``-1`` = none).
       positions: ``[T]`` request-local query positions. loc: ``[T]`` flat cache slot.
       seq_lens / cu_q_lens / cu_kv_lens / page_indices: the packed ragged tables.
-      query_block: accepted so the ``_qblock`` twin is a drop-in replacement.
+      query_block / u_max: accepted so the ``_qblock`` twin is a drop-in replacement.
+      debug_checks: checkify the ragged tables and indices under jit.
 
     Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
     """
-    del query_block
+    del query_block, u_max
     return write_then_attend(
         paged_write_back, sparse_mla_attention, ql, qpe, kvc, kpe, cache, topk_pages,
         positions, loc, seq_lens, cu_q_lens, cu_kv_lens, page_indices,
         kv_lora_rank=kv_lora_rank, page_size=page_size, sm_scale=sm_scale,
+        debug_checks=debug_checks,
     )  # fmt: skip
 
 

@@ -1,10 +1,12 @@
-"""Reference sparse MLA prefill (SPEC section 4): flat and ragged paged modes.
+"""Reference sparse MLA prefill: flat and ragged paged modes (docs/design.md).
 
 Both modes reduce to one gather-based core: each query gathers the ``K * read_block``
 key rows of its selected units from a row-addressable latent store (``kv`` flattened
 over the batch, or the paged cache flattened over pages), marks which gathered rows are
 valid (a real selection, first occurrence of its unit, ``position >= t``, ``t <
-kv_len``), and runs an exact masked softmax. Queries are processed in chunks so memory
+kv_len``), and runs an exact masked softmax. Values of rows a query does not attend are
+zeroed before the value product, so whatever those rows hold (NaN, Inf) never reaches
+its output. Queries are processed in chunks so memory
 stays bounded by one chunk's gathered keys.
 """
 
@@ -15,17 +17,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
 from attn_common import (
-    build_block_unit_tables,
     check_sparse_mla_inputs,
     lift_ragged_indices,
-    lossless_u_max,
     ragged_query_info,
-    resolve_u_max,
     sanitize_unit_ids,
 )
+from attn_common.sparse_mla import empty_result
 
 _CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
 
@@ -80,12 +79,15 @@ def _attend_units(q, store, units: _UnitRows, *, sm_scale, dv, read_block, chunk
         keys = store[jnp.clip(rows, 0, rows_total - 1), :dk].astype(jnp.float32)
         s = jnp.einsum("chd,ctd->cht", q_c, keys, precision=jax.lax.Precision.HIGHEST)
         s = jnp.where(valid[:, None, :], s * sm_scale, -jnp.inf)
+        # Rows the query does not attend may hold anything (page tails, unwritten slots):
+        # zero them, or their 0-weight times NaN/Inf would poison the value product.
+        vals = jnp.where(valid[:, :, None], keys[..., :dv], 0.0)
         m = jnp.max(s, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.exp(s - m)
         denom = jnp.sum(p, axis=-1)
         safe = jnp.where(denom > 0, denom, 1.0)
-        o = jnp.einsum("cht,ctd->chd", p, keys[..., :dv], precision=jax.lax.Precision.HIGHEST)
+        o = jnp.einsum("cht,ctd->chd", p, vals, precision=jax.lax.Precision.HIGHEST)
         lse = jnp.where(denom > 0, m[..., 0] + jnp.log(safe), -jnp.inf)
         return o / safe[..., None], lse
 
@@ -127,14 +129,6 @@ def _ragged_units(
         first_pos=jnp.where(ok, local_page * page_size, 0),
         position=positions.astype(jnp.int32).reshape(-1),
         kv_len=info.kv_len,
-    )
-
-
-def _check_indices(indices, num_units: int) -> None:
-    checkify.check(
-        jnp.all((indices >= -1) & (indices < num_units)),
-        "indices out of range: need -1 <= index < {n}",
-        n=jnp.asarray(num_units, jnp.int32),  # checkify formats arrays only, not ints
     )
 
 
@@ -180,9 +174,10 @@ def sparse_mla_attention(
         seq_lens=seq_lens,
         cu_kv_lens=cu_kv_lens,
         page_indices=page_indices,
+        debug_checks=debug_checks,
     )
-    if debug_checks:
-        _check_indices(indices, problem.num_units)
+    if problem.is_empty:
+        return empty_result(problem, return_lse)
     batch, seq, heads, dk = q.shape
     if problem.ragged:
         units = _ragged_units(
@@ -236,51 +231,23 @@ def sparse_mla_attention_qblock(
     seq_lens: jax.Array | None = None,
     cu_kv_lens: jax.Array | None = None,
     page_indices: jax.Array | None = None,
-    query_block: int = 256,
+    query_block: int | None = None,
     u_max: int | None = None,
+    head_block: int | None = None,
     interpret: object = False,
     debug_checks: bool = False,
 ):
-    """Same semantics as ``sparse_mla_attention``, with the query-blocked kernel's knobs.
+    """Same semantics and result as ``sparse_mla_attention``; the knobs are validated.
 
-    With the default (lossless) ``u_max`` the result equals ``sparse_mla_attention``.
-    A smaller ``u_max`` warns once and reproduces the kernel's documented lossy
-    behaviour: per block of ``query_block`` queries only the ``u_max`` smallest selected
-    unit keys are kept (keys are global page-table slots in ragged mode).
+    ``query_block``, ``u_max`` and ``head_block`` tune the TPU query-blocked kernel
+    (``None`` = chosen automatically); none of them changes the answer, so the reference
+    checks them and computes the exact result.
     """
-    problem = check_sparse_mla_inputs(
-        q,
-        kv,
-        indices,
-        positions,
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=read_block,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-    )
-    if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
-        raise ValueError(f"query_block: got {query_block!r}, expected a positive int")
-    if debug_checks:  # before the lossy cap below drops out-of-range ids
-        _check_indices(indices, problem.num_units)
-    lossless = u_max is None
-    u_max = resolve_u_max(
-        u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
-    )
-    if not lossless and u_max < lossless_u_max(query_block, problem.top_k, problem.num_units):
-        indices = _cap_block_unions(
-            indices,
-            problem,
-            query_block=query_block,
-            u_max=u_max,
-            page_size=page_size,
-            q_seq_id=q_seq_id,
-            seq_lens=seq_lens,
-            cu_kv_lens=cu_kv_lens,
-        )
+    for name, value in (("query_block", query_block), ("u_max", u_max), ("head_block", head_block)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name}: got {value!r}, expected a positive int or None")
     return sparse_mla_attention(
         q,
         kv,
@@ -298,25 +265,3 @@ def sparse_mla_attention_qblock(
         interpret=interpret,
         debug_checks=debug_checks,
     )
-
-
-def _cap_block_unions(
-    indices, problem, *, query_block, u_max, page_size, q_seq_id, seq_lens, cu_kv_lens
-):
-    """Keep, per query, only selections inside its block's capped union (lossy u_max)."""
-    if problem.ragged:
-        info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
-        keys = lift_ragged_indices(indices[0], info, problem.num_units)[None]
-        base = info.base_page[None, :, None]
-    else:
-        keys = sanitize_unit_ids(indices, problem.num_units)
-        base = 0
-    batch, seq, _ = keys.shape
-    tables = jax.vmap(
-        functools.partial(build_block_unit_tables, query_block=query_block, u_max=u_max)
-    )(keys)
-    n_blocks = tables.units.shape[1]
-    units = jnp.repeat(tables.units, query_block, axis=1)[:, :seq]  # [B, S, u_max]
-    member = tables.member.reshape(batch, n_blocks * query_block, u_max)[:, :seq]
-    kept = jnp.where(member > 0, units, -1)
-    return jnp.where(kept >= 0, kept - base, -1)

@@ -1,0 +1,412 @@
+"""The sparse-MLA kernel plan: union/distinct counts vs brute force, plan invariants."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attn_common.sparse_mla_plan import (
+    TPU_CHIPS,
+    SparseMlaPlan,
+    TpuChip,
+    block_union_sizes,
+    chip_for_device_kind,
+    choose_plan,
+    distinct_units_per_query,
+    per_query_seconds,
+    predict_per_query,
+    predict_qblock,
+    qblock_seconds,
+    qblock_vmem_bytes,
+    static_qblock_config,
+)
+from attn_common.tables import build_block_unit_tables, lossless_u_max
+
+_unions_jit = jax.jit(block_union_sizes, static_argnames=("query_block",))
+_distinct_jit = jax.jit(distinct_units_per_query)
+_tables_jit = jax.jit(build_block_unit_tables, static_argnames=("query_block", "u_max"))
+
+SHAPE = dict(dk_pad=640, dv=512, itemsize=2)
+QUERY_BLOCKS = (8, 16, 32)
+
+
+def unions_brute(keys: np.ndarray, query_block: int) -> np.ndarray:
+    batch, seq, _ = keys.shape
+    n_blocks = -(-seq // query_block)
+    out = np.zeros((batch, n_blocks), np.int64)
+    for b in range(batch):
+        for n in range(n_blocks):
+            rows = keys[b, n * query_block : (n + 1) * query_block]
+            out[b, n] = len({int(x) for x in rows.ravel() if x >= 0})
+    return out
+
+
+def distinct_brute(keys: np.ndarray) -> np.ndarray:
+    return np.array([[len({int(x) for x in r if x >= 0}) for r in row] for row in keys])
+
+
+@st.composite
+def key_arrays(draw, max_units: int = 20):
+    # Few distinct shapes (each new shape compiles); S not a multiple of the blocks.
+    batch = draw(st.integers(1, 2))
+    seq = draw(st.sampled_from([1, 7, 13, 40]))
+    top_k = draw(st.sampled_from([1, 3, 6]))
+    num_units = draw(st.integers(1, max_units))
+    flat = draw(
+        st.lists(
+            st.integers(-2, num_units - 1),
+            min_size=batch * seq * top_k,
+            max_size=batch * seq * top_k,
+        )
+    )
+    keys = np.array(flat, np.int32).reshape(batch, seq, top_k)
+    if top_k > 1 and draw(st.booleans()):  # force duplicates inside queries
+        keys[..., 1] = keys[..., 0]
+    return keys, num_units
+
+
+# --------------------------------------------------------------------------------------
+# block_union_sizes / distinct_units_per_query
+
+
+@pytest.mark.slow  # ~5 s on 2 cores; test_block_union_sizes_eager_example stays quick
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key_arrays(), st.sampled_from([1, 3, 4, 8, 16]))
+def test_block_union_sizes_match_tables_and_brute_force(p, query_block):
+    keys, num_units = p
+    got = np.asarray(_unions_jit(jnp.asarray(keys), query_block=query_block))
+    batch, seq, top_k = keys.shape
+    assert got.shape == (batch, -(-seq // query_block)) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, unions_brute(keys, query_block))
+    u_max = lossless_u_max(query_block, top_k, num_units)
+    for b in range(batch):
+        tables = _tables_jit(jnp.asarray(keys[b]), query_block=query_block, u_max=u_max)
+        np.testing.assert_array_equal(got[b], np.asarray(tables.counts))
+
+
+def test_block_union_sizes_eager_example():
+    keys = np.array([[[3, 3, -1], [7, 1, 3], [-1, -1, -1], [9, 9, 9], [2, 0, 5]]], np.int32)
+    np.testing.assert_array_equal(np.asarray(block_union_sizes(keys, query_block=4)), [[4, 3]])
+    np.testing.assert_array_equal(np.asarray(distinct_units_per_query(keys)), [[1, 3, 0, 1, 3]])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key_arrays())
+def test_distinct_units_per_query_matches_brute_force(p):
+    keys, _ = p
+    got = np.asarray(_distinct_jit(jnp.asarray(keys)))
+    assert got.shape == keys.shape[:2] and got.dtype == np.int32
+    np.testing.assert_array_equal(got, distinct_brute(keys))
+
+
+# --------------------------------------------------------------------------------------
+# choose_plan
+
+
+def plan_inputs(keys: np.ndarray, query_blocks=QUERY_BLOCKS):
+    return distinct_brute(keys), {qb: unions_brute(keys, qb) for qb in query_blocks}
+
+
+def plan_vmem(plan: SparseMlaPlan, read_block: int) -> int:
+    return qblock_vmem_bytes(
+        rows=plan.head_block * plan.query_block,
+        query_block=plan.query_block,
+        u_max=plan.u_max,
+        read_block=read_block,
+        **SHAPE,
+    )
+
+
+def check_plan(plan: SparseMlaPlan, keys, heads, read_block, num_units, chip: TpuChip):
+    distinct, unions = plan_inputs(keys)
+    top_k = keys.shape[-1]
+    unit_bytes = read_block * SHAPE["dk_pad"] * SHAPE["itemsize"]
+    per_query = predict_per_query(
+        distinct_per_query=distinct,
+        heads=heads,
+        read_block=read_block,
+        top_k=top_k,
+        chip=chip,
+        **SHAPE,
+    )
+    assert per_query.kv_bytes == distinct.sum() * unit_bytes
+    assert per_query.dma_count == distinct.sum()
+    assert plan.chip == chip.name
+    if plan.kernel == "per_query":
+        assert plan == per_query
+        return
+    assert plan.kernel == "qblock"
+    assert plan.kv_bytes < per_query.kv_bytes  # never a byte loser
+    assert plan.predicted_s < per_query.predicted_s
+    assert plan.query_block in unions and heads % plan.head_block == 0
+    assert plan.head_block * plan.query_block <= 4096
+    assert plan.u_max % 32 == 0
+    groups = heads // plan.head_block
+    assert plan.dma_count == groups * unions[plan.query_block].sum()
+    assert plan.kv_bytes == plan.dma_count * unit_bytes
+    assert plan_vmem(plan, read_block) <= chip.vmem_bytes
+    again = predict_qblock(
+        union_sizes=unions[plan.query_block],
+        query_block=plan.query_block,
+        head_block=plan.head_block,
+        u_max=plan.u_max,
+        heads=heads,
+        read_block=read_block,
+        top_k=top_k,
+        num_units=num_units,
+        chip=chip,
+        **SHAPE,
+    )
+    assert again == plan
+
+
+@st.composite
+def plan_problems(draw):
+    seq = draw(st.integers(1, 70))
+    top_k = draw(st.integers(1, 8))
+    num_units = draw(st.integers(top_k, 200))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    share = draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))  # fraction of a block-shared pool
+    pool = rng.integers(0, num_units, size=top_k)
+    keys = rng.integers(-1, num_units, size=(1, seq, top_k))
+    keys = np.where(rng.random(keys.shape) < share, pool, keys).astype(np.int32)
+    heads = draw(st.sampled_from([1, 2, 16, 128]))
+    read_block = draw(st.sampled_from([16, 64, 128]))
+    chip = TPU_CHIPS[draw(st.sampled_from(sorted(TPU_CHIPS)))]
+    return keys, num_units, heads, read_block, chip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan_problems())
+def test_choose_plan_never_picks_a_byte_loser(p):
+    keys, num_units, heads, read_block, chip = p
+    distinct, unions = plan_inputs(keys)
+    plan = choose_plan(
+        distinct_per_query=distinct,
+        union_sizes=unions,
+        heads=heads,
+        read_block=read_block,
+        top_k=keys.shape[-1],
+        num_units=num_units,
+        chip=chip,
+        **SHAPE,
+    )
+    check_plan(plan, keys, heads, read_block, num_units, chip)
+
+
+def _choose(keys, heads, read_block, num_units, chip, query_blocks=QUERY_BLOCKS):
+    distinct, unions = plan_inputs(keys, query_blocks)
+    return choose_plan(
+        distinct_per_query=distinct,
+        union_sizes=unions,
+        heads=heads,
+        read_block=read_block,
+        top_k=keys.shape[-1],
+        num_units=num_units,
+        chip=chip,
+        **SHAPE,
+    )
+
+
+@pytest.mark.parametrize("chip", sorted(TPU_CHIPS))
+@pytest.mark.parametrize("heads", [16, 128])
+def test_disjoint_selections_use_per_query(chip, heads):
+    seq, top_k = 64, 8
+    keys = np.arange(seq * top_k, dtype=np.int32).reshape(1, seq, top_k)
+    plan = _choose(keys, heads, 64, seq * top_k, TPU_CHIPS[chip])
+    assert plan.kernel == "per_query"
+    assert (plan.query_block, plan.head_block, plan.u_max) == (None, None, None)
+
+
+@pytest.mark.parametrize("chip", sorted(TPU_CHIPS))
+@pytest.mark.parametrize("heads", [16, 128])
+def test_identical_selections_use_qblock(chip, heads):
+    seq, top_k = 64, 8
+    keys = np.broadcast_to(np.arange(top_k, dtype=np.int32) * 3, (1, seq, top_k)).copy()
+    plan = _choose(keys, heads, 64, 100, TPU_CHIPS[chip])
+    assert plan.kernel == "qblock"
+    check_plan(plan, keys, heads, 64, 100, TPU_CHIPS[chip])
+    assert plan.kv_bytes * 8 <= seq * top_k * 64 * 640 * 2
+
+
+def test_empty_inputs_use_per_query():
+    chip = TPU_CHIPS["v6e"]
+    for keys in (np.zeros((1, 0, 4), np.int32), np.full((1, 16, 4), -1, np.int32)):
+        distinct, unions = plan_inputs(keys, (8,))
+        plan = choose_plan(
+            distinct_per_query=distinct,
+            union_sizes=unions,
+            heads=16,
+            read_block=64,
+            top_k=4,
+            num_units=10,
+            chip=chip,
+            **SHAPE,
+        )
+        assert plan.kernel == "per_query" and plan.kv_bytes == 0 and plan.dma_count == 0
+    plan = choose_plan(
+        distinct_per_query=np.array([3, 3]),
+        union_sizes={},
+        heads=16,
+        read_block=64,
+        top_k=4,
+        num_units=10,
+        chip=chip,
+        **SHAPE,
+    )
+    assert plan.kernel == "per_query"
+
+
+@pytest.mark.parametrize("chip", sorted(TPU_CHIPS))
+def test_chosen_config_fits_vmem_at_production_shape(chip):
+    """4096 heavily shared queries, H = 128, unit 128: the plan must fit the chip's VMEM."""
+    chip = TPU_CHIPS[chip]
+    rng = np.random.default_rng(0)
+    seq, top_k, num_units = 1024, 16, 860
+    pool = rng.choice(num_units, size=top_k, replace=False)
+    keys = np.where(rng.random((1, seq, top_k)) < 0.95, pool, rng.integers(0, num_units, top_k))
+    keys = keys.astype(np.int32)
+    distinct = np.asarray(distinct_units_per_query(keys))
+    unions = {qb: np.asarray(block_union_sizes(keys, query_block=qb)) for qb in (8, 32, 256)}
+    plan = choose_plan(
+        distinct_per_query=distinct,
+        union_sizes=unions,
+        heads=128,
+        read_block=128,
+        top_k=top_k,
+        num_units=num_units,
+        chip=chip,
+        **SHAPE,
+    )
+    assert plan.kernel == "qblock"
+    assert plan_vmem(plan, 128) <= chip.vmem_bytes
+
+
+@pytest.mark.parametrize("chip", sorted(TPU_CHIPS))
+def test_jnp_seconds_match_numpy_model_under_jit(chip):
+    chip = TPU_CHIPS[chip]
+    rng = np.random.default_rng(1)
+    keys = rng.integers(-1, 300, size=(2, 100, 16)).astype(np.int32)
+    keys[:, 1::2] = keys[:, ::2]  # some sharing
+    args = dict(heads=128, read_block=64, top_k=16, chip=chip, **SHAPE)
+    distinct = distinct_units_per_query(keys)
+    want = predict_per_query(distinct_per_query=np.asarray(distinct), **args).predicted_s
+    got = jax.jit(lambda d: per_query_seconds(d, **args))(distinct)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    for qb, hb, u_max in [(8, 128, 64), (32, 16, 96), (16, 32, 1000)]:
+        unions = block_union_sizes(keys, query_block=qb)
+        cfg = dict(query_block=qb, head_block=hb, u_max=u_max, num_units=300, **args)
+        want = predict_qblock(union_sizes=np.asarray(unions), **cfg).predicted_s
+        got = jax.jit(lambda u, cfg=cfg: qblock_seconds(u, **cfg))(unions)
+        np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
+def test_qblock_vmem_bytes_formula():
+    rows, qb, rb = 4096, 32, 64
+    u_pad = 1024  # u_max 1000 -> 1024
+    blocks = rows * 640 * 2 + rows * 512 * 4 + rows * 4 + u_pad * qb + qb * 4
+    expected = 2 * blocks + 4 * rb * 640 * 2 + 5 * rb * rows * 4 + 2 * rows * 512 * 4 + 2 * rows * 4
+    got = qblock_vmem_bytes(rows=rows, query_block=qb, u_max=1000, read_block=rb, **SHAPE)
+    assert got == expected
+
+
+@pytest.mark.parametrize("chip", sorted(TPU_CHIPS))
+@pytest.mark.parametrize("heads", [1, 16, 64, 128, 1024])
+@pytest.mark.parametrize("read_block, top_k", [(64, 32), (128, 16)])
+def test_static_qblock_config(chip, heads, read_block, top_k):
+    chip = TPU_CHIPS[chip]
+    num_units = 1720
+    qb, hb, u_max = static_qblock_config(
+        heads=heads,
+        top_k=top_k,
+        num_units=num_units,
+        read_block=read_block,
+        chip=chip,
+        **SHAPE,
+    )
+    assert qb % 8 == 0 and 8 <= qb <= 256 and heads % hb == 0 and hb * qb <= 4096
+    assert u_max % 32 == 0 and 32 <= u_max <= 1024
+    assert u_max <= -(-lossless_u_max(qb, top_k, num_units) // 32) * 32
+    vmem = qblock_vmem_bytes(
+        rows=hb * qb, query_block=qb, u_max=u_max, read_block=read_block, **SHAPE
+    )
+    assert vmem <= chip.vmem_bytes
+    if heads * 8 <= 4096:
+        assert hb == heads  # one head group: the union is fetched once
+    if heads == 16 and chip.name != "v5p":
+        assert (qb, hb, u_max) == (256, 16, 1024)
+    if heads == 128 and read_block == 64:
+        assert (qb, hb, u_max) == (32, 128, 1024)
+
+
+def test_static_qblock_config_tiny_vmem_falls_back_to_head_groups():
+    tiny = TpuChip("tiny", 1e12, 1e14, 128, 1e12, 1, 6 << 20, 1 << 16)
+    qb, hb, _ = static_qblock_config(
+        heads=128, top_k=16, num_units=500, read_block=128, chip=tiny, **SHAPE
+    )
+    assert qb == 8 and hb < 128 and 128 % hb == 0
+    nothing = TpuChip("nothing", 1e12, 1e14, 128, 1e12, 1, 1 << 10, 1 << 16)
+    with pytest.raises(ValueError, match="fits"):
+        static_qblock_config(
+            heads=16, top_k=16, num_units=500, read_block=128, chip=nothing, **SHAPE
+        )
+
+
+@pytest.mark.parametrize(
+    "kind, name",
+    [
+        ("TPU v5 lite", "v5e"),
+        ("TPU v5e", "v5e"),
+        ("TPU v5litepod", "v5e"),
+        ("TPU v5p", "v5p"),
+        ("TPU v5", "v5p"),
+        ("TPU v6 lite", "v6e"),
+        ("TPU v6e", "v6e"),
+        ("tpu V6E", "v6e"),
+    ],
+)
+def test_chip_for_device_kind(kind, name):
+    assert chip_for_device_kind(kind) is TPU_CHIPS[name]
+
+
+@pytest.mark.parametrize("kind", [None, "", "TPU v4", "TPU7x", "cpu", "NVIDIA H200"])
+def test_chip_for_unknown_kind_is_smallest_vmem(kind):
+    chip = chip_for_device_kind(kind)
+    assert chip.vmem_bytes == min(c.vmem_bytes for c in TPU_CHIPS.values())
+
+
+def test_chip_table():
+    assert set(TPU_CHIPS) == {"v5e", "v5p", "v6e"}
+    v5e = TPU_CHIPS["v5e"]
+    assert (v5e.hbm_bytes_per_s, v5e.mxu_flops, v5e.mxu_dim, v5e.cores) == (819e9, 197e12, 128, 1)
+    for chip in TPU_CHIPS.values():
+        assert 0 < chip.vmem_bytes <= 96 << 20 and chip.smem_words > 0
+
+
+def test_sparse_mla_union_sizes_from_op_arguments():
+    """Flat: unit ids over T; ragged: request-local pages lifted to page-table slots (a
+    block straddling two requests counts their pages apart)."""
+    from attn_common import sparse_mla_union_sizes
+
+    idx = np.array([[[0, 1, -1], [1, 2, 9]], [[3, 3, 3], [-1, -1, -1]]], np.int32)
+    got = np.asarray(sparse_mla_union_sizes(idx, query_block=2, read_block=16, kv_len=64))
+    np.testing.assert_array_equal(got, [[3], [1]])  # id 9 is past T = 64 (4 units)
+
+    # Two requests with 2 and 3 page-table slots; both queries select local pages {0, 1}.
+    ragged = dict(
+        q_seq_id=np.array([0, 1], np.int32),
+        seq_lens=np.array([32, 48], np.int32),
+        cu_kv_lens=np.array([0, 32, 80], np.int32),
+        page_indices=np.arange(5, dtype=np.int32),
+        page_size=16,
+    )
+    sel = np.array([[[0, 1], [1, 0]]], np.int32)
+    got = np.asarray(sparse_mla_union_sizes(sel, query_block=2, read_block=16, **ragged))
+    np.testing.assert_array_equal(got, [[4]])
+    with pytest.raises(ValueError, match="kv_len"):
+        sparse_mla_union_sizes(idx, query_block=2, read_block=16)
