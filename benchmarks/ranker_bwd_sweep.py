@@ -1,11 +1,11 @@
 """Per-kernel timing of the Hopper ranker backward under its schedule knobs (H200).
 
-For each SPEC section 7 case given (default: phoenix, long, ragged), times the dq and dk/dv
-kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separately (CUPTI, median of
-iterations) for each variant of the knobs ``fold`` (folded cap constants, derivative
-from the same terms), ``overlap`` (P computed while dP's wgmma runs; dS while dV's runs)
-and ``num_stages`` (ring depth). Inputs: random bf16 q, k, v, dO; the LSE from our
-forward kernel, so the probabilities are the real ones.
+For each suite case given (docs/design.md#benchmarks; default: phoenix, long, ragged),
+times the dq and dk/dv kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separately
+(CUPTI, median of iterations) for each variant of the knobs ``fold`` (folded cap
+constants, derivative from the same terms), ``overlap`` (P computed while dP's wgmma
+runs; dS while dV's runs) and ``num_stages`` (ring depth). Inputs: random bf16 q, k, v,
+dO; the LSE from our forward kernel, so the probabilities are the real ones.
 
     python benchmarks/ranker_bwd_sweep.py --out docs/results
 

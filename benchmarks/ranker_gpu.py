@@ -1,4 +1,4 @@
-"""Ranker attention benchmark on a Hopper GPU (SPEC section 7): a thin wrapper.
+"""Ranker attention benchmark on a Hopper GPU (docs/design.md#benchmarks): a thin wrapper.
 
 The suite lives in ``attn_common.bench`` (also ``attn bench``). Usage:
 ``python benchmarks/ranker_gpu.py --out DIR`` writes ``ranker_gpu.json``,

@@ -1,4 +1,4 @@
-"""Ranker attention reference vs the independent float64 oracle (SPEC section 3)."""
+"""Ranker attention reference vs the independent float64 oracle (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -252,7 +252,9 @@ def _loss_fn(bounds, cap, w_out, w_lse, sm_scale=None):
     return loss
 
 
-@pytest.mark.parametrize("cap_name", ["none", "tanh2", "soft_sign2"])
+@pytest.mark.parametrize(
+    "cap_name", [pytest.param("none", marks=pytest.mark.slow), "tanh2", "soft_sign2"]
+)
 def test_check_grads_float64(cap_name):
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(x, jnp.float64) for x in ranker_inputs(12, *GRAD_SHAPE))
@@ -281,6 +283,7 @@ def test_grads_vs_analytic_oracle_float64(cap_name):
             assert_close(np.asarray(g), w, rtol_l2=1e-10, atol=1e-10, name=f"d{name}")
 
 
+@pytest.mark.slow  # ~6 s on 2 cores; the float64 gradient tests stay quick
 def test_grads_float32_vs_oracle_gqa5():
     """float32 gradients at the S=37 GQA 5:1 shape, against the float64 oracle."""
     cap = CAPS["soft_sign80"]
@@ -337,7 +340,7 @@ def _phoenix_args():
     )
 
 
-@pytest.mark.parametrize("which", ["forward", "grad"])
+@pytest.mark.parametrize("which", ["forward", pytest.param("grad", marks=pytest.mark.slow)])
 def test_phoenix_memory_bound(which):
     cap = CAPS["soft_sign80"]
 

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("attn_reference")
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; the guide's sharding example (test_docs.py) stays quick
 def test_sharded_matches_unsharded_on_8_cpu_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (

@@ -152,7 +152,8 @@ def test_every_tile_of_a_grid_exhaustively_small():
 
 
 # --------------------------------------------------------------------------------------
-# the SPEC pitfall: a block shared by the history range and a candidate range
+# the pitfall (docs/design.md#ranker-attention): a block shared by the history range and a
+# candidate range
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from attn_common import (
 
 
 def predicate(i, j, hl, hu, cl, cu) -> bool:
-    """The SPEC predicate, literally, with Python ranges."""
+    """The mask predicate of docs/design.md#ranker-attention, literally, with Python ranges."""
     H = range(hl, hu)
     C = range(cl, cu)
     return (j in H and (i in H or i in C)) or (i in C and j == i)

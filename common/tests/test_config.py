@@ -10,24 +10,26 @@ import pytest
 
 from attn_common import KernelConfig
 
-BLOCK_FIELDS = ("block_q", "block_kv", "query_block")
-OPTIONAL_BLOCK_FIELDS = ("block_q_bwd", "block_kv_bwd")
-STAGE_FIELDS = ("num_stages", "num_dma_buffers")
+BLOCK_FIELDS = ("block_q", "block_kv")
+OPTIONAL_BLOCK_FIELDS = ()
+STAGE_FIELDS = ("num_stages",)
 
 
 def test_defaults_valid():
     c = KernelConfig()
     assert (c.block_q, c.block_kv, c.num_stages) == (64, 64, 2)
-    assert c.block_q_bwd is None and c.block_kv_bwd is None
-    assert c.query_block == 256 and c.num_dma_buffers == 4
-    assert c.bwd_block_q == 64 and c.bwd_block_kv == 64
 
 
-def test_bwd_blocks_default_to_forward():
-    c = KernelConfig(block_q=128, block_kv=32)
-    assert (c.bwd_block_q, c.bwd_block_kv) == (128, 32)
-    c = KernelConfig(block_q=128, block_kv=32, block_q_bwd=16, block_kv_bwd=1024)
-    assert (c.bwd_block_q, c.bwd_block_kv) == (16, 1024)
+def test_only_fields_a_kernel_reads():
+    """Fields no backend read (backward tiles, sparse-MLA knobs) are gone, not ignored."""
+    assert [f.name for f in dataclasses.fields(KernelConfig)] == [
+        "block_q",
+        "block_kv",
+        "num_stages",
+    ]
+    for gone in ("block_q_bwd", "block_kv_bwd", "query_block", "num_dma_buffers"):
+        with pytest.raises(TypeError):
+            KernelConfig(**{gone: 64})
 
 
 @pytest.mark.parametrize("field", BLOCK_FIELDS + OPTIONAL_BLOCK_FIELDS)
@@ -58,13 +60,13 @@ def test_required_block_fields_reject_none(field):
 
 
 @pytest.mark.parametrize("field", STAGE_FIELDS)
-@pytest.mark.parametrize("value", [1, 2, 4, 8])
+@pytest.mark.parametrize("value", [2, 3, 4, 8])
 def test_stage_fields_accept(field, value):
     assert getattr(KernelConfig(**{field: value}), field) == value
 
 
 @pytest.mark.parametrize("field", STAGE_FIELDS)
-@pytest.mark.parametrize("value", [0, 9, -1, 100])
+@pytest.mark.parametrize("value", [0, 1, 9, -1, 100])
 def test_stage_fields_reject_values(field, value):
     with pytest.raises(ValueError, match=rf"KernelConfig\.{field}: got {value}\b"):
         KernelConfig(**{field: value})
@@ -111,7 +113,7 @@ def test_replace_validates():
         c.replace(block_kv=100)
     with pytest.raises(ValueError, match=r"KernelConfig\.num_stages"):
         c.replace(num_stages=9)
-    with pytest.raises(TypeError, match=r"KernelConfig\.block_q_bwd"):
-        c.replace(block_q_bwd=True)
+    with pytest.raises(TypeError, match=r"KernelConfig\.block_q"):
+        c.replace(block_q=True)
     with pytest.raises(TypeError):
         c.replace(no_such_field=1)

@@ -1,7 +1,10 @@
 """Backend selection: device classes, preference order, fall-through, explicit errors."""
 
+import inspect
+import pydoc
 import sys
 import types
+import warnings
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -212,3 +215,140 @@ def test_real_dispatch_matches_reference():
         np.testing.assert_array_equal(attn_common.ranker_attention(q, k, v, bounds), want)
     got = attn_common.ranker_attention(q, k, v, bounds, implementation="reference")
     np.testing.assert_array_equal(got, want)
+
+
+# --------------------------------------------------------------------------- input fallback
+
+
+def _fake_with_supports(name: str, ops, reason_for) -> types.ModuleType:
+    """A fake backend whose ``supports`` rejects inputs for which ``reason_for`` says so."""
+    mod = _fake_module(name, ops)
+    mod.supports = lambda op, *args, **kwargs: reason_for(op, args, kwargs)
+    return mod
+
+
+@pytest.fixture
+def fake_supports(monkeypatch):
+    """Hopper with a mosaic-gpu that takes bf16 only, plus the reference."""
+
+    def reason(op, args, kwargs):
+        q = args[0]
+        if getattr(q, "dtype", None) != jnp.bfloat16:
+            return f"q: got dtype {q.dtype}, the Hopper kernels take bfloat16"
+        if q.shape[-1] == 96:
+            return "q: got head dim D = 96"
+        return None
+
+    monkeypatch.setitem(
+        sys.modules, "_fake_mgpu", _fake_with_supports("_fake_mgpu", RANKER_ONLY, reason)
+    )
+    monkeypatch.setitem(sys.modules, "_fake_ref", _fake_module("_fake_ref", ALL_OPS))
+    monkeypatch.setattr(
+        dispatch,
+        "installed_backends",
+        lambda: {"mosaic-gpu": "_fake_mgpu", "reference": "_fake_ref"},
+    )
+    monkeypatch.setattr(dispatch, "default_device", lambda: H200)
+    monkeypatch.setattr(dispatch, "_FALLBACK_WARNED", set())
+
+
+def test_supported_inputs_run_on_the_preferred_backend(fake_supports, recwarn):
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    assert dispatch.ranker_attention(q, q, q, [0, 4, 4, 8])[0] == "_fake_mgpu"
+    assert not [w for w in recwarn if issubclass(w.category, dispatch.BackendFallbackWarning)]
+
+
+@pytest.mark.parametrize(
+    "q, why",
+    [
+        (jnp.zeros((1, 8, 2, 64), jnp.float32), "dtype float32"),
+        (jnp.zeros((1, 8, 2, 96), jnp.bfloat16), "D = 96"),
+    ],
+)
+def test_unsupported_inputs_fall_back_with_one_warning(fake_supports, q, why):
+    with pytest.warns(dispatch.BackendFallbackWarning, match=rf"'mosaic-gpu'.*{why}.*'reference'"):
+        got = dispatch.ranker_attention(q, q, q, [0, 4, 4, 8])
+    assert got[0] == "_fake_ref"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call warns no more
+        assert dispatch.ranker_attention(q, q, q, [0, 4, 4, 8])[0] == "_fake_ref"
+
+
+def test_explicit_implementation_raises_the_clear_error(fake_supports):
+    q = jnp.zeros((1, 8, 2, 64), jnp.float32)
+    with pytest.raises(dispatch.UnsupportedInputError, match=r"'mosaic-gpu'.*dtype float32"):
+        dispatch.ranker_attention(q, q, q, [0, 4, 4, 8], implementation="mosaic-gpu")
+    with pytest.raises(ValueError, match="implementation=None falls back"):
+        dispatch.ranker_attention(q, q, q, [0, 4, 4, 8], implementation="mosaic-gpu")
+    assert dispatch.ranker_attention(q, q, q, [0, 4, 4, 8], implementation="reference")[0] == (
+        "_fake_ref"
+    )
+
+
+def test_no_backend_supports_the_inputs(monkeypatch):
+    never = _fake_with_supports("_fake_never", ALL_OPS, lambda op, a, k: "never")
+    monkeypatch.setitem(sys.modules, "_fake_never", never)
+    monkeypatch.setattr(dispatch, "installed_backends", lambda: {"reference": "_fake_never"})
+    monkeypatch.setattr(dispatch, "default_device", lambda: CPU)
+    with pytest.raises(dispatch.UnsupportedInputError, match="reference: never"):
+        dispatch.ranker_attention(1, 2, 3, 4)
+
+
+def test_select_backend_without_inputs_ignores_supports(fake_supports):
+    assert select_backend("ranker_attention")[0] == "mosaic-gpu"
+
+
+def test_only_arguments_the_caller_set_are_passed_on(fake):
+    fake(CPU, reference=ALL_OPS)
+    *_, kwargs = dispatch.ranker_attention(1, 2, 3, 4)
+    assert kwargs == {}
+    *_, kwargs = dispatch.ranker_attention(1, 2, 3, 4, debug_checks=True, return_lse=True)
+    assert kwargs == {"debug_checks": True, "return_lse": True}
+    *_, kwargs = dispatch.sparse_mla_attention_qblock(1, 2, 3, 4, sm_scale=0.5, head_block=2)
+    assert kwargs == {"sm_scale": 0.5, "head_block": 2}
+    *_, kwargs = dispatch.prefill_write_and_attend_ragged(
+        *range(12), kv_lora_rank=512, page_size=16, sm_scale=1.0
+    )
+    assert kwargs == {"kv_lora_rank": 512, "page_size": 16, "sm_scale": 1.0}
+
+
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_front_doors_have_full_signatures_and_argument_docs(op):
+    fn = getattr(dispatch, op)
+    params = inspect.signature(fn).parameters
+    assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
+    assert "implementation" in params and "interpret" in params
+    doc = pydoc.render_doc(fn, renderer=pydoc.plaintext)
+    assert "Args:" in doc and "implementation:" in doc
+    for name in params:
+        assert name in doc
+    reference = pytest.importorskip("attn_reference")
+    ref_params = inspect.signature(getattr(reference, op)).parameters
+    # every argument of the reference is an argument of the front door
+    assert set(ref_params) <= set(params)
+
+
+@pytest.mark.parametrize("op", [op for op in dispatch.OPS if op != "paged_write_back"])
+def test_every_installed_backend_accepts_debug_checks(op):
+    assert "debug_checks" in inspect.signature(getattr(dispatch, op)).parameters
+    for name in dispatch.installed_backends():
+        try:
+            module = dispatch.load_backend(name)
+        except BackendUnavailableError:
+            continue
+        fn = getattr(module, op, None)
+        if fn is not None:
+            assert "debug_checks" in inspect.signature(fn).parameters, (name, op)
+
+
+def test_real_fp32_ranker_falls_back_to_reference_on_hopper(monkeypatch):
+    """The real mosaic-gpu ``supports`` on a (faked) Hopper default device."""
+    attn_reference = pytest.importorskip("attn_reference")
+    pytest.importorskip("attn_mosaic_gpu")
+    monkeypatch.setattr(dispatch, "default_device", lambda: H200)
+    monkeypatch.setattr(dispatch, "_FALLBACK_WARNED", set())
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 96)), jnp.float32)
+    bounds = jnp.array([0, 10, 10, 14], jnp.int32)
+    with pytest.warns(dispatch.BackendFallbackWarning, match="float32"):
+        got = dispatch.ranker_attention(q, q, q, bounds, debug_checks=True)
+    np.testing.assert_array_equal(got, attn_reference.ranker_attention(q, q, q, bounds))

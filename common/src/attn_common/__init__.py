@@ -38,7 +38,9 @@ from attn_common.cap import (
 )
 from attn_common.config import KernelConfig
 from attn_common.dispatch import (
+    BackendFallbackWarning,
     BackendUnavailableError,
+    UnsupportedInputError,
     device_class,
     installed_backends,
     paged_write_back,
@@ -49,6 +51,7 @@ from attn_common.dispatch import (
     sparse_mla_attention,
     sparse_mla_attention_qblock,
 )
+from attn_common.metadata import check_ragged_metadata, check_unit_indices
 from attn_common.paged import (
     check_paged_cache,
     check_prefill_inputs,
@@ -70,16 +73,22 @@ from attn_common.sparse_mla import (
     ragged_query_info,
     seq_id_from_cu_q_lens,
 )
+from attn_common.sparse_mla_plan import (
+    SparseMlaPlan,
+    block_union_sizes,
+    choose_plan,
+    sparse_mla_union_sizes,
+)
 from attn_common.suite import RANKER_SUITE, RankerCase, ranker_case
 from attn_common.tables import (
     TOKEN_RUN,
     WORD_RUN,
     BlockUnitTables,
-    LossyUnionCapWarning,
     WriteRuns,
     build_block_unit_tables,
     build_write_runs,
     default_write_run_cap,
+    keep_last_writes,
     kv_packing,
     lossless_u_max,
     resolve_u_max,
@@ -98,18 +107,21 @@ __all__ = [
     "SEGMENT_PADDING",
     "TOKEN_RUN",
     "WORD_RUN",
+    "BackendFallbackWarning",
     "BackendUnavailableError",
     "BlockRanges",
     "BlockUnitTables",
     "CapMethod",
     "CapParams",
     "KernelConfig",
-    "LossyUnionCapWarning",
     "RankerCase",
     "RankerProblem",
     "SegmentBounds",
+    "SparseMlaPlan",
     "SparseMlaProblem",
+    "UnsupportedInputError",
     "WriteRuns",
+    "block_union_sizes",
     "build_block_unit_tables",
     "build_write_runs",
     "cap_derivative",
@@ -119,12 +131,16 @@ __all__ = [
     "check_bounds",
     "check_paged_cache",
     "check_prefill_inputs",
+    "check_ragged_metadata",
     "check_ranker_inputs",
     "check_sparse_mla_inputs",
+    "check_unit_indices",
     "check_write_back_inputs",
+    "choose_plan",
     "default_write_run_cap",
     "device_class",
     "installed_backends",
+    "keep_last_writes",
     "kv_packing",
     "latent_rows",
     "lift_ragged_indices",
@@ -152,5 +168,6 @@ __all__ = [
     "shard_sparse_mla_attention_ragged",
     "sparse_mla_attention",
     "sparse_mla_attention_qblock",
+    "sparse_mla_union_sizes",
     "write_then_attend",
 ]

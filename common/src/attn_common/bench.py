@@ -1,4 +1,6 @@
-"""The ranker benchmark suite of SPEC section 7 (``attn bench``; ``benchmarks/ranker_gpu.py``).
+"""The ranker benchmark suite (``attn bench``; ``benchmarks/ranker_gpu.py``).
+
+What the suite measures and how: docs/design.md, "Benchmarks".
 
 Runs the suite (phoenix, long, small-d64, ragged) for our kernel (the backend that
 ``attn_common.ranker_attention`` dispatches to, or ``--implementation``) and, in the same
@@ -19,15 +21,23 @@ our backend against XLA with the dense mask, wall-clock timing, no ceilings;
 ``--full`` forces the whole suite anyway.
 
 Writes ``ranker_gpu.json``, ``ranker_gpu.md`` and (with matplotlib installed)
-``ranker_gpu.png`` into ``--out``.
+``ranker_gpu.png`` into ``--out``: by default a new folder ``attn-results/<timestamp>``
+under the current directory, never a committed path. An ``--out`` that already holds
+results is refused unless ``--overwrite`` is given. Every report records the commit and
+the command it was measured with. The exit status is non-zero when any row failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import os
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -37,11 +47,107 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common.bounds import ranker_mask
-from attn_common.dispatch import device_class, select_backend
+from attn_common.dispatch import KNOWN_BACKENDS, device_class, installed_backends, select_backend
 from attn_common.ranker import ranker_flops
 from attn_common.suite import RANKER_SUITE, ranker_case
 
 _WALLCLOCK_NOTED = False
+CASE_NAMES = tuple(c.name for c in RANKER_SUITE)
+MAX_SEED = 2**32 - 1
+RESULT_FILES = ("ranker_gpu.json", "ranker_gpu.md", "ranker_gpu.png")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the message names the rule; argparse adds the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a positive int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {value}, expected a positive int (>= 1)")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed in [0, 2**32 - 1] (what ``jax.random.PRNGKey`` takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected an int") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"got {value}, expected 0 <= seed <= {MAX_SEED}")
+    return value
+
+
+def implementation_choices() -> list[str]:
+    """Names ``--implementation`` accepts: the known backends and any installed one."""
+    return sorted(set(KNOWN_BACKENDS) | set(installed_backends()))
+
+
+def default_out_dir(base: Path | None = None) -> Path:
+    """A new folder ``attn-results/<timestamp>`` under ``base`` (default: the cwd)."""
+    root = (base or Path.cwd()) / "attn-results"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out, n = root / stamp, 1
+    while out.exists():
+        n += 1
+        out = root / f"{stamp}-{n}"
+    return out
+
+
+def check_out_dir(out: Path, *, overwrite: bool = False) -> str | None:
+    """Why ``out`` cannot take the results (None when it can); creates the folder."""
+    if out.exists() and not out.is_dir():
+        return f"--out: got {str(out)!r}, which is a file; expected a folder"
+    existing = [name for name in RESULT_FILES if (out / name).exists()]
+    if existing and not overwrite:
+        return (
+            f"--out: got {str(out)!r}, which already holds {', '.join(existing)}; "
+            "pass --overwrite to replace them, or leave --out out for a new folder"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".attn-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"--out: got {str(out)!r}, which is not writable ({e.strerror or e})"
+    return None
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """The commit (``git describe``-style, ``+dirty`` with local changes) and the command."""
+    here = Path(__file__).resolve().parent
+    commit = "unknown (not a git checkout)"
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode == 0:
+            commit = head.stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            if dirty.returncode == 0 and dirty.stdout.strip():
+                commit += "+dirty"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    argv = sys.argv[1:] if argv is None else argv
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "attn"
+    if prog in ("cli.py", "__main__.py", "-c", "") or prog.startswith("pytest"):
+        prog = "attn"
+    return {
+        "commit": commit,
+        "command": shlex.join([prog, *argv]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
 
 
 def _on_gpu() -> bool:
@@ -51,6 +157,8 @@ def _on_gpu() -> bool:
 def device_ms(fn, *args, iterations: int = 20) -> tuple[float, str]:
     """Median device time of ``fn(*args)`` in ms, and the method used."""
     global _WALLCLOCK_NOTED
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations: got {iterations!r}, expected a positive int")
     if _on_gpu():
         try:
             from jax.experimental.mosaic.gpu import profiler
@@ -232,7 +340,8 @@ def _baseline(rows: list[dict]) -> str:
     return "cudnn-dense-mask" if "cudnn-dense-mask" in impls else "xla-dense-mask"
 
 
-def write_reports(result: dict, out: Path) -> None:
+def write_reports(result: dict, out: Path, *, plot: bool = True) -> list[str]:
+    """Write the JSON and Markdown reports (and the PNG when ``plot``); the names written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "ranker_gpu.json").write_text(json.dumps(result, indent=2))
     rows = result["rows"]
@@ -240,7 +349,11 @@ def write_reports(result: dict, out: Path) -> None:
     base_label = "cuDNN-mask" if base == "cudnn-dense-mask" else "XLA-mask"
     ref_ms = {(r["case"], r["mode"]): r["ms"] for r in rows if r["impl"] == base and r.get("ms")}
     ceil = result["ceilings"]
+    prov = result.get("provenance", {})
     lines = [
+        f"Commit: {prov.get('commit', 'unknown')}; command: `{prov.get('command', '?')}`; "
+        f"date: {prov.get('date', '?')}.",
+        "",
         f"Device: {result['device']}; jax {result['jax']}; timing: {result['timing']}; "
         f"ceilings: bf16 matmul {ceil.get('matmul_bf16_tflops', float('nan')):.0f} "
         f"TFLOP/s, copy {ceil.get('copy_tbps', float('nan')):.2f} TB/s.",
@@ -262,7 +375,10 @@ def write_reports(result: dict, out: Path) -> None:
             f"| {r['case']} | {r['impl']} | {r['mode']} | {r['ms']:.3f} | {tflops} | {ratio} |"
         )
     (out / "ranker_gpu.md").write_text("\n".join(lines) + "\n")
-    write_plot(result, out / "ranker_gpu.png")
+    written = ["ranker_gpu.json", "ranker_gpu.md"]
+    if plot and write_plot(result, out / "ranker_gpu.png"):
+        written.append("ranker_gpu.png")
+    return written
 
 
 def write_plot(result: dict, path: Path) -> bool:
@@ -313,26 +429,87 @@ def write_plot(result: dict, path: Path) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--cases", nargs="*", default=None, help="default: the whole suite")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for ranker_gpu.json/.md/.png (default: a new folder "
+        "attn-results/<timestamp> under the current directory)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="allow an --out that already holds results (default: refuse)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=positive_int,
+        default=20,
+        help="timed calls per measurement, >= 1 (default: 20; 2 in the smoke subset)",
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASE_NAMES,
+        default=None,
+        metavar="CASE",
+        help=f"cases to run, of {', '.join(CASE_NAMES)} (default: all on a GPU; off a GPU "
+        "only the smoke subset, and naming cases there needs --full)",
+    )
     parser.add_argument("--no-ours", action="store_true", help="only the comparisons")
     parser.add_argument(
-        "--implementation", default=None, help="our backend (default: the dispatch choice)"
+        "--implementation",
+        choices=implementation_choices(),
+        default=None,
+        help="our backend (default: the dispatch choice for the default device)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=seed_int, default=0, help=f"0 <= seed <= {MAX_SEED} (default: 0)"
+    )
     parser.add_argument(
         "--full", action="store_true", help="run the whole suite even when not on a GPU"
     )
 
 
+def suite_epilog() -> str:
+    """The suite's shapes, for ``--help``."""
+    lines = ["cases (bf16; effective FLOPs count allowed pairs, fwd+bwd = 3.5x fwd):"]
+    for c in RANKER_SUITE:
+        hist = "ragged 126..1022" if c.ragged else f"{c.history[1] - c.history[0]}"
+        cand = c.candidates[1] - c.candidates[0]
+        lines.append(
+            f"  {c.name:<10} B{c.batch} S{c.seq_len} Hq{c.q_heads}/Hkv{c.kv_heads} "
+            f"D{c.head_dim}, history {hist}, {cand} candidates, cap {c.cap.method.value}"
+        )
+    lines.append("off a GPU (smoke subset): small-d64 at batch 1, ours vs XLA, wall clock")
+    return "\n".join(lines)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Checks that need the device or the file system; the one-line error, or None."""
+    if args.cases and not _on_gpu() and not args.full:
+        return (
+            f"--cases: got {' '.join(args.cases)}; the suite's cases are sized for a GPU and "
+            f"the default device is {device_class()}: leave --cases out for the smoke subset, "
+            "or add --full to run these cases here anyway (minutes per case)"
+        )
+    if args.out is None:
+        args.out = default_out_dir()
+    return check_out_dir(args.out, overwrite=args.overwrite)
+
+
 def run(args: argparse.Namespace) -> dict:
+    """Run the suite into ``args.out``; ``result["failed"]`` counts the failed rows."""
+    if getattr(args, "out", None) is None:
+        args.out = default_out_dir()
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}, device {dev.device_kind}")
-    cases = [ranker_case(name) for name in (args.cases or [c.name for c in RANKER_SUITE])]
+    cases = [ranker_case(name) for name in (args.cases or CASE_NAMES)]
     iterations = args.iterations
     smoke = not _on_gpu() and not args.full
     if smoke:
+        if args.cases:
+            raise ValueError(check_args(args) or "--cases needs --full off a GPU")
         print(
             f"The ranker suite is meant for a GPU; the default device is {device_class()}. "
             "Running a smoke subset only (small-d64 at batch 1, wall clock); "
@@ -345,6 +522,7 @@ def run(args: argparse.Namespace) -> dict:
         _WALLCLOCK_NOTED = True
         print("Not a GPU: timing by wall clock.")
     result = {
+        "provenance": provenance(getattr(args, "argv", None)),
         "device": dev.device_kind,
         "jax": jax.__version__,
         "rows": [],
@@ -363,18 +541,31 @@ def run(args: argparse.Namespace) -> dict:
     progress = Progress(per_case * len(cases))
     for case in cases:
         result["rows"] += run_case(case, impls, iterations, args.seed, progress)
-        write_reports(result, args.out)  # keep partial results if a later case dies
-    write_reports(result, args.out)
-    print(f"wrote {args.out}/ranker_gpu.json, .md, .png")
+        # keep partial results if a later case dies; the plot only once, at the end
+        write_reports(result, args.out, plot=False)
+    result["failed"] = sum(1 for r in result["rows"] if r.get("ms") is None)
+    written = write_reports(result, args.out)
+    print(f"wrote {', '.join(str(args.out / name) for name in written)}")
     print((args.out / "ranker_gpu.md").read_text())
+    if result["failed"]:
+        print(f"{result['failed']} of {len(result['rows'])} rows failed", file=sys.stderr)
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=suite_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)
+    return 1 if run(args)["failed"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

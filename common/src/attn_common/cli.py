@@ -1,5 +1,6 @@
 """The ``attn`` command: ``attn info``, ``attn run ranker|sparse-mla|all``, ``attn bench``.
 
+* ``attn --version``: the versions of attn-common and of the installed backends.
 * ``attn info``: installed backends (version, module, ops, devices), the backend each op
   dispatches to on the default device, the devices and the JAX version.
 * ``attn run ranker``: a phoenix-like ranker batch (history + isolated candidates, GQA
@@ -7,28 +8,37 @@
   candidates) on the best backend: forward and forward+backward time, effective GFLOP/s
   (allowed pairs only), a sample row checked against a float64 dense softmax and, when
   the backend is not the reference and the reference is installed, against the reference
-  on the same inputs. ``--small`` shrinks the shapes to run in seconds.
+  on the same inputs. ``--small`` shrinks the shapes to run in seconds. Forward and
+  forward+backward are timed as ``attn bench`` does: the jitted forward, and one jitted
+  ``value_and_grad`` (which contains the forward); min / median / max over
+  ``--iterations`` calls after a compile + warm-up call. ``--json PATH`` saves the rows.
 * ``attn run sparse-mla``: sparse MLA prefill, flat (DeepSeek latent dims 512 + 64, 16
   selected units of 64 tokens per query) and ragged paged (3 requests packed into a
   cache with shuffled physical pages), same report.
-* ``attn bench``: the SPEC section 7 ranker suite, see ``attn_common.bench``.
+* ``attn bench``: the ranker benchmark suite, see ``attn_common.bench`` and
+  docs/design.md, "Benchmarks".
 
 ``--implementation NAME`` pins a backend (default: the dispatch choice, see
-``attn_common.dispatch``).
+``attn_common.dispatch``). Arguments are validated by argparse (one-line errors, exit
+status 2); the exit status is 1 when a row fails or a check does not pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_common import bench as _bench
 from attn_common.bounds import SegmentBounds
 from attn_common.cap import CapMethod, CapParams
 from attn_common.dispatch import (
@@ -49,15 +59,49 @@ from attn_common.tables import kv_packing
 # --------------------------------------------------------------------------- helpers
 
 
-def _time(fn, *args, repeats: int = 3) -> float:
-    """Median wall time of ``fn(*args)`` in seconds after a compile + warm-up call."""
+# Shapes of `attn run` (also listed by `attn run --help`).
+RANKER_SHAPES = {
+    "full": dict(batch=4, seq=1152, hq=20, hkv=4, d=128, n_cand=64, hist=(126, 1023)),
+    "small": dict(batch=2, seq=256, hq=4, hkv=2, d=64, n_cand=32, hist=(30, 200)),
+}
+SPARSE_SHAPES = {
+    "full": dict(heads=16, top_k=16, rb=64, seq=256, ctx=8192, lens=(3000, 1900, 4100), new=(96, 64, 96)),
+    "small": dict(heads=4, top_k=4, rb=64, seq=32, ctx=1024, lens=(300, 190, 410), new=(16, 8, 16)),
+}  # fmt: skip
+# Pass thresholds of the checks (inputs are bf16; the float64 check sees one row).
+RANKER_TOL = 2e-2
+SPARSE_TOL = 1e-2
+FWD_BWD_FLOP_FACTOR = 3.5  # as in `attn bench`: forward + backward counts 3.5x the forward
+
+_T0 = time.perf_counter()
+
+
+def _progress(message: str) -> None:
+    """A progress line on stderr (the long shapes take tens of seconds per step)."""
+    print(f"  [{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _times(fn, *args, repeats: int = 3) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn(*args)`` in seconds, after a compile +
+    warm-up call."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: got {repeats!r}, expected a positive int")
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return times
+
+
+def _spread(times: list[float]) -> dict:
+    return {
+        "min_s": min(times),
+        "median_s": float(np.median(times)),
+        "max_s": max(times),
+        "n": len(times),
+    }
 
 
 def _rel_err(got, want) -> float:
@@ -97,57 +141,90 @@ def _dense_ranker_row(q, k, v, bounds, b, h, i, cap: CapParams):
     return p @ np.asarray(v[b, keys, h // group], np.float64) / p.sum()
 
 
-def _row(op, backend, fwd_s, fwd_bwd_s, gflops, check) -> dict:
+def _row(op, backend, flops, fwd, fwd_bwd, check: str, ok: bool) -> dict:
+    """One result row. ``fwd`` / ``fwd_bwd``: ``_spread`` dicts (or None: not run)."""
+
+    def rate(spread, factor):
+        return None if spread is None else factor * flops / spread["median_s"] / 1e9
+
     return {
         "op": op,
         "backend": backend,
-        "fwd_s": fwd_s,
-        "fwd+bwd_s": fwd_bwd_s,
-        "gflops": gflops,
+        "flops_fwd": flops,
+        "fwd": fwd,
+        "fwd+bwd": fwd_bwd,
+        "fwd_gflops": rate(fwd, 1.0),
+        "fwd+bwd_gflops": rate(fwd_bwd, FWD_BWD_FLOP_FACTOR),
         "check": check,
+        "ok": ok,
     }
+
+
+def _failed_row(op: str, backend: str, error: BaseException) -> dict:
+    row = _row(op, backend, 0.0, None, None, f"FAILED {type(error).__name__}: {error}", False)
+    row["error"] = f"{type(error).__name__}: {error}"
+    return row
 
 
 # --------------------------------------------------------------------------- attn run
 
 
 def run_ranker(
-    batch: int | None = None, seed: int = 0, *, small: bool = False, implementation=None
+    batch: int | None = None,
+    seed: int = 0,
+    *,
+    small: bool = False,
+    implementation=None,
+    iterations: int = 3,
+    interpret: bool = False,
 ) -> dict:
     """Ranker attention at a phoenix-like shape on the selected backend."""
-    if small:
-        seq, hq, hkv, d, n_cand, hist_range = 256, 4, 2, 64, 32, (30, 200)
-        batch = batch or 2
-    else:
-        seq, hq, hkv, d, n_cand, hist_range = 1152, 20, 4, 128, 64, (126, 1023)
-        batch = batch or 4
-    backend, ranker_attention = select_backend("ranker_attention", implementation)
+    shape = RANKER_SHAPES["small" if small else "full"]
+    seq, hq, hkv, d, n_cand = (shape[k] for k in ("seq", "hq", "hkv", "d", "n_cand"))
+    batch = shape["batch"] if batch is None else batch
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch: got {batch!r}, expected a positive int")
+    backend, ranker_attention = select_backend(
+        "ranker_attention", implementation, interpret=interpret
+    )
+    extra = {"interpret": True} if interpret else {}
     rng = np.random.default_rng(seed)
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
     q = jax.random.normal(keys[0], (batch, seq, hq, d), jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, seq, hkv, d), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, seq, hkv, d), jnp.bfloat16)
-    hist = rng.integers(*hist_range, size=batch)
+    hist = rng.integers(*shape["hist"], size=batch)
     bounds = SegmentBounds.from_lengths(jnp.asarray(hist), n_cand).as_array()
     cap = CapParams(CapMethod.SOFT_SIGN, 80.0)
+    name = f"ranker B{batch} S{seq} H{hq}/{hkv} D{d} bf16"
 
-    fwd = jax.jit(lambda q, k, v, b: ranker_attention(q, k, v, b, cap=cap))
-    t_fwd = _time(fwd, q, k, v, bounds)
+    def attend(q, k, v, b):
+        return ranker_attention(q, k, v, b, cap=cap, **extra)
+
+    fwd = jax.jit(attend)
+    _progress(f"{name} on {backend}: forward, compile + {iterations} timed calls")
+    t_fwd = _spread(_times(fwd, q, k, v, bounds, repeats=iterations))
     out = fwd(q, k, v, bounds)
-    grad = jax.jit(
-        jax.grad(
-            lambda q, k, v, b: ranker_attention(q, k, v, b, cap=cap).astype(jnp.float32).sum(),
-            argnums=(0, 1, 2),
+    # One jitted value_and_grad: it contains the forward, so its time is forward+backward.
+    fwd_bwd = jax.jit(
+        jax.value_and_grad(
+            lambda q, k, v, b: attend(q, k, v, b).astype(jnp.float32).sum(), argnums=(0, 1, 2)
         )
     )
+    ok = True
+    _progress(f"{name} on {backend}: forward+backward, compile + {iterations} timed calls")
     try:
-        t_bwd = _time(grad, q, k, v, bounds, repeats=1)
-        grads = grad(q, k, v, bounds)
+        t_fwd_bwd = _spread(_times(fwd_bwd, q, k, v, bounds, repeats=iterations))
+        _, grads = fwd_bwd(q, k, v, bounds)
         finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
         grad_note = f"grads finite: {finite}"
-        t_total = t_fwd + t_bwd
+        ok &= finite
     except NotImplementedError as e:
-        grad_note, t_total = f"no backward ({str(e)[:40]})", float("nan")
+        grad_note, t_fwd_bwd = f"no backward ({str(e)[:40]})", None
+    _progress(
+        f"{name}: checking against float64"
+        + (" and the reference" if backend != "reference" else "")
+    )
     # spot check: a history row and a candidate row against a dense float64 softmax
     bnp = np.asarray(bounds)
     h = min(3, hq - 1)
@@ -155,37 +232,39 @@ def run_ranker(
     for b, i in ((0, int(hist[0]) // 2), (batch - 1, int(hist[-1]) + 3)):
         want = _dense_ranker_row(q, k, v, bnp, b, h, i, cap)
         errs.append(_rel_err(out[b, i, h], want))
+    ok &= max(errs) <= RANKER_TOL
     check = f"dense f64 rel err {max(errs):.1e}"
     ref = _reference_fn("ranker_attention", backend)
     if ref is not None:  # the first batch row on the reference, same inputs
-        want = ref(q[:1], k[:1], v[:1], bounds[:1], cap=cap)
-        check += f", vs reference {_rel_err(out[:1], want):.1e}"
-    flops = ranker_flops(bnp, hq, d)
-    return _row(
-        f"ranker B{batch} S{seq} H{hq}/{hkv} D{d} bf16",
-        backend,
-        t_fwd,
-        t_total,
-        flops / t_fwd / 1e9,
-        f"{check}; {grad_note}",
-    )
+        err = _rel_err(out[:1], ref(q[:1], k[:1], v[:1], bounds[:1], cap=cap))
+        ok &= err <= RANKER_TOL
+        check += f", vs reference {err:.1e}"
+    check = f"{'ok' if ok else 'FAIL'} (tol {RANKER_TOL:g}): {check}; {grad_note}"
+    return _row(name, backend, ranker_flops(bnp, hq, d), t_fwd, t_fwd_bwd, check, ok)
 
 
 def _sparse_pairs(sel_tokens_ok: np.ndarray) -> int:
     return int(sel_tokens_ok.sum())
 
 
-def run_sparse_mla(seed: int = 0, *, small: bool = False, implementation=None) -> list[dict]:
-    """Sparse MLA prefill, flat and ragged paged, on the selected backend."""
+def run_sparse_mla(
+    seed: int = 0,
+    *,
+    small: bool = False,
+    implementation=None,
+    iterations: int = 3,
+    interpret: bool = False,
+) -> list[dict]:
+    """Sparse MLA prefill, flat and ragged paged, on the selected backend (forward only)."""
     dv, rope = 512, 64
-    if small:
-        heads, top_k, rb, seq, ctx = 4, 4, 64, 32, 1024
-        lens, new = [300, 190, 410], [16, 8, 16]
-    else:
-        heads, top_k, rb, seq, ctx = 16, 16, 64, 256, 8192  # 1024 selected tokens / query
-        lens, new = [3000, 1900, 4100], [96, 64, 96]
+    shape = SPARSE_SHAPES["small" if small else "full"]
+    heads, top_k, rb, seq, ctx = (shape[k] for k in ("heads", "top_k", "rb", "seq", "ctx"))
+    lens, new = list(shape["lens"]), list(shape["new"])
     dk = dv + rope
-    backend, sparse_mla_attention = select_backend("sparse_mla_attention", implementation)
+    backend, sparse_mla_attention = select_backend(
+        "sparse_mla_attention", implementation, interpret=interpret
+    )
+    extra = {"interpret": True} if interpret else {}
     ref = _reference_fn("sparse_mla_attention", backend)
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
     rng = np.random.default_rng(seed)
@@ -198,8 +277,10 @@ def run_sparse_mla(seed: int = 0, *, small: bool = False, implementation=None) -
     indices = jnp.asarray(idx, jnp.int32)[None]
     scale = 1.0 / math.sqrt(192.0)
     flat_kw = dict(sm_scale=scale, kv_lora_rank=dv, read_block=rb)
-    flat = jax.jit(lambda q, kv, i, p: sparse_mla_attention(q, kv, i, p, **flat_kw))
-    t_flat = _time(flat, q, kv, indices, positions)
+    flat = jax.jit(lambda q, kv, i, p: sparse_mla_attention(q, kv, i, p, **flat_kw, **extra))
+    flat_name = f"sparse MLA flat S{seq} T{ctx} H{heads} K{top_k}x{rb}"
+    _progress(f"{flat_name} on {backend}: forward, compile + {iterations} timed calls")
+    t_flat = _spread(_times(flat, q, kv, indices, positions, repeats=iterations))
     out = flat(q, kv, indices, positions)
     # spot check one query against a dense float64 computation
     qi = 7
@@ -208,21 +289,18 @@ def run_sparse_mla(seed: int = 0, *, small: bool = False, implementation=None) -
     kk = np.asarray(kv[0, t], np.float64)
     s = kk @ np.asarray(q[0, qi], np.float64).T * scale
     p = np.exp(s - s.max(0))
-    check = f"dense f64 rel err {_rel_err(out[0, qi], (p / p.sum(0)).T @ kk[:, :dv]):.1e}"
+    err = _rel_err(out[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
+    ok = err <= SPARSE_TOL
+    check = f"dense f64 rel err {err:.1e}"
     if ref is not None:
-        check += f", vs reference {_rel_err(out, ref(q, kv, indices, positions, **flat_kw)):.1e}"
+        err = _rel_err(out, ref(q, kv, indices, positions, **flat_kw))
+        ok &= err <= SPARSE_TOL
+        check += f", vs reference {err:.1e}"
+    check = f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}"
     tok = (idx[:, :, None] * rb + np.arange(rb)).reshape(seq, -1)
     valid_pairs = _sparse_pairs(tok <= np.asarray(positions[0])[:, None])
-    results = [
-        _row(
-            f"sparse MLA flat S{seq} T{ctx} H{heads} K{top_k}x{rb}",
-            backend,
-            t_flat,
-            float("nan"),
-            2 * heads * (dk + dv) * valid_pairs / t_flat / 1e9,
-            check,
-        )
-    ]
+    flops = 2 * heads * (dk + dv) * valid_pairs
+    results = [_row(flat_name, backend, flops, t_flat, None, check, ok)]
 
     # ragged paged: requests packed into one cache with shuffled physical pages
     ps = rb
@@ -240,10 +318,11 @@ def run_sparse_mla(seed: int = 0, *, small: bool = False, implementation=None) -
     qr = jax.random.normal(keys[0], (1, total, heads, dk), jnp.bfloat16)
     ragged_kw = dict(sm_scale=scale, kv_lora_rank=dv, read_block=ps, page_size=ps)
 
-    def ragged_call(fn):
+    def ragged_call(fn, **kw):
         return lambda q, c, i, p, sid, sl, cu, pi: fn(
-            q, c, i, p, q_seq_id=sid, seq_lens=sl, cu_kv_lens=cu, page_indices=pi, **ragged_kw
-        )
+            q, c, i, p, q_seq_id=sid, seq_lens=sl, cu_kv_lens=cu, page_indices=pi, **ragged_kw,
+            **kw,
+        )  # fmt: skip
 
     args = (
         qr,
@@ -255,8 +334,10 @@ def run_sparse_mla(seed: int = 0, *, small: bool = False, implementation=None) -
         jnp.asarray(cu_kv, jnp.int32),
         jnp.asarray(perm),
     )
-    ragged = jax.jit(ragged_call(sparse_mla_attention))
-    t_ragged = _time(ragged, *args)
+    ragged = jax.jit(ragged_call(sparse_mla_attention, **extra))
+    ragged_name = f"sparse MLA ragged {len(lens)} reqs T{total} H{heads} K{top_k}x{ps}"
+    _progress(f"{ragged_name} on {backend}: forward, compile + {iterations} timed calls")
+    t_ragged = _spread(_times(ragged, *args, repeats=iterations))
     out_r = ragged(*args)
     # dense check of one query: its request's selected pages, physical via the page table
     store = np.asarray(cache, np.float64).reshape(-1, cache.shape[-1])
@@ -275,31 +356,43 @@ def run_sparse_mla(seed: int = 0, *, small: bool = False, implementation=None) -
     kk = store[rows, :dk]
     s = kk @ np.asarray(qr[0, qi], np.float64).T * scale
     p = np.exp(s - s.max(0))
-    check = f"dense f64 rel err {_rel_err(out_r[0, qi], (p / p.sum(0)).T @ kk[:, :dv]):.1e}"
+    err = _rel_err(out_r[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
+    ok = err <= SPARSE_TOL
+    check = f"dense f64 rel err {err:.1e}"
     if ref is not None:
-        check += f", vs reference {_rel_err(out_r, jax.jit(ragged_call(ref))(*args)):.1e}"
-    results.append(
-        _row(
-            f"sparse MLA ragged {len(lens)} reqs T{total} H{heads} K{top_k}x{ps}",
-            backend,
-            t_ragged,
-            float("nan"),
-            2 * heads * (dk + dv) * valid / t_ragged / 1e9,
-            check,
-        )
-    )
+        err = _rel_err(out_r, jax.jit(ragged_call(ref))(*args))
+        ok &= err <= SPARSE_TOL
+        check += f", vs reference {err:.1e}"
+    check = f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}"
+    flops = 2 * heads * (dk + dv) * valid
+    results.append(_row(ragged_name, backend, flops, t_ragged, None, check, ok))
     return results
 
 
+def _ms(spread: dict | None) -> str:
+    if spread is None:
+        return "n/a"
+    return "/".join(f"{spread[k] * 1e3:.1f}" for k in ("min_s", "median_s", "max_s"))
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def print_table(rows: list[dict]) -> None:
-    header = f"{'op':<42} {'backend':<11} {'fwd ms':>9} {'fwd+bwd ms':>11} {'GFLOP/s':>9}  check"
+    header = (
+        f"{'op':<42} {'backend':<11} {'fwd ms':>20} {'fwd+bwd ms':>20} "
+        f"{'fwd GFLOP/s':>11} {'fwd+bwd GFLOP/s':>15}  check"
+    )
+    print(
+        f"{'':<54} {'min/median/max':>20} {'min/median/max':>20} {'(median)':>11} {'(median)':>15}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        bwd = "n/a" if math.isnan(r["fwd+bwd_s"]) else f"{r['fwd+bwd_s'] * 1e3:.1f}"
         print(
-            f"{r['op']:<42} {r['backend']:<11} {r['fwd_s'] * 1e3:>9.1f} {bwd:>11} "
-            f"{r['gflops']:>9.1f}  {r['check']}"
+            f"{r['op']:<42} {r['backend']:<11} {_ms(r['fwd']):>20} {_ms(r['fwd+bwd']):>20} "
+            f"{_rate(r['fwd_gflops']):>11} {_rate(r['fwd+bwd_gflops']):>15}  {r['check']}"
         )
 
 
@@ -310,17 +403,56 @@ def _describe_device() -> str:
     )
 
 
+def _check_json_path(path: Path) -> str | None:
+    """Why ``--json`` cannot be written (None when it can)."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        return f"--json: got {str(path)!r}, which is a folder; expected a file path"
+    if not parent.is_dir():
+        return f"--json: got {str(path)!r}, whose folder {str(parent)!r} does not exist"
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"--json: got {str(path)!r}, which is not writable"
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     print(_describe_device())
+    kw = dict(implementation=args.implementation, iterations=args.iterations)
+    kw["interpret"] = args.interpret
     rows = []
     if args.op in ("ranker", "all"):
-        rows.append(
-            run_ranker(args.batch, args.seed, small=args.small, implementation=args.implementation)
-        )
+        try:
+            rows.append(run_ranker(args.batch, args.seed, small=args.small, **kw))
+        except BackendUnavailableError:
+            raise
+        except Exception as e:  # a failed row, reported in the table; exit status 1
+            rows.append(_failed_row("ranker", args.implementation or "default", e))
     if args.op in ("sparse-mla", "all"):
-        rows += run_sparse_mla(args.seed, small=args.small, implementation=args.implementation)
-    print("times: wall clock, median of 3 calls after a warm-up (fwd+bwd: one call)\n")
+        try:
+            rows += run_sparse_mla(args.seed, small=args.small, **kw)
+        except BackendUnavailableError:
+            raise
+        except Exception as e:
+            rows.append(_failed_row("sparse MLA", args.implementation or "default", e))
+    print(
+        f"times: wall clock over {args.iterations} calls after a compile + warm-up call; "
+        "fwd = the jitted forward, fwd+bwd = one jitted value_and_grad (it contains the "
+        "forward);\nGFLOP/s: effective (allowed pairs only) at the median time, fwd+bwd "
+        f"counting {FWD_BWD_FLOP_FACTOR}x the forward FLOPs\n"
+    )
     print_table(rows)
+    if args.json is not None:
+        doc = {
+            "provenance": _bench.provenance(getattr(args, "argv", None)),
+            "device": _describe_device(),
+            "rows": rows,
+        }
+        args.json.write_text(json.dumps(doc, indent=2))
+        print(f"\nwrote {args.json}")
+    failed = [r["op"] for r in rows if not r["ok"]]
+    if failed:
+        print(f"attn run: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -372,36 +504,175 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from attn_common import bench
+    return 1 if _bench.run(args)["failed"] else 0
 
-    bench.run(args)
-    return 0
+
+def versions_text() -> str:
+    """``attn --version``: attn-common and each installed backend (from metadata only)."""
+    lines = [f"attn-common {_dist_version('attn-common')}"]
+    installed = installed_backends()
+    for name in sorted(set(KNOWN_BACKENDS) | set(installed)):
+        if name not in installed:
+            lines.append(f"{name}: not installed")
+            continue
+        dist = KNOWN_BACKENDS.get(name, {}).get("dist")
+        version = _dist_version(dist) if dist else backend_version(name)
+        lines.append(f"{name}: {dist or installed[name]} {version}")
+    lines.append(f"jax {jax.__version__}; python {sys.version.split()[0]}")
+    return "\n".join(lines)
+
+
+def _dist_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "0+unknown (source tree, not installed)"
+
+
+class _VersionAction(argparse.Action):
+    """Like argparse's ``version`` action, but computes the text only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions_text())
+        parser.exit()
+
+
+def _run_epilog() -> str:
+    r, rs = RANKER_SHAPES["full"], RANKER_SHAPES["small"]
+    s, ss = SPARSE_SHAPES["full"], SPARSE_SHAPES["small"]
+
+    def ranker(x):
+        return (
+            f"B{x['batch']} S{x['seq']} Hq{x['hq']}/Hkv{x['hkv']} D{x['d']} bf16, history "
+            f"{x['hist'][0]}..{x['hist'][1] - 1} + {x['n_cand']} candidates, soft_sign cap 80"
+        )
+
+    def sparse(x):
+        return (
+            f"flat S{x['seq']} T{x['ctx']} H{x['heads']} top-{x['top_k']} units of "
+            f"{x['rb']}; ragged {len(x['lens'])} requests of {'/'.join(map(str, x['lens']))} "
+            f"tokens, {sum(x['new'])} new"
+        )
+
+    return "\n".join(
+        [
+            "shapes (latent 512 + rope 64 for sparse MLA):",
+            f"  ranker              {ranker(r)}",
+            f"  ranker --small      {ranker(rs)}",
+            f"  sparse-mla          {sparse(s)}",
+            f"  sparse-mla --small  {sparse(ss)}",
+            f"checks: a sample row against float64 (tol ranker {RANKER_TOL:g}, sparse MLA "
+            f"{SPARSE_TOL:g}) and against the reference when another backend ran;",
+            "exit status 1 when a row fails or a check does not pass.",
+        ]
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attn", description="Ranker attention and sparse MLA kernels for JAX."
     )
+    parser.add_argument(
+        "--version", action=_VersionAction, help="versions of attn-common and the backends"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="installed backends, devices, jax version")
+    info = sub.add_parser(
+        "info",
+        help="installed backends, devices, jax version",
+        description="Installed backends (version, module, ops, devices), the backend each "
+        "op dispatches to on the default device, the devices and the JAX version.",
+    )
     info.set_defaults(func=cmd_info)
-    run = sub.add_parser("run", help="the main job: an op at realistic shapes, checked, timed")
-    run.add_argument("op", choices=("ranker", "sparse-mla", "all"))
-    run.add_argument("--implementation", default=None, help="backend (default: best here)")
-    run.add_argument("--batch", type=int, default=None, help="ranker batch rows")
-    run.add_argument("--seed", type=int, default=0)
+    impls = _bench.implementation_choices()
+    run = sub.add_parser(
+        "run",
+        help="the main job: an op at realistic shapes, checked, timed",
+        description="Run an op at realistic shapes on one backend: time (forward, and "
+        "forward+backward for the ranker), effective GFLOP/s and a correctness check.",
+        epilog=_run_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("op", choices=("ranker", "sparse-mla", "all"), help="the op(s) to run")
+    run.add_argument(
+        "--implementation",
+        choices=impls,
+        default=None,
+        help=f"backend, one of {', '.join(impls)} (default: the dispatch choice for the "
+        "default device, see `attn info`)",
+    )
+    run.add_argument(
+        "--batch",
+        type=_bench.positive_int,
+        default=None,
+        help="ranker batch rows, >= 1 (default: 4, or 2 with --small); applies to the "
+        "ranker only (refused for sparse-mla, whose shapes are fixed)",
+    )
+    run.add_argument(
+        "--seed",
+        type=_bench.seed_int,
+        default=0,
+        help=f"input seed, 0 <= seed <= {_bench.MAX_SEED} (default: 0)",
+    )
+    run.add_argument(
+        "--iterations",
+        type=_bench.positive_int,
+        default=3,
+        help="timed calls per mode after a warm-up, >= 1 (default: 3)",
+    )
     run.add_argument("--small", action="store_true", help="small shapes (seconds on a CPU)")
+    run.add_argument(
+        "--interpret",
+        action="store_true",
+        help="run a kernel backend in Pallas interpret mode (e.g. --implementation "
+        "pallas-tpu on a CPU; slow)",
+    )
+    run.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="also save the rows as JSON"
+    )
     run.set_defaults(func=cmd_run)
-    from attn_common import bench
 
-    b = sub.add_parser("bench", help="the SPEC section 7 ranker suite (meant for a GPU)")
-    bench.add_arguments(b)
+    b = sub.add_parser(
+        "bench",
+        help="the ranker benchmark suite against cuDNN/XLA (meant for a GPU)",
+        description="The ranker benchmark suite: our kernel against cuDNN and XLA with the "
+        "dense mask (and FA3 dense on Hopper), in the same run on the same inputs; see "
+        "docs/design.md, 'Benchmarks'. Exit status 1 when any row fails.",
+        epilog=_bench.suite_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _bench.add_arguments(b)
     b.set_defaults(func=cmd_bench)
     return parser
 
 
+def _check_args(args: argparse.Namespace) -> str | None:
+    """Checks argparse cannot express; the one-line error, or None."""
+    if args.command == "run":
+        if args.batch is not None and args.op == "sparse-mla":
+            return (
+                f"--batch: got {args.batch}; it sets the ranker's batch rows and does not "
+                "apply to sparse-mla (its flat and ragged shapes are fixed; --small for "
+                "smaller ones)"
+            )
+        if args.json is not None:
+            return _check_json_path(args.json)
+    if args.command == "bench":
+        return _bench.check_args(args)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    problem = _check_args(args)
+    if problem:
+        sub = {"run": "attn run", "bench": "attn bench"}.get(args.command, "attn")
+        print(f"{sub}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except BackendUnavailableError as e:

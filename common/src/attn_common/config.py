@@ -12,12 +12,11 @@ import dataclasses
 
 _BLOCK_MULTIPLE = 16  # wgmma M/N granularity on Hopper, sublane packing on TPU
 _MAX_BLOCK = 1024
+_MIN_STAGES = 2  # a ring of one slot could not prefetch; no kernel takes it
 _MAX_STAGES = 8
 
 
-def _check_block(name: str, value: object, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
+def _check_block(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"KernelConfig.{name}: got {value!r}, expected an int")
     if value <= 0 or value % _BLOCK_MULTIPLE or value > _MAX_BLOCK:
@@ -29,47 +28,36 @@ def _check_block(name: str, value: object, *, optional: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Tiling of an attention kernel.
+    """Tiling of an attention kernel (today: the Hopper ranker forward).
+
+    Only fields a kernel reads are here. The Hopper backward kernels use fixed 64-row
+    blocks and the TPU sparse-MLA kernels take their tiling as arguments
+    (``query_block``, ``u_max``, ``head_block``), so neither has a field.
 
     Attributes:
       block_q: query rows per compute tile (per compute warpgroup on Hopper).
-      block_kv: keys per pipelined KV block.
-      num_stages: depth of the K/V ring buffer (1 = no prefetch).
-      block_q_bwd / block_kv_bwd: tiles of the backward kernels; ``None`` = the forward's.
-      query_block: queries per program of the query-blocked sparse-MLA kernel.
-      num_dma_buffers: depth of the sparse-MLA unit DMA ring.
+      block_kv: keys per pipelined K/V block.
+      num_stages: depth of the K/V ring buffer, 2 to 8: the K/V blocks resident at once.
+        The memory warpgroup issues the first ``num_stages`` loads up front and then
+        keeps ``num_stages - 1`` loads in flight ahead of the block being computed, so
+        2 = double buffering (prefetch one block ahead).
     """
 
     block_q: int = 64
     block_kv: int = 64
     num_stages: int = 2
-    block_q_bwd: int | None = None
-    block_kv_bwd: int | None = None
-    query_block: int = 256
-    num_dma_buffers: int = 4
 
     def __post_init__(self) -> None:
         _check_block("block_q", self.block_q)
         _check_block("block_kv", self.block_kv)
-        _check_block("block_q_bwd", self.block_q_bwd, optional=True)
-        _check_block("block_kv_bwd", self.block_kv_bwd, optional=True)
-        _check_block("query_block", self.query_block)
-        for name in ("num_stages", "num_dma_buffers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"KernelConfig.{name}: got {value!r}, expected an int")
-            if not 1 <= value <= _MAX_STAGES:
-                raise ValueError(
-                    f"KernelConfig.{name}: got {value}, expected 1 <= {name} <= {_MAX_STAGES}"
-                )
-
-    @property
-    def bwd_block_q(self) -> int:
-        return self.block_q if self.block_q_bwd is None else self.block_q_bwd
-
-    @property
-    def bwd_block_kv(self) -> int:
-        return self.block_kv if self.block_kv_bwd is None else self.block_kv_bwd
+        value = self.num_stages
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"KernelConfig.num_stages: got {value!r}, expected an int")
+        if not _MIN_STAGES <= value <= _MAX_STAGES:
+            raise ValueError(
+                f"KernelConfig.num_stages: got {value}, expected {_MIN_STAGES} <= num_stages "
+                f"<= {_MAX_STAGES} (a ring of one slot cannot prefetch)"
+            )
 
     def replace(self, **changes) -> KernelConfig:
         """A copy with ``changes`` applied (validated again)."""

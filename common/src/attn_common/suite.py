@@ -1,4 +1,4 @@
-"""The ranker benchmark suite of SPEC section 7: one definition for benchmarks and tests."""
+"""The ranker benchmark suite (docs/design.md#benchmarks): one definition for benchmarks and tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reference package exposes the SPEC section 9 API with the shared signatures."""
+"""The reference package exposes the shared API (docs/design.md#public-api) and signatures."""
 
 import inspect
 from importlib import metadata
@@ -7,8 +7,8 @@ import pytest
 
 import attn_reference
 
-# SPEC section 9: parameters every backend's public functions must accept.
-SPEC_API = {
+# docs/design.md#public-api: parameters every backend's public functions must accept.
+SHARED_API = {
     "ranker_attention": ("q k v bounds sm_scale cap config return_lse",),
     "sparse_mla_attention": (
         "q kv indices positions sm_scale kv_lora_rank read_block return_lse page_size "
@@ -34,11 +34,11 @@ def test_version_matches_metadata():
     assert attn_reference.__version__ == metadata.version("attn-reference")
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_API))
-def test_spec_signature(name):
+@pytest.mark.parametrize("name", sorted(SHARED_API))
+def test_shared_signature(name):
     fn = getattr(attn_reference, name)
     assert name in attn_reference.__all__
     params = inspect.signature(fn).parameters
-    (names,) = SPEC_API[name]
+    (names,) = SHARED_API[name]
     missing = [p for p in names.split() if p not in params]
-    assert not missing, f"{name} lacks SPEC parameters {missing}"
+    assert not missing, f"{name} lacks shared parameters {missing}"

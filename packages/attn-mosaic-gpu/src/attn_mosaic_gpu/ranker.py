@@ -14,10 +14,15 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from attn_common import CapParams, KernelConfig
-from attn_mosaic_gpu.ranker_bwd import BWD_BLOCK, ranker_attention_bwd
-from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
+from attn_common import CapParams, KernelConfig, check_bounds
+from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
+from attn_mosaic_gpu.ranker_fwd import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    ranker_attention_fwd,
+)
 
 
 def _fwd_kwargs(kwargs):
@@ -69,6 +74,7 @@ def ranker_attention(
     cap: CapParams | None = None,
     config: KernelConfig | None = None,
     return_lse: bool = False,
+    debug_checks: bool = False,
     interpret=False,
 ):
     """Ranker attention on Hopper; same contract as ``attn_reference.ranker_attention``.
@@ -77,8 +83,10 @@ def ranker_attention(
       q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]``; D in {64, 128, 256}.
       bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]``; traced data.
       sm_scale, cap, config, return_lse, interpret: see ``ranker_attention_fwd``
-        (``config`` tiles the forward; the backward uses fixed 64-row blocks, so
-        ``block_q_bwd`` / ``block_kv_bwd`` other than 64 are rejected).
+        (``config`` tiles the forward; the backward kernels use fixed 64-row blocks,
+        which ``KernelConfig`` has no field for).
+      debug_checks: emit ``checkify`` checks that the bounds are in range, as the
+        reference does (wrap the call in ``jax.experimental.checkify.checkify``).
 
     Returns ``out [B, S, Hq, D]`` or ``(out, lse [B, Hq, S])``. Differentiable in q, k, v
     (``jax.grad`` / ``jax.vjp``, under ``jit``), including through ``lse``. The forward
@@ -87,14 +95,8 @@ def ranker_attention(
     """
     if isinstance(interpret, bool) and not interpret:
         interpret = False
-    if config is not None:
-        for field in ("block_q_bwd", "block_kv_bwd"):
-            value = getattr(config, field, None)
-            if value is not None and value != BWD_BLOCK:
-                raise ValueError(
-                    f"config.{field}: got {value}; the Hopper backward kernels use fixed "
-                    f"{BWD_BLOCK}-row blocks (leave it None or set {BWD_BLOCK})"
-                )
+    if debug_checks:
+        check_bounds(bounds, seq_len=q.shape[1])
     kwargs = (
         ("sm_scale", sm_scale),
         ("cap", cap),
@@ -103,3 +105,26 @@ def ranker_attention(
     )
     out, lse = _attention(q, k, v, bounds, kwargs)
     return (out, lse) if return_lse else out
+
+
+def supports(op: str, *args, **kwargs) -> str | None:
+    """Why these inputs cannot run on this backend (``None``: they can).
+
+    Read by ``attn_common``'s dispatch: with ``implementation=None`` an unsupported call
+    falls back to the next backend (the reference), with a one-time warning. Looks only
+    at static facts: the op, q's dtype and head dim.
+    """
+    if op != "ranker_attention":
+        return f"no {op} kernel for Hopper yet"
+    q = args[0] if args else kwargs.get("q")
+    dtype, shape = getattr(q, "dtype", None), getattr(q, "shape", None)
+    if dtype is None or shape is None or len(shape) != 4:
+        return None  # not an array of rank 4: let the kernel's validation say what is wrong
+    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in SUPPORTED_DTYPES):
+        names = " or ".join(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
+        return f"q: got dtype {jnp.dtype(dtype).name}, the Hopper kernels take {names}"
+    if shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return (
+            f"q: got head dim D = {shape[-1]}, the Hopper kernels take D in {SUPPORTED_HEAD_DIMS}"
+        )
+    return None

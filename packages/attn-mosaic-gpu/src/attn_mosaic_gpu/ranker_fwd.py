@@ -1,6 +1,6 @@
 """Ranker attention forward for Hopper (sm_90a): a warp-specialized Pallas Mosaic GPU kernel.
 
-Op (SPEC section 3): ``q [B,S,Hq,D]``, ``k, v [B,S,Hkv,D]``, traced ``bounds [B,4]``;
+Op (docs/design.md#ranker-attention): ``q [B,S,Hq,D]``, ``k, v [B,S,Hkv,D]``, traced ``bounds [B,4]``;
 query ``i`` attends key ``j`` iff ``attn_common.ranker_mask`` allows it; logits
 ``cap(q.k * sm_scale)``; ``out [B,S,Hq,D]`` in q's dtype and optionally ``lse [B,Hq,S]``
 float32 (natural log). A row with no allowed key gives ``out = 0``, ``lse = -inf``.

@@ -1,6 +1,6 @@
 """attn-reference: pure-JAX reference implementations; runs on any JAX backend.
 
-The executable definition of the semantics of every op (SPEC sections 3-4): every
+The executable definition of the semantics of every op (docs/design.md): every
 kernel backend is tested against these functions, and they are the CPU default.
 """
 

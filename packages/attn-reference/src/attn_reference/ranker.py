@@ -1,4 +1,4 @@
-"""Reference ranker attention: the executable definition of the op (SPEC section 3).
+"""Reference ranker attention: the executable definition of the op (docs/design.md).
 
 Plain JAX, differentiable by autodiff. Memory-bounded: queries are processed in chunks
 by ``lax.map`` over a ``jax.checkpoint``-ed body, so neither the forward nor the

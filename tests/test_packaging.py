@@ -1,0 +1,141 @@
+"""Honest packages: attn-common floors cover the names each backend imports, licenses,
+changelogs, and the recorded attn-common API matches what attn-common exports today.
+
+The recorded API is ``tests/data/attn_common_api.json`` (per attn-common version, the
+names the package and each module provide; ``python tests/api_history.py`` rebuilds it
+from the git history and the working tree).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import attn_common
+
+ROOT = Path(__file__).resolve().parents[1]
+API = json.loads((ROOT / "tests" / "data" / "attn_common_api.json").read_text())
+BACKENDS = sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+ALL_PACKAGES = [ROOT / "common", *BACKENDS]
+
+
+def _project(pkg: Path) -> dict:
+    return tomllib.loads((pkg / "pyproject.toml").read_text())["project"]
+
+
+def _common_requirement(pkg: Path) -> Requirement:
+    reqs = [Requirement(r) for r in _project(pkg)["dependencies"]]
+    (req,) = [r for r in reqs if r.name == "attn-common"]
+    return req
+
+
+def _floor(req: Requirement) -> str:
+    floors = [s.version for s in req.specifier if s.operator == ">="]
+    assert len(floors) == 1, f"{req}: expected exactly one >= floor"
+    return floors[0]
+
+
+def attn_common_imports(src: Path) -> set[tuple[str, str]]:
+    """(module, name) pairs the package's source uses: module ``""`` is the package."""
+    used: set[tuple[str, str]] = set()
+    for path in src.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module == "attn_common":
+                    used |= {("", a.name) for a in node.names}
+                elif node.module.startswith("attn_common."):
+                    mod = node.module.removeprefix("attn_common.")
+                    used |= {(mod, a.name) for a in node.names}
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("attn_common."):
+                        used.add(("", a.name.removeprefix("attn_common.").split(".")[0]))
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "attn_common"
+            ):
+                used.add(("", node.attr))
+    return used
+
+
+def _provided(version: str, module: str, name: str) -> bool:
+    api = API[version]
+    if module == "":
+        # `attn_common.<submodule>` is provided when the module exists in that version
+        return name in api[""] or name in api
+    return module in api and name in api[module]
+
+
+def test_recorded_versions_include_the_current_one():
+    current = _project(ROOT / "common")["version"]
+    assert current in API, f"attn-common {current} not recorded: run python tests/api_history.py"
+    assert sorted(API, key=Version)[-1] == current
+
+
+@pytest.mark.parametrize("pkg", BACKENDS, ids=lambda p: p.name)
+def test_floor_provides_every_imported_name(pkg):
+    req = _common_requirement(pkg)
+    floor = _floor(req)
+    assert floor in API, f"{pkg.name}: floor attn-common>={floor} is not a recorded version"
+    src = pkg / "src"
+    used = attn_common_imports(src)
+    assert used, f"{pkg.name}: found no attn_common imports (the check would check nothing)"
+    missing = sorted(f"{m + '.' if m else ''}{n}" for m, n in used if not _provided(floor, m, n))
+    assert not missing, (
+        f"{pkg.name} declares attn-common>={floor} but imports names that version lacks: "
+        f"{missing}; raise the floor"
+    )
+    current = _project(ROOT / "common")["version"]
+    assert req.specifier.contains(current), f"{pkg.name}: {req} excludes attn-common {current}"
+
+
+def test_floor_check_catches_a_missing_name():
+    assert not _provided("0.1.0", "", "ranker_attention")  # added later in 0.1.x
+    assert _provided("0.1.0", "", "KernelConfig")
+    assert _provided(sorted(API, key=Version)[-1], "", "ranker_attention")
+
+
+def test_current_exports_match_the_recorded_list():
+    current = _project(ROOT / "common")["version"]
+    recorded = set(API[current][""])
+    exported = set(attn_common.__all__)
+    assert exported == recorded, (
+        f"attn_common exports differ from the recorded attn-common {current}: new "
+        f"{sorted(exported - recorded)}, gone {sorted(recorded - exported)}; "
+        "run python tests/api_history.py (and bump the version if a released name went)"
+    )
+    for name in recorded:
+        assert hasattr(attn_common, name), name
+
+
+def test_current_modules_keep_the_recorded_names():
+    import importlib
+
+    current = _project(ROOT / "common")["version"]
+    for module, names in API[current].items():
+        if not module:
+            continue
+        mod = importlib.import_module(f"attn_common.{module}")
+        missing = [n for n in names if not hasattr(mod, n)]
+        assert not missing, f"attn_common.{module} lost {missing}: run tests/api_history.py"
+
+
+@pytest.mark.parametrize("pkg", ALL_PACKAGES, ids=lambda p: p.name)
+def test_license_and_changelog(pkg):
+    project = _project(pkg)
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    license_text = (pkg / "LICENSE").read_text()
+    assert license_text == (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
+    changelog = (pkg / "CHANGELOG.md").read_text()
+    assert f"## {project['version']}" in changelog, f"{pkg.name}: no entry for its version"
+    assert "SPEC" not in project["description"]
