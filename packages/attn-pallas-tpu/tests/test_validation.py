@@ -106,3 +106,22 @@ def test_ragged_rules(fn):
 def test_non_array_input():
     with pytest.raises(TypeError, match="q"):
         sparse_mla_attention(np.zeros(3).tolist(), None, None, None, sm_scale=0.1)
+
+
+def test_supports_tells_dispatch_what_falls_back():
+    """fp16 / read_block % 16 are not TPU-kernel inputs: a reason, so implementation=None
+    falls back to the reference; supported inputs give None."""
+    from attn_pallas_tpu import supports
+
+    q, kv = SD((1, 4, 2, 192), jnp.bfloat16), SD((1, 64, 192), jnp.bfloat16)
+    assert supports("sparse_mla_attention", q, kv, read_block=16) is None
+    assert supports("sparse_mla_attention_qblock", q, kv) is None
+    assert "float16" in supports("sparse_mla_attention", q, SD((1, 64, 192), jnp.float16))
+    assert "read_block" in supports("sparse_mla_attention_qblock", q, kv, read_block=24)
+    cache = SD((8, 8, 2, 256), jnp.bfloat16)
+    args = (SD((4, 2, 128), jnp.float16), None, None, None, cache)
+    assert "ql" in supports("prefill_write_and_attend_ragged", *args, page_size=16)
+    assert "page_size" in supports(
+        "prefill_write_and_attend_ragged_qblock", q, None, None, None, cache, page_size=24
+    )
+    assert supports("paged_write_back", cache) is None

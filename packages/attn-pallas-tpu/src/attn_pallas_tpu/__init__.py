@@ -1,6 +1,6 @@
 """Pallas Mosaic TPU attention kernels: sparse MLA prefill and the paged KV write-back.
 
-Exported under the shared names of SPEC section 9:
+Exported under the shared names of docs/design.md#public-api:
 
 * ``sparse_mla_attention``: per-query kernel (one program per query DMAs its own
   selected units through a VMEM ring), flat and packed-ragged paged KV.
@@ -11,18 +11,25 @@ Exported under the shared names of SPEC section 9:
 * ``prefill_write_and_attend_ragged`` / ``prefill_write_and_attend_ragged_qblock``:
   write the new tokens' latents, then attend; drop-in replacements for each other and
   for ``attn_reference``'s.
+* ``ranker_attention``: ranker attention (bidirectional history, isolated candidates,
+  per-row traced bounds), forward and backward kernels behind a ``jax.custom_vjp``
+  (docs/tpu_ranker.md).
+* ``supports``: tells ``attn_common``'s dispatch which inputs these kernels take (the
+  rest falls back to the reference).
 
 Every function accepts ``interpret=True`` or a ``pltpu.InterpretParams`` to run in TPU
-interpret mode on the CPU. Ranker attention is not implemented in this backend yet.
+interpret mode on the CPU.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from attn_pallas_tpu._supports import supports
 from attn_pallas_tpu.paged import (
     paged_write_back,
     prefill_write_and_attend_ragged,
     prefill_write_and_attend_ragged_qblock,
 )
+from attn_pallas_tpu.ranker import ranker_attention
 from attn_pallas_tpu.sparse_mla import sparse_mla_attention
 from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
 
@@ -35,6 +42,8 @@ __all__: list[str] = [
     "paged_write_back",
     "prefill_write_and_attend_ragged",
     "prefill_write_and_attend_ragged_qblock",
+    "ranker_attention",
     "sparse_mla_attention",
     "sparse_mla_attention_qblock",
+    "supports",
 ]

@@ -1,0 +1,282 @@
+"""Ranker attention backward for TPU: a dq kernel and a dk/dv kernel (Pallas Mosaic TPU).
+
+Math (per query head ``h``, kv head ``g = h // (Hq / Hkv)``, ``lse`` natural log from the
+forward): ``y = cap(q.k * sm_scale)``, ``p = exp(y - lse)`` on allowed pairs (0
+elsewhere), ``dp = dO . v``, ``delta' = sum_d dO * O - dlse`` (the LSE cotangent enters
+here), ``ds = p * (dp - delta') * cap'(q.k * sm_scale)``; ``dq = sm_scale * sum_j ds_ij
+k_j``, ``dk_j = sm_scale * sum_{h in group, i} ds_ij q_i``, ``dv_j = sum_{h in group, i}
+p_ij dO_i``.
+
+Preprocessing (plain XLA, outside the kernels): ``delta'`` ``[B, Hq, 1, S_pad]`` f32;
+the LSE of rows with no allowed key is replaced by ``+inf`` (so ``exp(y - lse) = 0``,
+never ``-inf - -inf``) and their LSE cotangent by 0, so their gradients are exactly 0.
+
+Schedule
+--------
+* ``dq`` kernel, grid ``(B, Hq, q_tiles, kv_steps)`` (``parallel x 3, arbitrary``): the
+  forward's schedule. The same scalar-prefetched table of
+  ``attn_common.ranker_kv_block_ranges`` drives the K/V index maps (visit-once blocks;
+  steps past the tile's count clamp to its last block, so no DMA is issued, and
+  ``pl.when`` skips them). Q, dO, lse and delta' are fetched once per ``(b, h, i)``.
+  Per step: ``S = Q K^T``, ``dP = dO V^T`` on the MXU, the cap and its derivative
+  (``attn_common.cap_scaled_with_derivative``), the mask only on steps outside
+  ``attn_common.ranker_full_kv_steps``, then ``dQ += dS K`` into an f32 VMEM
+  accumulator, written (times ``sm_scale``) at the last step.
+* ``dk/dv`` kernel, grid ``(B, Hkv, kv_tiles, group * q_steps)`` (``parallel x 3,
+  arbitrary``): a program row owns ``block_kv`` keys of one (batch row, kv head); its
+  K and V tiles are fetched once. The inner axis walks the group's query heads
+  (``g = step // q_steps``) and, per head, the query blocks of
+  ``attn_common.ranker_q_block_ranges`` (the transpose of the forward's rule) from a
+  second scalar-prefetched table; past the tile's count the index maps clamp to the
+  head's last visited block. Per step it computes the transposed tiles ``S^T = K Q^T``
+  and ``dP^T = V dO^T`` (so the lse / delta' rows broadcast along sublanes, no
+  transpose), the mask only on steps outside ``attn_common.ranker_full_q_steps``, and
+  ``dV += P^T dO``, ``dK += dS^T Q`` into f32 VMEM accumulators, written at the last
+  step. GQA gradients are summed over the group's heads inside the kernel: there are
+  no per-query-head dK/dV copies and no atomics.
+
+Both kernels accumulate in a fixed order, so the gradients are deterministic (bitwise
+identical on repeated runs). Every program writes its whole output tile (zeros when it
+has no step), so padding rows and keys nobody attends get exactly 0. The cap
+derivative is taken from the raw logits of every entry, masked ones included, and
+multiplied by ``p = 0`` there: it is finite for every finite logit, so no ``0 * inf``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attn_common import cap_scaled_with_derivative
+from attn_pallas_tpu._prep import resolve_interpret
+from attn_pallas_tpu.ranker_fwd import (
+    VMEM_LIMIT_BYTES,
+    RankerStatic,
+    TileSteps,
+    dot,
+    from_kernel_layout,
+    kernel_shape,
+    kv_step_table,
+    prepare,
+    q_step_table,
+    read_bounds,
+    row_block_spec,
+    row_to_col,
+    stat_block_spec,
+    tile_mask,
+    to_kernel_layout,
+)
+
+__all__ = ["ranker_attention_bwd"]
+
+_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
+    """``p`` and ``ds`` (w.r.t. the raw ``q.k``, before ``sm_scale``) of one tile."""
+    y, dcap = cap_scaled_with_derivative(raw, st.cap, st.sm_scale)
+    p = jnp.exp(y - lse)
+    if allowed is not None:
+        p = jnp.where(allowed, p, 0.0)
+    ds = p * (dp - delta)
+    if dcap is not None:
+        ds = ds * dcap
+    return p, ds
+
+
+def _build_dq_kernel(st: RankerStatic):
+    bq, bkv = st.block_q, st.block_kv
+    n_steps = st.kv_tiles
+
+    def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc):
+        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        steps = TileSteps(tab_ref, b * st.q_tiles + i)
+        bounds = read_bounds(bounds_ref, b)
+
+        @pl.when(j == 0)
+        def _init():
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+        def step(masked: bool):
+            k = k_ref[...]
+            raw = dot(q_ref[...], k, trans_b=True)  # (bq, bkv)
+            dp = dot(do_ref[...], v_ref[...], trans_b=True)
+            allowed = None
+            if masked:
+                kv0 = steps.block_at(j) * bkv
+                allowed = tile_mask(bounds, i * bq, kv0, (bq, bkv), q_axis=0)
+            lse = row_to_col(lse_ref[...], bq)
+            delta = row_to_col(delta_ref[...], bq)
+            _, ds = _probs_and_dlogits(raw, lse, dp, delta, st, allowed)
+            acc[...] += dot(ds.astype(k.dtype), k)
+
+        active = j < steps.total
+        full = steps.is_full(j)
+        pl.when(active & full)(functools.partial(step, False))
+        pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+
+        @pl.when(j == n_steps - 1)
+        def _finish():
+            dq_ref[...] = (acc[...] * st.sm_scale).astype(dq_ref.dtype)
+
+    return kernel
+
+
+def _build_dkv_kernel(st: RankerStatic):
+    bq, bkv = st.block_q, st.block_kv
+    q_steps = st.q_tiles
+    n_steps = st.group * q_steps
+
+    def kernel(
+        bounds_ref, tab_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
+        dk_ref, dv_ref, dk_acc, dv_acc,
+    ):  # fmt: skip
+        b, t, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        steps = TileSteps(tab_ref, b * st.kv_tiles + t)
+        bounds = read_bounds(bounds_ref, b)
+        s = lax.rem(j, q_steps)
+
+        @pl.when(j == 0)
+        def _init():
+            dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+            dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+        def step(masked: bool):
+            q = q_ref[...]
+            do = do_ref[...]
+            raw = dot(k_ref[...], q, trans_b=True)  # S^T (bkv, bq)
+            dp = dot(v_ref[...], do, trans_b=True)  # dP^T
+            allowed = None
+            if masked:
+                q0 = steps.block_at(s) * bq
+                allowed = tile_mask(bounds, q0, t * bkv, (bkv, bq), q_axis=1)
+            p, ds = _probs_and_dlogits(raw, lse_ref[...], dp, delta_ref[...], st, allowed)
+            dv_acc[...] += dot(p.astype(do.dtype), do)
+            dk_acc[...] += dot(ds.astype(q.dtype), q)
+
+        active = s < steps.total
+        full = steps.is_full(s)
+        pl.when(active & full)(functools.partial(step, False))
+        pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+
+        @pl.when(j == n_steps - 1)
+        def _finish():
+            dk_ref[...] = (dk_acc[...] * st.sm_scale).astype(dk_ref.dtype)
+            dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+    return kernel
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret):
+    """Kernel-layout q/k/v/dO; lse, delta' ``[B, Hq, 1, S_pad]``; clipped bounds."""
+    group, q_steps = st.group, st.q_tiles
+    flat_bounds = bounds.reshape(-1)
+    params = pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=VMEM_LIMIT_BYTES)
+
+    # ---- dq
+    kv_tab = kv_step_table(bounds, st)
+
+    def q_index(b, h, i, j, bounds_ref, tab_ref):
+        return b, h, i
+
+    def kv_index(b, h, i, j, bounds_ref, tab_ref):
+        steps = TileSteps(tab_ref, b * st.q_tiles + i)
+        return b, lax.div(h, group), steps.clamped_block(j)
+
+    q_spec = row_block_spec(st, st.block_q, q_index)
+    kv_spec = row_block_spec(st, st.block_kv, kv_index)
+    stat_spec = stat_block_spec(st.block_q, q_index)
+    dq = pl.pallas_call(
+        _build_dq_kernel(st),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(st.batch, st.q_heads, st.q_tiles, st.kv_tiles),
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec],
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((st.block_q, st.head_dim), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct(kernel_shape(st, st.q_heads), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+    )(flat_bounds, kv_tab, q, k, v, do, lse, delta)
+
+    # ---- dk, dv
+    q_tab = q_step_table(bounds, st)
+
+    def own_index(b, g, t, j, bounds_ref, tab_ref):
+        return b, g, t
+
+    def head_q_index(b, g, t, j, bounds_ref, tab_ref):
+        steps = TileSteps(tab_ref, b * st.kv_tiles + t)
+        head = g * group + lax.div(j, q_steps)
+        return b, head, steps.clamped_block(lax.rem(j, q_steps))
+
+    own_spec = row_block_spec(st, st.block_kv, own_index)
+    hq_spec = row_block_spec(st, st.block_q, head_q_index)
+    hstat_spec = stat_block_spec(st.block_q, head_q_index)
+    dk, dv = pl.pallas_call(
+        _build_dkv_kernel(st),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(st.batch, st.kv_heads, st.kv_tiles, group * q_steps),
+            in_specs=[own_spec, own_spec, hq_spec, hq_spec, hstat_spec, hstat_spec],
+            out_specs=[own_spec, own_spec],
+            scratch_shapes=[pltpu.VMEM((st.block_kv, st.head_dim), jnp.float32)] * 2,
+        ),
+        out_shape=[jax.ShapeDtypeStruct(kernel_shape(st, st.kv_heads), k.dtype)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+    )(flat_bounds, q_tab, k, v, q, do, lse, delta)
+    return dq, dk, dv
+
+
+def ranker_attention_bwd(
+    q, k, v, bounds, out, lse, dout, dlse=None, *, sm_scale=None, cap=None, config=None,
+    interpret=False,
+):  # fmt: skip
+    """Gradients ``(dq, dk, dv)`` of ranker attention (see the module docstring).
+
+    Args:
+      q, k, v, bounds, sm_scale, cap, config, interpret: as given to the forward.
+      out: ``[B, S, Hq, D]`` the forward's output; lse: ``[B, Hq, S]`` float32 its LSE.
+      dout: ``[B, S, Hq, D]`` cotangent of ``out``; dlse: ``[B, Hq, S]`` cotangent of
+        ``lse`` or ``None`` (zero).
+
+    Returns ``dq [B, S, Hq, D]``, ``dk, dv [B, S, Hkv, D]`` in the inputs' dtype.
+    """
+    problem, st, clipped = prepare(q, k, v, bounds, sm_scale=sm_scale, cap=cap, config=config)
+    seq = problem.seq_len
+    lse = lse.astype(jnp.float32)
+    empty = jnp.isneginf(lse)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,S,Hq]
+    delta = jnp.moveaxis(delta, 1, 2)
+    if dlse is not None:
+        delta = delta - jnp.where(empty, 0.0, dlse.astype(jnp.float32))
+    delta = jnp.where(empty, 0.0, delta)
+    lse = jnp.where(empty, jnp.inf, lse)
+
+    def stat(x):
+        return jnp.pad(x, ((0, 0), (0, 0), (0, st.seq_pad - seq)))[:, :, None, :]
+
+    dq, dk, dv = _bwd_padded(
+        to_kernel_layout(q, st),
+        to_kernel_layout(k, st),
+        to_kernel_layout(v, st),
+        to_kernel_layout(dout.astype(q.dtype), st),
+        stat(lse),
+        stat(delta),
+        clipped,
+        st=st,
+        interpret=resolve_interpret(interpret),
+    )
+    return (
+        from_kernel_layout(dq, st, problem.q_heads, seq),
+        from_kernel_layout(dk, st, problem.kv_heads, seq),
+        from_kernel_layout(dv, st, problem.kv_heads, seq),
+    )

@@ -1,0 +1,486 @@
+"""Ranker attention forward for TPU: a Pallas Mosaic TPU flash-attention kernel.
+
+Op (docs/semantics.md, "Ranker attention"): ``q [B,S,Hq,D]``, ``k, v [B,S,Hkv,D]``,
+traced ``bounds [B,4]``; query ``i`` attends key ``j`` iff ``attn_common.ranker_mask``
+allows it; logits ``cap(q.k * sm_scale)``; ``out [B,S,Hq,D]`` in q's dtype and
+``lse [B,Hq,S]`` float32 (natural log). A row with no allowed key gives ``out = 0``,
+``lse = -inf``.
+
+Schedule
+--------
+Grid ``(B, Hq, q_tiles, kv_steps)``, dimension semantics ``(parallel, parallel,
+parallel, arbitrary)``. One program row ``(b, h, i)`` owns ``block_q`` query rows of one
+(batch row, query head) and walks ``kv_steps = S_pad / block_kv`` grid steps (the static
+maximum: bounds are data, so the number of blocks a tile visits is not known at trace
+time).
+
+* Tables (built outside the kernel by plain ``jnp``, ``kv_step_table``): for every
+  ``(b, i)`` the visit-once KV block ranges of ``attn_common.ranker_kv_block_ranges``
+  (two runs: the history blocks merged with the blocks of the tile's own candidates, so
+  a block shared by both is visited once) and the steps ``[full_lo, full_hi)`` of
+  ``attn_common.ranker_full_kv_steps`` whose block every row of the tile may attend in
+  full. The table and the clipped bounds are scalar-prefetched into SMEM
+  (``pltpu.PrefetchScalarGridSpec``).
+* Who loads what: the Pallas pipeline DMAs the Q tile once per ``(b, h, i)`` (its
+  block index does not change along the KV axis). The K and V block specs' index maps
+  read the table: step ``j < steps`` fetches block ``BlockRanges.block_at(j)`` of kv
+  head ``h // (Hq / Hkv)`` (GQA reads the shared kv head in place: no per-query-head
+  copies of K/V exist anywhere); step ``j >= steps`` is clamped to the tile's last
+  visited block, so the block index does not change and the pipeline issues no DMA.
+  Blocks outside the ranges are never fetched.
+* Compute: ``pl.when(j < steps)``; the QK^T product on the MXU (f32 accumulation), the
+  scale and cap (``attn_common.cap_forward``), the ranker mask (``ranker_mask`` on the
+  tile iotas) only on steps outside ``[full_lo, full_hi)``, and an online softmax whose
+  running max / sum / f32 accumulator live in VMEM scratch across the KV axis.
+* At the last KV step the program normalises and writes its whole O tile and its LSE
+  row (also when it had no step), so every element of the outputs is written.
+
+Empty rows stay NaN-free: the running max starts at a large finite negative number
+(``-1e30``), so a row that has seen no allowed key gives ``exp(-inf - m) = 0`` and
+``exp(m - m) = 1``, never ``exp(-inf - -inf)``; at the end ``l == 0`` marks an empty row,
+whose divide is guarded, giving ``out = 0`` and ``lse = -inf``. A q tile with no history
+or candidate row has zero steps and writes zeros / ``-inf`` directly.
+
+Layouts: for ``D % 128 == 0`` q/k/v/out are viewed as ``[B, S, H*D]`` (a free
+reshape) and a head is a lane block of width ``D``; for ``D = 64`` (narrower than a lane
+tile) they are transposed to ``[B, H, S, D]`` by XLA outside the kernel. The LSE is
+stored as ``[B, Hq, 1, S]`` (lane-dense; the column of row statistics is transposed
+once per tile in the kernel).
+
+Any ``S``: q, k, v are zero-padded to a multiple of ``lcm(block_q, block_kv)`` and the
+outputs sliced. Padding keys are never allowed because bounds are clipped to ``[0, S]``
+(``attn_common.normalize_bounds``). fp32 inputs use ``Precision.HIGHEST`` matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attn_common import (
+    CapParams,
+    KernelConfig,
+    cap_forward,
+    check_ranker_inputs,
+    normalize_bounds,
+    ranker_full_kv_steps,
+    ranker_full_q_steps,
+    ranker_kv_block_ranges,
+    ranker_mask,
+    ranker_q_block_ranges,
+)
+from attn_pallas_tpu._prep import resolve_interpret
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "default_config",
+    "kv_step_table",
+    "q_step_table",
+    "ranker_attention_fwd",
+    "validate_config",
+]
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+LANES = 128
+# Initial running max: finite, so empty rows never compute -inf - -inf.
+M_INIT = -1e30
+TABLE_WORDS = 8  # words per tile in the scalar-prefetched step tables
+_BLOCK_CHOICES = (640, 512, 384, 256, 128)
+# Scoped VMEM the kernels may use: the score-sized f32 temporaries of a 640 x 640 tile
+# (S, P, dP, dS, the mask) and the double-buffered blocks stay well under it, and every
+# supported chip has >= 64 MiB of VMEM per TensorCore.
+VMEM_LIMIT_BYTES = 32 << 20
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def default_config(seq_len: int, head_dim: int = 128) -> KernelConfig:
+    """The default tiling: ``block_q = block_kv`` = the largest of 640, 512, 384, 256,
+    128 that pads ``S`` least (S=1152 -> 384, S=5120 -> 640, S=640 -> 640): large blocks
+    amortise the per-grid-step overhead (docs/tpu_ranker.md, cost model)."""
+    del head_dim  # the VMEM footprint fits every supported D at these sizes
+    best = min(_BLOCK_CHOICES, key=lambda b: (round_up(seq_len, b), -b))
+    return KernelConfig(block_q=best, block_kv=best)
+
+
+def validate_config(config: KernelConfig) -> None:
+    """Raise naming the TPU rule ``config`` breaks (blocks are multiples of 128)."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
+    for name in ("block_q", "block_kv"):
+        value = getattr(config, name)
+        if value % LANES:
+            raise ValueError(
+                f"config.{name}: got {value}, the TPU ranker kernels need a multiple of "
+                f"{LANES} (the lane width: {name} is the lane dim of the score tile or "
+                "of the LSE row)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerStatic:
+    """Static facts the kernels are specialised on (hashable: a jit static argument)."""
+
+    batch: int
+    seq_pad: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sm_scale: float
+    cap: CapParams
+    block_q: int
+    block_kv: int
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def q_tiles(self) -> int:
+        return self.seq_pad // self.block_q
+
+    @property
+    def kv_tiles(self) -> int:
+        return self.seq_pad // self.block_kv
+
+    @property
+    def flat(self) -> bool:
+        """``[B, S, H*D]`` view (True) or ``[B, H, S, D]`` transpose (False, D=64)."""
+        return self.head_dim % LANES == 0
+
+
+def make_static(problem, config: KernelConfig) -> RankerStatic:
+    lcm = math.lcm(config.block_q, config.block_kv)
+    return RankerStatic(
+        batch=problem.batch,
+        seq_pad=round_up(problem.seq_len, lcm),
+        q_heads=problem.q_heads,
+        kv_heads=problem.kv_heads,
+        head_dim=problem.head_dim,
+        sm_scale=problem.sm_scale,
+        cap=problem.cap,
+        block_q=config.block_q,
+        block_kv=config.block_kv,
+    )
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def to_kernel_layout(x, st: RankerStatic):
+    """``[B, S, H, D]`` -> padded kernel layout (``[B, S_pad, H*D]`` or ``[B, H, S_pad, D]``)."""
+    batch, seq, heads, dim = x.shape
+    if seq != st.seq_pad:
+        x = jnp.pad(x, ((0, 0), (0, st.seq_pad - seq), (0, 0), (0, 0)))
+    if st.flat:
+        return x.reshape(batch, st.seq_pad, heads * dim)
+    return x.transpose(0, 2, 1, 3)
+
+
+def from_kernel_layout(y, st: RankerStatic, heads: int, seq_len: int):
+    """Inverse of ``to_kernel_layout``: back to ``[B, S, H, D]``, padding sliced off."""
+    flat = st.flat
+    y = y.reshape(st.batch, st.seq_pad, heads, st.head_dim) if flat else y.transpose(0, 2, 1, 3)
+    return y[:, :seq_len]
+
+
+def kernel_shape(st: RankerStatic, heads: int) -> tuple[int, ...]:
+    if st.flat:
+        return (st.batch, st.seq_pad, heads * st.head_dim)
+    return (st.batch, heads, st.seq_pad, st.head_dim)
+
+
+def row_block_spec(st: RankerStatic, rows: int, index) -> pl.BlockSpec:
+    """Block of ``rows`` positions x one head; ``index(*grid, *refs) -> (b, head, blk)``."""
+    if st.flat:
+
+        def flat_map(*args):
+            b, head, blk = index(*args)
+            return (b, blk, head)
+
+        return pl.BlockSpec((None, rows, st.head_dim), flat_map)
+
+    def heads_map(*args):
+        b, head, blk = index(*args)
+        return (b, head, blk, 0)
+
+    return pl.BlockSpec((None, None, rows, st.head_dim), heads_map)
+
+
+def stat_block_spec(rows: int, index) -> pl.BlockSpec:
+    """Block ``(1, rows)`` of a ``[B, Hq, 1, S_pad]`` f32 row statistic (lse, delta)."""
+
+    def stat_map(*args):
+        b, head, blk = index(*args)
+        return (b, head, 0, blk)
+
+    return pl.BlockSpec((None, None, 1, rows), stat_map)
+
+
+def row_to_col(row, rows: int):
+    """``(1, rows)`` -> ``(rows, 1)`` via a lane-aligned ``(128, rows)`` transpose."""
+    return jnp.broadcast_to(row, (LANES, rows)).T[:, :1]
+
+
+def col_to_row(col, rows: int):
+    """``(rows, 1)`` -> ``(1, rows)`` via a lane-aligned ``(rows, 128)`` transpose."""
+    return jnp.broadcast_to(col, (rows, LANES)).T[:1, :]
+
+
+def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
+    """MXU matmul with f32 accumulation (``Precision.HIGHEST`` for f32 operands)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _pack(ranges, full_lo, full_hi):
+    zero = jnp.zeros_like(ranges.first_start)
+    cols = (
+        ranges.first_start,
+        ranges.first_steps,
+        ranges.second_start,
+        ranges.second_steps,
+        full_lo,
+        full_hi,
+        zero,
+        zero,
+    )
+    return jnp.stack([jnp.asarray(c, jnp.int32) for c in cols], axis=-1).reshape(-1)
+
+
+def kv_step_table(bounds, st: RankerStatic) -> jax.Array:
+    """int32 ``[B * q_tiles * 8]``: per (b, q tile) ``first_start, first_steps,
+    second_start, second_steps, full_lo, full_hi, 0, 0`` of its KV block ranges."""
+    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
+    q0 = jnp.arange(st.q_tiles, dtype=jnp.int32)[None] * st.block_q
+    q1 = q0 + st.block_q
+    ranges = ranker_kv_block_ranges(hl, hu, cl, cu, q0, q1, st.block_kv)
+    lo, hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, q0, q1, st.block_kv)
+    return _pack(ranges, lo, hi)
+
+
+def q_step_table(bounds, st: RankerStatic) -> jax.Array:
+    """int32 ``[B * kv_tiles * 8]``: the same fields for the query block ranges of each
+    (b, kv tile) (``ranker_q_block_ranges`` / ``ranker_full_q_steps``), for dK/dV."""
+    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
+    k0 = jnp.arange(st.kv_tiles, dtype=jnp.int32)[None] * st.block_kv
+    k1 = k0 + st.block_kv
+    ranges = ranker_q_block_ranges(hl, hu, cl, cu, k0, k1, st.block_q)
+    lo, hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, k0, k1, st.block_q)
+    return _pack(ranges, lo, hi)
+
+
+class TileSteps:
+    """One tile's row of a step table, read from SMEM (scalars)."""
+
+    def __init__(self, tab_ref, tile):
+        base = tile * TABLE_WORDS
+        self.first_start = tab_ref[base]
+        self.first_steps = tab_ref[base + 1]
+        self.second_start = tab_ref[base + 2]
+        self.second_steps = tab_ref[base + 3]
+        self.full_lo = tab_ref[base + 4]
+        self.full_hi = tab_ref[base + 5]
+
+    @property
+    def total(self):
+        return self.first_steps + self.second_steps
+
+    def block_at(self, step):
+        return jnp.where(
+            step < self.first_steps,
+            self.first_start + step,
+            self.second_start + (step - self.first_steps),
+        )
+
+    def clamped_block(self, step):
+        """The block of ``step``, or of the last visited step past the end (no new DMA)."""
+        last = jnp.maximum(self.total - 1, 0)
+        return self.block_at(jnp.minimum(step, last))
+
+    def is_full(self, step):
+        return (step >= self.full_lo) & (step < self.full_hi)
+
+
+def read_bounds(bounds_ref, b):
+    return tuple(bounds_ref[b * 4 + t] for t in range(4))
+
+
+def scaled_capped(raw, st: RankerStatic):
+    """``cap(raw * sm_scale)`` (f32)."""
+    return cap_forward(raw * st.sm_scale, st.cap)
+
+
+def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
+    """Ranker mask of a tile whose query positions run along ``q_axis``."""
+    q_ids = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    kv_ids = kv0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    return ranker_mask(q_ids, kv_ids, *bounds)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _build_fwd_kernel(st: RankerStatic):
+    bq, bkv = st.block_q, st.block_kv
+    n_steps = st.kv_tiles
+
+    def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
+        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        steps = TileSteps(tab_ref, b * st.q_tiles + i)
+        bounds = read_bounds(bounds_ref, b)
+
+        @pl.when(j == 0)
+        def _init():
+            m_sc[...] = jnp.full(m_sc.shape, M_INIT, jnp.float32)
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+            acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+        def step(masked: bool):
+            s = scaled_capped(dot(q_ref[...], k_ref[...], trans_b=True), st)
+            if masked:
+                kv0 = steps.block_at(j) * bkv
+                allowed = tile_mask(bounds, i * bq, kv0, (bq, bkv), q_axis=0)
+                s = jnp.where(allowed, s, -jnp.inf)
+            m_prev = m_sc[...]  # (bq, 128), lane-broadcast
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s - m_next[:, :1])
+            l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+            v = v_ref[...]
+            acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v)
+            m_sc[...] = m_next
+
+        active = j < steps.total
+        full = steps.is_full(j)
+        pl.when(active & full)(functools.partial(step, False))
+        pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+
+        @pl.when(j == n_steps - 1)
+        def _finish():
+            l = l_sc[...][:, :1]
+            has_key = l > 0.0
+            safe_l = jnp.where(has_key, l, 1.0)
+            o_ref[...] = (acc_sc[...] * (1.0 / safe_l)).astype(o_ref.dtype)
+            lse = jnp.where(has_key, m_sc[...][:, :1] + jnp.log(safe_l), -jnp.inf)
+            lse_ref[...] = col_to_row(lse, bq)
+
+    return kernel
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
+    """q/k/v in kernel layout; bounds clipped int32 ``[B, 4]``. Returns (out, lse)."""
+    group = st.group
+    tab = kv_step_table(bounds, st)
+
+    def q_index(b, h, i, j, bounds_ref, tab_ref):
+        return b, h, i
+
+    def kv_index(b, h, i, j, bounds_ref, tab_ref):
+        steps = TileSteps(tab_ref, b * st.q_tiles + i)
+        return b, lax.div(h, group), steps.clamped_block(j)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(st.batch, st.q_heads, st.q_tiles, st.kv_tiles),
+        in_specs=[
+            row_block_spec(st, st.block_q, q_index),
+            row_block_spec(st, st.block_kv, kv_index),
+            row_block_spec(st, st.block_kv, kv_index),
+        ],
+        out_specs=[
+            row_block_spec(st, st.block_q, q_index),
+            stat_block_spec(st.block_q, q_index),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((st.block_q, LANES), jnp.float32),
+            pltpu.VMEM((st.block_q, LANES), jnp.float32),
+            pltpu.VMEM((st.block_q, st.head_dim), jnp.float32),
+        ],
+    )
+    out, lse = pl.pallas_call(
+        _build_fwd_kernel(st),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct(kernel_shape(st, st.q_heads), q.dtype),
+            jax.ShapeDtypeStruct((st.batch, st.q_heads, 1, st.seq_pad), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=VMEM_LIMIT_BYTES,
+        ),
+        interpret=interpret,
+    )(bounds.reshape(-1), tab, q, k, v)
+    return out, lse
+
+
+def prepare(q, k, v, bounds, *, sm_scale, cap, config):
+    """Validate and return ``(problem, static, clipped bounds)``."""
+    problem = check_ranker_inputs(
+        q, k, v, sm_scale=sm_scale, cap=cap, dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS
+    )
+    if config is None:
+        config = default_config(problem.seq_len, problem.head_dim)
+    validate_config(config)
+    clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    return problem, make_static(problem, config), clipped
+
+
+def ranker_attention_fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bounds,
+    *,
+    sm_scale: float | None = None,
+    cap: CapParams | None = None,
+    config: KernelConfig | None = None,
+    return_lse: bool = False,
+    interpret=False,
+):
+    """Ranker attention forward on TPU (see the module docstring for the schedule).
+
+    Args:
+      q: ``[B, S, Hq, D]`` bf16 or fp32; k, v: ``[B, S, Hkv, D]`` same dtype,
+        ``Hq % Hkv == 0``; D in {64, 128, 256}. Any ``S``.
+      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]``; traced data, clipped
+        to ``[0, S]``.
+      sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
+      cap: ``CapParams`` (none, tanh, soft_sign) or ``None``.
+      config: ``KernelConfig``; ``block_q`` and ``block_kv`` must be multiples of 128
+        (``num_stages`` is not used: the Pallas TPU pipeline double-buffers). Default
+        ``default_config(S, D)``.
+      return_lse: also return ``lse [B, Hq, S]`` float32.
+      interpret: ``True`` or a ``pltpu.InterpretParams`` runs the kernel on the CPU.
+
+    Returns ``out [B, S, Hq, D]`` in q's dtype, or ``(out, lse)``. Not differentiable on
+    its own: ``attn_pallas_tpu.ranker_attention`` is the differentiable entry.
+    """
+    problem, st, clipped = prepare(q, k, v, bounds, sm_scale=sm_scale, cap=cap, config=config)
+    out, lse = _fwd_padded(
+        to_kernel_layout(q, st),
+        to_kernel_layout(k, st),
+        to_kernel_layout(v, st),
+        clipped,
+        st=st,
+        interpret=resolve_interpret(interpret),
+    )
+    out = from_kernel_layout(out, st, problem.q_heads, problem.seq_len)
+    lse = lse[:, :, 0, : problem.seq_len]
+    return (out, lse) if return_lse else out

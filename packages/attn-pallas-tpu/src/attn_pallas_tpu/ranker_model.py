@@ -1,0 +1,296 @@
+"""Cost model of the TPU ranker kernels, and of splash attention with the batch's union mask.
+
+Everything is counted per **block visit** (one ``block_q x block_kv`` tile of one query
+head of one batch row) from the same block ranges the kernels use
+(``attn_common.ranker_kv_block_ranges`` / ``ranker_q_block_ranges`` and the full-block
+steps). Chip figures are ``attn_common.sparse_mla_plan.TPU_CHIPS`` (v5e, v5p, v6e). All
+numbers are assumptions of the model, not measurements (docs/tpu_ranker.md).
+
+Per visit, on one TensorCore (a chip's ``cores`` share the parallel grid axes):
+
+* MXU: the forward does ``QK^T`` and ``PV`` (``4 * bq * bkv * D`` flops); the dq kernel
+  ``QK^T, dO V^T, dS K`` (6), the dk/dv kernel ``K Q^T, V dO^T, P^T dO, dS^T Q`` (8), at
+  the core's bf16 peak times the MXU fill ``K / ceil_mxu(K) * N / ceil_mxu(N)`` of each
+  matmul (a 128-wide contraction or output fills half of v6e's 256x256 array).
+* VPU: ``VPU_OPS`` float32 ops per score element (scale, max, subtract, exp, sum, casts;
+  the cap adds ``CAP_OPS``; a step outside the full-block range adds ``MASK_OPS`` for
+  the iotas, the ranker predicate and the select), at the core's VPU rate.
+* HBM: the K and V blocks (forward, dq) or the Q and dO blocks plus the LSE / delta rows
+  (dk/dv) at the core's share of the bandwidth. The tiles a program keeps for all its
+  steps (Q and O; K, V, dK, dV) are counted once per program.
+* A visit costs ``max(MXU, VPU, HBM)`` (the Pallas pipeline overlaps the next block's
+  DMA with this block's compute); every grid step, visited or skipped, costs
+  ``STEP_OVERHEAD_S`` (the kernels' grids have ``S_pad / block`` steps on the inner axis
+  whatever the bounds). Layout copies outside the kernels (D = 64: the ``[B,H,S,D]``
+  transposes) are added at the HBM bandwidth.
+
+Splash attention with the union mask takes one static mask for the whole batch: the
+union over the rows of each row's allowed mask. It visits, for every row and head,
+every block holding an allowed pair of **any** row, and masks every block that is not
+fully allowed in the union. Its per-visit costs are the same as the kernels' here
+(same block sizes, same dtypes): the ratio isolates the visited-block count and masking.
+Not modelled: DMA latency at the start of each program, Mosaic layout padding,
+imbalance between cores, and the correction of the union-mask result itself (splash
+with the union mask attends keys a row may not see; a real deployment would need
+segment ids or a dense mask on top, which only adds cost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from attn_common import (
+    RANKER_SUITE,
+    RankerCase,
+    normalize_bounds,
+    ranker_flops,
+    ranker_full_kv_steps,
+    ranker_full_q_steps,
+    ranker_kv_block_ranges,
+    ranker_mask,
+    ranker_q_block_ranges,
+)
+from attn_common.sparse_mla_plan import STEP_OVERHEAD_S, TPU_CHIPS, TpuChip
+
+__all__ = [
+    "CAP_OPS",
+    "MASK_OPS",
+    "VPU_OPS",
+    "RankerCost",
+    "VisitCounts",
+    "predict",
+    "suite_table",
+    "visit_counts",
+]
+
+VPU_OPS = {"fwd": 6, "dq": 10, "dkv": 11}  # float32 VPU ops per score element
+CAP_OPS = {"none": 0, "tanh": 3, "soft_sign": 6}  # extra per score (per pass)
+MASK_OPS = 10  # iotas, the ranker predicate, the select
+MXU_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # bq x bkv x D matmuls per visit
+ITEMSIZE = 2  # bf16 (the suite's dtype)
+
+
+def _round(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class VisitCounts:
+    """Block visits of one problem, summed over batch rows and query heads.
+
+    ``fwd_*``: (q tile, kv block) visits of the forward and dq kernels; ``dkv_*``:
+    (kv tile, query head, q block) visits of the dk/dv kernel; ``*_masked`` of them run
+    the mask. ``splash_*``: the same for splash with the union mask.
+    """
+
+    fwd: int
+    fwd_masked: int
+    dkv: int
+    dkv_masked: int
+    splash: int
+    splash_masked: int
+    q_programs: int
+    kv_programs: int
+    grid_steps_fwd: int
+    grid_steps_dkv: int
+
+
+def _blocks_of(ranges, n_blocks: int) -> np.ndarray:
+    """Bool ``[..., n_blocks]`` membership of the (<= 2 run) block ranges."""
+    blk = np.arange(n_blocks)
+    fs, fn = np.asarray(ranges.first_start)[..., None], np.asarray(ranges.first_steps)[..., None]
+    ss, sn = np.asarray(ranges.second_start)[..., None], np.asarray(ranges.second_steps)[..., None]
+    return ((blk >= fs) & (blk < fs + fn)) | ((blk >= ss) & (blk < ss + sn))
+
+
+def visit_counts(
+    bounds, *, seq_len: int, q_heads: int, kv_heads: int, block_q: int, block_kv: int
+) -> VisitCounts:
+    """Count the kernels' and splash's block visits for concrete bounds ``[B, 4]``."""
+    bounds = np.asarray(
+        normalize_bounds(np.asarray(bounds, np.int32), batch=len(bounds), seq_len=seq_len)
+    )
+    batch = bounds.shape[0]
+    seq_pad = _round(seq_len, math.lcm(block_q, block_kv))
+    nq, nk = seq_pad // block_q, seq_pad // block_kv
+    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
+    q0 = np.arange(nq)[None] * block_q
+    kr = ranker_kv_block_ranges(hl, hu, cl, cu, q0, q0 + block_q, block_kv)
+    kf = ranker_full_kv_steps(kr, hl, hu, cl, cu, q0, q0 + block_q, block_kv)
+    fwd = int(np.asarray(kr.total_steps).sum())
+    fwd_full = int(np.asarray(kf[1] - kf[0]).sum())
+    k0 = np.arange(nk)[None] * block_kv
+    qr = ranker_q_block_ranges(hl, hu, cl, cu, k0, k0 + block_kv, block_q)
+    qf = ranker_full_q_steps(qr, hl, hu, cl, cu, k0, k0 + block_kv, block_q)
+    dkv = int(np.asarray(qr.total_steps).sum())
+    dkv_full = int(np.asarray(qf[1] - qf[0]).sum())
+
+    # Splash with the union mask: block (i, j) is visited iff any row visits it; it is
+    # full iff the union of the rows' masks allows every pair of the block.
+    union_blocks = _blocks_of(kr, nk).any(axis=0)  # [nq, nk]
+    pos = np.arange(seq_pad)
+    union = np.zeros((seq_pad, seq_pad), bool)
+    for row in bounds:
+        union |= np.asarray(ranker_mask(pos[:, None], pos[None, :], *row))
+    tiles = union.reshape(nq, block_q, nk, block_kv).all(axis=(1, 3))
+    splash = int(union_blocks.sum())
+    splash_full = int((union_blocks & tiles).sum())
+    group = q_heads // kv_heads
+    return VisitCounts(
+        fwd=fwd * q_heads,
+        fwd_masked=(fwd - fwd_full) * q_heads,
+        dkv=dkv * q_heads,  # per (kv tile, query head of its group)
+        dkv_masked=(dkv - dkv_full) * q_heads,
+        splash=splash * batch * q_heads,
+        splash_masked=(splash - splash_full) * batch * q_heads,
+        q_programs=batch * q_heads * nq,
+        kv_programs=batch * kv_heads * nk,
+        grid_steps_fwd=batch * q_heads * nq * nk,
+        grid_steps_dkv=batch * kv_heads * nk * group * nq,
+    )
+
+
+def _fill(k: int, n: int, mxu: int) -> float:
+    return (k / _round(k, mxu)) * (n / _round(n, mxu))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerCost:
+    """Predicted seconds on one chip; ``mxu_fraction``: effective FLOPs on allowed pairs
+    (``attn_common.ranker_flops``) / (time x the chip's bf16 peak)."""
+
+    case: str
+    chip: str
+    block_q: int
+    block_kv: int
+    fwd_s: float
+    bwd_s: float
+    splash_fwd_s: float
+    splash_bwd_s: float
+    fwd_mxu_fraction: float
+    fwd_bound: str
+
+    @property
+    def fwd_ratio(self) -> float:
+        """Splash (union mask) time / this kernel's time, forward."""
+        return self.splash_fwd_s / self.fwd_s
+
+    @property
+    def train_ratio(self) -> float:
+        return (self.splash_fwd_s + self.splash_bwd_s) / (self.fwd_s + self.bwd_s)
+
+
+def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool):
+    """(seconds, bound) of one visit on one core; ``kind`` in fwd / dq / dkv."""
+    core_mxu = chip.mxu_flops / chip.cores
+    if kind == "fwd":
+        fills = (_fill(d, bkv, chip.mxu_dim), _fill(bkv, d, chip.mxu_dim))
+    elif kind == "dq":
+        fills = (_fill(d, bkv, chip.mxu_dim),) * 2 + (_fill(bkv, d, chip.mxu_dim),)
+    else:
+        fills = (_fill(d, bq, chip.mxu_dim),) * 2 + (_fill(bq, d, chip.mxu_dim),) * 2
+    mxu = sum(2 * bq * bkv * d / (core_mxu * f) for f in fills)
+    ops = VPU_OPS[kind] + CAP_OPS[cap] + (MASK_OPS if masked else 0)
+    vpu = bq * bkv * ops / (chip.vpu_ops / chip.cores)
+    # dk/dv: the Q and dO blocks plus the f32 lse / delta rows; else the K and V blocks.
+    bytes_ = 2 * bq * (d * ITEMSIZE + 4) if kind == "dkv" else 2 * bkv * d * ITEMSIZE
+    hbm = bytes_ / (chip.hbm_bytes_per_s / chip.cores)
+    parts = {"MXU": mxu, "VPU": vpu, "HBM": hbm}
+    bound = max(parts, key=parts.get)
+    return parts[bound], bound
+
+
+def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, seed: int = 0):
+    """The model for one suite case on one chip (bf16, the case's cap)."""
+    bounds = case.bounds(seed)
+    c = visit_counts(
+        bounds,
+        seq_len=case.seq_len,
+        q_heads=case.q_heads,
+        kv_heads=case.kv_heads,
+        block_q=block_q,
+        block_kv=block_kv,
+    )
+    d, cap = case.head_dim, case.cap.method.value
+    kw = dict(bq=block_q, bkv=block_kv, d=d, cap=cap)
+    t = {
+        (kind, m): _visit_seconds(kind, chip, masked=m, **kw)
+        for kind in ("fwd", "dq", "dkv")
+        for m in (False, True)
+    }
+    core_bw = chip.hbm_bytes_per_s / chip.cores
+    q_prog = 2 * block_q * d * ITEMSIZE / core_bw  # Q in, O out (dq: Q, dO in; dQ out ~ 3)
+    kv_prog = 4 * block_kv * d * ITEMSIZE / core_bw  # K, V in; dK, dV out
+    layout = 0.0
+    if d % 128:  # D = 64: XLA transposes q, k, v (and out) to [B, H, S, D] and back
+        elems = case.batch * case.seq_len * d * (2 * case.q_heads + 2 * case.kv_heads)
+        layout = 2 * elems * ITEMSIZE / chip.hbm_bytes_per_s
+
+    def visits(kind, total, masked):
+        return (total - masked) * t[(kind, False)][0] + masked * t[(kind, True)][0]
+
+    cores = chip.cores
+    step = STEP_OVERHEAD_S
+    fwd = (
+        visits("fwd", c.fwd, c.fwd_masked) + c.q_programs * q_prog + c.grid_steps_fwd * step
+    ) / cores + layout
+    dq = (
+        visits("dq", c.fwd, c.fwd_masked) + 1.5 * c.q_programs * q_prog + c.grid_steps_fwd * step
+    ) / cores
+    dkv = (
+        visits("dkv", c.dkv, c.dkv_masked) + c.kv_programs * kv_prog + c.grid_steps_dkv * step
+    ) / cores
+    s_fwd = (
+        visits("fwd", c.splash, c.splash_masked) + c.q_programs * q_prog + c.grid_steps_fwd * step
+    ) / cores + layout
+    # Splash's dk/dv pass visits the transpose of the same union block set.
+    s_bwd = (
+        visits("dq", c.splash, c.splash_masked)
+        + visits("dkv", c.splash, c.splash_masked)
+        + 1.5 * c.q_programs * q_prog
+        + c.kv_programs * kv_prog
+        + (c.grid_steps_fwd + c.grid_steps_dkv) * step
+    ) / cores + layout
+    eff = ranker_flops(bounds, case.q_heads, d)
+    return RankerCost(
+        case=case.name,
+        chip=chip.name,
+        block_q=block_q,
+        block_kv=block_kv,
+        fwd_s=fwd,
+        bwd_s=dq + dkv + layout,
+        splash_fwd_s=s_fwd,
+        splash_bwd_s=s_bwd,
+        fwd_mxu_fraction=eff / (fwd * chip.mxu_flops),
+        fwd_bound=t[("fwd", False)][1],
+    )
+
+
+def suite_table(default_config, cases=RANKER_SUITE, chips=("v5e", "v5p", "v6e")):
+    """``RankerCost`` for every suite case x chip, with ``default_config(S, D)`` tiling."""
+    rows = []
+    for case in cases:
+        cfg = default_config(case.seq_len, case.head_dim)
+        for name in chips:
+            rows.append(predict(case, TPU_CHIPS[name], block_q=cfg.block_q, block_kv=cfg.block_kv))
+    return rows
+
+
+def format_table(rows) -> str:
+    """Markdown table of ``suite_table`` rows."""
+    head = (
+        "| case | chip | blocks | fwd (ms) | fwd MXU % (allowed pairs) | fwd bound | "
+        "splash fwd (ms) | splash / ours fwd | fwd+bwd (ms) | splash fwd+bwd (ms) | "
+        "splash / ours fwd+bwd |\n|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|\n"
+    )
+    lines = [
+        f"| {r.case} | {r.chip} | {r.block_q}x{r.block_kv} | {r.fwd_s * 1e3:.3f} | "
+        f"{100 * r.fwd_mxu_fraction:.0f} | {r.fwd_bound} | {r.splash_fwd_s * 1e3:.3f} | "
+        f"{r.fwd_ratio:.2f} | {(r.fwd_s + r.bwd_s) * 1e3:.3f} | "
+        f"{(r.splash_fwd_s + r.splash_bwd_s) * 1e3:.3f} | {r.train_ratio:.2f} |"
+        for r in rows
+    ]
+    return head + "\n".join(lines) + "\n"

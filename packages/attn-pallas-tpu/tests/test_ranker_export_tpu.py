@@ -1,0 +1,82 @@
+"""Cross-lowering of the TPU ranker kernels at the four suite shapes (nothing executes).
+
+``jax.export`` with ``platforms=["tpu"]`` traces the forward and ``jit(grad(loss))`` of
+``attn_pallas_tpu.ranker_attention`` and lowers every Pallas kernel to Mosaic on a
+CPU-only machine, at the shapes of ``attn_common.RANKER_SUITE`` (bf16, each case's cap).
+It catches tracing and Pallas->Mosaic lowering errors; Mosaic's TPU compiler passes
+(layouts, VMEM limits) need a TPU. The module holds exactly one Mosaic kernel for the
+forward and three for the gradient (forward, dq, dk/dv): no fallback path, and GQA
+needs no extra kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attn_common import RANKER_SUITE
+from attn_pallas_tpu import ranker_attention
+
+SD = jax.ShapeDtypeStruct
+
+
+def _avals(case, dtype=jnp.bfloat16):
+    q = SD((case.batch, case.seq_len, case.q_heads, case.head_dim), dtype)
+    kv = SD((case.batch, case.seq_len, case.kv_heads, case.head_dim), dtype)
+    return q, kv, kv, SD((case.batch, 4), jnp.int32)
+
+
+def _export(fn, *avals):
+    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*avals)
+
+
+def _assert_kernels(exported, count):
+    text = exported.mlir_module()
+    found = text.count("tpu_custom_call")
+    assert found == count, f"{found} Mosaic kernels in the exported module, expected {count}"
+    assert exported.platforms == ("tpu",)
+
+
+@pytest.mark.parametrize("case", RANKER_SUITE, ids=[c.name for c in RANKER_SUITE])
+def test_export_forward(case):
+    def f(q, k, v, bounds):
+        return ranker_attention(q, k, v, bounds, cap=case.cap, return_lse=True)
+
+    exported = _export(f, *_avals(case))
+    _assert_kernels(exported, 1)
+    out, lse = exported.out_avals
+    assert out.shape == (case.batch, case.seq_len, case.q_heads, case.head_dim)
+    assert out.dtype == jnp.bfloat16
+    assert lse.shape == (case.batch, case.q_heads, case.seq_len) and lse.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("case", RANKER_SUITE, ids=[c.name for c in RANKER_SUITE])
+def test_export_gradient(case):
+    def g(q, k, v, bounds):
+        def loss(q, k, v):
+            out, lse = ranker_attention(q, k, v, bounds, cap=case.cap, return_lse=True)
+            z = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+            return jnp.sum(out.astype(jnp.float32)) + z
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    exported = _export(g, *_avals(case))
+    _assert_kernels(exported, 3)
+    dq, dk, dv = exported.out_avals
+    assert dq.shape == (case.batch, case.seq_len, case.q_heads, case.head_dim)
+    assert dk.shape == dv.shape == (case.batch, case.seq_len, case.kv_heads, case.head_dim)
+
+
+def test_export_fp32_d256_odd_seq():
+    """fp32 (HIGHEST-precision matmuls) and D=256 at an odd S also lower."""
+
+    def g(q, k, v, bounds):
+        def loss(q, k, v):
+            return jnp.sum(ranker_attention(q, k, v, bounds))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    q = SD((2, 777, 8, 256), jnp.float32)
+    kv = SD((2, 777, 2, 256), jnp.float32)
+    _assert_kernels(_export(g, q, kv, kv, SD((2, 4), jnp.int32)), 3)

@@ -1,0 +1,337 @@
+"""TPU ranker attention vs the reference, run in Pallas TPU interpret mode on the CPU.
+
+Interpret mode runs the kernels' block pipeline (the scalar-prefetched tables and the
+index maps that read them), VMEM scratch and SMEM on the CPU with the race detector on,
+out-of-bounds reads raising and uninitialised memory (outputs included) filled with NaN,
+so an unwritten output element fails the comparison. Checked against
+``attn_reference.ranker_attention`` on the f32 upcast inputs: out, LSE (``-inf`` exactly
+on empty rows, out exactly 0 there) and the gradients of a loss whose LSE term is large
+enough that a dropped LSE cotangent fails. Conformance cases (those of the Hopper
+kernel's tests): unaligned bounds, a block shared by history and candidates, gaps, empty
+history / candidates / rows, candidates overlapping the history, every cap, GQA 5:1, odd
+S, D = 64 / 128 / 256, bf16 and fp32. The step tables are also checked against brute
+force: each tile's index map visits exactly the blocks holding an allowed pair, each
+once, with one DMA per visited block, and the unmasked steps are fully allowed.
+
+Shapes are small (interpret mode executes every op one by one; a kernel compiles in a
+few seconds and a grid step costs ~35 ms on the CPU). Tests over ~5 s are ``slow``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, assert_exact_zero_rows, assert_lse_close, ranker_inputs
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
+from jax.experimental.pallas import tpu as pltpu
+
+import attn_reference as ref
+from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
+from attn_pallas_tpu import ranker_attention, supports
+from attn_pallas_tpu.ranker_fwd import (
+    TileSteps,
+    default_config,
+    kv_step_table,
+    make_static,
+    prepare,
+    q_step_table,
+)
+
+INTERPRET = pltpu.InterpretParams(
+    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
+)
+SMALL = KernelConfig(block_q=128, block_kv=128)
+CAPS = {
+    "none": None,
+    "tanh": CapParams(CapMethod.TANH, 5.0),
+    "soft_sign": CapParams(CapMethod.SOFT_SIGN, 8.0),
+}
+# dtype -> (rel L2, max-abs) for out and gradients; LSE max-abs.
+TOL = {"float32": (2e-5, 2e-4), "bfloat16": (2e-2, 6e-2)}
+GRAD_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
+LSE_ATOL = {"float32": 1e-4, "bfloat16": 3e-2}
+
+# Per-row bounds at S = 199 (block 128, two tiles), one row per conformance case.
+MIXED_SEQ = 199
+MIXED_BOUNDS = np.array(
+    [
+        [0, 100, 100, 150],  # unaligned: block 0 holds history and candidates
+        [17, 60, 130, 190],  # leading padding and a gap between H and C
+        [0, 0, 40, 170],  # empty history: candidates attend only themselves
+        [0, 128, 128, 128],  # empty candidates, block-aligned history (unmasked path)
+        [0, 0, 0, 0],  # all padding: every output 0 / -inf, zero gradients
+        [20, 150, 64, MIXED_SEQ],  # candidates overlapping the history, to the end
+    ],
+    np.int32,
+)
+
+
+def _no_races():
+    races = _interp.races
+    assert races is None or not races.races_found, "interpret mode detected a data race"
+
+
+def _inputs(seed, batch, seq, q_heads, kv_heads, dim, dtype):
+    return [jnp.asarray(x) for x in ranker_inputs(seed, batch, seq, q_heads, kv_heads, dim, dtype)]
+
+
+def _f32(xs):
+    return [x.astype(jnp.float32) for x in xs]
+
+
+def _check_forward(q, k, v, bounds, *, cap, config=SMALL, **kw):
+    dtype = jnp.dtype(q.dtype).name
+    out, lse = ranker_attention(
+        q, k, v, bounds, cap=cap, config=config, return_lse=True, interpret=INTERPRET, **kw
+    )
+    jax.block_until_ready((out, lse))
+    _no_races()
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    want_out, want_lse = ref.ranker_attention(
+        *_f32((q, k, v)), bounds, cap=cap, return_lse=True, **kw
+    )
+    rtol, atol = TOL[dtype]
+    assert_close(out, want_out, rtol_l2=rtol, atol=atol)
+    assert_lse_close(lse, want_lse, atol=LSE_ATOL[dtype])
+    assert_exact_zero_rows(np.moveaxis(np.asarray(out, np.float32), 1, 2), lse)
+    return out, lse
+
+
+# ------------------------------------------------------------------------ forward
+
+
+def test_forward_tiny_gqa_tanh_unaligned_fp32():
+    """GQA 2:1, tanh, S=200 (padded to 256); a block shared by H and C, empty history."""
+    q, k, v = _inputs(0, 2, 200, 2, 1, 128, "float32")
+    bounds = jnp.array([[0, 100, 100, 150], [0, 0, 5, 133]], jnp.int32)
+    _, lse = _check_forward(q, k, v, bounds, cap=CAPS["tanh"])
+    assert np.isneginf(np.asarray(lse)).any()
+
+
+def test_forward_d64_out_only_broadcast_bounds_bf16():
+    """D=64 (the transposed layout), bf16, no cap; ``[4]`` bounds broadcast; out only."""
+    q, k, v = _inputs(1, 1, 150, 1, 1, 64, "bfloat16")
+    bounds = jnp.array([3, 90, 90, 121], jnp.int32)
+    out = ranker_attention(q, k, v, bounds, config=SMALL, interpret=INTERPRET)
+    _no_races()
+    want = ref.ranker_attention(*_f32((q, k, v)), bounds)
+    assert_close(out, want, **dict(zip(("rtol_l2", "atol"), TOL["bfloat16"], strict=True)))
+    got = np.asarray(out, np.float32)
+    assert np.all(got[:, :3] == 0.0) and np.all(got[:, 121:] == 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_forward_mixed_bounds_gqa5(cap):
+    """GQA 5:1, odd S=199, per-row unaligned / shared-block / gapped / empty /
+    overlapping bounds; bf16 D=128, fp32 for the no-cap case."""
+    dtype = "float32" if cap == "none" else "bfloat16"
+    q, k, v = _inputs(2, 6, MIXED_SEQ, 5, 1, 128, dtype)
+    _check_forward(q, k, v, jnp.asarray(MIXED_BOUNDS), cap=CAPS[cap])
+
+
+@pytest.mark.slow
+def test_forward_d256_segment_bounds_block_256():
+    """D=256, a 256x128 tiling, SegmentBounds from lengths, explicit sm_scale."""
+    q, k, v = _inputs(3, 2, 300, 2, 2, 256, "bfloat16")
+    bounds = SegmentBounds.from_lengths(jnp.array([200, 37]), jnp.array([40, 150]))
+    config = KernelConfig(block_q=256, block_kv=128)
+    _check_forward(q, k, v, bounds, cap=CAPS["soft_sign"], config=config, sm_scale=0.05)
+
+
+# ---------------------------------------------------------------------- gradients
+
+
+def _loss(fn, bounds, w, *, cap, use_lse, **kw):
+    def loss(q, k, v):
+        if not use_lse:
+            return jnp.sum(fn(q, k, v, bounds, cap=cap, **kw).astype(jnp.float32) * w)
+        out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
+        # A linear LSE term at the out term's gradient scale (sqrt(D)): dropping the LSE
+        # cotangent moves dq and dk far beyond the tolerance (checked below).
+        wl = np.sqrt(q.shape[-1]) * jnp.moveaxis(w[..., 0], 1, 2)
+        z = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * wl)
+        return jnp.sum(out.astype(jnp.float32) * w) + z
+
+    return loss
+
+
+def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
+    dtype = jnp.dtype(q.dtype).name
+    w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
+    kernel_loss = _loss(
+        ranker_attention, bounds, w, cap=cap, use_lse=use_lse, config=SMALL, interpret=INTERPRET
+    )
+    got = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))(q, k, v)
+    jax.block_until_ready(got)
+    _no_races()
+    up = _f32((q, k, v))
+    want = jax.grad(_loss(ref.ranker_attention, bounds, w, cap=cap, use_lse=use_lse), (0, 1, 2))(
+        *up
+    )
+    tol = GRAD_TOL[dtype]
+    if use_lse:
+        without = jax.grad(
+            _loss(ref.ranker_attention, bounds, w, cap=cap, use_lse=False), (0, 1, 2)
+        )(*up)
+        for name, r, r0 in zip(("dq", "dk"), want[:2], without[:2], strict=True):
+            r, r0 = np.asarray(r, np.float64), np.asarray(r0, np.float64)
+            moved = np.linalg.norm(r - r0) / np.linalg.norm(r)
+            assert moved > 10 * tol, f"{name}: the LSE term moves it by only {moved:.3g}"
+
+    arr = (
+        SegmentBounds.from_array(bounds).as_array()
+        if not isinstance(bounds, SegmentBounds)
+        else bounds.as_array()
+    )
+    arr = np.broadcast_to(np.clip(np.asarray(arr), 0, q.shape[1]), (q.shape[0], 4))
+    pos = np.arange(q.shape[1])
+    allowed = np.asarray(
+        ranker_mask(pos[None, :, None], pos[None, None, :], *(arr[:, i, None, None] for i in range(4)))
+    )  # fmt: skip
+    row_dead, key_dead = ~allowed.any(axis=2), ~allowed.any(axis=1)
+    for name, g, r, dead in zip(("dq", "dk", "dv"), got, want, (row_dead, key_dead, key_dead), strict=True):  # fmt: skip
+        assert g.dtype == q.dtype and g.shape == r.shape, name
+        g = np.asarray(g.astype(jnp.float32), np.float64)
+        r = np.asarray(r, np.float64)
+        assert np.all(np.isfinite(g)), f"{name}: non-finite"
+        assert np.all(g[dead] == 0.0), f"{name}: nonzero gradient where nothing is allowed"
+        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+        assert err < tol, f"{name}: rel L2 {err:.3g}"
+        mx, bound = np.abs(g - r).max(), 5 * tol * np.abs(r).max()
+        assert mx <= bound, f"{name}: max-abs {mx:.3g} > {bound:.3g}"
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", ["tanh", "soft_sign"])
+def test_grad_mixed_bounds_gqa5(cap):
+    """GQA 5:1 (dK/dV summed over the group in the kernel), odd S, the six per-row
+    conformance bounds, z-loss on the LSE; bf16 for soft_sign, fp32 for tanh (no cap:
+    ``test_grad_d64_no_cap_out_only_deterministic``)."""
+    dtype = "bfloat16" if cap == "soft_sign" else "float32"
+    q, k, v = _inputs(4, 6, MIXED_SEQ, 5, 1, 128, dtype)
+    _check_grads(q, k, v, jnp.asarray(MIXED_BOUNDS), cap=CAPS[cap], seed=4)
+
+
+@pytest.mark.slow
+def test_grad_d64_no_cap_out_only_deterministic():
+    """D=64 (transposed layout), no cap, GQA 2:1, out-only loss (zero LSE cotangent), a
+    gap and an all-padding row; two runs give bitwise-identical gradients."""
+    q, k, v = _inputs(5, 2, 260, 2, 1, 64, "float32")
+    bounds = jnp.array([[5, 140, 200, 250], [0, 0, 0, 0]], jnp.int32)
+    g1 = _check_grads(q, k, v, bounds, cap=None, use_lse=False, seed=5)
+    w = jnp.asarray(np.random.default_rng(105).standard_normal(q.shape), jnp.float32)
+    loss = _loss(
+        ranker_attention, bounds, w, cap=None, use_lse=False, config=SMALL,
+        interpret=INTERPRET,
+    )  # fmt: skip
+    g2 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(g1, g2, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------ step tables
+
+
+def _brute_blocks(row, lo, hi, block, seq, *, q_side):
+    """Blocks (of the other side) holding an allowed pair for positions [lo, hi)."""
+    pos = np.arange(seq)
+    if q_side:
+        allowed = np.asarray(ranker_mask(pos[lo:hi, None], pos[None, :], *row))
+        hit = allowed.any(axis=0)
+    else:
+        allowed = np.asarray(ranker_mask(pos[:, None], pos[None, lo:hi], *row))
+        hit = allowed.any(axis=1)
+    return {int(p) // block for p in np.nonzero(hit)[0]}, allowed
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_step_tables_visit_once_one_dma_per_block(seed):
+    """Index maps driven by the tables: each tile's clamped block sequence covers exactly
+    the blocks with an allowed pair, each once (one DMA per visited block: the index
+    changes only on a new block); unmasked steps are fully allowed for the tile."""
+    rng = np.random.default_rng(seed)
+    seq, batch = 517, 8
+    lo_hi = np.sort(rng.integers(-5, seq + 5, size=(batch, 4)), axis=1)
+    bounds = lo_hi[:, [0, 1, 2, 3]].astype(np.int32)
+    bounds[::3, 2:] = bounds[::3, 1:2] + rng.integers(0, 60, size=(len(bounds[::3]), 1))
+    bounds[1::4] = bounds[1::4][:, [2, 3, 0, 1]]  # candidates before / inside history
+    q = jnp.zeros((batch, seq, 1, 128), jnp.float32)
+    for config in (SMALL, KernelConfig(block_q=256, block_kv=128)):
+        _, st, clipped = prepare(
+            q, q, q, jnp.asarray(bounds), sm_scale=None, cap=None, config=config
+        )
+        clipped = np.asarray(clipped)
+        for tab, tiles, block, other, q_side in (
+            (kv_step_table(clipped, st), st.q_tiles, st.block_q, st.block_kv, True),
+            (q_step_table(clipped, st), st.kv_tiles, st.block_kv, st.block_q, False),
+        ):
+            tab = np.asarray(tab)
+            steps_max = st.seq_pad // other
+            for b in range(batch):
+                row = tuple(int(x) for x in clipped[b])
+                for t in range(tiles):
+                    steps = TileSteps(tab, b * tiles + t)
+                    total = int(steps.total)
+                    assert total <= steps_max
+                    seq_blocks = [int(steps.clamped_block(j)) for j in range(steps_max)]
+                    visited = seq_blocks[:total]
+                    want, allowed = _brute_blocks(
+                        row, t * block, (t + 1) * block, other, st.seq_pad, q_side=q_side
+                    )
+                    assert sorted(visited) == sorted(want) and len(set(visited)) == total
+                    dmas = 1 + sum(a != c for a, c in itertools.pairwise(seq_blocks))
+                    assert dmas == max(total, 1)
+                    for j in range(int(steps.full_lo), int(steps.full_hi)):
+                        blk = int(steps.block_at(j))
+                        tile = (
+                            allowed[:, blk * other : (blk + 1) * other]
+                            if q_side
+                            else allowed[blk * other : (blk + 1) * other]
+                        )
+                        assert tile.all(), (b, t, j)
+
+
+# ------------------------------------------------------------ validation, dispatch
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = _inputs(6, 1, 64, 2, 1, 128, "float32")
+    bounds = jnp.array([0, 32, 32, 48], jnp.int32)
+    with pytest.raises(TypeError, match="q: got dtype float16"):
+        ranker_attention(*(x.astype(jnp.float16) for x in (q, k, v)), bounds)
+    q96, k96, v96 = _inputs(6, 1, 64, 2, 1, 96, "float32")
+    with pytest.raises(NotImplementedError, match="head dim 96"):
+        ranker_attention(q96, k96, v96, bounds)
+    with pytest.raises(ValueError, match=r"config.block_kv: got 64, .*multiple of 128"):
+        ranker_attention(q, k, v, bounds, config=KernelConfig(block_q=128, block_kv=64))
+    with pytest.raises(ValueError, match="expected Hq % Hkv == 0"):
+        ranker_attention(q, k[:, :, :0], v[:, :, :0], bounds)
+    with pytest.raises(ValueError, match="bounds"):
+        ranker_attention(q, k, v, jnp.zeros((3, 4), jnp.int32))
+
+
+def test_supports_and_default_config():
+    q = jax.ShapeDtypeStruct((1, 8, 2, 128), jnp.bfloat16)
+    assert supports("ranker_attention", q) is None
+    assert "float16" in supports(
+        "ranker_attention", jax.ShapeDtypeStruct((1, 8, 2, 128), jnp.float16)
+    )
+    assert "head dim" in supports(
+        "ranker_attention", jax.ShapeDtypeStruct((1, 8, 2, 32), jnp.bfloat16)
+    )
+    assert supports("sparse_mla_attention", q) is None
+    assert default_config(1152).block_q == 384
+    assert default_config(5120).block_q == 640
+    assert default_config(640).block_q == 640
+    st = make_static(
+        prepare(q, q, q, jnp.zeros((4,), jnp.int32), sm_scale=None, cap=None, config=None)[0],
+        default_config(8),
+    )
+    assert st.seq_pad == 128  # S=8 -> one 128 block

@@ -1,0 +1,52 @@
+"""The TPU ranker cost model: visit counts against brute force, splash ratios' sanity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attn_common import RANKER_SUITE, ranker_case, ranker_mask
+from attn_common.sparse_mla_plan import TPU_CHIPS
+from attn_pallas_tpu.ranker_fwd import default_config
+from attn_pallas_tpu.ranker_model import format_table, predict, visit_counts
+
+
+def _brute(bounds, seq, bq, bkv):
+    pos = np.arange(seq)
+    per_row, union = [], np.zeros((seq, seq), bool)
+    for row in bounds:
+        m = np.asarray(ranker_mask(pos[:, None], pos[None, :], *row))
+        union |= m
+        per_row.append(m.reshape(seq // bq, bq, seq // bkv, bkv).any(axis=(1, 3)))
+    per_row = np.stack(per_row)
+    return int(per_row.sum()), int(per_row.any(axis=0).sum())
+
+
+@pytest.mark.parametrize("bq,bkv", [(128, 128), (256, 128)])
+def test_visit_counts_match_brute_force(bq, bkv):
+    rng = np.random.default_rng(0)
+    seq = 512
+    b = np.sort(rng.integers(0, seq, size=(6, 4)), axis=1).astype(np.int32)
+    b[0] = [0, 300, 300, 340]
+    b[1] = [0, 0, 0, 0]
+    c = visit_counts(b, seq_len=seq, q_heads=2, kv_heads=1, block_q=bq, block_kv=bkv)
+    fwd, union = _brute(b, seq, bq, bkv)
+    assert c.fwd == 2 * fwd
+    assert c.dkv == 2 * fwd  # the transpose visits the same (q block, kv block) pairs
+    assert c.splash == 2 * union * len(b)
+    assert c.splash >= c.fwd and c.splash_masked >= 0 and c.fwd_masked <= c.fwd
+
+
+def test_splash_ratio_one_for_uniform_bounds_above_one_for_ragged():
+    chip = TPU_CHIPS["v5e"]
+    same = predict(ranker_case("phoenix").scaled(2), chip, block_q=384, block_kv=384)
+    assert same.fwd_ratio == pytest.approx(1.0)
+    ragged = predict(ranker_case("ragged").scaled(8), chip, block_q=384, block_kv=384)
+    assert ragged.fwd_ratio > 1.05 and ragged.train_ratio > 1.05
+    assert 0 < same.fwd_mxu_fraction < 1 and ragged.fwd_s < ragged.splash_fwd_s
+    assert "| phoenix | v5e |" in format_table([same])
+
+
+def test_default_tiling_of_suite_shapes():
+    blocks = {c.name: default_config(c.seq_len, c.head_dim).block_q for c in RANKER_SUITE}
+    assert blocks == {"phoenix": 384, "long": 640, "small-d64": 640, "ragged": 384}
