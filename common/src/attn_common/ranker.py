@@ -8,9 +8,11 @@ Outputs ``out [B, S, Hq, D]`` (q's dtype) and optionally ``lse [B, Hq, S]`` floa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
+import jax
 import jax.numpy as jnp
 
 from attn_common.cap import CapParams, normalize_cap
@@ -128,3 +130,33 @@ def ranker_flops(bounds_array, q_heads: int, head_dim: int, *, backward: bool = 
     pairs = queries_reading_hist * hist + (cand - ov)
     flops = 4.0 * head_dim * q_heads * float(pairs.sum())
     return flops * 3.5 if backward else flops
+
+
+def kernel_vjp(forward: Callable, backward: Callable) -> Callable:
+    """A backend's ranker kernels as one differentiable ``attention(q, k, v, bounds, kw)``.
+
+    ``forward(q, k, v, bounds, **kw, return_lse=True) -> (out, lse)`` and
+    ``backward(q, k, v, bounds, out, lse, dout, dlse, **kw) -> (dq, dk, dv)``; ``kw`` is
+    a hashable tuple of ``(name, value)`` pairs (static). The result is a
+    ``jax.custom_vjp`` returning ``(out, lse)`` whose residuals are ``q, k, v, bounds,
+    out, lse``: the LSE is always computed (the backward needs it) and its cotangent
+    reaches the backward, so a loss on the LSE is differentiable. ``bounds`` (integers)
+    gets no cotangent.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def attention(q, k, v, bounds, kw):
+        return forward(q, k, v, bounds, **dict(kw), return_lse=True)
+
+    def attention_fwd(q, k, v, bounds, kw):
+        out, lse = forward(q, k, v, bounds, **dict(kw), return_lse=True)
+        return (out, lse), (q, k, v, bounds, out, lse)
+
+    def attention_bwd(kw, residuals, cotangents):
+        q, k, v, bounds, out, lse = residuals
+        dout, dlse = cotangents
+        dq, dk, dv = backward(q, k, v, bounds, out, lse, dout, dlse, **dict(kw))
+        return dq, dk, dv, None
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention

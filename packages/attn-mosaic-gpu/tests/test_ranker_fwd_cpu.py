@@ -120,6 +120,7 @@ def _check(q, k, v, bounds, *, cap=None, sm_scale=None, config=SMALL):
 # ------------------------------------------------------------------ interpret mode
 
 
+@pytest.mark.slow  # interpret mode, ~10 s on 2 cores
 def test_interpret_unaligned_per_row_gqa_soft_sign():
     """GQA 2:1, soft_sign; per-row bounds: a history block shared with candidates,
     history starting mid-sequence, empty history, padding rows; ring reuse (4 > 2 steps)."""
@@ -135,6 +136,7 @@ def test_interpret_unaligned_per_row_gqa_soft_sign():
     _check(q, k, v, bounds, cap=SOFT_SIGN)
 
 
+@pytest.mark.slow  # interpret mode, ~7 s on 2 cores
 def test_interpret_tanh_empty_candidates_and_gap():
     """tanh cap, explicit sm_scale; empty candidates; a padding gap between H and C that
     leaves a whole compute warpgroup idle (rows 64..127 of row 1)."""
@@ -143,6 +145,7 @@ def test_interpret_tanh_empty_candidates_and_gap():
     _check(q, k, v, bounds, cap=TANH, sm_scale=0.2)
 
 
+@pytest.mark.slow  # interpret mode, ~8 s on 2 cores
 def test_interpret_no_cap_empty_row_aligned_and_overlap_fp16():
     """fp16, no cap; an all-padding row (zero-step programs), block-aligned history
     (the unmasked fast path), and candidates overlapping the history; default config

@@ -108,7 +108,10 @@ KERNELS = {
 }
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize(
+    "kernel",
+    [k if k != "qblock_qb16_hb1" else pytest.param(k, marks=pytest.mark.slow) for k in KERNELS],
+)
 def test_flat_vs_reference(kernel):
     case = flat_case(1)
     got = _flat_call(KERNELS[kernel], case)
@@ -221,10 +224,10 @@ def _ragged_call(fn, case, page_size, **kw):
     ("kernel", "page_size", "dtype"),
     [
         ("per_query", 16, "float32"),
-        ("per_query", 32, "bfloat16"),
+        pytest.param("per_query", 32, "bfloat16", marks=pytest.mark.slow),
         ("qblock_qb8", 16, "float32"),  # 50 queries: 7 blocks, most straddle requests
-        ("qblock_qb8", 32, "bfloat16"),
-        ("qblock_qb16_hb1", 16, "float32"),
+        pytest.param("qblock_qb8", 32, "bfloat16", marks=pytest.mark.slow),
+        pytest.param("qblock_qb16_hb1", 16, "float32", marks=pytest.mark.slow),
     ],
 )
 def test_ragged_vs_reference(kernel, page_size, dtype):

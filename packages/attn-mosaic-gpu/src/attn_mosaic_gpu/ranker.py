@@ -11,12 +11,11 @@ without atomics, so gradients are bitwise deterministic (checked on an H200).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from attn_common import CapParams, KernelConfig, check_bounds
+from attn_common.ranker import kernel_vjp
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_fwd import (
     SUPPORTED_DTYPES,
@@ -25,43 +24,14 @@ from attn_mosaic_gpu.ranker_fwd import (
 )
 
 
-def _fwd_kwargs(kwargs):
-    kw = dict(kwargs)
-    kw["return_lse"] = True
-    return kw
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, bounds, kwargs):
-    return ranker_attention_fwd(q, k, v, bounds, **_fwd_kwargs(kwargs))
-
-
-def _attention_fwd(q, k, v, bounds, kwargs):
-    out, lse = ranker_attention_fwd(q, k, v, bounds, **_fwd_kwargs(kwargs))
-    return (out, lse), (q, k, v, bounds, out, lse)
-
-
-def _attention_bwd(kwargs, residuals, cotangents):
-    q, k, v, bounds, out, lse = residuals
-    dout, dlse = cotangents
-    kw = dict(kwargs)
-    dq, dk, dv = ranker_attention_bwd(
-        q,
-        k,
-        v,
-        bounds,
-        out,
-        lse,
-        dout,
-        dlse,
-        sm_scale=kw["sm_scale"],
-        cap=kw["cap"],
-        interpret=kw["interpret"],
+def _backward(q, k, v, bounds, out, lse, dout, dlse, *, sm_scale, cap, config, interpret):
+    del config  # tiles the forward only: the backward kernels use fixed 64-row blocks
+    return ranker_attention_bwd(
+        q, k, v, bounds, out, lse, dout, dlse, sm_scale=sm_scale, cap=cap, interpret=interpret
     )
-    return dq, dk, dv, None
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = kernel_vjp(ranker_attention_fwd, _backward)
 
 
 def ranker_attention(

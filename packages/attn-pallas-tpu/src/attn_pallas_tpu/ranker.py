@@ -15,12 +15,11 @@ name the argument, the value and the rule.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from attn_common import CapParams, KernelConfig, check_bounds
+from attn_common.ranker import kernel_vjp
 from attn_pallas_tpu.ranker_bwd import ranker_attention_bwd
 from attn_pallas_tpu.ranker_fwd import (
     SUPPORTED_DTYPES,
@@ -32,30 +31,7 @@ from attn_pallas_tpu.ranker_fwd import (
 __all__ = ["ranker_attention", "supports"]
 
 
-def _fwd_kwargs(kwargs):
-    kw = dict(kwargs)
-    kw["return_lse"] = True
-    return kw
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, bounds, kwargs):
-    return ranker_attention_fwd(q, k, v, bounds, **_fwd_kwargs(kwargs))
-
-
-def _attention_fwd(q, k, v, bounds, kwargs):
-    out, lse = ranker_attention_fwd(q, k, v, bounds, **_fwd_kwargs(kwargs))
-    return (out, lse), (q, k, v, bounds, out, lse)
-
-
-def _attention_bwd(kwargs, residuals, cotangents):
-    q, k, v, bounds, out, lse = residuals
-    dout, dlse = cotangents
-    dq, dk, dv = ranker_attention_bwd(q, k, v, bounds, out, lse, dout, dlse, **dict(kwargs))
-    return dq, dk, dv, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = kernel_vjp(ranker_attention_fwd, ranker_attention_bwd)
 
 
 def ranker_attention(
