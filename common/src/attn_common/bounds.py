@@ -156,8 +156,11 @@ def normalize_bounds(bounds, *, batch: int, seq_len: int) -> jax.Array:
 
     Accepts ``SegmentBounds`` or an int array ``[batch, 4]`` / ``[1, 4]`` / ``[4]``.
     Values are clipped to ``[0, seq_len]`` and an inverted segment becomes empty, so
-    out-of-range data never reads outside the sequence.
+    out-of-range data never reads outside the sequence. Packed bounds ``[B, 1, 4]`` (one
+    user per row) are taken as ``[B, 4]``; ``[B, U, 4]`` with ``U > 1`` raises
+    ``NotImplementedError`` (``attn_common.packed`` handles several users per row).
     """
+    bounds = _one_user(bounds)
     if isinstance(bounds, SegmentBounds):
         arr = bounds.as_array()
     else:
@@ -171,12 +174,31 @@ def normalize_bounds(bounds, *, batch: int, seq_len: int) -> jax.Array:
     return jnp.stack([lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]], axis=1)
 
 
+def _one_user(bounds):
+    """Packed ``[B, 1, 4]`` -> ``[B, 4]``; refuse ``[B, U, 4]`` with ``U > 1``; else as is."""
+    if isinstance(bounds, SegmentBounds):
+        return bounds
+    shape = np.shape(bounds)
+    if len(shape) != 3 or shape[2] != 4:
+        return bounds
+    if shape[1] != 1:
+        raise NotImplementedError(
+            f"bounds: got shape {tuple(shape)}, i.e. U = {shape[1]} users per row; this path "
+            "takes one user per row ([B, 4] or [B, 1, 4]). Packed rows (U > 1) are "
+            "normalized by attn_common.normalize_packed_bounds and run on the backends "
+            "that support them (attn_reference)"
+        )
+    return bounds[:, 0, :]
+
+
 def check_bounds(bounds, *, seq_len: int) -> None:
     """``checkify`` debug path: flags rows whose bounds are outside ``0 <= lo <= hi <= S``.
 
     Call it inside a function wrapped with ``checkify.checkify`` (the public ops do so
-    when given ``debug_checks=True``).
+    when given ``debug_checks=True``). ``[B, 1, 4]`` is taken as ``[B, 4]``; ``[B, U, 4]``
+    with ``U > 1`` raises ``NotImplementedError`` (use ``check_packed_bounds``).
     """
+    bounds = _one_user(bounds)
     arr = bounds.as_array() if isinstance(bounds, SegmentBounds) else jnp.asarray(bounds)
     arr = jnp.atleast_2d(arr)
     lo, hi = arr[:, 0::2], arr[:, 1::2]

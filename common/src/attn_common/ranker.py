@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attn_common.cap import CapParams, normalize_cap
 
@@ -160,3 +161,39 @@ def kernel_vjp(forward: Callable, backward: Callable) -> Callable:
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention
+
+
+def unsupported_ranker_inputs(
+    args: tuple, kwargs: dict, *, dtypes, head_dims, kernels: str, packed: bool
+) -> str | None:
+    """The reason a backend's ranker kernels cannot take a call (``None``: they can).
+
+    Static facts only, for a backend's ``supports`` hook (``attn_common.dispatch``): q's
+    dtype and head dim, and, unless the kernels take packed rows (``packed``), bounds of
+    shape ``[B, U, 4]`` with ``U > 1``. Inputs too malformed to judge give ``None``, so
+    the kernel's own validation names what is wrong. ``args``/``kwargs`` are those of
+    ``ranker_attention(q, k, v, bounds, ...)``; ``kernels`` names them in the message.
+    """
+    if not packed:
+        bounds = args[3] if len(args) > 3 else kwargs.get("bounds")
+        try:
+            b_shape = np.shape(bounds) if bounds is not None else ()
+        except ValueError:  # ragged nested lists
+            b_shape = ()
+        if len(b_shape) == 3 and b_shape[1] > 1:
+            return (
+                f"bounds: got shape {tuple(b_shape)}, i.e. U = {b_shape[1]} users per row; "
+                f"the {kernels} kernels take one user per row ([B, 4]) so far"
+            )
+    q = args[0] if args else kwargs.get("q")
+    dtype, shape = getattr(q, "dtype", None), getattr(q, "shape", None)
+    if dtype is None or shape is None or len(shape) != 4:
+        return None
+    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in dtypes):
+        names = " or ".join(jnp.dtype(d).name for d in dtypes)
+        return f"q: got dtype {jnp.dtype(dtype).name}, the {kernels} kernels take {names}"
+    if shape[-1] not in head_dims:
+        return (
+            f"q: got head dim D = {shape[-1]}, the {kernels} kernels take D in {tuple(head_dims)}"
+        )
+    return None

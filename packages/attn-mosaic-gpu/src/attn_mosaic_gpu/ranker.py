@@ -12,10 +12,9 @@ without atomics, so gradients are bitwise deterministic (checked on an H200).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from attn_common import CapParams, KernelConfig, check_bounds
-from attn_common.ranker import kernel_vjp
+from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_fwd import (
     SUPPORTED_DTYPES,
@@ -78,23 +77,18 @@ def ranker_attention(
 
 
 def supports(op: str, *args, **kwargs) -> str | None:
-    """Why these inputs cannot run on this backend (``None``: they can).
+    """Why these inputs cannot run on this backend's ranker kernels (``None``: they can).
 
     Read by ``attn_common``'s dispatch: with ``implementation=None`` an unsupported call
-    falls back to the next backend (the reference), with a one-time warning. Looks only
-    at static facts: the op, q's dtype and head dim.
+    falls back to the next backend (the reference) with a one-time warning.
     """
     if op != "ranker_attention":
         return f"no {op} kernel for Hopper yet"
-    q = args[0] if args else kwargs.get("q")
-    dtype, shape = getattr(q, "dtype", None), getattr(q, "shape", None)
-    if dtype is None or shape is None or len(shape) != 4:
-        return None  # not an array of rank 4: let the kernel's validation say what is wrong
-    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in SUPPORTED_DTYPES):
-        names = " or ".join(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
-        return f"q: got dtype {jnp.dtype(dtype).name}, the Hopper kernels take {names}"
-    if shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return (
-            f"q: got head dim D = {shape[-1]}, the Hopper kernels take D in {SUPPORTED_HEAD_DIMS}"
-        )
-    return None
+    return unsupported_ranker_inputs(
+        args,
+        kwargs,
+        dtypes=SUPPORTED_DTYPES,
+        head_dims=SUPPORTED_HEAD_DIMS,
+        kernels="Hopper",
+        packed=False,
+    )

@@ -1,0 +1,375 @@
+"""Packed ranker rows: several users per sequence row (varlen), ``bounds [B, U, 4]``.
+
+A packed row holds up to ``U`` users; slot ``u`` of row ``b`` is ``bounds[b, u] =
+(history_lo, history_hi, candidate_lo, candidate_hi)`` of one user, with history
+``H_u = [hl, hu)`` and candidates ``C_u = [cl, cu)``. Query ``i`` may attend key ``j``
+iff some user of the row allows it under the one-user rule (``attn_common.ranker_mask``):
+
+    any over u of  (j in H_u and (i in H_u or i in C_u)) or (i in C_u and j == i)
+
+With disjoint users (below) a token belongs to at most one user, so this is "a token
+attends only within its own user": history -> own history, candidate -> own history +
+itself. ``[B, 4]`` (and ``[4]``, ``SegmentBounds``) is the one-user case ``U = 1``.
+
+Normalization (``normalize_packed_bounds``): values are clipped to ``[0, S]``; an
+inverted or empty segment becomes the canonical ``(0, 0)``, so an unused slot is
+all-zero. The mask of the normalized bounds equals the mask of the raw ones.
+
+The overlap rule (``check_packed_bounds`` under ``debug_checks``; ``validate_packed_bounds``
+on host values): after normalization, for two different users ``u != w`` of a row, every
+non-empty segment of ``u`` is disjoint from every non-empty segment of ``w``. Empty
+segments (so unused all-zero slots) are ignored; a user's own history and candidates
+may overlap, as in the one-user op. Slots may come in any order and gaps between users
+are padding. Overlapping users have a defined result (the union of their masks, which
+every backend computes) but are refused by the checks.
+
+Block ranges (``packed_kv_block_ranges`` / ``packed_q_block_ranges``): the KV blocks a
+query tile must visit are the union over users of the one-user ranges, i.e. of at most
+two block intervals per user (``u``'s history blocks, when the tile holds a query of
+``u``; the blocks of ``u``'s candidates inside the tile). A union of ``2U`` intervals is
+at most ``2U`` maximal runs, so the result is a padded list of ``R = 2U`` runs, sorted
+by first block, pairwise disjoint and non-adjacent (touching runs are merged), empty
+runs last. The bound is tight: a tile spanning ``U`` users whose history and
+candidates are separated by more than a block, with gaps between users, needs ``2U``
+runs. It holds whether or not users overlap (it only counts intervals). The dK/dV
+transpose has the same structure (history keys: every query block of the user's
+history and candidates; candidate keys: their own query blocks).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from attn_common.bounds import SegmentBounds, _as_int_array, _cdiv, ranker_mask
+from attn_common.metadata import is_concrete
+
+__all__ = [
+    "PackedBlockRanges",
+    "check_packed_bounds",
+    "normalize_packed_bounds",
+    "packed_full_kv_steps",
+    "packed_full_q_steps",
+    "packed_kv_block_ranges",
+    "packed_q_block_ranges",
+    "packed_runs_per_tile",
+    "ranker_mask_packed",
+    "validate_packed_bounds",
+]
+
+_RULE = (
+    "users of a row must be disjoint: every non-empty segment (history or candidates) of "
+    "a user must not intersect any non-empty segment of another user of the row"
+)
+
+
+def packed_runs_per_tile(num_users: int) -> int:
+    """``R = 2 U``: the most block runs one tile can need (the tight bound, see above)."""
+    return 2 * max(int(num_users), 1)
+
+
+def _packed_array(bounds) -> jax.Array:
+    """``SegmentBounds`` / int ``[4]`` / ``[B, 4]`` / ``[B, U, 4]`` -> int32 ``[B', U, 4]``."""
+    if isinstance(bounds, SegmentBounds):
+        return bounds.as_array()[:, None, :]
+    arr = _as_int_array(bounds, "bounds")
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim == 2:
+        arr = arr[:, None, :]
+    if arr.ndim != 3 or arr.shape[2] != 4 or arr.shape[1] == 0:
+        raise ValueError(
+            f"bounds: got shape {tuple(arr.shape)}, expected [B, U, 4] (U >= 1 users per row), "
+            "[B, 4] or [4]"
+        )
+    return arr
+
+
+def normalize_packed_bounds(bounds, *, batch: int, seq_len: int) -> jax.Array:
+    """Validate the form of ``bounds`` and return int32 ``[batch, U, 4]``.
+
+    Accepts ``SegmentBounds``, an int array ``[batch, U, 4]`` / ``[1, U, 4]`` or the
+    one-user forms ``[batch, 4]`` / ``[1, 4]`` / ``[4]`` (``U = 1``). Values are clipped
+    to ``[0, seq_len]``; a segment with ``hi <= lo`` becomes ``(0, 0)``, so unused slots
+    are all-zero. Works on traced values (no value checks: see ``check_packed_bounds``).
+    """
+    arr = _packed_array(bounds)
+    if arr.shape[0] not in (1, batch):
+        raise ValueError(f"bounds: got {arr.shape[0]} rows, expected {batch} (the batch size) or 1")
+    arr = jnp.broadcast_to(arr, (batch, *arr.shape[1:]))
+    arr = jnp.clip(arr, 0, seq_len)
+    lo, hi = arr[..., 0::2], arr[..., 1::2]
+    empty = hi <= lo
+    lo = jnp.where(empty, 0, lo)
+    hi = jnp.where(empty, 0, hi)
+    return jnp.stack([lo[..., 0], hi[..., 0], lo[..., 1], hi[..., 1]], axis=-1).astype(jnp.int32)
+
+
+def _overlap_pairs(xp, arr):
+    """``[B, U, U]`` bool: users ``u != w`` have intersecting non-empty segments."""
+    lo, hi = arr[..., 0::2], arr[..., 1::2]  # [B, U, 2]
+    lo_u, hi_u = lo[:, :, None, :, None], hi[:, :, None, :, None]  # [B, U, 1, 2, 1]
+    lo_w, hi_w = lo[:, None, :, None, :], hi[:, None, :, None, :]  # [B, 1, U, 1, 2]
+    hit = (lo_u < hi_w) & (lo_w < hi_u) & (lo_u < hi_u) & (lo_w < hi_w)
+    hit = hit.any(axis=(-1, -2))
+    num_users = arr.shape[1]
+    return hit & ~xp.eye(num_users, dtype=bool)[None]
+
+
+def validate_packed_bounds(bounds, *, batch: int, seq_len: int) -> None:
+    """Host-side overlap rule: raise ``ValueError`` naming the row, the users and their
+    (clipped) values when two users of a row overlap. A no-op on traced bounds."""
+    if isinstance(bounds, SegmentBounds) or not is_concrete(bounds):
+        return  # SegmentBounds holds one user per row: nothing can overlap
+    normalize_packed_bounds(bounds, batch=batch, seq_len=seq_len)  # the form checks
+    arr = np.asarray(bounds)
+    if arr.ndim != 3 or arr.shape[1] < 2:
+        return
+    # numpy only (this may run while a function is traced, e.g. under checkify)
+    arr = np.clip(arr.astype(np.int64), 0, seq_len)
+    arr = np.broadcast_to(arr, (batch, *arr.shape[1:])).copy()
+    lo, hi = arr[..., 0::2], arr[..., 1::2]
+    empty = hi <= lo
+    lo[empty], hi[empty] = 0, 0
+    arr[..., 0::2], arr[..., 1::2] = lo, hi
+    bad = _overlap_pairs(np, arr)
+    if bad.any():
+        b, u, w = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"bounds: row {b}: users {u} {arr[b, u].tolist()} and {w} {arr[b, w].tolist()} "
+            f"(hl, hu, cl, cu after clipping to [0, {seq_len}]) overlap; {_RULE}"
+        )
+
+
+def check_packed_bounds(bounds, *, seq_len: int) -> None:
+    """``checkify`` debug path: every segment in ``0 <= lo <= hi <= S`` and users disjoint.
+
+    The range check is ``check_bounds``' rule applied to every (row, user); the overlap
+    rule is checked on the clipped values. Call it inside ``checkify.checkify`` (the
+    public ops do so with ``debug_checks=True``).
+    """
+    arr = _packed_array(bounds)
+    lo, hi = arr[..., 0::2], arr[..., 1::2]
+    ok = jnp.all((lo >= 0) & (lo <= hi) & (hi <= seq_len), axis=-1)  # [B, U]
+    first = jnp.argmin(ok.reshape(-1))
+    num_users = arr.shape[1]
+    checkify.check(
+        jnp.all(ok),
+        "bounds out of range: need 0 <= lo <= hi <= {S} for every row and user; "
+        "first bad row {r}, user {u}",
+        S=jnp.asarray(seq_len, jnp.int32),
+        r=first // num_users,
+        u=first % num_users,
+    )
+    clipped = normalize_packed_bounds(arr, batch=arr.shape[0], seq_len=seq_len)
+    bad = _overlap_pairs(jnp, clipped)  # [B, U, U]
+    flat = jnp.argmax(bad.reshape(-1))
+    checkify.check(
+        ~jnp.any(bad),
+        "bounds: overlapping users: row {r}, users {u} and {w}; " + _RULE,
+        r=flat // (num_users * num_users),
+        u=(flat // num_users) % num_users,
+        w=flat % num_users,
+    )
+
+
+def ranker_mask_packed(q_idx, kv_idx, bounds):
+    """The packed mask predicate: ``True`` where query ``q_idx`` may attend key ``kv_idx``.
+
+    ``bounds`` is ``[..., U, 4]``; each field ``bounds[..., u, t]`` must broadcast
+    against ``q_idx`` and ``kv_idx`` (e.g. bounds ``[B, 1, 1, U, 4]`` with positions
+    ``[1, S, 1]`` and ``[1, 1, S]`` give ``[B, S, S]``; a kernel passes ``[U, 4]`` of
+    scalars and its tile iotas). The OR over users of ``ranker_mask``.
+    """
+    bounds = jnp.asarray(bounds)
+    allowed = None
+    for u in range(bounds.shape[-2]):
+        m = ranker_mask(q_idx, kv_idx, *(bounds[..., u, t] for t in range(4)))
+        allowed = m if allowed is None else allowed | m
+    return allowed
+
+
+# ------------------------------------------------------------------------------ runs
+
+
+class PackedBlockRanges(NamedTuple):
+    """``R`` runs of block indices per tile, in visiting order (fields ``[..., R]``).
+
+    Run ``r`` visits blocks ``starts[r] .. starts[r] + steps[r] - 1``. Non-empty runs
+    come first, sorted by ``starts``, pairwise disjoint and non-adjacent; empty runs
+    have ``starts = steps = 0``. Step ``s`` (``0 <= s < total_steps``) visits
+    ``block_at(s)``; no block appears twice.
+    """
+
+    starts: jax.Array
+    steps: jax.Array
+
+    @property
+    def num_runs(self) -> int:
+        return self.starts.shape[-1]
+
+    @property
+    def total_steps(self):
+        return jnp.sum(self.steps, axis=-1)
+
+    @property
+    def offsets(self):
+        """``[..., R]`` first step of each run (exclusive prefix sum of ``steps``)."""
+        return jnp.cumsum(self.steps, axis=-1) - self.steps
+
+    def block_at(self, step):
+        """The block of ``step``; ``step`` broadcasts against the leading dims.
+
+        A chain of ``R - 1`` selects over the runs (scalar-friendly for kernels). Steps
+        past ``total_steps`` give the last run's block continued (callers clamp)."""
+        offsets = self.offsets
+        block = self.starts[..., 0] + step
+        for r in range(1, self.num_runs):
+            take = (step >= offsets[..., r]) & (self.steps[..., r] > 0)
+            block = jnp.where(take, self.starts[..., r] + (step - offsets[..., r]), block)
+        return block
+
+    def blocks_to_steps(self, block_lo, block_hi):
+        """Steps ``[lo, hi)`` visiting blocks ``[block_lo, block_hi)`` when that interval
+        lies in one run; clipped to the run holding ``block_lo``, empty if none does."""
+        offsets = self.offsets
+        lo = jnp.zeros_like(block_lo + self.starts[..., 0])
+        hi = lo
+        for r in range(self.num_runs):
+            start, n = self.starts[..., r], self.steps[..., r]
+            inside = (block_hi > block_lo) & (block_lo >= start) & (block_lo < start + n)
+            r_lo = offsets[..., r] + (block_lo - start)
+            r_hi = offsets[..., r] + (jnp.minimum(block_hi, start + n) - start)
+            lo = jnp.where(inside, r_lo, lo)
+            hi = jnp.where(inside, r_hi, hi)
+        return lo, hi
+
+
+def _union_runs(lo, hi) -> PackedBlockRanges:
+    """Union of intervals ``[lo, hi)`` (``[..., n]``; ``hi <= lo`` is empty) as ``n`` runs."""
+    n = lo.shape[-1]
+    empty = hi <= lo
+    big = jnp.iinfo(jnp.int32).max
+    key = jnp.where(empty, big, lo)
+    order = jnp.argsort(key, axis=-1, stable=True)
+    lo = jnp.take_along_axis(key, order, axis=-1)
+    hi = jnp.take_along_axis(jnp.where(empty, big, hi), order, axis=-1)
+    valid = lo < big
+    reach = jax.lax.cummax(hi, axis=hi.ndim - 1)
+    prev = jnp.concatenate([jnp.full_like(reach[..., :1], -1), reach[..., :-1]], axis=-1)
+    new_run = valid & (lo > prev)  # touching intervals (lo == prev reach) merge
+    run_id = jnp.cumsum(new_run, axis=-1) - 1  # [..., n]
+    # Run r: first block = lo of its first member, end = max hi of its members.
+    r_ids = jnp.arange(n, dtype=run_id.dtype)
+    member = valid[..., None, :] & (run_id[..., None, :] == r_ids[:, None])  # [..., R, n]
+    starts = jnp.min(jnp.where(member, lo[..., None, :], big), axis=-1)
+    ends = jnp.max(jnp.where(member, hi[..., None, :], 0), axis=-1)
+    used = member.any(axis=-1)
+    starts = jnp.where(used, starts, 0).astype(jnp.int32)
+    steps = jnp.where(used, ends - starts, 0).astype(jnp.int32)
+    return PackedBlockRanges(starts=starts, steps=steps)
+
+
+def _fields(bounds, *tile):
+    """Bounds ``[..., U, 4]`` -> four ``[..., U]`` fields, tile ends -> ``[..., 1]``."""
+    bounds = jnp.asarray(bounds, jnp.int32)
+    fields = tuple(bounds[..., t] for t in range(4))
+    return fields, tuple(jnp.asarray(x, jnp.int32)[..., None] for x in tile)
+
+
+def _overlaps(lo, hi, seg_lo, seg_hi):
+    return (lo < seg_hi) & (hi > seg_lo) & (seg_lo < seg_hi) & (lo < hi)
+
+
+def _block_interval(ok, lo, hi, block):
+    return jnp.where(ok, lo // block, 0), jnp.where(ok, _cdiv(hi, block), 0)
+
+
+def packed_kv_block_ranges(bounds, q_start, q_end, block_kv: int) -> PackedBlockRanges:
+    """KV blocks (of ``block_kv`` keys) that query rows ``[q_start, q_end)`` must visit.
+
+    ``bounds`` ``[..., U, 4]`` (normalized or not: empty segments are ignored); the
+    tile ends broadcast against ``bounds``' leading dims ``[...]``. Exactly the blocks
+    holding at least one allowed (query in tile, key) pair, each once, as ``2U`` runs.
+    For ``U = 1`` the same blocks as ``ranker_kv_block_ranges`` (sorted).
+    """
+    (hl, hu, cl, cu), (qs, qe) = _fields(bounds, q_start, q_end)
+    tile_attends = _overlaps(qs, qe, hl, hu) | _overlaps(qs, qe, cl, cu)
+    h0, h1 = _block_interval(tile_attends & (hl < hu), hl, hu, block_kv)
+    self_lo, self_hi = jnp.maximum(cl, qs), jnp.minimum(cu, qe)
+    c0, c1 = _block_interval(self_lo < self_hi, self_lo, self_hi, block_kv)
+    return _union_runs(jnp.concatenate([h0, c0], -1), jnp.concatenate([h1, c1], -1))
+
+
+def packed_q_block_ranges(bounds, kv_start, kv_end, block_q: int) -> PackedBlockRanges:
+    """Query blocks (of ``block_q`` rows) that key rows ``[kv_start, kv_end)`` must visit.
+
+    The transpose of ``packed_kv_block_ranges``, for dK/dV: a user's history keys are
+    read by every history and candidate query of that user; a candidate key by its own
+    query only. ``2U`` runs; for ``U = 1`` the blocks of ``ranker_q_block_ranges``.
+    """
+    (hl, hu, cl, cu), (ks, ke) = _fields(bounds, kv_start, kv_end)
+    has_hist = _overlaps(ks, ke, hl, hu)
+    h0, h1 = _block_interval(has_hist, hl, hu, block_q)
+    c_lo = jnp.where(has_hist, cl, jnp.maximum(cl, ks))
+    c_hi = jnp.where(has_hist, cu, jnp.minimum(cu, ke))
+    c0, c1 = _block_interval(c_lo < c_hi, c_lo, c_hi, block_q)
+    return _union_runs(jnp.concatenate([h0, c0], -1), jnp.concatenate([h1, c1], -1))
+
+
+def _overlap_len(lo, hi, seg_lo, seg_hi):
+    return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
+
+
+def _widest(ok, b0, b1):
+    """Among users where ``ok`` (``[..., U]``), the block interval with the most blocks."""
+    n = jnp.where(ok, jnp.maximum(b1 - b0, 0), 0)
+    pick = jnp.argmax(n, axis=-1)[..., None]
+    lo = jnp.take_along_axis(jnp.where(ok, b0, 0), pick, axis=-1)[..., 0]
+    hi = jnp.take_along_axis(jnp.where(ok, b1, 0), pick, axis=-1)[..., 0]
+    has = jnp.take_along_axis(n, pick, axis=-1)[..., 0] > 0
+    return jnp.where(has, lo, 0), jnp.where(has, hi, 0)
+
+
+def packed_full_kv_steps(ranges: PackedBlockRanges, bounds, q_start, q_end, block_kv: int):
+    """Steps ``[lo, hi)`` of ``ranges`` whose KV block every row of ``[q_start, q_end)``
+    may attend in full, so a kernel can skip the mask there.
+
+    ``ranges`` are ``packed_kv_block_ranges`` of a tile containing the rows (it may be
+    larger). A block is fully allowed for the rows when some user ``u`` holds every row
+    in ``H_u`` or ``C_u`` and the block lies inside ``H_u``; those blocks are contiguous,
+    hence one step interval. Sound for any bounds; for disjoint users and
+    ``q_end - q_start >= 2`` it is every fully allowed step (rows of two users share no
+    allowed key, and a non-history key is seen by one row only).
+    """
+    (hl, hu, cl, cu), (qs, qe) = _fields(bounds, q_start, q_end)
+    rows = qe - qs
+    n_hist = _overlap_len(qs, qe, hl, hu)
+    n_cand = _overlap_len(qs, qe, cl, cu)
+    n_both = _overlap_len(qs, qe, jnp.maximum(hl, cl), jnp.minimum(hu, cu))
+    rows_full = (rows > 0) & (n_hist + n_cand - n_both == rows)
+    b0, b1 = _widest(rows_full, _cdiv(hl, block_kv), hu // block_kv)
+    return ranges.blocks_to_steps(b0, b1)
+
+
+def packed_full_q_steps(ranges: PackedBlockRanges, bounds, kv_start, kv_end, block_q: int):
+    """Steps ``[lo, hi)`` of ``ranges`` whose query block attends every key of
+    ``[kv_start, kv_end)`` (the transpose of ``packed_full_kv_steps``).
+
+    When every key lies in ``H_u`` for a user ``u``, the counted blocks are those inside
+    ``H_u``, or inside ``H_u`` + ``C_u`` when the two touch (the ranker layouts); one
+    step interval. As ``ranker_full_q_steps``: blocks made only of candidate rows across a
+    gap from the history are left to the masked path.
+    """
+    (hl, hu, cl, cu), (ks, ke) = _fields(bounds, kv_start, kv_end)
+    keys_hist = (ke > ks) & (ks >= hl) & (ke <= hu)
+    has_cand = cl < cu
+    touch = has_cand & (cl <= hu) & (hl <= cu)
+    rows_lo = jnp.where(touch, jnp.minimum(hl, cl), hl)
+    rows_hi = jnp.where(touch, jnp.maximum(hu, cu), hu)
+    b0, b1 = _widest(keys_hist, _cdiv(rows_lo, block_q), rows_hi // block_q)
+    return ranges.blocks_to_steps(b0, b1)
