@@ -95,17 +95,24 @@ def ranker_oracle(q, k, v, bounds, sm_scale=None, cap_method=None, cap_value=Non
 
     ``bounds``: ``[B, 4]`` or ``[4]``. Rows with no allowed key: out 0, lse -inf.
     """
+    seq_len = np.shape(q)[1]
+    rows = _bounds_rows(bounds, np.shape(q)[0])
+    masks = [ranker_allowed(row, seq_len) for row in rows]
+    return _oracle_from_masks(q, k, v, masks, sm_scale, cap_method, cap_value)
+
+
+def _oracle_from_masks(q, k, v, masks, sm_scale, cap_method, cap_value):
+    """Masked softmax attention in float64 with one ``[S, S]`` mask per batch row."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     batch, seq_len, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     assert q_heads % kv_heads == 0
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    rows = _bounds_rows(bounds, batch)
     out = np.zeros_like(q)
     lse = np.full((batch, q_heads, seq_len), -np.inf)
     for b in range(batch):
-        allowed = ranker_allowed(rows[b], seq_len)
+        allowed = masks[b]
         for h in range(q_heads):
             kh = h // group
             s = apply_cap((q[b, :, h] @ k[b, :, kh].T) * scale, cap_method, cap_value)
@@ -125,16 +132,22 @@ def ranker_oracle_grad(
       ds = dy * cap'(s);  dq_i = scale sum_j ds_ij k_j;  dk_j = scale sum_i ds_ij q_i.
     GQA: dk, dv sum over the query heads of a group. Returns (dq, dk, dv).
     """
+    seq_len = np.shape(q)[1]
+    rows = _bounds_rows(bounds, np.shape(q)[0])
+    masks = [ranker_allowed(row, seq_len) for row in rows]
+    return _oracle_grad_from_masks(q, k, v, masks, d_out, d_lse, sm_scale, cap_method, cap_value)
+
+
+def _oracle_grad_from_masks(q, k, v, masks, d_out, d_lse, sm_scale, cap_method, cap_value):
     q, k, v = _f64(q), _f64(k), _f64(v)
     d_out, d_lse = _f64(d_out), _f64(d_lse)
-    batch, seq_len, q_heads, head_dim = q.shape
+    batch, _, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    rows = _bounds_rows(bounds, batch)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for b in range(batch):
-        allowed = ranker_allowed(rows[b], seq_len)
+        allowed = masks[b]
         for h in range(q_heads):
             kh = h // group
             s = (q[b, :, h] @ k[b, :, kh].T) * scale
@@ -149,6 +162,62 @@ def ranker_oracle_grad(
             dq[b, :, h] = scale * ds @ k[b, :, kh]
             dk[b, :, kh] += scale * ds.T @ q[b, :, h]
     return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------
+# Packed rows: several users per row (bounds [B, U, 4])
+
+
+def ranker_allowed_packed(users, seq_len: int) -> np.ndarray:
+    """``[S, S]`` bool for one packed row, ``users [U, 4]`` = per-user (hl, hu, cl, cu).
+
+    Written from the packed rule "a token attends only within its own user": each
+    position has at most one owner (the user whose history or candidates hold it; the
+    users must be disjoint, which is asserted); an owned query ``i`` of user ``u`` sees
+    ``u``'s history keys, and itself when it is one of ``u``'s candidates. Bounds are
+    used as written (``[lo, hi)`` over ``0 <= j < S``), so out-of-range values act as
+    clipped, inverted segments as empty, all-zero slots as unused.
+    """
+    users = [tuple(int(x) for x in u) for u in np.asarray(users).reshape(-1, 4)]
+    owner = [None] * seq_len
+    for u, (hl, hu, cl, cu) in enumerate(users):
+        for t in range(seq_len):
+            if hl <= t < hu or cl <= t < cu:
+                assert owner[t] in (None, u), f"position {t}: users {owner[t]} and {u} overlap"
+                owner[t] = u
+    allowed = np.zeros((seq_len, seq_len), dtype=bool)
+    for i in range(seq_len):
+        if owner[i] is None:
+            continue
+        hl, hu, cl, cu = users[owner[i]]
+        for j in range(seq_len):
+            allowed[i, j] = (hl <= j < hu) or (cl <= i < cu and j == i)
+    return allowed
+
+
+def _packed_masks(bounds, batch: int, seq_len: int):
+    b = np.asarray(bounds, dtype=np.int64)
+    if b.ndim == 2:
+        b = b[:, None, :]
+    if b.shape[0] == 1:
+        b = np.repeat(b, batch, axis=0)
+    assert b.ndim == 3 and b.shape[0] == batch and b.shape[2] == 4, b.shape
+    return [ranker_allowed_packed(b[r], seq_len) for r in range(batch)]
+
+
+def ranker_oracle_packed(q, k, v, bounds, sm_scale=None, cap_method=None, cap_value=None):
+    """Packed ranker attention in float64 (``bounds [B, U, 4]``, ``[1, U, 4]`` or
+    ``[B, 4]``): ``out [B,S,Hq,D]``, ``lse [B,Hq,S]``; rows with no key: 0 and -inf."""
+    masks = _packed_masks(bounds, np.shape(q)[0], np.shape(q)[1])
+    return _oracle_from_masks(q, k, v, masks, sm_scale, cap_method, cap_value)
+
+
+def ranker_oracle_packed_grad(
+    q, k, v, bounds, d_out, d_lse, sm_scale=None, cap_method=None, cap_value=None
+):
+    """The hand-derived float64 backward (see ``ranker_oracle_grad``) for packed rows."""
+    masks = _packed_masks(bounds, np.shape(q)[0], np.shape(q)[1])
+    return _oracle_grad_from_masks(q, k, v, masks, d_out, d_lse, sm_scale, cap_method, cap_value)
 
 
 def _attend_tokens(q_sh, keys, dv: int, scale: float):

@@ -166,7 +166,8 @@ def test_normalize_bounds_int_dtypes():
         (np.zeros((3, 4), np.int32), ValueError),  # wrong row count (batch 2)
         (np.zeros((2, 5), np.int32), ValueError),  # wrong width
         (np.zeros((3,), np.int32), ValueError),  # [3] is not [4]
-        (np.zeros((2, 2, 4), np.int32), ValueError),  # rank 3
+        (np.zeros((2, 2, 4), np.int32), NotImplementedError),  # packed, U = 2
+        (np.zeros((2, 2, 5), np.int32), ValueError),  # rank 3, not [B, U, 4]
         (np.zeros((), np.int32), ValueError),  # rank 0
         (np.zeros((2, 4), np.float32), TypeError),  # float dtype
         (np.zeros((2, 4), bool), TypeError),  # bool dtype
@@ -177,6 +178,17 @@ def test_normalize_bounds_int_dtypes():
 def test_normalize_bounds_rejects(bounds, exc):
     with pytest.raises(exc, match="bounds"):
         normalize_bounds(bounds, batch=2, seq_len=8)
+
+
+def test_normalize_bounds_one_user_packed():
+    """``[B, 1, 4]`` is ``[B, 4]``; U > 1 is refused here (attn_common.packed takes it)."""
+    raw = np.array([[[-1, 4, 4, 12]], [[3, 2, 5, 7]]], np.int32)
+    got = normalize_bounds(raw, batch=2, seq_len=10)
+    np.testing.assert_array_equal(np.asarray(got), normalize_np(raw[:, 0], 10))
+    err, _ = _checked(10)(jnp.asarray(raw))
+    assert "first bad row 0" in err.get()
+    with pytest.raises(NotImplementedError, match="U = 3 users per row"):
+        check_bounds(np.zeros((2, 3, 4), np.int32), seq_len=10)
 
 
 def test_normalize_bounds_traced():

@@ -16,14 +16,15 @@ name the argument, the value and the rule.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from attn_common import CapParams, KernelConfig, check_bounds
-from attn_common.ranker import kernel_vjp
+from attn_common.packed import check_packed_bounds
+from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
 from attn_pallas_tpu.ranker_bwd import ranker_attention_bwd
 from attn_pallas_tpu.ranker_fwd import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    is_packed,
     prepare,
     ranker_attention_fwd,
 )
@@ -53,8 +54,10 @@ def ranker_attention(
       q: ``[B, S, Hq, D]`` bf16 or fp32; k, v: ``[B, S, Hkv, D]`` same dtype,
         ``Hq % Hkv == 0``; D in {64, 128, 256}; any ``S``.
       bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]`` = (history_lo, history_hi,
-        candidate_lo, candidate_hi); traced data (one compile serves every batch),
-        clipped to ``[0, S]``.
+        candidate_lo, candidate_hi), or packed ``[B, U, 4]`` (``U`` users per row,
+        ``attn_common.packed``: the step tables hold ``2U`` block runs per tile and the
+        mask is the OR over the row's users); traced data (one compile per ``U`` serves
+        every batch), clipped to ``[0, S]``; overlapping users refused on host values.
       sm_scale: logit scale, default ``1/sqrt(D)``. cap: ``CapParams`` or ``None``.
       config: ``KernelConfig`` (block_q, block_kv: multiples of 128), shared by the
         forward and both backward kernels; default ``ranker_fwd.default_config(S, D)``.
@@ -62,8 +65,8 @@ def ranker_attention(
         with no allowed key).
       interpret: ``True`` or a ``pltpu.InterpretParams``: run the kernels in Pallas TPU
         interpret mode (CPU).
-      debug_checks: emit ``checkify`` checks that the bounds are in range (wrap the call
-        in ``jax.experimental.checkify.checkify``).
+      debug_checks: emit ``checkify`` checks that the bounds are in range and (packed)
+        that users are disjoint (wrap the call in ``jax.experimental.checkify.checkify``).
 
     Returns ``out [B, S, Hq, D]`` in q's dtype, or ``(out, lse)``. Differentiable in q,
     k, v (``jax.grad`` / ``jax.vjp``), including through ``lse``.
@@ -71,7 +74,8 @@ def ranker_attention(
     # Validate eagerly (before custom_vjp traces anything) so errors name the argument.
     prepare(q, k, v, bounds, sm_scale=sm_scale, cap=cap, config=config)
     if debug_checks:
-        check_bounds(bounds, seq_len=q.shape[1])
+        check = check_packed_bounds if is_packed(bounds) else check_bounds
+        check(bounds, seq_len=q.shape[1])
     if isinstance(interpret, bool) and not interpret:
         interpret = False
     kwargs = (
@@ -85,23 +89,18 @@ def ranker_attention(
 
 
 def supports(op: str, *args, **kwargs) -> str | None:
-    """Why these inputs cannot run on this backend (``None``: they can).
+    """Why these inputs cannot run on this backend's ranker kernels (``None``: they can).
 
-    Read by ``attn_common``'s dispatch for every op this backend exports; only the ranker
-    kernels restrict inputs here (q's dtype and head dim, static facts only).
+    Read by ``attn_common``'s dispatch: with ``implementation=None`` an unsupported call
+    falls back to the next backend (the reference) with a one-time warning.
     """
     if op != "ranker_attention":
         return None
-    q = args[0] if args else kwargs.get("q")
-    dtype, shape = getattr(q, "dtype", None), getattr(q, "shape", None)
-    if dtype is None or shape is None or len(shape) != 4:
-        return None  # not a rank-4 array: the kernel's validation says what is wrong
-    if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in SUPPORTED_DTYPES):
-        names = " or ".join(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
-        return f"q: got dtype {jnp.dtype(dtype).name}, the TPU ranker kernels take {names}"
-    if shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return (
-            f"q: got head dim D = {shape[-1]}, the TPU ranker kernels take D in "
-            f"{SUPPORTED_HEAD_DIMS}"
-        )
-    return None
+    return unsupported_ranker_inputs(
+        args,
+        kwargs,
+        dtypes=SUPPORTED_DTYPES,
+        head_dims=SUPPORTED_HEAD_DIMS,
+        kernels="TPU ranker",
+        packed=True,
+    )

@@ -95,8 +95,8 @@ def _build_dq_kernel(st: RankerStatic):
 
     def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc):
         b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-        steps = TileSteps(tab_ref, b * st.q_tiles + i)
-        bounds = read_bounds(bounds_ref, b)
+        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
+        bounds = read_bounds(bounds_ref, b, st.users)
 
         @pl.when(j == 0)
         def _init():
@@ -137,8 +137,8 @@ def _build_dkv_kernel(st: RankerStatic):
         dk_ref, dv_ref, dk_acc, dv_acc,
     ):  # fmt: skip
         b, t, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-        steps = TileSteps(tab_ref, b * st.kv_tiles + t)
-        bounds = read_bounds(bounds_ref, b)
+        steps = TileSteps(tab_ref, b * st.kv_tiles + t, st.runs)
+        bounds = read_bounds(bounds_ref, b, st.users)
         s = lax.rem(j, q_steps)
 
         @pl.when(j == 0)
@@ -186,7 +186,7 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
         return b, h, i
 
     def kv_index(b, h, i, j, bounds_ref, tab_ref):
-        steps = TileSteps(tab_ref, b * st.q_tiles + i)
+        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
         return b, lax.div(h, group), steps.clamped_block(j)
 
     q_spec = row_block_spec(st, st.block_q, q_index)
@@ -213,7 +213,7 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
         return b, g, t
 
     def head_q_index(b, g, t, j, bounds_ref, tab_ref):
-        steps = TileSteps(tab_ref, b * st.kv_tiles + t)
+        steps = TileSteps(tab_ref, b * st.kv_tiles + t, st.runs)
         head = g * group + lax.div(j, q_steps)
         return b, head, steps.clamped_block(lax.rem(j, q_steps))
 

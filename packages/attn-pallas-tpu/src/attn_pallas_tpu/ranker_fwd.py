@@ -60,6 +60,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -67,6 +68,7 @@ from jax.experimental.pallas import tpu as pltpu
 from attn_common import (
     CapParams,
     KernelConfig,
+    SegmentBounds,
     cap_forward,
     check_ranker_inputs,
     normalize_bounds,
@@ -75,6 +77,15 @@ from attn_common import (
     ranker_kv_block_ranges,
     ranker_mask,
     ranker_q_block_ranges,
+)
+from attn_common.packed import (
+    normalize_packed_bounds,
+    packed_full_kv_steps,
+    packed_full_q_steps,
+    packed_kv_block_ranges,
+    packed_q_block_ranges,
+    packed_runs_per_tile,
+    validate_packed_bounds,
 )
 from attn_pallas_tpu._prep import resolve_interpret
 
@@ -141,6 +152,13 @@ class RankerStatic:
     cap: CapParams
     block_q: int
     block_kv: int
+    users: int = 0  # 0: one user per row, bounds [B, 4]; U >= 1: packed [B, U, 4]
+
+    @property
+    def runs(self) -> int:
+        """Block runs per tile in the step tables: 0 (the two-run one-user layout) or
+        ``2U`` (packed, ``attn_common.packed``)."""
+        return packed_runs_per_tile(self.users) if self.users else 0
 
     @property
     def group(self) -> int:
@@ -160,7 +178,7 @@ class RankerStatic:
         return self.head_dim % LANES == 0
 
 
-def make_static(problem, config: KernelConfig) -> RankerStatic:
+def make_static(problem, config: KernelConfig, users: int = 0) -> RankerStatic:
     lcm = math.lcm(config.block_q, config.block_kv)
     return RankerStatic(
         batch=problem.batch,
@@ -172,6 +190,7 @@ def make_static(problem, config: KernelConfig) -> RankerStatic:
         cap=problem.cap,
         block_q=config.block_q,
         block_kv=config.block_kv,
+        users=users,
     )
 
 
@@ -263,9 +282,30 @@ def _pack(ranges, full_lo, full_hi):
     return jnp.stack([jnp.asarray(c, jnp.int32) for c in cols], axis=-1).reshape(-1)
 
 
+def table_words(runs: int) -> int:
+    """Words per tile of a step table: 8 (one user) or ``2 R + 2`` (packed, R runs)."""
+    return 2 * runs + 2 if runs else TABLE_WORDS
+
+
+def _pack_runs(ranges, full_lo, full_hi):
+    """Packed layout per tile: ``starts[R], ends[R]`` (cumulative step counts: run ``r``
+    covers steps ``[ends[r-1], ends[r])``), ``full_lo, full_hi``."""
+    ends = jnp.cumsum(ranges.steps, axis=-1)
+    cols = [ranges.starts, ends, full_lo[..., None], full_hi[..., None]]
+    return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1).reshape(-1)
+
+
 def kv_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * q_tiles * 8]``: per (b, q tile) ``first_start, first_steps,
-    second_start, second_steps, full_lo, full_hi, 0, 0`` of its KV block ranges."""
+    second_start, second_steps, full_lo, full_hi, 0, 0`` of its KV block ranges.
+    Packed bounds ``[B, U, 4]`` (``st.users``): ``[B * q_tiles * (4U + 2)]`` in the
+    ``_pack_runs`` layout, from ``attn_common.packed_kv_block_ranges``."""
+    if st.users:
+        q0 = jnp.arange(st.q_tiles, dtype=jnp.int32)[None] * st.block_q
+        rows = bounds[:, None]
+        ranges = packed_kv_block_ranges(rows, q0, q0 + st.block_q, st.block_kv)
+        lo, hi = packed_full_kv_steps(ranges, rows, q0, q0 + st.block_q, st.block_kv)
+        return _pack_runs(ranges, lo, hi)
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
     q0 = jnp.arange(st.q_tiles, dtype=jnp.int32)[None] * st.block_q
     q1 = q0 + st.block_q
@@ -276,7 +316,14 @@ def kv_step_table(bounds, st: RankerStatic) -> jax.Array:
 
 def q_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * kv_tiles * 8]``: the same fields for the query block ranges of each
-    (b, kv tile) (``ranker_q_block_ranges`` / ``ranker_full_q_steps``), for dK/dV."""
+    (b, kv tile) (``ranker_q_block_ranges`` / ``ranker_full_q_steps``), for dK/dV;
+    packed bounds as in ``kv_step_table``."""
+    if st.users:
+        k0 = jnp.arange(st.kv_tiles, dtype=jnp.int32)[None] * st.block_kv
+        rows = bounds[:, None]
+        ranges = packed_q_block_ranges(rows, k0, k0 + st.block_kv, st.block_q)
+        lo, hi = packed_full_q_steps(ranges, rows, k0, k0 + st.block_kv, st.block_q)
+        return _pack_runs(ranges, lo, hi)
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
     k0 = jnp.arange(st.kv_tiles, dtype=jnp.int32)[None] * st.block_kv
     k1 = k0 + st.block_kv
@@ -286,10 +333,18 @@ def q_step_table(bounds, st: RankerStatic) -> jax.Array:
 
 
 class TileSteps:
-    """One tile's row of a step table, read from SMEM (scalars)."""
+    """One tile's row of a step table, read from SMEM (scalars). ``runs`` is
+    ``RankerStatic.runs``: 0 for the one-user layout, ``2U`` for packed tables."""
 
-    def __init__(self, tab_ref, tile):
-        base = tile * TABLE_WORDS
+    def __init__(self, tab_ref, tile, runs: int = 0):
+        self.runs = runs
+        base = tile * table_words(runs)
+        if runs:
+            self.starts = [tab_ref[base + r] for r in range(runs)]
+            self.ends = [tab_ref[base + runs + r] for r in range(runs)]
+            self.full_lo = tab_ref[base + 2 * runs]
+            self.full_hi = tab_ref[base + 2 * runs + 1]
+            return
         self.first_start = tab_ref[base]
         self.first_steps = tab_ref[base + 1]
         self.second_start = tab_ref[base + 2]
@@ -299,9 +354,17 @@ class TileSteps:
 
     @property
     def total(self):
+        if self.runs:
+            return self.ends[-1]
         return self.first_steps + self.second_steps
 
     def block_at(self, step):
+        if self.runs:  # runs are sorted and empty ones last: a chain of selects
+            block = self.starts[0] + step
+            for r in range(1, self.runs):
+                prev = self.ends[r - 1]
+                block = jnp.where(step >= prev, self.starts[r] + (step - prev), block)
+            return block
         return jnp.where(
             step < self.first_steps,
             self.first_start + step,
@@ -317,7 +380,12 @@ class TileSteps:
         return (step >= self.full_lo) & (step < self.full_hi)
 
 
-def read_bounds(bounds_ref, b):
+def read_bounds(bounds_ref, b, users: int = 0):
+    """Row ``b``'s bounds from SMEM: 4 scalars, or (packed) ``U`` tuples of 4."""
+    if users:
+        return tuple(
+            tuple(bounds_ref[(b * users + u) * 4 + t] for t in range(4)) for u in range(users)
+        )
     return tuple(bounds_ref[b * 4 + t] for t in range(4))
 
 
@@ -330,6 +398,12 @@ def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
     """Ranker mask of a tile whose query positions run along ``q_axis``."""
     q_ids = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     kv_ids = kv0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    if bounds and isinstance(bounds[0], tuple):  # packed: OR over the row's users
+        allowed = None
+        for user in bounds:
+            m = ranker_mask(q_ids, kv_ids, *user)
+            allowed = m if allowed is None else allowed | m
+        return allowed
     return ranker_mask(q_ids, kv_ids, *bounds)
 
 
@@ -342,8 +416,8 @@ def _build_fwd_kernel(st: RankerStatic):
 
     def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
         b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-        steps = TileSteps(tab_ref, b * st.q_tiles + i)
-        bounds = read_bounds(bounds_ref, b)
+        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
+        bounds = read_bounds(bounds_ref, b, st.users)
 
         @pl.when(j == 0)
         def _init():
@@ -385,7 +459,8 @@ def _build_fwd_kernel(st: RankerStatic):
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
-    """q/k/v in kernel layout; bounds clipped int32 ``[B, 4]``. Returns (out, lse)."""
+    """q/k/v in kernel layout; bounds clipped int32 ``[B, 4]`` (or ``[B, U, 4]``).
+    Returns (out, lse)."""
     group = st.group
     tab = kv_step_table(bounds, st)
 
@@ -393,7 +468,7 @@ def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
         return b, h, i
 
     def kv_index(b, h, i, j, bounds_ref, tab_ref):
-        steps = TileSteps(tab_ref, b * st.q_tiles + i)
+        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
         return b, lax.div(h, group), steps.clamped_block(j)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -438,8 +513,17 @@ def prepare(q, k, v, bounds, *, sm_scale, cap, config):
     if config is None:
         config = default_config(problem.seq_len, problem.head_dim)
     validate_config(config)
+    if is_packed(bounds):
+        clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+        validate_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+        return problem, make_static(problem, config, users=clipped.shape[1]), clipped
     clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
     return problem, make_static(problem, config), clipped
+
+
+def is_packed(bounds) -> bool:
+    """Packed bounds ``[B, U, 4]`` (several users per row, ``attn_common.packed``)."""
+    return not isinstance(bounds, SegmentBounds) and len(np.shape(bounds)) == 3
 
 
 def ranker_attention_fwd(
@@ -459,8 +543,8 @@ def ranker_attention_fwd(
     Args:
       q: ``[B, S, Hq, D]`` bf16 or fp32; k, v: ``[B, S, Hkv, D]`` same dtype,
         ``Hq % Hkv == 0``; D in {64, 128, 256}. Any ``S``.
-      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]``; traced data, clipped
-        to ``[0, S]``.
+      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]``, or packed ``[B, U, 4]``
+        (``U`` users per row, ``attn_common.packed``); traced data, clipped to ``[0, S]``.
       sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
       cap: ``CapParams`` (none, tanh, soft_sign) or ``None``.
       config: ``KernelConfig``; ``block_q`` and ``block_kv`` must be multiples of 128

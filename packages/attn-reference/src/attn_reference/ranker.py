@@ -15,15 +15,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attn_common import (
     CapParams,
     KernelConfig,
+    SegmentBounds,
     cap_forward,
     check_bounds,
     check_ranker_inputs,
-    normalize_bounds,
-    ranker_mask,
+)
+from attn_common.packed import (
+    check_packed_bounds,
+    normalize_packed_bounds,
+    ranker_mask_packed,
+    validate_packed_bounds,
 )
 
 # Largest score chunk [B, Hq, chunk, S] the reference materialises at once (elements).
@@ -39,7 +45,7 @@ def _query_chunk(batch: int, q_heads: int, seq_len: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "cap", "chunk"))
 def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk: int):
-    """q ``[B,S,Hq,D]``, k/v ``[B,S,Hkv,D]``, clipped bounds ``[B,4]`` -> out, lse."""
+    """q ``[B,S,Hq,D]``, k/v ``[B,S,Hkv,D]``, normalized bounds ``[B,U,4]`` -> out, lse."""
     batch, seq_len, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     group = q_heads // kv_heads
@@ -53,14 +59,14 @@ def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk
     q_pos = jnp.arange(n_chunks * chunk, dtype=jnp.int32).reshape(n_chunks, chunk)
     kc, vc = k.astype(compute), v.astype(compute)
     kv_pos = jnp.arange(seq_len, dtype=jnp.int32)
-    hl, hu, cl, cu = (bounds[:, i, None, None] for i in range(4))
+    row_bounds = bounds[:, None, None]  # [B, 1, 1, U, 4]: fields broadcast to [B, c, S]
 
     @jax.checkpoint
     def attend_chunk(args):
         q_blk, pos = args  # [B, c, Hkv, G, D], [c]
         s = jnp.einsum("bqhgd,bkhd->bhgqk", q_blk, kc, precision=jax.lax.Precision.HIGHEST)
         s = cap_forward(s * sm_scale, cap)
-        allowed = ranker_mask(pos[None, :, None], kv_pos[None, None, :], hl, hu, cl, cu)
+        allowed = ranker_mask_packed(pos[None, :, None], kv_pos[None, None, :], row_bounds)
         s = jnp.where(allowed[:, None, None], s, -jnp.inf)  # [B, Hkv, G, c, S]
         m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
         m = jnp.where(jnp.isfinite(m), m, 0.0)  # empty row: exp(-inf - 0) = 0, not NaN
@@ -99,14 +105,18 @@ def ranker_attention(
     Args:
       q: ``[B, S, Hq, D]`` float. k, v: ``[B, S, Hkv, D]``, same dtype, ``Hq % Hkv == 0``.
       bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]`` = (history_lo,
-        history_hi, candidate_lo, candidate_hi); data, so it may be traced. Values are
-        clipped to ``[0, S]``.
+        history_hi, candidate_lo, candidate_hi); or packed ``[B, U, 4]`` / ``[1, U, 4]``:
+        ``U`` users per row, each with its own segments, a token attending only within
+        its own user (``attn_common.packed``; unused slots all-zero). Data, so it may be
+        traced. Values are clipped to ``[0, S]``. Overlapping users are refused: host
+        values raise ``ValueError``; traced ones are reported under ``debug_checks``.
       sm_scale: logit scale, default ``1/sqrt(D)``.
       cap: ``CapParams`` soft cap applied after scaling, or ``None``.
       config: accepted for API parity with the kernels; the reference has no tiling.
       return_lse: also return ``lse [B, Hq, S]`` float32 (natural log; ``-inf`` for rows
         with no allowed key).
-      debug_checks: emit ``checkify`` checks that bounds are in range (wrap the call in
+      debug_checks: emit ``checkify`` checks that bounds are in range and, for packed
+        bounds, that users are disjoint (wrap the call in
         ``jax.experimental.checkify.checkify`` to receive them).
       interpret: accepted and ignored, so one call site serves every backend.
 
@@ -118,9 +128,14 @@ def ranker_attention(
     problem = check_ranker_inputs(q, k, v, sm_scale=sm_scale, cap=cap)
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
+    packed = not isinstance(bounds, SegmentBounds) and len(np.shape(bounds)) == 3
     if debug_checks:
-        check_bounds(bounds, seq_len=problem.seq_len)
-    clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+        if packed:
+            check_packed_bounds(bounds, seq_len=problem.seq_len)
+        else:
+            check_bounds(bounds, seq_len=problem.seq_len)
+    clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    validate_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
     out, lse = _ranker_reference(
         q,
         k,
