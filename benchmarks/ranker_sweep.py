@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ranker_gpu import device_ms
 
 from attn_common import CapParams, KernelConfig, ranker_case, ranker_flops
+from attn_common.bench import provenance
 
 CONFIGS = {
     128: [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 192, 2)],
@@ -84,7 +85,9 @@ def main() -> None:
         except Exception as e:
             print(f"fa3 failed: {e}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ranker_sweep.json").write_text(json.dumps(rows, indent=2))
+    # The rows with the commit and command they were measured at.
+    report = {"provenance": provenance(), "rows": rows}
+    (args.out / "ranker_sweep.json").write_text(json.dumps(report, indent=2))
     lines = [
         "| case | block_q/block_kv/stages | cap | ms | effective TFLOP/s |",
         "|---|---|---|---|---|",
