@@ -507,6 +507,63 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if _bench.run(args)["failed"] else 0
 
 
+# --------------------------------------------------------------------------- attn tune
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Sweep the Hopper ranker kernels' knobs on this GPU and write the user's table."""
+    found = device_class()
+    if found != "hopper" and not args.allow_any_device:
+        print(
+            f"attn tune: error: needs a Hopper GPU (the default device is {found}); the "
+            "table it writes is per GPU kind",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from attn_mosaic_gpu import tuning
+    except ImportError as e:
+        print(f"attn tune: error: the Hopper backend is not installed ({e})", file=sys.stderr)
+        return 2
+    from attn_common.suite import ranker_case
+
+    out = args.out if args.out is not None else tuning.user_table_path()
+    cases = [ranker_case(name) for name in args.cases]
+    if args.batch is not None:
+        cases = [case.scaled(args.batch) for case in cases]
+    print(f"attn tune: {len(cases)} case(s) on {jax.devices()[0].device_kind}; writing {out}")
+    provenance = _bench.provenance(args.argv)
+    entries: list = []
+    merged: dict = {"entries": []}
+    for case in cases:  # the table is written after every case: a cut-off sweep keeps them
+        table = tuning.tune(
+            [case], iterations=args.iterations, min_gain=args.min_gain, progress=_progress
+        )
+        table["provenance"] = provenance
+        entries += table["entries"]
+        old = None
+        if out.exists():
+            try:
+                old = json.loads(out.read_text())
+            except ValueError:
+                old = None
+        merged = tuning.merge_tables(old, table)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(merged, indent=1) + "\n")
+    table = {"entries": entries}
+    print(f"{'case':<10} {'forward config':<58} {'fwd ms':>8}  backward knobs (bwd ms)")
+    for e in table["entries"]:
+        fwd = ", ".join(f"{k}={v}" for k, v in e["forward"].items())
+        bwd = ", ".join(f"{k}={v}" for k, v in e["backward"].items()) or "-"
+        fms = f"{e['forward_ms']:.3f}" if e["forward_ms"] is not None else "-"
+        bms = f"{e['backward_ms']:.3f}" if e["backward_ms"] is not None else "-"
+        print(f"{e['case']:<10} {fwd:<58} {fms:>8}  {bwd} ({bms})")
+    print(
+        f"wrote {out} ({len(merged['entries'])} entries); ranker_attention(config=None) reads it first"
+    )
+    return 0
+
+
 def versions_text() -> str:
     """``attn --version``: attn-common and each installed backend (from metadata only)."""
     lines = [f"attn-common {_dist_version('attn-common')}"]
@@ -645,6 +702,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bench.add_arguments(b)
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser(
+        "tune",
+        help="sweep the Hopper ranker kernels' configs on this GPU; write the user's table",
+        description="Time the Hopper ranker kernels over their tiling and schedule knobs "
+        "(forward: block_kv, ring depth, exp2 / soft_sign reciprocal split between the MUFU "
+        "and the FMA pipe; backward: the same split and ring depth) at the suite's shapes "
+        "and write the best per (GPU kind, dtype, head dim, cap, sequence bucket) to the "
+        "user's table, which ranker_attention(config=None) reads before the package's.",
+    )
+    from attn_common.suite import RANKER_SUITE
+
+    names = [c.name for c in RANKER_SUITE]
+    t.add_argument(
+        "--cases",
+        nargs="+",
+        choices=names,
+        default=["phoenix", "long", "small-d64"],
+        help="suite shapes to tune (default: phoenix long small-d64; ragged has phoenix's key)",
+    )
+    t.add_argument(
+        "--batch", type=_bench.positive_int, default=None, help="override the cases' batch rows"
+    )
+    t.add_argument(
+        "--iterations",
+        type=_bench.positive_int,
+        default=10,
+        help="timed calls per trial (CUPTI median; default: 10)",
+    )
+    t.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.01,
+        help="keep a knob value only if it is this much faster (default: 0.01 = 1%%)",
+    )
+    t.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="table to write (default: $ATTN_TUNED_CONFIGS, else "
+        "$XDG_CONFIG_HOME/attn/hopper_ranker_tuned.json); existing entries with other "
+        "keys are kept",
+    )
+    t.add_argument("--allow-any-device", action="store_true", help=argparse.SUPPRESS)
+    t.set_defaults(func=cmd_tune)
     return parser
 
 
@@ -661,6 +763,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return _check_json_path(args.json)
     if args.command == "bench":
         return _bench.check_args(args)
+    if args.command == "tune" and not 0.0 <= args.min_gain < 0.5:
+        return f"--min-gain: got {args.min_gain}, expected 0 <= value < 0.5"
     return None
 
 
@@ -670,7 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = sys.argv[1:] if argv is None else list(argv)
     problem = _check_args(args)
     if problem:
-        sub = {"run": "attn run", "bench": "attn bench"}.get(args.command, "attn")
+        sub = {"run": "attn run", "bench": "attn bench", "tune": "attn tune"}.get(
+            args.command, "attn"
+        )
         print(f"{sub}: error: {problem}", file=sys.stderr)
         return 2
     try:

@@ -14,6 +14,7 @@ _BLOCK_MULTIPLE = 16  # wgmma M/N granularity on Hopper, sublane packing on TPU
 _MAX_BLOCK = 1024
 _MIN_STAGES = 2  # a ring of one slot could not prefetch; no kernel takes it
 _MAX_STAGES = 8
+_FMA_COLS_MULTIPLE = 8  # column width of a Hopper WGMMA-layout register tile
 
 
 def _check_block(name: str, value: object) -> None:
@@ -41,11 +42,19 @@ class KernelConfig:
         The memory warpgroup issues the first ``num_stages`` loads up front and then
         keeps ``num_stages - 1`` loads in flight ahead of the block being computed, so
         2 = double buffering (prefetch one block ahead).
+      exp2_fma_cols: of each ``block_q x block_kv`` score tile, how many key columns
+        (a multiple of 8, at most ``block_kv``) compute the softmax's ``exp2`` with
+        FMA-pipe arithmetic instead of the multi-function unit (Hopper forward only: the
+        capped softmax is MUFU-bound there). 0 = all on the MUFU.
+      rcp_fma_cols: the same split for soft_sign's reciprocal (Hopper forward only;
+        needs a soft_sign cap).
     """
 
     block_q: int = 64
     block_kv: int = 64
     num_stages: int = 2
+    exp2_fma_cols: int = 0
+    rcp_fma_cols: int = 0
 
     def __post_init__(self) -> None:
         _check_block("block_q", self.block_q)
@@ -58,6 +67,16 @@ class KernelConfig:
                 f"KernelConfig.num_stages: got {value}, expected {_MIN_STAGES} <= num_stages "
                 f"<= {_MAX_STAGES} (a ring of one slot cannot prefetch)"
             )
+        for name in ("exp2_fma_cols", "rcp_fma_cols"):
+            cols = getattr(self, name)
+            if isinstance(cols, bool) or not isinstance(cols, int):
+                raise TypeError(f"KernelConfig.{name}: got {cols!r}, expected an int")
+            if cols < 0 or cols % _FMA_COLS_MULTIPLE or cols > self.block_kv:
+                raise ValueError(
+                    f"KernelConfig.{name}: got {cols}, expected a multiple of "
+                    f"{_FMA_COLS_MULTIPLE} from 0 to block_kv={self.block_kv} (key columns "
+                    "of a score tile, split at register-tile boundaries)"
+                )
 
     def replace(self, **changes) -> KernelConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_common import CapMethod, CapParams, ranker_mask
+from attn_common import CapMethod, CapParams, KernelConfig, ranker_mask
 from attn_mosaic_gpu import ranker_attention
+from attn_mosaic_gpu.tuning import BackwardTuning
 from attn_reference.ranker import ranker_attention as reference
 
 pytestmark = pytest.mark.skipif(
@@ -42,21 +43,21 @@ def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype):
     return draw(q_heads, 2.0), draw(kv_heads, 2.0), draw(kv_heads)
 
 
-def _loss(fn, q, k, v, bounds, w, *, cap, use_lse):
+def _loss(fn, q, k, v, bounds, w, *, cap, use_lse, **kw):
     if use_lse:
-        out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True)
+        out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
         # A linear LSE term with a random per-row weight of the out term's gradient scale
         # (sqrt(D)): a dropped LSE cotangent moves dq and dk far beyond the tolerance
         # (_check_grads checks that), which a 1e-3 weight on lse**2 hid.
         wl = np.sqrt(q.shape[-1]) * jnp.moveaxis(w[..., 0], 1, 2)  # [B, Hq, S]
         z = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * wl)
         return jnp.sum(out.astype(jnp.float32) * w) + z
-    return jnp.sum(fn(q, k, v, bounds, cap=cap).astype(jnp.float32) * w)
+    return jnp.sum(fn(q, k, v, bounds, cap=cap, **kw).astype(jnp.float32) * w)
 
 
-def _kernel_grad(cap, use_lse):
+def _kernel_grad(cap, use_lse, **kw):
     def loss(q, k, v, bounds, w):
-        return _loss(ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
+        return _loss(ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse, **kw)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
@@ -90,9 +91,9 @@ def _check_max_abs(name, g, r, tol):
     )
 
 
-def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
+def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0, **kw):
     w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
-    got = _kernel_grad(cap, use_lse)(q, k, v, bounds, w)
+    got = _kernel_grad(cap, use_lse, **kw)(q, k, v, bounds, w)
 
     def ref_loss(q, k, v):
         return _loss(reference, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
@@ -184,6 +185,24 @@ def test_grad_edge_bounds_gqa5(head_dim, cap, dtype):
     """S=1000 (unaligned), GQA 5:1, per-row edge-case bounds, LSE z-loss."""
     q, k, v = _inputs(1, 6, 1000, 10, 2, head_dim, dtype)
     _check_grads(q, k, v, EDGE_BOUNDS, cap=cap, seed=1)
+
+
+@pytest.mark.parametrize(
+    "head_dim,cap,tuning",
+    [
+        (128, SS80, BackwardTuning(exp2_fma_cols=32, rcp_fma_cols=64)),
+        (128, SS8, BackwardTuning(num_stages=3, exp2_fma_cols=64, rcp_fma_cols=16)),
+        (128, TANH5, BackwardTuning(exp2_fma_cols=48, overlap=False)),
+        (64, NONE, BackwardTuning(exp2_fma_cols=16)),
+    ],
+    ids=["d128-ss80-32-64", "d128-ss8-64-16-s3", "d128-tanh5-48-nooverlap", "d64-none-16"],
+)
+def test_grad_fma_split_knobs(head_dim, cap, tuning):
+    """exp2 / soft_sign reciprocal on the FMA pipe in the backward kernels (and the
+    forward: the same split in its config), GQA 5:1 edge bounds, LSE z-loss."""
+    q, k, v = _inputs(3, 6, 1000, 10, 2, head_dim, jnp.bfloat16)
+    config = KernelConfig(64, 128, 2, exp2_fma_cols=tuning.exp2_fma_cols)
+    _check_grads(q, k, v, EDGE_BOUNDS, cap=cap, seed=3, backward_tuning=tuning, config=config)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

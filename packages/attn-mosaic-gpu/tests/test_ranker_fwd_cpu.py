@@ -46,6 +46,7 @@ LSE_ATOL = 2e-3
 
 SOFT_SIGN = CapParams(CapMethod.SOFT_SIGN, 5.0)
 TANH = CapParams(CapMethod.TANH, 3.0)
+PHOENIX_CAP = CapParams(CapMethod.SOFT_SIGN, 80.0)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -155,6 +156,33 @@ def test_interpret_no_cap_empty_row_aligned_and_overlap_fp16():
     _check(q, k, v, bounds, config=default_config(64, jnp.float16))
 
 
+@pytest.mark.slow  # interpret mode, ~10 s on 2 cores
+@pytest.mark.parametrize(
+    "cap, config",
+    [
+        (SOFT_SIGN, SMALL.replace(exp2_fma_cols=32, rcp_fma_cols=64)),
+        (SOFT_SIGN, SMALL.replace(exp2_fma_cols=64, rcp_fma_cols=8)),
+        (TANH, KernelConfig(block_q=64, block_kv=128, num_stages=2, exp2_fma_cols=48)),
+    ],
+    ids=["ss-exp2-half-rcp-all", "ss-exp2-all-rcp-8", "tanh-exp2-48of128"],
+)
+def test_interpret_fma_pipe_split(cap, config):
+    """exp2 / soft_sign reciprocal on the FMA pipe for part or all of the columns:
+    same results as the reference, empty rows still exactly 0 and -inf (the polynomial
+    exp2 maps a masked -inf to exactly 0), gaps, padding, GQA."""
+    q, k, v = _inputs(4, 2, 200, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array([[0, 100, 100, 150], [20, 60, 130, 190]], jnp.int32)
+    _check(q, k, v, bounds, cap=cap, config=config)
+
+
+def test_rcp_fma_cols_needs_soft_sign():
+    q, k, v = _inputs(5, 1, 64, 2, 1, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match="rcp_fma_cols"):
+        ranker_attention_fwd(
+            q, k, v, jnp.array([0, 32, 32, 64]), cap=TANH, config=SMALL.replace(rcp_fma_cols=8)
+        )
+
+
 def test_interpret_out_only_broadcast_bounds():
     """return_lse=False returns only out; [4] bounds broadcast to every row."""
     q, k, v = _inputs(3, 2, 130, 2, 1, 64, jnp.bfloat16)
@@ -240,6 +268,32 @@ def test_cross_lowering_configs(head_dim, config):
         _sds(2, 1000, 2, head_dim, dtype=jnp.float16),
         _sds(2, 1000, 2, head_dim, dtype=jnp.float16),
         _sds(2, 4, dtype=jnp.int32),
+    )
+    assert _mosaic_gpu_calls(exported.mlir_module()) == 1
+
+
+@pytest.mark.parametrize(
+    "head_dim,cap,config",
+    [
+        (128, PHOENIX_CAP, KernelConfig(64, 128, 2, exp2_fma_cols=64, rcp_fma_cols=64)),
+        (128, PHOENIX_CAP, KernelConfig(64, 128, 2, exp2_fma_cols=128, rcp_fma_cols=8)),
+        (128, TANH, KernelConfig(64, 128, 2, exp2_fma_cols=40)),
+        (64, None, KernelConfig(64, 128, 4, exp2_fma_cols=32)),
+    ],
+    ids=["ss-64-64", "ss-128-8", "tanh-40", "d64-none-32"],
+)
+def test_cross_lowering_fma_split(head_dim, cap, config):
+    """The MUFU/FMA column split lowers to one kernel (slices and concatenation of WGMMA
+    register tiles, integer bit arithmetic on them)."""
+
+    def f(q, k, v, bounds):
+        return ranker_attention_fwd(q, k, v, bounds, cap=cap, config=config, return_lse=True)
+
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        _sds(64, 1152, 20, head_dim),
+        _sds(64, 1152, 4, head_dim),
+        _sds(64, 1152, 4, head_dim),
+        _sds(64, 4, dtype=jnp.int32),
     )
     assert _mosaic_gpu_calls(exported.mlir_module()) == 1
 

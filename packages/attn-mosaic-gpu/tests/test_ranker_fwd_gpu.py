@@ -35,6 +35,7 @@ from attn_common import (
     CapParams,
     KernelConfig,
 )
+from attn_mosaic_gpu.ranker import resolve_tuning
 from attn_mosaic_gpu.ranker_fwd import default_config, ranker_attention_fwd
 from attn_reference.ranker import ranker_attention
 
@@ -67,8 +68,17 @@ def _poison_allocator(nbytes: int) -> None:
     del x
 
 
+def _errors(out, want):
+    """(rel L2, max-abs) of ``out`` against the f32 reference output."""
+    o = np.asarray(out.astype(jnp.float32), np.float64)
+    w = np.asarray(want, np.float64)
+    return np.linalg.norm(o - w) / np.linalg.norm(w), np.abs(o - w).max()
+
+
 def _check(q, k, v, bounds, *, cap=None, config=None, sm_scale=None, return_lse=True):
     b, s, hq, d = q.shape
+    if config is None:  # what users get: the tuned table's config (resolve_tuning)
+        config = resolve_tuning(q, cap, None, None)[0]
     _poison_allocator(b * s * hq * (d * q.dtype.itemsize + 4))
     got = ranker_attention_fwd(
         q, k, v, bounds, cap=cap, config=config, sm_scale=sm_scale, return_lse=return_lse
@@ -180,6 +190,57 @@ def test_configs(config):
     seq = 1000
     q, k, v = _inputs(4, 6, seq, 4, 2, 64, jnp.bfloat16)
     _check(q, k, v, _mixed_bounds(seq), cap=CAPS["tanh"], config=config)
+
+
+FMA_SPLITS = [
+    (128, "soft_sign", KernelConfig(64, 128, 2, exp2_fma_cols=64, rcp_fma_cols=64)),
+    (128, "soft_sign", KernelConfig(64, 128, 2, exp2_fma_cols=128, rcp_fma_cols=128)),
+    (128, "soft_sign", KernelConfig(64, 64, 3, exp2_fma_cols=16, rcp_fma_cols=32)),
+    (128, "tanh_tight", KernelConfig(64, 128, 2, exp2_fma_cols=48)),
+    (64, "none", KernelConfig(64, 128, 4, exp2_fma_cols=32)),
+    (64, "soft_sign", KernelConfig(64, 128, 2, exp2_fma_cols=96, rcp_fma_cols=64)),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "head_dim,cap,config",
+    FMA_SPLITS,
+    ids=[f"d{d}-{c}-e{k.exp2_fma_cols}-r{k.rcp_fma_cols}-kv{k.block_kv}" for d, c, k in FMA_SPLITS],
+)
+def test_fma_pipe_splits(head_dim, cap, config, dtype):
+    """exp2 / soft_sign reciprocal on the FMA pipe for part or all of each tile's
+    columns: GQA 5:1, mixed bounds (exact zeros on empty rows, -inf LSE), every check."""
+    seq = 700
+    q, k, v = _inputs(9, 6, seq, 10, 2, head_dim, dtype, scale=1.5)
+    _check(q, k, v, _mixed_bounds(seq), cap=CAPS[cap], config=config)
+
+
+@pytest.mark.parametrize("case", BENCH[:3], ids=[c[0] for c in BENCH[:3]])
+def test_fma_split_no_less_accurate(case):
+    """The FMA-pipe exp2 (polynomial, 1e-4) and reciprocal (Newton, 3e-7) must not make
+    the output less accurate than the all-MUFU kernel on the suite shapes: rel L2 within
+    2% of it, max-abs within 25% (one element's bf16 rounding decides the max)."""
+    name, _, seq, hq, hkv, d, bounds, cap, _ = case
+    q, k, v = _inputs(11, REDUCED_BATCH[name], seq, hq, hkv, d, jnp.bfloat16)
+    bounds = jnp.asarray(bounds, jnp.int32)
+    want = ranker_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), bounds, cap=cap
+    )
+    plain = default_config(d)
+    all_fma = plain.replace(
+        exp2_fma_cols=plain.block_kv,
+        rcp_fma_cols=plain.block_kv if cap is not None and cap.method is CapMethod.SOFT_SIGN else 0,
+    )
+    tuned = resolve_tuning(q, cap, None, None)[0]
+    base_l2, base_max = _errors(ranker_attention_fwd(q, k, v, bounds, cap=cap, config=plain), want)
+    for label, config in (("tuned", tuned), ("all-fma", all_fma)):
+        l2, mx = _errors(ranker_attention_fwd(q, k, v, bounds, cap=cap, config=config), want)
+        print(
+            f"{name} {label} {config}: rel L2 {l2:.4g} (MUFU {base_l2:.4g}), max-abs {mx:.4g} (MUFU {base_max:.4g})"
+        )
+        assert l2 <= 1.02 * base_l2, f"{label}: rel L2 {l2:.4g} vs {base_l2:.4g} all-MUFU"
+        assert mx <= 1.25 * base_max, f"{label}: max-abs {mx:.4g} vs {base_max:.4g} all-MUFU"
 
 
 @pytest.mark.parametrize("seq", [1, 65, 127, 129, 300])

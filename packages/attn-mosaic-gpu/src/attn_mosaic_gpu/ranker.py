@@ -16,21 +16,52 @@ import jax
 from attn_common import CapParams, KernelConfig, check_bounds
 from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
+from attn_mosaic_gpu.ranker_bwd_pipelined import PIPELINED_HEAD_DIMS
 from attn_mosaic_gpu.ranker_fwd import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    default_config,
     ranker_attention_fwd,
+    validate_config,
 )
+from attn_mosaic_gpu.tuning import BackwardTuning, lookup
 
 
-def _backward(q, k, v, bounds, out, lse, dout, dlse, *, sm_scale, cap, config, interpret):
+def _backward(
+    q, k, v, bounds, out, lse, dout, dlse, *, sm_scale, cap, config, backward_tuning, interpret
+):
     del config  # tiles the forward only: the backward kernels use fixed 64-row blocks
     return ranker_attention_bwd(
-        q, k, v, bounds, out, lse, dout, dlse, sm_scale=sm_scale, cap=cap, interpret=interpret
-    )
+        q, k, v, bounds, out, lse, dout, dlse, sm_scale=sm_scale, cap=cap,
+        tuning=backward_tuning, interpret=interpret,
+    )  # fmt: skip
 
 
-_attention = kernel_vjp(ranker_attention_fwd, _backward)
+def _forward(q, k, v, bounds, *, backward_tuning, **kwargs):
+    del backward_tuning  # read by the backward only
+    return ranker_attention_fwd(q, k, v, bounds, **kwargs)
+
+
+_attention = kernel_vjp(_forward, _backward)
+
+
+def resolve_tuning(q, cap, config, backward_tuning) -> tuple[KernelConfig, BackwardTuning | None]:
+    """Fill ``config`` / ``backward_tuning`` left ``None`` from the tuned tables
+    (``attn_mosaic_gpu.tuning.lookup``); a table config this problem cannot use (it
+    breaks a shared-memory or cap rule) gives way to ``default_config``."""
+    if config is not None and backward_tuning is not None:
+        return config, backward_tuning
+    head_dim = q.shape[-1]
+    tuned = lookup(head_dim=head_dim, dtype=q.dtype, cap=cap, seq_len=q.shape[1])
+    if config is None:
+        config = tuned.forward
+        try:
+            validate_config(config, head_dim, q.dtype, cap=cap)
+        except ValueError:
+            config = default_config(head_dim, q.dtype)
+    if backward_tuning is None and head_dim in PIPELINED_HEAD_DIMS:
+        backward_tuning = tuned.backward
+    return config, backward_tuning
 
 
 def ranker_attention(
@@ -42,6 +73,7 @@ def ranker_attention(
     sm_scale: float | None = None,
     cap: CapParams | None = None,
     config: KernelConfig | None = None,
+    backward_tuning: BackwardTuning | None = None,
     return_lse: bool = False,
     debug_checks: bool = False,
     interpret=False,
@@ -51,9 +83,13 @@ def ranker_attention(
     Args:
       q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]``; D in {64, 128, 256}.
       bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]``; traced data.
-      sm_scale, cap, config, return_lse, interpret: see ``ranker_attention_fwd``
-        (``config`` tiles the forward; the backward kernels use fixed 64-row blocks,
-        which ``KernelConfig`` has no field for).
+      sm_scale, cap, return_lse, interpret: see ``ranker_attention_fwd``.
+      config: the forward's ``KernelConfig``; ``None`` reads the tuned tables
+        (``attn_mosaic_gpu.tuning``: the user's ``attn tune`` table, then the package's
+        H200 table, then ``default_config``). An explicit config always wins.
+      backward_tuning: the backward kernels' schedule knobs (``BackwardTuning``; they use
+        fixed 64-row blocks, which ``KernelConfig`` has no field for); ``None`` reads
+        the same tables. D=256 runs the simple backward kernels, which take none.
       debug_checks: emit ``checkify`` checks that the bounds are in range, as the
         reference does (wrap the call in ``jax.experimental.checkify.checkify``).
 
@@ -66,10 +102,12 @@ def ranker_attention(
         interpret = False
     if debug_checks:
         check_bounds(bounds, seq_len=q.shape[1])
+    config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning)
     kwargs = (
         ("sm_scale", sm_scale),
         ("cap", cap),
         ("config", config),
+        ("backward_tuning", backward_tuning),
         ("interpret", interpret),
     )
     out, lse = _attention(q, k, v, bounds, kwargs)

@@ -435,6 +435,7 @@ def ranker_attention_bwd(
     *,
     sm_scale: float | None = None,
     cap: CapParams | None = None,
+    tuning=None,
     interpret=False,
 ):
     """Gradients ``(dq, dk, dv)`` of ranker attention from the forward's residuals.
@@ -445,6 +446,8 @@ def ranker_attention_bwd(
         LSE (``-inf`` on rows with no allowed key).
       dout: cotangent of ``out``; dlse: cotangent of ``lse`` or ``None`` (zero).
       sm_scale, cap: as in the forward. interpret: ``True`` or ``InterpretGPUParams``.
+      tuning: ``attn_mosaic_gpu.tuning.BackwardTuning`` (schedule knobs of the pipelined
+        kernels, D 64 and 128) or ``None`` for their defaults; D=256 takes none.
 
     Returns ``dq [B,S,Hq,D]``, ``dk, dv [B,S,Hkv,D]`` in the input dtypes.
     """
@@ -469,6 +472,12 @@ def ranker_attention_bwd(
 
     seq = problem.seq_len
     pipelined = problem.head_dim in PIPELINED_HEAD_DIMS
+    knobs = {} if tuning is None else tuning.knobs()
+    if knobs and not pipelined:
+        raise ValueError(
+            f"tuning: the D={problem.head_dim} backward kernels have no schedule knobs "
+            "(pass tuning=None)"
+        )
     # the pipelined kernels own 2 x 64 rows per program
     seq_pad = _round_up(seq, 2 * BWD_BLOCK if pipelined else BWD_BLOCK)
     dout = dout.astype(q.dtype)
@@ -490,8 +499,9 @@ def ranker_attention_bwd(
     bounds = clipped.astype(jnp.int32)
     if pipelined:
         dq, dk, dv = pipelined_bwd(
-            q, k, v, dout, lse2, delta, bounds, st_fields=fields, interpret=interpret
-        )
+            q, k, v, dout, lse2, delta, bounds, st_fields=fields, interpret=interpret,
+            tuning=knobs,
+        )  # fmt: skip
     else:
         dq, dk, dv = _ranker_bwd_padded(
             q, k, v, dout, lse2, delta, bounds, st=_BwdStatic(**fields), interpret=interpret

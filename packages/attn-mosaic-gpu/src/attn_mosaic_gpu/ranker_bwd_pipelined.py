@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common import (
+    CapMethod,
     CapParams,
     cap_derivative_from_output,
     cap_forward,
@@ -73,9 +74,15 @@ from attn_common import (
     ranker_q_block_ranges,
 )
 from attn_mosaic_gpu import _axes
-from attn_mosaic_gpu.ranker_fwd import fast_reciprocal
+from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
 
-__all__ = ["PIPELINED_HEAD_DIMS", "pipelined_bwd", "pipelined_smem_bytes", "pipelined_stages"]
+__all__ = [
+    "PIPELINED_HEAD_DIMS",
+    "check_backward_knobs",
+    "pipelined_bwd",
+    "pipelined_smem_bytes",
+    "pipelined_stages",
+]
 
 BLOCK = 64  # rows per compute WG and rows per streamed block (one wgmma M)
 PIPELINED_HEAD_DIMS = (64, 128)
@@ -130,6 +137,39 @@ class _Static:
     #   and in dk/dv form dS while dV's wgmma runs.
     fold: bool = True
     overlap: bool = True
+    # exp2_fma_cols / rcp_fma_cols: key (dq) or query (dk/dv) columns of each 64 x 64
+    #   tile whose exp2 / soft_sign reciprocal run on the FMA pipe (attn_mosaic_gpu.
+    #   fastmath), the rest on the MUFU; multiples of 8, 0..64.
+    exp2_fma_cols: int = 0
+    rcp_fma_cols: int = 0
+    # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
+    xla_fold_guard: bool = False
+
+
+_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols")
+
+
+def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
+    """Raise ``ValueError`` naming a bad backward schedule knob."""
+    unknown = sorted(set(knobs) - set(_KNOBS))
+    if unknown:
+        raise ValueError(f"backward tuning: unknown knobs {unknown}; known: {list(_KNOBS)}")
+    stages = knobs.get("num_stages", 2)
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 4:
+        raise ValueError(f"backward tuning num_stages: got {stages!r}, expected 2, 3 or 4")
+    for name in ("exp2_fma_cols", "rcp_fma_cols"):
+        cols = knobs.get(name, 0)
+        if (
+            isinstance(cols, bool)
+            or not isinstance(cols, int)
+            or cols % 8
+            or not 0 <= cols <= BLOCK
+        ):
+            raise ValueError(
+                f"backward tuning {name}: got {cols!r}, expected a multiple of 8 from 0 to {BLOCK}"
+            )
+    if knobs.get("rcp_fma_cols", 0) and cap.method is not CapMethod.SOFT_SIGN:
+        raise ValueError("backward tuning rcp_fma_cols: needs a soft_sign cap (else 0)")
 
 
 def _transforms():
@@ -142,19 +182,25 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
     ``q_axis`` is the axis of the tile that indexes queries (``lse2`` runs along it);
     ``allowed`` is ``None`` on fully allowed steps.
     """
+
+    def reciprocal(d):
+        return split_columns(d, st.rcp_fma_cols, reciprocal_fma, fast_reciprocal)
+
     if st.fold:
         s2, dcap = cap_scaled_with_derivative(
-            raw, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=fast_reciprocal
+            raw, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
         )
     else:
         s, dcap = raw * st.sm_scale, None
         if st.cap.active:
-            s = cap_forward(s, st.cap, reciprocal=fast_reciprocal)
+            s = cap_forward(s, st.cap, reciprocal=reciprocal)
             dcap = cap_derivative_from_output(s, st.cap)
         s2 = s * _LOG2E
     if allowed is not None:
         s2 = jnp.where(allowed, s2, -jnp.inf)
-    return jnp.exp2(s2 - lax.broadcast_in_dim(lse2, raw.shape, [q_axis])), dcap
+    on_fma = functools.partial(exp2_fma, xla_fold_guard=st.xla_fold_guard)
+    x = s2 - lax.broadcast_in_dim(lse2, raw.shape, [q_axis])
+    return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2), dcap
 
 
 def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int):
@@ -479,11 +525,12 @@ def pipelined_bwd(
     ``q, do [B,S,Hq,D]``, ``k, v [B,S,Hkv,D]``, ``lse2, delta [B,Hq,S]`` float32 (base-2
     LSE with ``+inf`` on empty rows; ``delta'``), ``bounds [B,4]`` int32 clipped.
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
-    ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``
-    (for ``benchmarks/ranker_bwd_sweep.py``; the defaults are the measured best).
+    ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``,
+    ``exp2_fma_cols``, ``rcp_fma_cols`` (``BackwardTuning``; ``None`` keeps the defaults).
     """
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
-    st = _Static(**st_fields, **knobs)
+    check_backward_knobs(knobs, st_fields["cap"])
+    st = _Static(**st_fields, **knobs, xla_fold_guard=interpret is not None)
     return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
 
 

@@ -79,9 +79,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common import (
+    CapMethod,
     CapParams,
     KernelConfig,
-    cap_forward,
+    cap_scaled_with_derivative,
     check_ranker_inputs,
     normalize_bounds,
     ranker_full_kv_steps,
@@ -89,6 +90,7 @@ from attn_common import (
     ranker_mask,
 )
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
 
 __all__ = [
     "SMEM_LIMIT_BYTES",
@@ -148,7 +150,14 @@ def smem_bytes(config: KernelConfig, head_dim: int, dtype, *, return_lse: bool =
     return _round_up(qo, _SMEM_ALIGN) + _round_up(kv // 2, _SMEM_ALIGN) * 2 + lse + barriers
 
 
-def validate_config(config: KernelConfig, head_dim: int, dtype, *, return_lse: bool = True) -> None:
+def validate_config(
+    config: KernelConfig,
+    head_dim: int,
+    dtype,
+    *,
+    return_lse: bool = True,
+    cap: CapParams | None = None,
+) -> None:
     """Raise ``ValueError`` naming the Hopper rule ``config`` breaks for this problem."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
@@ -167,6 +176,11 @@ def validate_config(config: KernelConfig, head_dim: int, dtype, *, return_lse: b
         raise ValueError(
             f"config.num_stages: got {config.num_stages}, expected >= 2 (the K/V ring needs "
             "a second slot so the next block loads while the current one is consumed)"
+        )
+    if config.rcp_fma_cols and (cap is None or cap.method is not CapMethod.SOFT_SIGN):
+        raise ValueError(
+            f"config.rcp_fma_cols: got {config.rcp_fma_cols}, expected 0 unless the cap is "
+            "soft_sign (the only cap with a reciprocal)"
         )
     acc_regs = config.block_q * (head_dim + config.block_kv) // 128
     if acc_regs > _ACC_REGISTER_LIMIT:
@@ -214,19 +228,13 @@ class _Static:
     block_kv: int
     num_stages: int
     return_lse: bool
+    exp2_fma_cols: int = 0
+    rcp_fma_cols: int = 0
 
 
 def _overlap(lo, hi, seg_lo, seg_hi):
     """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)`` (scalars)."""
     return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
-
-
-def fast_reciprocal(d):
-    """``1 / d`` for ``d >= 1`` (soft_sign's ``1 + |s|/c``) as ``rsqrt(d)^2``: one MUFU
-    op (``rsqrt.approx`` under ``approx_math``) and a multiply, where an IEEE divide is a
-    long instruction sequence with a slow path."""
-    r = lax.rsqrt(d)
-    return r * r
 
 
 def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
@@ -235,13 +243,24 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     num_slots = st.num_stages
     group = st.q_heads // st.kv_heads
     cap = st.cap
-    # Base-2 logits: s2 = cap(qk * sm_scale) * log2(e); with no cap, one multiply.
-    qk_scale = st.sm_scale * _LOG2E if not cap.active else st.sm_scale
+
+    def reciprocal(d):
+        return split_columns(d, st.rcp_fma_cols, reciprocal_fma, fast_reciprocal)
 
     def scale_and_cap(qk):
-        if not cap.active:
-            return qk * qk_scale
-        return cap_forward(qk * qk_scale, cap, reciprocal=fast_reciprocal) * _LOG2E
+        # Base-2 logits s2 = cap(qk * sm_scale) * log2(e), the constants folded into the
+        # multiplies the cap needs anyway (no cap: one multiply). The derivative the
+        # helper also returns is dead code here.
+        s2, _ = cap_scaled_with_derivative(
+            qk, cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
+        )
+        return s2
+
+    def softmax_exp2(x):
+        # The first exp2_fma_cols key columns on the FMA pipe, the rest on the MUFU.
+        # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
+        on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
+        return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
 
     def kernel(q_ref, k_ref, v_ref, bounds_ref, out_ref, lse_ref, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2), ready, consumed, schedule = scoped
@@ -330,7 +349,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                p = softmax_exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha
                 p16 = p.astype(dtype)
@@ -539,7 +558,7 @@ def ranker_attention_fwd(
     )
     if config is None:
         config = default_config(problem.head_dim, q.dtype)
-    validate_config(config, problem.head_dim, q.dtype, return_lse=bool(return_lse))
+    validate_config(config, problem.head_dim, q.dtype, return_lse=bool(return_lse), cap=problem.cap)
     clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
     interpret = _resolve_interpret(interpret)
 
@@ -561,6 +580,8 @@ def ranker_attention_fwd(
         block_kv=config.block_kv,
         num_stages=config.num_stages,
         return_lse=bool(return_lse),
+        exp2_fma_cols=config.exp2_fma_cols,
+        rcp_fma_cols=config.rcp_fma_cols,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]

@@ -137,6 +137,12 @@ def validate_config(config: KernelConfig) -> None:
                 f"{LANES} (the lane width: {name} is the lane dim of the score tile or "
                 "of the LSE row)"
             )
+    for name in ("exp2_fma_cols", "rcp_fma_cols"):
+        if getattr(config, name):
+            raise ValueError(
+                f"config.{name}: got {getattr(config, name)}, expected 0 (a Hopper knob: the "
+                "TPU kernels have no MUFU/FMA split)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,233 @@
+"""The tuned-config tables and the `attn tune` sweep, on the CPU (no GPU needed).
+
+The sweep's timer is replaced by a cost model of the knobs, so the test checks the
+coordinate descent, the table it writes and how ``ranker_attention(config=None)`` reads
+tables back (user table first, exact key, then nearest sequence bucket, else defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_common import CapMethod, CapParams, KernelConfig, ranker_case
+from attn_common.cli import main as attn_main
+from attn_mosaic_gpu import tuning
+from attn_mosaic_gpu.ranker import resolve_tuning
+from attn_mosaic_gpu.ranker_fwd import default_config
+
+SOFT_SIGN = CapParams(CapMethod.SOFT_SIGN, 80.0)
+TANH = CapParams(CapMethod.TANH, 30.0)
+
+
+@pytest.fixture
+def user_table(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv("ATTN_TUNED_CONFIGS", str(path))
+    return path
+
+
+def _entry(device="cpu", dtype="bfloat16", head_dim=128, cap="soft_sign", bucket=2048, **fwd):
+    forward = {"block_q": 64, "block_kv": 128, "num_stages": 2, **fwd}
+    return {
+        "device_kind": device,
+        "dtype": dtype,
+        "head_dim": head_dim,
+        "cap": cap,
+        "seq_bucket": bucket,
+        "forward": forward,
+        "backward": {"num_stages": 2, "exp2_fma_cols": 16},
+    }
+
+
+def _write(path, *entries):
+    path.write_text(json.dumps({"format": 1, "entries": list(entries)}))
+
+
+@pytest.mark.parametrize(
+    "seq, bucket", [(1, 256), (256, 256), (257, 512), (1152, 2048), (5120, 8192)]
+)
+def test_seq_bucket(seq, bucket):
+    assert tuning.seq_bucket(seq) == bucket
+
+
+def test_user_table_exact_then_nearest_bucket_then_defaults(user_table):
+    _write(
+        user_table,
+        _entry(exp2_fma_cols=48, rcp_fma_cols=64),
+        _entry(bucket=8192, exp2_fma_cols=16),
+        _entry(cap="tanh", bucket=8192, block_kv=64, num_stages=3),
+    )
+    look = jax.tree_util.Partial(tuning.lookup, head_dim=128, dtype=jnp.bfloat16, device_kind="cpu")
+    exact = look(cap=SOFT_SIGN, seq_len=1152)
+    assert exact.forward == KernelConfig(64, 128, 2, exp2_fma_cols=48, rcp_fma_cols=64)
+    assert exact.backward == tuning.BackwardTuning(num_stages=2, exp2_fma_cols=16)
+    assert exact.source.startswith("user table")
+    # 4096 is one bucket from 2048 and 8192: the smaller bucket wins the tie.
+    assert look(cap=SOFT_SIGN, seq_len=4000).forward.exp2_fma_cols == 48
+    assert look(cap=SOFT_SIGN, seq_len=6000).forward.exp2_fma_cols == 16
+    # The cap method is part of the key: tanh finds its own entry at any length.
+    assert look(cap=TANH, seq_len=300).forward == KernelConfig(64, 64, 3)
+    # fp16 shares the bf16 entries (both 2 bytes; the kernels are the same).
+    fp16 = tuning.lookup(
+        head_dim=128, dtype=jnp.float16, cap=SOFT_SIGN, seq_len=1152, device_kind="cpu"
+    )
+    assert fp16.forward.exp2_fma_cols == 48
+    # Untuned: another device, another head dim, no cap entry -> the defaults, no error.
+    for kw in (
+        dict(head_dim=128, cap=SOFT_SIGN, device_kind="NVIDIA H100 80GB HBM3"),
+        dict(head_dim=64, cap=SOFT_SIGN, device_kind="cpu"),
+        dict(head_dim=128, cap=None, device_kind="cpu"),
+    ):
+        found = tuning.lookup(dtype=jnp.bfloat16, seq_len=1152, **kw)
+        assert found.source == "defaults"
+        assert found.forward == default_config(kw["head_dim"])
+        assert found.backward == tuning.BackwardTuning()
+
+
+def test_user_table_wins_over_package_table(user_table, tmp_path, monkeypatch):
+    package = tmp_path / "package.json"
+    _write(package, _entry(exp2_fma_cols=32))
+    monkeypatch.setattr(tuning, "PACKAGE_TABLE", package)
+    found = tuning.lookup(
+        head_dim=128, dtype=jnp.bfloat16, cap=SOFT_SIGN, seq_len=1152, device_kind="cpu"
+    )
+    assert found.forward.exp2_fma_cols == 32 and found.source.startswith("package table")
+    _write(user_table, _entry(exp2_fma_cols=96))
+    found = tuning.lookup(
+        head_dim=128, dtype=jnp.bfloat16, cap=SOFT_SIGN, seq_len=1152, device_kind="cpu"
+    )
+    assert found.forward.exp2_fma_cols == 96 and found.source.startswith("user table")
+
+
+def test_broken_user_table_warns_and_falls_back(user_table):
+    user_table.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the tuned-config table"):
+        found = tuning.lookup(
+            head_dim=128, dtype=jnp.bfloat16, cap=SOFT_SIGN, seq_len=1152, device_kind="cpu"
+        )
+    assert found.source != "" and found.forward is not None
+    _write(user_table, {**_entry(), "forward": {"block_q": 64, "block_kv": 100}})
+    with pytest.warns(UserWarning, match="KernelConfig.block_kv"):
+        tuning.lookup(
+            head_dim=128, dtype=jnp.bfloat16, cap=SOFT_SIGN, seq_len=1152, device_kind="cpu"
+        )
+
+
+def test_package_table_parses():
+    data = json.loads(tuning.PACKAGE_TABLE.read_text())
+    assert data["format"] == 1
+    for entry in data["entries"]:
+        tuning._parse_entry(entry)  # every shipped config is a valid KernelConfig
+        assert entry["device_kind"].startswith("NVIDIA")
+
+
+def test_ranker_attention_reads_the_table(user_table):
+    """config=None takes the table's forward config and backward knobs on this device;
+    one the problem cannot use (too much shared memory for D=256) gives way to the
+    default; an explicit config wins."""
+    device = jax.devices()[0].device_kind
+    q = jnp.zeros((1, 1152, 2, 128), jnp.bfloat16)
+    _write(user_table, _entry(device=device, exp2_fma_cols=48, rcp_fma_cols=64))
+    config, bwd = resolve_tuning(q, SOFT_SIGN, None, None)
+    assert config == KernelConfig(64, 128, 2, exp2_fma_cols=48, rcp_fma_cols=64)
+    assert bwd == tuning.BackwardTuning(num_stages=2, exp2_fma_cols=16)
+    mine = KernelConfig(64, 64, 3)
+    assert resolve_tuning(q, SOFT_SIGN, mine, None)[0] == mine
+
+    q256 = jnp.zeros((1, 1152, 2, 256), jnp.bfloat16)
+    _write(user_table, _entry(device=device, head_dim=256, block_kv=256, num_stages=4))
+    config, bwd = resolve_tuning(q256, SOFT_SIGN, None, None)
+    assert config == default_config(256) and bwd is None
+
+
+def _cost_model(fn, args, *, stage, knobs):
+    """Synthetic ms: best forward at block_kv=128, exp2 64, rcp 64; best backward at
+    exp2 32, 2 stages. Never runs ``fn``."""
+    del fn, args
+    if stage == "forward":
+        return (
+            2.0
+            + abs(knobs["exp2_fma_cols"] - 64) / 100
+            + abs(knobs["rcp_fma_cols"] - 64) / 200
+            + (0.0 if knobs["block_kv"] == 128 else 0.3)
+        )
+    fwd = 2.0
+    return fwd + 5.0 + abs(knobs["exp2_fma_cols"] - 32) / 50 + (knobs["num_stages"] - 2) * 0.2
+
+
+def test_tune_descends_to_the_modelled_best():
+    case = ranker_case("phoenix").scaled(1)
+    table = tuning.tune([case], timer=_cost_model, progress=lambda _: None)
+    (entry,) = table["entries"]
+    assert entry["forward"] == {
+        "block_q": 64, "block_kv": 128, "num_stages": 2, "exp2_fma_cols": 64, "rcp_fma_cols": 64
+    }  # fmt: skip
+    assert entry["backward"] == {"num_stages": 2, "exp2_fma_cols": 32, "rcp_fma_cols": 0}
+    assert entry["seq_bucket"] == 2048 and entry["cap"] == "soft_sign"
+    assert np.isclose(entry["forward_ms"], 2.0)
+    assert np.isclose(entry["backward_ms"], 5.0)
+    assert len(table["trials"][0]["forward"]) >= 8  # every trial is recorded
+    tuning._parse_entry(entry)
+
+    merged = tuning.merge_tables({"format": 1, "entries": [_entry(), _entry(bucket=512)]}, table)
+    buckets = sorted(e["seq_bucket"] for e in merged["entries"])
+    assert buckets == [512, 2048]  # the new 2048 entry replaced the old one
+
+
+def test_tune_keeps_the_incumbent_within_noise():
+    """A variant only 0.5% faster does not replace the default (min_gain 1%)."""
+
+    def flat(fn, args, *, stage, knobs):
+        gain = 1.0 - 0.005 * (knobs.get("exp2_fma_cols", 0) > 0)
+        return gain if stage == "forward" else 1.0 + 2.0 * gain  # fwd+bwd: fwd 1 ms
+
+    case = ranker_case("small-d64").scaled(1)
+    (entry,) = tuning.tune([case], timer=flat, progress=lambda _: None)["entries"]
+    assert entry["forward"]["exp2_fma_cols"] == 0
+    assert entry["backward"]["exp2_fma_cols"] == 0
+
+
+def test_attn_tune_needs_a_hopper_gpu(capsys):
+    assert attn_main(["tune"]) == 2
+    assert "needs a Hopper GPU" in capsys.readouterr().err
+    assert attn_main(["tune", "--min-gain", "0.7"]) == 2
+
+
+def test_backward_tuning_knobs_are_checked():
+    from attn_mosaic_gpu.ranker_bwd_pipelined import check_backward_knobs
+
+    with pytest.raises(ValueError, match="exp2_fma_cols"):
+        check_backward_knobs({"exp2_fma_cols": 12}, SOFT_SIGN)
+    with pytest.raises(ValueError, match="rcp_fma_cols"):
+        check_backward_knobs({"rcp_fma_cols": 32}, TANH)
+    with pytest.raises(ValueError, match="unknown"):
+        check_backward_knobs({"stages": 2}, TANH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_backward_knobs(tuning.BackwardTuning(exp2_fma_cols=64).knobs(), TANH)
+
+
+def test_attn_tune_writes_and_merges_the_user_table(user_table, monkeypatch, capsys):
+    """`attn tune` (sweep replaced by the cost model) writes the user table after each
+    case, keeps entries of other keys, and lookup then reads it."""
+    _write(user_table, _entry(device="other GPU", bucket=512))
+
+    real_tune = tuning.tune
+
+    def fake_tune(cases, **kw):
+        return real_tune(cases, timer=_cost_model, progress=lambda _: None)
+
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    assert attn_main(["tune", "--allow-any-device", "--cases", "phoenix", "--batch", "1"]) == 0
+    data = json.loads(user_table.read_text())
+    assert [e["device_kind"] for e in data["entries"]] == ["other GPU", jax.devices()[0].device_kind]
+    assert data["provenance"]["command"].startswith("attn tune")
+    assert "phoenix" in capsys.readouterr().out
+    found = resolve_tuning(jnp.zeros((1, 1152, 2, 128), jnp.bfloat16), SOFT_SIGN, None, None)
+    assert found[0].exp2_fma_cols == 64 and found[1].exp2_fma_cols == 32
