@@ -26,6 +26,8 @@ def test_only_fields_a_kernel_reads():
         "block_q",
         "block_kv",
         "num_stages",
+        "exp2_fma_cols",
+        "rcp_fma_cols",
     ]
     for gone in ("block_q_bwd", "block_kv_bwd", "query_block", "num_dma_buffers"):
         with pytest.raises(TypeError):
@@ -117,3 +119,15 @@ def test_replace_validates():
         c.replace(block_q=True)
     with pytest.raises(TypeError):
         c.replace(no_such_field=1)
+
+
+@pytest.mark.parametrize("field", ["exp2_fma_cols", "rcp_fma_cols"])
+def test_fma_cols(field):
+    assert getattr(KernelConfig(block_kv=128, **{field: 0}), field) == 0
+    assert getattr(KernelConfig(block_kv=128, **{field: 128}), field) == 128
+    for bad in (-8, 12, 136):
+        with pytest.raises(ValueError, match=rf"KernelConfig\.{field}: got {bad}\b"):
+            KernelConfig(block_kv=128, **{field: bad})
+    for bad in (8.0, True, "8"):
+        with pytest.raises(TypeError, match=rf"KernelConfig\.{field}"):
+            KernelConfig(block_kv=128, **{field: bad})

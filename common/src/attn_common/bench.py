@@ -119,10 +119,19 @@ def check_out_dir(out: Path, *, overwrite: bool = False) -> str | None:
 
 
 def provenance(argv: list[str] | None = None) -> dict:
-    """The commit (``git describe``-style, ``+dirty`` with local changes) and the command."""
+    """The commit (``git describe``-style, ``+dirty`` with local changes) and the command.
+
+    ``$ATTN_PROVENANCE_COMMIT`` overrides the commit: for a copy of a checkout whose git
+    metadata is not the tree's (a device machine that receives the working tree only).
+    """
     here = Path(__file__).resolve().parent
     commit = "unknown (not a git checkout)"
+    if os.environ.get("ATTN_PROVENANCE_COMMIT"):
+        commit = os.environ["ATTN_PROVENANCE_COMMIT"]
+        here = None
     try:
+        if here is None:
+            raise OSError("commit given by ATTN_PROVENANCE_COMMIT")
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
         )

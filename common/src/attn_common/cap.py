@@ -157,6 +157,11 @@ def cap_scaled_with_derivative(
     if cap.method is CapMethod.TANH:
         t = jnp.tanh(raw * (scale / c))
         return t * (c * out_scale), 1.0 - t * t
-    denom = 1.0 + jnp.abs(raw) * (scale / c)
-    inv = _divide(jnp.ones_like(denom), denom) if reciprocal is None else reciprocal(denom)
-    return (raw * inv) * (scale * out_scale), inv * inv
+    # value = raw * k / d with k = scale * out_scale and d = 1 + |raw| scale / c; the
+    # reciprocal is taken of d / k (one FMA away from raw), so k costs no multiply and
+    # the value ends in one multiply, which a kernel fuses with what follows.
+    k = scale * out_scale
+    denom_k = jnp.abs(raw) * (scale / (c * k)) + 1.0 / k
+    recip = reciprocal or (lambda d: _divide(jnp.ones_like(d), d))
+    inv_k = recip(denom_k)
+    return raw * inv_k, (inv_k * inv_k) * (1.0 / (k * k))

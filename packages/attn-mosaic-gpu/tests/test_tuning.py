@@ -226,7 +226,10 @@ def test_attn_tune_writes_and_merges_the_user_table(user_table, monkeypatch, cap
     monkeypatch.setattr(tuning, "tune", fake_tune)
     assert attn_main(["tune", "--allow-any-device", "--cases", "phoenix", "--batch", "1"]) == 0
     data = json.loads(user_table.read_text())
-    assert [e["device_kind"] for e in data["entries"]] == ["other GPU", jax.devices()[0].device_kind]
+    assert [e["device_kind"] for e in data["entries"]] == [
+        "other GPU",
+        jax.devices()[0].device_kind,
+    ]
     assert data["provenance"]["command"].startswith("attn tune")
     assert "phoenix" in capsys.readouterr().out
     found = resolve_tuning(jnp.zeros((1, 1152, 2, 128), jnp.bfloat16), SOFT_SIGN, None, None)

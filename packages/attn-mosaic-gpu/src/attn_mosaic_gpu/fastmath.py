@@ -40,7 +40,7 @@ _ROUND_MAGIC = 12582912.0
 # Exponents below -127 underflow (float32 normals stop at 2^-126); at exactly -127 the
 # exponent arithmetic gives +0.0, so -inf (a masked score) maps to exactly 0.
 _EXP2_MIN = -127.0
-# 1/d seed for d >= 1 from the bits of d (max relative error 12.5%); three Newton steps
+# 1/d seed for a positive normal d from its bits (max relative error 12.5%); three Newton steps
 # square the error each time: 1.6e-2, 2.4e-4, 6e-8 (below float32's 6e-8 ulp at 1).
 _RECIPROCAL_MAGIC = 0x7EF311C3
 _NEWTON_STEPS = 3
@@ -73,7 +73,8 @@ def exp2_fma(x, *, xla_fold_guard: bool = False):
 
 
 def reciprocal_fma(d):
-    """``1 / d`` for ``d >= 1`` (soft_sign's ``1 + |s|/c``) without the MUFU.
+    """``1 / d`` for a positive normal float ``d`` (soft_sign's denominator, scaled)
+    without the MUFU.
 
     A seed from the bits of ``d`` (``magic - bits(d)``, relative error <= 12.5%), then
     three Newton steps ``r += r * (1 - d * r)`` (two FMAs each): max relative error
@@ -87,7 +88,7 @@ def reciprocal_fma(d):
 
 
 def fast_reciprocal(d):
-    """``1 / d`` for ``d >= 1`` as ``rsqrt(d)^2``: one MUFU op (``rsqrt.approx`` under
+    """``1 / d`` for ``d > 0`` as ``rsqrt(d)^2``: one MUFU op (``rsqrt.approx`` under
     ``approx_math``) and a multiply, where an IEEE divide is a long instruction sequence
     with a slow path."""
     r = lax.rsqrt(d)

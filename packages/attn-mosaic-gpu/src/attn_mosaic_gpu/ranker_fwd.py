@@ -230,6 +230,8 @@ class _Static:
     return_lse: bool
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
+    # The row max taken on the raw scores (see kv_step); False: on the capped logits.
+    max_on_raw: bool = True
 
 
 def _overlap(lo, hi, seg_lo, seg_hi):
@@ -245,12 +247,15 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     cap = st.cap
 
     def reciprocal(d):
+        if d.ndim != 2:  # the per-row maxima: too few to split
+            return fast_reciprocal(d)
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, fast_reciprocal)
 
     def scale_and_cap(qk):
         # Base-2 logits s2 = cap(qk * sm_scale) * log2(e), the constants folded into the
-        # multiplies the cap needs anyway (no cap: one multiply). The derivative the
-        # helper also returns is dead code here.
+        # multiplies the cap needs anyway (no cap: one multiply), ending in a multiply
+        # so that `s2 - m` is one FMA. The derivative the helper also returns is dead
+        # code here.
         s2, _ = cap_scaled_with_derivative(
             qk, cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
         )
@@ -335,7 +340,6 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
 
-                s = scale_and_cap(qk)
                 if masked:
                     kv0 = ranges.block_at(step) * block_kv
                     q_ids = row0 + plgpu.broadcasted_iota(
@@ -345,11 +349,27 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                         jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
                     )
                     allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
-                    s = jnp.where(allowed, s, -jnp.inf)
 
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                if st.max_on_raw:
+                    # Every cap is increasing, so a row's largest base-2 logit is the
+                    # logit of its largest raw score: the max runs on the raw tile, and
+                    # each exponent s2 - m is one FMA after the cap's last multiply
+                    # (the softmax is bound by instruction issue, not by the MUFU).
+                    raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
+                    raw_max = raw.max(axis=1)
+                    step_max = jnp.where(raw_max > -jnp.inf, scale_and_cap(raw_max), _M_INIT)
+                    m_new = jnp.maximum(m_i, step_max)
+                    x = scale_and_cap(qk) - lax.broadcast_in_dim(m_new, qk.shape, [0])
+                    if masked:
+                        x = jnp.where(allowed, x, -jnp.inf)
+                else:
+                    s = scale_and_cap(qk)
+                    if masked:
+                        s = jnp.where(allowed, s, -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
                 alpha = jnp.exp2(m_i - m_new)
-                p = softmax_exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                p = softmax_exp2(x)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha
                 p16 = p.astype(dtype)
