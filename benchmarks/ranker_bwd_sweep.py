@@ -25,7 +25,9 @@ import jax.numpy as jnp
 
 from attn_common import ranker_case, ranker_flops
 from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_stages
+from attn_common.bench import provenance
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
+from attn_mosaic_gpu.tuning import lookup
 
 VARIANTS = {
     "plain, 3 stages": {"fold": False, "overlap": False, "num_stages": 3},
@@ -70,7 +72,9 @@ def run_case(name, iterations):
     )
     flops_bwd = 2.5 * ranker_flops(bounds_np, hq, d)
     rows = []
-    for label, tuning in VARIANTS.items():
+    tuned = lookup(head_dim=d, dtype=q.dtype, cap=case.cap, seq_len=s).backward.knobs()
+    variants = {**VARIANTS, "tuned table (default)": {"num_stages": pipelined_stages(d), **tuned}}
+    for label, tuning in variants.items():
 
         def bwd(q, k, v, do, lse2, delta, bounds, tuning=tuning):
             return pipelined_bwd(
@@ -84,6 +88,7 @@ def run_case(name, iterations):
             "case": name,
             "variant": label,
             "num_stages": tuning["num_stages"],
+            "knobs": tuning,
             "kernels_ms": times,
             "total_ms": total,
             "bwd_effective_tflops": flops_bwd / total * 1e-9,  # ms -> TFLOP/s
@@ -107,7 +112,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0].device_kind
     (args.out / "ranker_bwd_sweep.json").write_text(
-        json.dumps({"device": device, "jax": jax.__version__, "rows": rows}, indent=2)
+        json.dumps(
+            {**provenance(), "device": device, "jax": jax.__version__, "rows": rows}, indent=2
+        )
     )
     lines = [
         f"# Ranker backward kernels by schedule knob ({device}, jax {jax.__version__})",
