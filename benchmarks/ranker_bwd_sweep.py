@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from attn_common import ranker_case, ranker_flops
-from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_stages
 from attn_common.bench import provenance
+from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_stages
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
 from attn_mosaic_gpu.tuning import lookup
 
