@@ -54,6 +54,13 @@ large finite negative number instead of ``-inf``, so a row that has seen no allo
 yet gives ``exp2(-inf - m) = 0`` and ``exp2(m - m) = 1`` rather than
 ``exp2(-inf - -inf) = NaN``. At the end ``l == 0`` marks an empty row: ``out = 0`` (the
 divide is guarded) and ``lse = -inf``; otherwise ``lse = (m + log2(l)) * ln(2)``.
+The softmax is bound by instruction issue as much as by the MUFU (docs/ranker_gpu.md),
+so it spends few FMA-pipe instructions per score: the cap's constants are folded
+(``attn_common.cap_scaled_with_derivative``), the row max runs on the raw scores (every
+cap is increasing, so ``max(cap(x)) = cap(max(x))``) and each exponent is one FMA after
+the cap's last multiply. ``config.exp2_fma_cols`` / ``rcp_fma_cols`` key columns of each
+tile compute ``exp2`` / soft_sign's reciprocal on the FMA pipe instead
+(``attn_mosaic_gpu.fastmath``); the tuned tables choose them per problem.
 
 Interpret mode (``interpret=True`` / ``plgpu.InterpretGPUParams``, CPU): jax 0.11.2's
 Mosaic GPU interpreter implements neither ``run_state`` nor a wgmma whose A operand is
