@@ -50,6 +50,7 @@ from attn_common.metadata import is_concrete
 
 __all__ = [
     "PackedBlockRanges",
+    "TileRuns",
     "check_packed_bounds",
     "normalize_packed_bounds",
     "packed_full_kv_steps",
@@ -57,7 +58,9 @@ __all__ = [
     "packed_kv_block_ranges",
     "packed_q_block_ranges",
     "packed_runs_per_tile",
+    "packed_step_table",
     "ranker_mask_packed",
+    "ranker_mask_users",
     "validate_packed_bounds",
 ]
 
@@ -186,9 +189,16 @@ def ranker_mask_packed(q_idx, kv_idx, bounds):
     scalars and its tile iotas). The OR over users of ``ranker_mask``.
     """
     bounds = jnp.asarray(bounds)
+    users = [tuple(bounds[..., u, t] for t in range(4)) for u in range(bounds.shape[-2])]
+    return ranker_mask_users(q_idx, kv_idx, users)
+
+
+def ranker_mask_users(q_idx, kv_idx, users):
+    """``ranker_mask_packed`` with the users given as a sequence of ``(hl, hu, cl, cu)``
+    tuples (scalars in a kernel): the OR over users of ``ranker_mask``."""
     allowed = None
-    for u in range(bounds.shape[-2]):
-        m = ranker_mask(q_idx, kv_idx, *(bounds[..., u, t] for t in range(4)))
+    for user in users:
+        m = ranker_mask(q_idx, kv_idx, *user)
         allowed = m if allowed is None else allowed | m
     return allowed
 
@@ -247,6 +257,57 @@ class PackedBlockRanges(NamedTuple):
             lo = jnp.where(inside, r_lo, lo)
             hi = jnp.where(inside, r_hi, hi)
         return lo, hi
+
+
+class TileRuns(NamedTuple):
+    """One tile's runs as scalars (a row of ``packed_step_table`` read in a kernel):
+    ``starts[r]`` and ``ends[r]``, the cumulative step count after run ``r``."""
+
+    starts: tuple
+    ends: tuple
+
+    @classmethod
+    def read(cls, word, runs: int) -> TileRuns:
+        """From ``word(i)``, the ``i``-th int32 of the tile's table row."""
+        return cls(tuple(word(r) for r in range(runs)), tuple(word(runs + r) for r in range(runs)))
+
+    @property
+    def total_steps(self):
+        return self.ends[-1]
+
+    def block_at(self, step):
+        """The block of ``step``: runs are sorted with empty ones last, so a chain of
+        ``R - 1`` selects; past the end, the last run continued (callers clamp)."""
+        block = self.starts[0] + step
+        for r in range(1, len(self.starts)):
+            prev = self.ends[r - 1]
+            block = jnp.where(step >= prev, self.starts[r] + (step - prev), block)
+        return block
+
+
+def packed_step_table(
+    bounds, *, tile: int, num_tiles: int, block: int, sub_tiles: int = 1, keys: bool = False
+) -> jax.Array:
+    """int32 ``[B, num_tiles, 2R + 2 sub_tiles]``: per row and tile of ``tile`` positions,
+    the visit-once runs over blocks of ``block`` (``starts[R]``, then ``ends[R]``, the
+    cumulative step counts; ``R = 2U``), then for each of ``sub_tiles`` equal sub-tiles
+    the steps ``[lo, hi)`` that need no mask. ``keys=False``: query tiles visiting KV
+    blocks (``packed_kv_block_ranges`` / ``packed_full_kv_steps``); ``keys=True``: key
+    tiles visiting query blocks (``packed_q_block_ranges`` / ``packed_full_q_steps``).
+    Built outside a kernel (XLA) and read by it as scalars (``TileRuns``)."""
+    rows = jnp.asarray(bounds, jnp.int32)[:, None]  # [B, 1, U, 4]
+    t0 = jnp.arange(num_tiles, dtype=jnp.int32)[None] * tile  # [1, T]
+    if keys:
+        ranges_fn, full_fn = packed_q_block_ranges, packed_full_q_steps
+    else:
+        ranges_fn, full_fn = packed_kv_block_ranges, packed_full_kv_steps
+    ranges = ranges_fn(rows, t0, t0 + tile, block)
+    cols = [ranges.starts, jnp.cumsum(ranges.steps, axis=-1)]
+    sub = tile // sub_tiles
+    for s in range(sub_tiles):
+        lo, hi = full_fn(ranges, rows, t0 + s * sub, t0 + (s + 1) * sub, block)
+        cols += [lo[..., None], hi[..., None]]
+    return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1)
 
 
 def _union_runs(lo, hi) -> PackedBlockRanges:

@@ -175,6 +175,30 @@ def test_interpret_fma_pipe_split(cap, config):
     _check(q, k, v, bounds, cap=cap, config=config)
 
 
+@pytest.mark.slow  # interpret mode, ~15 s on 2 cores
+@pytest.mark.parametrize("cap", [SOFT_SIGN, None], ids=["soft_sign", "none"])
+def test_interpret_packed_users(cap):
+    """Packed rows [B, U, 4]: users sharing a block, unaligned boundaries, an empty
+    user, a gap, padding at the end, unused all-zero slots, users in any slot order;
+    GQA 2:1. Rows that attend nothing stay exactly 0 with -inf LSE."""
+    q, k, v = _inputs(6, 2, 300, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array(
+        [
+            [[0, 40, 40, 50], [50, 120, 120, 140], [150, 150, 150, 160], [0, 0, 0, 0]],
+            [[200, 260, 260, 290], [0, 0, 0, 0], [3, 100, 100, 101], [101, 190, 195, 200]],
+        ],
+        jnp.int32,
+    )
+    _check(q, k, v, bounds, cap=cap, config=KernelConfig(block_q=64, block_kv=64, num_stages=2))
+
+
+def test_packed_users_must_not_overlap():
+    q, k, v = _inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
+    bounds = jnp.array([[[0, 50, 50, 60], [40, 80, 80, 90]]], jnp.int32)
+    with pytest.raises(ValueError, match="overlap"):
+        ranker_attention_fwd(q, k, v, bounds, config=SMALL)
+
+
 def test_rcp_fma_cols_needs_soft_sign():
     q, k, v = _inputs(5, 1, 64, 2, 1, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="rcp_fma_cols"):

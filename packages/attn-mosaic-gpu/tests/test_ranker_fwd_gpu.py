@@ -243,6 +243,35 @@ def test_fma_split_no_less_accurate(case):
         assert mx <= 1.25 * base_max, f"{label}: max-abs {mx:.4g} vs {base_max:.4g} all-MUFU"
 
 
+def _packed_bounds(seed, rows, seq, max_users=8):
+    """Users with log-normal histories packed first-fit decreasing into ``rows`` rows of
+    ``seq`` (attn_common.pack_users): unaligned boundaries, users sharing blocks,
+    padding at the ends, unused slots."""
+    from attn_common.packing import pack_users
+
+    rng = np.random.default_rng(seed)
+    hist = np.minimum(rng.lognormal(np.log(60), 1.0, size=6 * rows).astype(int), seq // 2)
+    cand = rng.integers(1, 20, size=hist.size)
+    packed = pack_users(hist, cand, seq_len=seq, max_users_per_row=max_users)
+    bounds = np.asarray(packed.bounds)[:rows]
+    bounds[0, -1] = 0  # an unused slot
+    bounds[-1, 0] = [bounds[-1, 0, 0], bounds[-1, 0, 0], bounds[-1, 0, 2], bounds[-1, 0, 3]]
+    return jnp.asarray(bounds, jnp.int32)  # ^ a user with an empty history
+
+
+@pytest.mark.parametrize(
+    "head_dim,cap",
+    [(128, "soft_sign"), (128, "tanh"), (64, "none")],
+    ids=["d128-ss", "d128-tanh", "d64"],
+)
+def test_packed_users(head_dim, cap):
+    """Packed rows [B, U, 4] (several users per row) at S=1152, GQA 5:1."""
+    seq = 1152
+    bounds = _packed_bounds(12, 4, seq)
+    q, k, v = _inputs(12, 4, seq, 10, 2, head_dim, jnp.bfloat16, scale=1.5)
+    _check(q, k, v, bounds, cap=CAPS[cap])
+
+
 @pytest.mark.parametrize("seq", [1, 65, 127, 129, 300])
 def test_odd_lengths(seq):
     q, k, v = _inputs(5, 2, seq, 4, 4, 128, jnp.bfloat16)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 
 from attn_common import CapParams, KernelConfig, check_bounds
+from attn_common.packed import check_packed_bounds
 from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_bwd_pipelined import PIPELINED_HEAD_DIMS
@@ -21,6 +22,7 @@ from attn_mosaic_gpu.ranker_fwd import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     default_config,
+    is_packed,
     ranker_attention_fwd,
     validate_config,
 )
@@ -82,7 +84,8 @@ def ranker_attention(
 
     Args:
       q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]``; D in {64, 128, 256}.
-      bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]``; traced data.
+      bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]``, or packed ``[B, U, 4]``
+        (``U`` users per row, ``attn_common.packed``; D 64 and 128); traced data.
       sm_scale, cap, return_lse, interpret: see ``ranker_attention_fwd``.
       config: the forward's ``KernelConfig``; ``None`` reads the tuned tables
         (``attn_mosaic_gpu.tuning``: the user's ``attn tune`` table, then the package's
@@ -101,7 +104,8 @@ def ranker_attention(
     if isinstance(interpret, bool) and not interpret:
         interpret = False
     if debug_checks:
-        check_bounds(bounds, seq_len=q.shape[1])
+        check = check_packed_bounds if is_packed(bounds) else check_bounds
+        check(bounds, seq_len=q.shape[1])
     config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning)
     kwargs = (
         ("sm_scale", sm_scale),
@@ -122,11 +126,26 @@ def supports(op: str, *args, **kwargs) -> str | None:
     """
     if op != "ranker_attention":
         return f"no {op} kernel for Hopper yet"
-    return unsupported_ranker_inputs(
+    reason = unsupported_ranker_inputs(
         args,
         kwargs,
         dtypes=SUPPORTED_DTYPES,
         head_dims=SUPPORTED_HEAD_DIMS,
         kernels="Hopper",
-        packed=False,
+        packed=True,
     )
+    if reason is not None:
+        return reason
+    q = args[0] if args else kwargs.get("q")
+    bounds = args[3] if len(args) > 3 else kwargs.get("bounds")
+    head_dim = getattr(q, "shape", (0,))[-1]
+    try:
+        packed = bounds is not None and is_packed(bounds)
+    except ValueError:  # ragged nested lists: the kernel's validation names the problem
+        packed = False
+    if packed and head_dim not in PIPELINED_HEAD_DIMS:
+        return (
+            f"bounds: packed rows [B, U, 4] run on the Hopper kernels for head_dim in "
+            f"{PIPELINED_HEAD_DIMS}; got head_dim {head_dim}"
+        )
+    return None

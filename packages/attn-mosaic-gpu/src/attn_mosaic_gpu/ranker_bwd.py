@@ -76,6 +76,7 @@ from attn_common import (
     ranker_mask,
     ranker_q_block_ranges,
 )
+from attn_common.packed import normalize_packed_bounds
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.ranker_bwd_pipelined import (
     PIPELINED_HEAD_DIMS,
@@ -87,6 +88,7 @@ from attn_mosaic_gpu.ranker_fwd import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     _resolve_interpret,
+    is_packed,
 )
 
 __all__ = ["BWD_BLOCK", "bwd_smem_bytes", "ranker_attention_bwd", "validate_bwd"]
@@ -461,7 +463,17 @@ def ranker_attention_bwd(
         head_dims=SUPPORTED_HEAD_DIMS,
     )
     validate_bwd(problem.head_dim, q.dtype)
-    clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    users = 0
+    if is_packed(bounds):
+        if problem.head_dim not in PIPELINED_HEAD_DIMS:
+            raise ValueError(
+                f"bounds: packed rows [B, U, 4] need head_dim in {PIPELINED_HEAD_DIMS} on "
+                f"Hopper; got {problem.head_dim}"
+            )
+        clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+        users = clipped.shape[1]
+    else:
+        clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
     interpret = _resolve_interpret(interpret)
 
     finite = jnp.isfinite(lse)
@@ -500,7 +512,7 @@ def ranker_attention_bwd(
     if pipelined:
         dq, dk, dv = pipelined_bwd(
             q, k, v, dout, lse2, delta, bounds, st_fields=fields, interpret=interpret,
-            tuning=knobs,
+            tuning=knobs, users=users,
         )  # fmt: skip
     else:
         dq, dk, dv = _ranker_bwd_padded(

@@ -73,6 +73,7 @@ from attn_common import (
     ranker_mask,
     ranker_q_block_ranges,
 )
+from attn_common.packed import TileRuns, packed_step_table, ranker_mask_users
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
 
@@ -144,6 +145,9 @@ class _Static:
     rcp_fma_cols: int = 0
     # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
     xla_fold_guard: bool = False
+    # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
+    # step tables built outside (attn_common.packed.packed_step_table).
+    users: int = 0
 
 
 _KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols")
@@ -309,21 +313,48 @@ def _bounds(bounds_ref, batch):
     return tuple(bounds_ref[batch, i] for i in range(4))
 
 
+class _PackedTile:
+    """A packed row's users and one tile's step-table row (scalars): the runs, and per
+    compute WG the steps that need no mask."""
+
+    def __init__(self, bounds_ref, steps_ref, batch, tile, users: int):
+        self.users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(users))
+        self.runs = 2 * users
+        self.ranges = TileRuns.read(lambda i: steps_ref[batch, tile, i], self.runs)
+        self._word = lambda i: steps_ref[batch, tile, i]
+
+    def full_steps(self, wg):
+        base = 2 * self.runs + 2 * wg
+        return self._word(base), self._word(base + 1)
+
+    def mask(self, q_ids, kv_ids):
+        return ranker_mask_users(q_ids, kv_ids, self.users)
+
+
 def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
     group = st.q_heads // st.kv_heads
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, dq_ref, scoped
+    ):
         bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2 = bufs
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
-        hl, hu, cl, cu = _bounds(bounds_ref, batch)
+        if st.users:
+            packed = _PackedTile(
+                bounds_ref, steps_ref, batch, lax.axis_index(_axes.Q_TILES), st.users
+            )
+            ranges = packed.ranges
+        else:
+            hl, hu, cl, cu = _bounds(bounds_ref, batch)
         tile_start = lax.axis_index(_axes.Q_TILES) * (_COMPUTE_WGS * b)
-        ranges = ranker_kv_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
+        if not st.users:
+            ranges = ranker_kv_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
         total_steps = ranges.total_steps
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -341,7 +372,10 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                 plgpu.barrier_wait(bar.at[wg])
             lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-            full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
+            if st.users:
+                full_lo, full_hi = packed.full_steps(wg)
+            else:
+                full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
             staging = None if in_place else (ds_smem2.at[wg],)
 
             def step(i, dq, *, masked):
@@ -356,6 +390,8 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                         layout = plgpu.Layout.WGMMA
                         q_ids = row0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
                         kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
+                        if st.users:
+                            return packed.mask(q_ids, kv_ids)
                         return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
                 operands = (q_smem, k_smem.at[slot], do_smem, v_smem.at[slot])
@@ -387,7 +423,11 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
             _ring_loads(num_slots, total_steps, issue, consumed)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref):
+    def entry(*refs):
+        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table), then dQ.
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
+        steps_ref = refs[7] if st.users else None
+        dq_ref = refs[-1]
         t = _transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
         own_vec = plgpu.SMEM((_COMPUTE_WGS, b), jnp.float32)
@@ -395,7 +435,16 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
         pl.run_scoped(
             lambda *args: kernel(
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, args
+                q_ref,
+                k_ref,
+                v_ref,
+                do_ref,
+                lse_ref,
+                delta_ref,
+                bounds_ref,
+                steps_ref,
+                dq_ref,
+                args,
             ),
             [own, own, own_vec, own_vec, ring, ring, staging],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 4,
@@ -412,16 +461,26 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     num_slots = st.num_stages
     group = st.q_heads // st.kv_heads
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, scoped):
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, dk_ref, dv_ref,
+        scoped,
+    ):  # fmt: skip
         bufs, fixed_ready, ready, consumed = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs
         q_ready, do_ready, lse_ready, delta_ready = ready
         batch = lax.axis_index(_axes.BATCH)
         kv_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
-        hl, hu, cl, cu = _bounds(bounds_ref, batch)
+        if st.users:
+            packed = _PackedTile(
+                bounds_ref, steps_ref, batch, lax.axis_index(_axes.KV_TILES), st.users
+            )
+            ranges = packed.ranges
+        else:
+            hl, hu, cl, cu = _bounds(bounds_ref, batch)
         tile_start = lax.axis_index(_axes.KV_TILES) * (_COMPUTE_WGS * b)
-        ranges = ranker_q_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
+        if not st.users:
+            ranges = ranker_q_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
         head_steps = ranges.total_steps  # steps per query head of the group
         total_steps = group * head_steps
 
@@ -435,7 +494,10 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, fixed_ready[1].at[wg])
             plgpu.barrier_wait(fixed_ready[0].at[wg])
             plgpu.barrier_wait(fixed_ready[1].at[wg])
-            full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
+            if st.users:
+                full_lo, full_hi = packed.full_steps(wg)
+            else:
+                full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
             staging = None if in_place else (p_smem2.at[wg], ds_smem2.at[wg])
             layout = plgpu.Layout.WGMMA
             kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
@@ -453,6 +515,8 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                     def mask_fn():
                         q0 = ranges.block_at(i) * b
                         q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
+                        if st.users:
+                            return packed.mask(q_ids, kv_ids)
                         return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
                 operands = (k_smem, q_smem.at[slot], v_smem, do_smem.at[slot])
@@ -497,7 +561,11 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
             _ring_loads(num_slots, total_steps, issue, consumed)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref):
+    def entry(*refs):
+        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table), then dK, dV.
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
+        steps_ref = refs[7] if st.users else None
+        dk_ref, dv_ref = refs[-2:]
         t = _transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
         ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
@@ -505,7 +573,17 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
         pl.run_scoped(
             lambda *args: kernel(
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, args
+                q_ref,
+                k_ref,
+                v_ref,
+                do_ref,
+                lse_ref,
+                delta_ref,
+                bounds_ref,
+                steps_ref,
+                dk_ref,
+                dv_ref,
+                args,
             ),
             [own, own, ring, ring, ring_vec, ring_vec, staging, staging],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
@@ -518,19 +596,31 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
 
 def pipelined_bwd(
-    q, k, v, do, lse2, delta, bounds, *, st_fields: dict, interpret, tuning: dict | None = None
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    bounds,
+    *,
+    st_fields: dict,
+    interpret,
+    tuning: dict | None = None,
+    users: int = 0,
 ):
     """Run both kernels on padded inputs (``S`` a multiple of 128).
 
     ``q, do [B,S,Hq,D]``, ``k, v [B,S,Hkv,D]``, ``lse2, delta [B,Hq,S]`` float32 (base-2
-    LSE with ``+inf`` on empty rows; ``delta'``), ``bounds [B,4]`` int32 clipped.
+    LSE with ``+inf`` on empty rows; ``delta'``), ``bounds [B,4]`` int32 clipped, or
+    packed ``[B, U, 4]`` normalized with ``users = U >= 2``.
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
     ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``,
     ``exp2_fma_cols``, ``rcp_fma_cols`` (``BackwardTuning``; ``None`` keeps the defaults).
     """
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
     check_backward_knobs(knobs, st_fields["cap"])
-    st = _Static(**st_fields, **knobs, xla_fold_guard=interpret is not None)
+    st = _Static(**st_fields, **knobs, xla_fold_guard=interpret is not None, users=users)
     return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
 
 
@@ -544,18 +634,27 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
+    dq_in = [q, k, v, do, lse2, delta, bounds]
+    dkv_in = list(dq_in)
+    if st.users:  # packed rows: the visit-once runs and unmasked steps, per tile
+        table = functools.partial(
+            packed_step_table, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
+            sub_tiles=_COMPUTE_WGS,
+        )  # fmt: skip
+        dq_in.append(table())
+        dkv_in.append(table(keys=True))
     dq = plgpu.kernel(
         _build_dq_kernel(st, q.dtype, in_place=in_place),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(st.q_heads, tiles, st.batch),
         grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
         **common,
-    )(q, k, v, do, lse2, delta, bounds)
+    )(*dq_in)
     dk, dv = plgpu.kernel(
         _build_dkv_kernel(st, q.dtype, in_place=in_place),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, tiles, st.batch),
         grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
         **common,
-    )(q, k, v, do, lse2, delta, bounds)
+    )(*dkv_in)
     return dq, dk, dv

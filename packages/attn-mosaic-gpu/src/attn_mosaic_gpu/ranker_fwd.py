@@ -81,6 +81,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -89,12 +90,20 @@ from attn_common import (
     CapMethod,
     CapParams,
     KernelConfig,
+    SegmentBounds,
     cap_scaled_with_derivative,
     check_ranker_inputs,
     normalize_bounds,
     ranker_full_kv_steps,
     ranker_kv_block_ranges,
     ranker_mask,
+)
+from attn_common.packed import (
+    TileRuns,
+    normalize_packed_bounds,
+    packed_step_table,
+    ranker_mask_users,
+    validate_packed_bounds,
 )
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
@@ -239,6 +248,15 @@ class _Static:
     rcp_fma_cols: int = 0
     # The row max taken on the raw scores (see kv_step); False: on the capped logits.
     max_on_raw: bool = True
+    # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]).
+    users: int = 0
+
+
+def is_packed(bounds) -> bool:
+    """Bounds ``[B, U, 4]`` with ``U >= 2`` users per row (``attn_common.packed``);
+    ``[B, 1, 4]`` is the one-user layout."""
+    shape = np.shape(bounds) if not isinstance(bounds, SegmentBounds) else ()
+    return len(shape) == 3 and shape[1] > 1
 
 
 def _overlap(lo, hi, seg_lo, seg_hi):
@@ -274,7 +292,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
         return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
 
-    def kernel(q_ref, k_ref, v_ref, bounds_ref, out_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, out_ref, lse_ref, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2), ready, consumed, schedule = scoped
         k_ready, v_ready, q_ready = ready
         k_consumed, v_consumed = consumed
@@ -285,14 +303,22 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
 
-        hl = bounds_ref[batch, 0]
-        hu = bounds_ref[batch, 1]
-        cl = bounds_ref[batch, 2]
-        cu = bounds_ref[batch, 3]
-        tile_start = q_tile * (2 * block_q)
-        ranges = ranker_kv_block_ranges(
-            hl, hu, cl, cu, tile_start, tile_start + 2 * block_q, block_kv
-        )
+        if st.users:
+            # Packed rows: the tile's runs and each WG's unmasked steps come from the
+            # step table built outside (attn_common.packed.packed_step_table).
+            users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.users))
+            tile_start = q_tile * (2 * block_q)
+            runs = 2 * st.users
+            ranges = TileRuns.read(lambda i: steps_ref[batch, q_tile, i], runs)
+        else:
+            hl = bounds_ref[batch, 0]
+            hu = bounds_ref[batch, 1]
+            cl = bounds_ref[batch, 2]
+            cu = bounds_ref[batch, 3]
+            tile_start = q_tile * (2 * block_q)
+            ranges = ranker_kv_block_ranges(
+                hl, hu, cl, cu, tile_start, tile_start + 2 * block_q, block_kv
+            )
         total_steps = ranges.total_steps
 
         def schedule_sync():
@@ -305,11 +331,20 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             qo_smem = qo_smem2.at[wg]
             row0 = tile_start + wg * block_q
             row1 = row0 + block_q
-            active = (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
-            # Steps whose block every row of this WG attends in full need no mask.
-            unmasked_lo, unmasked_hi = ranker_full_kv_steps(
-                ranges, hl, hu, cl, cu, row0, row1, block_kv
-            )
+            if st.users:
+                rows_seen = sum(
+                    _overlap(row0, row1, u_hl, u_hu) + _overlap(row0, row1, u_cl, u_cu)
+                    for u_hl, u_hu, u_cl, u_cu in users
+                )
+                active = rows_seen > 0
+                unmasked_lo = steps_ref[batch, q_tile, 2 * runs + 2 * wg]
+                unmasked_hi = steps_ref[batch, q_tile, 2 * runs + 2 * wg + 1]
+            else:
+                active = (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
+                # Steps whose block every row of this WG attends in full need no mask.
+                unmasked_lo, unmasked_hi = ranker_full_kv_steps(
+                    ranges, hl, hu, cl, cu, row0, row1, block_kv
+                )
             wg_steps = jnp.where(active, total_steps, 0)
 
             @pl.when(active)
@@ -355,7 +390,10 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                     kv_ids = kv0 + plgpu.broadcasted_iota(
                         jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
                     )
-                    allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
+                    if st.users:
+                        allowed = ranker_mask_users(q_ids, kv_ids, users)
+                    else:
+                        allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
                 if st.max_on_raw:
                     # Every cap is increasing, so a row's largest base-2 logit is the
@@ -499,7 +537,12 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
-    def entry(q_ref, k_ref, v_ref, bounds_ref, out_ref, lse_ref=None):
+    def entry(*refs):
+        # Inputs q, k, v, bounds (+ the step table for packed rows), then out (+ lse).
+        num_in = 5 if st.users else 4
+        q_ref, k_ref, v_ref, bounds_ref = refs[:4]
+        steps_ref = refs[4] if st.users else None
+        out_ref, lse_ref = (*refs[num_in:], None)[:2]
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         qo = plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
         k_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
@@ -509,7 +552,9 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         if not accumulate_in_place:
             p_buf = plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
         pl.run_scoped(
-            lambda *args: kernel(q_ref, k_ref, v_ref, bounds_ref, out_ref, lse_ref, args),
+            lambda *args: kernel(
+                q_ref, k_ref, v_ref, bounds_ref, steps_ref, out_ref, lse_ref, args
+            ),
             [qo, k_buf, v_buf, lse_buf, p_buf],
             (
                 plgpu.Barrier(num_barriers=num_slots),
@@ -526,7 +571,19 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
-    """q/k/v already padded to ``st.seq_pad``; bounds clipped int32 ``[B, 4]``."""
+    """q/k/v already padded to ``st.seq_pad``; bounds clipped int32 ``[B, 4]``, or packed
+    ``[B, U, 4]`` (``st.users = U``), whose step table is built here."""
+    inputs = [q, k, v, bounds]
+    if st.users:
+        inputs.append(
+            packed_step_table(
+                bounds,
+                tile=2 * st.block_q,
+                num_tiles=st.seq_pad // (2 * st.block_q),
+                block=st.block_kv,
+                sub_tiles=_COMPUTE_WGS,
+            )
+        )
     out_type = [jax.ShapeDtypeStruct((st.batch, st.seq_pad, st.q_heads, st.head_dim), q.dtype)]
     if st.return_lse:
         out_type.append(jax.ShapeDtypeStruct((st.batch, st.q_heads, st.seq_pad), jnp.float32))
@@ -539,7 +596,7 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
         thread_name=_axes.WARPGROUP,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v, bounds)
+    )(*inputs)
     return tuple(results)
 
 
@@ -561,7 +618,11 @@ def ranker_attention_fwd(
       q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]`` same dtype,
         ``Hq % Hkv == 0``; D in {64, 128, 256}. Any ``S``.
       bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]`` (history_lo, history_hi,
-        candidate_lo, candidate_hi); traced data, clipped to ``[0, S]``.
+        candidate_lo, candidate_hi), or packed ``[B, U, 4]`` (``U`` users per row,
+        ``attn_common.packed``: the runs of the tile's users' blocks and the unmasked
+        steps come from a step table built outside the kernel, the mask is the OR over
+        the row's users); traced data, clipped to ``[0, S]``; overlapping users refused
+        on host values. One compile per ``U`` serves every batch.
       sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
       cap: ``CapParams`` (none / tanh / soft_sign) or ``None``.
       config: ``KernelConfig`` (block_q, block_kv, num_stages); ``None`` picks
@@ -586,7 +647,13 @@ def ranker_attention_fwd(
     if config is None:
         config = default_config(problem.head_dim, q.dtype)
     validate_config(config, problem.head_dim, q.dtype, return_lse=bool(return_lse), cap=problem.cap)
-    clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    users = 0
+    if is_packed(bounds):
+        validate_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+        clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+        users = clipped.shape[1]
+    else:
+        clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
     interpret = _resolve_interpret(interpret)
 
     seq = problem.seq_len
@@ -609,6 +676,7 @@ def ranker_attention_fwd(
         return_lse=bool(return_lse),
         exp2_fma_cols=config.exp2_fma_cols,
         rcp_fma_cols=config.rcp_fma_cols,
+        users=users,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]

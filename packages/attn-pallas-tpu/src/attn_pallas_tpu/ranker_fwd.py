@@ -79,12 +79,11 @@ from attn_common import (
     ranker_q_block_ranges,
 )
 from attn_common.packed import (
+    TileRuns,
     normalize_packed_bounds,
-    packed_full_kv_steps,
-    packed_full_q_steps,
-    packed_kv_block_ranges,
-    packed_q_block_ranges,
     packed_runs_per_tile,
+    packed_step_table,
+    ranker_mask_users,
     validate_packed_bounds,
 )
 from attn_pallas_tpu._prep import resolve_interpret
@@ -293,25 +292,15 @@ def table_words(runs: int) -> int:
     return 2 * runs + 2 if runs else TABLE_WORDS
 
 
-def _pack_runs(ranges, full_lo, full_hi):
-    """Packed layout per tile: ``starts[R], ends[R]`` (cumulative step counts: run ``r``
-    covers steps ``[ends[r-1], ends[r])``), ``full_lo, full_hi``."""
-    ends = jnp.cumsum(ranges.steps, axis=-1)
-    cols = [ranges.starts, ends, full_lo[..., None], full_hi[..., None]]
-    return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1).reshape(-1)
-
-
 def kv_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * q_tiles * 8]``: per (b, q tile) ``first_start, first_steps,
     second_start, second_steps, full_lo, full_hi, 0, 0`` of its KV block ranges.
     Packed bounds ``[B, U, 4]`` (``st.users``): ``[B * q_tiles * (4U + 2)]`` in the
-    ``_pack_runs`` layout, from ``attn_common.packed_kv_block_ranges``."""
+    ``attn_common.packed.packed_step_table`` layout (``starts[R], ends[R], full_lo,
+    full_hi``)."""
     if st.users:
-        q0 = jnp.arange(st.q_tiles, dtype=jnp.int32)[None] * st.block_q
-        rows = bounds[:, None]
-        ranges = packed_kv_block_ranges(rows, q0, q0 + st.block_q, st.block_kv)
-        lo, hi = packed_full_kv_steps(ranges, rows, q0, q0 + st.block_q, st.block_kv)
-        return _pack_runs(ranges, lo, hi)
+        table = packed_step_table(bounds, tile=st.block_q, num_tiles=st.q_tiles, block=st.block_kv)
+        return table.reshape(-1)
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
     q0 = jnp.arange(st.q_tiles, dtype=jnp.int32)[None] * st.block_q
     q1 = q0 + st.block_q
@@ -325,11 +314,10 @@ def q_step_table(bounds, st: RankerStatic) -> jax.Array:
     (b, kv tile) (``ranker_q_block_ranges`` / ``ranker_full_q_steps``), for dK/dV;
     packed bounds as in ``kv_step_table``."""
     if st.users:
-        k0 = jnp.arange(st.kv_tiles, dtype=jnp.int32)[None] * st.block_kv
-        rows = bounds[:, None]
-        ranges = packed_q_block_ranges(rows, k0, k0 + st.block_kv, st.block_q)
-        lo, hi = packed_full_q_steps(ranges, rows, k0, k0 + st.block_kv, st.block_q)
-        return _pack_runs(ranges, lo, hi)
+        table = packed_step_table(
+            bounds, tile=st.block_kv, num_tiles=st.kv_tiles, block=st.block_q, keys=True
+        )
+        return table.reshape(-1)
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
     k0 = jnp.arange(st.kv_tiles, dtype=jnp.int32)[None] * st.block_kv
     k1 = k0 + st.block_kv
@@ -346,8 +334,7 @@ class TileSteps:
         self.runs = runs
         base = tile * table_words(runs)
         if runs:
-            self.starts = [tab_ref[base + r] for r in range(runs)]
-            self.ends = [tab_ref[base + runs + r] for r in range(runs)]
+            self.tile_runs = TileRuns.read(lambda i: tab_ref[base + i], runs)
             self.full_lo = tab_ref[base + 2 * runs]
             self.full_hi = tab_ref[base + 2 * runs + 1]
             return
@@ -361,16 +348,12 @@ class TileSteps:
     @property
     def total(self):
         if self.runs:
-            return self.ends[-1]
+            return self.tile_runs.total_steps
         return self.first_steps + self.second_steps
 
     def block_at(self, step):
-        if self.runs:  # runs are sorted and empty ones last: a chain of selects
-            block = self.starts[0] + step
-            for r in range(1, self.runs):
-                prev = self.ends[r - 1]
-                block = jnp.where(step >= prev, self.starts[r] + (step - prev), block)
-            return block
+        if self.runs:
+            return self.tile_runs.block_at(step)
         return jnp.where(
             step < self.first_steps,
             self.first_start + step,
@@ -405,11 +388,7 @@ def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
     q_ids = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     kv_ids = kv0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     if bounds and isinstance(bounds[0], tuple):  # packed: OR over the row's users
-        allowed = None
-        for user in bounds:
-            m = ranker_mask(q_ids, kv_ids, *user)
-            allowed = m if allowed is None else allowed | m
-        return allowed
+        return ranker_mask_users(q_ids, kv_ids, bounds)
     return ranker_mask(q_ids, kv_ids, *bounds)
 
 
