@@ -270,18 +270,24 @@ def test_front_door_runs_packed_on_reference():
     assert_close(out, want, rtol_l2=1e-5, atol=3e-5)
 
 
-def test_hopper_supports_refuses_packed():
+def test_hopper_supports_packed_for_pipelined_head_dims():
+    """The Hopper kernels take packed rows for D 64 and 128; D=256 (simple backward
+    kernels) is refused by name, so dispatch falls back to the reference."""
     mgpu = pytest.importorskip("attn_mosaic_gpu")
-    q = jax.ShapeDtypeStruct((2, 64, 4, 128), jnp.bfloat16)
     packed = jax.ShapeDtypeStruct((2, 3, 4), jnp.int32)
-    reason = mgpu.supports("ranker_attention", q, q, q, packed)
-    assert reason is not None and "U = 3 users per row" in reason
-    assert "U = 3" in mgpu.supports("ranker_attention", q, q, q, bounds=packed)
-    assert "U = 2" in mgpu.supports("ranker_attention", q, q, q, [[[0, 1, 1, 2]] * 2] * 2)
+    for d in (64, 128):
+        q = jax.ShapeDtypeStruct((2, 64, 4, d), jnp.bfloat16)
+        assert mgpu.supports("ranker_attention", q, q, q, packed) is None
+        assert mgpu.supports("ranker_attention", q, q, q, bounds=packed) is None
+    q256 = jax.ShapeDtypeStruct((2, 64, 4, 256), jnp.bfloat16)
+    reason = mgpu.supports("ranker_attention", q256, q256, q256, packed)
+    assert reason is not None and "head_dim" in reason
+    assert "head_dim" in mgpu.supports(
+        "ranker_attention", q256, q256, q256, [[[0, 1, 1, 2]] * 2] * 2
+    )
     for one in ((2, 4), (2, 1, 4), (4,)):
-        assert (
-            mgpu.supports("ranker_attention", q, q, q, jax.ShapeDtypeStruct(one, jnp.int32)) is None
-        )
-    qf = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="U = 3 users per row"):
+        bounds = jax.ShapeDtypeStruct(one, jnp.int32)
+        assert mgpu.supports("ranker_attention", q256, q256, q256, bounds) is None
+    qf = jnp.zeros((2, 64, 4, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="packed rows"):
         mgpu.ranker_attention(qf, qf, qf, jnp.zeros((2, 3, 4), jnp.int32), interpret=True)

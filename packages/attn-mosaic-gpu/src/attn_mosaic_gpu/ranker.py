@@ -103,6 +103,11 @@ def ranker_attention(
     """
     if isinstance(interpret, bool) and not interpret:
         interpret = False
+    if is_packed(bounds) and q.shape[-1] not in PIPELINED_HEAD_DIMS:
+        raise ValueError(
+            f"bounds: packed rows [B, U, 4] run on the Hopper kernels for head_dim in "
+            f"{PIPELINED_HEAD_DIMS}; got head_dim {q.shape[-1]} (the reference takes them)"
+        )
     if debug_checks:
         check = check_packed_bounds if is_packed(bounds) else check_bounds
         check(bounds, seq_len=q.shape[1])
