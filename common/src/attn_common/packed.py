@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from attn_common.bounds import SegmentBounds, _as_int_array, _cdiv, ranker_mask
+from attn_common.bounds import SegmentBounds, _as_int_array, _cdiv, normalize_bounds, ranker_mask
 from attn_common.metadata import is_concrete
 
 __all__ = [
@@ -53,12 +53,14 @@ __all__ = [
     "TileRuns",
     "check_packed_bounds",
     "normalize_packed_bounds",
+    "normalize_ranker_bounds",
     "packed_full_kv_steps",
     "packed_full_q_steps",
     "packed_kv_block_ranges",
     "packed_q_block_ranges",
     "packed_runs_per_tile",
     "packed_step_table",
+    "packed_users",
     "ranker_mask_packed",
     "ranker_mask_users",
     "validate_packed_bounds",
@@ -146,6 +148,30 @@ def validate_packed_bounds(bounds, *, batch: int, seq_len: int) -> None:
             f"bounds: row {b}: users {u} {arr[b, u].tolist()} and {w} {arr[b, w].tolist()} "
             f"(hl, hu, cl, cu after clipping to [0, {seq_len}]) overlap; {_RULE}"
         )
+
+
+def packed_users(bounds, *, min_users: int = 1) -> int:
+    """``U`` when ``bounds`` is packed ``[B, U, 4]`` with ``U >= min_users``, else 0.
+
+    ``[B, 4]``, ``[4]`` and ``SegmentBounds`` are the one-user layout (0). A backend
+    whose one-user kernels also serve ``[B, 1, 4]`` passes ``min_users=2``.
+    """
+    if isinstance(bounds, SegmentBounds):
+        return 0
+    shape = np.shape(bounds)
+    return int(shape[1]) if len(shape) == 3 and shape[1] >= min_users else 0
+
+
+def normalize_ranker_bounds(bounds, *, batch: int, seq_len: int, min_users: int = 1):
+    """``(clipped int32 bounds, users)`` for a kernel: packed bounds (``packed_users``
+    > 0) are checked for overlapping users on host values and normalized to
+    ``[B, U, 4]``; any other layout goes through ``normalize_bounds`` to ``[B, 4]`` with
+    ``users = 0``."""
+    users = packed_users(bounds, min_users=min_users)
+    if users:
+        validate_packed_bounds(bounds, batch=batch, seq_len=seq_len)
+        return normalize_packed_bounds(bounds, batch=batch, seq_len=seq_len), users
+    return normalize_bounds(bounds, batch=batch, seq_len=seq_len), 0
 
 
 def check_packed_bounds(bounds, *, seq_len: int) -> None:

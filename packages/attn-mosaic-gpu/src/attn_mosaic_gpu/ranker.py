@@ -14,15 +14,15 @@ from __future__ import annotations
 import jax
 
 from attn_common import CapParams, KernelConfig, check_bounds
-from attn_common.packed import check_packed_bounds
+from attn_common.packed import check_packed_bounds, packed_users
 from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_bwd_pipelined import PIPELINED_HEAD_DIMS
 from attn_mosaic_gpu.ranker_fwd import (
+    MIN_PACKED_USERS,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     default_config,
-    is_packed,
     ranker_attention_fwd,
     validate_config,
 )
@@ -103,13 +103,14 @@ def ranker_attention(
     """
     if isinstance(interpret, bool) and not interpret:
         interpret = False
-    if is_packed(bounds) and q.shape[-1] not in PIPELINED_HEAD_DIMS:
+    packed = packed_users(bounds, min_users=MIN_PACKED_USERS) > 0
+    if packed and q.shape[-1] not in PIPELINED_HEAD_DIMS:
         raise ValueError(
             f"bounds: packed rows [B, U, 4] run on the Hopper kernels for head_dim in "
             f"{PIPELINED_HEAD_DIMS}; got head_dim {q.shape[-1]} (the reference takes them)"
         )
     if debug_checks:
-        check = check_packed_bounds if is_packed(bounds) else check_bounds
+        check = check_packed_bounds if packed else check_bounds
         check(bounds, seq_len=q.shape[1])
     config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning)
     kwargs = (
@@ -145,7 +146,7 @@ def supports(op: str, *args, **kwargs) -> str | None:
     bounds = args[3] if len(args) > 3 else kwargs.get("bounds")
     head_dim = getattr(q, "shape", (0,))[-1]
     try:
-        packed = bounds is not None and is_packed(bounds)
+        packed = bounds is not None and packed_users(bounds, min_users=MIN_PACKED_USERS) > 0
     except ValueError:  # ragged nested lists: the kernel's validation names the problem
         packed = False
     if packed and head_dim not in PIPELINED_HEAD_DIMS:

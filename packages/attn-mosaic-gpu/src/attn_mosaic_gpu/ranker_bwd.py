@@ -71,12 +71,11 @@ from attn_common import (
     cap_derivative_from_output,
     cap_forward,
     check_ranker_inputs,
-    normalize_bounds,
     ranker_kv_block_ranges,
     ranker_mask,
     ranker_q_block_ranges,
 )
-from attn_common.packed import normalize_packed_bounds
+from attn_common.packed import normalize_ranker_bounds, packed_users
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.ranker_bwd_pipelined import (
     PIPELINED_HEAD_DIMS,
@@ -84,11 +83,11 @@ from attn_mosaic_gpu.ranker_bwd_pipelined import (
     pipelined_smem_bytes,
 )
 from attn_mosaic_gpu.ranker_fwd import (
+    MIN_PACKED_USERS,
     SMEM_LIMIT_BYTES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     _resolve_interpret,
-    is_packed,
 )
 
 __all__ = ["BWD_BLOCK", "bwd_smem_bytes", "ranker_attention_bwd", "validate_bwd"]
@@ -463,17 +462,17 @@ def ranker_attention_bwd(
         head_dims=SUPPORTED_HEAD_DIMS,
     )
     validate_bwd(problem.head_dim, q.dtype)
-    users = 0
-    if is_packed(bounds):
-        if problem.head_dim not in PIPELINED_HEAD_DIMS:
-            raise ValueError(
-                f"bounds: packed rows [B, U, 4] need head_dim in {PIPELINED_HEAD_DIMS} on "
-                f"Hopper; got {problem.head_dim}"
-            )
-        clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
-        users = clipped.shape[1]
-    else:
-        clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    if (
+        packed_users(bounds, min_users=MIN_PACKED_USERS)
+        and problem.head_dim not in PIPELINED_HEAD_DIMS
+    ):
+        raise ValueError(
+            f"bounds: packed rows [B, U, 4] need head_dim in {PIPELINED_HEAD_DIMS} on "
+            f"Hopper; got {problem.head_dim}"
+        )
+    clipped, users = normalize_ranker_bounds(
+        bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=MIN_PACKED_USERS
+    )
     interpret = _resolve_interpret(interpret)
 
     finite = jnp.isfinite(lse)

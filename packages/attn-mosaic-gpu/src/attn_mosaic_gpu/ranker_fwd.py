@@ -81,7 +81,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -90,20 +89,17 @@ from attn_common import (
     CapMethod,
     CapParams,
     KernelConfig,
-    SegmentBounds,
     cap_scaled_with_derivative,
     check_ranker_inputs,
-    normalize_bounds,
     ranker_full_kv_steps,
     ranker_kv_block_ranges,
     ranker_mask,
 )
 from attn_common.packed import (
     TileRuns,
-    normalize_packed_bounds,
+    normalize_ranker_bounds,
     packed_step_table,
     ranker_mask_users,
-    validate_packed_bounds,
 )
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
@@ -132,6 +128,8 @@ _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
 _SMEM_ALIGN = 1024  # swizzled buffers are 1024-byte aligned
+# Bounds [B, U, 4] with U >= 2 take the packed step tables; [B, 1, 4] the one-user kernels.
+MIN_PACKED_USERS = 2
 
 
 def _round_up(x: int, m: int) -> int:
@@ -250,13 +248,6 @@ class _Static:
     max_on_raw: bool = True
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]).
     users: int = 0
-
-
-def is_packed(bounds) -> bool:
-    """Bounds ``[B, U, 4]`` with ``U >= 2`` users per row (``attn_common.packed``);
-    ``[B, 1, 4]`` is the one-user layout."""
-    shape = np.shape(bounds) if not isinstance(bounds, SegmentBounds) else ()
-    return len(shape) == 3 and shape[1] > 1
 
 
 def _overlap(lo, hi, seg_lo, seg_hi):
@@ -647,13 +638,9 @@ def ranker_attention_fwd(
     if config is None:
         config = default_config(problem.head_dim, q.dtype)
     validate_config(config, problem.head_dim, q.dtype, return_lse=bool(return_lse), cap=problem.cap)
-    users = 0
-    if is_packed(bounds):
-        validate_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
-        clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
-        users = clipped.shape[1]
-    else:
-        clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    clipped, users = normalize_ranker_bounds(
+        bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=MIN_PACKED_USERS
+    )
     interpret = _resolve_interpret(interpret)
 
     seq = problem.seq_len

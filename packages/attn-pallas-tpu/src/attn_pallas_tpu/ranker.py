@@ -18,13 +18,12 @@ from __future__ import annotations
 import jax
 
 from attn_common import CapParams, KernelConfig, check_bounds
-from attn_common.packed import check_packed_bounds
+from attn_common.packed import check_packed_bounds, packed_users
 from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
 from attn_pallas_tpu.ranker_bwd import ranker_attention_bwd
 from attn_pallas_tpu.ranker_fwd import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
-    is_packed,
     prepare,
     ranker_attention_fwd,
 )
@@ -74,7 +73,7 @@ def ranker_attention(
     # Validate eagerly (before custom_vjp traces anything) so errors name the argument.
     prepare(q, k, v, bounds, sm_scale=sm_scale, cap=cap, config=config)
     if debug_checks:
-        check = check_packed_bounds if is_packed(bounds) else check_bounds
+        check = check_packed_bounds if packed_users(bounds) else check_bounds
         check(bounds, seq_len=q.shape[1])
     if isinstance(interpret, bool) and not interpret:
         interpret = False

@@ -60,7 +60,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -68,10 +67,8 @@ from jax.experimental.pallas import tpu as pltpu
 from attn_common import (
     CapParams,
     KernelConfig,
-    SegmentBounds,
     cap_forward,
     check_ranker_inputs,
-    normalize_bounds,
     ranker_full_kv_steps,
     ranker_full_q_steps,
     ranker_kv_block_ranges,
@@ -80,11 +77,10 @@ from attn_common import (
 )
 from attn_common.packed import (
     TileRuns,
-    normalize_packed_bounds,
+    normalize_ranker_bounds,
     packed_runs_per_tile,
     packed_step_table,
     ranker_mask_users,
-    validate_packed_bounds,
 )
 from attn_pallas_tpu._prep import resolve_interpret
 
@@ -498,17 +494,11 @@ def prepare(q, k, v, bounds, *, sm_scale, cap, config):
     if config is None:
         config = default_config(problem.seq_len, problem.head_dim)
     validate_config(config)
-    if is_packed(bounds):
-        clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
-        validate_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
-        return problem, make_static(problem, config, users=clipped.shape[1]), clipped
-    clipped = normalize_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
-    return problem, make_static(problem, config), clipped
-
-
-def is_packed(bounds) -> bool:
-    """Packed bounds ``[B, U, 4]`` (several users per row, ``attn_common.packed``)."""
-    return not isinstance(bounds, SegmentBounds) and len(np.shape(bounds)) == 3
+    # Every [B, U, 4] (U = 1 too) takes the packed step tables on TPU.
+    clipped, users = normalize_ranker_bounds(
+        bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=1
+    )
+    return problem, make_static(problem, config, users=users), clipped
 
 
 def ranker_attention_fwd(
