@@ -70,6 +70,7 @@ from attn_common.paged import (
     check_prefill_inputs,
     check_write_back_inputs,
     latent_rows,
+    scatter_write_back,
     write_then_attend,
 )
 from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
@@ -91,6 +92,14 @@ from attn_common.sparse_mla_plan import (
     block_union_sizes,
     choose_plan,
     sparse_mla_union_sizes,
+)
+from attn_common.sparse_mla_rows import (
+    UnitRows,
+    flat_units,
+    ragged_units,
+    row_table_width,
+    selected_rows,
+    sparse_mla_units,
 )
 from attn_common.suite import RANKER_SUITE, RankerCase, ranker_case
 from attn_common.tables import (
@@ -134,6 +143,7 @@ __all__ = [
     "SegmentBounds",
     "SparseMlaPlan",
     "SparseMlaProblem",
+    "UnitRows",
     "UnsupportedInputError",
     "WriteRuns",
     "block_union_sizes",
@@ -155,6 +165,7 @@ __all__ = [
     "choose_plan",
     "default_write_run_cap",
     "device_class",
+    "flat_units",
     "installed_backends",
     "keep_last_writes",
     "kv_packing",
@@ -174,6 +185,7 @@ __all__ = [
     "prefill_write_and_attend_ragged",
     "prefill_write_and_attend_ragged_qblock",
     "ragged_query_info",
+    "ragged_units",
     "ranker_attention",
     "ranker_case",
     "ranker_flops",
@@ -184,8 +196,11 @@ __all__ = [
     "ranker_mask_packed",
     "ranker_q_block_ranges",
     "resolve_u_max",
+    "row_table_width",
     "sanitize_unit_ids",
+    "scatter_write_back",
     "select_backend",
+    "selected_rows",
     "seq_id_from_cu_q_lens",
     "shard_ranker_attention",
     "shard_sparse_mla_attention",
@@ -194,6 +209,7 @@ __all__ = [
     "sparse_mla_attention",
     "sparse_mla_attention_qblock",
     "sparse_mla_union_sizes",
+    "sparse_mla_units",
     "validate_packed_bounds",
     "write_then_attend",
 ]

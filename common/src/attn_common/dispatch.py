@@ -415,7 +415,7 @@ _SPARSE_ARGS_DOC = """
       interpret: run a Pallas kernel in interpret mode (on a CPU); lifts the device
         check of an explicit ``implementation``.
       implementation: ``None`` (the best installed backend for the default device) or
-        ``"pallas-tpu"``, ``"reference"`` (``"mosaic-gpu"`` has no sparse MLA yet).
+        ``"mosaic-gpu"``, ``"pallas-tpu"``, ``"reference"``.
 """
 
 _SPARSE_DEFAULTS = dict(

@@ -36,6 +36,22 @@ def latent_rows(kvc: jax.Array, kpe: jax.Array, *, width: int, dtype) -> jax.Arr
     return jnp.pad(row, ((0, 0), (0, width - row.shape[1])))
 
 
+@jax.jit
+def scatter_write_back(cache: jax.Array, rows: jax.Array, loc: jax.Array) -> jax.Array:
+    """The write-back as one XLA scatter: ``cache[loc[t]] = rows[t]`` where ``loc >= 0``.
+
+    ``loc`` must already hold one row per slot (``keep_last_writes``: a repeated slot
+    keeps its last row, the others ``-1``); negative or out-of-range slots are dropped.
+    The reference ``paged_write_back`` is this scatter, and every backend's write-back
+    must equal it bit for bit.
+    """
+    flat = cache.reshape(-1, cache.shape[-1])
+    flat = flat.at[loc.astype(jnp.int32)].set(
+        rows.astype(cache.dtype), mode="drop", wrap_negative_indices=False
+    )
+    return flat.reshape(cache.shape)
+
+
 def check_paged_cache(cache, page_size) -> tuple[int, ...]:
     """Validate a paged cache ``[num_pages, page_size // pk, pk, D]``; return its shape."""
     shape = array_shape(cache, "cache")

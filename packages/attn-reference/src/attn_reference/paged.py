@@ -8,9 +8,13 @@ cache and then runs ragged sparse MLA attention over it.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from attn_common import check_write_back_inputs, keep_last_writes, write_then_attend
+from attn_common import (
+    check_write_back_inputs,
+    keep_last_writes,
+    scatter_write_back,
+    write_then_attend,
+)
 from attn_reference.sparse_mla import sparse_mla_attention
 
 
@@ -36,16 +40,7 @@ def paged_write_back(
     """
     del r_cap, interpret
     num_pages, rows_per_page, pk, _ = check_write_back_inputs(cache, rows, loc, page_size)
-    return _scatter_rows(cache, rows, keep_last_writes(loc, num_pages * rows_per_page * pk))
-
-
-@jax.jit
-def _scatter_rows(cache, rows, loc):
-    flat = cache.reshape(-1, cache.shape[-1])
-    flat = flat.at[loc.astype(jnp.int32)].set(
-        rows.astype(cache.dtype), mode="drop", wrap_negative_indices=False
-    )
-    return flat.reshape(cache.shape)
+    return scatter_write_back(cache, rows, keep_last_writes(loc, num_pages * rows_per_page * pk))
 
 
 def prefill_write_and_attend_ragged(

@@ -2,7 +2,8 @@
 
 Both modes reduce to one gather-based core: each query gathers the ``K * read_block``
 key rows of its selected units from a row-addressable latent store (``kv`` flattened
-over the batch, or the paged cache flattened over pages), marks which gathered rows are
+over the batch, or the paged cache flattened over pages; ``attn_common.sparse_mla_rows``
+says where each unit lives), marks which gathered rows are
 valid (a real selection, first occurrence of its unit, ``position >= t``, ``t <
 kv_len``), and runs an exact masked softmax. Values of rows a query does not attend are
 zeroed before the value product, so whatever those rows hold (NaN, Inf) never reaches
@@ -13,29 +14,14 @@ stays bounded by one chunk's gathered keys.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from attn_common import (
-    check_sparse_mla_inputs,
-    lift_ragged_indices,
-    ragged_query_info,
-    sanitize_unit_ids,
-)
+from attn_common import UnitRows, check_sparse_mla_inputs, sparse_mla_units
 from attn_common.sparse_mla import empty_result
 
 _CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
-
-
-class _UnitRows(NamedTuple):
-    """Where each query's selected units live, all ``[N, K]`` int32 except ``[N]``."""
-
-    first_row: jax.Array  # first row of the unit in the flattened store; -1 = not selected
-    first_pos: jax.Array  # request-local position of the unit's first token
-    position: jax.Array  # [N] query position (causal bound)
-    kv_len: jax.Array  # [N] number of valid key positions
 
 
 def _dedupe(first_row: jax.Array) -> jax.Array:
@@ -48,7 +34,7 @@ def _dedupe(first_row: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "chunk"))
-def _attend_units(q, store, units: _UnitRows, *, sm_scale, dv, read_block, chunk):
+def _attend_units(q, store, units: UnitRows, *, sm_scale, dv, read_block, chunk):
     """q ``[N, H, Dk]``, store ``[R, >=Dk]`` -> out ``[N, H, dv]`` f32, lse ``[N, H]``."""
     n, heads, dk = q.shape
     rows_total = store.shape[0]
@@ -93,43 +79,6 @@ def _attend_units(q, store, units: _UnitRows, *, sm_scale, dv, read_block, chunk
 
     out, lse = jax.lax.map(attend, xs)
     return out.reshape(-1, heads, dv)[:n], lse.reshape(-1, heads)[:n]
-
-
-def _flat_units(indices, positions, *, kv_len: int, read_block: int, num_units: int):
-    batch, seq, _ = indices.shape
-    unit = sanitize_unit_ids(indices, num_units)
-    batch_base = (jnp.arange(batch, dtype=jnp.int32) * kv_len)[:, None, None]
-    first_row = jnp.where(unit >= 0, batch_base + unit * read_block, -1)
-    return _UnitRows(
-        first_row=first_row.reshape(batch * seq, -1),
-        first_pos=(jnp.maximum(unit, 0) * read_block).reshape(batch * seq, -1),
-        position=positions.astype(jnp.int32).reshape(-1),
-        kv_len=jnp.full((batch * seq,), kv_len, jnp.int32),
-    )
-
-
-def _ragged_units(
-    indices,
-    positions,
-    q_seq_id,
-    seq_lens,
-    cu_kv_lens,
-    page_indices,
-    *,
-    page_size: int,
-    num_pages: int,
-):
-    info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
-    keys = lift_ragged_indices(indices[0], info, page_indices.shape[0])  # [S, K] slots
-    phys = jnp.asarray(page_indices, jnp.int32)[jnp.maximum(keys, 0)]
-    ok = (keys >= 0) & (phys >= 0) & (phys < num_pages)
-    local_page = keys - info.base_page[:, None]
-    return _UnitRows(
-        first_row=jnp.where(ok, phys * page_size, -1),
-        first_pos=jnp.where(ok, local_page * page_size, 0),
-        position=positions.astype(jnp.int32).reshape(-1),
-        kv_len=info.kv_len,
-    )
 
 
 def sparse_mla_attention(
@@ -179,27 +128,17 @@ def sparse_mla_attention(
     if problem.is_empty:
         return empty_result(problem, return_lse)
     batch, seq, heads, dk = q.shape
-    if problem.ragged:
-        units = _ragged_units(
-            indices,
-            positions,
-            q_seq_id,
-            seq_lens,
-            cu_kv_lens,
-            page_indices,
-            page_size=page_size,
-            num_pages=kv.shape[0],
-        )
-        store = kv.reshape(-1, kv.shape[-1])
-    else:
-        units = _flat_units(
-            indices,
-            positions,
-            kv_len=problem.kv_len,
-            read_block=read_block,
-            num_units=problem.num_units,
-        )
-        store = kv.reshape(-1, dk)
+    units, store = sparse_mla_units(
+        problem,
+        kv,
+        indices,
+        positions,
+        page_size=page_size,
+        q_seq_id=q_seq_id,
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+    )
     per_query = problem.top_k * read_block * dk
     chunk = max(1, min(batch * seq, _CHUNK_ELEMENTS // max(1, per_query)))
     out, lse = _attend_units(

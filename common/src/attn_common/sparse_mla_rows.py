@@ -1,0 +1,202 @@
+"""Sparse MLA: where each query's selected keys live, as units and as token rows.
+
+Both modes of ``sparse_mla_attention`` (``attn_common.sparse_mla``) read keys from one
+row-addressable latent store: flat mode ``kv.reshape(B * T, Dk)``, ragged paged mode
+``kv.reshape(num_pages * page_size, Dk_pad)`` (a page's rows are consecutive in the paged
+cache ``[num_pages, page_size // pk, pk, Dk_pad]``). Here, per query token (``N = B * S``
+of them, flattened):
+
+* ``flat_units`` / ``ragged_units``: its selected units as ``UnitRows`` (the store row
+  and request-local position of each unit's first token, plus the query's position and
+  kv length); ``sparse_mla_units`` picks the mode and also returns the store;
+* ``selected_rows``: the token rows it attends, as a sorted, duplicate-free row table
+  ``[N, Kp]`` padded with ``-1`` and a count per query (what a row-gather kernel reads).
+
+Token ``first_pos + r`` (``r < read_block``) of a selected unit is a key of the query iff
+``first_pos + r <= position`` and ``< kv_len``; a selection is a set, so a unit listed
+twice, or two selections reaching the same store row, give that row once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from attn_common.sparse_mla import SparseMlaProblem, lift_ragged_indices, ragged_query_info
+from attn_common.tables import sanitize_unit_ids
+
+_ABSENT = 2**31 - 1  # sort key of a row that is not attended (never a real row)
+
+
+class UnitRows(NamedTuple):
+    """Where each query's selected units live, all ``[N, K]`` int32 except ``[N]``."""
+
+    first_row: jax.Array  # first row of the unit in the flattened store; -1 = not selected
+    first_pos: jax.Array  # request-local position of the unit's first token
+    position: jax.Array  # [N] query position (causal bound)
+    kv_len: jax.Array  # [N] number of valid key positions
+
+
+def flat_units(
+    indices: jax.Array, positions: jax.Array, *, kv_len: int, read_block: int, num_units: int
+) -> UnitRows:
+    """Flat mode: ``indices [B, S, K]`` unit ids, ``positions [B, S]`` -> ``UnitRows``.
+
+    The store is ``kv.reshape(B * T, Dk)`` with ``T = kv_len``: unit ``u`` of batch row
+    ``b`` starts at row ``b * T + u * read_block``. Ids outside ``[0, num_units)`` are
+    not selections (``first_row = -1``). ``N = B * S``.
+    """
+    batch, seq, _ = indices.shape
+    unit = sanitize_unit_ids(indices, num_units)
+    batch_base = (jnp.arange(batch, dtype=jnp.int32) * kv_len)[:, None, None]
+    first_row = jnp.where(unit >= 0, batch_base + unit * read_block, -1)
+    return UnitRows(
+        first_row=first_row.reshape(batch * seq, -1),
+        first_pos=(jnp.maximum(unit, 0) * read_block).reshape(batch * seq, -1),
+        position=positions.astype(jnp.int32).reshape(-1),
+        kv_len=jnp.full((batch * seq,), kv_len, jnp.int32),
+    )
+
+
+def ragged_units(
+    indices: jax.Array,
+    positions: jax.Array,
+    q_seq_id: jax.Array,
+    seq_lens: jax.Array,
+    cu_kv_lens: jax.Array,
+    page_indices: jax.Array,
+    *,
+    page_size: int,
+    num_pages: int,
+) -> UnitRows:
+    """Ragged paged mode: ``indices [1, S, K]`` request-local page ids -> ``UnitRows``.
+
+    The store is ``kv.reshape(num_pages * page_size, Dk_pad)``: local page ``p`` of the
+    request of query ``i`` starts at row ``page_indices[base + p] * page_size`` (``base
+    = cu_kv_lens[r] // page_size``). Ids outside the request's page extent or the page
+    table, and slots whose physical page is outside ``[0, num_pages)``, are not
+    selections. ``positions [1, S]`` request-local; ``kv_len`` is ``seq_lens[r]``.
+    """
+    info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
+    keys = lift_ragged_indices(indices[0], info, page_indices.shape[0])  # [S, K] slots
+    phys = jnp.asarray(page_indices, jnp.int32)[jnp.maximum(keys, 0)]
+    ok = (keys >= 0) & (phys >= 0) & (phys < num_pages)
+    local_page = keys - info.base_page[:, None]
+    return UnitRows(
+        first_row=jnp.where(ok, phys * page_size, -1),
+        first_pos=jnp.where(ok, local_page * page_size, 0),
+        position=positions.astype(jnp.int32).reshape(-1),
+        kv_len=info.kv_len,
+    )
+
+
+def sparse_mla_units(
+    problem: SparseMlaProblem,
+    kv: jax.Array,
+    indices: jax.Array,
+    positions: jax.Array,
+    *,
+    page_size: int | None = None,
+    q_seq_id: jax.Array | None = None,
+    seq_lens: jax.Array | None = None,
+    cu_kv_lens: jax.Array | None = None,
+    page_indices: jax.Array | None = None,
+) -> tuple[UnitRows, jax.Array]:
+    """The validated call's ``UnitRows`` (``N = B * S``) and its row store ``[R, W]``.
+
+    ``problem`` is ``check_sparse_mla_inputs``'s answer for the same arguments. Flat:
+    store ``kv.reshape(B * T, Dk)``; ragged: ``kv.reshape(num_pages * page_size,
+    Dk_pad)`` (keys are its first ``Dk`` features).
+    """
+    if problem.ragged:
+        units = ragged_units(
+            indices,
+            positions,
+            q_seq_id,
+            seq_lens,
+            cu_kv_lens,
+            page_indices,
+            page_size=page_size,
+            num_pages=kv.shape[0],
+        )
+        return units, kv.reshape(-1, kv.shape[-1])
+    units = flat_units(
+        indices,
+        positions,
+        kv_len=problem.kv_len,
+        read_block=problem.read_block,
+        num_units=problem.num_units,
+    )
+    return units, kv.reshape(-1, problem.dk)
+
+
+def row_table_width(top_k: int, read_block: int, block: int = 64) -> int:
+    """``Kp``: the row table's width, ``top_k * read_block`` rounded up to ``block``."""
+    return -(-top_k * read_block // block) * block
+
+
+def selected_rows(
+    units: UnitRows, *, read_block: int, block: int = 64
+) -> tuple[jax.Array, jax.Array]:
+    """Each query's attended store rows, sorted and duplicate-free; jit-friendly.
+
+    Unit ``k`` of query ``i`` covers rows ``first_row[i, k] + r`` (``r < read_block``) at
+    positions ``first_pos[i, k] + r``; such a row is attended iff the unit is selected
+    (``first_row >= 0``), its position is ``<= position[i]`` and ``< kv_len[i]``. Units
+    listed more than once (the same ``first_row``, also from two page-table slots of one
+    physical page) give their rows once: a row is attended when any copy makes it valid.
+
+    Precondition (``flat_units`` and ``ragged_units`` meet it): a query's selected units
+    tile the store, i.e. their first rows are congruent modulo ``read_block``, so two
+    selections are one unit or cover disjoint rows.
+
+    Returns ``rows [N, Kp]`` int32, ``Kp = row_table_width(K, read_block, block)``: query
+    ``i``'s attended rows in ascending order in ``rows[i, :counts[i]]``, then ``-1``;
+    and ``counts [N]`` int32. Cost: one sort of ``[N, K]`` (by first row; no ``K^2``
+    comparison), prefix sums and one scatter. Store rows must be below ``2**31 - 1``.
+    """
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block: got {block!r}, expected a positive int")
+    if isinstance(read_block, bool) or not isinstance(read_block, int) or read_block < 1:
+        raise ValueError(f"read_block: got {read_block!r}, expected a positive int")
+    n, top_k = units.first_row.shape
+    width = row_table_width(top_k, read_block, block)
+    if width == 0:
+        return jnp.full((n, 0), -1, jnp.int32), jnp.zeros((n,), jnp.int32)
+    first_row = units.first_row.astype(jnp.int32)
+    first_pos = units.first_pos.astype(jnp.int32)
+    # A unit's valid rows are a prefix: r < length (causal bound and kv length).
+    limit = (
+        jnp.minimum(units.position.astype(jnp.int32) + 1, units.kv_len.astype(jnp.int32))[:, None]
+        - first_pos
+    )
+    length = jnp.where(first_row >= 0, jnp.clip(limit, 0, read_block), 0)
+    key = jnp.where(length > 0, first_row, _ABSENT)
+    if read_block == 1:  # length is 1 exactly where key is a row
+        key = jnp.sort(key, axis=1)
+        length = (key != _ABSENT).astype(jnp.int32)
+    else:  # copies of a unit adjacent, the longest valid prefix first
+        key, neg_length = jax.lax.sort((key, -length), dimension=1, num_keys=2)
+        length = -neg_length
+    first = jnp.concatenate([jnp.ones((n, 1), bool), key[:, 1:] != key[:, :-1]], axis=1)
+    length = jnp.where(first, length, 0)
+    end = jnp.cumsum(length, axis=1, dtype=jnp.int32)
+    start = end - length
+    counts = end[:, -1]
+    # Scatter each kept unit to its first slot; dropped units to distinct slots >= Kp.
+    query = jnp.arange(n, dtype=jnp.int32)[:, None]
+    unit = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (n, top_k))
+    dest = jnp.where(length > 0, start, width + unit)
+    slot = jnp.arange(width, dtype=jnp.int32)
+    empty = jnp.full((n, width), -1, jnp.int32)
+    if read_block == 1:
+        rows = empty.at[query, dest].set(key, mode="drop", unique_indices=True)
+        return rows, counts
+    # Slot m holds row m - start[k] of the unit k that owns it (the last one starting <= m).
+    owner = empty.at[query, dest].set(unit, mode="drop", unique_indices=True)
+    owner = jnp.maximum(jax.lax.cummax(owner, axis=1), 0)
+    row0 = jnp.take_along_axis(key, owner, axis=1)
+    rows = row0 + slot - jnp.take_along_axis(start, owner, axis=1)
+    return jnp.where(slot < counts[:, None], rows, -1), counts

@@ -1,0 +1,148 @@
+"""``benchmarks/sparse_mla_gpu.py`` on CPU: the smoke run end to end (with the reference
+as "ours"), its input generators, and the XLA baseline against the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_common import check_sparse_mla_inputs, selected_rows, sparse_mla_units
+from attn_reference import sparse_mla_attention
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "sparse_mla_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("sparse_mla_gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_case_list(bench):
+    names = [c.name for c in bench.CASES]
+    assert len(names) == len(set(names)) == 12
+    for c in bench.CASES:
+        assert c.top_k * c.read_block == 2048 and c.num_queries == 4096
+        assert (c.dk, c.dv, c.heads in (64, 128)) == (576, 512, True)
+    assert {c.kv_len for c in bench.CASES} == {8192, 32768, 131072}
+    assert [c.name for c in bench.select_cases(["flat-h128-*"], False)] == [
+        "flat-h128-t8k",
+        "flat-h128-t32k",
+        "flat-h128-t128k",
+    ]
+    with pytest.raises(ValueError, match="match none"):
+        bench.select_cases(["nope"], False)
+
+
+def test_smoke_run(bench, tmp_path):
+    t0 = time.perf_counter()
+    result = bench.main(["--smoke", "--impl", "reference", "--out", str(tmp_path)])
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60, f"smoke run took {elapsed:.0f} s"
+    saved = json.loads((tmp_path / "sparse_mla_gpu.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+    assert saved["smoke"] and saved["impl"] == "reference"
+    prov = saved["provenance"]
+    assert prov["commit"] and "--smoke" in prov["command"] and prov["date"]
+    assert [r["case"] for r in saved["rows"]] == ["flat-smoke", "paged-smoke"]
+    for row in saved["rows"]:
+        for key in ("xla_ms", "xla_tflops", "ours_ms", "ours_tflops", "speedup_vs_xla"):
+            assert row[key] > 0, key
+        assert row["xla_chunk"] >= 1 and "ours_error" not in row
+        assert row["rel_l2_ours_vs_xla"] < 1e-2
+        assert row["xla_vs_reference_rel_l2"] < 1e-2
+        assert 0 < row["valid_pairs"] < row["num_queries"] * row["top_k"] * row["read_block"]
+        assert row["flops"] == 2 * row["heads"] * (576 + 512) * row["valid_pairs"]
+        want_bytes = row["valid_pairs"] * 1152 + row["num_queries"] * row["heads"] * (
+            576 * 2 + 512 * 4
+        )
+        assert row["bytes"] == want_bytes
+        assert row["target"] is None and "target_met" not in row
+    md = (tmp_path / "sparse_mla_gpu.md").read_text()
+    assert "flat-smoke" in md and "paged-smoke" in md and prov["commit"] in md
+
+
+def test_failing_impl_is_recorded(bench, tmp_path, monkeypatch):
+    def unavailable(impl):
+        raise NotImplementedError(f"{impl}: not yet")
+
+    monkeypatch.setattr(bench, "load_impl", unavailable)
+    result = bench.main(["--smoke", "--cases", "flat-*", "--out", str(tmp_path)])
+    (row,) = result["rows"]
+    assert row["ours_ms"] is None and row["xla_ms"] > 0
+    assert row["ours_error"] == "NotImplementedError: mosaic-gpu: not yet"
+    assert "NotImplementedError" in (tmp_path / "sparse_mla_gpu.md").read_text()
+
+
+def test_distinct_choices(bench):
+    rng = np.random.default_rng(0)
+    avail = np.array([0, 1, 5, 8, 9, 1000])
+    got = bench.distinct_choices(rng, avail, 8)
+    assert got.shape == (6, 8) and got.dtype == np.int32
+    for row, n in zip(got, avail, strict=True):
+        ids = row[row >= 0]
+        assert len(ids) == min(n, 8) and len(set(ids.tolist())) == len(ids)
+        assert np.all(ids < n) and np.all(row[len(ids) :] == -1)
+
+
+def _small_case(bench, mode, **kw):
+    base = {"num_queries": 24, "top_k_tokens": 32, "dk": 72, "dv": 64}
+    if mode == "paged":
+        base["page_size"] = 16
+    return bench.Case(f"test-{mode}", mode, 3, 40, **{**base, **kw})
+
+
+@pytest.mark.parametrize("mode", ["flat", "paged"])
+def test_rows_per_query_match_the_row_table(bench, mode):
+    """The FLOP count's valid keys per query equal ``selected_rows``'s counts."""
+    inputs = bench.make_inputs(_small_case(bench, mode), seed=3)
+    args, kw = inputs["args"], inputs["kwargs"]
+    problem = check_sparse_mla_inputs(*args, **kw)
+    names = ("page_size", "q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
+    tables = {k: kw[k] for k in names if k in kw}
+    units, _ = sparse_mla_units(problem, *args[1:], **tables)
+    _, counts = selected_rows(units, read_block=kw["read_block"])
+    np.testing.assert_array_equal(np.asarray(counts), inputs["rows_per_query"])
+    assert (inputs["rows_per_query"] < 32).any()  # early positions: -1 padded
+
+
+@pytest.mark.parametrize("chunk", [5, 512])
+@pytest.mark.parametrize("mode", ["flat", "paged"])
+def test_xla_baseline_equals_reference(bench, mode, chunk):
+    inputs = bench.make_inputs(_small_case(bench, mode), seed=4)
+    args, kw = inputs["args"], inputs["kwargs"]
+    got = bench.xla_sparse_mla(*args, chunk=chunk, **kw)
+    want = sparse_mla_attention(*args, **kw)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    got, want = np.asarray(got), np.asarray(want)
+    # bf16 probabilities in the value product: about 2**-9 relative.
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 5e-3, err
+    np.testing.assert_allclose(got, want, atol=3e-2)
+
+
+def test_xla_flat_units_with_read_block(bench):
+    """Unit ids with read_block > 1, -1 and causal cuts: still the reference's answer."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 6, 2, 40)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((2, 45, 40)), jnp.bfloat16)
+    idx = np.stack([rng.permutation(3) for _ in range(12)]).reshape(2, 6, 3).astype(np.int32)
+    idx[0, 0, 1] = -1
+    pos = rng.integers(0, 50, (2, 6)).astype(np.int32)
+    kw = {"sm_scale": 0.2, "kv_lora_rank": 32, "read_block": 16}
+    got = np.asarray(bench.xla_sparse_mla(q, kv, jnp.asarray(idx), jnp.asarray(pos), **kw))
+    want = np.asarray(sparse_mla_attention(q, kv, idx, pos, **kw))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3

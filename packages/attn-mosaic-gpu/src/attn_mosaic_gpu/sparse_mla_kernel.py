@@ -1,0 +1,571 @@
+"""Sparse MLA prefill on Hopper (sm_90a): the gather-attend kernel over a per-query row table.
+
+Op (docs/design.md#sparse-mla-prefill): every query token ``n`` attends exactly the rows
+``rows[n, :counts[n]]`` of a row-addressable latent store ``store [R, W]`` (``W >= Dk``);
+the row table is built outside (``attn_common.sparse_mla_rows.selected_rows``: flat or
+paged, units expanded to token rows, causal / ``kv_len`` / ``-1`` / duplicates already
+applied, valid rows first). Keys are a row's first ``Dk = Dv + 64`` features, values its
+first ``Dv = 512``. ``out [N, Hp, Dv]`` float32 and ``lse [N, Hp]`` float32 (natural log,
+``-inf`` for a query with no row, whose ``out`` is 0).
+
+Schedule
+--------
+Grid ``(Hp // 64, N)``: one program per (query token, group of 64 heads), head groups
+fastest so the programs of one token run side by side and share its gathered rows in
+L2. Three warpgroups (``num_threads=3``):
+
+* WG2 (memory, ``setmaxnreg 40``) gathers the token's selected rows, ``block_k`` rows
+  per block, with 16-byte ``cp.async`` copies issued by all 128 threads (Hopper's TMA
+  has no row gather): 8 threads per row, each thread copying the same 16-byte chunk of
+  every 64-feature tile of its rows, straight into the 128-byte-swizzled tiled layout
+  wgmma reads. Rows past ``counts[n]`` are zero-filled (``cp.async`` with a source size
+  of 0), so stale or uninitialised shared memory never reaches the value product.
+  Blocks go in pairs (block ``2p`` for WG0, ``2p + 1`` for WG1) into a ring of
+  ``num_stages`` pair slots. After issuing pair ``p`` the warpgroup waits for the copies
+  of pair ``p - num_stages + 1`` (``cp.async.wait_group``), fences them for the async
+  proxy (``commit_smem``) and arrives on their ``ready`` barriers.
+* WG0, WG1 (compute, ``setmaxnreg 232``) each own one block of every pair and one half
+  of the value features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator).
+  Per pair: ``S = Q K^T`` over the 512 latent and the 64 rope features of its own block
+  (two wgmmas from shared memory), the columns past ``counts[n]`` masked; the two WGs
+  swap their row maxima through shared memory (``pair`` barrier) so both use the same
+  running max; each writes its ``P`` in bf16 to shared memory (``pair`` barrier again)
+  and then accumulates ``P_own V_own + P_other V_other`` over its value half (own P from
+  registers, the other WG's from shared memory). Both WGs then arrive on both slots'
+  ``consumed`` barriers, which the memory WG waits on before refilling them.
+  Q's 64 rope features stay in registers. With 64-row blocks a block's P goes where its
+  rope features were (dead once its QK^T is done), so one pair of blocks fits in
+  227 KiB; with 32-row blocks two pairs fit (one consumed while the next is gathered)
+  plus one P buffer per compute WG.
+* At the end the WGs add their row sums through shared memory, normalise, and store
+  their output half to global memory; WG0 writes the LSE.
+
+Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
+never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
+LSE ``-inf``). Every pair is walked by both compute WGs and the memory WG alike
+(``ceil(counts[n] / (2 block_k))`` pairs), so all barrier arrival counts are static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
+
+HEADS_PER_PROGRAM = 64  # wgmma M rows per warpgroup; both compute WGs share the heads
+ROPE = 64  # rope features of a key row (Dk - Dv)
+_COMPUTE_WGS = 2
+_COMPUTE_REGISTERS = 232
+_MEMORY_REGISTERS = 40
+_THREADS = 128  # per warpgroup
+_CHUNK = 8  # bf16 elements per 16-byte cp.async
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_M_INIT = -1e30
+_AXIS_HEADS = "head_group"
+_AXIS_TOKENS = "token"
+_AXIS_WG = "wg"
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMlaKernelConfig:
+    """Tiling of the Hopper sparse-MLA kernel.
+
+    ``block_k``: rows per block (each compute WG takes one block of every pair); 64 or
+    32. ``num_stages``: pairs of blocks in the shared-memory ring. Q takes 72 KiB and a
+    pair of 64-row blocks 144 KiB of the 227 KiB, so one pair fits (the next pair's
+    gather waits for the current pair's value product); at 32 rows two pairs fit with
+    their P buffers, so one pair is gathered while the other is consumed. The default,
+    (32, 2), measured as fast as (64, 1) on an 8K-token cache and up to 23% faster on
+    a 128K one, where the gather's latency is longest (docs/sparse_mla_gpu.md).
+    """
+
+    block_k: int = 32
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_k not in (32, 64):
+            raise ValueError(f"block_k: got {self.block_k!r}, expected 32 or 64")
+        limit = 1 if self.block_k == 64 else 2
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= limit:
+            raise ValueError(
+                f"num_stages: got {self.num_stages!r}, expected 1..{limit} at block_k="
+                f"{self.block_k} (Q takes 72 KiB and a pair of blocks "
+                f"{2 * self.block_k * 1152 // 1024} KiB of the 227 KiB of shared memory)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    tokens: int
+    heads: int  # padded to a multiple of HEADS_PER_PROGRAM
+    dv: int
+    width: int  # store row width (elements)
+    sm_scale: float
+    block_k: int
+    num_stages: int
+
+
+def _smem_tiling(block_k: int) -> tuple[int, int]:
+    """(swizzle bytes, tile width in bf16) of every wgmma operand in shared memory.
+
+    wgmma's A and B share one swizzle, and the PV product contracts over ``block_k``
+    keys, so 64-row blocks use the 128-byte swizzle (64-wide tiles) and 32-row blocks the
+    64-byte one (32-wide tiles).
+    """
+    swizzle = 128 if block_k >= 64 else 64
+    return swizzle, swizzle // 2
+
+
+def _transforms(block_k: int):
+    swizzle, tile = _smem_tiling(block_k)
+    return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(swizzle))
+
+
+def _gather_block(st: _Static):
+    """cp.async gather of one block of rows into its (latent, rope) slots (see the
+    module docstring).
+
+    The shared-memory slots are tiled ``[rows / 8, features / T, 8, T]`` (``T`` = 64 or
+    32 bf16 per row of a tile, 128 or 64 bytes) and swizzled: 16-byte chunk ``c`` of row
+    ``r`` of a tile sits at chunk ``c ^ (r % 8)`` (128-byte swizzle) or
+    ``c ^ ((r // 2) % 4)`` (64-byte). ``T / 8`` threads share a row, thread ``t``
+    copying chunk ``t % (T / 8)`` of every tile of rows ``t // (T / 8) + G i``
+    (``G = 128 / (T / 8)`` rows at a time), so a warp reads whole 128- or 64-byte
+    segments. Rows with id ``< 0`` copy 0 source bytes, which zero-fills the 16
+    destination bytes.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    block_k, dv, width = st.block_k, st.dv, st.width
+    swizzle, tile = _smem_tiling(block_k)
+    chunks = tile // _CHUNK  # threads per row
+    row_groups = _THREADS // chunks
+    rows_per_thread = block_k // row_groups
+    latent_tiles, rope_tiles = dv // tile, ROPE // tile
+    tiled = _transforms(block_k)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled), plgpu.RefType(tiled)),
+    )
+    def gather(ctx, store, rows, latent, rope):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        bf16 = ir.BF16Type.get()
+        index = ir.IndexType.get()
+
+        def const(v, ty=i32):
+            return arith.constant(ty, v)
+
+        lane = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
+        group = arith.divui(lane, const(chunks))
+        chunk = arith.remui(lane, const(chunks))
+        store_ptr = llvm.addrspacecast(
+            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
+        )
+        slots = (
+            (mgpu_utils.memref_ptr(latent), latent_tiles),
+            (mgpu_utils.memref_ptr(rope), rope_tiles),
+        )
+        for i in range(rows_per_thread):
+            r = arith.addi(group, const(row_groups * i))
+            row = memref.load(rows, [arith.index_cast(index, r)])
+            valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
+            src_bytes = arith.select(valid, const(16), const(0))
+            # Element offset of the thread's chunk of feature tile 0, global and shared.
+            src0 = arith.addi(
+                arith.muli(arith.extui(i64, arith.select(valid, row, const(0))), const(width, i64)),
+                arith.extui(i64, arith.muli(chunk, const(_CHUNK))),
+            )
+            r_lo = arith.remui(r, const(8))
+            phase = r_lo if swizzle == 128 else arith.divui(r_lo, const(2))
+            in_tile = arith.addi(
+                arith.muli(r_lo, const(tile)),
+                arith.muli(arith.xori(chunk, phase), const(_CHUNK)),
+            )
+            feature_tile = 0
+            for dst_base, tiles in slots:
+                row_tile = arith.muli(arith.divui(r, const(8)), const(tiles))
+                for j in range(tiles):
+                    dst_off = arith.addi(
+                        arith.muli(arith.addi(row_tile, const(j)), const(8 * tile)), in_tile
+                    )
+                    src_off = arith.addi(src0, const(feature_tile * tile, i64))
+                    nvvm.cp_async_shared_global(
+                        mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
+                        mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
+                        16,
+                        nvvm.LoadCacheModifierKind.CG,
+                        cp_size=src_bytes,
+                    )
+                    feature_tile += 1
+        nvvm.cp_async_commit_group()
+
+    return gather
+
+
+def _gather_block_interpret(st: _Static):
+    """The same gather for interpret mode, which does not run inline Mosaic GPU code."""
+    dv = st.dv
+
+    def gather(store, rows, latent, rope):
+        def one(r, carry):
+            row = rows[r]
+            data = store[jnp.maximum(row, 0), pl.ds(0, dv + ROPE)]
+            data = jnp.where(row >= 0, data, jnp.zeros_like(data))
+            latent[r, :] = data[:dv]
+            rope[r, :] = data[dv:]
+            return carry
+
+        lax.fori_loop(0, st.block_k, one, 0)
+
+    return gather
+
+
+def _wait_copies(pending: int):
+    """Wait until at most ``pending`` of this thread's cp.async groups are in flight."""
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        del ctx
+        nvvm.cp_async_wait_group(pending)
+
+    wait()
+
+
+def _build_kernel(st: _Static, *, interpret: bool):
+    """The kernel body. ``interpret``: the Mosaic GPU interpreter runs neither inline
+    Mosaic GPU code (the cp.async gather: rows are copied by plain loads and stores
+    instead, and there is nothing to wait for), ``run_state``, nor a wgmma whose A
+    operand is in registers (P is read back from shared memory, where it is anyway, into
+    a fresh accumulator that is then added). The schedule and barriers are the same."""
+    block_k, dv, stages = st.block_k, st.dv, st.num_stages
+    half = dv // _COMPUTE_WGS
+    heads = HEADS_PER_PROGRAM
+    scale2 = st.sm_scale * _LOG2E
+    gather = _gather_block_interpret(st) if interpret else _gather_block(st)
+    # 64-row blocks: a block's P [heads, 64] takes the bytes of its rope features
+    # [64, 64], dead once its QK^T is done (the same tiled layout). 32-row blocks: one P
+    # buffer per compute WG, reused every pair.
+    p_in_rope = block_k == ROPE
+
+    def block(buf, ring, w):
+        # Ring slot `ring` holds a pair of blocks, WG0's then WG1's: [2 * stages, block_k, F].
+        return buf.at[ring * 2 + w]
+
+    def wait_copies(pending):
+        if not interpret:
+            _wait_copies(pending)
+
+    def kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, scoped):
+        (q_lat, q_rope, k_lat, k_rope, p_bufs, stats), barriers = scoped
+        ready, consumed, q_ready, pair = barriers
+        group = lax.axis_index(_AXIS_HEADS)
+        token = lax.axis_index(_AXIS_TOKENS)
+        wg = lax.axis_index(_AXIS_WG)
+        h0 = group * heads
+        count = counts_ref[token]
+        num_pairs = lax.div(count + 2 * block_k - 1, jnp.int32(2 * block_k))
+
+        def pair_sync():
+            plgpu.barrier_arrive(pair)
+            plgpu.barrier_wait(pair)
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            other = 1 - wg
+
+            @pl.when(wg == 0)
+            def _load_q():
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[token, pl.ds(h0, heads), pl.ds(0, dv)], q_lat, q_ready.at[0]
+                )
+                if interpret:
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[token, pl.ds(h0, heads), pl.ds(dv, ROPE)], q_rope, q_ready.at[1]
+                    )
+
+            # Q's rope features stay in registers (16 per thread; the A operand of the
+            # second QK^T wgmma), which leaves shared memory for a second pair of blocks.
+            q_rope_a = q_rope
+            if not interpret:
+                q_rope_a = plgpu.load(
+                    q_ref.at[token, pl.ds(h0, heads), pl.ds(dv, ROPE)],
+                    layout=plgpu.Layout.WGMMA,
+                    optimized=False,
+                )
+            plgpu.barrier_wait(q_ready.at[0])
+            if interpret:
+                plgpu.barrier_wait(q_ready.at[1])
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            m_i = plgpu.layout_cast(jnp.full((heads,), _M_INIT, jnp.float32), row_layout)
+            l_i = plgpu.layout_cast(jnp.full((heads,), 0.0, jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.full((heads, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(p, carry):
+                acc, m_i, l_i = carry
+                ring = lax.rem(p, jnp.int32(stages))
+                own = ring * 2 + wg
+                theirs = ring * 2 + other
+                plgpu.barrier_wait(ready.at[own])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_lat, block(k_lat, ring, wg).transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_rope_a, block(k_rope, ring, wg).transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
+                col = (2 * p + wg) * block_k + plgpu.broadcasted_iota(
+                    jnp.int32, (heads, block_k), 1, layout=plgpu.Layout.WGMMA
+                )
+                s = jnp.where(col < count, s, -jnp.inf)
+                stats.at[wg][...] = s.max(axis=1)
+                pair_sync()
+                m_other = plgpu.load(stats.at[other], layout=row_layout, optimized=False)
+                block_max = jnp.maximum(s.max(axis=1), m_other)
+                m_new = jnp.maximum(
+                    m_i, jnp.where(block_max > -jnp.inf, block_max * scale2, _M_INIT)
+                )
+                x = s * scale2 - lax.broadcast_in_dim(m_new, s.shape, [0])
+                probs = jnp.exp2(x)
+                alpha = jnp.exp2(m_i - m_new)
+                l_i = l_i * alpha + probs.sum(axis=1)
+                p16 = probs.astype(jnp.bfloat16)
+                if p_in_rope:
+                    p_own, p_theirs = block(k_rope, ring, wg), block(k_rope, ring, other)
+                else:
+                    p_own, p_theirs = p_bufs.at[wg], p_bufs.at[other]
+                p_own[...] = p16
+                plgpu.commit_smem()
+                pair_sync()
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                cols = pl.ds(wg * half, half)
+
+                def pv(acc_ref):
+                    own_v = block(k_lat, ring, wg).at[:, cols]
+                    plgpu.wgmma(acc_ref, p_own if interpret else p16, own_v)
+                    plgpu.wgmma(acc_ref, p_theirs, block(k_lat, ring, other).at[:, cols])
+                    return acc_ref[...] if interpret else None
+
+                if interpret:
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((heads, half), jnp.float32))
+                else:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(consumed.at[own])
+                plgpu.barrier_arrive(consumed.at[theirs])
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, num_pairs, step, (acc, m_i, l_i))
+            # `stats` now carries the row sums (every read of the maxima is done: both WGs
+            # passed the last pair's second sync).
+            stats.at[wg][...] = l_i
+            pair_sync()
+            l_tot = l_i + plgpu.load(stats.at[other], layout=row_layout, optimized=False)
+            has_key = l_tot > 0.0
+            inv_l = 1.0 / jnp.where(has_key, l_tot, 1.0)
+            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+            out_ref.at[token, pl.ds(h0, heads), pl.ds(wg * half, half)][...] = out
+
+            @pl.when(wg == 0)
+            def _lse():
+                lse = jnp.where(
+                    has_key, (m_i + jnp.log2(jnp.where(has_key, l_tot, 1.0))) * _LN2, -jnp.inf
+                )
+                lse_ref.at[token, pl.ds(h0, heads)][...] = lse
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            @pl.loop(0, num_pairs)
+            def _issue(p):
+                ring = lax.rem(p, jnp.int32(stages))
+                for w in range(_COMPUTE_WGS):
+                    slot = ring * 2 + w
+
+                    @pl.when(p >= stages)
+                    def _wait_free(slot=slot):
+                        plgpu.barrier_wait(consumed.at[slot])
+
+                    blk = (2 * p + w) * block_k
+                    gather(
+                        store_ref,
+                        rows_ref.at[token, pl.ds(blk, block_k)],
+                        block(k_lat, ring, w),
+                        block(k_rope, ring, w),
+                    )
+                done = p - (stages - 1)
+
+                @pl.when(done >= 0)
+                def _signal():
+                    # Pair `done`'s two groups are the oldest 2 of the 2 * stages pending.
+                    ring_done = lax.rem(done, jnp.int32(stages))
+                    wait_copies(2 * (stages - 1) + 1)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[ring_done * 2])
+                    wait_copies(2 * (stages - 1))
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[ring_done * 2 + 1])
+
+            # The last stages - 1 pairs: no later pair pushes them out of the queue.
+            for tail in range(stages - 1):
+                p_tail = num_pairs - (stages - 1) + tail
+                after = stages - 2 - tail  # pairs issued after p_tail
+
+                @pl.when(p_tail >= 0)
+                def _signal_tail(p_tail=p_tail, after=after):
+                    ring_t = lax.rem(p_tail, jnp.int32(stages))
+                    wait_copies(2 * after + 1)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[ring_t * 2])
+                    wait_copies(2 * after)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[ring_t * 2 + 1])
+
+            # Drain: observe the consumption of the last pairs before the barriers die.
+            @pl.loop(jnp.maximum(num_pairs - stages, 0), num_pairs)
+            def _drain(p):
+                ring = lax.rem(p, jnp.int32(stages))
+                plgpu.barrier_wait(consumed.at[ring * 2])
+                plgpu.barrier_wait(consumed.at[ring * 2 + 1])
+
+    def entry(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref):
+        tiled = _transforms(block_k)
+        slots = 2 * stages
+        bf16 = jnp.bfloat16
+        q_lat = plgpu.SMEM((heads, dv), bf16, transforms=tiled)
+        q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled) if interpret else None
+        k_lat = plgpu.SMEM((slots, block_k, dv), bf16, transforms=tiled)
+        k_rope = plgpu.SMEM((slots, block_k, ROPE), bf16, transforms=tiled)
+        p_bufs = None
+        if not p_in_rope:
+            p_bufs = plgpu.SMEM((_COMPUTE_WGS, heads, block_k), bf16, transforms=tiled)
+        # Per-row exchange between the compute WGs: the maxima, then the sums.
+        stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
+        pl.run_scoped(
+            lambda *args: kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, args),
+            [q_lat, q_rope, k_lat, k_rope, p_bufs, stats],
+            (
+                plgpu.Barrier(num_barriers=slots),
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
+                plgpu.Barrier(num_barriers=2),
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            ),
+            collective_axes=_AXIS_WG,
+        )
+
+    return entry
+
+
+def resolve_interpret(interpret):
+    """``False``/``None`` -> ``None`` (compile for the GPU); ``True`` -> default params."""
+    if interpret is None or interpret is False:
+        return None
+    if interpret is True:
+        return plgpu.InterpretGPUParams()
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    raise TypeError(
+        f"interpret: got {type(interpret).__name__}, expected a bool or "
+        "jax.experimental.pallas.mosaic_gpu.InterpretGPUParams"
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def _launch(q, store, rows, counts, *, st: _Static, interpret):
+    out_type = (
+        jax.ShapeDtypeStruct((st.tokens, st.heads, st.dv), jnp.float32),
+        jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
+    )
+    return plgpu.kernel(
+        _build_kernel(st, interpret=interpret is not None),
+        out_type=out_type,
+        grid=(st.heads // HEADS_PER_PROGRAM, st.tokens),
+        grid_names=(_AXIS_HEADS, _AXIS_TOKENS),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name=_AXIS_WG,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(q, store, rows, counts)
+
+
+def sparse_mla_rows_attention(
+    q: jax.Array,
+    store: jax.Array,
+    rows: jax.Array,
+    counts: jax.Array,
+    *,
+    sm_scale: float,
+    dv: int = 512,
+    config: SparseMlaKernelConfig | None = None,
+    interpret: object = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Attend each query token's gathered rows (see the module docstring).
+
+    Args:
+      q: ``[N, H, dv + 64]`` bfloat16.
+      store: ``[R, W]`` bfloat16, ``W >= dv + 64`` and ``W % 8 == 0``; only the rows named
+        in ``rows`` are read.
+      rows: ``[N, Kp]`` int32, ``Kp % (2 * block_k) == 0``; row ids of ``store``, the
+        query's valid rows first, ``-1`` after.
+      counts: ``[N]`` int32, the number of valid rows of each query (``<= Kp``).
+      config: ``SparseMlaKernelConfig`` (``None``: the default).
+      interpret: ``True`` or ``plgpu.InterpretGPUParams``: Mosaic GPU interpret mode.
+
+    Returns:
+      ``out [N, H, dv]`` float32 and ``lse [N, H]`` float32.
+    """
+    config = config or SparseMlaKernelConfig()
+    tokens, heads, dk = q.shape
+    if q.dtype != jnp.bfloat16 or store.dtype != jnp.bfloat16:
+        raise TypeError(f"q, store: got {q.dtype}, {store.dtype}, expected bfloat16")
+    if dv % 128 or dk != dv + ROPE:
+        raise NotImplementedError(
+            f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}, Dv a "
+            "multiple of 128"
+        )
+    if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK:
+        raise ValueError(
+            f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {_CHUNK} == 0"
+        )
+    kp = rows.shape[1]
+    if rows.shape[0] != tokens or kp % (2 * config.block_k):
+        raise ValueError(
+            f"rows: got shape {rows.shape}, expected [{tokens}, Kp] with Kp a multiple of "
+            f"{2 * config.block_k}"
+        )
+    heads_pad = -(-heads // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM
+    if heads_pad != heads:
+        q = jnp.pad(q, ((0, 0), (0, heads_pad - heads), (0, 0)))
+    st = _Static(
+        tokens=tokens,
+        heads=heads_pad,
+        dv=dv,
+        width=store.shape[1],
+        sm_scale=float(sm_scale),
+        block_k=config.block_k,
+        num_stages=config.num_stages,
+    )
+    out, lse = _launch(
+        q,
+        store,
+        rows.astype(jnp.int32),
+        counts.astype(jnp.int32),
+        st=st,
+        interpret=resolve_interpret(interpret),
+    )
+    return out[:, :heads], lse[:, :heads]

@@ -1,0 +1,379 @@
+"""CPU checks of the Hopper sparse-MLA kernel and its front door (no GPU needed).
+
+* Interpret mode (``plgpu.InterpretGPUParams``, race detection on, shared memory starts
+  as NaN) at small shapes against ``attn_reference.sparse_mla_attention``: flat mode
+  with unit- and token-level selections (``-1``, duplicate, out-of-range ids, causally
+  empty queries, ``kv_len`` binding), ragged paged mode, caches whose unattended rows are
+  NaN/Inf, empty work, the ``_qblock`` twin, the write-back and the write-then-attend
+  wrapper. Interpret mode runs the same schedule and barriers as the GPU; only the
+  cp.async row gather (inline Mosaic GPU, which the interpreter does not run) and the
+  register-A wgmma are replaced (``sparse_mla_kernel._build_kernel``).
+* Cross-lowering: ``jax.export`` with ``platforms=["cuda"]`` at the benchmark shapes
+  (4096 tokens, 128 heads, top-2048 tokens; flat and ragged) traces and lowers the
+  whole call, row table included, to its Mosaic GPU custom call.
+* Validation: what the kernel does not take is refused by name, and ``supports`` says
+  why so that dispatch falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    assert_close,
+    assert_exact_zero_rows,
+    assert_lse_close,
+    attended_rows_flat,
+    attended_rows_ragged,
+    build_ragged_layout,
+    poison_rows,
+    randn,
+    random_page_selection,
+    rng_for,
+)
+
+# Private in jax 0.11 (the race state and the reset after a failed interpretation).
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    get_races,
+    reset_gpu_interpret_mode_state,
+)
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import attn_mosaic_gpu as gpu
+import attn_reference as ref
+from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+DV, ROPE = 128, 64
+DK = DV + ROPE  # 192 -> Dk_pad 256 in the paged cache: the feature padding is exercised
+SM_SCALE = 0.07
+TOL = dict(rtol_l2=1e-2, atol=3e-2)  # bf16 inputs, P rounded to bf16 for the value product
+LSE_ATOL = 2e-3
+
+
+def _run(fn, *args, **kwargs):
+    try:
+        result = fn(*args, interpret=INTERPRET, **kwargs)
+        jax.block_until_ready(result)
+    except Exception:
+        reset_gpu_interpret_mode_state()
+        raise
+    assert not get_races().races_found, "interpret mode race detector reported a race"
+    return result
+
+
+def _check(got, want):
+    out, lse = (np.asarray(x) for x in got)
+    want_out, want_lse = (np.asarray(x) for x in want)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert_close(out, want_out, **TOL)
+    assert_lse_close(lse, want_lse, atol=LSE_ATOL)
+    assert_exact_zero_rows(out, lse)
+
+
+# ------------------------------------------------------------------------------------
+# Flat mode
+
+
+def flat_case(seed, *, batch=2, seq=9, heads=3, kv_len=88, rb=16, top_k=4):
+    """bf16 inputs with -1, duplicate and out-of-range ids, empty queries, a tail unit."""
+    rng = rng_for(seed)
+    num_units = -(-kv_len // rb)
+    q = randn(rng, (batch, seq, heads, DK), "bfloat16")
+    kv = randn(rng, (batch, kv_len, DK), "bfloat16")
+    pos = rng.integers(0, kv_len + 8, size=(batch, seq)).astype(np.int32)
+    idx = rng.integers(-1, num_units + 2, size=(batch, seq, top_k)).astype(np.int32)
+    idx[:, :, 0] = pos // rb  # the query's own unit: most rows are non-empty
+    idx[0, 1, 1] = idx[0, 1, 0]  # duplicate
+    idx[0, 2, 2:] = idx[0, 2, 0]  # triplicate
+    b = batch - 1
+    idx[b, 3] = -1  # nothing selected
+    pos[b, 4] = -5  # negative position: causally empty
+    idx[0, 5] = num_units - 1  # only the (partial) tail unit, selected K times
+    pos[0, 5] = kv_len + 100  # kv_len binds
+    idx[b, 6] = np.array([num_units - 1, -1, num_units + 7, 2**30])[:top_k]
+    pos[b, 6] = 0  # selection entirely after the query: empty
+    return q, kv, idx, pos
+
+
+def _flat(fn, case, *, rb=16, **kw):
+    q, kv, idx, pos = case
+    return fn(
+        q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, read_block=rb, return_lse=True, **kw
+    )
+
+
+def test_flat_units_vs_reference():
+    case = flat_case(1)
+    got = _run(_flat, gpu.sparse_mla_attention, case)
+    want = _flat(ref.sparse_mla_attention, case)
+    assert np.isneginf(np.asarray(want[1])).any()  # the case has empty queries
+    _check(got, want)
+
+
+def test_flat_token_level_vs_reference():
+    """``read_block=1`` (DeepSeek V3.2's indexer): 150 token ids per query, more than one
+    pair of 64-row blocks, with -1, duplicates, ids past T and past the query."""
+    rng = rng_for(2)
+    batch, seq, heads, kv_len, top_k = 1, 5, 2, 300, 150
+    q = randn(rng, (batch, seq, heads, DK), "bfloat16")
+    kv = randn(rng, (batch, kv_len, DK), "bfloat16")
+    pos = np.array([[299, 150, 10, 0, 280]], np.int32)
+    idx = np.stack([rng.permutation(kv_len)[:top_k] for _ in range(seq)])[None].astype(np.int32)
+    idx[0, 0, :20] = idx[0, 0, 20:40]  # duplicates
+    idx[0, 1, ::7] = -1
+    idx[0, 4, :5] = [kv_len, kv_len + 3, 2**30, -1, -7]
+    case = (q, kv, idx, pos)
+    got = _run(_flat, gpu.sparse_mla_attention, case, rb=1)
+    want = _flat(ref.sparse_mla_attention, case, rb=1)
+    _check(got, want)
+
+
+@pytest.mark.parametrize("rb", [16, 1])
+def test_flat_poisoned_unattended_rows(rb):
+    """NaN / +-Inf in every kv row no query attends: outputs depend on attended rows only."""
+    q, kv, idx, pos = flat_case(30)
+    if rb == 1:
+        idx = (idx * 16 + 3).astype(np.int32)  # token ids, still with -1s turned negative
+    want = _flat(ref.sparse_mla_attention, (q, kv, idx, pos), rb=rb)
+    keep = attended_rows_flat(idx, pos, kv_len=kv.shape[1], read_block=rb)
+    assert (~keep).any() and keep.any()
+    dirty = poison_rows(kv, keep, seed=30)
+    got = _run(_flat, gpu.sparse_mla_attention, (q, dirty, idx, pos), rb=rb)
+    _check(got, want)
+
+
+def test_qblock_twin_same_result_and_knobs_checked():
+    case = flat_case(3, batch=1, seq=7)
+    a = _run(_flat, gpu.sparse_mla_attention, case)
+    b = _run(_flat, functools.partial(gpu.sparse_mla_attention_qblock, query_block=8), case)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="query_block"):
+        _flat(functools.partial(gpu.sparse_mla_attention_qblock, query_block=0), case)
+
+
+@pytest.mark.parametrize(
+    ("seq", "top_k", "kv_len"), [(0, 3, 32), (5, 0, 32), (5, 3, 0)], ids=["S0", "K0", "T0"]
+)
+def test_empty_work(seq, top_k, kv_len):
+    rng = rng_for(40)
+    q = randn(rng, (2, seq, 2, DK), "bfloat16")
+    kv = randn(rng, (2, kv_len, DK), "bfloat16")
+    idx = np.zeros((2, seq, top_k), np.int32)
+    pos = np.zeros((2, seq), np.int32)
+    out, lse = _flat(
+        functools.partial(gpu.sparse_mla_attention, interpret=INTERPRET), (q, kv, idx, pos)
+    )
+    assert out.shape == (2, seq, 2, DV) and lse.shape == (2, seq, 2)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+# ------------------------------------------------------------------------------------
+# Ragged paged mode
+
+SEQ_LENS = [40, 7, 33]
+NEW_LENS = [6, 7, 5]
+EXTRA_PAGES = [1, 0, 2]
+
+
+def ragged_case(seed, page_size=16, heads=2, top_k=4):
+    rng = rng_for(seed)
+    layout = build_ragged_layout(
+        rng, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES, page_size=page_size
+    )
+    cache = randn(rng, (layout["num_pages"], page_size // 2, 2, 256), "bfloat16")
+    num_q = int(sum(NEW_LENS))
+    q = randn(rng, (1, num_q, heads, DK), "bfloat16")
+    idx = random_page_selection(rng, layout, top_k, page_size)
+    idx[3] = -1
+    positions = layout["positions"].copy()
+    positions[[5, num_q - 1]] += 40
+    return layout, cache, q, idx, positions
+
+
+def _ragged(fn, case, page_size=16, **kw):
+    layout, cache, q, idx, positions = case
+    return fn(
+        q,
+        cache,
+        idx[None],
+        positions[None],
+        sm_scale=SM_SCALE,
+        kv_lora_rank=DV,
+        read_block=page_size,
+        page_size=page_size,
+        q_seq_id=layout["q_seq_id"],
+        seq_lens=layout["seq_lens"],
+        cu_kv_lens=layout["cu_kv_lens"],
+        page_indices=layout["page_indices"],
+        return_lse=True,
+        **kw,
+    )
+
+
+def test_ragged_poisoned_vs_reference():
+    """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
+    the feature padding of every row."""
+    layout, cache, q, idx, positions = ragged_case(10)
+    want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
+    assert np.isneginf(np.asarray(want[1])[0, 3]).all()
+    num_pages = cache.shape[0]
+    keep = attended_rows_ragged(layout, idx, positions, page_size=16, num_pages=num_pages)
+    assert (~keep).any() and keep.any()
+    rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=10)
+    rows[:, DK:] = np.nan  # the feature padding past Dk
+    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
+    got = _run(_ragged, gpu.sparse_mla_attention, dirty)
+    _check(got, want)
+
+
+def test_write_back_bit_identical_and_prefill_wrapper():
+    layout, cache, q, idx, positions = ragged_case(11)
+    rng = rng_for(11)
+    num_q = q.shape[1]
+    rows = randn(rng, (num_q, 256), "bfloat16")
+    slots = cache.shape[0] * 16
+    loc = rng.integers(-1, slots, size=num_q).astype(np.int32)
+    loc[1] = loc[0]  # a slot written twice: the last write wins
+    got = gpu.paged_write_back(cache, rows, loc, page_size=16)
+    want = ref.paged_write_back(cache, rows, loc, page_size=16)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+    # The wrapper: write each new token's latent at its own slot, then attend.
+    cu_kv, q_seq_id = layout["cu_kv_lens"], layout["q_seq_id"]
+    local = positions - np.asarray([0, 0, 0])[q_seq_id]
+    slot_page = layout["page_indices"][cu_kv[q_seq_id] // 16 + local // 16]
+    new_loc = (slot_page * 16 + local % 16).astype(np.int32)
+    new_loc[positions >= layout["seq_lens"][q_seq_id]] = -1
+    ql, qpe = q[0, :, :, :DV], q[0, :, :, DV:]
+    kvc, kpe = randn(rng, (num_q, DV), "bfloat16"), randn(rng, (num_q, ROPE), "bfloat16")
+    args = (ql, qpe, kvc, kpe, cache, idx, positions, new_loc, layout["seq_lens"],
+            layout["cu_q_lens"], cu_kv, layout["page_indices"])  # fmt: skip
+    kw = dict(kv_lora_rank=DV, page_size=16, sm_scale=SM_SCALE)
+    out, new_cache = _run(gpu.prefill_write_and_attend_ragged, *args, **kw)
+    want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
+    np.testing.assert_array_equal(
+        np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
+    )
+    lse = np.zeros(out.shape[:2], np.float32)  # the wrapper returns no LSE
+    assert_close(np.asarray(out), np.asarray(want_out), **TOL)
+    assert np.isfinite(np.asarray(out)).all() and lse.shape == (num_q, q.shape[2])
+
+
+# ------------------------------------------------------------------------------------
+# The kernel on its own
+
+
+@pytest.mark.parametrize("block_k,num_stages", [(64, 1), (32, 2), (32, 1)])
+def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages):
+    """128 heads (two programs per token), counts that end inside a block and a pair;
+    every tiling (the ring of two pairs at block_k=32 included)."""
+    rng = np.random.default_rng(5)
+    tokens, heads, kp, store_rows = 3, 128, 256, 300
+    counts = np.array([256, 129, 63], np.int32)
+    rows = np.full((tokens, kp), -1, np.int32)
+    for n, c in enumerate(counts):
+        rows[n, :c] = rng.choice(store_rows, c, replace=False)
+    q = jnp.asarray(rng.standard_normal((tokens, heads, DK)), jnp.bfloat16)
+    store = rng.standard_normal((store_rows, 200)).astype(np.float32)
+    store[:, DK:] = np.nan  # row padding past Dk is never read
+    store = jnp.asarray(store, jnp.bfloat16)
+    out, lse = _run(
+        sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
+        sm_scale=SM_SCALE, dv=DV, config=SparseMlaKernelConfig(block_k, num_stages),
+    )  # fmt: skip
+    qf = np.asarray(q.astype(jnp.float32), np.float64)
+    sf = np.asarray(store.astype(jnp.float32), np.float64)
+    for n, c in enumerate(counts):
+        keys = sf[rows[n, :c], :DK]
+        s = qf[n] @ keys.T * SM_SCALE
+        m = s.max(1, keepdims=True)
+        p = np.exp(s - m)
+        want = p @ keys[:, :DV] / p.sum(1, keepdims=True)
+        assert_close(np.asarray(out[n]), want, **TOL)
+        np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
+
+
+# ------------------------------------------------------------------------------------
+# Validation and dispatch facts
+
+
+def test_refuses_what_the_kernel_does_not_take():
+    case = flat_case(4, batch=1, seq=7)
+    q, kv, idx, pos = case
+    with pytest.raises(NotImplementedError, match="bfloat16"):
+        _flat(gpu.sparse_mla_attention, (q.astype(np.float32), kv, idx, pos))
+    with pytest.raises(NotImplementedError, match="multiple of 128"):
+        gpu.sparse_mla_attention(q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=64, read_block=16)
+    wide_q, wide_kv = np.concatenate([q, q[..., :DV]], -1), np.concatenate([kv, kv[..., :DV]], -1)
+    with pytest.raises(NotImplementedError, match="Dk = kv_lora_rank"):
+        _flat(gpu.sparse_mla_attention, (wide_q, wide_kv, idx, pos))
+    with pytest.raises(TypeError, match="config"):
+        _flat(gpu.sparse_mla_attention, case, config=(64, 1))
+    assert "bfloat16" in gpu.supports("sparse_mla_attention", q.astype(np.float32), kv)
+    assert gpu.supports("sparse_mla_attention", q, kv, kv_lora_rank=DV) is None
+    assert "multiple of 128" in gpu.supports("sparse_mla_attention_qblock", q, kv, kv_lora_rank=96)
+    assert gpu.supports("paged_write_back", kv, kv, kv) is None
+    with pytest.raises(ValueError, match="block_k"):
+        SparseMlaKernelConfig(block_k=48)
+    with pytest.raises(ValueError, match="num_stages"):
+        SparseMlaKernelConfig(block_k=64, num_stages=2)
+
+
+# ------------------------------------------------------------------------------------
+# Cross-lowering at the benchmark shapes
+
+
+def _export(fn, *shapes):
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs)
+    text = exported.mlir_module()
+    assert "mosaic_gpu" in text
+    return text
+
+
+@pytest.mark.parametrize("heads", [128, 64])
+def test_cross_lowers_flat_token_level(heads):
+    tokens, top_k, cache = 4096, 2048, 8192
+
+    def fn(q, kv, idx, pos):
+        return gpu.sparse_mla_attention(
+            q, kv, idx, pos, sm_scale=0.0721, read_block=1, return_lse=True
+        )
+
+    _export(
+        fn,
+        ((1, tokens, heads, 576), jnp.bfloat16),
+        ((1, cache, 576), jnp.bfloat16),
+        ((1, tokens, top_k), jnp.int32),
+        ((1, tokens), jnp.int32),
+    )
+
+
+def test_cross_lowers_ragged_paged():
+    tokens, page, pages, top_k, requests = 4096, 64, 4 * 128 + 8, 32, 4
+
+    def fn(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices):
+        return gpu.sparse_mla_attention(
+            q, cache, idx, pos, sm_scale=0.0721, read_block=page, page_size=page,
+            q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
+            page_indices=page_indices,
+        )  # fmt: skip
+
+    _export(
+        fn,
+        ((1, tokens, 128, 576), jnp.bfloat16),
+        ((pages, page // 2, 2, 640), jnp.bfloat16),
+        ((1, tokens, top_k), jnp.int32),
+        ((1, tokens), jnp.int32),
+        ((tokens,), jnp.int32),
+        ((requests,), jnp.int32),
+        ((requests + 1,), jnp.int32),
+        ((pages,), jnp.int32),
+    )
