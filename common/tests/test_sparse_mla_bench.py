@@ -76,7 +76,7 @@ def test_smoke_run(bench, tmp_path):
 
 
 def test_failing_impl_is_recorded(bench, tmp_path, monkeypatch):
-    def unavailable(impl):
+    def unavailable(impl, config=None):
         raise NotImplementedError(f"{impl}: not yet")
 
     monkeypatch.setattr(bench, "load_impl", unavailable)

@@ -164,10 +164,21 @@ def sparse_mla_attention_qblock(
     indices: jax.Array,
     positions: jax.Array,
     *,
+    sm_scale: float,
+    kv_lora_rank: int = 512,
+    read_block: int = 128,
+    return_lse: bool = False,
+    page_size: int | None = None,
+    q_seq_id: jax.Array | None = None,
+    seq_lens: jax.Array | None = None,
+    cu_kv_lens: jax.Array | None = None,
+    page_indices: jax.Array | None = None,
     query_block: int | None = None,
     u_max: int | None = None,
     head_block: int | None = None,
-    **kwargs,
+    config: SparseMlaKernelConfig | None = None,
+    interpret: object = False,
+    debug_checks: bool = False,
 ):
     """``sparse_mla_attention``'s twin under the query-blocked name: the same kernel.
 
@@ -179,7 +190,13 @@ def sparse_mla_attention_qblock(
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise ValueError(f"{name}: got {value!r}, expected a positive int or None")
-    return sparse_mla_attention(q, kv, indices, positions, **kwargs)
+    return sparse_mla_attention(
+        q, kv, indices, positions, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
+        read_block=read_block, return_lse=return_lse, page_size=page_size,
+        q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices, config=config, interpret=interpret,
+        debug_checks=debug_checks,
+    )  # fmt: skip
 
 
 def paged_write_back(
