@@ -27,7 +27,7 @@ nox.options.sessions = ["lint", "tests-cpu"]
 PYTHON = "3.12"
 JAX_VERSION = "0.11.2"
 RUFF_VERSION = "0.17.6"
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3")
 
 ROOT = Path(__file__).resolve().parent
 
