@@ -214,3 +214,20 @@ def poison_rows(rows: np.ndarray, keep: np.ndarray, *, seed: int = 0) -> np.ndar
     junk = rng.choice(np.asarray(POISON, np.float32), size=out.shape).astype(out.dtype)
     out[bad] = junk[bad]
     return out
+
+
+def shaped_packed_bounds(seed: int, rows: int, seq_len: int, users: int = 6) -> np.ndarray:
+    """int32 ``[rows, users, 4]`` packed bounds in every user shape, slots shuffled:
+    history then candidates, a gap between them, candidates before the history, and a
+    user whose own history and candidates overlap; users are disjoint, with gaps and
+    padding between them, boundaries anywhere (not block-aligned)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(rows):
+        cuts = np.sort(rng.choice(seq_len + 1, size=4 * users, replace=False)).tolist()
+        row = []
+        for u in range(users):
+            a, b, c, d = cuts[4 * u : 4 * u + 4]
+            row.append([(a, c, c, d), (a, b, c, d), (c, d, a, b), (a, c, b, d)][u % 4])
+        out.append([row[i] for i in rng.permutation(users)])
+    return np.asarray(out, np.int32)

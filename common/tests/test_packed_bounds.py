@@ -29,9 +29,13 @@ from attn_common.packed import (
     normalize_packed_bounds,
     packed_full_kv_steps,
     packed_full_q_steps,
+    packed_key_table,
     packed_kv_block_ranges,
     packed_q_block_ranges,
+    packed_query_table,
     packed_runs_per_tile,
+    ranker_mask_from_key_table,
+    ranker_mask_from_query_table,
     ranker_mask_packed,
     validate_packed_bounds,
 )
@@ -489,3 +493,71 @@ def test_check_packed_bounds_checkify():
     out_of_range[0, 1] = [6, 8, 8, 11]
     msg = _checked(10)(out_of_range)[0].get()
     assert msg is not None and "out of range" in msg and "first bad row 0, user 1" in msg
+
+
+# --------------------------------------------------------------------------------------
+# per-position tables (the O(1)-per-score mask of the Hopper packed kernels)
+
+
+@st.composite
+def table_rows(draw):
+    seq_len = draw(st.integers(1, 120))
+    rows = draw(st.lists(packed_rows(seq_len), min_size=1, max_size=3))
+    num_users = max(len(u) for u in rows)
+    rows = [u + [(0, 0, 0, 0)] * (num_users - len(u)) for u in rows]
+    return seq_len, rows
+
+
+@jax.jit
+def _tables(bounds, pos):
+    seq_len = pos.shape[0]
+    return packed_query_table(bounds, seq_len), packed_key_table(bounds, seq_len)
+
+
+@SETTINGS
+@given(table_rows())
+def test_position_tables_give_the_packed_mask(p):
+    """For disjoint users, the mask from either table is the OR over users (brute force);
+    for overlapping ones (refused by the checks) it is at least contained in it."""
+    seq_len, rows = p
+    bounds = normalize_packed_bounds(np.asarray(rows, np.int32), batch=len(rows), seq_len=seq_len)
+    q_table, k_table = (np.asarray(t) for t in _tables(bounds, jnp.arange(seq_len)))
+    assert q_table.shape == (len(rows), 3, seq_len) and k_table.shape == (len(rows), 5, seq_len)
+    pos = np.arange(seq_len)
+    for b, users in enumerate(np.asarray(bounds).tolist()):
+        want = allowed_np(seq_len, users)
+        from_q = ranker_mask_from_query_table(
+            pos[None, :], *(q_table[b, f][:, None] for f in range(3))
+        )
+        from_k = ranker_mask_from_key_table(
+            pos[:, None], *(k_table[b, f][None, :] for f in range(5))
+        )
+        if disjoint(users):
+            np.testing.assert_array_equal(from_q, want)
+            np.testing.assert_array_equal(from_k, want)
+        else:
+            assert not (from_q & ~want).any() and not (from_k & ~want).any()
+
+
+def test_position_tables_known_row():
+    """Two users with a gap, a candidate block away from its history, padding at the end."""
+    bounds = jnp.asarray([[[0, 3, 3, 5], [6, 8, 9, 10]]], jnp.int32)
+    q_table, k_table = packed_query_table(bounds, 11), packed_key_table(bounds, 11)
+    np.testing.assert_array_equal(
+        q_table[0],
+        [
+            [0, 0, 0, 0, 0, 0, 6, 6, 0, 6, 0],
+            [3, 3, 3, 3, 3, 0, 8, 8, 0, 8, 0],
+            [-1, -1, -1, 3, 4, -1, -1, -1, -1, 9, -1],
+        ],
+    )
+    np.testing.assert_array_equal(
+        k_table[0],
+        [
+            [0, 0, 0, 0, 0, 0, 6, 6, 0, 0, 0],
+            [3, 3, 3, 0, 0, 0, 8, 8, 0, 0, 0],
+            [3, 3, 3, 0, 0, 0, 9, 9, 0, 0, 0],
+            [5, 5, 5, 0, 0, 0, 10, 10, 0, 0, 0],
+            [-1, -1, -1, 3, 4, -1, -1, -1, -1, 9, -1],
+        ],
+    )

@@ -34,6 +34,17 @@ candidates are separated by more than a block, with gaps between users, needs ``
 runs. It holds whether or not users overlap (it only counts intervals). The dK/dV
 transpose has the same structure (history keys: every query block of the user's
 history and candidates; candidate keys: their own query blocks).
+
+Per-position tables (``packed_query_table`` / ``packed_key_table``): the OR over ``U``
+users costs a kernel about ``6 U`` operations per score. With disjoint users a token
+belongs to at most one user, so what a query row may attend is one key interval plus
+itself (``[B, 3, S]``: ``key_lo, key_hi, self_key``), and which queries may attend a
+key is at most two query intervals plus itself (``[B, 5, S]``). Built outside a kernel
+(XLA, ``O(B U S)``), loaded once per tile of rows, they make the mask ``O(1)`` per
+score for any ``U`` (``ranker_mask_from_query_table`` / ``_from_key_table``). For
+disjoint users they give exactly ``ranker_mask_packed``; for overlapping users (which
+the checks refuse) a row takes the first user slot that holds it, so the Hopper
+kernels' result is defined but may differ from the union.
 """
 
 from __future__ import annotations
@@ -56,11 +67,15 @@ __all__ = [
     "normalize_ranker_bounds",
     "packed_full_kv_steps",
     "packed_full_q_steps",
+    "packed_key_table",
     "packed_kv_block_ranges",
     "packed_q_block_ranges",
+    "packed_query_table",
     "packed_runs_per_tile",
     "packed_step_table",
     "packed_users",
+    "ranker_mask_from_key_table",
+    "ranker_mask_from_query_table",
     "ranker_mask_packed",
     "ranker_mask_users",
     "validate_packed_bounds",
@@ -227,6 +242,63 @@ def ranker_mask_users(q_idx, kv_idx, users):
         m = ranker_mask(q_idx, kv_idx, *user)
         allowed = m if allowed is None else allowed | m
     return allowed
+
+
+# ------------------------------------------------------------------- per-position tables
+
+PACKED_QUERY_FIELDS = 3
+PACKED_KEY_FIELDS = 5
+
+
+def _first_user(member, values, default=0):
+    """``values [B, U]`` of the first user where ``member [B, U, S]`` holds, per position."""
+    first = jnp.argmax(member, axis=1)  # [B, S]
+    picked = jnp.take_along_axis(values, first, axis=1)
+    return jnp.where(member.any(axis=1), picked, default)
+
+
+def _positions(bounds, seq_len: int):
+    bounds = jnp.asarray(bounds, jnp.int32)
+    pos = jnp.arange(seq_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    hl, hu, cl, cu = (bounds[..., t] for t in range(4))  # [B, U]
+    in_hist = (pos >= hl[..., None]) & (pos < hu[..., None])  # [B, U, S]
+    in_cand = (pos >= cl[..., None]) & (pos < cu[..., None])
+    self_pos = jnp.where(in_cand.any(axis=1), pos[:, 0], -1)  # [B, S]
+    return (hl, hu, cl, cu), in_hist, in_cand, self_pos
+
+
+def packed_query_table(bounds, seq_len: int) -> jax.Array:
+    """int32 ``[B, 3, seq_len]``: for each query position ``i`` of each row, the keys it
+    may attend: ``key_lo <= j < key_hi`` (its user's history) or ``j == self_key``
+    (``i`` itself when ``i`` is a candidate, else ``-1``). Positions of no user get the
+    empty interval ``(0, 0)``. ``bounds`` ``[B, U, 4]`` normalized."""
+    (hl, hu, _, _), in_hist, in_cand, self_pos = _positions(bounds, seq_len)
+    own = in_hist | in_cand
+    return jnp.stack([_first_user(own, hl), _first_user(own, hu), self_pos], axis=1)
+
+
+def packed_key_table(bounds, seq_len: int) -> jax.Array:
+    """int32 ``[B, 5, seq_len]``: for each key position ``j`` of each row, the queries
+    that may attend it: ``q_lo0 <= i < q_hi0`` (its user's history) or ``q_lo1 <= i <
+    q_hi1`` (that user's candidates), when ``j`` is a history key, or ``i == self_query``
+    (``j`` itself when ``j`` is a candidate, else ``-1``). ``bounds`` ``[B, U, 4]``
+    normalized."""
+    (hl, hu, cl, cu), in_hist, _, self_pos = _positions(bounds, seq_len)
+    fields = [_first_user(in_hist, x) for x in (hl, hu, cl, cu)]
+    return jnp.stack([*fields, self_pos], axis=1)
+
+
+def ranker_mask_from_query_table(kv_idx, key_lo, key_hi, self_key):
+    """The mask from a query row's ``packed_query_table`` entries (broadcastable):
+    three compares and two logic operations per score."""
+    return ((kv_idx >= key_lo) & (kv_idx < key_hi)) | (kv_idx == self_key)
+
+
+def ranker_mask_from_key_table(q_idx, q_lo0, q_hi0, q_lo1, q_hi1, self_query):
+    """The mask from a key row's ``packed_key_table`` entries (broadcastable)."""
+    in_hist = (q_idx >= q_lo0) & (q_idx < q_hi0)
+    in_cand = (q_idx >= q_lo1) & (q_idx < q_hi1)
+    return in_hist | in_cand | (q_idx == self_query)
 
 
 # ------------------------------------------------------------------------------ runs

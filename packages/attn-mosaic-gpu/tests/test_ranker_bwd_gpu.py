@@ -217,14 +217,25 @@ def _packed_bounds(seed, rows, seq, max_users=8):
     return jnp.asarray(bounds, jnp.int32)
 
 
-@pytest.mark.parametrize("head_dim,cap", [(128, SS80), (64, TANH5)], ids=["d128-ss80", "d64-tanh5"])
-def test_grad_packed_users(head_dim, cap):
+@pytest.mark.parametrize(
+    "head_dim,cap,layout",
+    [(128, SS80, "packer"), (64, TANH5, "packer"), (128, SS80, "shapes"), (64, None, "shapes")],
+    ids=["d128-ss80", "d64-tanh5", "d128-ss80-shapes", "d64-shapes"],
+)
+def test_grad_packed_users(head_dim, cap, layout):
     """Packed rows [B, U, 4] at S=1152, GQA 5:1, LSE z-loss: gradients against the
-    reference, exact zeros where nothing is allowed (the packed mask), determinism."""
+    reference, exact zeros where nothing is allowed (the packed mask), determinism.
+    ``packer``: rows from attn_common.pack_users; ``shapes``: every user shape (gaps,
+    candidates first, a user's own history and candidates overlapping), shuffled slots."""
+    from helpers import shaped_packed_bounds
+
     from attn_common.packed import ranker_mask_packed
 
     seq = 1152
-    bounds = _packed_bounds(13, 4, seq)
+    if layout == "packer":
+        bounds = _packed_bounds(13, 4, seq)
+    else:
+        bounds = jnp.asarray(shaped_packed_bounds(22, 4, seq))
     q, k, v = _inputs(13, 4, seq, 10, 2, head_dim, jnp.bfloat16)
     w = jnp.asarray(np.random.default_rng(14).standard_normal(q.shape), jnp.float32)
     grad = _kernel_grad(cap, True)

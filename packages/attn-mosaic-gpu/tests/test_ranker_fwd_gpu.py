@@ -272,6 +272,17 @@ def test_packed_users(head_dim, cap):
     _check(q, k, v, bounds, cap=CAPS[cap])
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_packed_user_shapes(head_dim):
+    """Packed rows with every user shape (gap between history and candidates,
+    candidates first, a user's own history and candidates overlapping), shuffled slots."""
+    from helpers import shaped_packed_bounds
+
+    bounds = jnp.asarray(shaped_packed_bounds(21, 3, 1152))
+    q, k, v = _inputs(21, 3, 1152, 4, 2, head_dim, jnp.bfloat16, scale=1.5)
+    _check(q, k, v, bounds, cap=CAPS["soft_sign"])
+
+
 @pytest.mark.parametrize("seq", [1, 65, 127, 129, 300])
 def test_odd_lengths(seq):
     q, k, v = _inputs(5, 2, seq, 4, 4, 128, jnp.bfloat16)

@@ -73,9 +73,19 @@ from attn_common import (
     ranker_mask,
     ranker_q_block_ranges,
 )
-from attn_common.packed import TileRuns, packed_step_table, ranker_mask_users
+from attn_common.packed import (
+    PACKED_KEY_FIELDS,
+    PACKED_QUERY_FIELDS,
+    TileRuns,
+    packed_key_table,
+    packed_query_table,
+    packed_step_table,
+    ranker_mask_from_key_table,
+    ranker_mask_from_query_table,
+)
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
+from attn_mosaic_gpu.ranker_fwd import packed_tile_mask
 
 __all__ = [
     "PIPELINED_HEAD_DIMS",
@@ -114,9 +124,12 @@ def pipelined_smem_bytes(head_dim: int, dtype, *, interpret: bool = False) -> di
     fixed = 2 * _COMPUTE_WGS * tile
     streamed = 2 * stages * tile
     staging = _COMPUTE_WGS * square if interpret else 0
-    barriers = 8 * (6 * stages + 4 * _COMPUTE_WGS)
-    dq = fixed + 2 * _COMPUTE_WGS * vec + streamed + staging + barriers
-    dkv = fixed + streamed + 2 * stages * vec + 2 * staging + barriers
+    barriers = 8 * (6 * stages + 5 * _COMPUTE_WGS)
+    # Counted for every call: the packed rows' per-WG table (3 or 5 int32 per row).
+    dq_table = _COMPUTE_WGS * PACKED_QUERY_FIELDS * vec
+    dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * vec
+    dq = fixed + 2 * _COMPUTE_WGS * vec + dq_table + streamed + staging + barriers
+    dkv = fixed + streamed + 2 * stages * vec + dkv_table + 2 * staging + barriers
     return {"dq": dq, "dkv": dkv}
 
 
@@ -314,11 +327,10 @@ def _bounds(bounds_ref, batch):
 
 
 class _PackedTile:
-    """A packed row's users and one tile's step-table row (scalars): the runs, and per
-    compute WG the steps that need no mask."""
+    """One tile's step-table row (scalars): the runs, and per compute WG the steps that
+    need no mask. (The mask itself comes from the per-position tables.)"""
 
-    def __init__(self, bounds_ref, steps_ref, batch, tile, users: int):
-        self.users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(users))
+    def __init__(self, steps_ref, batch, tile, users: int):
         self.runs = 2 * users
         self.ranges = TileRuns.read(lambda i: steps_ref[batch, tile, i], self.runs)
         self._word = lambda i: steps_ref[batch, tile, i]
@@ -327,8 +339,21 @@ class _PackedTile:
         base = 2 * self.runs + 2 * wg
         return self._word(base), self._word(base + 1)
 
-    def mask(self, q_ids, kv_ids):
-        return ranker_mask_users(q_ids, kv_ids, self.users)
+
+def _load_fixed(srcs, dsts, bars, wg):
+    """TMA-load a WG's fixed operands, each on its own barrier, then wait for all."""
+    for src, dst, bar in zip(srcs, dsts, bars, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
+    for bar in bars:
+        plgpu.barrier_wait(bar.at[wg])
+
+
+def _row_entries(table_smem, fields: int):
+    """A WG's rows' table entries (``[fields, 64]`` int32 in shared memory) as per-row
+    vectors in the wgmma row layout."""
+    return tuple(
+        plgpu.load(table_smem.at[f], layout=plgpu.Layout.WGMMA.reduce(1)) for f in range(fields)
+    )
 
 
 def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
@@ -337,18 +362,17 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     group = st.q_heads // st.kv_heads
 
     def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, dq_ref, scoped
-    ):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
+        scoped,
+    ):  # fmt: skip
         bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2 = bufs
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
         if st.users:
-            packed = _PackedTile(
-                bounds_ref, steps_ref, batch, lax.axis_index(_axes.Q_TILES), st.users
-            )
+            packed = _PackedTile(steps_ref, batch, lax.axis_index(_axes.Q_TILES), st.users)
             ranges = packed.ranges
         else:
             hl, hu, cl, cu = _bounds(bounds_ref, batch)
@@ -364,12 +388,14 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             row0 = tile_start + wg * b
             rows = (batch, pl.ds(row0, b), q_head)
             vec = (batch, q_head, pl.ds(row0, b))
-            srcs = (q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec])
-            dsts = (q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
-            for src, dst, bar in zip(srcs, dsts, fixed_ready, strict=True):
-                plgpu.copy_gmem_to_smem(src, dst, bar.at[wg])
-            for bar in fixed_ready:
-                plgpu.barrier_wait(bar.at[wg])
+            srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
+            dsts = [q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg]]
+            if st.users:  # the rows' packed_query_table entries
+                srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
+                dsts.append(keys_smem2.at[wg])
+            _load_fixed(srcs, dsts, fixed_ready, wg)
+            if st.users:
+                row_keys = _row_entries(keys_smem2.at[wg], PACKED_QUERY_FIELDS)
             lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             if st.users:
@@ -387,11 +413,13 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
                     def mask_fn():
                         kv0 = ranges.block_at(i) * b
+                        if st.users:
+                            return packed_tile_mask(
+                                ranker_mask_from_query_table, row_keys, kv0, (b, b)
+                            )
                         layout = plgpu.Layout.WGMMA
                         q_ids = row0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
                         kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
-                        if st.users:
-                            return packed.mask(q_ids, kv_ids)
                         return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
                 operands = (q_smem, k_smem.at[slot], do_smem, v_smem.at[slot])
@@ -424,15 +452,19 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             _ring_loads(num_slots, total_steps, issue, consumed)
 
     def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table), then dQ.
+        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table and the query key
+        # table for packed rows), then dQ.
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref = refs[7] if st.users else None
+        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
         dq_ref = refs[-1]
         t = _transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
         own_vec = plgpu.SMEM((_COMPUTE_WGS, b), jnp.float32)
         ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
         staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        keys = None
+        if st.users:
+            keys = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
         pl.run_scoped(
             lambda *args: kernel(
                 q_ref,
@@ -443,11 +475,12 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                 delta_ref,
                 bounds_ref,
                 steps_ref,
+                keys_ref,
                 dq_ref,
                 args,
             ),
-            [own, own, own_vec, own_vec, ring, ring, staging],
-            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 4,
+            [own, own, own_vec, own_vec, ring, ring, staging, keys],
+            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (5 if st.users else 4),
             (plgpu.Barrier(num_barriers=num_slots),) * 2,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
             collective_axes=_axes.WARPGROUP,
@@ -462,19 +495,18 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     group = st.q_heads // st.kv_heads
 
     def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, dk_ref, dv_ref,
-        scoped,
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, queries_ref,
+        dk_ref, dv_ref, scoped,
     ):  # fmt: skip
         bufs, fixed_ready, ready, consumed = scoped
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs[:8]
+        queries_smem2 = bufs[8]
         q_ready, do_ready, lse_ready, delta_ready = ready
         batch = lax.axis_index(_axes.BATCH)
         kv_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
         if st.users:
-            packed = _PackedTile(
-                bounds_ref, steps_ref, batch, lax.axis_index(_axes.KV_TILES), st.users
-            )
+            packed = _PackedTile(steps_ref, batch, lax.axis_index(_axes.KV_TILES), st.users)
             ranges = packed.ranges
         else:
             hl, hu, cl, cu = _bounds(bounds_ref, batch)
@@ -490,10 +522,13 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             kv0 = tile_start + wg * b
             kv_rows = (batch, pl.ds(kv0, b), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, fixed_ready[0].at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, fixed_ready[1].at[wg])
-            plgpu.barrier_wait(fixed_ready[0].at[wg])
-            plgpu.barrier_wait(fixed_ready[1].at[wg])
+            srcs, dsts = [k_ref.at[kv_rows], v_ref.at[kv_rows]], [k_smem, v_smem]
+            if st.users:  # the keys' packed_key_table entries
+                srcs.append(queries_ref.at[batch, :, pl.ds(kv0, b)])
+                dsts.append(queries_smem2.at[wg])
+            _load_fixed(srcs, dsts, fixed_ready, wg)
+            if st.users:
+                key_queries = _row_entries(queries_smem2.at[wg], PACKED_KEY_FIELDS)
             if st.users:
                 full_lo, full_hi = packed.full_steps(wg)
             else:
@@ -514,9 +549,11 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
                     def mask_fn():
                         q0 = ranges.block_at(i) * b
-                        q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
                         if st.users:
-                            return packed.mask(q_ids, kv_ids)
+                            return packed_tile_mask(
+                                ranker_mask_from_key_table, key_queries, q0, (b, b)
+                            )
+                        q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
                         return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
                 operands = (k_smem, q_smem.at[slot], v_smem, do_smem.at[slot])
@@ -562,15 +599,19 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             _ring_loads(num_slots, total_steps, issue, consumed)
 
     def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table), then dK, dV.
+        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table and the key query
+        # table for packed rows), then dK, dV.
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref = refs[7] if st.users else None
+        steps_ref, queries_ref = refs[7:9] if st.users else (None, None)
         dk_ref, dv_ref = refs[-2:]
         t = _transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
         ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
         ring_vec = plgpu.SMEM((num_slots, b), jnp.float32)
         staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        queries = None
+        if st.users:
+            queries = plgpu.SMEM((_COMPUTE_WGS, PACKED_KEY_FIELDS, b), jnp.int32)
         pl.run_scoped(
             lambda *args: kernel(
                 q_ref,
@@ -581,12 +622,13 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                 delta_ref,
                 bounds_ref,
                 steps_ref,
+                queries_ref,
                 dk_ref,
                 dv_ref,
                 args,
             ),
-            [own, own, ring, ring, ring_vec, ring_vec, staging, staging],
-            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
+            [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries],
+            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (3 if st.users else 2),
             (plgpu.Barrier(num_barriers=num_slots),) * 4,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
             collective_axes=_axes.WARPGROUP,
@@ -641,8 +683,8 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
             packed_step_table, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
             sub_tiles=_COMPUTE_WGS,
         )  # fmt: skip
-        dq_in.append(table())
-        dkv_in.append(table(keys=True))
+        dq_in += [table(), packed_query_table(bounds, st.seq_pad)]
+        dkv_in += [table(keys=True), packed_key_table(bounds, st.seq_pad)]
     dq = plgpu.kernel(
         _build_dq_kernel(st, q.dtype, in_place=in_place),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),

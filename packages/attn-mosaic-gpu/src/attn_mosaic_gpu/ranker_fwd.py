@@ -96,10 +96,12 @@ from attn_common import (
     ranker_mask,
 )
 from attn_common.packed import (
+    PACKED_QUERY_FIELDS,
     TileRuns,
     normalize_ranker_bounds,
+    packed_query_table,
     packed_step_table,
-    ranker_mask_users,
+    ranker_mask_from_query_table,
 )
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
@@ -150,17 +152,22 @@ def default_config(head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
     return KernelConfig(block_q=64, block_kv=64, num_stages=2)
 
 
-def smem_bytes(config: KernelConfig, head_dim: int, dtype, *, return_lse: bool = True) -> int:
+def smem_bytes(
+    config: KernelConfig, head_dim: int, dtype, *, return_lse: bool = True, packed: bool = False
+) -> int:
     """Shared memory the kernel allocates for ``config`` (bytes, with alignment slack).
 
     Q/O tiles of both compute WGs + ``num_stages`` K and V blocks + the LSE staging
-    buffer + barriers.
+    buffer + barriers (+ the rows' key table for packed rows).
     """
     itemsize = jnp.dtype(dtype).itemsize
     qo = _COMPUTE_WGS * config.block_q * head_dim * itemsize
     kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
     lse = _COMPUTE_WGS * config.block_q * 4 if return_lse else 0
     barriers = 8 * (4 * config.num_stages + _COMPUTE_WGS + 1)
+    if packed:
+        lse += _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4
+        barriers += 8 * _COMPUTE_WGS
     return _round_up(qo, _SMEM_ALIGN) + _round_up(kv // 2, _SMEM_ALIGN) * 2 + lse + barriers
 
 
@@ -171,6 +178,7 @@ def validate_config(
     *,
     return_lse: bool = True,
     cap: CapParams | None = None,
+    packed: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the Hopper rule ``config`` breaks for this problem."""
     if not isinstance(config, KernelConfig):
@@ -204,7 +212,7 @@ def validate_config(
             f"{_ACC_REGISTER_LIMIT} of the {_COMPUTE_REGISTERS} a compute warpgroup gets "
             "(use a smaller block_kv)"
         )
-    need = smem_bytes(config, head_dim, dtype, return_lse=return_lse)
+    need = smem_bytes(config, head_dim, dtype, return_lse=return_lse, packed=packed)
     if need > SMEM_LIMIT_BYTES:
         raise ValueError(
             f"config: needs {need} bytes of shared memory (Q/O {_COMPUTE_WGS}x{config.block_q}"
@@ -250,6 +258,19 @@ class _Static:
     users: int = 0
 
 
+def packed_tile_mask(mask_from_table, row_entries, offset, shape):
+    """A packed tile's mask from its rows' table entries (``attn_common.packed``).
+
+    ``row_entries``: per-row vectors in the wgmma row layout (a few values per thread),
+    e.g. a query row's ``packed_query_table`` entries; ``offset``: the first position of
+    the tile's columns. The entries are shifted by ``offset`` before they are broadcast,
+    so each score compares against the bare column iota.
+    """
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    shifted = [lax.broadcast_in_dim(x - offset, shape, [0]) for x in row_entries]
+    return mask_from_table(cols, *shifted)
+
+
 def _overlap(lo, hi, seg_lo, seg_hi):
     """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)`` (scalars)."""
     return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
@@ -283,9 +304,10 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
         return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
 
-    def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, out_ref, lse_ref, scoped):
-        (qo_smem2, k_smem, v_smem, lse_smem2, p_smem2), ready, consumed, schedule = scoped
-        k_ready, v_ready, q_ready = ready
+    def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
+        bufs, ready, consumed, schedule = scoped
+        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
+        k_ready, v_ready, q_ready, *keys_ready = ready
         k_consumed, v_consumed = consumed
 
         batch = lax.axis_index(_axes.BATCH)
@@ -343,7 +365,23 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 plgpu.copy_gmem_to_smem(
                     q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_ready.at[wg]
                 )
+                if st.users:
+                    plgpu.copy_gmem_to_smem(
+                        keys_ref.at[batch, :, pl.ds(row0, block_q)],
+                        keys_smem2.at[wg],
+                        keys_ready[0].at[wg],
+                    )
+                    plgpu.barrier_wait(keys_ready[0].at[wg])
                 plgpu.barrier_wait(q_ready.at[wg])
+
+            if st.users:
+                # The rows' packed_query_table entries (key_lo, key_hi, self_key), one
+                # value per row: the mask is then three compares per score for any U.
+                # An inactive WG never reads them (it has no masked step).
+                row_keys = tuple(
+                    plgpu.load(keys_smem2.at[wg, f], layout=plgpu.Layout.WGMMA.reduce(1))
+                    for f in range(PACKED_QUERY_FIELDS)
+                )
 
             m_i = plgpu.layout_cast(
                 jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
@@ -375,15 +413,17 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
                 if masked:
                     kv0 = ranges.block_at(step) * block_kv
-                    q_ids = row0 + plgpu.broadcasted_iota(
-                        jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
-                    )
-                    kv_ids = kv0 + plgpu.broadcasted_iota(
-                        jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
-                    )
                     if st.users:
-                        allowed = ranker_mask_users(q_ids, kv_ids, users)
+                        allowed = packed_tile_mask(
+                            ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
+                        )
                     else:
+                        q_ids = row0 + plgpu.broadcasted_iota(
+                            jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
+                        )
+                        kv_ids = kv0 + plgpu.broadcasted_iota(
+                            jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
+                        )
                         allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
                 if st.max_on_raw:
@@ -529,10 +569,11 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 plgpu.barrier_wait(v_consumed.at[slot])
 
     def entry(*refs):
-        # Inputs q, k, v, bounds (+ the step table for packed rows), then out (+ lse).
-        num_in = 5 if st.users else 4
+        # Inputs q, k, v, bounds (+ the step table and the query key table for packed
+        # rows), then out (+ lse).
+        num_in = 6 if st.users else 4
         q_ref, k_ref, v_ref, bounds_ref = refs[:4]
-        steps_ref = refs[4] if st.users else None
+        steps_ref, keys_ref = refs[4:6] if st.users else (None, None)
         out_ref, lse_ref = (*refs[num_in:], None)[:2]
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         qo = plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
@@ -542,15 +583,20 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         p_buf = None
         if not accumulate_in_place:
             p_buf = plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
+        keys_buf, keys_ready = None, ()
+        if st.users:
+            keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
+            keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
         pl.run_scoped(
             lambda *args: kernel(
-                q_ref, k_ref, v_ref, bounds_ref, steps_ref, out_ref, lse_ref, args
+                q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, args
             ),
-            [qo, k_buf, v_buf, lse_buf, p_buf],
+            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf],
             (
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+                *keys_ready,
             ),
             (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
@@ -563,7 +609,8 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
     """q/k/v already padded to ``st.seq_pad``; bounds clipped int32 ``[B, 4]``, or packed
-    ``[B, U, 4]`` (``st.users = U``), whose step table is built here."""
+    ``[B, U, 4]`` (``st.users = U``), whose step table and query key table are built
+    here."""
     inputs = [q, k, v, bounds]
     if st.users:
         inputs.append(
@@ -575,6 +622,7 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
                 sub_tiles=_COMPUTE_WGS,
             )
         )
+        inputs.append(packed_query_table(bounds, st.seq_pad))
     out_type = [jax.ShapeDtypeStruct((st.batch, st.seq_pad, st.q_heads, st.head_dim), q.dtype)]
     if st.return_lse:
         out_type.append(jax.ShapeDtypeStruct((st.batch, st.q_heads, st.seq_pad), jnp.float32))
@@ -611,8 +659,8 @@ def ranker_attention_fwd(
       bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]`` (history_lo, history_hi,
         candidate_lo, candidate_hi), or packed ``[B, U, 4]`` (``U`` users per row,
         ``attn_common.packed``: the runs of the tile's users' blocks and the unmasked
-        steps come from a step table built outside the kernel, the mask is the OR over
-        the row's users); traced data, clipped to ``[0, S]``; overlapping users refused
+        steps come from a step table built outside the kernel, the mask from each
+        row's ``packed_query_table`` entries); traced data, clipped to ``[0, S]``; overlapping users refused
         on host values. One compile per ``U`` serves every batch.
       sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
       cap: ``CapParams`` (none / tanh / soft_sign) or ``None``.
@@ -637,9 +685,16 @@ def ranker_attention_fwd(
     )
     if config is None:
         config = default_config(problem.head_dim, q.dtype)
-    validate_config(config, problem.head_dim, q.dtype, return_lse=bool(return_lse), cap=problem.cap)
     clipped, users = normalize_ranker_bounds(
         bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=MIN_PACKED_USERS
+    )
+    validate_config(
+        config,
+        problem.head_dim,
+        q.dtype,
+        return_lse=bool(return_lse),
+        cap=problem.cap,
+        packed=bool(users),
     )
     interpret = _resolve_interpret(interpret)
 
