@@ -561,3 +561,37 @@ def test_position_tables_known_row():
             [-1, -1, -1, 3, 4, -1, -1, -1, -1, 9, -1],
         ],
     )
+
+
+@pytest.mark.parametrize("keys", [False, True])
+def test_step_list_matches_step_table(keys):
+    """packed_step_list holds the same visits (in order) and unmasked steps as the runs
+    of packed_step_table, read back through TileSteps / TileRuns."""
+    from attn_common.packed import TileRuns, TileSteps, packed_step_list, packed_step_table
+
+    rng = np.random.default_rng(11)
+    seq_len, batch, users, block, tile = 256, 5, 4, 16, 64
+    rows = []
+    for _ in range(batch):
+        cuts = np.sort(rng.choice(seq_len + 1, size=4 * users, replace=False)).reshape(users, 4)
+        rows.append(cuts[rng.permutation(users)])
+    bounds = jnp.asarray(np.asarray(rows, np.int32))
+    kw = dict(tile=tile, num_tiles=seq_len // tile, block=block, sub_tiles=2, keys=keys)
+    table, steps = packed_step_table(bounds, **kw), packed_step_list(bounds, **kw)
+    assert steps.shape == (batch, seq_len // tile, 1 + 4 + seq_len // block)
+    for b in range(batch):
+        for t in range(seq_len // tile):
+            runs = TileRuns.read(lambda i, b=b, t=t: table[b, t, i], 2 * users)
+            listed = TileSteps(lambda i, b=b, t=t: steps[b, t, i], 2)
+            total = int(listed.total_steps)
+            assert total == int(runs.total_steps)
+            got = [int(listed.block_at(s)) for s in range(total)]
+            assert got == [int(runs.block_at(s)) for s in range(total)]
+            assert len(set(got)) == total
+            assert np.all(np.asarray(steps[b, t, 5 + total :]) == 0)
+            for sub in range(2):
+                want = (
+                    int(table[b, t, 4 * users + 2 * sub]),
+                    int(table[b, t, 4 * users + 2 * sub + 1]),
+                )
+                assert tuple(int(x) for x in listed.full_steps(sub)) == want

@@ -62,6 +62,7 @@ from attn_common.metadata import is_concrete
 __all__ = [
     "PackedBlockRanges",
     "TileRuns",
+    "TileSteps",
     "check_packed_bounds",
     "normalize_packed_bounds",
     "normalize_ranker_bounds",
@@ -72,6 +73,7 @@ __all__ = [
     "packed_q_block_ranges",
     "packed_query_table",
     "packed_runs_per_tile",
+    "packed_step_list",
     "packed_step_table",
     "packed_users",
     "ranker_mask_from_key_table",
@@ -383,6 +385,23 @@ class TileRuns(NamedTuple):
         return block
 
 
+def _tile_ranges(bounds, tile: int, num_tiles: int, block: int, sub_tiles: int, keys: bool):
+    """Every tile's runs (``[B, T, R]``) and each sub-tile's unmasked steps (``[B, T]``
+    pairs); see ``packed_step_table``."""
+    rows = jnp.asarray(bounds, jnp.int32)[:, None]  # [B, 1, U, 4]
+    t0 = jnp.arange(num_tiles, dtype=jnp.int32)[None] * tile  # [1, T]
+    if keys:
+        ranges_fn, full_fn = packed_q_block_ranges, packed_full_q_steps
+    else:
+        ranges_fn, full_fn = packed_kv_block_ranges, packed_full_kv_steps
+    ranges = ranges_fn(rows, t0, t0 + tile, block)
+    sub = tile // sub_tiles
+    full = [
+        full_fn(ranges, rows, t0 + s * sub, t0 + (s + 1) * sub, block) for s in range(sub_tiles)
+    ]
+    return ranges, full
+
+
 def packed_step_table(
     bounds, *, tile: int, num_tiles: int, block: int, sub_tiles: int = 1, keys: bool = False
 ) -> jax.Array:
@@ -393,19 +412,53 @@ def packed_step_table(
     blocks (``packed_kv_block_ranges`` / ``packed_full_kv_steps``); ``keys=True``: key
     tiles visiting query blocks (``packed_q_block_ranges`` / ``packed_full_q_steps``).
     Built outside a kernel (XLA) and read by it as scalars (``TileRuns``)."""
-    rows = jnp.asarray(bounds, jnp.int32)[:, None]  # [B, 1, U, 4]
-    t0 = jnp.arange(num_tiles, dtype=jnp.int32)[None] * tile  # [1, T]
-    if keys:
-        ranges_fn, full_fn = packed_q_block_ranges, packed_full_q_steps
-    else:
-        ranges_fn, full_fn = packed_kv_block_ranges, packed_full_kv_steps
-    ranges = ranges_fn(rows, t0, t0 + tile, block)
+    ranges, full = _tile_ranges(bounds, tile, num_tiles, block, sub_tiles, keys)
     cols = [ranges.starts, jnp.cumsum(ranges.steps, axis=-1)]
-    sub = tile // sub_tiles
-    for s in range(sub_tiles):
-        lo, hi = full_fn(ranges, rows, t0 + s * sub, t0 + (s + 1) * sub, block)
+    for lo, hi in full:
         cols += [lo[..., None], hi[..., None]]
     return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1)
+
+
+def packed_step_list(
+    bounds, *, tile: int, num_tiles: int, block: int, sub_tiles: int = 1, keys: bool = False
+) -> jax.Array:
+    """int32 ``[B, num_tiles, 1 + 2 sub_tiles + num_blocks]``: ``packed_step_table`` as a
+    list. Per row and tile: the step count, then each sub-tile's unmasked steps ``[lo,
+    hi)``, then the block of every step (``num_blocks = num_tiles * tile // block``
+    entries, the most a tile can visit; 0 past the step count).
+
+    A kernel reads one word per step (``TileSteps``) instead of keeping the ``2R`` run
+    scalars of ``TileRuns`` live across its loop (``4U`` registers, and a chain of
+    ``R - 1`` selects per step).
+    """
+    ranges, full = _tile_ranges(bounds, tile, num_tiles, block, sub_tiles, keys)
+    num_blocks = num_tiles * tile // block
+    steps = jnp.arange(num_blocks, dtype=jnp.int32)
+    blocks = ranges.block_at(steps[:, None, None])  # [num_blocks, B, T]
+    blocks = jnp.where(steps[:, None, None] < ranges.total_steps[None], blocks, 0)
+    cols = [ranges.total_steps[..., None]]
+    for lo, hi in full:
+        cols += [lo[..., None], hi[..., None]]
+    cols.append(jnp.moveaxis(blocks, 0, -1))
+    return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1)
+
+
+class TileSteps:
+    """One tile's row of ``packed_step_list``, read in a kernel through ``word(i)`` (a
+    scalar load of the row's ``i``-th int32): ``total_steps`` once, then one load per
+    ``block_at``."""
+
+    def __init__(self, word, sub_tiles: int):
+        self._word = word
+        self._blocks = 1 + 2 * sub_tiles
+        self.total_steps = word(0)
+
+    def full_steps(self, sub: int):
+        """Sub-tile ``sub``'s steps ``[lo, hi)`` that need no mask."""
+        return self._word(1 + 2 * sub), self._word(2 + 2 * sub)
+
+    def block_at(self, step):
+        return self._word(self._blocks + step)
 
 
 def _union_runs(lo, hi) -> PackedBlockRanges:

@@ -76,10 +76,10 @@ from attn_common import (
 from attn_common.packed import (
     PACKED_KEY_FIELDS,
     PACKED_QUERY_FIELDS,
-    TileRuns,
+    TileSteps,
     packed_key_table,
     packed_query_table,
-    packed_step_table,
+    packed_step_list,
     ranker_mask_from_key_table,
     ranker_mask_from_query_table,
 )
@@ -159,7 +159,7 @@ class _Static:
     # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
     xla_fold_guard: bool = False
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
-    # step tables built outside (attn_common.packed.packed_step_table).
+    # step lists built outside (attn_common.packed.packed_step_list).
     users: int = 0
 
 
@@ -326,18 +326,10 @@ def _bounds(bounds_ref, batch):
     return tuple(bounds_ref[batch, i] for i in range(4))
 
 
-class _PackedTile:
-    """One tile's step-table row (scalars): the runs, and per compute WG the steps that
-    need no mask. (The mask itself comes from the per-position tables.)"""
-
-    def __init__(self, steps_ref, batch, tile, users: int):
-        self.runs = 2 * users
-        self.ranges = TileRuns.read(lambda i: steps_ref[batch, tile, i], self.runs)
-        self._word = lambda i: steps_ref[batch, tile, i]
-
-    def full_steps(self, wg):
-        base = 2 * self.runs + 2 * wg
-        return self._word(base), self._word(base + 1)
+def _packed_steps(steps_ref, batch, tile) -> TileSteps:
+    """The tile's row of ``packed_step_list``: its steps, and per compute WG the steps
+    that need no mask. (The mask itself comes from the per-position tables.)"""
+    return TileSteps(lambda i: steps_ref[batch, tile, i], _COMPUTE_WGS)
 
 
 def _load_fixed(srcs, dsts, bars, wg):
@@ -372,8 +364,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
         if st.users:
-            packed = _PackedTile(steps_ref, batch, lax.axis_index(_axes.Q_TILES), st.users)
-            ranges = packed.ranges
+            ranges = _packed_steps(steps_ref, batch, lax.axis_index(_axes.Q_TILES))
         else:
             hl, hu, cl, cu = _bounds(bounds_ref, batch)
         tile_start = lax.axis_index(_axes.Q_TILES) * (_COMPUTE_WGS * b)
@@ -399,7 +390,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             if st.users:
-                full_lo, full_hi = packed.full_steps(wg)
+                full_lo, full_hi = ranges.full_steps(wg)
             else:
                 full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
             staging = None if in_place else (ds_smem2.at[wg],)
@@ -452,7 +443,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             _ring_loads(num_slots, total_steps, issue, consumed)
 
     def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table and the query key
+        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step list and the query key
         # table for packed rows), then dQ.
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
         steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
@@ -506,8 +497,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         kv_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
         if st.users:
-            packed = _PackedTile(steps_ref, batch, lax.axis_index(_axes.KV_TILES), st.users)
-            ranges = packed.ranges
+            ranges = _packed_steps(steps_ref, batch, lax.axis_index(_axes.KV_TILES))
         else:
             hl, hu, cl, cu = _bounds(bounds_ref, batch)
         tile_start = lax.axis_index(_axes.KV_TILES) * (_COMPUTE_WGS * b)
@@ -530,7 +520,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             if st.users:
                 key_queries = _row_entries(queries_smem2.at[wg], PACKED_KEY_FIELDS)
             if st.users:
-                full_lo, full_hi = packed.full_steps(wg)
+                full_lo, full_hi = ranges.full_steps(wg)
             else:
                 full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
             staging = None if in_place else (p_smem2.at[wg], ds_smem2.at[wg])
@@ -599,7 +589,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             _ring_loads(num_slots, total_steps, issue, consumed)
 
     def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step table and the key query
+        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step list and the key query
         # table for packed rows), then dK, dV.
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
         steps_ref, queries_ref = refs[7:9] if st.users else (None, None)
@@ -680,7 +670,7 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
     dkv_in = list(dq_in)
     if st.users:  # packed rows: the visit-once runs and unmasked steps, per tile
         table = functools.partial(
-            packed_step_table, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
+            packed_step_list, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
             sub_tiles=_COMPUTE_WGS,
         )  # fmt: skip
         dq_in += [table(), packed_query_table(bounds, st.seq_pad)]

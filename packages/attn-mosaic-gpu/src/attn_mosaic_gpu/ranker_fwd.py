@@ -97,10 +97,10 @@ from attn_common import (
 )
 from attn_common.packed import (
     PACKED_QUERY_FIELDS,
-    TileRuns,
+    TileSteps,
     normalize_ranker_bounds,
     packed_query_table,
-    packed_step_table,
+    packed_step_list,
     ranker_mask_from_query_table,
 )
 from attn_mosaic_gpu import _axes
@@ -130,7 +130,7 @@ _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
 _SMEM_ALIGN = 1024  # swizzled buffers are 1024-byte aligned
-# Bounds [B, U, 4] with U >= 2 take the packed step tables; [B, 1, 4] the one-user kernels.
+# Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
 
 
@@ -318,11 +318,10 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
         if st.users:
             # Packed rows: the tile's runs and each WG's unmasked steps come from the
-            # step table built outside (attn_common.packed.packed_step_table).
+            # step list built outside (attn_common.packed.packed_step_list).
             users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.users))
             tile_start = q_tile * (2 * block_q)
-            runs = 2 * st.users
-            ranges = TileRuns.read(lambda i: steps_ref[batch, q_tile, i], runs)
+            ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], _COMPUTE_WGS)
         else:
             hl = bounds_ref[batch, 0]
             hu = bounds_ref[batch, 1]
@@ -350,8 +349,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                     for u_hl, u_hu, u_cl, u_cu in users
                 )
                 active = rows_seen > 0
-                unmasked_lo = steps_ref[batch, q_tile, 2 * runs + 2 * wg]
-                unmasked_hi = steps_ref[batch, q_tile, 2 * runs + 2 * wg + 1]
+                unmasked_lo, unmasked_hi = ranges.full_steps(wg)
             else:
                 active = (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
                 # Steps whose block every row of this WG attends in full need no mask.
@@ -569,7 +567,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 plgpu.barrier_wait(v_consumed.at[slot])
 
     def entry(*refs):
-        # Inputs q, k, v, bounds (+ the step table and the query key table for packed
+        # Inputs q, k, v, bounds (+ the step list and the query key table for packed
         # rows), then out (+ lse).
         num_in = 6 if st.users else 4
         q_ref, k_ref, v_ref, bounds_ref = refs[:4]
@@ -609,12 +607,12 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
     """q/k/v already padded to ``st.seq_pad``; bounds clipped int32 ``[B, 4]``, or packed
-    ``[B, U, 4]`` (``st.users = U``), whose step table and query key table are built
+    ``[B, U, 4]`` (``st.users = U``), whose step list and query key table are built
     here."""
     inputs = [q, k, v, bounds]
     if st.users:
         inputs.append(
-            packed_step_table(
+            packed_step_list(
                 bounds,
                 tile=2 * st.block_q,
                 num_tiles=st.seq_pad // (2 * st.block_q),
@@ -659,7 +657,7 @@ def ranker_attention_fwd(
       bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]`` (history_lo, history_hi,
         candidate_lo, candidate_hi), or packed ``[B, U, 4]`` (``U`` users per row,
         ``attn_common.packed``: the runs of the tile's users' blocks and the unmasked
-        steps come from a step table built outside the kernel, the mask from each
+        steps come from a step list built outside the kernel, the mask from each
         row's ``packed_query_table`` entries); traced data, clipped to ``[0, S]``; overlapping users refused
         on host values. One compile per ``U`` serves every batch.
       sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
