@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import html
 import json
 import math
 import shlex
@@ -90,6 +91,7 @@ from attn_common.packing import pack_users, simulate_ranker_users
 
 RESULT_JSON = "packed_ranker.json"
 RESULT_MD = "packed_ranker.md"
+RESULT_SVG = "packed_ranker.svg"
 MODES = ("fwd", "fwd+bwd")
 TARGET_BLOCK_SPEEDUP = 2.0  # block fwd+bwd users/s >= 2x padded
 TARGET_ATTENTION_RATIO = 1.1  # attention time per user <= 1.1x padded
@@ -309,7 +311,8 @@ def visited_blocks(
 
     The kernel's grid program owns a tile of ``2 block_q`` query rows (two compute
     warpgroups of ``block_q`` rows each) and walks the KV blocks of its tile's runs in
-    ``packed_step_table`` (for one user per row the same blocks as
+    ``packed_step_table`` (the blocks its ``packed_step_list`` lists; for one user per row the
+    same blocks as
     ``ranker_kv_block_ranges``). Each warpgroup with a real row computes a ``block_q x
     block_kv`` score tile per step. Counted over those warpgroup steps: ``visited``,
     ``useful`` (at least one allowed pair in the warpgroup's rows and the block's keys)
@@ -605,10 +608,75 @@ def _f(x, spec: str = ".1f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
 
+def write_plot(result: dict, path: Path) -> None:
+    """An SVG of each layout against padded: block users/s (forward, forward + backward)
+    and attention time per user, with the 2x and 1.1x targets as lines. Plain SVG, no
+    plotting library."""
+    groups = [
+        ("block users/s vs padded (target >= 2x)", "block_users_per_s_", 2.0),
+        ("attention time/user vs padded (target <= 1.1x)", "attention_ms_per_user_", 1.1),
+    ]
+    layouts = result["layouts"]
+    colors = ["#8c8c8c", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+    width, panel_h, left, bar_w = 760, 230, 60, 26
+    height = 60 + panel_h * len(groups)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="20" font-size="14">Packed vs padded ranker rows '
+        + html.escape(f"({result['device']}, commit {result['provenance'].get('commit')})")
+        + "</text>",
+    ]
+    for g, (title, key, target) in enumerate(groups):
+        top = 40 + g * panel_h
+        values = [r.get("vs_padded", {}).get(f"{key}{mode}") for r in layouts for mode in MODES]
+        vmax = max([v for v in values if v is not None] + [target]) * 1.15
+        base = top + panel_h - 40
+
+        def y(v, base=base, vmax=vmax, top=top):
+            return base - (v / vmax) * (base - top - 20)
+
+        out.append(f'<text x="{left}" y="{top + 12}">{html.escape(title)}</text>')
+        out.append(f'<line x1="{left}" y1="{base}" x2="{width - 20}" y2="{base}" stroke="black"/>')
+        ty = y(target)
+        out.append(
+            f'<line x1="{left}" y1="{ty:.1f}" x2="{width - 20}" y2="{ty:.1f}" '
+            'stroke="#d62728" stroke-dasharray="4 3"/>'
+        )
+        out.append(f'<text x="{width - 60}" y="{ty - 4:.1f}" fill="#d62728">{target:g}x</text>')
+        x = left + 20
+        for i, r in enumerate(layouts):
+            for m, mode in enumerate(MODES):
+                v = r.get("vs_padded", {}).get(f"{key}{mode}")
+                if v is None:
+                    continue
+                out.append(
+                    f'<rect x="{x}" y="{y(v):.1f}" width="{bar_w}" height="{base - y(v):.1f}" '
+                    f'fill="{colors[i % len(colors)]}" opacity="{1.0 if m else 0.6}"/>'
+                )
+                out.append(
+                    f'<text x="{x + bar_w / 2}" y="{y(v) - 4:.1f}" text-anchor="middle">'
+                    f"{v:.2f}</text>"
+                )
+                out.append(
+                    f'<text x="{x + bar_w / 2}" y="{base + 14}" text-anchor="middle" '
+                    f'font-size="10">{mode}</text>'
+                )
+                x += bar_w + 6
+            out.append(
+                f'<text x="{x - bar_w - 6}" y="{base + 28}" text-anchor="middle" '
+                f'font-size="10">{html.escape(r["name"])}</text>'
+            )
+            x += 40
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
+
+
 def write_reports(result: dict, out: Path) -> None:
-    """``packed_ranker.json`` and ``packed_ranker.md`` into ``out``."""
+    """``packed_ranker.json``, ``packed_ranker.md`` and ``packed_ranker.svg`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULT_JSON).write_text(json.dumps(result, indent=2) + "\n")
+    write_plot(result, out / RESULT_SVG)
     prov, cfg = result["provenance"], result["config"]
     lines = [
         f"# Packed vs padded ranker rows ({result['device']}, jax {result['jax']})",
@@ -685,8 +753,9 @@ def write_reports(result: dict, out: Path) -> None:
     lines += [
         "",
         "Useful visited blocks: of the score tiles (`block_q` rows of one compute warpgroup x "
-        "`block_kv` keys) that the Hopper forward kernel computes, following its step table "
-        "(`attn_common.packed.packed_step_table`, tiles of `2 block_q` rows; an all-padding "
+        "`block_kv` keys) that the Hopper forward kernel computes, following its step list "
+        "(`attn_common.packed.packed_step_list`: the blocks of `packed_step_table`'s runs, "
+        "tiles of `2 block_q` rows; an all-padding "
         "warpgroup idles and is not counted), the fraction holding at least one allowed pair; "
         "masked steps: the fraction that needs the mask; pair density: allowed pairs / "
         "(tiles computed x block_q x block_kv). Whole population, host-side; kernel blocks "
