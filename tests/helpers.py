@@ -231,3 +231,31 @@ def shaped_packed_bounds(seed: int, rows: int, seq_len: int, users: int = 6) -> 
             row.append([(a, c, c, d), (a, b, c, d), (c, d, a, b), (a, c, b, d)][u % 4])
         out.append([row[i] for i in rng.permutation(users)])
     return np.asarray(out, np.int32)
+
+
+def sparse_mla_flat_case(
+    seed: int, *, dk: int, batch: int, seq: int, heads: int, kv_len: int, rb: int, top_k: int,
+    dtype="float32",
+):  # fmt: skip
+    """Flat sparse-MLA inputs ``(q, kv, indices, positions)`` with every edge a kernel
+    must handle: -1, duplicate, triplicate and out-of-range unit ids, a query with
+    nothing selected, a negative position, a selection of only the (partial) tail unit
+    with ``kv_len`` binding, and a selection entirely after its query. Needs ``seq >= 7``
+    and ``top_k >= 3``."""
+    rng = rng_for(seed)
+    num_units = -(-kv_len // rb)
+    q = randn(rng, (batch, seq, heads, dk), dtype)
+    kv = randn(rng, (batch, kv_len, dk), dtype)
+    pos = rng.integers(0, kv_len + 8, size=(batch, seq)).astype(np.int32)
+    idx = rng.integers(-1, num_units + 2, size=(batch, seq, top_k)).astype(np.int32)
+    idx[:, :, 0] = pos // rb  # the query's own unit: most rows are non-empty
+    idx[0, 1, 1] = idx[0, 1, 0]  # duplicate
+    idx[0, 2, 2:] = idx[0, 2, 0]  # triplicate
+    b = batch - 1
+    idx[b, 3] = -1  # nothing selected
+    pos[b, 4] = -5  # negative position: causally empty
+    idx[0, 5] = num_units - 1  # only the (partial) tail unit, selected K times
+    pos[0, 5] = kv_len + 100  # kv_len binds
+    idx[b, 6] = np.array([num_units - 1, -1, num_units + 7, 2**30])[:top_k]
+    pos[b, 6] = 0  # selection entirely after the query: empty
+    return q, kv, idx, pos

@@ -71,6 +71,7 @@ from attn_common.paged import (
     check_write_back_inputs,
     latent_rows,
     scatter_write_back,
+    write_back_by_scatter,
     write_then_attend,
 )
 from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
@@ -211,5 +212,6 @@ __all__ = [
     "sparse_mla_union_sizes",
     "sparse_mla_units",
     "validate_packed_bounds",
+    "write_back_by_scatter",
     "write_then_attend",
 ]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from attn_common.metadata import check_ragged_metadata
 from attn_common.ranker import array_shape
 from attn_common.sparse_mla import _check_positive_int, padded_dk
-from attn_common.tables import kv_packing
+from attn_common.tables import keep_last_writes, kv_packing
 
 
 def latent_rows(kvc: jax.Array, kpe: jax.Array, *, width: int, dtype) -> jax.Array:
@@ -50,6 +50,15 @@ def scatter_write_back(cache: jax.Array, rows: jax.Array, loc: jax.Array) -> jax
         rows.astype(cache.dtype), mode="drop", wrap_negative_indices=False
     )
     return flat.reshape(cache.shape)
+
+
+def write_back_by_scatter(cache: jax.Array, rows: jax.Array, loc: jax.Array, page_size: int):
+    """The whole write-back as the reference defines it: validate the inputs
+    (``check_write_back_inputs``), keep the last row of a repeated slot
+    (``keep_last_writes``) and scatter (``scatter_write_back``). Backends whose write-back
+    is this XLA scatter call it; a kernel write-back must equal it bit for bit."""
+    num_pages, rows_per_page, pk, _ = check_write_back_inputs(cache, rows, loc, page_size)
+    return scatter_write_back(cache, rows, keep_last_writes(loc, num_pages * rows_per_page * pk))
 
 
 def check_paged_cache(cache, page_size) -> tuple[int, ...]:

@@ -86,6 +86,19 @@ def _check_positive_int(value, name: str) -> int:
     return value
 
 
+def check_qblock_knobs(query_block: int | None, u_max: int | None, head_block: int | None) -> None:
+    """The query-blocked ops' tuning knobs: each a positive int or ``None`` (automatic).
+
+    They change the schedule, never the answer; backends without that schedule check
+    them with this and ignore them, the TPU kernel adds its own tiling rules.
+    """
+    for name, value in (("query_block", query_block), ("u_max", u_max), ("head_block", head_block)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name}: got {value!r}, expected a positive int or None")
+
+
 def check_sparse_mla_inputs(
     q,
     kv,

@@ -25,6 +25,7 @@ from helpers import (
     randn,
     random_page_selection,
     rng_for,
+    sparse_mla_flat_case,
 )
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
 from jax.experimental.pallas import tpu as pltpu
@@ -70,23 +71,10 @@ def _check(got, want, dtype):
 
 def flat_case(seed, *, batch=2, seq=21, heads=2, kv_len=88, rb=16, top_k=4, dtype="float32"):
     """Random flat inputs: -1, duplicate and out-of-range ids, empty queries, tail unit."""
-    rng = rng_for(seed)
-    num_units = -(-kv_len // rb)
-    q = randn(rng, (batch, seq, heads, DK), dtype)
-    kv = randn(rng, (batch, kv_len, DK), dtype)
-    pos = rng.integers(0, kv_len + 8, size=(batch, seq)).astype(np.int32)
-    idx = rng.integers(-1, num_units + 2, size=(batch, seq, top_k)).astype(np.int32)
-    idx[:, :, 0] = pos // rb  # the query's own unit: most rows are non-empty
-    idx[0, 1, 1] = idx[0, 1, 0]  # duplicate
-    idx[0, 2, 2:] = idx[0, 2, 0]  # triplicate
-    b = batch - 1
-    idx[b, 3] = -1  # nothing selected
-    pos[b, 4] = -5  # negative position: causally empty
-    idx[0, 5] = num_units - 1  # only the (partial) tail unit, selected K times
-    pos[0, 5] = kv_len + 100  # kv_len binds
-    idx[b, 6] = np.array([num_units - 1, -1, num_units + 7, 2**30])[:top_k]
-    pos[b, 6] = 0  # selection entirely after the query: empty
-    return q, kv, idx, pos
+    return sparse_mla_flat_case(
+        seed, dk=DK, batch=batch, seq=seq, heads=heads, kv_len=kv_len, rb=rb, top_k=top_k,
+        dtype=dtype,
+    )  # fmt: skip
 
 
 def _flat_call(fn, case, *, rb=16, **kw):

@@ -21,14 +21,12 @@ import jax.numpy as jnp
 
 from attn_common import (
     check_sparse_mla_inputs,
-    check_write_back_inputs,
-    keep_last_writes,
-    scatter_write_back,
     selected_rows,
     sparse_mla_units,
+    write_back_by_scatter,
     write_then_attend,
 )
-from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla import check_qblock_knobs, empty_result
 from attn_mosaic_gpu.sparse_mla_kernel import (
     ROPE,
     SparseMlaKernelConfig,
@@ -185,11 +183,7 @@ def sparse_mla_attention_qblock(
     ``query_block``, ``u_max`` and ``head_block`` tune the TPU's query-blocked schedule;
     they are validated (positive ints or ``None``) and change nothing here.
     """
-    for name, value in (("query_block", query_block), ("u_max", u_max), ("head_block", head_block)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name}: got {value!r}, expected a positive int or None")
+    check_qblock_knobs(query_block, u_max, head_block)
     return sparse_mla_attention(
         q, kv, indices, positions, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
         read_block=read_block, return_lse=return_lse, page_size=page_size,
@@ -214,8 +208,7 @@ def paged_write_back(
     the arguments. ``r_cap`` and ``interpret`` are accepted for API parity.
     """
     del r_cap, interpret
-    num_pages, rows_per_page, pk, _ = check_write_back_inputs(cache, rows, loc, page_size)
-    return scatter_write_back(cache, rows, keep_last_writes(loc, num_pages * rows_per_page * pk))
+    return write_back_by_scatter(cache, rows, loc, page_size)
 
 
 def prefill_write_and_attend_ragged(

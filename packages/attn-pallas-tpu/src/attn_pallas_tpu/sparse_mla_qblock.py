@@ -76,7 +76,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_common.metadata import is_concrete
-from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla import check_qblock_knobs, empty_result
 from attn_common.sparse_mla_plan import (
     VMEM_USABLE_FRACTION,
     block_union_sizes,
@@ -390,13 +390,9 @@ def sparse_mla_attention_qblock(
         page_indices=page_indices,
         debug_checks=debug_checks,
     )
-    if query_block is not None:
-        if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
-            raise ValueError(f"query_block: got {query_block!r}, expected a positive int or None")
-        if query_block % SUBLANE:
-            raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
-    if u_max is not None:
-        resolve_u_max(u_max, query_block=8, top_k=1, num_units=1)  # validates
+    check_qblock_knobs(query_block, u_max, head_block)
+    if query_block is not None and query_block % SUBLANE:
+        raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
     if head_block is not None:
         _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
     interpret = resolve_interpret(interpret)

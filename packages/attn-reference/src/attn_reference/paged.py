@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from attn_common import (
-    check_write_back_inputs,
-    keep_last_writes,
-    scatter_write_back,
-    write_then_attend,
-)
+from attn_common import write_back_by_scatter, write_then_attend
 from attn_reference.sparse_mla import sparse_mla_attention
 
 
@@ -39,8 +34,7 @@ def paged_write_back(
       r_cap: the kernel's run-table size; accepted for API parity.
     """
     del r_cap, interpret
-    num_pages, rows_per_page, pk, _ = check_write_back_inputs(cache, rows, loc, page_size)
-    return scatter_write_back(cache, rows, keep_last_writes(loc, num_pages * rows_per_page * pk))
+    return write_back_by_scatter(cache, rows, loc, page_size)
 
 
 def prefill_write_and_attend_ragged(

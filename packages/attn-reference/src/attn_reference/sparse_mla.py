@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_common import UnitRows, check_sparse_mla_inputs, sparse_mla_units
-from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla import check_qblock_knobs, empty_result
 
 _CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
 
@@ -182,11 +182,7 @@ def sparse_mla_attention_qblock(
     (``None`` = chosen automatically); none of them changes the answer, so the reference
     checks them and computes the exact result.
     """
-    for name, value in (("query_block", query_block), ("u_max", u_max), ("head_block", head_block)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name}: got {value!r}, expected a positive int or None")
+    check_qblock_knobs(query_block, u_max, head_block)
     return sparse_mla_attention(
         q,
         kv,
