@@ -80,6 +80,11 @@ BAD = {
         "page_indices: entry 4 is 8, expected a physical page in",
     ),
     "page_negative": ({"page_indices": _with("page_indices", 1, -1)}, "page_indices: entry 1"),
+    "page_repeated_in_request": (
+        {"page_indices": _with("page_indices", 4, LAYOUT["page_indices"][2])},
+        f"page_indices: entry 4 is {int(LAYOUT['page_indices'][2])}, expected a page not "
+        "already named",
+    ),
 }
 
 
@@ -101,6 +106,17 @@ def test_spare_slots_may_hold_anything():
             ref.sparse_mla_attention, seq_lens=seq_lens, page_indices=_with("page_indices", 4, bad)
         )
         assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_requests_may_share_pages():
+    """A page in two requests' tables (a shared prefix) is allowed; within one request a
+    repeated page is refused only in slots that hold tokens (slot 5 is spare)."""
+    shared = _with("page_indices", 2, LAYOUT["page_indices"][0])
+    out = _attend(ref.sparse_mla_attention, page_indices=shared)
+    assert np.all(np.isfinite(np.asarray(out)))
+    spare_repeat = _with("page_indices", 5, LAYOUT["page_indices"][2])
+    out = _attend(ref.sparse_mla_attention, page_indices=spare_repeat)
+    assert np.all(np.isfinite(np.asarray(out)))
 
 
 @pytest.mark.parametrize("case", list(BAD))

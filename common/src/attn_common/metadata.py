@@ -23,8 +23,11 @@ The rules (``P = page_size``, ``R = num_seqs``, ``N = len(page_indices)``):
 * ``seq_lens``: ``0 <= seq_lens[r] <= cu_kv_lens[r + 1] - cu_kv_lens[r]``;
 * ``q_seq_id``: ``0 <= q_seq_id[t] < R``;
 * ``page_indices``: every slot that holds a request's tokens (the first
-  ``ceil(seq_lens[r] / P)`` slots of its extent) names a page in ``[0, num_pages)``;
-  slots past that may hold anything (``-1`` is usual);
+  ``ceil(seq_lens[r] / P)`` slots of its extent) names a page in ``[0, num_pages)``,
+  and no two of one request's such slots name the same page (a page holds one run of
+  the request's tokens; two positions for one row would leave a selection of both
+  ambiguous). Different requests may share pages (a common prefix). Slots past a
+  request's tokens may hold anything (``-1`` is usual);
 * ``cu_q_lens``: ``cu_q_lens[0] == 0``, non-decreasing, ``cu_q_lens[R] == T`` (the number
   of packed query tokens).
 """
@@ -110,6 +113,24 @@ def _rules(
         f"expected a physical page in [0, num_pages = {num_pages}) for every page-table "
         "slot that holds a request's tokens",
         ~live | ((page_indices >= 0) & (page_indices < num_pages)),
+        page_indices,
+        0,
+    )
+    # One request's token-holding slots name distinct pages: sort (request, page) keys
+    # (spare slots get unique negative keys) and flag a key equal to the one before it,
+    # i.e. the later of two slots.
+    page_key = owner * (num_pages + 2) + xp.clip(page_indices, -1, num_pages) + 1
+    key = xp.where(live, page_key, -1 - g)
+    order = xp.argsort(key, stable=True)
+    sorted_key = key[order]
+    repeat_sorted = xp.concatenate([xp.zeros((min(total_pages, 1),), bool),
+                                    sorted_key[1:] == sorted_key[:-1]])  # fmt: skip
+    repeat = repeat_sorted[xp.argsort(order, stable=True)]
+    yield (
+        "page_indices",
+        "expected a page not already named by an earlier token-holding slot of the same "
+        "request (a request's pages are distinct)",
+        ~repeat,
         page_indices,
         0,
     )
