@@ -1,5 +1,6 @@
-"""The ``attn`` command: info, run (small shapes), bench smoke, argument errors, exit
-status, output folders, timing, --json, --version and the help texts."""
+"""The ``attn`` command: info, run (small shapes), bench smoke (the ranker suite and
+``attn bench sparse-mla``), argument errors, exit status, output folders, timing,
+--json, --version and the help texts."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from attn_common import bench, cli, dispatch
+from attn_common import bench, bench_sparse_mla, cli, dispatch
 
 OFF_GPU = dispatch.device_class() not in ("gpu", "hopper")
 
@@ -70,6 +71,13 @@ def test_version(capsys):
         (["bench", "--seed", str(2**64)], "expected 0 <= seed"),
         (["bench", "--cases", "nope"], "invalid choice: 'nope'"),
         (["bench", "--implementation", "cuda"], "invalid choice: 'cuda'"),
+        (["bench", "ranker", "--iterations", "0"], "--iterations: got 0"),
+        (["bench", "nope"], "invalid choice: 'nope'"),
+        (["bench", "sparse-mla", "--iterations", "0"], "--iterations: got 0"),
+        (["bench", "sparse-mla", "--impl", "cuda"], "invalid choice: 'cuda'"),
+        (["bench", "sparse-mla", "--cases", "nope"], "--cases: ['nope'] match none of"),
+        (["bench", "sparse-mla", "--no-ours"], "unrecognized arguments: --no-ours"),
+        (["bench", "--iterations", "5", "sparse-mla"], "before the suite name 'sparse-mla'"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
@@ -140,6 +148,63 @@ def test_bench_smoke_off_gpu(tmp_path, capsys, monkeypatch):
     assert out.count("matplotlib not installed") == 1
     wrote = next(line for line in out.splitlines() if line.startswith("wrote "))
     assert "ranker_gpu.json" in wrote and ".png" not in wrote
+
+
+def test_bench_suite_name_is_optional(tmp_path, monkeypatch):
+    """`attn bench [flags]` is `attn bench ranker [flags]`; `sparse-mla` runs the other."""
+    ran = []
+
+    def fake(name):
+        return lambda args: ran.append((name, args)) or {"failed": 0}
+
+    monkeypatch.setattr(bench, "run", fake("ranker"))
+    monkeypatch.setattr(bench_sparse_mla, "run", fake("sparse-mla"))
+    flags = ["--iterations", "3", "--seed", "7", "--no-ours"]
+    assert cli.main(["bench", *flags, "--out", str(tmp_path / "a")]) == 0
+    assert cli.main(["bench", "ranker", *flags, "--out", str(tmp_path / "b")]) == 0
+    assert cli.main(["bench", "sparse-mla", "--iterations", "3", "--out", str(tmp_path)]) == 0
+    assert [name for name, _ in ran] == ["ranker", "ranker", "sparse-mla"]
+    plain, named, sparse = (args for _, args in ran)
+    for args in (plain, named):
+        assert (args.suite, args.iterations, args.seed, args.no_ours) == ("ranker", 3, 7, True)
+    assert (plain.out, named.out) == (tmp_path / "a", tmp_path / "b")
+    assert sparse.suite == "sparse-mla" and sparse.iterations == 3 and sparse.impl is None
+    assert sparse.xla_chunks == [256, 512, 1024] and sparse.out == tmp_path
+
+
+@pytest.mark.skipif(not OFF_GPU, reason="the smoke run is chosen off a GPU only")
+def test_bench_sparse_mla_smoke_off_gpu(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("attn_reference")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "sparse-mla", "--iterations", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "meant for a Hopper GPU" in out and "not a measurement" in out
+    (folder,) = (tmp_path / "attn-results").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["sparse_mla_gpu.json", "sparse_mla_gpu.md"]
+    result = json.loads((folder / "sparse_mla_gpu.json").read_text())
+    assert result["smoke"] and result["impl"] == "reference" and result["failed"] == 0
+    assert [r["case"] for r in result["rows"]] == ["flat-smoke", "paged-smoke"]
+    for row in result["rows"]:
+        assert row["xla_ms"] > 0 and row["ours_ms"] > 0 and row["rel_l2_ours_vs_xla"] < 1e-2
+    assert result["provenance"]["command"] == "attn bench sparse-mla --iterations 1"
+    md = (folder / "sparse_mla_gpu.md").read_text()
+    assert "| flat-smoke |" in md and "| paged-smoke |" in md and "not a measurement" in md
+    # the same folder again: refused without --overwrite, like the ranker suite
+    assert _exit_code(["bench", "sparse-mla", "--out", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "attn bench sparse-mla: error: --out" in err and "--overwrite" in err
+
+
+def test_bench_sparse_mla_failed_row_exits_non_zero(tmp_path, monkeypatch, capsys):
+    def unavailable(impl, config=None):
+        raise NotImplementedError(f"{impl}: not yet")
+
+    monkeypatch.setattr(bench_sparse_mla, "load_impl", unavailable)
+    argv = ["bench", "sparse-mla", "--smoke", "--cases", "flat-*", "--out", str(tmp_path)]
+    assert cli.main(argv) == 1
+    assert "1 of 1 rows failed" in capsys.readouterr().err
+    result = json.loads((tmp_path / "sparse_mla_gpu.json").read_text())
+    assert result["failed"] == 1 and "NotImplementedError" in result["rows"][0]["ours_error"]
 
 
 def test_bench_failed_row_exits_non_zero(tmp_path, monkeypatch, capsys):
@@ -249,6 +314,17 @@ def test_help_lists_shapes_choices_and_defaults(capsys):
     assert "B64 S1152" in out and "attn-results/<timestamp>" in out and "default: 20" in out
     for name in dispatch.KNOWN_BACKENDS:
         assert name in out
+    assert "sparse-mla" in out and "attn bench sparse-mla --help" in out
+    assert _exit_code(["bench", "sparse-mla", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: attn bench sparse-mla ")
+    for flag in ("--impl", "--xla-chunks", "--kernel-config", "--smoke", "--full", "--overwrite"):
+        assert flag in out
+    for case in (*bench_sparse_mla.CASES, *bench_sparse_mla.SMOKE_CASES):
+        assert case.name in out
+    assert "attn-results/<timestamp>" in out and "default: 20" in out
+    assert _exit_code(["bench", "ranker", "--help"]) == 0
+    assert "B64 S1152" in capsys.readouterr().out
     assert _exit_code(["--help"]) == 0
     assert "--version" in capsys.readouterr().out
 

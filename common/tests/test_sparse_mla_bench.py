@@ -1,5 +1,7 @@
-"""``benchmarks/sparse_mla_gpu.py`` on CPU: the smoke run end to end (with the reference
-as "ours"), its input generators, and the XLA baseline against the reference."""
+"""The sparse MLA benchmark (``attn_common.bench_sparse_mla``: ``attn bench sparse-mla``
+and ``benchmarks/sparse_mla_gpu.py``) on CPU: the smoke run end to end (with the
+reference as "ours"), its input generators, the XLA baseline against the reference, and
+the script as a thin wrapper with its own defaults."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_common import check_sparse_mla_inputs, selected_rows, sparse_mla_units
+from attn_common import bench_sparse_mla, check_sparse_mla_inputs, selected_rows, sparse_mla_units
 from attn_reference import sparse_mla_attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +24,13 @@ SCRIPT = ROOT / "benchmarks" / "sparse_mla_gpu.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    """The benchmark script as a module (benchmarks/ is not a package)."""
+    """The benchmark module (what ``attn bench sparse-mla`` and the script run)."""
+    return bench_sparse_mla
+
+
+@pytest.fixture(scope="module")
+def script():
+    """The script as a module (benchmarks/ is not a package)."""
     spec = importlib.util.spec_from_file_location("sparse_mla_gpu_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -47,9 +55,10 @@ def test_case_list(bench):
         bench.select_cases(["nope"], False)
 
 
-def test_smoke_run(bench, tmp_path):
+def test_smoke_run(script, tmp_path):
+    """The documented CPU command of the script, end to end."""
     t0 = time.perf_counter()
-    result = bench.main(["--smoke", "--impl", "reference", "--out", str(tmp_path)])
+    result = script.main(["--smoke", "--impl", "reference", "--out", str(tmp_path)])
     elapsed = time.perf_counter() - t0
     assert elapsed < 60, f"smoke run took {elapsed:.0f} s"
     saved = json.loads((tmp_path / "sparse_mla_gpu.json").read_text())
@@ -71,19 +80,48 @@ def test_smoke_run(bench, tmp_path):
         )
         assert row["bytes"] == want_bytes
         assert row["target"] is None and "target_met" not in row
+    assert saved["failed"] == result["failed"] == 0
     md = (tmp_path / "sparse_mla_gpu.md").read_text()
     assert "flat-smoke" in md and "paged-smoke" in md and prov["commit"] in md
+    assert "not a measurement" in md
 
 
-def test_failing_impl_is_recorded(bench, tmp_path, monkeypatch):
+def test_script_keeps_its_defaults(script, bench):
+    """The wrapper: the module's logic, the script's own defaults and flags."""
+    args = script.bench_sparse_mla.build_parser(script_out=script.ROOT / "docs" / "results")
+    args = args.parse_args(
+        ["--iterations", "10", "--xla-chunks", "1024", "--kernel-config", "32", "2"]
+    )
+    assert args.out == ROOT / "docs" / "results" and args.impl == "mosaic-gpu"
+    assert (args.iterations, args.xla_chunks, args.kernel_config) == (10, [1024], [32, 2])
+    assert not bench.is_smoke(args) and not hasattr(args, "overwrite")
+    assert script.bench_sparse_mla is bench
+    names = {n for n in vars(script) if not n.startswith("_")}
+    assert names <= {"annotations", "sys", "Path", "bench_sparse_mla", "ROOT", "main"}
+
+
+def test_smoke_not_a_measurement_in_bench_mode(bench, monkeypatch):
+    """``attn bench``'s conventions: smoke off a GPU unless --full or --smoke."""
+    parser = bench.build_parser()
+    monkeypatch.setattr(bench, "_on_gpu", lambda: False)
+    assert bench.is_smoke(parser.parse_args([]))
+    assert not bench.is_smoke(parser.parse_args(["--full"]))
+    assert bench.is_smoke(parser.parse_args(["--full", "--smoke"]))
+    monkeypatch.setattr(bench, "_on_gpu", lambda: True)
+    assert not bench.is_smoke(parser.parse_args([]))
+    assert parser.parse_args([]).out is None and parser.parse_args([]).impl is None
+
+
+def test_failing_impl_is_recorded(bench, script, tmp_path, monkeypatch):
     def unavailable(impl, config=None):
         raise NotImplementedError(f"{impl}: not yet")
 
     monkeypatch.setattr(bench, "load_impl", unavailable)
-    result = bench.main(["--smoke", "--cases", "flat-*", "--out", str(tmp_path)])
+    result = script.main(["--smoke", "--cases", "flat-*", "--out", str(tmp_path)])
     (row,) = result["rows"]
     assert row["ours_ms"] is None and row["xla_ms"] > 0
     assert row["ours_error"] == "NotImplementedError: mosaic-gpu: not yet"
+    assert result["failed"] == 1 and bench.row_failed(row)
     assert "NotImplementedError" in (tmp_path / "sparse_mla_gpu.md").read_text()
 
 

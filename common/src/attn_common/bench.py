@@ -1,6 +1,8 @@
 """The ranker benchmark suite (``attn bench``; ``benchmarks/ranker_gpu.py``).
 
-What the suite measures and how: docs/design.md, "Benchmarks".
+What the suite measures and how: docs/design.md, "Benchmarks". The sparse MLA prefill
+benchmark (``attn bench sparse-mla``) is ``attn_common.bench_sparse_mla``; it shares
+the timing, ceilings, provenance and output-folder helpers here.
 
 Runs the suite (phoenix, long, small-d64, ragged) for our kernel (the backend that
 ``attn_common.ranker_attention`` dispatches to, or ``--implementation``) and, in the same
@@ -98,11 +100,17 @@ def default_out_dir(base: Path | None = None) -> Path:
     return out
 
 
-def check_out_dir(out: Path, *, overwrite: bool = False) -> str | None:
-    """Why ``out`` cannot take the results (None when it can); creates the folder."""
+def check_out_dir(
+    out: Path, *, overwrite: bool = False, result_files: tuple[str, ...] = RESULT_FILES
+) -> str | None:
+    """Why ``out`` cannot take the results (None when it can); creates the folder.
+
+    ``result_files``: the report names a run writes (default: the ranker suite's); any
+    of them already in ``out`` is refused unless ``overwrite``.
+    """
     if out.exists() and not out.is_dir():
         return f"--out: got {str(out)!r}, which is a file; expected a folder"
-    existing = [name for name in RESULT_FILES if (out / name).exists()]
+    existing = [name for name in result_files if (out / name).exists()]
     if existing and not overwrite:
         return (
             f"--out: got {str(out)!r}, which already holds {', '.join(existing)}; "

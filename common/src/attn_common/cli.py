@@ -1,4 +1,4 @@
-"""The ``attn`` command: ``attn info``, ``attn run ranker|sparse-mla|all``, ``attn bench``.
+"""The ``attn`` command: ``attn info``, ``attn run ranker|sparse-mla|all``, ``attn bench [ranker|sparse-mla]``.
 
 * ``attn --version``: the versions of attn-common and of the installed backends.
 * ``attn info``: installed backends (version, module, ops, devices), the backend each op
@@ -15,8 +15,11 @@
 * ``attn run sparse-mla``: sparse MLA prefill, flat (DeepSeek latent dims 512 + 64, 16
   selected units of 64 tokens per query) and ragged paged (3 requests packed into a
   cache with shuffled physical pages), same report.
-* ``attn bench``: the ranker benchmark suite, see ``attn_common.bench`` and
-  docs/design.md, "Benchmarks".
+* ``attn bench`` (= ``attn bench ranker``): the ranker benchmark suite, see
+  ``attn_common.bench`` and docs/design.md, "Benchmarks". ``attn bench sparse-mla``:
+  the sparse MLA prefill benchmark (ours vs XLA gather + einsum), see
+  ``attn_common.bench_sparse_mla`` and docs/sparse_mla_gpu.md. Off a GPU both run a
+  smoke run only (tiny shapes, not a measurement).
 
 ``--implementation NAME`` pins a backend (default: the dispatch choice, see
 ``attn_common.dispatch``). Arguments are validated by argparse (one-line errors, exit
@@ -30,6 +33,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from importlib import metadata
 from pathlib import Path
@@ -39,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common import bench as _bench
+from attn_common import bench_sparse_mla as _bench_sparse_mla
 from attn_common.bounds import SegmentBounds
 from attn_common.cap import CapMethod, CapParams
 from attn_common.dispatch import (
@@ -504,7 +509,27 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    return 1 if _bench.run(args)["failed"] else 0
+    """``attn bench [ranker|sparse-mla]``: run the suite; 1 when a row failed."""
+    suite = _bench_sparse_mla if args.suite == "sparse-mla" else _bench
+    return 1 if suite.run(args)["failed"] else 0
+
+
+def _bench_suite_first(args: argparse.Namespace) -> str | None:
+    """``attn bench --iterations 5 sparse-mla`` would lose ``--iterations 5`` to the
+    suite's defaults: the suite's flags go after its name. The error, or None."""
+    if not getattr(args, "suite_named", False):
+        return None
+    argv = list(getattr(args, "argv", None) or [])
+    if "bench" not in argv:
+        return None
+    before = argv[argv.index("bench") + 1 :]
+    before = before[: before.index(args.suite)] if args.suite in before else []
+    if before:
+        return (
+            f"got {' '.join(before)} before the suite name {args.suite!r}; put the flags "
+            f"after it: attn bench {args.suite} {' '.join(before)} ..."
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- attn tune
@@ -691,17 +716,62 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
 
+    ranker_description = (
+        "The ranker benchmark suite: our kernel against cuDNN and XLA with the dense mask "
+        "(and FA3 dense on Hopper), in the same run on the same inputs; see "
+        "docs/design.md, 'Benchmarks'. Exit status 1 when any row fails."
+    )
+    sparse_description = (
+        "The sparse MLA prefill benchmark: our kernel (the Hopper one on a Hopper GPU) "
+        "against XLA gather + einsum, flat and ragged paged, H 128/64, cache 8K/32K/128K, "
+        "on the same inputs; TFLOP/s, bytes against the copy ceiling, targets; see "
+        "docs/sparse_mla_gpu.md. Off a GPU: a smoke run with tiny shapes (not a "
+        "measurement) unless --full. Exit status 1 when any row fails."
+    )
     b = sub.add_parser(
         "bench",
-        help="the ranker benchmark suite against cuDNN/XLA (meant for a GPU)",
-        description="The ranker benchmark suite: our kernel against cuDNN and XLA with the "
-        "dense mask (and FA3 dense on Hopper), in the same run on the same inputs; see "
-        "docs/design.md, 'Benchmarks'. Exit status 1 when any row fails.",
+        usage="%(prog)s [ranker] [-h] [flags below]\n"
+        "       %(prog)s sparse-mla [-h] [flags: attn bench sparse-mla --help]",
+        help="benchmark suites against cuDNN/XLA (meant for a GPU): ranker (the default) "
+        "or sparse-mla",
+        description=textwrap.fill(
+            ranker_description.replace(
+                "The ranker benchmark suite",
+                "Benchmark suites. Without a suite name: the ranker suite (= attn bench "
+                "ranker); `attn bench sparse-mla --help` for the sparse MLA prefill "
+                "benchmark. The ranker suite",
+            ),
+            88,
+        ),
         epilog=_bench.suite_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _bench.add_arguments(b)
-    b.set_defaults(func=cmd_bench)
+    suites = b.add_subparsers(
+        dest="suite",
+        metavar="{ranker,sparse-mla}",
+        prog="attn bench",
+        title="suites (optional; the flags of a named suite go after its name)",
+    )
+    ranker = suites.add_parser(
+        "ranker",
+        help="the ranker suite (the default; same flags as above)",
+        description=ranker_description,
+        epilog=_bench.suite_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _bench.add_arguments(ranker)
+    ranker.set_defaults(suite_named=True)
+    sparse = suites.add_parser(
+        "sparse-mla",
+        help="sparse MLA prefill, ours vs XLA gather + einsum (`attn bench sparse-mla --help`)",
+        description=textwrap.fill(sparse_description, 88),
+        epilog=_bench_sparse_mla.epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _bench_sparse_mla.add_arguments(sparse)
+    sparse.set_defaults(suite_named=True)
+    b.set_defaults(func=cmd_bench, suite="ranker", suite_named=False)
 
     t = sub.add_parser(
         "tune",
@@ -762,6 +832,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
         if args.json is not None:
             return _check_json_path(args.json)
     if args.command == "bench":
+        problem = _bench_suite_first(args)
+        if problem:
+            return problem
+        if args.suite == "sparse-mla":
+            return _bench_sparse_mla.check_args(args)
         return _bench.check_args(args)
     if args.command == "tune" and not 0.0 <= args.min_gain < 0.5:
         return f"--min-gain: got {args.min_gain}, expected 0 <= value < 0.5"
@@ -777,6 +852,8 @@ def main(argv: list[str] | None = None) -> int:
         sub = {"run": "attn run", "bench": "attn bench", "tune": "attn tune"}.get(
             args.command, "attn"
         )
+        if args.command == "bench" and args.suite == "sparse-mla":
+            sub = "attn bench sparse-mla"
         print(f"{sub}: error: {problem}", file=sys.stderr)
         return 2
     try:
