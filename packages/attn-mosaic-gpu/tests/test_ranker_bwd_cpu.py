@@ -186,6 +186,16 @@ def test_grad_ring_wraps_d64_tanh():
     _check_grads(q, k, v, bounds, cap=TANH, seed=5)
 
 
+@pytest.mark.slow  # interpret mode, > 15 s on 2 cores
+def test_grad_lone_tiles_owner_wg1_single_step():
+    """Query tiles with one live half, the second (WG1's) with a single KV step, and
+    candidates only; the padding rows' dQ is exactly 0. D=64 (4-slot ring), GQA 2:1,
+    tanh."""
+    q, k, v = _inputs(8, 2, 260, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array([[70, 120, 120, 127], [0, 0, 200, 230]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=TANH, seed=8)
+
+
 @pytest.mark.slow  # interpret mode, ~18 s on 2 cores
 def test_grad_d256_gqa_soft_sign_fp16():
     """D=256 (the dk/dv kernel splits the head dim in two programs), GQA 2:1."""

@@ -187,6 +187,18 @@ def test_grad_edge_bounds_gqa5(head_dim, cap, dtype):
     _check_grads(q, k, v, EDGE_BOUNDS, cap=cap, seed=1)
 
 
+@pytest.mark.parametrize("head_dim,cap", [(128, SS80), (64, TANH5)], ids=["d128", "d64"])
+def test_grad_lone_tiles(head_dim, cap):
+    """Tiles with one live half: the live rows first with an odd step count, second
+    with one step, candidates only; GQA 5:1, LSE z-loss."""
+    bounds = jnp.asarray(
+        [[0, 300, 300, 320], [70, 120, 120, 127], [0, 0, 200, 230], [0, 1090, 1090, 1100]],
+        jnp.int32,
+    )
+    q, k, v = _inputs(2, 4, 1152, 10, 2, head_dim, jnp.bfloat16)
+    _check_grads(q, k, v, bounds, cap=cap, seed=2)
+
+
 @pytest.mark.parametrize(
     "head_dim,cap,tuning",
     [

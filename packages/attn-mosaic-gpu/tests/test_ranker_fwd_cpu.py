@@ -192,6 +192,20 @@ def test_interpret_packed_users(cap):
     _check(q, k, v, bounds, cap=cap, config=KernelConfig(block_q=64, block_kv=64, num_stages=2))
 
 
+@pytest.mark.slow  # interpret mode, ~20 s on 2 cores
+@pytest.mark.parametrize(
+    "config", [SMALL, default_config(64)], ids=["kv64-2stages", "kv128-4stages"]
+)
+def test_interpret_lone_tiles(config):
+    """Tiles with one live half: the live rows first with an odd step count (row 0,
+    tile 1), second with a single step (rows 1 and 2, candidates only in row 2); the
+    idle warpgroup keeps the barrier protocol and its padding rows stay exactly 0 /
+    -inf. GQA 2:1, soft_sign."""
+    q, k, v = _inputs(8, 3, 300, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array([[0, 150, 150, 170], [70, 120, 120, 127], [0, 0, 200, 230]], jnp.int32)
+    _check(q, k, v, bounds, cap=SOFT_SIGN, config=config)
+
+
 def test_packed_users_must_not_overlap():
     q, k, v = _inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
     bounds = jnp.array([[[0, 50, 50, 60], [40, 80, 80, 90]]], jnp.int32)

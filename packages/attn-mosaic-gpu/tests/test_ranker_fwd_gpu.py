@@ -259,6 +259,19 @@ def _packed_bounds(seed, rows, seq, max_users=8):
     return jnp.asarray(bounds, jnp.int32)  # ^ a user with an empty history
 
 
+# Tiles with one live half: the live rows first with an odd step count, second with a
+# single step, candidates only, and a tile with both halves live, at S=1152.
+LONE_BOUNDS = [[0, 300, 300, 320], [70, 120, 120, 127], [0, 0, 200, 230], [0, 1090, 1090, 1100]]
+
+
+@pytest.mark.parametrize("head_dim,cap", [(128, "soft_sign"), (64, "tanh")], ids=["d128", "d64"])
+def test_lone_tiles(head_dim, cap):
+    """The idle warpgroup of a tile with one live half keeps the barrier protocol; its
+    padding rows stay exactly 0 / -inf. GQA 5:1, tuned config."""
+    q, k, v = _inputs(13, 4, 1152, 10, 2, head_dim, jnp.bfloat16, scale=1.5)
+    _check(q, k, v, jnp.asarray(LONE_BOUNDS, jnp.int32), cap=CAPS[cap])
+
+
 @pytest.mark.parametrize(
     "head_dim,cap",
     [(128, "soft_sign"), (128, "tanh"), (64, "none")],

@@ -77,6 +77,7 @@ from attn_common import (
 )
 from attn_common.packed import normalize_ranker_bounds, packed_users
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.ranker_bwd_pipelined import (
     PIPELINED_HEAD_DIMS,
     pipelined_bwd,
@@ -84,7 +85,6 @@ from attn_mosaic_gpu.ranker_bwd_pipelined import (
 )
 from attn_mosaic_gpu.ranker_fwd import (
     MIN_PACKED_USERS,
-    SMEM_LIMIT_BYTES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     _resolve_interpret,
@@ -97,11 +97,6 @@ BWD_BLOCK = 64
 _LOG2E = math.log2(math.e)
 # f32 accumulator registers per thread a single warpgroup may hold (of 255).
 _ACC_REGISTER_LIMIT = 192
-_SMEM_ALIGN = 1024
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def _d_split(head_dim: int) -> int:
@@ -113,11 +108,11 @@ def _d_split(head_dim: int) -> int:
 def _simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
     item = jnp.dtype(dtype).itemsize
     b = BWD_BLOCK
-    tile = _round_up(b * head_dim * item, _SMEM_ALIGN)
-    sq = _round_up(b * b * item, _SMEM_ALIGN)
+    tile = round_up(b * head_dim * item, SMEM_ALIGN)
+    sq = round_up(b * b * item, SMEM_ALIGN)
     vec = 2 * b * 4
     dh = head_dim // _d_split(head_dim)
-    half = _round_up(b * dh * item, _SMEM_ALIGN) if _d_split(head_dim) > 1 else 0
+    half = round_up(b * dh * item, SMEM_ALIGN) if _d_split(head_dim) > 1 else 0
     dq = 4 * tile + half + sq + vec + 8 * 7
     dkv = 4 * tile + 2 * half + 2 * sq + vec + 8 * 8
     return {"dq": dq, "dkv": dkv}
@@ -490,7 +485,7 @@ def ranker_attention_bwd(
             "(pass tuning=None)"
         )
     # the pipelined kernels own 2 x 64 rows per program
-    seq_pad = _round_up(seq, 2 * BWD_BLOCK if pipelined else BWD_BLOCK)
+    seq_pad = round_up(seq, 2 * BWD_BLOCK if pipelined else BWD_BLOCK)
     dout = dout.astype(q.dtype)
     if seq_pad != seq:
         pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))

@@ -84,8 +84,9 @@ from attn_common.packed import (
     ranker_mask_from_query_table,
 )
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._smem import SMEM_ALIGN, round_up
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
-from attn_mosaic_gpu.ranker_fwd import packed_tile_mask
+from attn_mosaic_gpu.ranker_fwd import packed_tile_mask, ranker_tile_mask
 
 __all__ = [
     "PIPELINED_HEAD_DIMS",
@@ -101,11 +102,6 @@ _COMPUTE_WGS = 2
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
 _LOG2E = math.log2(math.e)
-_SMEM_ALIGN = 1024
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def pipelined_stages(head_dim: int) -> int:
@@ -118,8 +114,8 @@ def pipelined_smem_bytes(head_dim: int, dtype, *, interpret: bool = False) -> di
     """Shared memory of the dq and dk/dv kernels (bytes, with alignment slack)."""
     item = jnp.dtype(dtype).itemsize
     stages = pipelined_stages(head_dim)
-    tile = _round_up(BLOCK * head_dim * item, _SMEM_ALIGN)
-    square = _round_up(BLOCK * BLOCK * item, _SMEM_ALIGN)
+    tile = round_up(BLOCK * head_dim * item, SMEM_ALIGN)
+    square = round_up(BLOCK * BLOCK * item, SMEM_ALIGN)
     vec = BLOCK * 4
     fixed = 2 * _COMPUTE_WGS * tile
     streamed = 2 * stages * tile
@@ -326,10 +322,25 @@ def _bounds(bounds_ref, batch):
     return tuple(bounds_ref[batch, i] for i in range(4))
 
 
-def _packed_steps(steps_ref, batch, tile) -> TileSteps:
-    """The tile's row of ``packed_step_list``: its steps, and per compute WG the steps
-    that need no mask. (The mask itself comes from the per-position tables.)"""
-    return TileSteps(lambda i: steps_ref[batch, tile, i], _COMPUTE_WGS)
+def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile_axis, one_user_ranges):
+    """The program's tile: its first row, its steps and, with one user per row, the
+    row's bounds ``(hl, hu, cl, cu)`` (``None`` for packed rows).
+
+    Packed rows read the tile's row of ``packed_step_list`` (its steps, and per compute
+    WG the steps that need no mask; the mask itself comes from the per-position
+    tables); one user per row gets ``one_user_ranges`` (``ranker_kv_block_ranges`` for
+    dq, ``ranker_q_block_ranges`` for dk/dv) of its bounds.
+    """
+    bounds = None
+    if st.users:
+        tile = lax.axis_index(tile_axis)
+        ranges = TileSteps(lambda i: steps_ref[batch, tile, i], _COMPUTE_WGS)
+    else:
+        bounds = _bounds(bounds_ref, batch)
+    tile_start = lax.axis_index(tile_axis) * (_COMPUTE_WGS * BLOCK)
+    if bounds is not None:
+        ranges = one_user_ranges(*bounds, tile_start, tile_start + 2 * BLOCK, BLOCK)
+    return tile_start, ranges, bounds
 
 
 def _load_fixed(srcs, dsts, bars, wg):
@@ -363,13 +374,11 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         q_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
-        if st.users:
-            ranges = _packed_steps(steps_ref, batch, lax.axis_index(_axes.Q_TILES))
-        else:
-            hl, hu, cl, cu = _bounds(bounds_ref, batch)
-        tile_start = lax.axis_index(_axes.Q_TILES) * (_COMPUTE_WGS * b)
-        if not st.users:
-            ranges = ranker_kv_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
+        tile_start, ranges, one_user = _tile_steps(
+            st, bounds_ref, steps_ref, batch, _axes.Q_TILES, ranker_kv_block_ranges
+        )
+        if one_user is not None:
+            hl, hu, cl, cu = one_user
         total_steps = ranges.total_steps
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -408,10 +417,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                             return packed_tile_mask(
                                 ranker_mask_from_query_table, row_keys, kv0, (b, b)
                             )
-                        layout = plgpu.Layout.WGMMA
-                        q_ids = row0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
-                        kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
-                        return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
+                        return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
 
                 operands = (q_smem, k_smem.at[slot], do_smem, v_smem.at[slot])
                 p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
@@ -496,13 +502,11 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         batch = lax.axis_index(_axes.BATCH)
         kv_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
-        if st.users:
-            ranges = _packed_steps(steps_ref, batch, lax.axis_index(_axes.KV_TILES))
-        else:
-            hl, hu, cl, cu = _bounds(bounds_ref, batch)
-        tile_start = lax.axis_index(_axes.KV_TILES) * (_COMPUTE_WGS * b)
-        if not st.users:
-            ranges = ranker_q_block_ranges(hl, hu, cl, cu, tile_start, tile_start + 2 * b, b)
+        tile_start, ranges, one_user = _tile_steps(
+            st, bounds_ref, steps_ref, batch, _axes.KV_TILES, ranker_q_block_ranges
+        )
+        if one_user is not None:
+            hl, hu, cl, cu = one_user
         head_steps = ranges.total_steps  # steps per query head of the group
         total_steps = group * head_steps
 

@@ -104,6 +104,7 @@ from attn_common.packed import (
     ranker_mask_from_query_table,
 )
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
 
 __all__ = [
@@ -117,8 +118,6 @@ __all__ = [
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
-# Opt-in shared memory per block on H100/H200 (sm_90): 227 KiB.
-SMEM_LIMIT_BYTES = 227 * 1024
 # Accumulator registers per thread (f32 S and O tiles) a compute WG may hold; 232 are
 # granted by setmaxnreg, the rest is left for addresses, m, l, P and the mask.
 _ACC_REGISTER_LIMIT = 160
@@ -129,13 +128,8 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
-_SMEM_ALIGN = 1024  # swizzled buffers are 1024-byte aligned
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def default_config(head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
@@ -168,7 +162,7 @@ def smem_bytes(
     if packed:
         lse += _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4
         barriers += 8 * _COMPUTE_WGS
-    return _round_up(qo, _SMEM_ALIGN) + _round_up(kv // 2, _SMEM_ALIGN) * 2 + lse + barriers
+    return round_up(qo, SMEM_ALIGN) + round_up(kv // 2, SMEM_ALIGN) * 2 + lse + barriers
 
 
 def validate_config(
@@ -271,6 +265,14 @@ def packed_tile_mask(mask_from_table, row_entries, offset, shape):
     return mask_from_table(cols, *shifted)
 
 
+def ranker_tile_mask(row0, col0, shape, hl, hu, cl, cu):
+    """The one-user ranker mask of a wgmma tile whose rows are queries ``row0 + i`` and
+    whose columns are keys ``col0 + j`` (the forward and dq kernels)."""
+    q_ids = row0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    kv_ids = col0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
+
+
 def _overlap(lo, hi, seg_lo, seg_hi):
     """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)`` (scalars)."""
     return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
@@ -303,6 +305,32 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
         on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
         return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
+
+    def online_softmax_step(qk, allowed, m_i):
+        """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
+        rescale ``alpha`` of the running sums and the new running max (base 2).
+        ``allowed`` is ``None`` on steps whose block needs no mask."""
+        masked = allowed is not None
+        if st.max_on_raw:
+            # Every cap is increasing, so a row's largest base-2 logit is the logit of
+            # its largest raw score: the max runs on the raw tile, and each exponent
+            # s2 - m is one FMA after the cap's last multiply (the softmax is bound by
+            # instruction issue, not by the MUFU).
+            raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
+            raw_max = raw.max(axis=1)
+            step_max = jnp.where(raw_max > -jnp.inf, scale_and_cap(raw_max), _M_INIT)
+            m_new = jnp.maximum(m_i, step_max)
+            x = scale_and_cap(qk) - lax.broadcast_in_dim(m_new, qk.shape, [0])
+            if masked:
+                x = jnp.where(allowed, x, -jnp.inf)
+        else:
+            s = scale_and_cap(qk)
+            if masked:
+                s = jnp.where(allowed, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
+        alpha = jnp.exp2(m_i - m_new)
+        return softmax_exp2(x), alpha, m_new
 
     def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
         bufs, ready, consumed, schedule = scoped
@@ -416,34 +444,11 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                             ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
                         )
                     else:
-                        q_ids = row0 + plgpu.broadcasted_iota(
-                            jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
-                        )
-                        kv_ids = kv0 + plgpu.broadcasted_iota(
-                            jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
-                        )
-                        allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
-
-                if st.max_on_raw:
-                    # Every cap is increasing, so a row's largest base-2 logit is the
-                    # logit of its largest raw score: the max runs on the raw tile, and
-                    # each exponent s2 - m is one FMA after the cap's last multiply
-                    # (the softmax is bound by instruction issue, not by the MUFU).
-                    raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
-                    raw_max = raw.max(axis=1)
-                    step_max = jnp.where(raw_max > -jnp.inf, scale_and_cap(raw_max), _M_INIT)
-                    m_new = jnp.maximum(m_i, step_max)
-                    x = scale_and_cap(qk) - lax.broadcast_in_dim(m_new, qk.shape, [0])
-                    if masked:
-                        x = jnp.where(allowed, x, -jnp.inf)
+                        allowed = ranker_tile_mask(row0, kv0, (block_q, block_kv), hl, hu, cl, cu)
                 else:
-                    s = scale_and_cap(qk)
-                    if masked:
-                        s = jnp.where(allowed, s, -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
-                alpha = jnp.exp2(m_i - m_new)
-                p = softmax_exp2(x)
+                    allowed = None
+
+                p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha
                 p16 = p.astype(dtype)
@@ -698,7 +703,7 @@ def ranker_attention_fwd(
 
     seq = problem.seq_len
     tile = math.lcm(2 * config.block_q, config.block_kv)
-    seq_pad = _round_up(seq, tile)
+    seq_pad = round_up(seq, tile)
     if seq_pad != seq:
         pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
