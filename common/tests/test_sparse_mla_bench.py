@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +85,36 @@ def test_smoke_run(script, tmp_path):
     md = (tmp_path / "sparse_mla_gpu.md").read_text()
     assert "flat-smoke" in md and "paged-smoke" in md and prov["commit"] in md
     assert "not a measurement" in md
+    svg = (tmp_path / "sparse_mla_gpu.svg").read_text()
+    assert "flat-smoke" in svg and "not a measurement" in svg
+
+
+def test_plot_bars_follow_the_rows(bench, tmp_path):
+    """The SVG: one XLA and one ours bar per case, heights proportional to TFLOP/s on a
+    shared axis, a dashed target line per head count, a failed row without its bar."""
+    rows = [
+        {"case": "flat-h128-t8k", "xla_tflops": 100.0, "ours_tflops": 400.0},
+        {"case": "paged-h64-<t>", "xla_tflops": 50.0, "ours_tflops": None},
+    ]
+    result = {
+        "rows": rows,
+        "device": "NVIDIA H200",
+        "impl": "mosaic-gpu",
+        "provenance": {"commit": "abc1234"},
+        "targets": {"128": {"tflops": 500.0}, "64": {"tflops": 350.0}},
+    }
+    path = tmp_path / "plot.svg"
+    bench.write_plot(result, path)
+    root = ElementTree.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    heights = [float(r.get("height")) for r in root.iter(f"{ns}rect")][:-2]  # less legend
+    assert len(heights) == 3 and heights[1] == pytest.approx(4 * heights[0], rel=1e-2)
+    assert heights[2] == pytest.approx(heights[0] / 2, rel=1e-2)
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    assert "target H=128" in texts and "target H=64" in texts and "400" in texts
+    assert "paged-h64-<t>" in texts and any("abc1234" in (t or "") for t in texts)
+    dashed = [ln for ln in root.iter(f"{ns}line") if ln.get("stroke-dasharray")]
+    assert len(dashed) == 2
 
 
 def test_script_keeps_its_defaults(script, bench):

@@ -64,6 +64,7 @@ import argparse
 import dataclasses
 import fnmatch
 import functools
+import html
 import json
 import math
 import sys
@@ -89,8 +90,12 @@ from attn_common.dispatch import device_class
 from attn_common.sparse_mla import padded_dk
 from attn_common.tables import kv_packing
 
-RESULT_JSON, RESULT_MD = "sparse_mla_gpu.json", "sparse_mla_gpu.md"
-RESULT_FILES = (RESULT_JSON, RESULT_MD)
+RESULT_JSON, RESULT_MD, RESULT_SVG = (
+    "sparse_mla_gpu.json",
+    "sparse_mla_gpu.md",
+    "sparse_mla_gpu.svg",
+)
+RESULT_FILES = (RESULT_JSON, RESULT_MD, RESULT_SVG)
 SM_SCALE = 1.0 / math.sqrt(192.0)
 IMPLS = ("mosaic-gpu", "reference", "none")
 HEAD_GROUP = 64  # heads sharing one read of a key row (bytes estimate)
@@ -544,9 +549,10 @@ def _f(x, fmt: str) -> str:
 
 
 def write_reports(result: dict, out: Path) -> list[Path]:
-    """Write ``sparse_mla_gpu.json`` and ``.md`` into ``out``; the paths written."""
+    """Write ``sparse_mla_gpu.json``, ``.md`` and ``.svg`` into ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / RESULT_JSON, out / RESULT_MD]
+    paths = [out / RESULT_JSON, out / RESULT_MD, out / RESULT_SVG]
+    write_plot(result, paths[2])
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     prov, ceil = result["provenance"], result["ceilings"]
     ceil_text = (
@@ -610,6 +616,82 @@ def write_reports(result: dict, out: Path) -> list[Path]:
         lines += [f"- {case}: `{err}`" for case, err in errors]
     paths[1].write_text("\n".join(lines) + "\n")
     return paths
+
+
+_PLOT_COLORS = {"xla": "#999", "ours": "#1f77b4", 128: "#c00", 64: "#e80"}
+
+
+def write_plot(result: dict, path: Path) -> None:
+    """A plain SVG (no plotting library): per case, XLA's and our TFLOP/s side by side,
+    with the TFLOP/s target of each head count as a dashed line."""
+    rows = result["rows"]
+    width, height, left, right, top, base = 900, 400, 60, 880, 30, 290
+    targets = {int(h): t["tflops"] for h, t in result.get("targets", {}).items()}
+    peak = max(
+        [r.get(k) or 0.0 for r in rows for k in ("xla_tflops", "ours_tflops")]
+        + list(targets.values())
+        + [1.0]
+    )
+    step = 10 ** math.floor(math.log10(peak))
+    step *= 1 if peak / step >= 4 else 0.5 if peak / step >= 2 else 0.25
+    vmax = math.ceil(peak * 1.08 / step) * step
+
+    def y(v: float) -> float:
+        return base - v / vmax * (base - top)
+
+    prov = result["provenance"]
+    title = f"Sparse MLA prefill on {result['device']} (commit {prov.get('commit', 'unknown')})" + (
+        ": smoke run, not a measurement" if result.get("smoke") else ": effective TFLOP/s"
+    )
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13">'
+        f"{html.escape(title)}</text>",
+    ]
+    for i in range(round(vmax / step) + 1):
+        v = i * step
+        out.append(
+            f'<line x1="{left}" x2="{right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>'
+            f'<text x="{left - 5}" y="{y(v) + 4:.1f}" text-anchor="end">{v:g}</text>'
+        )
+    for heads, tflops in sorted(targets.items(), reverse=True):
+        color = _PLOT_COLORS.get(heads, "#c00")
+        out.append(
+            f'<line x1="{left}" x2="{right}" y1="{y(tflops):.1f}" y2="{y(tflops):.1f}" '
+            f'stroke="{color}" stroke-dasharray="4 3"/><text x="{right - 2}" '
+            f'y="{y(tflops) - 3:.1f}" text-anchor="end" fill="{color}">target H={heads}</text>'
+        )
+    slot = (right - left) / max(1, len(rows))
+    bar = slot * 0.36
+    for i, r in enumerate(rows):
+        x0 = left + i * slot + slot * 0.14
+        for j, key in enumerate(("xla", "ours")):
+            v = r.get(f"{key}_tflops")
+            if v is None:
+                continue
+            x = x0 + j * bar
+            out.append(
+                f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bar:.1f}" '
+                f'height="{base - y(v):.1f}" fill="{_PLOT_COLORS[key]}"/>'
+            )
+            if key == "ours":
+                out.append(
+                    f'<text x="{x + bar / 2:.1f}" y="{y(v) - 3:.1f}" '
+                    f'text-anchor="middle">{v:.0f}</text>'
+                )
+        out.append(
+            f'<text transform="translate({x0 + bar:.1f},{base + 12}) rotate(40)" '
+            f'font-size="10">{html.escape(r["case"])}</text>'
+        )
+    for j, (key, label) in enumerate((("xla", "XLA gather + einsum"), ("ours", result["impl"]))):
+        x = left + 10 + j * 180
+        out.append(
+            f'<rect x="{x}" y="{height - 14}" width="10" height="10" fill="{_PLOT_COLORS[key]}"/>'
+            f'<text x="{x + 14}" y="{height - 5}">{html.escape(label)}</text>'
+        )
+    out.append("</svg>")
+    path.write_text("\n".join(out) + "\n")
 
 
 # --------------------------------------------------------------------------- arguments
