@@ -180,7 +180,9 @@ def test_bench_sparse_mla_smoke_off_gpu(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "meant for a Hopper GPU" in out and "not a measurement" in out
     (folder,) = (tmp_path / "attn-results").iterdir()
-    assert sorted(p.name for p in folder.iterdir()) == ["sparse_mla_gpu.json", "sparse_mla_gpu.md"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "sparse_mla_gpu.json", "sparse_mla_gpu.md", "sparse_mla_gpu.svg"
+    ]  # fmt: skip
     result = json.loads((folder / "sparse_mla_gpu.json").read_text())
     assert result["smoke"] and result["impl"] == "reference" and result["failed"] == 0
     assert [r["case"] for r in result["rows"]] == ["flat-smoke", "paged-smoke"]
