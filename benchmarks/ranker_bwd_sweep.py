@@ -4,10 +4,13 @@ For each suite case given (docs/design.md#benchmarks; default: phoenix, long, ra
 times the dq and dk/dv kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separately
 (CUPTI, median of iterations) for each variant of the knobs ``fold`` (folded cap
 constants, derivative from the same terms), ``overlap`` (P computed while dP's wgmma
-runs; dS while dV's runs) and ``num_stages`` (ring depth). Inputs: random bf16 q, k, v,
-dO; the LSE from our forward kernel, so the probabilities are the real ones.
+runs; dS while dV's runs), ``num_stages`` (ring depth) and ``dq_pipeline`` (dq issues
+the next step's S and dP before this step's dQ; its ring gets at least 3 slots). Inputs:
+random bf16 q, k, v, dO; the LSE from our forward kernel, so the probabilities are the
+real ones.
 
     python benchmarks/ranker_bwd_sweep.py --out docs/results
+    python benchmarks/ranker_bwd_sweep.py --cases phoenix --variants '*overlap*'
 
 Writes ``ranker_bwd_sweep.json`` and ``.md``.
 """
@@ -18,6 +21,7 @@ import argparse
 import json
 import math
 import statistics
+from fnmatch import fnmatch
 from pathlib import Path
 
 import jax
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 
 from attn_common import ranker_case, ranker_flops
 from attn_common.bench import provenance
-from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_stages
+from attn_mosaic_gpu.ranker_bwd_pipelined import dq_slots, pipelined_bwd, pipelined_stages
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
 from attn_mosaic_gpu.tuning import lookup
 
@@ -35,7 +39,16 @@ VARIANTS = {
     "fold, 2 stages": {"fold": True, "overlap": False, "num_stages": 2},
     "fold + overlap, 3 stages": {"fold": True, "overlap": True, "num_stages": 3},
     "fold + overlap, 2 stages": {"fold": True, "overlap": True, "num_stages": 2},
-}
+    "fold + overlap + dq pipeline, 2 stages": {
+        "fold": True, "overlap": True, "num_stages": 2, "dq_pipeline": True,
+    },
+    "fold + overlap + dq pipeline, 4 stages": {
+        "fold": True, "overlap": True, "num_stages": 4, "dq_pipeline": True,
+    },
+    "fold + dq pipeline, 2 stages": {
+        "fold": True, "overlap": False, "num_stages": 2, "dq_pipeline": True,
+    },
+}  # fmt: skip
 KERNELS = ("dq", "dk/dv")  # launch order of pipelined_bwd
 
 
@@ -52,7 +65,7 @@ def kernel_ms(fn, *args, iterations):
     return {label: statistics.median(v) for label, v in by_kernel.items()}
 
 
-def run_case(name, iterations):
+def run_case(name, iterations, patterns=None):
     case = ranker_case(name)
     b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
     assert s % 128 == 0, s
@@ -74,6 +87,8 @@ def run_case(name, iterations):
     rows = []
     tuned = lookup(head_dim=d, dtype=q.dtype, cap=case.cap, seq_len=s).backward.knobs()
     variants = {**VARIANTS, "tuned table (default)": {"num_stages": pipelined_stages(d), **tuned}}
+    if patterns:
+        variants = {k: t for k, t in variants.items() if any(fnmatch(k, p) for p in patterns)}
     for label, tuning in variants.items():
 
         def bwd(q, k, v, do, lse2, delta, bounds, tuning=tuning):
@@ -88,6 +103,7 @@ def run_case(name, iterations):
             "case": name,
             "variant": label,
             "num_stages": tuning["num_stages"],
+            "dq_slots": dq_slots(tuning["num_stages"], tuning.get("dq_pipeline", False)),
             "knobs": tuning,
             "kernels_ms": times,
             "total_ms": total,
@@ -104,11 +120,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--cases", nargs="*", default=["phoenix", "long", "ragged"])
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument(
+        "--variants", nargs="*", default=None, help="globs of variant names (default: all)"
+    )
     args = parser.parse_args()
     print(f"defaults: fold and overlap on; stages {pipelined_stages(128)} (D=128)")
     rows = []
     for name in args.cases:
-        rows += run_case(name, args.iterations)
+        rows += run_case(name, args.iterations, args.variants)
     args.out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0].device_kind
     (args.out / "ranker_bwd_sweep.json").write_text(
@@ -123,13 +142,13 @@ def main() -> None:
         "kernel; backward only (no forward, no XLA delta); effective TFLOP/s = 2.5 x "
         "forward FLOPs over allowed pairs / kernel time.",
         "",
-        "| case | variant | stages | kernels (ms) | total (ms) | bwd TFLOP/s |",
+        "| case | variant | stages (dq) | kernels (ms) | total (ms) | bwd TFLOP/s |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         parts = "; ".join(f"{n}: {t:.3f}" for n, t in r["kernels_ms"].items())
         lines.append(
-            f"| {r['case']} | {r['variant']} | {r['num_stages']} | {parts} | "
+            f"| {r['case']} | {r['variant']} | {r['num_stages']} ({r['dq_slots']}) | {parts} | "
             f"{r['total_ms']:.3f} | {r['bwd_effective_tflops']:.0f} |"
         )
     (args.out / "ranker_bwd_sweep.md").write_text("\n".join(lines) + "\n")

@@ -29,6 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
 from attn_mosaic_gpu import ranker_attention
 from attn_mosaic_gpu.ranker_bwd import SMEM_LIMIT_BYTES, bwd_smem_bytes, validate_bwd
+from attn_mosaic_gpu.tuning import BackwardTuning
 from attn_reference.ranker import ranker_attention as reference
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
@@ -85,13 +86,13 @@ def _check_max_abs(name, g, r, tol):
     )
 
 
-def _check_grads(q, k, v, bounds, *, cap=None, use_lse=True, seed=0):
+def _check_grads(q, k, v, bounds, *, cap=None, use_lse=True, seed=0, tuning=None):
     w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
 
     def kernel_loss(q, k, v):
         return _loss(
             ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse,
-            config=SMALL, interpret=INTERPRET,
+            config=SMALL, interpret=INTERPRET, backward_tuning=tuning,
         )  # fmt: skip
 
     try:
@@ -196,6 +197,65 @@ def test_grad_lone_tiles_owner_wg1_single_step():
     _check_grads(q, k, v, bounds, cap=TANH, seed=8)
 
 
+@pytest.mark.slow  # interpret mode, ~40 s on 2 cores
+@pytest.mark.parametrize(
+    "head_dim,seq,bounds,cap,tuning",
+    [
+        # one-step tiles, tiles with one live half, a zero-step tile (rows 128..255 of
+        # batch row 1 see no key), GQA 2:1; the 4-slot ring of D=64
+        (64, 260, [[70, 120, 120, 127], [0, 0, 200, 230]], TANH, BackwardTuning(dq_pipeline=True)),
+        # D=128: num_stages 2 gives the pipelined dq 3 slots; 10 steps per tile with
+        # unmasked history steps between masked ones; an all-padding row (no steps)
+        (128, 700, [[0, 600, 600, 690], [0, 0, 0, 0]], SOFT_SIGN,
+         BackwardTuning(num_stages=2, dq_pipeline=True, overlap=False)),
+    ],
+    ids=["d64-lone-tiles", "d128-unmasked-steps-empty-row"],
+)  # fmt: skip
+def test_grad_dq_pipeline(head_dim, seq, bounds, cap, tuning):
+    """``dq_pipeline`` (dQ of step i applied after step i+1's S and dP, its ring slot
+    released one step late): gradients against the reference, exact zeros, no race."""
+    q, k, v = _inputs(9, 2, seq, 4, 2, head_dim, jnp.bfloat16)
+    _check_grads(q, k, v, jnp.array(bounds, jnp.int32), cap=cap, seed=9, tuning=tuning)
+
+
+@pytest.mark.parametrize(
+    "name,bounds_shape,tuning",
+    [
+        ("phoenix", (64, 4), {"dq_pipeline": True}),
+        ("phoenix-packed", (64, 8, 4), {"dq_pipeline": True, "num_stages": 3}),
+        ("small-d64", (128, 4), {"dq_pipeline": True, "overlap": False}),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_cross_lowering_dq_pipeline_cuda(name, bounds_shape, tuning):
+    """The GPU path of ``dq_pipeline`` (S, dP and dQ accumulators carried in flight
+    across the step loop inside one run_state) lowers to three Mosaic GPU kernels, and
+    the knob reaches the dq kernel (the module differs from the default one's)."""
+    _, batch, seq, q_heads, kv_heads, head_dim, cap, dtype = next(
+        s for s in LOWERING_SHAPES if s[0] == name.removesuffix("-packed")
+    )
+
+    def lowered(backward_tuning):
+        def loss(q, k, v, bounds):
+            out, lse = ranker_attention(
+                q, k, v, bounds, cap=cap, return_lse=True, backward_tuning=backward_tuning
+            )
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return jax.export.export(grad, platforms=["cuda"])(
+            _sds(batch, seq, q_heads, head_dim, dtype=dtype),
+            _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+            _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+            _sds(*bounds_shape, dtype=jnp.int32),
+        ).mlir_module()
+
+    text = lowered(BackwardTuning(**tuning))
+    assert _mosaic_gpu_calls(text) == 3
+    off = {**tuning, "dq_pipeline": False}
+    assert text != lowered(BackwardTuning(**off))
+
+
 @pytest.mark.slow  # interpret mode, ~18 s on 2 cores
 def test_grad_d256_gqa_soft_sign_fp16():
     """D=256 (the dk/dv kernel splits the head dim in two programs), GQA 2:1."""
@@ -269,8 +329,8 @@ def test_backward_rejects_head_dim():
 
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_schedule_knobs_do_not_change_results():
-    """Ring depth and the overlap knob change the schedule only: bitwise-equal gradients
-    (interpret mode). The folded cap changes rounding only."""
+    """Ring depth, the overlap knob and dq_pipeline change the schedule only:
+    bitwise-equal gradients (interpret mode). The folded cap changes rounding only."""
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
 
     q, k, v = _inputs(6, 1, 384, 2, 1, 128, jnp.bfloat16)
@@ -294,7 +354,12 @@ def test_schedule_knobs_do_not_change_results():
         return [np.asarray(g.astype(jnp.float32)) for g in got]
 
     base = run(num_stages=2)
-    for tuning in ({"num_stages": 3}, {"num_stages": 2, "overlap": False}):
+    for tuning in (
+        {"num_stages": 3},
+        {"num_stages": 2, "overlap": False},
+        {"num_stages": 2, "dq_pipeline": True},  # the dq ring gets 3 slots
+        {"num_stages": 4, "dq_pipeline": True, "overlap": False},
+    ):
         for name, a, b in zip(("dq", "dk", "dv"), base, run(**tuning), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {tuning}")
     for name, a, b in zip(("dq", "dk", "dv"), base, run(num_stages=2, fold=False), strict=True):

@@ -20,7 +20,8 @@ error. An explicit ``config=`` always wins over the tables for the forward.
 iterations): the forward's tiling, then how many key columns of each score tile compute
 ``exp2`` and soft_sign's reciprocal on the FMA pipe instead of the MUFU
 (``attn_mosaic_gpu.fastmath``); then the same two knobs and the ring depth of the
-backward kernels, timed on the backward alone. A knob value is kept only when it beats
+backward kernels and whether dq pipelines its steps (``dq_pipeline``), timed on the
+backward alone. A knob value is kept only when it beats
 the incumbent by more than ``min_gain`` (1%), so noise cannot pick a variant.
 """
 
@@ -64,6 +65,7 @@ class BackwardTuning:
     overlap: bool = True
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
+    dq_pipeline: bool = False
 
     def knobs(self) -> dict:
         """The overrides ``ranker_bwd_pipelined.pipelined_bwd(tuning=...)`` takes."""
@@ -337,10 +339,14 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
             progress(f"  {case.name} backward {knobs}: {ms} ms (fwd+bwd {total})")
             return ms
 
-        bstart = {"num_stages": pipelined_stages(d), "exp2_fma_cols": 0, "rcp_fma_cols": 0}
+        bstart = {
+            "num_stages": pipelined_stages(d), "exp2_fma_cols": 0, "rcp_fma_cols": 0,
+            "dq_pipeline": False,
+        }  # fmt: skip
         baxes = [("exp2_fma_cols", [0, 16, 32, 48, 64])]
         if soft_sign:
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
+        baxes.append(("dq_pipeline", [False, True]))
         baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
         backward, backward_ms = _descend(bstart, baxes, time_backward, min_gain, bwd_log)
     entry = {
