@@ -446,12 +446,17 @@ PACKED = jnp.array(
 
 
 @pytest.mark.slow  # interpret mode, > 30 s on 2 cores
-@pytest.mark.parametrize("head_dim, cap", [(64, SOFT_SIGN), (128, None)], ids=["d64-ss", "d128"])
-def test_grad_packed_users(head_dim, cap):
+@pytest.mark.parametrize(
+    "head_dim, cap, tuning",
+    [(64, SOFT_SIGN, None), (128, None, None), (128, SOFT_SIGN, BackwardTuning(dq_pipeline=True))],
+    ids=["d64-ss", "d128", "d128-ss-dq-pipeline"],
+)
+def test_grad_packed_users(head_dim, cap, tuning):
     """Packed rows [B, U, 4] through the forward and both backward kernels: users
     sharing blocks, unaligned boundaries, an empty-history user, gaps, an unused slot,
     padding at the end; GQA 2:1; LSE z-loss. Gradients against the reference's
-    autodiff, exact zeros where nothing is allowed."""
+    autodiff, exact zeros where nothing is allowed. Also with ``dq_pipeline`` (the
+    packed rows' per-WG unmasked steps)."""
     from attn_common.packed import ranker_mask_packed
 
     q, k, v = _inputs(8, 2, 256, 4, 2, head_dim, jnp.bfloat16)
@@ -459,8 +464,9 @@ def test_grad_packed_users(head_dim, cap):
 
     def kernel_loss(q, k, v):
         return _loss(
-            ranker_attention, q, k, v, PACKED, w, cap=cap, use_lse=True, interpret=INTERPRET
-        )
+            ranker_attention, q, k, v, PACKED, w, cap=cap, use_lse=True, interpret=INTERPRET,
+            backward_tuning=tuning,
+        )  # fmt: skip
 
     try:
         got = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))(q, k, v)
