@@ -148,7 +148,7 @@ def test_ranker_attention_reads_the_table(user_table):
 
 def _cost_model(fn, args, *, stage, knobs):
     """Synthetic ms: best forward at block_kv=128, exp2 64, rcp 64; best backward at
-    exp2 32, 2 stages, dq pipelined. Never runs ``fn``."""
+    exp2 32, 2 stages; dq_pipeline would be faster but is not swept. Never runs ``fn``."""
     del fn, args
     if stage == "forward":
         return (
@@ -158,7 +158,7 @@ def _cost_model(fn, args, *, stage, knobs):
             + (0.0 if knobs["block_kv"] == 128 else 0.3)
         )
     fwd = 2.0
-    unpipelined = 0.0 if knobs["dq_pipeline"] else 0.3
+    unpipelined = 0.0 if knobs.get("dq_pipeline") else 0.3
     return (
         fwd
         + 5.0
@@ -175,12 +175,10 @@ def test_tune_descends_to_the_modelled_best():
     assert entry["forward"] == {
         "block_q": 64, "block_kv": 128, "num_stages": 2, "exp2_fma_cols": 64, "rcp_fma_cols": 64
     }  # fmt: skip
-    assert entry["backward"] == {
-        "num_stages": 2, "exp2_fma_cols": 32, "rcp_fma_cols": 0, "dq_pipeline": True
-    }  # fmt: skip
+    assert entry["backward"] == {"num_stages": 2, "exp2_fma_cols": 32, "rcp_fma_cols": 0}
     assert entry["seq_bucket"] == 2048 and entry["cap"] == "soft_sign"
     assert np.isclose(entry["forward_ms"], 2.0)
-    assert np.isclose(entry["backward_ms"], 5.0)
+    assert np.isclose(entry["backward_ms"], 5.3)
     assert len(table["trials"][0]["forward"]) >= 8  # every trial is recorded
     tuning._parse_entry(entry)
 

@@ -20,8 +20,7 @@ error. An explicit ``config=`` always wins over the tables for the forward.
 iterations): the forward's tiling, then how many key columns of each score tile compute
 ``exp2`` and soft_sign's reciprocal on the FMA pipe instead of the MUFU
 (``attn_mosaic_gpu.fastmath``); then the same two knobs and the ring depth of the
-backward kernels and whether dq pipelines its steps (``dq_pipeline``), timed on the
-backward alone. A knob value is kept only when it beats
+backward kernels, timed on the backward alone. A knob value is kept only when it beats
 the incumbent by more than ``min_gain`` (1%), so noise cannot pick a variant.
 """
 
@@ -339,14 +338,12 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
             progress(f"  {case.name} backward {knobs}: {ms} ms (fwd+bwd {total})")
             return ms
 
-        bstart = {
-            "num_stages": pipelined_stages(d), "exp2_fma_cols": 0, "rcp_fma_cols": 0,
-            "dq_pipeline": False,
-        }  # fmt: skip
+        bstart = {"num_stages": pipelined_stages(d), "exp2_fma_cols": 0, "rcp_fma_cols": 0}
         baxes = [("exp2_fma_cols", [0, 16, 32, 48, 64])]
         if soft_sign:
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
-        baxes.append(("dq_pipeline", [False, True]))
+        # dq_pipeline is not swept: the sweep times variants without checking their
+        # results, and the pipelined dq has not run on a GPU yet (docs/ranker_gpu.md).
         baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
         backward, backward_ms = _descend(bstart, baxes, time_backward, min_gain, bwd_log)
     entry = {
