@@ -218,6 +218,45 @@ def test_grad_dq_pipeline(head_dim, seq, bounds, cap, tuning):
     _check_grads(q, k, v, jnp.array(bounds, jnp.int32), cap=cap, seed=9, tuning=tuning)
 
 
+@pytest.mark.slow  # interpret mode, ~25 s on 2 cores
+@pytest.mark.parametrize(
+    "use_lse,tuning",
+    [
+        (True, BackwardTuning(fuse_delta=True)),
+        (False, BackwardTuning(fuse_delta=True, dq_pipeline=True)),
+    ],
+    ids=["lse", "out-only-dq-pipeline"],
+)
+def test_grad_fuse_delta(use_lse, tuning):
+    """``fuse_delta``: dq reduces ``rowsum(dO * O)`` itself (O padded like the inputs,
+    S=200 unaligned) and hands delta' to dk/dv; with and without the LSE cotangent."""
+    q, k, v = _inputs(10, 2, 200, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array([[0, 100, 100, 150], [10, 37, 37, 190]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=TANH, use_lse=use_lse, seed=10, tuning=tuning)
+
+
+def test_cross_lowering_fuse_delta_cuda():
+    """With ``fuse_delta`` the XLA reduction of delta' (one dot_general) is gone: the
+    gradient is three Mosaic GPU kernels and no other contraction."""
+
+    def dots(backward_tuning):
+        def loss(q, k, v, bounds):
+            out, lse = ranker_attention(
+                q, k, v, bounds, cap=SOFT_SIGN, return_lse=True, backward_tuning=backward_tuning
+            )
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+        text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(
+            _sds(64, 1152, 20, 128), _sds(64, 1152, 4, 128), _sds(64, 1152, 4, 128),
+            _sds(64, 4, dtype=jnp.int32),
+        ).mlir_module()  # fmt: skip
+        assert _mosaic_gpu_calls(text) == 3
+        return len(re.findall(r"stablehlo\.dot_general", text))
+
+    assert dots(None) == 1
+    assert dots(BackwardTuning(fuse_delta=True)) == 0
+
+
 @pytest.mark.parametrize(
     "name,bounds_shape,tuning",
     [
@@ -330,7 +369,8 @@ def test_backward_rejects_head_dim():
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_schedule_knobs_do_not_change_results():
     """Ring depth, the overlap knob and dq_pipeline change the schedule only:
-    bitwise-equal gradients (interpret mode). The folded cap changes rounding only."""
+    bitwise-equal gradients (interpret mode); so does fuse_delta here (the interpreter's
+    row sum of dO * O is XLA's). The folded cap changes rounding only."""
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
 
     q, k, v = _inputs(6, 1, 384, 2, 1, 128, jnp.bfloat16)
@@ -339,7 +379,8 @@ def test_schedule_knobs_do_not_change_results():
     out, lse = reference(
         *(x.astype(jnp.float32) for x in (q, k, v)), bounds, cap=SOFT_SIGN, return_lse=True
     )
-    delta = jnp.einsum("bshd,bshd->bhs", out, do.astype(jnp.float32))
+    out = out.astype(q.dtype)  # as the forward kernel returns it
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     lse2 = jnp.where(jnp.isfinite(lse), lse * np.log2(np.e), jnp.inf)
     fields = dict(
         batch=1, seq_pad=384, q_heads=2, kv_heads=1, head_dim=128,
@@ -347,9 +388,11 @@ def test_schedule_knobs_do_not_change_results():
     )  # fmt: skip
 
     def run(**tuning):
+        fused = tuning.get("fuse_delta", False)  # then dq reduces delta' from O itself
         got = pipelined_bwd(
-            q, k, v, do, lse2, delta, bounds, st_fields=fields, interpret=INTERPRET, tuning=tuning
-        )
+            q, k, v, do, lse2, jnp.zeros_like(delta) if fused else delta, bounds,
+            st_fields=fields, interpret=INTERPRET, tuning=tuning, out=out if fused else None,
+        )  # fmt: skip
         assert not get_races().races_found
         return [np.asarray(g.astype(jnp.float32)) for g in got]
 
@@ -359,6 +402,7 @@ def test_schedule_knobs_do_not_change_results():
         {"num_stages": 2, "overlap": False},
         {"num_stages": 2, "dq_pipeline": True},  # the dq ring gets 3 slots
         {"num_stages": 4, "dq_pipeline": True, "overlap": False},
+        {"num_stages": 2, "fuse_delta": True},  # interpret mode: the same f32 reduction
     ):
         for name, a, b in zip(("dq", "dk", "dv"), base, run(**tuning), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {tuning}")

@@ -217,6 +217,8 @@ def test_backward_tuning_knobs_are_checked():
         check_backward_knobs({"stages": 2}, TANH)
     with pytest.raises(ValueError, match="dq_pipeline"):
         check_backward_knobs({"dq_pipeline": 1}, TANH)
+    with pytest.raises(ValueError, match="fuse_delta"):
+        check_backward_knobs({"fuse_delta": "yes"}, TANH)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_backward_knobs(tuning.BackwardTuning(exp2_fma_cols=64).knobs(), TANH)

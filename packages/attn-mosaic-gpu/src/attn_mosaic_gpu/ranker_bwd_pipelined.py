@@ -29,6 +29,11 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   Step i's ring slot is then released during step i+1, so the dq ring gets at least 3
   slots. The dQ wgmmas keep their order: dQ is bitwise the unpipelined schedule's.
 
+  Knob ``fuse_delta`` (off by default until measured): dq computes ``delta' =
+  rowsum(dO * O) - dLSE'`` for its rows (dO from its buffer, O read once from global
+  memory) instead of taking it precomputed, and writes it out for dk/dv, which replaces
+  the XLA reduction that otherwise runs between the forward and the backward kernels.
+
   After the last step it writes its f32 accumulators (scaled) into its fixed buffers
   (Q / K, V are dead by then) and TMA-stores them. The mask
   (``attn_common.ranker_mask`` on the tile iotas) is skipped on the steps
@@ -174,6 +179,10 @@ class _Static:
     #   unchanged). Step i's ring slot is then released one step later, so the dq ring
     #   gets at least 3 slots (dq_slots).
     dq_pipeline: bool = False
+    # fuse_delta: dq computes delta' = rowsum(dO * O) - dLSE' for its rows (from O and the
+    #   LSE cotangent term instead of the precomputed delta') and writes it out for dk/dv,
+    #   replacing the XLA reduction between the forward and the backward kernels.
+    fuse_delta: bool = False
     # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
     xla_fold_guard: bool = False
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
@@ -181,7 +190,9 @@ class _Static:
     users: int = 0
 
 
-_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_pipeline")
+_KNOBS = (
+    "num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_pipeline", "fuse_delta",
+)  # fmt: skip
 
 
 def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
@@ -205,7 +216,7 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
             )
     if knobs.get("rcp_fma_cols", 0) and cap.method is not CapMethod.SOFT_SIGN:
         raise ValueError("backward tuning rcp_fma_cols: needs a soft_sign cap (else 0)")
-    for name in ("fold", "overlap", "dq_pipeline"):
+    for name in ("fold", "overlap", "dq_pipeline", "fuse_delta"):
         if not isinstance(knobs.get(name, False), bool):
             raise ValueError(f"backward tuning {name}: got {knobs[name]!r}, expected a bool")
 
@@ -377,6 +388,16 @@ def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile_axis, one_user_r
     return tile_start, ranges, bounds
 
 
+def _row_delta(do_smem, o_gmem, in_place: bool):
+    """``rowsum(dO * O)`` in f32 for a WG's 64 rows, in the wgmma row layout: dO from its
+    shared buffer, O straight from global memory (it is read once)."""
+    layout = plgpu.Layout.WGMMA
+    # (the interpreter reads global memory as a plain array)
+    o = plgpu.load(o_gmem, layout=layout, optimized=False) if in_place else o_gmem[...]
+    do = plgpu.load(do_smem, layout=layout)
+    return (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(axis=1)
+
+
 def _load_fixed(srcs, dsts, bars, wg):
     """TMA-load a WG's fixed operands, each on its own barrier, then wait for all."""
     for src, dst, bar in zip(srcs, dsts, bars, strict=True):
@@ -528,8 +549,10 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
-        scoped,
+        scoped, o_ref=None, delta_out_ref=None,
     ):  # fmt: skip
+        # fuse_delta: delta_ref holds the LSE cotangent term dLSE' (delta' = rowsum(dO *
+        # O) - dLSE'), o_ref the forward output, and delta' goes out to delta_out_ref.
         bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs
         batch = lax.axis_index(_axes.BATCH)
@@ -560,6 +583,9 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                 row_keys = _row_entries(keys_smem2.at[wg], PACKED_QUERY_FIELDS)
             lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            if st.fuse_delta:
+                delta = _row_delta(do_smem, o_ref.at[rows], in_place) - delta
+                delta_out_ref.at[vec][...] = delta
             if st.users:
                 full_lo, full_hi = ranges.full_steps(wg)
             else:
@@ -625,10 +651,15 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             _ring_loads(num_slots, total_steps, issue, consumed)
 
     def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step list and the query key
-        # table for packed rows), then dQ.
+        # Inputs q, k, v, dO, lse2, delta' (dLSE' with fuse_delta), bounds (+ O with
+        # fuse_delta; + the step list and the query key table for packed rows), then dQ
+        # (+ delta' with fuse_delta).
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
+        rest, fused = refs[7:], {}
+        if st.fuse_delta:
+            fused = {"o_ref": rest[0], "delta_out_ref": refs[-1]}
+            rest, refs = rest[1:], refs[:-1]
+        steps_ref, keys_ref = rest[:2] if st.users else (None, None)
         dq_ref = refs[-1]
         t = _transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
@@ -651,6 +682,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                 keys_ref,
                 dq_ref,
                 args,
+                **fused,
             ),
             [own, own, own_vec, own_vec, ring, ring, staging, keys],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (5 if st.users else 4),
@@ -820,6 +852,7 @@ def pipelined_bwd(
     interpret,
     tuning: dict | None = None,
     users: int = 0,
+    out=None,
 ):
     """Run both kernels on padded inputs (``S`` a multiple of 128).
 
@@ -828,8 +861,10 @@ def pipelined_bwd(
     packed ``[B, U, 4]`` normalized with ``users = U >= 2``.
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
     ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``,
-    ``exp2_fma_cols``, ``rcp_fma_cols``, ``dq_pipeline`` (``BackwardTuning``; ``None``
-    keeps the defaults).
+    ``exp2_fma_cols``, ``rcp_fma_cols``, ``dq_pipeline``, ``fuse_delta``
+    (``BackwardTuning``; ``None`` keeps the defaults). With ``fuse_delta``, ``delta`` is
+    the LSE cotangent term ``dLSE'`` (zeros without one) and ``out [B,S,Hq,D]`` the
+    padded forward output: dq computes ``delta' = rowsum(dO * O) - dLSE'`` itself.
     """
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
     check_backward_knobs(knobs, st_fields["cap"])
@@ -844,11 +879,13 @@ def pipelined_bwd(
                 f"memory, more than the {SMEM_LIMIT_BYTES} available per block on sm_90"
             )
     st = _Static(**st_fields, **knobs, xla_fold_guard=interpret is not None, users=users)
-    return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
+    if st.fuse_delta != (out is not None):
+        raise ValueError("fuse_delta: pass the forward output `out` (and dLSE' as `delta`)")
+    return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out, st=st, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
+def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out=None, *, st: _Static, interpret):
     in_place = interpret is None
     tiles = st.seq_pad // (_COMPUTE_WGS * BLOCK)
     common = dict(
@@ -859,6 +896,8 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
     )
     dq_in = [q, k, v, do, lse2, delta, bounds]
     dkv_in = list(dq_in)
+    if st.fuse_delta:  # delta is dLSE' here; dq gets O and returns delta' for dk/dv
+        dq_in.append(out)
     if st.users:  # packed rows: the visit-once runs and unmasked steps, per tile
         table = functools.partial(
             packed_step_list, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
@@ -866,13 +905,18 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
         )  # fmt: skip
         dq_in += [table(), packed_query_table(bounds, st.seq_pad)]
         dkv_in += [table(keys=True), packed_key_table(bounds, st.seq_pad)]
+    dq_out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if st.fuse_delta:
+        dq_out = [dq_out, jax.ShapeDtypeStruct(lse2.shape, jnp.float32)]
     dq = plgpu.kernel(
         _build_dq_kernel(st, q.dtype, in_place=in_place),
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=dq_out,
         grid=(st.q_heads, tiles, st.batch),
         grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
         **common,
     )(*dq_in)
+    if st.fuse_delta:
+        dq, dkv_in[5] = dq
     dk, dv = plgpu.kernel(
         _build_dkv_kernel(st, q.dtype, in_place=in_place),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],

@@ -65,6 +65,7 @@ class BackwardTuning:
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
     dq_pipeline: bool = False
+    fuse_delta: bool = False
 
     def knobs(self) -> dict:
         """The overrides ``ranker_bwd_pipelined.pipelined_bwd(tuning=...)`` takes."""
@@ -342,8 +343,8 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
         baxes = [("exp2_fma_cols", [0, 16, 32, 48, 64])]
         if soft_sign:
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
-        # dq_pipeline is not swept: the sweep times variants without checking their
-        # results, and the pipelined dq has not run on a GPU yet (docs/ranker_gpu.md).
+        # dq_pipeline and fuse_delta are not swept: the sweep times variants without
+        # checking their results, and neither has run on a GPU yet (docs/ranker_gpu.md).
         baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
         backward, backward_ms = _descend(bstart, baxes, time_backward, min_gain, bwd_log)
     entry = {
