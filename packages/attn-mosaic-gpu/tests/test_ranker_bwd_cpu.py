@@ -197,35 +197,14 @@ def test_grad_lone_tiles_owner_wg1_single_step():
     _check_grads(q, k, v, bounds, cap=TANH, seed=8)
 
 
-@pytest.mark.slow  # interpret mode, ~40 s on 2 cores
-@pytest.mark.parametrize(
-    "head_dim,seq,bounds,cap,tuning",
-    [
-        # one-step tiles, tiles with one live half, a zero-step tile (rows 128..255 of
-        # batch row 1 see no key), GQA 2:1; the 4-slot ring of D=64
-        (64, 260, [[70, 120, 120, 127], [0, 0, 200, 230]], TANH, BackwardTuning(dq_pipeline=True)),
-        # D=128: num_stages 2 gives the pipelined dq 3 slots; 10 steps per tile with
-        # unmasked history steps between masked ones; an all-padding row (no steps)
-        (128, 700, [[0, 600, 600, 690], [0, 0, 0, 0]], SOFT_SIGN,
-         BackwardTuning(num_stages=2, dq_pipeline=True, overlap=False)),
-    ],
-    ids=["d64-lone-tiles", "d128-unmasked-steps-empty-row"],
-)  # fmt: skip
-def test_grad_dq_pipeline(head_dim, seq, bounds, cap, tuning):
-    """``dq_pipeline`` (dQ of step i applied after step i+1's S and dP, its ring slot
-    released one step late): gradients against the reference, exact zeros, no race."""
-    q, k, v = _inputs(9, 2, seq, 4, 2, head_dim, jnp.bfloat16)
-    _check_grads(q, k, v, jnp.array(bounds, jnp.int32), cap=cap, seed=9, tuning=tuning)
-
-
 @pytest.mark.slow  # interpret mode, ~25 s on 2 cores
 @pytest.mark.parametrize(
     "use_lse,tuning",
     [
         (True, BackwardTuning(fuse_delta=True)),
-        (False, BackwardTuning(fuse_delta=True, dq_pipeline=True)),
+        (False, BackwardTuning(fuse_delta=True, num_stages=3, overlap=False)),
     ],
-    ids=["lse", "out-only-dq-pipeline"],
+    ids=["lse", "out-only-3-stages"],
 )
 def test_grad_fuse_delta(use_lse, tuning):
     """``fuse_delta``: dq reduces ``rowsum(dO * O)`` itself (O padded like the inputs,
@@ -255,44 +234,6 @@ def test_cross_lowering_fuse_delta_cuda():
 
     assert dots(None) == 1
     assert dots(BackwardTuning(fuse_delta=True)) == 0
-
-
-@pytest.mark.parametrize(
-    "name,bounds_shape,tuning",
-    [
-        ("phoenix", (64, 4), {"dq_pipeline": True}),
-        ("phoenix-packed", (64, 8, 4), {"dq_pipeline": True, "num_stages": 3}),
-        ("small-d64", (128, 4), {"dq_pipeline": True, "overlap": False}),
-    ],
-    ids=lambda x: x if isinstance(x, str) else None,
-)
-def test_cross_lowering_dq_pipeline_cuda(name, bounds_shape, tuning):
-    """The GPU path of ``dq_pipeline`` (S, dP and dQ accumulators carried in flight
-    across the step loop inside one run_state) lowers to three Mosaic GPU kernels, and
-    the knob reaches the dq kernel (the module differs from the default one's)."""
-    _, batch, seq, q_heads, kv_heads, head_dim, cap, dtype = next(
-        s for s in LOWERING_SHAPES if s[0] == name.removesuffix("-packed")
-    )
-
-    def lowered(backward_tuning):
-        def loss(q, k, v, bounds):
-            out, lse = ranker_attention(
-                q, k, v, bounds, cap=cap, return_lse=True, backward_tuning=backward_tuning
-            )
-            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
-
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        return jax.export.export(grad, platforms=["cuda"])(
-            _sds(batch, seq, q_heads, head_dim, dtype=dtype),
-            _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
-            _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
-            _sds(*bounds_shape, dtype=jnp.int32),
-        ).mlir_module()
-
-    text = lowered(BackwardTuning(**tuning))
-    assert _mosaic_gpu_calls(text) == 3
-    off = {**tuning, "dq_pipeline": False}
-    assert text != lowered(BackwardTuning(**off))
 
 
 @pytest.mark.slow  # interpret mode, ~18 s on 2 cores
@@ -368,7 +309,7 @@ def test_backward_rejects_head_dim():
 
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_schedule_knobs_do_not_change_results():
-    """Ring depth, the overlap knob and dq_pipeline change the schedule only:
+    """Ring depth and the overlap knob change the schedule only:
     bitwise-equal gradients (interpret mode); so does fuse_delta here (the interpreter's
     row sum of dO * O is XLA's). The folded cap changes rounding only."""
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
@@ -400,8 +341,7 @@ def test_schedule_knobs_do_not_change_results():
     for tuning in (
         {"num_stages": 3},
         {"num_stages": 2, "overlap": False},
-        {"num_stages": 2, "dq_pipeline": True},  # the dq ring gets 3 slots
-        {"num_stages": 4, "dq_pipeline": True, "overlap": False},
+        {"num_stages": 4, "overlap": False},
         {"num_stages": 2, "fuse_delta": True},  # interpret mode: the same f32 reduction
     ):
         for name, a, b in zip(("dq", "dk", "dv"), base, run(**tuning), strict=True):
@@ -492,15 +432,15 @@ PACKED = jnp.array(
 @pytest.mark.slow  # interpret mode, > 30 s on 2 cores
 @pytest.mark.parametrize(
     "head_dim, cap, tuning",
-    [(64, SOFT_SIGN, None), (128, None, None), (128, SOFT_SIGN, BackwardTuning(dq_pipeline=True))],
-    ids=["d64-ss", "d128", "d128-ss-dq-pipeline"],
+    [(64, SOFT_SIGN, None), (128, None, None), (128, SOFT_SIGN, BackwardTuning(fuse_delta=True))],
+    ids=["d64-ss", "d128", "d128-ss-fuse-delta"],
 )
 def test_grad_packed_users(head_dim, cap, tuning):
     """Packed rows [B, U, 4] through the forward and both backward kernels: users
     sharing blocks, unaligned boundaries, an empty-history user, gaps, an unused slot,
     padding at the end; GQA 2:1; LSE z-loss. Gradients against the reference's
-    autodiff, exact zeros where nothing is allowed. Also with ``dq_pipeline`` (the
-    packed rows' per-WG unmasked steps)."""
+    autodiff, exact zeros where nothing is allowed. Also with ``fuse_delta`` (O and
+    delta' next to the packed rows' step lists)."""
     from attn_common.packed import ranker_mask_packed
 
     q, k, v = _inputs(8, 2, 256, 4, 2, head_dim, jnp.bfloat16)

@@ -219,50 +219,10 @@ def test_grad_fma_split_knobs(head_dim, cap, tuning):
     _check_grads(q, k, v, EDGE_BOUNDS, cap=cap, seed=3, backward_tuning=tuning, config=config)
 
 
-DQ_PIPELINE_CASES = [
-    ("phoenix-ss80", 128, SS80, "suite", BackwardTuning(dq_pipeline=True)),
-    ("edge-tanh5-s4", 128, TANH5, "edge", BackwardTuning(num_stages=4, dq_pipeline=True)),
-    ("edge-d64-none", 64, NONE, "edge", BackwardTuning(dq_pipeline=True, overlap=False)),
-    ("lone-d64-tanh5", 64, TANH5, "lone", BackwardTuning(dq_pipeline=True, exp2_fma_cols=32)),
-    ("packed-ss80", 128, SS80, "packed", BackwardTuning(dq_pipeline=True)),
-]
-
-
-@pytest.mark.parametrize(
-    "head_dim,cap,layout,tuning", [c[1:] for c in DQ_PIPELINE_CASES],
-    ids=[c[0] for c in DQ_PIPELINE_CASES],
-)  # fmt: skip
-def test_grad_dq_pipeline(head_dim, cap, layout, tuning):
-    """dq with the next step's S and dP issued before this step's dQ (``dq_pipeline``):
-    the same gradients, bit for bit, as the unpipelined schedule with the same other
-    knobs (the dQ wgmmas run in the same order), and against the reference; GQA 5:1,
-    LSE z-loss; the suite's bounds, the edge bounds (empty segments, padding rows, one-
-    and zero-step tiles), tiles with one live half, packed rows."""
-    seq = 1152
-    bounds = {
-        "suite": _suite_bounds("phoenix", 4, seq),
-        "edge": EDGE_BOUNDS,
-        "lone": jnp.asarray(
-            [[0, 300, 300, 320], [70, 120, 120, 127], [0, 0, 200, 230], [0, 1090, 1090, 1100]],
-            jnp.int32,
-        ),
-        "packed": _packed_bounds(15, 4, seq) if layout == "packed" else None,
-    }[layout]
-    batch = bounds.shape[0]
-    q, k, v = _inputs(17, batch, seq, 10, 2, head_dim, jnp.bfloat16)
-    _check_grads(q, k, v, bounds, cap=cap, seed=17, backward_tuning=tuning)
-    w = jnp.asarray(np.random.default_rng(117).standard_normal(q.shape), jnp.float32)
-    unpipelined = dataclasses.replace(tuning, dq_pipeline=False)
-    got = _kernel_grad(cap, True, backward_tuning=tuning)(q, k, v, bounds, w)
-    want = _kernel_grad(cap, True, backward_tuning=unpipelined)(q, k, v, bounds, w)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
-        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
-
-
 FUSE_DELTA_CASES = [
     ("phoenix-ss80", 128, SS80, "suite", True, BackwardTuning(fuse_delta=True)),
     ("edge-tanh5-out-only", 128, TANH5, "edge", False, BackwardTuning(fuse_delta=True)),
-    ("edge-d64-pipe", 64, NONE, "edge", True, BackwardTuning(fuse_delta=True, dq_pipeline=True)),
+    ("edge-d64-s4", 64, NONE, "edge", True, BackwardTuning(fuse_delta=True, overlap=False)),
     ("packed-ss80", 128, SS80, "packed", True, BackwardTuning(fuse_delta=True)),
 ]
 

@@ -148,7 +148,7 @@ def test_ranker_attention_reads_the_table(user_table):
 
 def _cost_model(fn, args, *, stage, knobs):
     """Synthetic ms: best forward at block_kv=128, exp2 64, rcp 64; best backward at
-    exp2 32, 2 stages; dq_pipeline would be faster but is not swept. Never runs ``fn``."""
+    exp2 32, 2 stages; fuse_delta would be faster but is not swept. Never runs ``fn``."""
     del fn, args
     if stage == "forward":
         return (
@@ -158,13 +158,13 @@ def _cost_model(fn, args, *, stage, knobs):
             + (0.0 if knobs["block_kv"] == 128 else 0.3)
         )
     fwd = 2.0
-    unpipelined = 0.0 if knobs.get("dq_pipeline") else 0.3
+    unfused = 0.0 if knobs.get("fuse_delta") else 0.3
     return (
         fwd
         + 5.0
         + abs(knobs["exp2_fma_cols"] - 32) / 50
         + (knobs["num_stages"] - 2) * 0.2
-        + unpipelined
+        + unfused
     )
 
 
@@ -215,31 +215,26 @@ def test_backward_tuning_knobs_are_checked():
         check_backward_knobs({"rcp_fma_cols": 32}, TANH)
     with pytest.raises(ValueError, match="unknown"):
         check_backward_knobs({"stages": 2}, TANH)
-    with pytest.raises(ValueError, match="dq_pipeline"):
-        check_backward_knobs({"dq_pipeline": 1}, TANH)
     with pytest.raises(ValueError, match="fuse_delta"):
         check_backward_knobs({"fuse_delta": "yes"}, TANH)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_backward_knobs(tuning.BackwardTuning(exp2_fma_cols=64).knobs(), TANH)
-        check_backward_knobs(tuning.BackwardTuning(dq_pipeline=True).knobs(), TANH)
+        check_backward_knobs(tuning.BackwardTuning(fuse_delta=True).knobs(), TANH)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_pipeline_ring_fits(head_dim):
-    """The pipelined dq ring has at least 3 slots and, at every ring depth the sweep
-    tries, both kernels fit the shared memory of a block."""
+def test_backward_rings_fit(head_dim):
+    """At every ring depth the sweep tries, both backward kernels fit the shared
+    memory of a block, and a deeper ring needs more of it."""
     from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES
-    from attn_mosaic_gpu.ranker_bwd_pipelined import dq_slots, pipelined_smem_bytes
+    from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_smem_bytes
 
-    assert [dq_slots(n, True) for n in (2, 3, 4)] == [3, 3, 4]
-    assert [dq_slots(n, False) for n in (2, 3, 4)] == [2, 3, 4]
-    for stages in (2, 3, 4):
-        plain = pipelined_smem_bytes(head_dim, jnp.bfloat16, num_stages=stages)
-        piped = pipelined_smem_bytes(head_dim, jnp.bfloat16, num_stages=stages, dq_pipeline=True)
-        assert piped["dkv"] == plain["dkv"]
-        assert (piped["dq"] > plain["dq"]) == (stages == 2)
-        assert max(piped.values()) <= SMEM_LIMIT_BYTES
+    sizes = [pipelined_smem_bytes(head_dim, jnp.bfloat16, num_stages=n) for n in (2, 3, 4)]
+    for kernel in ("dq", "dkv"):
+        assert sizes[0][kernel] < sizes[1][kernel] < sizes[2][kernel]
+    sweep = sizes[:2] if head_dim > 64 else sizes[::2]
+    assert max(max(size.values()) for size in sweep) <= SMEM_LIMIT_BYTES
 
 
 def test_attn_tune_writes_and_merges_the_user_table(user_table, monkeypatch, capsys):

@@ -23,12 +23,6 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   ring has 2 slots for D=128 and 4 for D=64. ``benchmarks/ranker_bwd_sweep.py`` measures
   the knobs (``docs/results/ranker_bwd_sweep.md``).
 
-  Across steps (dq, knob ``dq_pipeline``, off by default until measured): step i+1's
-  ``S`` and ``dP`` wgmmas are issued before step i's ``dQ += dS K``, so the softmax of
-  step i+1 runs while dQ_i is still in flight (``_dq_pipelined_steps`` lists the waits).
-  Step i's ring slot is then released during step i+1, so the dq ring gets at least 3
-  slots. The dQ wgmmas keep their order: dQ is bitwise the unpipelined schedule's.
-
   Knob ``fuse_delta`` (off by default until measured): dq computes ``delta' =
   rowsum(dO * O) - dLSE'`` for its rows (dO from its buffer, O read once from global
   memory) instead of taking it precomputed, and writes it out for dk/dv, which replaces
@@ -113,6 +107,10 @@ _COMPUTE_WGS = 2
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
 _LOG2E = math.log2(math.e)
+# CUDA kernel names (as ``<name>_mosaic_gpu``): profiles tell the two kernels apart by
+# name, not by launch order, which XLA may swap (dq and dk/dv are independent).
+DQ_KERNEL = "ranker_bwd_dq"
+DKV_KERNEL = "ranker_bwd_dkv"
 
 
 def pipelined_stages(head_dim: int) -> int:
@@ -127,13 +125,11 @@ def pipelined_smem_bytes(
     *,
     interpret: bool = False,
     num_stages: int | None = None,
-    dq_pipeline: bool = False,
 ) -> dict[str, int]:
     """Shared memory of the dq and dk/dv kernels (bytes, with alignment slack);
     ``num_stages=None`` is the default ring depth of ``head_dim``."""
     item = jnp.dtype(dtype).itemsize
     stages = pipelined_stages(head_dim) if num_stages is None else num_stages
-    dq_stages = dq_slots(stages, dq_pipeline)
     tile = round_up(BLOCK * head_dim * item, SMEM_ALIGN)
     square = round_up(BLOCK * BLOCK * item, SMEM_ALIGN)
     vec = BLOCK * 4
@@ -146,9 +142,9 @@ def pipelined_smem_bytes(
     # Counted for every call: the packed rows' per-WG table (3 or 5 int32 per row).
     dq_table = _COMPUTE_WGS * PACKED_QUERY_FIELDS * vec
     dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * vec
-    dq = fixed + 2 * _COMPUTE_WGS * vec + dq_table + 2 * dq_stages * tile + staging
+    dq = fixed + 2 * _COMPUTE_WGS * vec + dq_table + 2 * stages * tile + staging
     dkv = fixed + 2 * stages * tile + 2 * stages * vec + dkv_table + 2 * staging
-    return {"dq": dq + barriers(dq_stages), "dkv": dkv + barriers(stages)}
+    return {"dq": dq + barriers(stages), "dkv": dkv + barriers(stages)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,11 +170,6 @@ class _Static:
     #   fastmath), the rest on the MUFU; multiples of 8, 0..64.
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
-    # dq_pipeline: dq issues step i+1's S and dP wgmmas before step i's dQ wgmma, so the
-    #   softmax of step i+1 runs while dQ_i is still in flight (the dk/dv kernel is
-    #   unchanged). Step i's ring slot is then released one step later, so the dq ring
-    #   gets at least 3 slots (dq_slots).
-    dq_pipeline: bool = False
     # fuse_delta: dq computes delta' = rowsum(dO * O) - dLSE' for its rows (from O and the
     #   LSE cotangent term instead of the precomputed delta') and writes it out for dk/dv,
     #   replacing the XLA reduction between the forward and the backward kernels.
@@ -191,7 +182,7 @@ class _Static:
 
 
 _KNOBS = (
-    "num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_pipeline", "fuse_delta",
+    "num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "fuse_delta",
 )  # fmt: skip
 
 
@@ -216,15 +207,9 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
             )
     if knobs.get("rcp_fma_cols", 0) and cap.method is not CapMethod.SOFT_SIGN:
         raise ValueError("backward tuning rcp_fma_cols: needs a soft_sign cap (else 0)")
-    for name in ("fold", "overlap", "dq_pipeline", "fuse_delta"):
+    for name in ("fold", "overlap", "fuse_delta"):
         if not isinstance(knobs.get(name, False), bool):
             raise ValueError(f"backward tuning {name}: got {knobs[name]!r}, expected a bool")
-
-
-def dq_slots(num_stages: int, dq_pipeline: bool) -> int:
-    """Ring slots of the dq kernel: ``num_stages``, at least 3 with ``dq_pipeline`` (a
-    slot is released one step late, and the next step's K/V must already be resident)."""
-    return max(num_stages, 3) if dq_pipeline else num_stages
 
 
 def _transforms():
@@ -274,16 +259,13 @@ def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int)
         allowed = None if mask_fn is None else mask_fn()
         raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if st.overlap else 0)
         p, dcap = _softmax_terms(raw, lse2, allowed, st, q_axis)
-        return p, _grad_factor(dp_ref[...], delta, dcap, q_axis)
+        factor = dp_ref[...] - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
+        if dcap is not None:
+            factor = factor * dcap
+        return p, factor
 
     acc = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
     return pl.run_scoped(body, acc, acc)
-
-
-def _grad_factor(dp, delta, dcap, q_axis: int):
-    """``(dP - delta') * cap'`` (``dcap=None``: no cap), so that ``dS = P * factor``."""
-    factor = dp - lax.broadcast_in_dim(delta, dp.shape, [q_axis])
-    return factor if dcap is None else factor * dcap
 
 
 def _accumulate(accs, lhs, rhs_smem, staging, in_place: bool):
@@ -414,137 +396,9 @@ def _row_entries(table_smem, fields: int):
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _DqSmem:
-    """A dq compute WG's shared buffers: its fixed Q and dO, the K and V rings, and (in
-    interpret mode) its dS staging buffer."""
-
-    q: object
-    do: object
-    k: object
-    v: object
-    staging: tuple | None
-
-
-def _dq_pipelined_steps(
-    dq0, smem: _DqSmem, lse2, delta, steps, slot_of, wait_ready, mask_at, consumed,
-    st: _Static, dtype, in_place: bool,
-):  # fmt: skip
-    """The dq steps with ``dq_pipeline``: step i+1's ``S`` and ``dP`` wgmmas are issued
-    before step i's ``dQ += dS K``, so the softmax of step i+1 runs while dQ_i is in
-    flight. Per step i (GPU), with S_i, dP_i, dQ_{i-1} in flight, oldest first:
-
-    1. build the mask, wait for S_i (``wait_group 2``), P and cap' on the CUDA cores;
-       wait for dP_i (``wait_group 1``), dS_i;
-    2. wait for dQ_{i-1} (``wait_group 0``) and release its ring slot (it read K_{i-1});
-    3. (not on the last step) wait for step i+1's K and V, issue S_{i+1} and dP_{i+1}
-       into zeroed accumulators;
-    4. issue dQ_i with dS_i from registers.
-
-    So that every step waits the same way, the prologue issues S_0 and dP_0 and then a
-    dQ_{-1} of zeros (``dQ += 0 K_0``, exact, one extra wgmma per program); the last step
-    is peeled (it issues nothing ahead), and after it dQ is awaited and the last slot
-    released. No wgmma is issued under a data-dependent branch inside the pipeline (the
-    accumulators in flight cross only the loops' back edges): a program with no step
-    skips the whole pipeline. ``steps`` is ``(full_lo, full_hi, total)``: steps in
-    ``[full_lo, full_hi)`` need no mask (the peeled last step always takes it). The dQ
-    wgmmas keep the step order, so dQ is bitwise the unpipelined schedule's.
-
-    Interpret mode (no run_state, no register-A wgmma) keeps the order of the barrier
-    waits and arrivals and of the ring reads: step i computes S_i and dP_i from its slot,
-    then adds the deferred dQ_{i-1} (staging dS through shared memory), releases slot
-    i-1 and waits for step i+1's slot.
-    """
-    full_lo, full_hi, total = steps
-    last = total - 1
-    lo = jnp.clip(full_lo, 0, last)
-    hi = jnp.clip(full_hi, lo, last)
-    wait_s = 1 if st.overlap else 0
-
-    def phases(step, carry):
-        """Steps ``[0, last)`` in three mask phases, then the peeled last step."""
-        for begin, end, masked in ((0, lo, True), (lo, hi, False), (hi, last, True)):
-            carry = lax.fori_loop(begin, end, functools.partial(step, masked=masked), carry)
-        return step(last, carry, masked=True, ahead=False)
-
-    def release_previous(i):
-        @pl.when(i > 0)
-        def _release():
-            plgpu.barrier_arrive(consumed.at[slot_of(i - 1)])
-
-    def previous_slot(i):  # dQ_{-1} (zeros) reads slot 0
-        return slot_of(jnp.maximum(i - 1, 0))
-
-    if in_place:
-        zero = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        zero_ds = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), 0.0, dtype), plgpu.Layout.WGMMA)
-
-        def pipeline(dq0):
-            def body(refs):
-                dq_ref, s_ref, dp_ref = refs
-
-                def issue_scores(i):
-                    slot = slot_of(i)
-                    wait_ready(slot)
-                    s_ref[...] = zero
-                    dp_ref[...] = zero
-                    plgpu.wgmma(s_ref, smem.q, smem.k.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dp_ref, smem.do, smem.v.at[slot].transpose((1, 0)))
-
-                def step(i, carry, *, masked, ahead=True):
-                    mask_fn = mask_at(i, masked)
-                    allowed = None if mask_fn is None else mask_fn()
-                    raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=wait_s + 1)
-                    p, dcap = _softmax_terms(raw, lse2, allowed, st, 0)
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
-                    ds = (p * _grad_factor(dp, delta, dcap, 0)).astype(dtype)
-                    plgpu.wgmma_wait(0)  # dQ_{i-1} has read K_{i-1}
-                    release_previous(i)
-                    if ahead:
-                        issue_scores(i + 1)
-                    plgpu.wgmma(dq_ref, ds, smem.k.at[slot_of(i)])
-                    return carry
-
-                issue_scores(0)
-                plgpu.wgmma(dq_ref, zero_ds, smem.k.at[slot_of(0)])  # dQ_{-1}
-                phases(step, ())
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[slot_of(last)])
-
-            acc = plgpu.ACC.init
-            dq, _, _ = pl.run_state(body)((acc(dq0), acc(zero), acc(zero)))
-            return dq
-
-        return lax.cond(total > 0, pipeline, lambda dq0: dq0, dq0)
-
-    def step(i, carry, *, masked, ahead=True):
-        dq, ds_previous = carry
-        slot = slot_of(i)
-        operands = (smem.q, smem.k.at[slot], smem.do, smem.v.at[slot])
-        p, factor = _p_and_grad_factor(operands, lse2, delta, mask_at(i, masked), st, 0)
-        ds = (p * factor).astype(dtype)
-        (dq,) = _accumulate(
-            (dq,), (ds_previous,), (smem.k.at[previous_slot(i)],), smem.staging, in_place
-        )
-        release_previous(i)
-        if ahead:
-            wait_ready(slot_of(i + 1))
-        return dq, ds
-
-    def pipeline_interpret(dq0):
-        wait_ready(slot_of(0))
-        ds0 = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), 0.0, dtype), plgpu.Layout.WGMMA)
-        dq, ds_last = phases(step, (dq0, ds0))
-        (dq,) = _accumulate((dq,), (ds_last,), (smem.k.at[slot_of(last)],), smem.staging, False)
-        plgpu.barrier_arrive(consumed.at[slot_of(last)])
-        return dq
-
-    return lax.cond(total > 0, pipeline_interpret, lambda dq0: dq0, dq0)
-
-
 def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
-    num_slots = dq_slots(st.num_stages, st.dq_pipeline)
+    num_slots = st.num_stages
     group = st.q_heads // st.kv_heads
 
     def kernel(
@@ -626,14 +480,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             dq0 = plgpu.layout_cast(
                 jnp.full((b, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
             )
-            if st.dq_pipeline:
-                smem = _DqSmem(q_smem, do_smem, k_smem, v_smem, staging)
-                dq = _dq_pipelined_steps(
-                    dq0, smem, lse2, delta, (full_lo, full_hi, total_steps), slot_of,
-                    wait_ready, mask_at, consumed, st, dtype, in_place,
-                )  # fmt: skip
-            else:
-                dq = _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+            dq = _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
             q_smem[...] = (dq * st.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -861,17 +708,14 @@ def pipelined_bwd(
     packed ``[B, U, 4]`` normalized with ``users = U >= 2``.
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
     ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``,
-    ``exp2_fma_cols``, ``rcp_fma_cols``, ``dq_pipeline``, ``fuse_delta``
+    ``exp2_fma_cols``, ``rcp_fma_cols``, ``fuse_delta``
     (``BackwardTuning``; ``None`` keeps the defaults). With ``fuse_delta``, ``delta`` is
     the LSE cotangent term ``dLSE'`` (zeros without one) and ``out [B,S,Hq,D]`` the
     padded forward output: dq computes ``delta' = rowsum(dO * O) - dLSE'`` itself.
     """
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
     check_backward_knobs(knobs, st_fields["cap"])
-    need = pipelined_smem_bytes(
-        st_fields["head_dim"], q.dtype, num_stages=knobs["num_stages"],
-        dq_pipeline=knobs.get("dq_pipeline", False),
-    )  # fmt: skip
+    need = pipelined_smem_bytes(st_fields["head_dim"], q.dtype, num_stages=knobs["num_stages"])
     for kernel, size in need.items():
         if size > SMEM_LIMIT_BYTES:
             raise ValueError(
@@ -913,6 +757,7 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out=None, *, st: _Static, i
         out_type=dq_out,
         grid=(st.q_heads, tiles, st.batch),
         grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
+        kernel_name=DQ_KERNEL,
         **common,
     )(*dq_in)
     if st.fuse_delta:
@@ -922,6 +767,7 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out=None, *, st: _Static, i
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, tiles, st.batch),
         grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
+        kernel_name=DKV_KERNEL,
         **common,
     )(*dkv_in)
     return dq, dk, dv
