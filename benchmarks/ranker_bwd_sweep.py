@@ -4,10 +4,8 @@ For each suite case given (docs/design.md#benchmarks; default: phoenix, long, ra
 times the dq and dk/dv kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separately
 (CUPTI, median of iterations) for each variant of the knobs ``fold`` (folded cap
 constants, derivative from the same terms), ``overlap`` (P computed while dP's wgmma
-runs; dS while dV's runs), ``num_stages`` (ring depth) and ``fuse_delta`` (dq reduces ``delta' = rowsum(dO * O)`` itself: its rows include that
-work, while the other rows get delta' precomputed and leave out the XLA reduction it
-replaces, ~0.18 ms on phoenix). Inputs: random bf16 q, k, v, dO; the output and LSE from
-our forward kernel, so the probabilities are the real ones.
+runs; dS while dV's runs) and ``num_stages`` (ring depth). Inputs: random bf16 q, k, v,
+dO; the LSE from our forward kernel, so the probabilities are the real ones.
 
     python benchmarks/ranker_bwd_sweep.py --out docs/results
     python benchmarks/ranker_bwd_sweep.py --cases phoenix --variants '*overlap*'
@@ -44,10 +42,7 @@ VARIANTS = {
     "fold, 2 stages": {"fold": True, "overlap": False, "num_stages": 2},
     "fold + overlap, 3 stages": {"fold": True, "overlap": True, "num_stages": 3},
     "fold + overlap, 2 stages": {"fold": True, "overlap": True, "num_stages": 2},
-    "fold + overlap + fused delta, 2 stages": {
-        "fold": True, "overlap": True, "num_stages": 2, "fuse_delta": True,
-    },
-}  # fmt: skip
+}
 KERNELS = {DQ_KERNEL: "dq", DKV_KERNEL: "dk/dv"}
 
 
@@ -87,7 +82,6 @@ def run_case(name, iterations, patterns=None):
     sm_scale = 1.0 / math.sqrt(d)
     out, lse = ranker_attention_fwd(q, k, v, bounds, cap=case.cap, return_lse=True)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-    no_dlse = jnp.zeros_like(delta)
     lse2 = jnp.where(jnp.isfinite(lse), lse * math.log2(math.e), jnp.inf)
     fields = dict(
         batch=b, seq_pad=s, q_heads=hq, kv_heads=hkv, head_dim=d, sm_scale=sm_scale, cap=case.cap
@@ -99,18 +93,14 @@ def run_case(name, iterations, patterns=None):
     if patterns:
         variants = {k: t for k, t in variants.items() if any(fnmatch(k, p) for p in patterns)}
     for label, tuning in variants.items():
-        fused = tuning.get("fuse_delta", False)
 
-        def bwd(q, k, v, do, lse2, delta, bounds, out, tuning=tuning, fused=fused):
+        def bwd(q, k, v, do, lse2, delta, bounds, tuning=tuning):
             return pipelined_bwd(
-                q, k, v, do, lse2, delta, bounds, st_fields=fields, interpret=None,
-                tuning=tuning, out=out if fused else None,
-            )  # fmt: skip
+                q, k, v, do, lse2, delta, bounds, st_fields=fields, interpret=None, tuning=tuning
+            )
 
         fn = jax.jit(bwd)
-        # fused: delta' comes from dq, which takes the (zero) LSE cotangent term instead
-        args = (q, k, v, do, lse2, no_dlse if fused else delta, bounds, out)
-        times = kernel_ms(fn, *args, iterations=iterations)
+        times = kernel_ms(fn, q, k, v, do, lse2, delta, bounds, iterations=iterations)
         total = sum(times.values())
         row = {
             "case": name,
@@ -151,9 +141,8 @@ def main() -> None:
         f"# Ranker backward kernels by schedule knob ({device}, jax {jax.__version__})",
         "",
         "`python benchmarks/ranker_bwd_sweep.py --out docs/results`: CUPTI median per "
-        "kernel; backward only (no forward; no XLA delta, except inside the fused-delta rows' "
-        "dq); effective TFLOP/s = 2.5 x "
-        "forward FLOPs over allowed pairs / kernel time.",
+        "kernel, kernels told apart by name; backward only (no forward, no XLA delta); "
+        "effective TFLOP/s = 2.5 x forward FLOPs over allowed pairs / kernel time.",
         "",
         "| case | variant | stages | kernels (ms) | total (ms) | bwd TFLOP/s |",
         "|---|---|---|---|---|---|",

@@ -29,7 +29,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
 from attn_mosaic_gpu import ranker_attention
 from attn_mosaic_gpu.ranker_bwd import SMEM_LIMIT_BYTES, bwd_smem_bytes, validate_bwd
-from attn_mosaic_gpu.tuning import BackwardTuning
 from attn_reference.ranker import ranker_attention as reference
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
@@ -86,13 +85,13 @@ def _check_max_abs(name, g, r, tol):
     )
 
 
-def _check_grads(q, k, v, bounds, *, cap=None, use_lse=True, seed=0, tuning=None):
+def _check_grads(q, k, v, bounds, *, cap=None, use_lse=True, seed=0):
     w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
 
     def kernel_loss(q, k, v):
         return _loss(
             ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse,
-            config=SMALL, interpret=INTERPRET, backward_tuning=tuning,
+            config=SMALL, interpret=INTERPRET,
         )  # fmt: skip
 
     try:
@@ -197,45 +196,6 @@ def test_grad_lone_tiles_owner_wg1_single_step():
     _check_grads(q, k, v, bounds, cap=TANH, seed=8)
 
 
-@pytest.mark.slow  # interpret mode, ~25 s on 2 cores
-@pytest.mark.parametrize(
-    "use_lse,tuning",
-    [
-        (True, BackwardTuning(fuse_delta=True)),
-        (False, BackwardTuning(fuse_delta=True, num_stages=3, overlap=False)),
-    ],
-    ids=["lse", "out-only-3-stages"],
-)
-def test_grad_fuse_delta(use_lse, tuning):
-    """``fuse_delta``: dq reduces ``rowsum(dO * O)`` itself (O padded like the inputs,
-    S=200 unaligned) and hands delta' to dk/dv; with and without the LSE cotangent."""
-    q, k, v = _inputs(10, 2, 200, 4, 2, 64, jnp.bfloat16)
-    bounds = jnp.array([[0, 100, 100, 150], [10, 37, 37, 190]], jnp.int32)
-    _check_grads(q, k, v, bounds, cap=TANH, use_lse=use_lse, seed=10, tuning=tuning)
-
-
-def test_cross_lowering_fuse_delta_cuda():
-    """With ``fuse_delta`` the XLA reduction of delta' (one dot_general) is gone: the
-    gradient is three Mosaic GPU kernels and no other contraction."""
-
-    def dots(backward_tuning):
-        def loss(q, k, v, bounds):
-            out, lse = ranker_attention(
-                q, k, v, bounds, cap=SOFT_SIGN, return_lse=True, backward_tuning=backward_tuning
-            )
-            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
-
-        text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"])(
-            _sds(64, 1152, 20, 128), _sds(64, 1152, 4, 128), _sds(64, 1152, 4, 128),
-            _sds(64, 4, dtype=jnp.int32),
-        ).mlir_module()  # fmt: skip
-        assert _mosaic_gpu_calls(text) == 3
-        return len(re.findall(r"stablehlo\.dot_general", text))
-
-    assert dots(None) == 1
-    assert dots(BackwardTuning(fuse_delta=True)) == 0
-
-
 @pytest.mark.slow  # interpret mode, ~18 s on 2 cores
 def test_grad_d256_gqa_soft_sign_fp16():
     """D=256 (the dk/dv kernel splits the head dim in two programs), GQA 2:1."""
@@ -309,9 +269,8 @@ def test_backward_rejects_head_dim():
 
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_schedule_knobs_do_not_change_results():
-    """Ring depth and the overlap knob change the schedule only:
-    bitwise-equal gradients (interpret mode); so does fuse_delta here (the interpreter's
-    row sum of dO * O is XLA's). The folded cap changes rounding only."""
+    """Ring depth and the overlap knob change the schedule only: bitwise-equal gradients
+    (interpret mode). The folded cap changes rounding only."""
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
 
     q, k, v = _inputs(6, 1, 384, 2, 1, 128, jnp.bfloat16)
@@ -320,8 +279,7 @@ def test_schedule_knobs_do_not_change_results():
     out, lse = reference(
         *(x.astype(jnp.float32) for x in (q, k, v)), bounds, cap=SOFT_SIGN, return_lse=True
     )
-    out = out.astype(q.dtype)  # as the forward kernel returns it
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    delta = jnp.einsum("bshd,bshd->bhs", out, do.astype(jnp.float32))
     lse2 = jnp.where(jnp.isfinite(lse), lse * np.log2(np.e), jnp.inf)
     fields = dict(
         batch=1, seq_pad=384, q_heads=2, kv_heads=1, head_dim=128,
@@ -329,21 +287,14 @@ def test_schedule_knobs_do_not_change_results():
     )  # fmt: skip
 
     def run(**tuning):
-        fused = tuning.get("fuse_delta", False)  # then dq reduces delta' from O itself
         got = pipelined_bwd(
-            q, k, v, do, lse2, jnp.zeros_like(delta) if fused else delta, bounds,
-            st_fields=fields, interpret=INTERPRET, tuning=tuning, out=out if fused else None,
-        )  # fmt: skip
+            q, k, v, do, lse2, delta, bounds, st_fields=fields, interpret=INTERPRET, tuning=tuning
+        )
         assert not get_races().races_found
         return [np.asarray(g.astype(jnp.float32)) for g in got]
 
     base = run(num_stages=2)
-    for tuning in (
-        {"num_stages": 3},
-        {"num_stages": 2, "overlap": False},
-        {"num_stages": 4, "overlap": False},
-        {"num_stages": 2, "fuse_delta": True},  # interpret mode: the same f32 reduction
-    ):
+    for tuning in ({"num_stages": 3}, {"num_stages": 2, "overlap": False}):
         for name, a, b in zip(("dq", "dk", "dv"), base, run(**tuning), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {tuning}")
     for name, a, b in zip(("dq", "dk", "dv"), base, run(num_stages=2, fold=False), strict=True):
@@ -430,17 +381,12 @@ PACKED = jnp.array(
 
 
 @pytest.mark.slow  # interpret mode, > 30 s on 2 cores
-@pytest.mark.parametrize(
-    "head_dim, cap, tuning",
-    [(64, SOFT_SIGN, None), (128, None, None), (128, SOFT_SIGN, BackwardTuning(fuse_delta=True))],
-    ids=["d64-ss", "d128", "d128-ss-fuse-delta"],
-)
-def test_grad_packed_users(head_dim, cap, tuning):
+@pytest.mark.parametrize("head_dim, cap", [(64, SOFT_SIGN), (128, None)], ids=["d64-ss", "d128"])
+def test_grad_packed_users(head_dim, cap):
     """Packed rows [B, U, 4] through the forward and both backward kernels: users
     sharing blocks, unaligned boundaries, an empty-history user, gaps, an unused slot,
     padding at the end; GQA 2:1; LSE z-loss. Gradients against the reference's
-    autodiff, exact zeros where nothing is allowed. Also with ``fuse_delta`` (O and
-    delta' next to the packed rows' step lists)."""
+    autodiff, exact zeros where nothing is allowed."""
     from attn_common.packed import ranker_mask_packed
 
     q, k, v = _inputs(8, 2, 256, 4, 2, head_dim, jnp.bfloat16)
@@ -448,9 +394,8 @@ def test_grad_packed_users(head_dim, cap, tuning):
 
     def kernel_loss(q, k, v):
         return _loss(
-            ranker_attention, q, k, v, PACKED, w, cap=cap, use_lse=True, interpret=INTERPRET,
-            backward_tuning=tuning,
-        )  # fmt: skip
+            ranker_attention, q, k, v, PACKED, w, cap=cap, use_lse=True, interpret=INTERPRET
+        )
 
     try:
         got = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))(q, k, v)

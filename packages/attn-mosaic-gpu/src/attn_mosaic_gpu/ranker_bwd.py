@@ -470,6 +470,12 @@ def ranker_attention_bwd(
     )
     interpret = _resolve_interpret(interpret)
 
+    finite = jnp.isfinite(lse)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - jnp.where(finite, dlse.astype(jnp.float32), 0.0)
+    lse2 = jnp.where(finite, lse.astype(jnp.float32) * _LOG2E, jnp.inf)
+
     seq = problem.seq_len
     pipelined = problem.head_dim in PIPELINED_HEAD_DIMS
     knobs = {} if tuning is None else tuning.knobs()
@@ -478,27 +484,12 @@ def ranker_attention_bwd(
             f"tuning: the D={problem.head_dim} backward kernels have no schedule knobs "
             "(pass tuning=None)"
         )
-    fuse_delta = knobs.get("fuse_delta", False)
-
-    finite = jnp.isfinite(lse)
-    if fuse_delta:  # dq reduces rowsum(dO * O) itself and gets only the dLSE' term
-        delta = jnp.zeros(lse.shape, jnp.float32)
-        if dlse is not None:
-            delta = jnp.where(finite, dlse.astype(jnp.float32), 0.0)
-    else:
-        delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
-        if dlse is not None:
-            delta = delta - jnp.where(finite, dlse.astype(jnp.float32), 0.0)
-    lse2 = jnp.where(finite, lse.astype(jnp.float32) * _LOG2E, jnp.inf)
-
     # the pipelined kernels own 2 x 64 rows per program
     seq_pad = round_up(seq, 2 * BWD_BLOCK if pipelined else BWD_BLOCK)
     dout = dout.astype(q.dtype)
     if seq_pad != seq:
         pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))
         q, k, v, dout = (jnp.pad(x, pad) for x in (q, k, v, dout))
-        if fuse_delta:
-            out = jnp.pad(out, pad)
         pad_vec = ((0, 0), (0, 0), (0, seq_pad - seq))
         lse2 = jnp.pad(lse2, pad_vec, constant_values=jnp.inf)
         delta = jnp.pad(delta, pad_vec)
@@ -515,7 +506,7 @@ def ranker_attention_bwd(
     if pipelined:
         dq, dk, dv = pipelined_bwd(
             q, k, v, dout, lse2, delta, bounds, st_fields=fields, interpret=interpret,
-            tuning=knobs, users=users, out=out.astype(q.dtype) if fuse_delta else None,
+            tuning=knobs, users=users,
         )  # fmt: skip
     else:
         dq, dk, dv = _ranker_bwd_padded(

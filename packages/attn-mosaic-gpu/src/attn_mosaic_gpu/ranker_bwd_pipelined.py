@@ -23,11 +23,6 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   ring has 2 slots for D=128 and 4 for D=64. ``benchmarks/ranker_bwd_sweep.py`` measures
   the knobs (``docs/results/ranker_bwd_sweep.md``).
 
-  Knob ``fuse_delta`` (off by default until measured): dq computes ``delta' =
-  rowsum(dO * O) - dLSE'`` for its rows (dO from its buffer, O read once from global
-  memory) instead of taking it precomputed, and writes it out for dk/dv, which replaces
-  the XLA reduction that otherwise runs between the forward and the backward kernels.
-
   After the last step it writes its f32 accumulators (scaled) into its fixed buffers
   (Q / K, V are dead by then) and TMA-stores them. The mask
   (``attn_common.ranker_mask`` on the tile iotas) is skipped on the steps
@@ -120,11 +115,7 @@ def pipelined_stages(head_dim: int) -> int:
 
 
 def pipelined_smem_bytes(
-    head_dim: int,
-    dtype,
-    *,
-    interpret: bool = False,
-    num_stages: int | None = None,
+    head_dim: int, dtype, *, interpret: bool = False, num_stages: int | None = None
 ) -> dict[str, int]:
     """Shared memory of the dq and dk/dv kernels (bytes, with alignment slack);
     ``num_stages=None`` is the default ring depth of ``head_dim``."""
@@ -134,17 +125,15 @@ def pipelined_smem_bytes(
     square = round_up(BLOCK * BLOCK * item, SMEM_ALIGN)
     vec = BLOCK * 4
     fixed = 2 * _COMPUTE_WGS * tile
+    streamed = 2 * stages * tile
     staging = _COMPUTE_WGS * square if interpret else 0
-
-    def barriers(slots):
-        return 8 * (6 * slots + 5 * _COMPUTE_WGS)
-
+    barriers = 8 * (6 * stages + 5 * _COMPUTE_WGS)
     # Counted for every call: the packed rows' per-WG table (3 or 5 int32 per row).
     dq_table = _COMPUTE_WGS * PACKED_QUERY_FIELDS * vec
     dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * vec
-    dq = fixed + 2 * _COMPUTE_WGS * vec + dq_table + 2 * stages * tile + staging
-    dkv = fixed + 2 * stages * tile + 2 * stages * vec + dkv_table + 2 * staging
-    return {"dq": dq + barriers(stages), "dkv": dkv + barriers(stages)}
+    dq = fixed + 2 * _COMPUTE_WGS * vec + dq_table + streamed + staging + barriers
+    dkv = fixed + streamed + 2 * stages * vec + dkv_table + 2 * staging + barriers
+    return {"dq": dq, "dkv": dkv}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +159,6 @@ class _Static:
     #   fastmath), the rest on the MUFU; multiples of 8, 0..64.
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
-    # fuse_delta: dq computes delta' = rowsum(dO * O) - dLSE' for its rows (from O and the
-    #   LSE cotangent term instead of the precomputed delta') and writes it out for dk/dv,
-    #   replacing the XLA reduction between the forward and the backward kernels.
-    fuse_delta: bool = False
     # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
     xla_fold_guard: bool = False
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
@@ -181,9 +166,7 @@ class _Static:
     users: int = 0
 
 
-_KNOBS = (
-    "num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "fuse_delta",
-)  # fmt: skip
+_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols")
 
 
 def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
@@ -207,7 +190,7 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
             )
     if knobs.get("rcp_fma_cols", 0) and cap.method is not CapMethod.SOFT_SIGN:
         raise ValueError("backward tuning rcp_fma_cols: needs a soft_sign cap (else 0)")
-    for name in ("fold", "overlap", "fuse_delta"):
+    for name in ("fold", "overlap"):
         if not isinstance(knobs.get(name, False), bool):
             raise ValueError(f"backward tuning {name}: got {knobs[name]!r}, expected a bool")
 
@@ -370,16 +353,6 @@ def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile_axis, one_user_r
     return tile_start, ranges, bounds
 
 
-def _row_delta(do_smem, o_gmem, in_place: bool):
-    """``rowsum(dO * O)`` in f32 for a WG's 64 rows, in the wgmma row layout: dO from its
-    shared buffer, O straight from global memory (it is read once)."""
-    layout = plgpu.Layout.WGMMA
-    # (the interpreter reads global memory as a plain array)
-    o = plgpu.load(o_gmem, layout=layout, optimized=False) if in_place else o_gmem[...]
-    do = plgpu.load(do_smem, layout=layout)
-    return (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(axis=1)
-
-
 def _load_fixed(srcs, dsts, bars, wg):
     """TMA-load a WG's fixed operands, each on its own barrier, then wait for all."""
     for src, dst, bar in zip(srcs, dsts, bars, strict=True):
@@ -403,10 +376,8 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
-        scoped, o_ref=None, delta_out_ref=None,
+        scoped,
     ):  # fmt: skip
-        # fuse_delta: delta_ref holds the LSE cotangent term dLSE' (delta' = rowsum(dO *
-        # O) - dLSE'), o_ref the forward output, and delta' goes out to delta_out_ref.
         bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs
         batch = lax.axis_index(_axes.BATCH)
@@ -437,39 +408,29 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                 row_keys = _row_entries(keys_smem2.at[wg], PACKED_QUERY_FIELDS)
             lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-            if st.fuse_delta:
-                delta = _row_delta(do_smem, o_ref.at[rows], in_place) - delta
-                delta_out_ref.at[vec][...] = delta
             if st.users:
                 full_lo, full_hi = ranges.full_steps(wg)
             else:
                 full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
             staging = None if in_place else (ds_smem2.at[wg],)
 
-            def slot_of(i):
-                return lax.rem(i, jnp.int32(num_slots))
-
-            def wait_ready(slot):
+            def step(i, dq, *, masked):
+                slot = lax.rem(i, jnp.int32(num_slots))
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
+                mask_fn = None
+                if masked:
 
-            def mask_at(i, masked):
-                if not masked:
-                    return None
+                    def mask_fn():
+                        kv0 = ranges.block_at(i) * b
+                        if st.users:
+                            return packed_tile_mask(
+                                ranker_mask_from_query_table, row_keys, kv0, (b, b)
+                            )
+                        return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
 
-                def mask_fn():
-                    kv0 = ranges.block_at(i) * b
-                    if st.users:
-                        return packed_tile_mask(ranker_mask_from_query_table, row_keys, kv0, (b, b))
-                    return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
-
-                return mask_fn
-
-            def step(i, dq, *, masked):
-                slot = slot_of(i)
-                wait_ready(slot)
                 operands = (q_smem, k_smem.at[slot], do_smem, v_smem.at[slot])
-                p, factor = _p_and_grad_factor(operands, lse2, delta, mask_at(i, masked), st, 0)
+                p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
                 ds = p * factor
                 (dq,) = _accumulate(
                     (dq,), (ds.astype(dtype),), (k_smem.at[slot],), staging, in_place
@@ -498,15 +459,10 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             _ring_loads(num_slots, total_steps, issue, consumed)
 
     def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta' (dLSE' with fuse_delta), bounds (+ O with
-        # fuse_delta; + the step list and the query key table for packed rows), then dQ
-        # (+ delta' with fuse_delta).
+        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step list and the query key
+        # table for packed rows), then dQ.
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        rest, fused = refs[7:], {}
-        if st.fuse_delta:
-            fused = {"o_ref": rest[0], "delta_out_ref": refs[-1]}
-            rest, refs = rest[1:], refs[:-1]
-        steps_ref, keys_ref = rest[:2] if st.users else (None, None)
+        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
         dq_ref = refs[-1]
         t = _transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
@@ -529,7 +485,6 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                 keys_ref,
                 dq_ref,
                 args,
-                **fused,
             ),
             [own, own, own_vec, own_vec, ring, ring, staging, keys],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (5 if st.users else 4),
@@ -699,7 +654,6 @@ def pipelined_bwd(
     interpret,
     tuning: dict | None = None,
     users: int = 0,
-    out=None,
 ):
     """Run both kernels on padded inputs (``S`` a multiple of 128).
 
@@ -708,10 +662,7 @@ def pipelined_bwd(
     packed ``[B, U, 4]`` normalized with ``users = U >= 2``.
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
     ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``,
-    ``exp2_fma_cols``, ``rcp_fma_cols``, ``fuse_delta``
-    (``BackwardTuning``; ``None`` keeps the defaults). With ``fuse_delta``, ``delta`` is
-    the LSE cotangent term ``dLSE'`` (zeros without one) and ``out [B,S,Hq,D]`` the
-    padded forward output: dq computes ``delta' = rowsum(dO * O) - dLSE'`` itself.
+    ``exp2_fma_cols``, ``rcp_fma_cols`` (``BackwardTuning``; ``None`` keeps the defaults).
     """
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
     check_backward_knobs(knobs, st_fields["cap"])
@@ -723,13 +674,11 @@ def pipelined_bwd(
                 f"memory, more than the {SMEM_LIMIT_BYTES} available per block on sm_90"
             )
     st = _Static(**st_fields, **knobs, xla_fold_guard=interpret is not None, users=users)
-    if st.fuse_delta != (out is not None):
-        raise ValueError("fuse_delta: pass the forward output `out` (and dLSE' as `delta`)")
-    return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out, st=st, interpret=interpret)
+    return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out=None, *, st: _Static, interpret):
+def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
     in_place = interpret is None
     tiles = st.seq_pad // (_COMPUTE_WGS * BLOCK)
     common = dict(
@@ -740,8 +689,6 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out=None, *, st: _Static, i
     )
     dq_in = [q, k, v, do, lse2, delta, bounds]
     dkv_in = list(dq_in)
-    if st.fuse_delta:  # delta is dLSE' here; dq gets O and returns delta' for dk/dv
-        dq_in.append(out)
     if st.users:  # packed rows: the visit-once runs and unmasked steps, per tile
         table = functools.partial(
             packed_step_list, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
@@ -749,19 +696,14 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, out=None, *, st: _Static, i
         )  # fmt: skip
         dq_in += [table(), packed_query_table(bounds, st.seq_pad)]
         dkv_in += [table(keys=True), packed_key_table(bounds, st.seq_pad)]
-    dq_out = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if st.fuse_delta:
-        dq_out = [dq_out, jax.ShapeDtypeStruct(lse2.shape, jnp.float32)]
     dq = plgpu.kernel(
         _build_dq_kernel(st, q.dtype, in_place=in_place),
-        out_type=dq_out,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(st.q_heads, tiles, st.batch),
         grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
         kernel_name=DQ_KERNEL,
         **common,
     )(*dq_in)
-    if st.fuse_delta:
-        dq, dkv_in[5] = dq
     dk, dv = plgpu.kernel(
         _build_dkv_kernel(st, q.dtype, in_place=in_place),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],

@@ -64,7 +64,6 @@ class BackwardTuning:
     overlap: bool = True
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
-    fuse_delta: bool = False
 
     def knobs(self) -> dict:
         """The overrides ``ranker_bwd_pipelined.pipelined_bwd(tuning=...)`` takes."""
@@ -342,8 +341,6 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
         baxes = [("exp2_fma_cols", [0, 16, 32, 48, 64])]
         if soft_sign:
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
-        # fuse_delta is not swept: on the H200 it measured no faster than the XLA
-        # reduction it replaces (docs/ranker_gpu.md).
         baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
         backward, backward_ms = _descend(bstart, baxes, time_backward, min_gain, bwd_log)
     entry = {
