@@ -130,31 +130,41 @@ def main() -> None:
     rows = []
     for name in args.cases:
         rows += run_case(name, args.iterations, args.variants)
-    args.out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0].device_kind
-    (args.out / "ranker_bwd_sweep.json").write_text(
-        json.dumps(
-            {**provenance(), "device": device, "jax": jax.__version__, "rows": rows}, indent=2
-        )
-    )
+    data = {**provenance(), "device": device, "jax": jax.__version__, "rows": rows}
+    print(write_reports(data, args.out))
+
+
+def write_reports(data: dict, out: Path) -> str:
+    """Write ``ranker_bwd_sweep.json`` and ``.md`` (commit, command and date first; dq
+    before dk/dv) into ``out`` from a run's ``data``; return the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ranker_bwd_sweep.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
-        f"# Ranker backward kernels by schedule knob ({device}, jax {jax.__version__})",
+        f"# Ranker backward kernels by schedule knob ({data['device']}, jax {data['jax']})",
         "",
-        "`python benchmarks/ranker_bwd_sweep.py --out docs/results`: CUPTI median per "
-        "kernel, kernels told apart by name; backward only (no forward, no XLA delta); "
-        "effective TFLOP/s = 2.5 x forward FLOPs over allowed pairs / kernel time.",
+        f"Commit {data['commit']}; command: `{data['command']}`; date {data['date']}.",
+        "",
+        "CUPTI median per kernel, kernels told apart by their CUDA names; backward only "
+        "(no forward, no XLA delta); effective TFLOP/s = 2.5 x forward FLOPs over allowed "
+        "pairs / kernel time. The last row of each case is what `config=None` runs.",
         "",
         "| case | variant | stages | kernels (ms) | total (ms) | bwd TFLOP/s |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        parts = "; ".join(f"{n}: {t:.3f}" for n, t in r["kernels_ms"].items())
+    order = {label: i for i, label in enumerate(KERNELS.values())}
+    for r in data["rows"]:
+        kernels = sorted(r["kernels_ms"].items(), key=lambda kv: order.get(kv[0], len(order)))
+        parts = "; ".join(f"{n}: {t:.3f}" for n, t in kernels)
         lines.append(
             f"| {r['case']} | {r['variant']} | {r['num_stages']} | {parts} | "
             f"{r['total_ms']:.3f} | {r['bwd_effective_tflops']:.0f} |"
         )
-    (args.out / "ranker_bwd_sweep.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if data.get("note"):
+        lines += ["", data["note"]]
+    text = "\n".join(lines) + "\n"
+    (out / "ranker_bwd_sweep.md").write_text(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -6,8 +6,15 @@ Comparisons use the relative L2 error and the max-abs error; NaN never passes.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
+import pytest
 
 BF16 = ml_dtypes.bfloat16
 
@@ -259,3 +266,21 @@ def sparse_mla_flat_case(
     idx[b, 6] = np.array([num_units - 1, -1, num_units + 7, 2**30])[:top_k]
     pos[b, 6] = 0  # selection entirely after the query: empty
     return q, kv, idx, pos
+
+
+@contextlib.contextmanager
+def load_script(path: Path, name: str) -> Iterator[object]:
+    """Import a script (``benchmarks/`` and ``tests/`` are not packages) as module
+    ``name``, registered in ``sys.modules`` while in use (dataclasses resolve their
+    annotations through it). Skips the test when the script is absent (not a source
+    checkout)."""
+    if not path.exists():
+        pytest.skip(f"{path} not present (not a source checkout)")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)

@@ -3,25 +3,20 @@ factored, sensitive to any change of the operations."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import load_script
 
 SCRIPT = Path(__file__).with_name("kernel_fingerprint.py")
 
 
 @pytest.fixture(scope="module")
 def fingerprint():
-    spec = importlib.util.spec_from_file_location("kernel_fingerprint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with load_script(SCRIPT, "kernel_fingerprint") as module:
+        yield module
 
 
 def _step(i, x):

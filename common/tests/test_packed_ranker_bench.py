@@ -4,14 +4,13 @@ reference implementation (tiny shapes, wall-clock timing; about 15 s)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 from attn_common import KernelConfig, pack_users, packed_kv_block_ranges, ranker_mask_packed
 
@@ -20,13 +19,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packed_ranker.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    if not SCRIPT.exists():
-        pytest.skip(f"{SCRIPT} not present (not a source checkout)")
-    spec = importlib.util.spec_from_file_location("packed_ranker_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    with load_script(SCRIPT, "packed_ranker_bench") as module:
+        yield module
 
 
 def _bounds(seed: int, seq_len: int, users: int = 40) -> np.ndarray:

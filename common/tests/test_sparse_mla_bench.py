@@ -5,9 +5,7 @@ the script as a thin wrapper with its own defaults."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 from xml.etree import ElementTree
@@ -15,6 +13,7 @@ from xml.etree import ElementTree
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_script
 
 from attn_common import bench_sparse_mla, check_sparse_mla_inputs, selected_rows, sparse_mla_units
 from attn_reference import sparse_mla_attention
@@ -32,12 +31,8 @@ def bench():
 @pytest.fixture(scope="module")
 def script():
     """The script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("sparse_mla_gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with load_script(SCRIPT, "sparse_mla_gpu_bench") as module:
+        yield module
 
 
 def test_case_list(bench):
