@@ -4,7 +4,8 @@ For each suite case given (docs/design.md#benchmarks; default: phoenix, long, ra
 times the dq and dk/dv kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separately
 (CUPTI, median of iterations) for each variant of the knobs ``fold`` (folded cap
 constants, derivative from the same terms), ``overlap`` (P computed while dP's wgmma
-runs; dS while dV's runs) and ``num_stages`` (ring depth). Inputs: random bf16 q, k, v,
+runs; dS while dV's runs), ``num_stages`` (ring depth) and ``dq_programs`` (persistent
+dq programs, one per SM, that load the next tile's fixed operands during the current one). Inputs: random bf16 q, k, v,
 dO; the LSE from our forward kernel, so the probabilities are the real ones.
 
     python benchmarks/ranker_bwd_sweep.py --out docs/results
@@ -42,7 +43,11 @@ VARIANTS = {
     "fold, 2 stages": {"fold": True, "overlap": False, "num_stages": 2},
     "fold + overlap, 3 stages": {"fold": True, "overlap": True, "num_stages": 3},
     "fold + overlap, 2 stages": {"fold": True, "overlap": True, "num_stages": 2},
-}
+    # dq_programs None: one persistent dq program per SM of the device
+    "fold + overlap, 2 stages, persistent dq": {
+        "fold": True, "overlap": True, "num_stages": 2, "dq_programs": None,
+    },
+}  # fmt: skip
 KERNELS = {DQ_KERNEL: "dq", DKV_KERNEL: "dk/dv"}
 
 
@@ -92,7 +97,10 @@ def run_case(name, iterations, patterns=None):
     variants = {**VARIANTS, "tuned table (default)": {"num_stages": pipelined_stages(d), **tuned}}
     if patterns:
         variants = {k: t for k, t in variants.items() if any(fnmatch(k, p) for p in patterns)}
+    sms = getattr(jax.devices()[0], "core_count", None) or 132
     for label, tuning in variants.items():
+        if tuning.get("dq_programs", 0) is None:
+            tuning = {**tuning, "dq_programs": sms}
 
         def bwd(q, k, v, do, lse2, delta, bounds, tuning=tuning):
             return pipelined_bwd(

@@ -29,6 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
 from attn_mosaic_gpu import ranker_attention
 from attn_mosaic_gpu.ranker_bwd import SMEM_LIMIT_BYTES, bwd_smem_bytes, validate_bwd
+from attn_mosaic_gpu.tuning import BackwardTuning
 from attn_reference.ranker import ranker_attention as reference
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
@@ -196,6 +197,37 @@ def test_grad_lone_tiles_owner_wg1_single_step():
     _check_grads(q, k, v, bounds, cap=TANH, seed=8)
 
 
+@pytest.mark.parametrize(
+    "name,bounds_shape",
+    [("phoenix", (64, 4)), ("phoenix-packed", (64, 8, 4)), ("small-d64", (128, 4))],
+)
+def test_cross_lowering_persistent_dq_cuda(name, bounds_shape):
+    """``dq_programs=132`` (one persistent dq program per H200 SM) lowers to three Mosaic
+    GPU kernels at the suite shapes, and the knob reaches the dq kernel."""
+    _, batch, seq, q_heads, kv_heads, head_dim, cap, dtype = next(
+        s for s in LOWERING_SHAPES if s[0] == name.removesuffix("-packed")
+    )
+
+    def lowered(backward_tuning):
+        def loss(q, k, v, bounds):
+            out, lse = ranker_attention(
+                q, k, v, bounds, cap=cap, return_lse=True, backward_tuning=backward_tuning
+            )
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return jax.export.export(grad, platforms=["cuda"])(
+            _sds(batch, seq, q_heads, head_dim, dtype=dtype),
+            _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+            _sds(batch, seq, kv_heads, head_dim, dtype=dtype),
+            _sds(*bounds_shape, dtype=jnp.int32),
+        ).mlir_module()
+
+    text = lowered(BackwardTuning(dq_programs=132))
+    assert _mosaic_gpu_calls(text) == 3
+    assert text != lowered(BackwardTuning())
+
+
 @pytest.mark.slow  # interpret mode, ~18 s on 2 cores
 def test_grad_d256_gqa_soft_sign_fp16():
     """D=256 (the dk/dv kernel splits the head dim in two programs), GQA 2:1."""
@@ -310,6 +342,47 @@ def test_schedule_knobs_do_not_change_results():
             assert np.linalg.norm(a - b) <= 5e-3 * np.linalg.norm(b), f"{name} {tuning}"
 
 
+@pytest.mark.slow  # interpret mode, ~60 s on 2 cores
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_dq_matches_per_tile(head_dim):
+    """``dq_programs`` (persistent dq programs walking the tiles, fixed operands
+    double-buffered, the K/V ring running on across tiles): bitwise the per-tile dq, with
+    programs that get two tiles or more, one tile, or none (more programs than tiles);
+    a row with history and candidates, an all-padding row (zero-step tiles between
+    tiles with steps), a short row; GQA 2:1. No race."""
+    from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
+
+    batch, seq = 3, 384
+    q, k, v = _inputs(11, batch, seq, 2, 1, head_dim, jnp.bfloat16)
+    do = _inputs(12, batch, seq, 2, 1, head_dim, jnp.bfloat16)[0]
+    bounds = jnp.array([[0, 300, 300, 380], [0, 0, 0, 0], [10, 70, 70, 75]], jnp.int32)
+    out, lse = reference(
+        *(x.astype(jnp.float32) for x in (q, k, v)), bounds, cap=SOFT_SIGN, return_lse=True
+    )
+    delta = jnp.einsum("bshd,bshd->bhs", out, do.astype(jnp.float32))
+    lse2 = jnp.where(jnp.isfinite(lse), lse * np.log2(np.e), jnp.inf)
+    fields = dict(
+        batch=batch, seq_pad=seq, q_heads=2, kv_heads=1, head_dim=head_dim,
+        sm_scale=1 / np.sqrt(head_dim), cap=SOFT_SIGN,
+    )  # fmt: skip
+
+    def dq(**tuning):
+        got = pipelined_bwd(
+            q, k, v, do, lse2, delta, bounds, st_fields=fields, interpret=INTERPRET, tuning=tuning
+        )[0]
+        assert not get_races().races_found, tuning
+        return np.asarray(got.astype(jnp.float32))
+
+    per_tile = dq()
+    assert np.abs(per_tile).sum() > 0
+    # 18 tiles: 4 programs walk 4-5 tiles each, 1 program all of them, 40 programs one
+    # or none; with 3 ring slots a tile's steps start at any slot
+    for tuning in ({"dq_programs": 4}, {"dq_programs": 1}, {"dq_programs": 40}):
+        np.testing.assert_array_equal(dq(**tuning), per_tile, err_msg=str(tuning))
+    if head_dim == 64:
+        np.testing.assert_array_equal(dq(dq_programs=5, num_stages=3), per_tile)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_kernel_axis_names_are_namespaced(head_dim):
     """Every axis a kernel names (grid, warpgroups, axis_index) carries the package
@@ -381,12 +454,17 @@ PACKED = jnp.array(
 
 
 @pytest.mark.slow  # interpret mode, > 30 s on 2 cores
-@pytest.mark.parametrize("head_dim, cap", [(64, SOFT_SIGN), (128, None)], ids=["d64-ss", "d128"])
-def test_grad_packed_users(head_dim, cap):
+@pytest.mark.parametrize(
+    "head_dim, cap, tuning",
+    [(64, SOFT_SIGN, None), (128, None, None), (128, SOFT_SIGN, BackwardTuning(dq_programs=3))],
+    ids=["d64-ss", "d128", "d128-ss-persistent-dq"],
+)
+def test_grad_packed_users(head_dim, cap, tuning):
     """Packed rows [B, U, 4] through the forward and both backward kernels: users
     sharing blocks, unaligned boundaries, an empty-history user, gaps, an unused slot,
     padding at the end; GQA 2:1; LSE z-loss. Gradients against the reference's
-    autodiff, exact zeros where nothing is allowed."""
+    autodiff, exact zeros where nothing is allowed. Also with persistent dq programs
+    (``dq_programs``: the packed step lists and key tables read per walked tile)."""
     from attn_common.packed import ranker_mask_packed
 
     q, k, v = _inputs(8, 2, 256, 4, 2, head_dim, jnp.bfloat16)
@@ -394,8 +472,9 @@ def test_grad_packed_users(head_dim, cap):
 
     def kernel_loss(q, k, v):
         return _loss(
-            ranker_attention, q, k, v, PACKED, w, cap=cap, use_lse=True, interpret=INTERPRET
-        )
+            ranker_attention, q, k, v, PACKED, w, cap=cap, use_lse=True, interpret=INTERPRET,
+            backward_tuning=tuning,
+        )  # fmt: skip
 
     try:
         got = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))(q, k, v)

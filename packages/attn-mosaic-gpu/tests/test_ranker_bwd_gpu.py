@@ -217,6 +217,39 @@ def test_grad_fma_split_knobs(head_dim, cap, tuning):
     _check_grads(q, k, v, EDGE_BOUNDS, cap=cap, seed=3, backward_tuning=tuning, config=config)
 
 
+PERSISTENT_DQ_CASES = [
+    ("phoenix-ss80-132", 128, SS80, "suite", 132),
+    ("edge-tanh5-7", 128, TANH5, "edge", 7),
+    ("edge-d64-none-132", 64, NONE, "edge", 132),
+    ("packed-ss80-132", 128, SS80, "packed", 132),
+]
+
+
+@pytest.mark.parametrize(
+    "head_dim,cap,layout,programs", [c[1:] for c in PERSISTENT_DQ_CASES],
+    ids=[c[0] for c in PERSISTENT_DQ_CASES],
+)  # fmt: skip
+def test_grad_persistent_dq(head_dim, cap, layout, programs):
+    """Persistent dq programs (``dq_programs``; 132 = one per H200 SM, 7 = many tiles per
+    program): gradients against the reference, and bitwise the per-tile dq (the steps of
+    a tile run in the same order); GQA 5:1, LSE z-loss; suite, edge (empty segments,
+    padding rows, zero-step tiles) and packed bounds."""
+    seq = 1152 if layout in ("suite", "packed") else 1000
+    bounds = {
+        "suite": _suite_bounds("phoenix", 4, seq),
+        "edge": EDGE_BOUNDS,
+        "packed": _packed_bounds(17, 4, seq) if layout == "packed" else None,
+    }[layout]
+    tuning = BackwardTuning(dq_programs=programs)
+    q, k, v = _inputs(21, bounds.shape[0], seq, 10, 2, head_dim, jnp.bfloat16)
+    _check_grads(q, k, v, bounds, cap=cap, seed=21, backward_tuning=tuning)
+    w = jnp.asarray(np.random.default_rng(121).standard_normal(q.shape), jnp.float32)
+    got = _kernel_grad(cap, True, backward_tuning=tuning)(q, k, v, bounds, w)
+    want = _kernel_grad(cap, True, backward_tuning=BackwardTuning())(q, k, v, bounds, w)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+
+
 def _packed_bounds(seed, rows, seq, max_users=8):
     from attn_common.packing import pack_users
 

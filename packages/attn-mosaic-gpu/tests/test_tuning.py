@@ -208,9 +208,13 @@ def test_backward_tuning_knobs_are_checked():
         check_backward_knobs({"rcp_fma_cols": 32}, TANH)
     with pytest.raises(ValueError, match="unknown"):
         check_backward_knobs({"stages": 2}, TANH)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="dq_programs"):
+            check_backward_knobs({"dq_programs": bad}, TANH)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_backward_knobs(tuning.BackwardTuning(exp2_fma_cols=64).knobs(), TANH)
+        check_backward_knobs(tuning.BackwardTuning(dq_programs=132).knobs(), TANH)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -218,13 +222,35 @@ def test_backward_rings_fit(head_dim):
     """At every ring depth the sweep tries, both backward kernels fit the shared
     memory of a block, and a deeper ring needs more of it."""
     from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES
-    from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_smem_bytes
+    from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_smem_bytes, pipelined_stages
 
     sizes = [pipelined_smem_bytes(head_dim, jnp.bfloat16, num_stages=n) for n in (2, 3, 4)]
     for kernel in ("dq", "dkv"):
         assert sizes[0][kernel] < sizes[1][kernel] < sizes[2][kernel]
     sweep = sizes[:2] if head_dim > 64 else sizes[::2]
     assert max(max(size.values()) for size in sweep) <= SMEM_LIMIT_BYTES
+    # persistent dq programs double dq's fixed buffers: they fit at the default depth
+    for n in (2, 3, 4):
+        persistent = pipelined_smem_bytes(head_dim, jnp.bfloat16, num_stages=n, dq_programs=132)
+        assert persistent["dq"] > sizes[n - 2]["dq"] and persistent["dkv"] == sizes[n - 2]["dkv"]
+        if n == pipelined_stages(head_dim):
+            assert persistent["dq"] <= SMEM_LIMIT_BYTES
+
+
+def test_persistent_dq_too_deep_a_ring_is_refused():
+    """D=128 persistent dq fits the default 2-slot ring only; a deeper one is refused
+    before any kernel is built, naming the kernel and the bytes."""
+    from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
+
+    x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+    vec = jnp.zeros((1, 1, 128), jnp.float32)
+    fields = dict(batch=1, seq_pad=128, q_heads=1, kv_heads=1, head_dim=128, sm_scale=1.0, cap=TANH)
+    bounds = jnp.array([[0, 100, 100, 120]], jnp.int32)
+    with pytest.raises(ValueError, match=r"the dq kernel needs \d+ bytes of shared memory"):
+        pipelined_bwd(
+            x, x, x, x, vec, vec, bounds, st_fields=fields, interpret=None,
+            tuning={"num_stages": 3, "dq_programs": 132},
+        )  # fmt: skip
 
 
 def test_attn_tune_writes_and_merges_the_user_table(user_table, monkeypatch, capsys):

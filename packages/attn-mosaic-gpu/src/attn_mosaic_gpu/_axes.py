@@ -12,5 +12,6 @@ HEADS = "attn_mgpu_heads"
 Q_TILES = "attn_mgpu_q_tiles"
 KV_TILES = "attn_mgpu_kv_tiles"
 WARPGROUP = "attn_mgpu_warpgroup"
+PROGRAMS = "attn_mgpu_programs"  # persistent kernels: one axis of programs
 
-KERNEL_AXES = (BATCH, HEADS, Q_TILES, KV_TILES, WARPGROUP)
+KERNEL_AXES = (BATCH, HEADS, Q_TILES, KV_TILES, WARPGROUP, PROGRAMS)

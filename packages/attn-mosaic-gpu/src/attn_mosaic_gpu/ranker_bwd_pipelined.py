@@ -23,6 +23,13 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   ring has 2 slots for D=128 and 4 for D=64. ``benchmarks/ranker_bwd_sweep.py`` measures
   the knobs (``docs/results/ranker_bwd_sweep.md``).
 
+  Knob ``dq_programs`` (off by default until measured on a GPU): dq runs as that many
+  persistent programs (one per SM), each walking the tiles ``p, p + P, ...``; a compute
+  WG issues the next tile's fixed-operand loads into a second buffer before walking the
+  current tile's steps, and the K/V ring runs on across tiles
+  (``_build_dq_persistent_kernel``). It targets the ~7 us that each per-tile program
+  spends besides its steps (``benchmarks/ranker_bwd_step_model.py``).
+
   After the last step it writes its f32 accumulators (scaled) into its fixed buffers
   (Q / K, V are dead by then) and TMA-stores them. The mask
   (``attn_common.ranker_mask`` on the tile iotas) is skipped on the steps
@@ -54,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,10 +123,16 @@ def pipelined_stages(head_dim: int) -> int:
 
 
 def pipelined_smem_bytes(
-    head_dim: int, dtype, *, interpret: bool = False, num_stages: int | None = None
+    head_dim: int,
+    dtype,
+    *,
+    interpret: bool = False,
+    num_stages: int | None = None,
+    dq_programs: int = 0,
 ) -> dict[str, int]:
     """Shared memory of the dq and dk/dv kernels (bytes, with alignment slack);
-    ``num_stages=None`` is the default ring depth of ``head_dim``."""
+    ``num_stages=None`` is the default ring depth of ``head_dim``; persistent dq
+    programs (``dq_programs > 0``) double its fixed buffers."""
     item = jnp.dtype(dtype).itemsize
     stages = pipelined_stages(head_dim) if num_stages is None else num_stages
     tile = round_up(BLOCK * head_dim * item, SMEM_ALIGN)
@@ -131,7 +145,8 @@ def pipelined_smem_bytes(
     # Counted for every call: the packed rows' per-WG table (3 or 5 int32 per row).
     dq_table = _COMPUTE_WGS * PACKED_QUERY_FIELDS * vec
     dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * vec
-    dq = fixed + 2 * _COMPUTE_WGS * vec + dq_table + streamed + staging + barriers
+    dq_copies = 2 if dq_programs else 1
+    dq = dq_copies * (fixed + 2 * _COMPUTE_WGS * vec + dq_table) + streamed + staging + barriers
     dkv = fixed + streamed + 2 * stages * vec + dkv_table + 2 * staging + barriers
     return {"dq": dq, "dkv": dkv}
 
@@ -159,6 +174,10 @@ class _Static:
     #   fastmath), the rest on the MUFU; multiples of 8, 0..64.
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
+    # dq_programs: 0 runs dq as one program per (head, tile, batch); N > 0 runs N
+    #   persistent programs that walk those tiles and load the next tile's fixed
+    #   operands while the current one computes (_build_dq_persistent_kernel).
+    dq_programs: int = 0
     # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
     xla_fold_guard: bool = False
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
@@ -166,7 +185,7 @@ class _Static:
     users: int = 0
 
 
-_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols")
+_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_programs")
 
 
 def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
@@ -193,6 +212,12 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
     for name in ("fold", "overlap"):
         if not isinstance(knobs.get(name, False), bool):
             raise ValueError(f"backward tuning {name}: got {knobs[name]!r}, expected a bool")
+    programs = knobs.get("dq_programs", 0)
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
+        raise ValueError(
+            f"backward tuning dq_programs: got {programs!r}, expected 0 (one program per "
+            "tile) or a positive number of persistent programs"
+        )
 
 
 def _transforms():
@@ -332,7 +357,7 @@ def _bounds(bounds_ref, batch):
     return tuple(bounds_ref[batch, i] for i in range(4))
 
 
-def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile_axis, one_user_ranges):
+def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile, one_user_ranges):
     """The program's tile: its first row, its steps and, with one user per row, the
     row's bounds ``(hl, hu, cl, cu)`` (``None`` for packed rows).
 
@@ -342,12 +367,14 @@ def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile_axis, one_user_r
     dq, ``ranker_q_block_ranges`` for dk/dv) of its bounds.
     """
     bounds = None
+    # ``tile``: a grid axis name (read where needed) or the tile index itself
+    tile_index = (lambda: lax.axis_index(tile)) if isinstance(tile, str) else (lambda: tile)
     if st.users:
-        tile = lax.axis_index(tile_axis)
-        ranges = TileSteps(lambda i: steps_ref[batch, tile, i], _COMPUTE_WGS)
+        row = tile_index()
+        ranges = TileSteps(lambda i: steps_ref[batch, row, i], _COMPUTE_WGS)
     else:
         bounds = _bounds(bounds_ref, batch)
-    tile_start = lax.axis_index(tile_axis) * (_COMPUTE_WGS * BLOCK)
+    tile_start = tile_index() * (_COMPUTE_WGS * BLOCK)
     if bounds is not None:
         ranges = one_user_ranges(*bounds, tile_start, tile_start + 2 * BLOCK, BLOCK)
     return tile_start, ranges, bounds
@@ -369,6 +396,70 @@ def _row_entries(table_smem, fields: int):
     )
 
 
+class _DqFixed(NamedTuple):
+    """A dq compute WG's fixed shared buffers for its 64 rows (``keys``: the rows'
+    ``packed_query_table`` entries, packed rows only)."""
+
+    q: object
+    do: object
+    lse: object
+    delta: object
+    keys: object = None
+
+
+class _DqRing(NamedTuple):
+    """The dq kernel's K/V ring and its barriers."""
+
+    k: object
+    v: object
+    k_ready: object
+    v_ready: object
+    consumed: object
+
+
+def _dq_tile(
+    st: _Static, dtype, in_place: bool, fixed: _DqFixed, ring: _DqRing, staging, ranges,
+    total_steps, one_user, row0, wg, *, slot_of,
+):  # fmt: skip
+    """One compute WG's dQ (f32, unscaled) for its 64 rows from ``row0``: the
+    ``total_steps`` steps of ``ranges`` (step ``i`` reads ring slot ``slot_of(i)``),
+    masked where needed."""
+    b = BLOCK
+    if st.users:
+        row_keys = _row_entries(fixed.keys, PACKED_QUERY_FIELDS)
+    else:
+        hl, hu, cl, cu = one_user
+    lse2 = plgpu.load(fixed.lse, layout=plgpu.Layout.WGMMA.reduce(1))
+    delta = plgpu.load(fixed.delta, layout=plgpu.Layout.WGMMA.reduce(1))
+    if st.users:
+        full_lo, full_hi = ranges.full_steps(wg)
+    else:
+        full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
+
+    def step(i, dq, *, masked):
+        slot = slot_of(i)
+        plgpu.barrier_wait(ring.k_ready.at[slot])
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        mask_fn = None
+        if masked:
+
+            def mask_fn():
+                kv0 = ranges.block_at(i) * b
+                if st.users:
+                    return packed_tile_mask(ranker_mask_from_query_table, row_keys, kv0, (b, b))
+                return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
+
+        operands = (fixed.q, ring.k.at[slot], fixed.do, ring.v.at[slot])
+        p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
+        ds = p * factor
+        (dq,) = _accumulate((dq,), (ds.astype(dtype),), (ring.k.at[slot],), staging, in_place)
+        plgpu.barrier_arrive(ring.consumed.at[slot])
+        return dq
+
+    dq0 = plgpu.layout_cast(jnp.full((b, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    return _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+
+
 def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
@@ -387,8 +478,6 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         tile_start, ranges, one_user = _tile_steps(
             st, bounds_ref, steps_ref, batch, _axes.Q_TILES, ranker_kv_block_ranges
         )
-        if one_user is not None:
-            hl, hu, cl, cu = one_user
         total_steps = ranges.total_steps
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -404,44 +493,15 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
                 srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
                 dsts.append(keys_smem2.at[wg])
             _load_fixed(srcs, dsts, fixed_ready, wg)
+            fixed = _DqFixed(q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
             if st.users:
-                row_keys = _row_entries(keys_smem2.at[wg], PACKED_QUERY_FIELDS)
-            lse2 = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-            delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-            if st.users:
-                full_lo, full_hi = ranges.full_steps(wg)
-            else:
-                full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
+                fixed = fixed._replace(keys=keys_smem2.at[wg])
+            ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
             staging = None if in_place else (ds_smem2.at[wg],)
-
-            def step(i, dq, *, masked):
-                slot = lax.rem(i, jnp.int32(num_slots))
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
-                mask_fn = None
-                if masked:
-
-                    def mask_fn():
-                        kv0 = ranges.block_at(i) * b
-                        if st.users:
-                            return packed_tile_mask(
-                                ranker_mask_from_query_table, row_keys, kv0, (b, b)
-                            )
-                        return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
-
-                operands = (q_smem, k_smem.at[slot], do_smem, v_smem.at[slot])
-                p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
-                ds = p * factor
-                (dq,) = _accumulate(
-                    (dq,), (ds.astype(dtype),), (k_smem.at[slot],), staging, in_place
-                )
-                plgpu.barrier_arrive(consumed.at[slot])
-                return dq
-
-            dq0 = plgpu.layout_cast(
-                jnp.full((b, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
-            )
-            dq = _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+            dq = _dq_tile(
+                st, dtype, in_place, fixed, ring, staging, ranges, total_steps, one_user, row0,
+                wg, slot_of=lambda i: lax.rem(i, jnp.int32(num_slots)),
+            )  # fmt: skip
             q_smem[...] = (dq * st.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -488,6 +548,161 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             ),
             [own, own, own_vec, own_vec, ring, ring, staging, keys],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (5 if st.users else 4),
+            (plgpu.Barrier(num_barriers=num_slots),) * 2,
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+            collective_axes=_axes.WARPGROUP,
+        )
+
+    return entry
+
+
+def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
+    """dq with ``st.dq_programs`` programs, each walking the tiles ``p, p + P, ...`` of
+    the (head, tile, batch) grid (head fastest, as the per-tile grid launches them).
+
+    The fixed operands are double-buffered: while a compute WG walks the steps of its
+    tile ``j`` it has already issued the TMA loads of tile ``j + 1``'s Q, dO, lse2 and
+    delta' into the other buffer (after waiting for tile ``j - 1``'s dQ store to have
+    read that buffer), and tile ``j``'s dQ store is not waited for until then. The K/V
+    ring runs on across tiles: step ``i`` of a tile whose program has walked ``base``
+    steps before it uses slot ``(base + i) % num_stages``, and the memory WG refills a
+    slot once both compute WGs consumed its previous step, whatever tile that was. A
+    tile's steps run in the same order as in the per-tile kernel, so dQ is bitwise the
+    same.
+    """
+    b = BLOCK
+    num_slots = st.num_stages
+    group = st.q_heads // st.kv_heads
+    programs = st.dq_programs
+    tiles = st.seq_pad // (_COMPUTE_WGS * b)
+    num_tiles = st.q_heads * tiles * st.batch
+    fields = 5 if st.users else 4
+
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
+        scoped,
+    ):  # fmt: skip
+        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
+        q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs
+        program = lax.axis_index(_axes.PROGRAMS)
+        wg = lax.axis_index(_axes.WARPGROUP)
+        # tiles program, program + P, ... below num_tiles (none when program >= num_tiles)
+        my_tiles = lax.div(jnp.maximum(num_tiles - program, 0) + (programs - 1), programs)
+
+        def tile_of(j):
+            """Program-local tile ``j``: its query head, batch row, steps and rows."""
+            index = program + j * programs
+            q_head = lax.rem(index, jnp.int32(st.q_heads))
+            tile = lax.rem(lax.div(index, jnp.int32(st.q_heads)), jnp.int32(tiles))
+            batch = lax.div(index, jnp.int32(st.q_heads * tiles))
+            tile_start, ranges, one_user = _tile_steps(
+                st, bounds_ref, steps_ref, batch, tile, ranker_kv_block_ranges
+            )
+            return q_head, batch, tile_start, ranges, one_user
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
+            staging = None if in_place else (ds_smem2.at[wg],)
+
+            def rows_of(q_head, batch, tile_start):
+                row0 = tile_start + wg * b
+                return row0, (batch, pl.ds(row0, b), q_head), (batch, q_head, pl.ds(row0, b))
+
+            def fixed_of(buf):
+                fixed = _DqFixed(
+                    q_smem3.at[buf, wg], do_smem3.at[buf, wg], lse_smem3.at[buf, wg],
+                    delta_smem3.at[buf, wg],
+                )  # fmt: skip
+                return fixed._replace(keys=keys_smem3.at[buf, wg]) if st.users else fixed
+
+            def issue_fixed(j, buf):
+                q_head, batch, tile_start, _, _ = tile_of(j)
+                row0, rows, vec = rows_of(q_head, batch, tile_start)
+                srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
+                if st.users:
+                    srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
+                for src, dst, bar in zip(srcs, fixed_of(buf)[:fields], fixed_ready, strict=True):
+                    plgpu.copy_gmem_to_smem(src, dst, bar.at[buf * _COMPUTE_WGS + wg])
+
+            @pl.when(my_tiles > 0)
+            def _first():
+                issue_fixed(0, 0)
+
+            def walk(j, base):
+                buf = lax.rem(j, 2)
+                q_head, batch, tile_start, ranges, one_user = tile_of(j)
+                row0, rows, _ = rows_of(q_head, batch, tile_start)
+                total_steps = ranges.total_steps
+                for bar in fixed_ready:
+                    plgpu.barrier_wait(bar.at[buf * _COMPUTE_WGS + wg])
+
+                @pl.when(j + 1 < my_tiles)
+                def _prefetch():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile j-1's dQ store
+                    issue_fixed(j + 1, 1 - buf)
+
+                fixed = fixed_of(buf)
+                dq = _dq_tile(
+                    st, dtype, in_place, fixed, ring, staging, ranges, total_steps, one_user,
+                    row0, wg, slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
+                )  # fmt: skip
+                fixed.q[...] = (dq * st.sm_scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(fixed.q, dq_ref.at[rows])
+                return base + total_steps
+
+            lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            def walk(j, base):
+                q_head, batch, _, ranges, _ = tile_of(j)
+                kv_head = lax.div(q_head, jnp.int32(group))
+
+                @pl.loop(0, ranges.total_steps)
+                def _issue(i):
+                    step = base + i
+                    slot = lax.rem(step, jnp.int32(num_slots))
+
+                    @pl.when(step >= num_slots)
+                    def _wait_free():
+                        plgpu.barrier_wait(consumed.at[slot])
+
+                    kv_rows = (batch, pl.ds(ranges.block_at(i) * b, b), kv_head)
+                    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+
+                return base + ranges.total_steps
+
+            total = lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
+
+            @pl.loop(jnp.maximum(total - num_slots, 0), total)
+            def _drain(step):
+                plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(num_slots))])
+
+    def entry(*refs):
+        # The per-tile kernel's operands (see _build_dq_kernel).
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
+        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
+        dq_ref = refs[-1]
+        t = _transforms()
+        own = plgpu.SMEM((2, _COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
+        own_vec = plgpu.SMEM((2, _COMPUTE_WGS, b), jnp.float32)
+        ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
+        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        keys = None
+        if st.users:
+            keys = plgpu.SMEM((2, _COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
+        refs_in = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
+        pl.run_scoped(
+            lambda *args: kernel(*refs_in, keys_ref, dq_ref, args),
+            [own, own, own_vec, own_vec, ring, ring, staging, keys],
+            (plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),) * fields,
             (plgpu.Barrier(num_barriers=num_slots),) * 2,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
             collective_axes=_axes.WARPGROUP,
@@ -662,11 +877,15 @@ def pipelined_bwd(
     packed ``[B, U, 4]`` normalized with ``users = U >= 2``.
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
     ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``,
-    ``exp2_fma_cols``, ``rcp_fma_cols`` (``BackwardTuning``; ``None`` keeps the defaults).
+    ``exp2_fma_cols``, ``rcp_fma_cols``, ``dq_programs`` (``BackwardTuning``; ``None``
+    keeps the defaults).
     """
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
     check_backward_knobs(knobs, st_fields["cap"])
-    need = pipelined_smem_bytes(st_fields["head_dim"], q.dtype, num_stages=knobs["num_stages"])
+    need = pipelined_smem_bytes(
+        st_fields["head_dim"], q.dtype, num_stages=knobs["num_stages"],
+        dq_programs=knobs.get("dq_programs", 0),
+    )  # fmt: skip
     for kernel, size in need.items():
         if size > SMEM_LIMIT_BYTES:
             raise ValueError(
@@ -696,11 +915,18 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
         )  # fmt: skip
         dq_in += [table(), packed_query_table(bounds, st.seq_pad)]
         dkv_in += [table(keys=True), packed_key_table(bounds, st.seq_pad)]
+    if st.dq_programs:
+        dq_grid = dict(grid=(st.dq_programs,), grid_names=(_axes.PROGRAMS,))
+        build_dq = _build_dq_persistent_kernel
+    else:
+        dq_grid = dict(
+            grid=(st.q_heads, tiles, st.batch), grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH)
+        )
+        build_dq = _build_dq_kernel
     dq = plgpu.kernel(
-        _build_dq_kernel(st, q.dtype, in_place=in_place),
+        build_dq(st, q.dtype, in_place=in_place),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(st.q_heads, tiles, st.batch),
-        grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
+        **dq_grid,
         kernel_name=DQ_KERNEL,
         **common,
     )(*dq_in)

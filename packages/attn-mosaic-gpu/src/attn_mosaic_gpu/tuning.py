@@ -64,6 +64,7 @@ class BackwardTuning:
     overlap: bool = True
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
+    dq_programs: int = 0
 
     def knobs(self) -> dict:
         """The overrides ``ranker_bwd_pipelined.pipelined_bwd(tuning=...)`` takes."""
@@ -341,6 +342,8 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
         baxes = [("exp2_fma_cols", [0, 16, 32, 48, 64])]
         if soft_sign:
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
+        # dq_programs (persistent dq) is not swept until it has run on a GPU: the sweep
+        # times variants without checking their results.
         baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
         backward, backward_ms = _descend(bstart, baxes, time_backward, min_gain, bwd_log)
     entry = {
