@@ -3,40 +3,64 @@
 # check, from a source checkout with jax[cuda] installed. Logs and results go to $OUT.
 #
 #   OUT=/tmp/h200 bash benchmarks/h200_run.sh
+#   PARTS="bwd fwd sparse" XDIST=4 COMMIT=$(git rev-parse --short HEAD) bash benchmarks/h200_run.sh
 #
-# With two GPUs the backward then forward tests (GPU 0) and the benchmark then the backward
-# knob sweep (GPU 1) run side by side, then the 2-GPU sharding check; with one GPU
-# everything runs in turn. RUN_FWD=0 skips the forward tests. The forward tests run the
-# whole GPU conformance file (FWD_SELECT=<pytest -k expression> narrows it, for a quick
-# look only: after a kernel change commit the log of the whole suite). OUT defaults to a
-# new folder attn-results/h200-<timestamp>, never a committed path; copy what you commit.
+# PARTS picks what runs, in this order on one GPU (default: all of
+# "bwd bench sweep fwd sparse"): the backward, forward and sparse-MLA GPU test files,
+# `attn bench` and the backward knob sweep. On one H200 the three test files take about
+# 8 minutes in one pytest process each, so split them over calls where a call is
+# time-limited, or set XDIST=N to run each file in N pytest-xdist processes (GPU memory
+# is then allocated on demand). COMMIT names the commit measured, for a checkout whose git
+# metadata is absent or stale: it becomes the reports' commit (ATTN_PROVENANCE_COMMIT)
+# and the first line of every log. With two GPUs the test files (GPU 0) and the bench
+# and sweep (GPU 1) run side by side, then the 2-GPU sharding check. RUN_FWD=0 skips the
+# forward tests; FWD_SELECT=<pytest -k expression> narrows them, for a quick look only:
+# after a kernel change commit the log of the whole suite. OUT defaults to a new folder
+# attn-results/h200-<timestamp>, never a committed path; copy what you commit.
 set -u
 OUT=${OUT:-attn-results/h200-$(date +%Y%m%d-%H%M%S)}
+PARTS=${PARTS:-bwd bench sweep fwd sparse}
 mkdir -p "$OUT"
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$root/common/src:$root/packages/attn-reference/src:$root/packages/attn-mosaic-gpu/src
 export PYTHONUNBUFFERED=1
+commit=${COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+[ -n "${COMMIT:-}" ] && export ATTN_PROVENANCE_COMMIT=$COMMIT
 tests=$root/packages/attn-mosaic-gpu/tests
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee "$OUT/devices.txt"
+xdist=()
+if [ -n "${XDIST:-}" ]; then xdist=(-n "$XDIST"); export XLA_PYTHON_CLIENT_PREALLOCATE=false; fi
 
-bwd_tests() { timeout "${BWD_LIMIT:-330}" python3 -m pytest -v -p no:cacheprovider \
-  "$tests/test_ranker_bwd_gpu.py" >"$OUT/h200_ranker_bwd_tests.log" 2>&1; echo "bwd tests rc=$?"; }
-bench() { timeout "${BENCH_LIMIT:-330}" python3 -m attn_common.cli bench --out "$OUT" \
-  --iterations "${ITERATIONS:-10}" --overwrite >"$OUT/bench.log" 2>&1; echo "bench rc=$?"; }
-sweep() { timeout "${SWEEP_LIMIT:-200}" python3 "$root/benchmarks/ranker_bwd_sweep.py" \
-  --out "$OUT" >"$OUT/sweep.log" 2>&1; echo "sweep rc=$?"; }
-fwd_tests() { [ "${RUN_FWD:-1}" = 1 ] || return 0; timeout "${FWD_LIMIT:-600}" python3 -m pytest -v -p no:cacheprovider \
-  "$tests/test_ranker_fwd_gpu.py" ${FWD_SELECT:+-k "$FWD_SELECT"} \
-  >"$OUT/h200_ranker_fwd_tests.log" 2>&1; echo "fwd tests rc=$?"; }
+want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+header() { echo "commit $commit ($(nvidia-smi -L | head -n 1))" >"$1"; }
+pytest_log() {  # pytest_log LOG LIMIT FILE [pytest args]
+  local log=$1 limit=$2; shift 2; header "$log"
+  timeout "$limit" python3 -m pytest -v -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} "$@" >>"$log" 2>&1
+  local rc=$?; echo "rc=$rc" >>"$log"; echo "$(basename "$log" .log) rc=$rc"
+}
+bwd_tests() { want bwd && pytest_log "$OUT/h200_ranker_bwd_tests.log" "${BWD_LIMIT:-330}" \
+  "$tests/test_ranker_bwd_gpu.py"; }
+fwd_tests() { want fwd && [ "${RUN_FWD:-1}" = 1 ] && pytest_log "$OUT/h200_ranker_fwd_tests.log" \
+  "${FWD_LIMIT:-600}" "$tests/test_ranker_fwd_gpu.py" ${FWD_SELECT:+-k "$FWD_SELECT"}; }
+sparse_tests() { want sparse && pytest_log "$OUT/h200_sparse_mla_tests.log" "${SPARSE_LIMIT:-200}" \
+  "$tests/test_sparse_mla_gpu.py" "$tests/test_sparse_mla_kernel_gpu.py"; }
+bench() { want bench || return 0; header "$OUT/bench.log"; timeout "${BENCH_LIMIT:-330}" \
+  python3 -m attn_common.cli bench --out "$OUT" --iterations "${ITERATIONS:-10}" --overwrite \
+  >>"$OUT/bench.log" 2>&1; echo "bench rc=$?"; }
+sweep() { want sweep || return 0; header "$OUT/sweep.log"; timeout "${SWEEP_LIMIT:-200}" \
+  python3 "$root/benchmarks/ranker_bwd_sweep.py" --out "$OUT" >>"$OUT/sweep.log" 2>&1
+  echo "sweep rc=$?"; }
 
 if [ "$gpus" -ge 2 ]; then
-  (CUDA_VISIBLE_DEVICES=0 bwd_tests; CUDA_VISIBLE_DEVICES=0 fwd_tests) &
-  (CUDA_VISIBLE_DEVICES=1 bench; CUDA_VISIBLE_DEVICES=1 sweep) &
+  (export CUDA_VISIBLE_DEVICES=0; bwd_tests; fwd_tests; sparse_tests) &
+  (export CUDA_VISIBLE_DEVICES=1; bench; sweep) &
   wait
-  timeout "${SHARD_LIMIT:-150}" python3 "$root/tests/sharding_gpu_check.py" --out "$OUT" \
-    >"$OUT/sharding_gpu.log" 2>&1; echo "sharding rc=$?"
+  if want sharding || [ "$PARTS" = "bwd bench sweep fwd sparse" ]; then
+    timeout "${SHARD_LIMIT:-150}" python3 "$root/tests/sharding_gpu_check.py" --out "$OUT" \
+      >"$OUT/sharding_gpu.log" 2>&1; echo "sharding rc=$?"
+  fi
 else
-  bwd_tests; bench; sweep; fwd_tests
+  bwd_tests; bench; sweep; fwd_tests; sparse_tests
 fi
 for f in "$OUT"/*.log; do echo "== $f"; tail -n 3 "$f"; done
