@@ -383,8 +383,12 @@ def test_persistent_dq_matches_per_tile(head_dim):
         np.testing.assert_array_equal(dq(dq_programs=5, num_stages=3), per_tile)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_kernel_axis_names_are_namespaced(head_dim):
+@pytest.mark.parametrize(
+    "head_dim,tuning",
+    [(64, None), (128, None), (256, None), (128, BackwardTuning(dq_programs=4))],
+    ids=["d64", "d128", "d256", "d128-persistent-dq"],
+)
+def test_kernel_axis_names_are_namespaced(head_dim, tuning):
     """Every axis a kernel names (grid, warpgroups, axis_index) carries the package
     prefix. ``lax.axis_index`` also sees the mesh axes of an enclosing ``shard_map``: with
     a plain ``"batch"`` grid axis, batch sharding over a mesh axis named ``"batch"`` gave
@@ -400,12 +404,14 @@ def test_kernel_axis_names_are_namespaced(head_dim):
 
     def fwd_bwd(q, k, v, b):
         def loss(q, k, v):
-            out, lse = ranker_attention(q, k, v, b, return_lse=True)
+            out, lse = ranker_attention(q, k, v, b, return_lse=True, backward_tuning=tuning)
             return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0).sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     text = str(jax.make_jaxpr(fwd_bwd)(q, kv, kv, bounds))
+    if tuning is not None:
+        assert f"grid_names=('{_axes.PROGRAMS}',)" in text
     names = set(re.findall(r"axis_name=(\w+)", text))
     for grid in re.findall(r"grid_names=\(([^)]*)\)", text):
         names |= {n.strip(" '") for n in grid.split(",") if n.strip(" '")}
