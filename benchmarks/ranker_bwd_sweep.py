@@ -5,8 +5,9 @@ times the dq and dk/dv kernels of ``attn_mosaic_gpu.ranker_bwd_pipelined`` separ
 (CUPTI, median of iterations) for each variant of the knobs ``fold`` (folded cap
 constants, derivative from the same terms), ``overlap`` (P computed while dP's wgmma
 runs; dS while dV's runs), ``num_stages`` (ring depth) and ``dq_programs`` (persistent
-dq programs, one per SM, that load the next tile's fixed operands during the current one). Inputs: random bf16 q, k, v,
-dO; the LSE from our forward kernel, so the probabilities are the real ones.
+dq programs, one per SM, that load the next tile's fixed operands during the current
+one). Inputs: random bf16 q, k, v, dO; the LSE from our forward kernel, so the
+probabilities are the real ones.
 
     python benchmarks/ranker_bwd_sweep.py --out docs/results
     python benchmarks/ranker_bwd_sweep.py --cases phoenix --variants '*overlap*'

@@ -460,6 +460,49 @@ def _dq_tile(
     return _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
 
 
+def _issue_kv(k_ref, v_ref, ring: _DqRing, batch, block, kv_head, slot):
+    """TMA-load key/value block ``block`` of ``(batch, kv_head)`` into ring slot ``slot``."""
+    kv_rows = (batch, pl.ds(block * BLOCK, BLOCK), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], ring.k.at[slot], ring.k_ready.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], ring.v.at[slot], ring.v_ready.at[slot])
+
+
+def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
+    """The dq kernel's entry: split the operands (q, k, v, dO, lse2, delta', bounds, the
+    packed rows' step list and query key table, dQ) and allocate the scratch that
+    ``kernel(*operands, scoped)`` receives: the fixed buffers (``fixed_copies`` = 2: a
+    leading axis of two, for the persistent kernel), the K/V ring, the interpret-mode dS
+    staging, and the barriers (one per fixed operand and buffer and WG; ready per slot for
+    K and V; consumed per slot)."""
+    b = BLOCK
+    lead = (fixed_copies,) if fixed_copies > 1 else ()
+    fields = 5 if st.users else 4
+
+    def entry(*refs):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
+        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
+        dq_ref = refs[-1]
+        t = _transforms()
+        own = plgpu.SMEM((*lead, _COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
+        own_vec = plgpu.SMEM((*lead, _COMPUTE_WGS, b), jnp.float32)
+        ring = plgpu.SMEM((st.num_stages, b, st.head_dim), dtype, transforms=t)
+        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        keys = None
+        if st.users:
+            keys = plgpu.SMEM((*lead, _COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
+        operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
+        pl.run_scoped(
+            lambda *args: kernel(*operands, keys_ref, dq_ref, args),
+            [own, own, own_vec, own_vec, ring, ring, staging, keys],
+            (plgpu.Barrier(num_barriers=fixed_copies * _COMPUTE_WGS),) * fields,
+            (plgpu.Barrier(num_barriers=st.num_stages),) * 2,
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),
+            collective_axes=_axes.WARPGROUP,
+        )
+
+    return entry
+
+
 def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
@@ -479,6 +522,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             st, bounds_ref, steps_ref, batch, _axes.Q_TILES, ranker_kv_block_ranges
         )
         total_steps = ranges.total_steps
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -496,7 +540,6 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             fixed = _DqFixed(q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
             if st.users:
                 fixed = fixed._replace(keys=keys_smem2.at[wg])
-            ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
             staging = None if in_place else (ds_smem2.at[wg],)
             dq = _dq_tile(
                 st, dtype, in_place, fixed, ring, staging, ranges, total_steps, one_user, row0,
@@ -512,48 +555,11 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
             def issue(step, slot):
-                kv_rows = (batch, pl.ds(ranges.block_at(step) * b, b), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+                _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(step), kv_head, slot)
 
             _ring_loads(num_slots, total_steps, issue, consumed)
 
-    def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step list and the query key
-        # table for packed rows), then dQ.
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
-        dq_ref = refs[-1]
-        t = _transforms()
-        own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
-        own_vec = plgpu.SMEM((_COMPUTE_WGS, b), jnp.float32)
-        ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
-        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
-        keys = None
-        if st.users:
-            keys = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
-        pl.run_scoped(
-            lambda *args: kernel(
-                q_ref,
-                k_ref,
-                v_ref,
-                do_ref,
-                lse_ref,
-                delta_ref,
-                bounds_ref,
-                steps_ref,
-                keys_ref,
-                dq_ref,
-                args,
-            ),
-            [own, own, own_vec, own_vec, ring, ring, staging, keys],
-            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (5 if st.users else 4),
-            (plgpu.Barrier(num_barriers=num_slots),) * 2,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
-            collective_axes=_axes.WARPGROUP,
-        )
-
-    return entry
+    return _dq_entry(kernel, st, dtype, in_place=in_place, fixed_copies=1)
 
 
 def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
@@ -600,10 +606,11 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
             )
             return q_head, batch, tile_start, ranges, one_user
 
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
+
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-            ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
             staging = None if in_place else (ds_smem2.at[wg],)
 
             def rows_of(q_head, batch, tile_start):
@@ -673,9 +680,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
                     def _wait_free():
                         plgpu.barrier_wait(consumed.at[slot])
 
-                    kv_rows = (batch, pl.ds(ranges.block_at(i) * b, b), kv_head)
-                    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem.at[slot], k_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem.at[slot], v_ready.at[slot])
+                    _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(i), kv_head, slot)
 
                 return base + ranges.total_steps
 
@@ -685,30 +690,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
             def _drain(step):
                 plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(num_slots))])
 
-    def entry(*refs):
-        # The per-tile kernel's operands (see _build_dq_kernel).
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
-        dq_ref = refs[-1]
-        t = _transforms()
-        own = plgpu.SMEM((2, _COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
-        own_vec = plgpu.SMEM((2, _COMPUTE_WGS, b), jnp.float32)
-        ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
-        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
-        keys = None
-        if st.users:
-            keys = plgpu.SMEM((2, _COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
-        refs_in = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
-        pl.run_scoped(
-            lambda *args: kernel(*refs_in, keys_ref, dq_ref, args),
-            [own, own, own_vec, own_vec, ring, ring, staging, keys],
-            (plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),) * fields,
-            (plgpu.Barrier(num_barriers=num_slots),) * 2,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
-            collective_axes=_axes.WARPGROUP,
-        )
-
-    return entry
+    return _dq_entry(kernel, st, dtype, in_place=in_place, fixed_copies=2)
 
 
 def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
