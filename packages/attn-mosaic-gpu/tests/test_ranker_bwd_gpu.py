@@ -63,13 +63,22 @@ def _kernel_grad(cap, use_lse, **kw):
 
 
 def _dead(bounds, batch, seq):
-    arr = np.broadcast_to(np.clip(np.asarray(bounds), 0, seq), (batch, 4))
+    """Rows and keys with nothing allowed, for [B, 4] bounds or packed [B, U, 4] rows."""
+    from attn_common.packed import ranker_mask_packed
+
     pos = np.arange(seq)
-    allowed = np.asarray(
-        ranker_mask(
-            pos[None, :, None], pos[None, None, :], *(arr[:, i, None, None] for i in range(4))
+    bounds = np.asarray(bounds)
+    if bounds.ndim == 3:
+        allowed = np.asarray(
+            ranker_mask_packed(pos[None, :, None], pos[None, None, :], bounds[:, None, None])
         )
-    )
+    else:
+        arr = np.broadcast_to(np.clip(bounds, 0, seq), (batch, 4))
+        allowed = np.asarray(
+            ranker_mask(
+                pos[None, :, None], pos[None, None, :], *(arr[:, i, None, None] for i in range(4))
+            )
+        )
     return ~allowed.any(axis=2), ~allowed.any(axis=1)  # rows [B, S], keys [B, S]
 
 
@@ -274,8 +283,6 @@ def test_grad_packed_users(head_dim, cap, layout):
     candidates first, a user's own history and candidates overlapping), shuffled slots."""
     from helpers import shaped_packed_bounds
 
-    from attn_common.packed import ranker_mask_packed
-
     seq = 1152
     if layout == "packer":
         bounds = _packed_bounds(13, 4, seq)
@@ -291,13 +298,8 @@ def test_grad_packed_users(head_dim, cap, layout):
 
     up = [x.astype(jnp.float32) for x in (q, k, v)]
     want = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2)))(*up)
-    pos = np.arange(seq)
-    allowed = np.asarray(
-        ranker_mask_packed(
-            pos[None, :, None], pos[None, None, :], np.asarray(bounds)[:, None, None]
-        )
-    )
-    dead = (~allowed.any(axis=2), ~allowed.any(axis=1), ~allowed.any(axis=1))
+    row_dead, key_dead = _dead(bounds, q.shape[0], seq)
+    dead = (row_dead, key_dead, key_dead)
     for name, g, r, d in zip(("dq", "dk", "dv"), got, want, dead, strict=True):
         g = np.asarray(g.astype(jnp.float32), np.float64)
         r = np.asarray(r, np.float64)

@@ -86,10 +86,14 @@ class SparseMlaKernelConfig:
     their P buffers, so one pair is gathered while the other is consumed. The default,
     (32, 2), measured as fast as (64, 1) on an 8K-token cache and up to 23% faster on
     a 128K one, where the gather's latency is longest (docs/sparse_mla_gpu.md).
+    ``prefetch_qk``: issue the next pair's QK^T behind the current pair's value product
+    (``None``: whenever ``num_stages >= 2``; with one stage the next pair cannot be
+    gathered before the current one is released, so it is refused).
     """
 
     block_k: int = 32
     num_stages: int = 2
+    prefetch_qk: bool | None = None
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -101,6 +105,18 @@ class SparseMlaKernelConfig:
                 f"{self.block_k} (Q takes 72 KiB and a pair of blocks "
                 f"{2 * self.block_k * 1152 // 1024} KiB of the 227 KiB of shared memory)"
             )
+        if self.prefetch_qk not in (None, True, False):
+            raise ValueError(f"prefetch_qk: got {self.prefetch_qk!r}, expected a bool or None")
+        if self.prefetch_qk and self.num_stages < 2:
+            raise ValueError(
+                "prefetch_qk needs num_stages >= 2: the next pair's QK^T waits for a pair "
+                "that one stage cannot gather before the current pair is released"
+            )
+
+    @property
+    def resolved_prefetch_qk(self) -> bool:
+        """``prefetch_qk`` with ``None`` resolved (on whenever ``num_stages >= 2``)."""
+        return self.num_stages >= 2 if self.prefetch_qk is None else self.prefetch_qk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +128,7 @@ class _Static:
     sm_scale: float
     block_k: int
     num_stages: int
+    prefetch_qk: bool
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -311,23 +328,39 @@ def _build_kernel(st: _Static, *, interpret: bool):
             if interpret:
                 plgpu.barrier_wait(q_ready.at[1])
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            m_i = plgpu.layout_cast(jnp.full((heads,), _M_INIT, jnp.float32), row_layout)
-            l_i = plgpu.layout_cast(jnp.full((heads,), 0.0, jnp.float32), row_layout)
-            acc = plgpu.layout_cast(jnp.full((heads, half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            m_init = plgpu.layout_cast(jnp.full((heads,), _M_INIT, jnp.float32), row_layout)
+            l_init = plgpu.layout_cast(jnp.full((heads,), 0.0, jnp.float32), row_layout)
+            s_zero = plgpu.layout_cast(
+                jnp.full((heads, block_k), 0.0, jnp.float32), plgpu.Layout.WGMMA
+            )
+            acc_zero = plgpu.layout_cast(
+                jnp.full((heads, half), 0.0, jnp.float32), plgpu.Layout.WGMMA
+            )
 
-            def step(p, carry):
-                acc, m_i, l_i = carry
+            def start_qk(s_ref, p):
+                """Wait for this WG's block of pair ``p`` and start ``S = Q K^T``: issued
+                into ``s_ref`` (the caller waits), or in interpret mode, whose wgmma is
+                synchronous, computed and returned."""
                 ring = lax.rem(p, jnp.int32(stages))
-                own = ring * 2 + wg
-                theirs = ring * 2 + other
-                plgpu.barrier_wait(ready.at[own])
+                plgpu.barrier_wait(ready.at[ring * 2 + wg])
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_lat, block(k_lat, ring, wg).transpose((1, 0)))
                     plgpu.wgmma(acc_ref, q_rope_a, block(k_rope, ring, wg).transpose((1, 0)))
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
+                if interpret:
+                    return pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
+                s_ref[...] = s_zero
+                plgpu.wgmma(s_ref, q_lat, block(k_lat, ring, wg).transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_rope_a, block(k_rope, ring, wg).transpose((1, 0)))
+                return None
+
+            def softmax_and_pv(p, s, acc, acc_ref, m_i, l_i):
+                """Pair ``p``'s softmax (one running max for both WGs) and value product:
+                issued into ``acc_ref`` and not waited for, or in interpret mode added
+                to ``acc`` (own P read back from shared memory: no register-A wgmma)."""
+                ring = lax.rem(p, jnp.int32(stages))
                 col = (2 * p + wg) * block_k + plgpu.broadcasted_iota(
                     jnp.int32, (heads, block_k), 1, layout=plgpu.Layout.WGMMA
                 )
@@ -341,8 +374,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 )
                 x = s * scale2 - lax.broadcast_in_dim(m_new, s.shape, [0])
                 probs = jnp.exp2(x)
-                alpha = jnp.exp2(m_i - m_new)
-                l_i = l_i * alpha + probs.sum(axis=1)
+                alpha = lax.broadcast_in_dim(jnp.exp2(m_i - m_new), (heads, half), [0])
+                l_i = l_i * jnp.exp2(m_i - m_new) + probs.sum(axis=1)
                 p16 = probs.astype(jnp.bfloat16)
                 if p_in_rope:
                     p_own, p_theirs = block(k_rope, ring, wg), block(k_rope, ring, other)
@@ -351,25 +384,73 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 p_own[...] = p16
                 plgpu.commit_smem()
                 pair_sync()
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
                 cols = pl.ds(wg * half, half)
+                own_v, their_v = block(k_lat, ring, wg), block(k_lat, ring, other)
 
                 def pv(acc_ref):
-                    own_v = block(k_lat, ring, wg).at[:, cols]
-                    plgpu.wgmma(acc_ref, p_own if interpret else p16, own_v)
-                    plgpu.wgmma(acc_ref, p_theirs, block(k_lat, ring, other).at[:, cols])
-                    return acc_ref[...] if interpret else None
+                    plgpu.wgmma(acc_ref, p_own, own_v.at[:, cols])
+                    plgpu.wgmma(acc_ref, p_theirs, their_v.at[:, cols])
+                    return acc_ref[...]
 
                 if interpret:
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((heads, half), jnp.float32))
-                else:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(consumed.at[own])
-                plgpu.barrier_arrive(consumed.at[theirs])
-                return acc, m_new, l_i
+                    return acc * alpha + pl.run_scoped(pv, plgpu.ACC((heads, half))), m_new, l_i
+                acc_ref[...] = acc_ref[...] * alpha
+                plgpu.wgmma(acc_ref, p16, own_v.at[:, cols])
+                plgpu.wgmma(acc_ref, p_theirs, their_v.at[:, cols])
+                return None, m_new, l_i
 
-            acc, m_i, l_i = lax.fori_loop(0, num_pairs, step, (acc, m_i, l_i))
+            def pairs(s_ref=None, acc_ref=None):
+                """The pair loop; (acc, m, l) at the end. ``prefetch_qk``: pair p + 1's
+                QK^T is issued behind pair p's value product, so the tensor cores go from
+                one to the other while this WG waits for the value product."""
+                s = s_zero if interpret else None
+
+                def start_next(pred, p):
+                    if interpret:
+                        return lax.cond(pred, lambda: start_qk(None, p), lambda: s_zero)
+
+                    @pl.when(pred)
+                    def _start():
+                        start_qk(s_ref, p)
+                        plgpu.wgmma_wait(2)  # the value product: the older two groups
+
+                    @pl.when(jnp.logical_not(pred))
+                    def _drain():
+                        plgpu.wgmma_wait(0)
+
+                    return None
+
+                if st.prefetch_qk:
+                    s = start_next(num_pairs > 0, 0)
+
+                def step(p, carry):
+                    m_i, l_i, acc, s = carry
+                    if not st.prefetch_qk:
+                        s = start_qk(s_ref, p)
+                    if not interpret:
+                        s = s_ref[...]  # waits for every wgmma in flight: pair p's QK^T
+                    acc, m_new, l_i = softmax_and_pv(p, s, acc, acc_ref, m_i, l_i)
+                    if st.prefetch_qk:
+                        s = start_next(p + 1 < num_pairs, p + 1)
+                    elif not interpret:
+                        plgpu.wgmma_wait(0)
+                    ring = lax.rem(p, jnp.int32(stages))
+                    plgpu.barrier_arrive(consumed.at[ring * 2 + wg])
+                    plgpu.barrier_arrive(consumed.at[ring * 2 + other])
+                    return m_new, l_i, acc, (s if interpret else None)
+
+                acc = acc_zero if interpret else None
+                m_i, l_i, acc, _ = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc, s))
+                return (acc if interpret else acc_ref[...]), m_i, l_i
+
+            if interpret:
+                acc, m_i, l_i = pairs()
+            else:
+                acc, m_i, l_i = pl.run_scoped(
+                    pairs,
+                    plgpu.ACC((heads, block_k), jnp.float32),
+                    plgpu.ACC((heads, half), jnp.float32),
+                )
             # `stats` now carries the row sums (every read of the maxima is done: both WGs
             # passed the last pair's second sync).
             stats.at[wg][...] = l_i
@@ -391,8 +472,24 @@ def _build_kernel(st: _Static, *, interpret: bool):
         def _memory():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
+            def signal_ready(pair, after):
+                """Publish ``pair``'s two blocks once copied; ``after``: pairs issued
+                since (each pair is two cp.async groups, WG0's block first)."""
+                ring = lax.rem(pair, jnp.int32(stages))
+                for w in range(_COMPUTE_WGS):
+                    wait_copies(2 * after + _COMPUTE_WGS - 1 - w)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[ring * 2 + w])
+
             @pl.loop(0, num_pairs)
             def _issue(p):
+                # Publish the previous pair (the only one in flight) before waiting for a
+                # free slot: its consumers must not wait for this pair's issue (nor, with
+                # prefetch_qk, can they: they ask for pair p - 1 before releasing p - 2).
+                @pl.when(p >= 1)
+                def _signal_previous():
+                    signal_ready(p - 1, 0)
+
                 ring = lax.rem(p, jnp.int32(stages))
                 for w in range(_COMPUTE_WGS):
                     slot = ring * 2 + w
@@ -408,33 +505,10 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         block(k_lat, ring, w),
                         block(k_rope, ring, w),
                     )
-                done = p - (stages - 1)
 
-                @pl.when(done >= 0)
-                def _signal():
-                    # Pair `done`'s two groups are the oldest 2 of the 2 * stages pending.
-                    ring_done = lax.rem(done, jnp.int32(stages))
-                    wait_copies(2 * (stages - 1) + 1)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ready.at[ring_done * 2])
-                    wait_copies(2 * (stages - 1))
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ready.at[ring_done * 2 + 1])
-
-            # The last stages - 1 pairs: no later pair pushes them out of the queue.
-            for tail in range(stages - 1):
-                p_tail = num_pairs - (stages - 1) + tail
-                after = stages - 2 - tail  # pairs issued after p_tail
-
-                @pl.when(p_tail >= 0)
-                def _signal_tail(p_tail=p_tail, after=after):
-                    ring_t = lax.rem(p_tail, jnp.int32(stages))
-                    wait_copies(2 * after + 1)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ready.at[ring_t * 2])
-                    wait_copies(2 * after)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ready.at[ring_t * 2 + 1])
+            @pl.when(num_pairs > 0)
+            def _signal_last():
+                signal_ready(num_pairs - 1, 0)
 
             # Drain: observe the consumption of the last pairs before the barriers die.
             @pl.loop(jnp.maximum(num_pairs - stages, 0), num_pairs)
@@ -559,6 +633,7 @@ def sparse_mla_rows_attention(
         sm_scale=float(sm_scale),
         block_k=config.block_k,
         num_stages=config.num_stages,
+        prefetch_qk=config.resolved_prefetch_qk,
     )
     out, lse = _launch(
         q,
