@@ -34,7 +34,6 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {
     "default": {},
-    "32x2, no QK^T prefetch": {"block_k": 32, "num_stages": 2, "prefetch_qk": False},
     "64x1": {"block_k": 64, "num_stages": 1},
 }
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k

@@ -258,13 +258,10 @@ def test_write_back_bit_identical_and_prefill_wrapper():
 # The kernel on its own
 
 
-@pytest.mark.parametrize(
-    "block_k,num_stages,prefetch_qk", [(64, 1, None), (32, 2, True), (32, 2, False), (32, 1, None)]
-)
-def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, prefetch_qk):
+@pytest.mark.parametrize("block_k,num_stages", [(64, 1), (32, 2), (32, 1)])
+def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages):
     """128 heads (two programs per token), counts that end inside a block and a pair;
-    every tiling (the ring of two pairs at block_k=32 included), the next pair's QK^T
-    issued early (prefetch_qk) or not."""
+    every tiling (the ring of two pairs at block_k=32 included)."""
     rng = np.random.default_rng(5)
     tokens, heads, kp, store_rows = 3, 128, 256, 300
     counts = np.array([256, 129, 63], np.int32)
@@ -277,7 +274,7 @@ def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, prefetch_
     store = jnp.asarray(store, jnp.bfloat16)
     out, lse = _run(
         sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
-        sm_scale=SM_SCALE, dv=DV, config=SparseMlaKernelConfig(block_k, num_stages, prefetch_qk),
+        sm_scale=SM_SCALE, dv=DV, config=SparseMlaKernelConfig(block_k, num_stages),
     )  # fmt: skip
     qf = np.asarray(q.astype(jnp.float32), np.float64)
     sf = np.asarray(store.astype(jnp.float32), np.float64)
@@ -315,10 +312,6 @@ def test_refuses_what_the_kernel_does_not_take():
         SparseMlaKernelConfig(block_k=48)
     with pytest.raises(ValueError, match="num_stages"):
         SparseMlaKernelConfig(block_k=64, num_stages=2)
-    with pytest.raises(ValueError, match="prefetch_qk needs num_stages >= 2"):
-        SparseMlaKernelConfig(block_k=64, num_stages=1, prefetch_qk=True)
-    assert SparseMlaKernelConfig().resolved_prefetch_qk
-    assert not SparseMlaKernelConfig(64, 1).resolved_prefetch_qk
 
 
 # ------------------------------------------------------------------------------------

@@ -84,16 +84,14 @@ def _poison(nbytes):
     ],
 )
 @pytest.mark.parametrize("width", [576, 640])
-@pytest.mark.parametrize(
-    "block_k,num_stages,prefetch_qk", [(64, 1, None), (32, 2, True), (32, 2, False), (32, 1, None)]
-)
-def test_kernel_matches_oracle(heads, kp, counts, width, block_k, num_stages, prefetch_qk):
+@pytest.mark.parametrize("block_k,num_stages", [(64, 1), (32, 2), (32, 1)])
+def test_kernel_matches_oracle(heads, kp, counts, width, block_k, num_stages):
     sm_scale = 1.0 / np.sqrt(192.0)
     q, store, rows, counts_a = _problem(
         len(counts) + heads, len(counts), heads, kp, 4096, width, counts
     )
     _poison(len(counts) * heads * DV * 4)
-    config = SparseMlaKernelConfig(block_k, num_stages, prefetch_qk)
+    config = SparseMlaKernelConfig(block_k, num_stages)
     out, lse = sparse_mla_rows_attention(q, store, rows, counts_a, sm_scale=sm_scale, config=config)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     want_out, want_lse = _oracle(q, store, rows, counts_a, sm_scale)
@@ -121,5 +119,3 @@ def test_config_rejects_bad_values():
         SparseMlaKernelConfig(block_k=64, num_stages=2)
     with pytest.raises(ValueError, match="num_stages"):
         SparseMlaKernelConfig(block_k=32, num_stages=3)
-    with pytest.raises(ValueError, match="prefetch_qk needs num_stages >= 2"):
-        SparseMlaKernelConfig(block_k=64, num_stages=1, prefetch_qk=True)

@@ -21,9 +21,12 @@ L2. Three warpgroups (``num_threads=3``):
   wgmma reads. Rows past ``counts[n]`` are zero-filled (``cp.async`` with a source size
   of 0), so stale or uninitialised shared memory never reaches the value product.
   Blocks go in pairs (block ``2p`` for WG0, ``2p + 1`` for WG1) into a ring of
-  ``num_stages`` pair slots. After issuing pair ``p`` the warpgroup waits for the copies
-  of pair ``p - num_stages + 1`` (``cp.async.wait_group``), fences them for the async
-  proxy (``commit_smem``) and arrives on their ``ready`` barriers.
+  ``num_stages`` pair slots. Before pair ``p``, the warpgroup waits for the copies of
+  pair ``p - 1`` (``cp.async.wait_group``), fences them for the async proxy
+  (``commit_smem``) and arrives on their ``ready`` barriers; only then does it wait for
+  pair ``p``'s slots to be ``consumed`` and issue it. So a pair is published as soon as
+  it has landed, never behind the next pair's issue (the row ids' global loads and the
+  copies), and pair ``p`` is in flight while the compute WGs work on pair ``p - 1``.
 * WG0, WG1 (compute, ``setmaxnreg 232``) each own one block of every pair and one half
   of the value features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator).
   Per pair: ``S = Q K^T`` over the 512 latent and the 64 rope features of its own block
@@ -84,16 +87,12 @@ class SparseMlaKernelConfig:
     pair of 64-row blocks 144 KiB of the 227 KiB, so one pair fits (the next pair's
     gather waits for the current pair's value product); at 32 rows two pairs fit with
     their P buffers, so one pair is gathered while the other is consumed. The default,
-    (32, 2), measured as fast as (64, 1) on an 8K-token cache and up to 23% faster on
-    a 128K one, where the gather's latency is longest (docs/sparse_mla_gpu.md).
-    ``prefetch_qk``: issue the next pair's QK^T behind the current pair's value product
-    (``None``: whenever ``num_stages >= 2``; with one stage the next pair cannot be
-    gathered before the current one is released, so it is refused).
+    (32, 2), measured 1.4x faster than (64, 1) on an 8K-token cache and 1.8x on a 128K
+    one, where the gather's latency is longest (docs/sparse_mla_gpu.md).
     """
 
     block_k: int = 32
     num_stages: int = 2
-    prefetch_qk: bool | None = None
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -105,18 +104,6 @@ class SparseMlaKernelConfig:
                 f"{self.block_k} (Q takes 72 KiB and a pair of blocks "
                 f"{2 * self.block_k * 1152 // 1024} KiB of the 227 KiB of shared memory)"
             )
-        if self.prefetch_qk not in (None, True, False):
-            raise ValueError(f"prefetch_qk: got {self.prefetch_qk!r}, expected a bool or None")
-        if self.prefetch_qk and self.num_stages < 2:
-            raise ValueError(
-                "prefetch_qk needs num_stages >= 2: the next pair's QK^T waits for a pair "
-                "that one stage cannot gather before the current pair is released"
-            )
-
-    @property
-    def resolved_prefetch_qk(self) -> bool:
-        """``prefetch_qk`` with ``None`` resolved (on whenever ``num_stages >= 2``)."""
-        return self.num_stages >= 2 if self.prefetch_qk is None else self.prefetch_qk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +115,6 @@ class _Static:
     sm_scale: float
     block_k: int
     num_stages: int
-    prefetch_qk: bool
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -400,47 +386,25 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 return None, m_new, l_i
 
             def pairs(s_ref=None, acc_ref=None):
-                """The pair loop; (acc, m, l) at the end. ``prefetch_qk``: pair p + 1's
-                QK^T is issued behind pair p's value product, so the tensor cores go from
-                one to the other while this WG waits for the value product."""
-                s = s_zero if interpret else None
-
-                def start_next(pred, p):
-                    if interpret:
-                        return lax.cond(pred, lambda: start_qk(None, p), lambda: s_zero)
-
-                    @pl.when(pred)
-                    def _start():
-                        start_qk(s_ref, p)
-                        plgpu.wgmma_wait(2)  # the value product: the older two groups
-
-                    @pl.when(jnp.logical_not(pred))
-                    def _drain():
-                        plgpu.wgmma_wait(0)
-
-                    return None
-
-                if st.prefetch_qk:
-                    s = start_next(num_pairs > 0, 0)
+                """The pair loop: ``(acc, m, l)`` at the end. Compiled, S and the value
+                accumulator are the ACC refs ``s_ref``, ``acc_ref``; in interpret mode
+                they are values."""
 
                 def step(p, carry):
-                    m_i, l_i, acc, s = carry
-                    if not st.prefetch_qk:
-                        s = start_qk(s_ref, p)
+                    m_i, l_i, acc = carry
+                    s = start_qk(s_ref, p)
                     if not interpret:
-                        s = s_ref[...]  # waits for every wgmma in flight: pair p's QK^T
+                        s = s_ref[...]  # waits for pair p's QK^T
                     acc, m_new, l_i = softmax_and_pv(p, s, acc, acc_ref, m_i, l_i)
-                    if st.prefetch_qk:
-                        s = start_next(p + 1 < num_pairs, p + 1)
-                    elif not interpret:
+                    if not interpret:
                         plgpu.wgmma_wait(0)
                     ring = lax.rem(p, jnp.int32(stages))
                     plgpu.barrier_arrive(consumed.at[ring * 2 + wg])
                     plgpu.barrier_arrive(consumed.at[ring * 2 + other])
-                    return m_new, l_i, acc, (s if interpret else None)
+                    return m_new, l_i, acc
 
                 acc = acc_zero if interpret else None
-                m_i, l_i, acc, _ = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc, s))
+                m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
 
             if interpret:
@@ -484,8 +448,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
             @pl.loop(0, num_pairs)
             def _issue(p):
                 # Publish the previous pair (the only one in flight) before waiting for a
-                # free slot: its consumers must not wait for this pair's issue (nor, with
-                # prefetch_qk, can they: they ask for pair p - 1 before releasing p - 2).
+                # free slot, so its consumers never wait for this pair's issue (the row
+                # ids' loads and the copies: 1.3-1.6x faster than publishing after it).
                 @pl.when(p >= 1)
                 def _signal_previous():
                     signal_ready(p - 1, 0)
@@ -633,7 +597,6 @@ def sparse_mla_rows_attention(
         sm_scale=float(sm_scale),
         block_k=config.block_k,
         num_stages=config.num_stages,
-        prefetch_qk=config.resolved_prefetch_qk,
     )
     out, lse = _launch(
         q,

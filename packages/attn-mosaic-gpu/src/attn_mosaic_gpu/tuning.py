@@ -342,9 +342,11 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
         baxes = [("exp2_fma_cols", [0, 16, 32, 48, 64])]
         if soft_sign:
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
-        # dq_programs (persistent dq) is not swept until it has run on a GPU: the sweep
-        # times variants without checking their results.
         baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
+        # Persistent dq: one program per SM (the device's core count, when it has one).
+        sms = getattr(jax.devices()[0], "core_count", None)
+        if sms:
+            baxes.append(("dq_programs", [0, int(sms)]))
         backward, backward_ms = _descend(bstart, baxes, time_backward, min_gain, bwd_log)
     entry = {
         "dtype": "bfloat16",
