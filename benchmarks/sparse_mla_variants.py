@@ -34,6 +34,7 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {
     "default": {},
+    "one-way max exchange": {"exchange": "one_way"},
     "64x1": {"block_k": 64, "num_stages": 1},
 }
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k

@@ -258,10 +258,15 @@ def test_write_back_bit_identical_and_prefill_wrapper():
 # The kernel on its own
 
 
-@pytest.mark.parametrize("block_k,num_stages", [(64, 1), (32, 2), (32, 1)])
-def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages):
+@pytest.mark.parametrize(
+    "block_k,num_stages,exchange",
+    [(64, 1, "lockstep"), (32, 2, "lockstep"), (32, 1, "lockstep"), (32, 2, "one_way"),
+     (32, 1, "one_way")],
+)  # fmt: skip
+def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange):
     """128 heads (two programs per token), counts that end inside a block and a pair;
-    every tiling (the ring of two pairs at block_k=32 included)."""
+    every tiling (the ring of two pairs at block_k=32 included) and both max exchanges
+    (race detection on: the one-way exchange reuses its P and max buffers every pair)."""
     rng = np.random.default_rng(5)
     tokens, heads, kp, store_rows = 3, 128, 256, 300
     counts = np.array([256, 129, 63], np.int32)
@@ -274,7 +279,7 @@ def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages):
     store = jnp.asarray(store, jnp.bfloat16)
     out, lse = _run(
         sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
-        sm_scale=SM_SCALE, dv=DV, config=SparseMlaKernelConfig(block_k, num_stages),
+        sm_scale=SM_SCALE, dv=DV, config=SparseMlaKernelConfig(block_k, num_stages, exchange),
     )  # fmt: skip
     qf = np.asarray(q.astype(jnp.float32), np.float64)
     sf = np.asarray(store.astype(jnp.float32), np.float64)
@@ -312,6 +317,10 @@ def test_refuses_what_the_kernel_does_not_take():
         SparseMlaKernelConfig(block_k=48)
     with pytest.raises(ValueError, match="num_stages"):
         SparseMlaKernelConfig(block_k=64, num_stages=2)
+    with pytest.raises(ValueError, match="exchange"):
+        SparseMlaKernelConfig(exchange="both")
+    with pytest.raises(ValueError, match="block_k=32"):
+        SparseMlaKernelConfig(block_k=64, num_stages=1, exchange="one_way")
 
 
 # ------------------------------------------------------------------------------------
@@ -326,13 +335,16 @@ def _export(fn, *shapes):
     return text
 
 
-@pytest.mark.parametrize("heads", [128, 64])
-def test_cross_lowers_flat_token_level(heads):
+@pytest.mark.parametrize(
+    "heads,exchange", [(128, "lockstep"), (64, "lockstep"), (128, "one_way")]
+)  # fmt: skip
+def test_cross_lowers_flat_token_level(heads, exchange):
     tokens, top_k, cache = 4096, 2048, 8192
+    config = SparseMlaKernelConfig(exchange=exchange)
 
     def fn(q, kv, idx, pos):
         return gpu.sparse_mla_attention(
-            q, kv, idx, pos, sm_scale=0.0721, read_block=1, return_lse=True
+            q, kv, idx, pos, sm_scale=0.0721, read_block=1, return_lse=True, config=config
         )
 
     _export(

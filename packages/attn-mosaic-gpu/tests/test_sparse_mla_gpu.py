@@ -48,7 +48,17 @@ DV, DK = 512, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
 TOL = dict(rtol_l2=1e-2, atol=3e-2)
 LSE_ATOL = 2e-3
-CONFIGS = [SparseMlaKernelConfig(64, 1), SparseMlaKernelConfig(32, 2)]
+
+
+def _config_id(c):
+    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}"
+
+
+CONFIGS = [
+    SparseMlaKernelConfig(64, 1),
+    SparseMlaKernelConfig(32, 2),
+    SparseMlaKernelConfig(32, 2, "one_way"),
+]
 
 
 def _poison(nbytes):
@@ -87,7 +97,7 @@ def _flat(fn, case, rb, **kw):
     return fn(q, kv, idx, pos, sm_scale=SM_SCALE, read_block=rb, return_lse=True, **kw)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bk{c.block_k}s{c.num_stages}")
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize(
     "heads,top_k,kv_len", [(128, 2048, 8192), (64, 1000, 4096), (16, 333, 2000)]
 )
@@ -143,7 +153,7 @@ def _ragged(fn, case, page_size=64, **kw):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bk{c.block_k}s{c.num_stages}")
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_ragged_paged_dirty_cache(config):
     layout, cache, q, idx, positions = _ragged_case(11)
     want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))

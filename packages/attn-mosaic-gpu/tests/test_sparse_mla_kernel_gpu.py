@@ -84,14 +84,17 @@ def _poison(nbytes):
     ],
 )
 @pytest.mark.parametrize("width", [576, 640])
-@pytest.mark.parametrize("block_k,num_stages", [(64, 1), (32, 2), (32, 1)])
-def test_kernel_matches_oracle(heads, kp, counts, width, block_k, num_stages):
+@pytest.mark.parametrize(
+    "block_k,num_stages,exchange",
+    [(64, 1, "lockstep"), (32, 2, "lockstep"), (32, 1, "lockstep"), (32, 2, "one_way")],
+)
+def test_kernel_matches_oracle(heads, kp, counts, width, block_k, num_stages, exchange):
     sm_scale = 1.0 / np.sqrt(192.0)
     q, store, rows, counts_a = _problem(
         len(counts) + heads, len(counts), heads, kp, 4096, width, counts
     )
     _poison(len(counts) * heads * DV * 4)
-    config = SparseMlaKernelConfig(block_k, num_stages)
+    config = SparseMlaKernelConfig(block_k, num_stages, exchange)
     out, lse = sparse_mla_rows_attention(q, store, rows, counts_a, sm_scale=sm_scale, config=config)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     want_out, want_lse = _oracle(q, store, rows, counts_a, sm_scale)
@@ -119,3 +122,5 @@ def test_config_rejects_bad_values():
         SparseMlaKernelConfig(block_k=64, num_stages=2)
     with pytest.raises(ValueError, match="num_stages"):
         SparseMlaKernelConfig(block_k=32, num_stages=3)
+    with pytest.raises(ValueError, match="block_k=32"):
+        SparseMlaKernelConfig(block_k=64, num_stages=1, exchange="one_way")

@@ -40,6 +40,18 @@ L2. Three warpgroups (``num_threads=3``):
   rope features were (dead once its QK^T is done), so one pair of blocks fits in
   227 KiB; with 32-row blocks two pairs fit (one consumed while the next is gathered)
   plus one P buffer per compute WG.
+* ``exchange="one_way"`` (opt-in, 32-row blocks; the other order of the same work, as
+  FlashMLA's Hopper sparse prefill does it): WG0 does not wait for WG1 before its own
+  value product. Per pair, WG0 takes ``m0 = max(m, rowmax S_0)``, publishes it
+  (``stats[0]``, ``max_ready[0]``), computes ``P_0`` on it and issues ``P_0 V_0``; WG1
+  waits for ``m0``, publishes ``m' = max(m0, rowmax S_1)`` (``max_ready[1]``), computes
+  ``P_1`` on it, issues ``P_1 V_1`` and publishes ``P_1`` (``p_ready[1]``). WG0 then
+  rescales by ``exp2(m0 - m')``: the ``P_0`` it publishes for WG1 (``p_ready[0]``), its
+  row sums and, once ``P_0 V_0`` has landed, its accumulator, before ``P_1 V_1``. Every
+  barrier gets one arrival and one wait per pair, and a WG overwrites a ``stats`` or
+  ``P`` buffer only after a wait that the other WG's last read of it precedes (each
+  WG's wait for the other's max of pair ``p + 1`` follows the other's pair ``p``), so no
+  barrier runs two phases ahead of its waiter.
 * At the end the WGs add their row sums through shared memory, normalise, and store
   their output half to global memory; WG0 writes the LSE.
 
@@ -76,6 +88,7 @@ _M_INIT = -1e30
 _AXIS_HEADS = "head_group"
 _AXIS_TOKENS = "token"
 _AXIS_WG = "wg"
+EXCHANGES = ("lockstep", "one_way")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +102,15 @@ class SparseMlaKernelConfig:
     their P buffers, so one pair is gathered while the other is consumed. The default,
     (32, 2), measured 1.4x faster than (64, 1) on an 8K-token cache and 1.8x on a 128K
     one, where the gather's latency is longest (docs/sparse_mla_gpu.md).
+    ``exchange``: how the two compute WGs share the running max, ``"lockstep"`` (both
+    exchange their block maxima, then both their P) or ``"one_way"`` (WG0 goes ahead on
+    its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; not yet
+    measured on a GPU, see the module docstring).
     """
 
     block_k: int = 32
     num_stages: int = 2
+    exchange: str = "lockstep"
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -104,6 +122,10 @@ class SparseMlaKernelConfig:
                 f"{self.block_k} (Q takes 72 KiB and a pair of blocks "
                 f"{2 * self.block_k * 1152 // 1024} KiB of the 227 KiB of shared memory)"
             )
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
+        if self.exchange == "one_way" and self.block_k != 32:
+            raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +137,7 @@ class _Static:
     sm_scale: float
     block_k: int
     num_stages: int
+    exchange: str
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -273,8 +296,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
             _wait_copies(pending)
 
     def kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, scoped):
-        (q_lat, q_rope, k_lat, k_rope, p_bufs, stats), barriers = scoped
-        ready, consumed, q_ready, pair = barriers
+        (q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats), barriers = scoped
+        ready, consumed, q_ready, pair, max_ready, p_ready = barriers
         group = lax.axis_index(_AXIS_HEADS)
         token = lax.axis_index(_AXIS_TOKENS)
         wg = lax.axis_index(_AXIS_WG)
@@ -342,22 +365,31 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 plgpu.wgmma(s_ref, q_rope_a, block(k_rope, ring, wg).transpose((1, 0)))
                 return None
 
+            def masked_scores(p, s):
+                """This WG's scores of pair ``p``, ``-inf`` past the query's row count."""
+                col = (2 * p + wg) * block_k + plgpu.broadcasted_iota(
+                    jnp.int32, (heads, block_k), 1, layout=plgpu.Layout.WGMMA
+                )
+                return jnp.where(col < count, s, -jnp.inf)
+
+            def scaled_max(s, other_max=None):
+                """Row max of ``s`` (and ``other_max``) in the exp2 domain; a row with no
+                key yet gets the finite ``_M_INIT``, never ``-inf``."""
+                block_max = s.max(axis=1)
+                if other_max is not None:
+                    block_max = jnp.maximum(block_max, other_max)
+                return jnp.where(block_max > -jnp.inf, block_max * scale2, _M_INIT)
+
             def softmax_and_pv(p, s, acc, acc_ref, m_i, l_i):
                 """Pair ``p``'s softmax (one running max for both WGs) and value product:
                 issued into ``acc_ref`` and not waited for, or in interpret mode added
                 to ``acc`` (own P read back from shared memory: no register-A wgmma)."""
                 ring = lax.rem(p, jnp.int32(stages))
-                col = (2 * p + wg) * block_k + plgpu.broadcasted_iota(
-                    jnp.int32, (heads, block_k), 1, layout=plgpu.Layout.WGMMA
-                )
-                s = jnp.where(col < count, s, -jnp.inf)
+                s = masked_scores(p, s)
                 stats.at[wg][...] = s.max(axis=1)
                 pair_sync()
                 m_other = plgpu.load(stats.at[other], layout=row_layout, optimized=False)
-                block_max = jnp.maximum(s.max(axis=1), m_other)
-                m_new = jnp.maximum(
-                    m_i, jnp.where(block_max > -jnp.inf, block_max * scale2, _M_INIT)
-                )
+                m_new = jnp.maximum(m_i, scaled_max(s, m_other))
                 x = s * scale2 - lax.broadcast_in_dim(m_new, s.shape, [0])
                 probs = jnp.exp2(x)
                 alpha = lax.broadcast_in_dim(jnp.exp2(m_i - m_new), (heads, half), [0])
@@ -407,30 +439,137 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
 
-            if interpret:
-                acc, m_i, l_i = pairs()
-            else:
-                acc, m_i, l_i = pl.run_scoped(
-                    pairs,
+            def pv_add(acc, acc_ref, a, v, scale=None):
+                """``acc * scale + a @ v``: issued into ``acc_ref`` and not waited for
+                (``a`` in registers or shared memory), or in interpret mode computed from
+                ``a`` in shared memory and returned."""
+                if interpret:
+
+                    def pv(r):
+                        plgpu.wgmma(r, a, v)
+                        return r[...]
+
+                    product = pl.run_scoped(pv, plgpu.ACC((heads, half), jnp.float32))
+                    return (acc if scale is None else acc * scale) + product
+                if scale is not None:
+                    acc_ref[...] = acc_ref[...] * scale  # waits for the wgmmas in flight
+                plgpu.wgmma(acc_ref, a, v)
+                return None
+
+            def one_way_pairs(w, s_ref=None, acc_ref=None):
+                """WG ``w``'s pair loop with the one-way max exchange (``exchange=
+                "one_way"``, see the module docstring): WG0 starts its own value product
+                on its own running max; WG1 takes the max of both and publishes it; WG0
+                rescales (P for WG1, its accumulator) before the product with WG1's P."""
+                cols = pl.ds(w * half, half)
+
+                def to_acc(x):
+                    return lax.broadcast_in_dim(x, (heads, half), [0])
+
+                def step(p, carry):
+                    m_i, l_i, acc = carry
+                    ring = lax.rem(p, jnp.int32(stages))
+                    s = start_qk(s_ref, p)
+                    if not interpret:
+                        s = s_ref[...]  # waits for pair p's QK^T
+                    s = masked_scores(p, s)
+                    own_v = block(k_lat, ring, w).at[:, cols]
+                    their_v = block(k_lat, ring, 1 - w).at[:, cols]
+                    if w == 0:
+                        m_own = jnp.maximum(m_i, scaled_max(s))
+                        stats.at[0][...] = m_own
+                        plgpu.barrier_arrive(max_ready.at[0])
+                    else:
+                        plgpu.barrier_wait(max_ready.at[0])
+                        m_0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
+                        m_own = jnp.maximum(m_0, scaled_max(s))
+                        stats.at[1][...] = m_own
+                        plgpu.barrier_arrive(max_ready.at[1])
+                    probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - m_own)
+                    l_i = l_i * alpha + probs.sum(axis=1)
+                    p16 = probs.astype(jnp.bfloat16)
+                    if w == 0:
+                        if interpret:  # WG1 may still read p_bufs[0] (the previous pair)
+                            p_local[...] = p16
+                        acc = pv_add(
+                            acc, acc_ref, p_local if interpret else p16, own_v, to_acc(alpha)
+                        )
+                        plgpu.barrier_wait(max_ready.at[1])
+                        m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
+                        shift = jnp.exp2(m_own - m_new)
+                        p_bufs.at[0][...] = (
+                            probs * lax.broadcast_in_dim(shift, s.shape, [0])
+                        ).astype(jnp.bfloat16)
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(p_ready.at[0])
+                        l_i = l_i * shift
+                        plgpu.barrier_wait(p_ready.at[1])
+                        acc = pv_add(acc, acc_ref, p_bufs.at[1], their_v, to_acc(shift))
+                    else:
+                        m_new = m_own
+
+                        def publish_p():
+                            p_bufs.at[1][...] = p16
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(p_ready.at[1])
+
+                        if interpret:  # its own product reads P back from shared memory
+                            publish_p()
+                        acc = pv_add(
+                            acc, acc_ref, p_bufs.at[1] if interpret else p16, own_v, to_acc(alpha)
+                        )
+                        if not interpret:
+                            publish_p()
+                        plgpu.barrier_wait(p_ready.at[0])
+                        acc = pv_add(acc, acc_ref, p_bufs.at[0], their_v)
+                    if not interpret:
+                        plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[ring * 2 + w])
+                    plgpu.barrier_arrive(consumed.at[ring * 2 + 1 - w])
+                    return m_new, l_i, acc
+
+                acc = acc_zero if interpret else None
+                m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
+                return (acc if interpret else acc_ref[...]), m_i, l_i
+
+            def run_pairs(loop):
+                if interpret:
+                    return loop()
+                return pl.run_scoped(
+                    loop,
                     plgpu.ACC((heads, block_k), jnp.float32),
                     plgpu.ACC((heads, half), jnp.float32),
                 )
-            # `stats` now carries the row sums (every read of the maxima is done: both WGs
-            # passed the last pair's second sync).
-            stats.at[wg][...] = l_i
-            pair_sync()
-            l_tot = l_i + plgpu.load(stats.at[other], layout=row_layout, optimized=False)
-            has_key = l_tot > 0.0
-            inv_l = 1.0 / jnp.where(has_key, l_tot, 1.0)
-            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-            out_ref.at[token, pl.ds(h0, heads), pl.ds(wg * half, half)][...] = out
 
-            @pl.when(wg == 0)
-            def _lse():
-                lse = jnp.where(
-                    has_key, (m_i + jnp.log2(jnp.where(has_key, l_tot, 1.0))) * _LN2, -jnp.inf
-                )
-                lse_ref.at[token, pl.ds(h0, heads)][...] = lse
+            def finish(acc, m_i, l_i):
+                """Add the two WGs' row sums, normalise, store the output half and LSE."""
+                # `stats` now carries the row sums (every read of the maxima is done:
+                # each WG is past the last point where the other reads them).
+                stats.at[wg][...] = l_i
+                pair_sync()
+                l_tot = l_i + plgpu.load(stats.at[other], layout=row_layout, optimized=False)
+                has_key = l_tot > 0.0
+                inv_l = 1.0 / jnp.where(has_key, l_tot, 1.0)
+                out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+                out_ref.at[token, pl.ds(h0, heads), pl.ds(wg * half, half)][...] = out
+
+                @pl.when(wg == 0)
+                def _lse():
+                    lse = jnp.where(
+                        has_key, (m_i + jnp.log2(jnp.where(has_key, l_tot, 1.0))) * _LN2, -jnp.inf
+                    )
+                    lse_ref.at[token, pl.ds(h0, heads)][...] = lse
+
+            if st.exchange == "one_way":
+                for w in range(_COMPUTE_WGS):
+
+                    @pl.when(wg == w)
+                    def _one_way(w=w):
+                        finish(*run_pairs(functools.partial(one_way_pairs, w)))
+
+            else:
+                finish(*run_pairs(pairs))
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory():
@@ -492,16 +631,23 @@ def _build_kernel(st: _Static, *, interpret: bool):
         p_bufs = None
         if not p_in_rope:
             p_bufs = plgpu.SMEM((_COMPUTE_WGS, heads, block_k), bf16, transforms=tiled)
+        # one_way in interpret mode: WG0's own P, read back by its own value product.
+        p_local = None
+        if interpret and st.exchange == "one_way":
+            p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
         # Per-row exchange between the compute WGs: the maxima, then the sums.
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
         pl.run_scoped(
             lambda *args: kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, args),
-            [q_lat, q_rope, k_lat, k_rope, p_bufs, stats],
+            [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats],
             (
                 plgpu.Barrier(num_barriers=slots),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
                 plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+                # one_way: WG w's running max (max_ready[w]) and P (p_ready[w]) are out
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS),
             ),
             collective_axes=_AXIS_WG,
         )
@@ -597,6 +743,7 @@ def sparse_mla_rows_attention(
         sm_scale=float(sm_scale),
         block_k=config.block_k,
         num_stages=config.num_stages,
+        exchange=config.exchange,
     )
     out, lse = _launch(
         q,
