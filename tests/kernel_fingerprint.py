@@ -1,8 +1,9 @@
-"""Fingerprints of the Hopper ranker kernels' jaxprs, to show a refactor changed nothing.
+"""Fingerprints of the Hopper kernels' jaxprs, to show a refactor changed nothing.
 
 For a set of shapes, bounds layouts and configs, traces ``jax.grad`` of
 ``attn_mosaic_gpu.ranker_attention`` (forward, dq and dk/dv kernels; and two forward-only
-configs) and prints a hash of a canonical text of the jaxpr: sub-jaxprs inlined (the
+configs) and the sparse-MLA row-table kernel (``sparse-mla``: its two tilings, H=128)
+and prints a hash of a canonical text of the jaxpr: sub-jaxprs inlined (the
 printer's sharing of equal sub-jaxprs depends on how the code is factored), variables
 renamed in order of definition, source locations and object addresses dropped. Equal
 hashes mean the kernels trace to the same operations, so the lowered kernels are the
@@ -122,12 +123,35 @@ def cases(only: str | None):
                     yield f"{name}-fwd-{config}", forward, args
 
 
+def sparse_mla_cases():
+    """The sparse-MLA kernel at the benchmark's H=128 shape, both tilings (configs built
+    positionally, so older revisions trace too)."""
+    from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
+
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((256, 128, 576), jnp.bfloat16),
+        sds((8192, 576), jnp.bfloat16),
+        sds((256, 2048), jnp.int32),
+        sds((256,), jnp.int32),
+    )
+    for block_k, stages in ((32, 2), (64, 1)):
+        config = SparseMlaKernelConfig(block_k, stages)
+
+        def attend(q, store, rows, counts, config=config):
+            return sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.07, config=config)
+
+        yield f"sparse-mla-{block_k}x{stages}", attend, args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="one shape name of SHAPES")
+    parser.add_argument("--only", help="one shape name of SHAPES, or sparse-mla")
     parser.add_argument("--dump", type=Path, help="write each canonical text into DIR")
     args = parser.parse_args()
-    for label, fn, shapes in cases(args.only):
+    ranker = [] if args.only == "sparse-mla" else cases(args.only)
+    sparse = sparse_mla_cases() if args.only in (None, "sparse-mla") else []
+    for label, fn, shapes in (*ranker, *sparse):
         text = canonical(jax.make_jaxpr(fn)(*shapes))
         if args.dump:
             args.dump.mkdir(parents=True, exist_ok=True)

@@ -50,3 +50,11 @@ def test_traces_every_case(fingerprint):
     labels = [label for label, _, _ in fingerprint.cases("small-d64")]
     assert labels == ["small-d64-packedFalse-grad", "small-d64-packedTrue-grad"]
     assert len(list(fingerprint.cases(None))) == 12
+
+
+def test_sparse_mla_cases_trace(fingerprint):
+    hashes = {}
+    for label, fn, shapes in fingerprint.sparse_mla_cases():
+        hashes[label] = fingerprint.canonical(jax.make_jaxpr(fn)(*shapes))
+    assert list(hashes) == ["sparse-mla-32x2", "sparse-mla-64x1"]
+    assert hashes["sparse-mla-32x2"] != hashes["sparse-mla-64x1"]

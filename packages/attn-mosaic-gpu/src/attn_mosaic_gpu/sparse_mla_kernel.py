@@ -632,8 +632,9 @@ def _build_kernel(st: _Static, *, interpret: bool):
         if not p_in_rope:
             p_bufs = plgpu.SMEM((_COMPUTE_WGS, heads, block_k), bf16, transforms=tiled)
         # one_way in interpret mode: WG0's own P, read back by its own value product.
+        one_way = st.exchange == "one_way"
         p_local = None
-        if interpret and st.exchange == "one_way":
+        if interpret and one_way:
             p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
         # Per-row exchange between the compute WGs: the maxima, then the sums.
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
@@ -646,8 +647,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
                 # one_way: WG w's running max (max_ready[w]) and P (p_ready[w]) are out
-                plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-                plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS) if one_way else None,
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS) if one_way else None,
             ),
             collective_axes=_AXIS_WG,
         )
