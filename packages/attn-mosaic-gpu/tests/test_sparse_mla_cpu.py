@@ -96,9 +96,12 @@ def _flat(fn, case, *, rb=16, **kw):
     )
 
 
-def test_flat_units_vs_reference():
+@pytest.mark.parametrize("exchange", ["lockstep", "one_way"])
+def test_flat_units_vs_reference(exchange):
+    """Both max exchanges; the case has empty queries, -1 and duplicate units."""
     case = flat_case(1)
-    got = _run(_flat, gpu.sparse_mla_attention, case)
+    config = SparseMlaKernelConfig(exchange=exchange)
+    got = _run(_flat, gpu.sparse_mla_attention, case, config=config)
     want = _flat(ref.sparse_mla_attention, case)
     assert np.isneginf(np.asarray(want[1])).any()  # the case has empty queries
     _check(got, want)
@@ -205,9 +208,10 @@ def _ragged(fn, case, page_size=16, **kw):
     )
 
 
-def test_ragged_poisoned_vs_reference():
+@pytest.mark.parametrize("exchange", ["lockstep", "one_way"])
+def test_ragged_poisoned_vs_reference(exchange):
     """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
-    the feature padding of every row."""
+    the feature padding of every row; both max exchanges."""
     layout, cache, q, idx, positions = ragged_case(10)
     want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
@@ -217,7 +221,8 @@ def test_ragged_poisoned_vs_reference():
     rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=10)
     rows[:, DK:] = np.nan  # the feature padding past Dk
     dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
-    got = _run(_ragged, gpu.sparse_mla_attention, dirty)
+    config = SparseMlaKernelConfig(exchange=exchange)
+    got = _run(_ragged, gpu.sparse_mla_attention, dirty, config=config)
     _check(got, want)
 
 
