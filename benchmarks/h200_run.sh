@@ -5,12 +5,13 @@
 #   OUT=/tmp/h200 bash benchmarks/h200_run.sh
 #   PARTS="bwd fwd sparse" XDIST=4 COMMIT=$(git rev-parse --short HEAD) bash benchmarks/h200_run.sh
 #
-# PARTS picks what runs, in this order on one GPU (default: all of
-# "bwd bench sweep fwd sparse"): the backward, forward and sparse-MLA GPU test files,
-# `attn bench` and the backward knob sweep. On one H200 the three test files take about
-# 8 minutes in one pytest process each, so split them over calls where a call is
-# time-limited, or set XDIST=N to run each file in N pytest-xdist processes (GPU memory
-# is then allocated on demand). COMMIT names the commit measured, for a checkout whose git
+# PARTS picks what runs, in this order on one GPU (default: "bwd bench sweep fwd
+# sparse"; "variants" on request): the backward test file, `attn bench`, the backward
+# knob sweep, the sparse-MLA kernel variants, the forward and the sparse-MLA test files.
+# On one H200 the test files take about 8 minutes in one pytest process each, so split
+# them over calls where a call is time-limited, or set XDIST=N to run each file in N
+# pytest-xdist processes (GPU memory is then allocated on demand; -n 4 ran the backward
+# file in ~5 minutes and -n 5 the forward one in ~3.5 on 2026-12-01). COMMIT names the commit measured, for a checkout whose git
 # metadata is absent or stale: it becomes the reports' commit (ATTN_PROVENANCE_COMMIT)
 # and the first line of every log. With two GPUs the test files (GPU 0) and the bench
 # and sweep (GPU 1) run side by side, then the 2-GPU sharding check. RUN_FWD=0 skips the
@@ -51,16 +52,19 @@ bench() { want bench || return 0; header "$OUT/bench.log"; timeout "${BENCH_LIMI
 sweep() { want sweep || return 0; header "$OUT/sweep.log"; timeout "${SWEEP_LIMIT:-200}" \
   python3 "$root/benchmarks/ranker_bwd_sweep.py" --out "$OUT" >>"$OUT/sweep.log" 2>&1
   echo "sweep rc=$?"; }
+variants() { want variants || return 0; header "$OUT/variants.log"; timeout "${VARIANTS_LIMIT:-200}" \
+  python3 "$root/benchmarks/sparse_mla_variants.py" --out "$OUT" >>"$OUT/variants.log" 2>&1
+  echo "variants rc=$?"; }
 
 if [ "$gpus" -ge 2 ]; then
   (export CUDA_VISIBLE_DEVICES=0; bwd_tests; fwd_tests; sparse_tests) &
-  (export CUDA_VISIBLE_DEVICES=1; bench; sweep) &
+  (export CUDA_VISIBLE_DEVICES=1; bench; sweep; variants) &
   wait
   if want sharding || [ "$PARTS" = "bwd bench sweep fwd sparse" ]; then
     timeout "${SHARD_LIMIT:-150}" python3 "$root/tests/sharding_gpu_check.py" --out "$OUT" \
       >"$OUT/sharding_gpu.log" 2>&1; echo "sharding rc=$?"
   fi
 else
-  bwd_tests; bench; sweep; fwd_tests; sparse_tests
+  bwd_tests; bench; sweep; variants; fwd_tests; sparse_tests
 fi
 for f in "$OUT"/*.log; do echo "== $f"; tail -n 3 "$f"; done
