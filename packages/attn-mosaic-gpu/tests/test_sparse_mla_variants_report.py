@@ -1,0 +1,59 @@
+"""``benchmarks/sparse_mla_variants.py`` off a GPU: another revision's kernel file loads
+as its own module, every variant is a valid config, and the report names the commit
+and keeps a failed variant's row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import load_script
+
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "sparse_mla_variants.py"
+KERNEL = SCRIPT.parents[1] / "packages/attn-mosaic-gpu/src/attn_mosaic_gpu/sparse_mla_kernel.py"
+
+
+@pytest.fixture(scope="module")
+def variants():
+    with load_script(SCRIPT, "sparse_mla_variants") as module:
+        yield module
+
+
+def test_variants_are_configs_and_a_baseline_file_loads(variants):
+    from attn_mosaic_gpu import sparse_mla_kernel
+
+    for knobs in variants.VARIANTS.values():
+        sparse_mla_kernel.SparseMlaKernelConfig(**knobs)
+    baseline = variants.load_module(KERNEL)
+    assert baseline is not sparse_mla_kernel
+    assert baseline.sparse_mla_rows_attention is not sparse_mla_kernel.sparse_mla_rows_attention
+    assert baseline.SparseMlaKernelConfig() == baseline.SparseMlaKernelConfig()
+
+
+def test_report_names_the_commit_and_keeps_failures(variants, tmp_path):
+    rows = [
+        {
+            "case": "flat-h128-t8k",
+            "variant": "default",
+            "config": "C()",
+            "ms": 5.7,
+            "tflops": 411.0,
+        },
+        {
+            "case": "flat-h128-t8k",
+            "variant": "64x1",
+            "config": "C(64, 1)",
+            "ms": 8.1,
+            "tflops": 290.0,
+            "rel_l2_vs_first": 2.3e-4,
+        },
+        {"case": "flat-h128-t8k", "variant": "one-way", "config": "C()", "error": "boom"},
+    ]
+    data = {"commit": "abc1234", "device": "NVIDIA H200", "command": "x", "rows": rows}
+    variants.write_reports(data, tmp_path)
+    md = (tmp_path / "sparse_mla_variants.md").read_text().splitlines()
+    assert md[0].startswith("Commit abc1234 (NVIDIA H200)")
+    assert any("| 64x1 | 8.100 | 290 | 2.3e-04 |" in line for line in md)
+    assert any("| one-way | failed |" in line and "boom" in line for line in md)
+    assert json.loads((tmp_path / "sparse_mla_variants.json").read_text())["rows"] == rows
