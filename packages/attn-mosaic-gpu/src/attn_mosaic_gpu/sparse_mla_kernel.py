@@ -104,8 +104,9 @@ class SparseMlaKernelConfig:
     one, where the gather's latency is longest (docs/sparse_mla_gpu.md).
     ``exchange``: how the two compute WGs share the running max, ``"lockstep"`` (both
     exchange their block maxima, then both their P) or ``"one_way"`` (WG0 goes ahead on
-    its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; not yet
-    measured on a GPU, see the module docstring).
+    its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only;
+    experimental: checked in interpret mode and by cross-lowering, not yet run on a GPU;
+    see the module docstring).
     """
 
     block_k: int = 32
