@@ -180,6 +180,30 @@ def test_tune_descends_to_the_modelled_best():
     assert buckets == [512, 2048]  # the new 2048 entry replaced the old one
 
 
+def test_tune_sweeps_persistent_dq_before_the_ring_depth(monkeypatch):
+    """On a device with an SM count the backward sweep tries dq_programs = 0 or SMs,
+    before the ring depth: a persistent dq that a deeper ring would not fit (the timer
+    refuses 3 stages with it, as pipelined_bwd does at D=128) is still found, although
+    3 stages beat 2 for the per-tile dq (so the other order would end at 3, per-tile)."""
+    monkeypatch.setattr(tuning, "_sm_count", lambda: 132)
+
+    def cost(fn, args, *, stage, knobs):
+        if stage == "forward":
+            return _cost_model(fn, args, stage=stage, knobs=knobs)
+        persistent = knobs.get("dq_programs", 0) == 132
+        if knobs["num_stages"] == 3 and persistent:
+            raise ValueError("shared memory")
+        deeper = 0.1 if knobs["num_stages"] == 3 else 0.0
+        return 7.0 + abs(knobs["exp2_fma_cols"] - 32) / 50 - deeper - 0.3 * persistent
+
+    case = ranker_case("phoenix").scaled(1)
+    (entry,) = tuning.tune([case], timer=cost, progress=lambda _: None)["entries"]
+    assert entry["backward"] == {
+        "num_stages": 2, "exp2_fma_cols": 32, "rcp_fma_cols": 0, "dq_programs": 132
+    }  # fmt: skip
+    assert tuning.BackwardTuning(**entry["backward"]).dq_programs == 132
+
+
 def test_tune_keeps_the_incumbent_within_noise():
     """A variant only 0.5% faster does not replace the default (min_gain 1%)."""
 

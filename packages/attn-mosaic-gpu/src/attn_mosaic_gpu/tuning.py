@@ -19,8 +19,9 @@ error. An explicit ``config=`` always wins over the tables for the forward.
 ``tune`` is the sweep (coordinate descent over the knobs, CUPTI device time, median of
 iterations): the forward's tiling, then how many key columns of each score tile compute
 ``exp2`` and soft_sign's reciprocal on the FMA pipe instead of the MUFU
-(``attn_mosaic_gpu.fastmath``); then the same two knobs and the ring depth of the
-backward kernels, timed on the backward alone. A knob value is kept only when it beats
+(``attn_mosaic_gpu.fastmath``); then the same two knobs, the persistent dq (0 or one
+program per SM) and the ring depth of the backward kernels, timed on the backward
+alone. A knob value is kept only when it beats
 the incumbent by more than ``min_gain`` (1%), so noise cannot pick a variant.
 """
 
@@ -342,11 +343,12 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
         baxes = [("exp2_fma_cols", [0, 16, 32, 48, 64])]
         if soft_sign:
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
-        baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
-        # Persistent dq: one program per SM (the device's core count, when it has one).
-        sms = getattr(jax.devices()[0], "core_count", None)
+        # Persistent dq, one program per SM, before the ring depth: at D=128 it fits only
+        # the 2-slot ring, so a deeper ring chosen first would shut it out.
+        sms = _sm_count()
         if sms:
-            baxes.append(("dq_programs", [0, int(sms)]))
+            baxes.append(("dq_programs", [0, sms]))
+        baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
         backward, backward_ms = _descend(bstart, baxes, time_backward, min_gain, bwd_log)
     entry = {
         "dtype": "bfloat16",
@@ -360,6 +362,12 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
         "backward_ms": backward_ms,
     }
     return entry, {"case": case.name, "forward": fwd_log, "backward": bwd_log}
+
+
+def _sm_count() -> int | None:
+    """The first device's SM count (``core_count``), ``None`` where it has none."""
+    sms = getattr(jax.devices()[0], "core_count", None)
+    return int(sms) if sms else None
 
 
 def _forward_for_vjp(q, k, v, bounds, *, cap, config, backward):
