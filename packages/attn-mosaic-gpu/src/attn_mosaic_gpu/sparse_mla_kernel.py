@@ -576,12 +576,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
         def _memory():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-            def signal_ready(pair, after):
-                """Publish ``pair``'s two blocks once copied; ``after``: pairs issued
-                since (each pair is two cp.async groups, WG0's block first)."""
+            def signal_ready(pair):
+                """Publish ``pair``'s two blocks once copied: the pair issued last, whose
+                two cp.async groups (WG0's block first) are the only ones pending."""
                 ring = lax.rem(pair, jnp.int32(stages))
                 for w in range(_COMPUTE_WGS):
-                    wait_copies(2 * after + _COMPUTE_WGS - 1 - w)
+                    wait_copies(_COMPUTE_WGS - 1 - w)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ready.at[ring * 2 + w])
 
@@ -592,7 +592,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 # ids' loads and the copies: 1.3-1.6x faster than publishing after it).
                 @pl.when(p >= 1)
                 def _signal_previous():
-                    signal_ready(p - 1, 0)
+                    signal_ready(p - 1)
 
                 ring = lax.rem(p, jnp.int32(stages))
                 for w in range(_COMPUTE_WGS):
@@ -612,7 +612,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
             @pl.when(num_pairs > 0)
             def _signal_last():
-                signal_ready(num_pairs - 1, 0)
+                signal_ready(num_pairs - 1)
 
             # Drain: observe the consumption of the last pairs before the barriers die.
             @pl.loop(jnp.maximum(num_pairs - stages, 0), num_pairs)
