@@ -381,6 +381,23 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     block_max = jnp.maximum(block_max, other_max)
                 return jnp.where(block_max > -jnp.inf, block_max * scale2, _M_INIT)
 
+            def pv_add(acc, acc_ref, a, v, scale=None):
+                """``acc * scale + a @ v``: issued into ``acc_ref`` and not waited for
+                (``a`` in registers or shared memory), or in interpret mode computed from
+                ``a`` in shared memory and returned."""
+                if interpret:
+
+                    def pv(r):
+                        plgpu.wgmma(r, a, v)
+                        return r[...]
+
+                    product = pl.run_scoped(pv, plgpu.ACC((heads, half), jnp.float32))
+                    return (acc if scale is None else acc * scale) + product
+                if scale is not None:
+                    acc_ref[...] = acc_ref[...] * scale  # waits for the wgmmas in flight
+                plgpu.wgmma(acc_ref, a, v)
+                return None
+
             def softmax_and_pv(p, s, acc, acc_ref, m_i, l_i):
                 """Pair ``p``'s softmax (one running max for both WGs) and value product:
                 issued into ``acc_ref`` and not waited for, or in interpret mode added
@@ -405,18 +422,10 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 pair_sync()
                 cols = pl.ds(wg * half, half)
                 own_v, their_v = block(k_lat, ring, wg), block(k_lat, ring, other)
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_own, own_v.at[:, cols])
-                    plgpu.wgmma(acc_ref, p_theirs, their_v.at[:, cols])
-                    return acc_ref[...]
-
-                if interpret:
-                    return acc * alpha + pl.run_scoped(pv, plgpu.ACC((heads, half))), m_new, l_i
-                acc_ref[...] = acc_ref[...] * alpha
-                plgpu.wgmma(acc_ref, p16, own_v.at[:, cols])
-                plgpu.wgmma(acc_ref, p_theirs, their_v.at[:, cols])
-                return None, m_new, l_i
+                own_p = p_own if interpret else p16
+                acc = pv_add(acc, acc_ref, own_p, own_v.at[:, cols], alpha)
+                acc = pv_add(acc, acc_ref, p_theirs, their_v.at[:, cols])
+                return acc, m_new, l_i
 
             def pairs(s_ref=None, acc_ref=None):
                 """The pair loop: ``(acc, m, l)`` at the end. Compiled, S and the value
@@ -439,23 +448,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 acc = acc_zero if interpret else None
                 m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
-
-            def pv_add(acc, acc_ref, a, v, scale=None):
-                """``acc * scale + a @ v``: issued into ``acc_ref`` and not waited for
-                (``a`` in registers or shared memory), or in interpret mode computed from
-                ``a`` in shared memory and returned."""
-                if interpret:
-
-                    def pv(r):
-                        plgpu.wgmma(r, a, v)
-                        return r[...]
-
-                    product = pl.run_scoped(pv, plgpu.ACC((heads, half), jnp.float32))
-                    return (acc if scale is None else acc * scale) + product
-                if scale is not None:
-                    acc_ref[...] = acc_ref[...] * scale  # waits for the wgmmas in flight
-                plgpu.wgmma(acc_ref, a, v)
-                return None
 
             def one_way_pairs(w, s_ref=None, acc_ref=None):
                 """WG ``w``'s pair loop with the one-way max exchange (``exchange=
