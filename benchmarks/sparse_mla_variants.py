@@ -33,9 +33,20 @@ from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {
-    "default": {},
+    "lockstep": {"exchange": "lockstep"},
     "one-way max exchange": {"exchange": "one_way"},
-    "64x1": {"block_k": 64, "num_stages": 1},
+    "one-way + id prefetch": {"exchange": "one_way", "prefetch_ids": True},
+    "one-way + ids + evict-last": {"exchange": "one_way", "prefetch_ids": True, "evict_last": True},
+    "one-way + ids + both hints": {
+        "exchange": "one_way",
+        "prefetch_ids": True,
+        "evict_last": True,
+        "l2_prefetch": 256,
+    },
+    # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
+    "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
+    "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
+    "probe: no compute, ids": {"exchange": "one_way", "probe": "no_compute", "prefetch_ids": True},
 }
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
@@ -47,6 +58,25 @@ def load_module(path: Path):
     sys.modules[spec.name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
+
+
+def probe_attend(q, store, rows, counts, *, sm_scale, dv, config, probe):
+    """The kernel with a diagnostic ``probe`` (``_Static.probe``); heads a multiple of 64."""
+    st = sparse_mla_kernel._Static(
+        tokens=q.shape[0],
+        heads=q.shape[1],
+        dv=dv,
+        width=store.shape[1],
+        sm_scale=float(sm_scale),
+        block_k=config.block_k,
+        num_stages=config.num_stages,
+        exchange=config.exchange,
+        l2_prefetch=config.l2_prefetch,
+        evict_last=config.evict_last,
+        prefetch_ids=config.prefetch_ids,
+        probe=probe,
+    )
+    return sparse_mla_kernel._launch(q, store, rows, counts, st=st, interpret=None)
 
 
 def case_rows(case) -> tuple:
@@ -69,10 +99,14 @@ def run(cases, variants: dict, baseline, iterations: int) -> list[dict]:
     out_rows = []
     for case in cases:
         q, store, rows, counts, sm_scale, flops = case_rows(case)
-        fns = {
-            label: (sparse_mla_kernel.sparse_mla_rows_attention, SparseMlaKernelConfig(**knobs))
-            for label, knobs in variants.items()
-        }
+        fns = {}
+        for label, knobs in variants.items():
+            knobs = dict(knobs)
+            probe = knobs.pop("probe", "")
+            attend = sparse_mla_kernel.sparse_mla_rows_attention
+            if probe:
+                attend = functools.partial(probe_attend, probe=probe)
+            fns[label] = (attend, SparseMlaKernelConfig(**knobs))
         if baseline is not None:
             fns["baseline"] = (baseline.sparse_mla_rows_attention, baseline.SparseMlaKernelConfig())
         first = None
