@@ -45,6 +45,45 @@ def two_sort_rows(units, *, block: int = BLOCK):
     return jnp.pad(rows, ((0, 0), (0, width - top_k)), constant_values=-1), counts
 
 
+def time_case(case, iterations: int) -> list[dict]:
+    """The row-table variants of one benchmark case (see the module docstring)."""
+    inputs = make_inputs(case)
+    (q, kv, idx, pos), kw = inputs["args"], inputs["kwargs"]
+    problem = check_sparse_mla_inputs(q, kv, idx, pos, **kw)
+    tables = {
+        k: kw[k]
+        for k in ("page_size", "q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
+        if k in kw
+    }
+
+    def units_only(kv, idx, pos, tables):
+        return sparse_mla_units(problem, kv, idx, pos, **tables)[0]
+
+    def table(kv, idx, pos, tables):
+        units = units_only(kv, idx, pos, tables)
+        return selected_rows(units, read_block=problem.read_block, block=BLOCK)
+
+    def sort_only(kv, idx, pos, tables):
+        return jnp.sort(units_only(kv, idx, pos, tables).first_row, axis=1)
+
+    fns = {"op's row table": table, "units": units_only, "sort only": sort_only}
+    if problem.read_block == 1:
+        fns["two sorts"] = lambda *a: two_sort_rows(units_only(*a))
+    results, reference = [], None
+    for label, fn in fns.items():
+        fn = jax.jit(fn)
+        ms, _ = device_ms(fn, kv, idx, pos, tables, iterations=iterations)
+        row = {"case": case.name, "variant": label, "ms": ms}
+        if label == "op's row table":
+            reference = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
+        if label == "two sorts":
+            got = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
+            row["equal"] = all(np.array_equal(a, b) for a, b in zip(got, reference, strict=True))
+        results.append(row)
+        print(f"{case.name:18s} {label:16s} {ms:8.3f} ms {row.get('equal', '')}", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -53,40 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for case in [c for c in CASES if any(fnmatch(c.name, p) for p in args.cases)]:
-        inputs = make_inputs(case)
-        (q, kv, idx, pos), kw = inputs["args"], inputs["kwargs"]
-        problem = check_sparse_mla_inputs(q, kv, idx, pos, **kw)
-        tables = {
-            k: kw[k]
-            for k in ("page_size", "q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
-            if k in kw
-        }
-
-        def table(kv, idx, pos, tables):
-            units, _ = sparse_mla_units(problem, kv, idx, pos, **tables)
-            return selected_rows(units, read_block=problem.read_block, block=BLOCK)
-
-        def units_only(kv, idx, pos, tables):
-            return sparse_mla_units(problem, kv, idx, pos, **tables)[0]
-
-        def sort_only(kv, idx, pos, tables):
-            return jnp.sort(units_only(kv, idx, pos, tables).first_row, axis=1)
-
-        fns = {"op's row table": table, "units": units_only, "sort only": sort_only}
-        if problem.read_block == 1:
-            fns["two sorts"] = lambda *a: two_sort_rows(units_only(*a))
-        reference = None
-        for label, fn in fns.items():
-            fn = jax.jit(fn)
-            ms, _ = device_ms(fn, kv, idx, pos, tables, iterations=args.iterations)
-            row = {"case": case.name, "variant": label, "ms": ms}
-            if label == "op's row table":
-                reference = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
-            if label == "two sorts":
-                got = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
-                row["equal"] = all(np.array_equal(a, b) for a, b in zip(got, reference))
-            results.append(row)
-            print(f"{case.name:18s} {label:16s} {ms:8.3f} ms {row.get('equal', '')}", flush=True)
+        results += time_case(case, args.iterations)
     data = {
         **provenance(),
         "device": jax.devices()[0].device_kind,

@@ -35,18 +35,9 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 VARIANTS = {
     "lockstep": {"exchange": "lockstep"},
     "one-way max exchange": {"exchange": "one_way"},
-    "one-way + id prefetch": {"exchange": "one_way", "prefetch_ids": True},
-    "one-way + ids + evict-last": {"exchange": "one_way", "prefetch_ids": True, "evict_last": True},
-    "one-way + ids + both hints": {
-        "exchange": "one_way",
-        "prefetch_ids": True,
-        "evict_last": True,
-        "l2_prefetch": 256,
-    },
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
-    "probe: no compute, ids": {"exchange": "one_way", "probe": "no_compute", "prefetch_ids": True},
 }
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
@@ -71,9 +62,6 @@ def probe_attend(q, store, rows, counts, *, sm_scale, dv, config, probe):
         block_k=config.block_k,
         num_stages=config.num_stages,
         exchange=config.exchange,
-        l2_prefetch=config.l2_prefetch,
-        evict_last=config.evict_last,
-        prefetch_ids=config.prefetch_ids,
         probe=probe,
     )
     return sparse_mla_kernel._launch(q, store, rows, counts, st=st, interpret=None)

@@ -112,9 +112,6 @@ class SparseMlaKernelConfig:
     block_k: int = 32
     num_stages: int = 2
     exchange: str = "lockstep"
-    l2_prefetch: int = 0
-    evict_last: bool = False
-    prefetch_ids: bool = False
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -130,12 +127,6 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
-        if self.l2_prefetch not in (0, 64, 128, 256):
-            raise ValueError(f"l2_prefetch: got {self.l2_prefetch!r}, expected 0, 64, 128 or 256")
-        if not isinstance(self.evict_last, bool):
-            raise ValueError(f"evict_last: got {self.evict_last!r}, expected a bool")
-        if not isinstance(self.prefetch_ids, bool):
-            raise ValueError(f"prefetch_ids: got {self.prefetch_ids!r}, expected a bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +139,6 @@ class _Static:
     block_k: int
     num_stages: int
     exchange: str
-    l2_prefetch: int = 0
-    evict_last: bool = False
-    prefetch_ids: bool = False
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
@@ -210,7 +198,6 @@ def _gather_block(st: _Static):
         def const(v, ty=i32):
             return arith.constant(ty, v)
 
-        copy = _cp_async_16(st.l2_prefetch, st.evict_last)
         lane = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
         group = arith.divui(lane, const(chunks))
         chunk = arith.remui(lane, const(chunks))
@@ -245,87 +232,17 @@ def _gather_block(st: _Static):
                         arith.muli(arith.addi(row_tile, const(j)), const(8 * tile)), in_tile
                     )
                     src_off = arith.addi(src0, const(feature_tile * tile, i64))
-                    copy(
+                    nvvm.cp_async_shared_global(
                         mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
                         mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
-                        src_bytes,
+                        16,
+                        nvvm.LoadCacheModifierKind.CG,
+                        cp_size=src_bytes,
                     )
                     feature_tile += 1
         nvvm.cp_async_commit_group()
 
     return gather
-
-
-def _cp_async_16(l2_prefetch: int, evict_last: bool):
-    """``copy(dst, src, src_bytes)``: one 16-byte ``cp.async.cg`` (``src_bytes`` 16 or 0,
-    0 zero-fills), optionally with an L2 prefetch of the surrounding ``l2_prefetch``
-    bytes and an evict-last L2 policy for the source (the selected rows are read again
-    by the other head group's program and by later query tokens)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm, nvvm
-
-    if not l2_prefetch and not evict_last:
-
-        def plain(dst, src, src_bytes):
-            nvvm.cp_async_shared_global(
-                dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=src_bytes
-            )
-
-        return plain
-    i64 = ir.IntegerType.get_signless(64)
-    void = ir.Type.parse("!llvm.void")
-    policy = None
-    if evict_last:
-        policy = llvm.inline_asm(
-            i64, [], "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l"
-        )
-    hint = ".L2::cache_hint" if evict_last else ""
-    prefetch = f".L2::{l2_prefetch}B" if l2_prefetch else ""
-    asm = f"cp.async.cg.shared.global{hint}{prefetch} [$0], [$1], 16, $2{', $3' if evict_last else ''};"
-    constraints = "r,l,r" + (",l" if evict_last else "")
-
-    def hinted(dst, src, src_bytes):
-        operands = [dst, src, src_bytes] + ([policy] if evict_last else [])
-        llvm.inline_asm(void, operands, asm, constraints, has_side_effects=True)
-
-    return hinted
-
-
-def _prefetch_row_ids():
-    """``prefetch(rows)``: every thread of the memory WG asks for 128-byte lines of the
-    token's row ids ``rows [Kp]`` int32 in L1, so that each block's id loads (which its
-    copies' addresses wait for) hit L1 instead of going to L2 once per pair."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def prefetch(ctx, rows):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        (kp,) = ir.MemRefType(rows.type).shape
-        lines = -(-kp // 32)  # 32 ids per 128-byte line
-        lane = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS))
-        base = llvm.addrspacecast(
-            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(rows)
-        )
-        for j in range(-(-lines // _THREADS)):
-            line = arith.minui(
-                arith.addi(lane, arith.constant(i32, _THREADS * j)), arith.constant(i32, lines - 1)
-            )
-            # The line's first id, clamped to the last one (a line may be partial).
-            first = arith.minui(
-                arith.muli(line, arith.constant(i32, 32)), arith.constant(i32, kp - 1)
-            )
-            llvm.inline_asm(
-                ir.Type.parse("!llvm.void"),
-                [mgpu_utils.getelementptr(base, [first], i32)],
-                "prefetch.global.L1 [$0];",
-                "l",
-                has_side_effects=True,
-            )
-
-    return prefetch
 
 
 def _gather_block_interpret(st: _Static):
@@ -677,9 +594,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ready.at[ring * 2 + w])
 
-            if st.prefetch_ids and not interpret and rows_ref.shape[1]:
-                _prefetch_row_ids()(rows_ref.at[token])
-
             @pl.loop(0, num_pairs)
             def _issue(p):
                 # Publish the previous pair (the only one in flight) before waiting for a
@@ -843,9 +757,6 @@ def sparse_mla_rows_attention(
         block_k=config.block_k,
         num_stages=config.num_stages,
         exchange=config.exchange,
-        l2_prefetch=config.l2_prefetch,
-        evict_last=config.evict_last,
-        prefetch_ids=config.prefetch_ids,
     )
     out, lse = _launch(
         q,
