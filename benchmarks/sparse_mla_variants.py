@@ -35,16 +35,9 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 VARIANTS = {
     "lockstep": {"exchange": "lockstep"},
     "one-way max exchange": {"exchange": "one_way"},
-    "64-row split, one-way": {"block_k": 64, "num_stages": 1, "exchange": "one_way"},
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
-    "probe: split, no gather": {
-        "block_k": 64,
-        "num_stages": 1,
-        "exchange": "one_way",
-        "probe": "no_gather",
-    },
 }
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
