@@ -56,7 +56,7 @@ def _config_id(c):
 
 CONFIGS = [
     SparseMlaKernelConfig(64, 1),
-    SparseMlaKernelConfig(32, 2),
+    SparseMlaKernelConfig(32, 2, "lockstep"),
     SparseMlaKernelConfig(32, 2, "one_way"),
 ]
 
