@@ -1,0 +1,77 @@
+"""ptxas's register report (stack frame, spills) of Hopper sparse-MLA kernel variants.
+
+Compiles each named variant of ``benchmarks/sparse_mla_variants.py`` at a small shape
+with Mosaic GPU's ptxas dump on and prints the spill line of each (one GPU needed)::
+
+    python benchmarks/sparse_mla_ptxas.py --out /tmp/r 'one-way max exchange'
+
+Writes ``sparse_mla_ptxas.txt`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def compile_one(name: str) -> None:
+    """Compile variant ``name`` once (run in a child process with the dump flags set)."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import sparse_mla_variants as variants
+
+    from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
+
+    knobs = dict(variants.VARIANTS[name])
+    static = {k: knobs.pop(k) for k in ("probe", "experiments") if k in knobs}
+    fn = jax.jit(
+        functools.partial(
+            variants.probe_attend,
+            sm_scale=0.07,
+            dv=512,
+            config=SparseMlaKernelConfig(**knobs),
+            **static,
+        )
+    )
+    q = jnp.zeros((8, 64, 576), jnp.bfloat16)
+    store = jnp.zeros((1024, 576), jnp.bfloat16)
+    rows = jnp.zeros((8, 2048), jnp.int32)
+    jax.block_until_ready(fn(q, store, rows, jnp.full((8,), 2048, jnp.int32)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--compile-one", help=argparse.SUPPRESS)
+    parser.add_argument("variants", nargs="*")
+    args = parser.parse_args()
+    if args.compile_one:
+        compile_one(args.compile_one)
+        return
+    lines = []
+    for name in args.variants:
+        with tempfile.TemporaryDirectory() as dump:
+            env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+            cmd = [sys.executable, __file__, "--out", str(args.out), "--compile-one", name]
+            rc = subprocess.run(cmd, env=env, capture_output=True).returncode
+            report = [
+                line.strip()
+                for f in sorted(Path(dump).glob("*ptxas*"))
+                for line in f.read_text().splitlines()
+                if "stack frame" in line or "Used" in line
+            ]
+        lines.append(f"{name}: rc={rc}; " + "; ".join(report))
+        print(lines[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sparse_mla_ptxas.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
