@@ -32,14 +32,12 @@ from attn_common.bench_sparse_mla import CASES, make_inputs, rel_l2
 from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
-SPLIT = {"block_k": 64, "num_stages": 1, "exchange": "one_way"}
 VARIANTS = {
+    "lockstep": {"exchange": "lockstep"},
     "one-way max exchange": {"exchange": "one_way"},
-    "one-way, regs 224/56": {"exchange": "one_way", "experiments": ("regs=224/56",)},
-    "one-way, regs 216/72": {"exchange": "one_way", "experiments": ("regs=216/72",)},
-    "one-way, regs 240/24": {"exchange": "one_way", "experiments": ("regs=240/24",)},
-    "64-row split": SPLIT,
-    "split, regs 240/24": {**SPLIT, "experiments": ("regs=240/24",)},
+    # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
+    "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
+    "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
 }
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
@@ -53,9 +51,8 @@ def load_module(path: Path):
     return module
 
 
-def probe_attend(q, store, rows, counts, *, sm_scale, dv, config, probe="", experiments=()):
-    """The kernel with a diagnostic ``probe`` and ``experiments`` (``_Static``'s fields);
-    heads a multiple of 64."""
+def probe_attend(q, store, rows, counts, *, sm_scale, dv, config, probe):
+    """The kernel with a diagnostic ``probe`` (``_Static.probe``); heads a multiple of 64."""
     st = sparse_mla_kernel._Static(
         tokens=q.shape[0],
         heads=q.shape[1],
@@ -66,7 +63,6 @@ def probe_attend(q, store, rows, counts, *, sm_scale, dv, config, probe="", expe
         num_stages=config.num_stages,
         exchange=config.exchange,
         probe=probe,
-        experiments=tuple(experiments),
     )
     return sparse_mla_kernel._launch(q, store, rows, counts, st=st, interpret=None)
 
@@ -94,10 +90,10 @@ def run(cases, variants: dict, baseline, iterations: int) -> list[dict]:
         fns = {}
         for label, knobs in variants.items():
             knobs = dict(knobs)
-            static = {k: knobs.pop(k) for k in ("probe", "experiments") if k in knobs}
+            probe = knobs.pop("probe", "")
             attend = sparse_mla_kernel.sparse_mla_rows_attention
-            if static:
-                attend = functools.partial(probe_attend, **static)
+            if probe:
+                attend = functools.partial(probe_attend, probe=probe)
             fns[label] = (attend, SparseMlaKernelConfig(**knobs))
         if baseline is not None:
             fns["baseline"] = (baseline.sparse_mla_rows_attention, baseline.SparseMlaKernelConfig())

@@ -266,7 +266,7 @@ def test_write_back_bit_identical_and_prefill_wrapper():
 @pytest.mark.parametrize(
     "block_k,num_stages,exchange",
     [(64, 1, "lockstep"), (32, 2, "lockstep"), (32, 1, "lockstep"), (32, 2, "one_way"),
-     (32, 1, "one_way"), (64, 1, "one_way")],
+     (32, 1, "one_way")],
 )  # fmt: skip
 def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange):
     """128 heads (two programs per token), counts that end inside a block and a pair;
@@ -324,6 +324,8 @@ def test_refuses_what_the_kernel_does_not_take():
         SparseMlaKernelConfig(block_k=64, num_stages=2)
     with pytest.raises(ValueError, match="exchange"):
         SparseMlaKernelConfig(exchange="both")
+    with pytest.raises(ValueError, match="block_k=32"):
+        SparseMlaKernelConfig(block_k=64, num_stages=1, exchange="one_way")
 
 
 # ------------------------------------------------------------------------------------

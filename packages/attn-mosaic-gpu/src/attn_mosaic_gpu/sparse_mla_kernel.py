@@ -14,7 +14,7 @@ Grid ``(Hp // 64, N)``: one program per (query token, group of 64 heads), head g
 fastest so the programs of one token run side by side and share its gathered rows in
 L2. Three warpgroups (``num_threads=3``):
 
-* WG2 (memory, ``setmaxnreg 40``) gathers the token's selected rows, ``block_k`` rows
+* WG2 (memory, ``setmaxnreg 24``) gathers the token's selected rows, ``block_k`` rows
   per block, with 16-byte ``cp.async`` copies issued by all 128 threads (Hopper's TMA
   has no row gather): 8 threads per row, each thread copying the same 16-byte chunk of
   every 64-feature tile of its rows, straight into the 128-byte-swizzled tiled layout
@@ -27,7 +27,7 @@ L2. Three warpgroups (``num_threads=3``):
   pair ``p``'s slots to be ``consumed`` and issue it. So a pair is published as soon as
   it has landed, never behind the next pair's issue (the row ids' global loads and the
   copies), and pair ``p`` is in flight while the compute WGs work on pair ``p - 1``.
-* WG0, WG1 (compute, ``setmaxnreg 232``) each own one block of every pair and one half
+* WG0, WG1 (compute, ``setmaxnreg 240``) each own one block of every pair and one half
   of the value features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator).
   Per pair: ``S = Q K^T`` over the 512 latent and the 64 rope features of its own block
   (two wgmmas from shared memory), the columns past ``counts[n]`` masked; the two WGs
@@ -78,8 +78,12 @@ __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attent
 HEADS_PER_PROGRAM = 64  # wgmma M rows per warpgroup; both compute WGs share the heads
 ROPE = 64  # rope features of a key row (Dk - Dv)
 _COMPUTE_WGS = 2
-_COMPUTE_REGISTERS = 232
-_MEMORY_REGISTERS = 40
+# setmaxnreg: 2 x 240 + 24 = 504 of the 512 registers per thread slot. ptxas reports
+# 156 bytes of spill stores at 232/40 and 80 at 240/24 (benchmarks/sparse_mla_ptxas.py);
+# 240/24 ran 3-4 % faster than 232/40 on the H200, 224/56 and 216/72 slower
+# (docs/sparse_mla_gpu.md).
+_COMPUTE_REGISTERS = 240
+_MEMORY_REGISTERS = 24
 _THREADS = 128  # per warpgroup
 _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
@@ -89,12 +93,6 @@ _AXIS_HEADS = "head_group"
 _AXIS_TOKENS = "token"
 _AXIS_WG = "wg"
 EXCHANGES = ("lockstep", "one_way")
-_PARTS = ("L", "R")  # split schedule: latent 0-255; latent 256-511 and rope
-
-
-def _part(block: int, part: str) -> int:
-    """Barrier index of ``part`` of the pair's block ``block`` (split schedule)."""
-    return 2 * block + _PARTS.index(part)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +131,8 @@ class SparseMlaKernelConfig:
             object.__setattr__(self, "exchange", "one_way" if self.block_k == 32 else "lockstep")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
+        if self.exchange == "one_way" and self.block_k != 32:
+            raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +148,6 @@ class _Static:
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
-    # Split-schedule experiments (benchmark only): "q_rope_smem" (Q's rope features in
-    # shared memory instead of registers), "early_qk" (WG0 issues the next pair's first
-    # QK^T part before waiting for its remote value product).
-    experiments: tuple[str, ...] = ()
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -170,10 +166,9 @@ def _transforms(block_k: int):
     return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(swizzle))
 
 
-def _gather_block(st: _Static, part: str | None = None):
+def _gather_block(st: _Static):
     """cp.async gather of one block of rows into its (latent, rope) slots (see the
-    module docstring); ``part`` ``"L"`` copies only the first half of the latent
-    features, ``"R"`` the second half and the rope features (64-row split schedule).
+    module docstring).
 
     The shared-memory slots are tiled ``[rows / 8, features / T, 8, T]`` (``T`` = 64 or
     32 bf16 per row of a tile, 128 or 64 bytes) and swizzled: 16-byte chunk ``c`` of row
@@ -215,16 +210,10 @@ def _gather_block(st: _Static, part: str | None = None):
         store_ptr = llvm.addrspacecast(
             llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
         )
-        latent_ptr, rope_ptr = mgpu_utils.memref_ptr(latent), mgpu_utils.memref_ptr(rope)
-        # (slot, tiles per row of the slot, tile in the slot, feature tile of the row)
-        latent_range = {
-            None: range(latent_tiles),
-            "L": range(latent_tiles // 2),
-            "R": range(latent_tiles // 2, latent_tiles),
-        }[part]
-        copies = [(latent_ptr, latent_tiles, j, j) for j in latent_range]
-        if part in (None, "R"):
-            copies += [(rope_ptr, rope_tiles, j, latent_tiles + j) for j in range(rope_tiles)]
+        slots = (
+            (mgpu_utils.memref_ptr(latent), latent_tiles),
+            (mgpu_utils.memref_ptr(rope), rope_tiles),
+        )
         for i in range(rows_per_thread):
             r = arith.addi(group, const(row_groups * i))
             row = memref.load(rows, [arith.index_cast(index, r)])
@@ -241,36 +230,38 @@ def _gather_block(st: _Static, part: str | None = None):
                 arith.muli(r_lo, const(tile)),
                 arith.muli(arith.xori(chunk, phase), const(_CHUNK)),
             )
-            row_tile = arith.divui(r, const(8))
-            for dst_base, tiles, j, feature_tile in copies:
-                first_tile = arith.addi(arith.muli(row_tile, const(tiles)), const(j))
-                dst_off = arith.addi(arith.muli(first_tile, const(8 * tile)), in_tile)
-                src_off = arith.addi(src0, const(feature_tile * tile, i64))
-                nvvm.cp_async_shared_global(
-                    mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
-                    mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
-                    16,
-                    nvvm.LoadCacheModifierKind.CG,
-                    cp_size=src_bytes,
-                )
+            feature_tile = 0
+            for dst_base, tiles in slots:
+                row_tile = arith.muli(arith.divui(r, const(8)), const(tiles))
+                for j in range(tiles):
+                    dst_off = arith.addi(
+                        arith.muli(arith.addi(row_tile, const(j)), const(8 * tile)), in_tile
+                    )
+                    src_off = arith.addi(src0, const(feature_tile * tile, i64))
+                    nvvm.cp_async_shared_global(
+                        mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
+                        mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
+                        16,
+                        nvvm.LoadCacheModifierKind.CG,
+                        cp_size=src_bytes,
+                    )
+                    feature_tile += 1
         nvvm.cp_async_commit_group()
 
     return gather
 
 
-def _gather_block_interpret(st: _Static, part: str | None = None):
+def _gather_block_interpret(st: _Static):
     """The same gather for interpret mode, which does not run inline Mosaic GPU code."""
     dv = st.dv
-    lo, hi = {None: (0, dv), "L": (0, dv // 2), "R": (dv // 2, dv)}[part]
 
     def gather(store, rows, latent, rope):
         def one(r, carry):
             row = rows[r]
             data = store[jnp.maximum(row, 0), pl.ds(0, dv + ROPE)]
             data = jnp.where(row >= 0, data, jnp.zeros_like(data))
-            latent[r, pl.ds(lo, hi - lo)] = data[lo:hi]
-            if part != "L":
-                rope[r, :] = data[dv:]
+            latent[r, :] = data[:dv]
+            rope[r, :] = data[dv:]
             return carry
 
         lax.fori_loop(0, st.block_k, one, 0)
@@ -305,20 +296,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
     # [64, 64], dead once its QK^T is done (the same tiled layout). 32-row blocks: one P
     # buffer per compute WG, reused every pair.
     p_in_rope = block_k == ROPE
-    # 64-row blocks with the one-way exchange: one pair of blocks, each in two parts
-    # with their own barriers (see the module docstring).
-    split = block_k == ROPE and st.exchange == "one_way"
-    compute_regs, memory_regs = _COMPUTE_REGISTERS, _MEMORY_REGISTERS
-    for e in st.experiments:  # "regs=C/M": the warpgroups' register counts
-        if e.startswith("regs="):
-            compute_regs, memory_regs = map(int, e[5:].split("/"))
-    q_rope_smem = split and "q_rope_smem" in st.experiments
-    early_qk = split and "early_qk" in st.experiments and not interpret
-    if split and st.probe == "no_compute":
-        raise NotImplementedError("probe='no_compute' takes the pair-ring schedules only")
-    if split:
-        make = _gather_block_interpret if interpret else _gather_block
-        gather_part = {h: make(st, h) for h in _PARTS}
 
     def block(buf, ring, w):
         # Ring slot `ring` holds a pair of blocks, WG0's then WG1's: [2 * stages, block_k, F].
@@ -344,7 +321,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(compute_regs, action="increase")
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
             other = 1 - wg
 
             @pl.when(wg == 0)
@@ -352,7 +329,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 plgpu.copy_gmem_to_smem(
                     q_ref.at[token, pl.ds(h0, heads), pl.ds(0, dv)], q_lat, q_ready.at[0]
                 )
-                if interpret or q_rope_smem:
+                if interpret:
                     plgpu.copy_gmem_to_smem(
                         q_ref.at[token, pl.ds(h0, heads), pl.ds(dv, ROPE)], q_rope, q_ready.at[1]
                     )
@@ -360,14 +337,14 @@ def _build_kernel(st: _Static, *, interpret: bool):
             # Q's rope features stay in registers (16 per thread; the A operand of the
             # second QK^T wgmma), which leaves shared memory for a second pair of blocks.
             q_rope_a = q_rope
-            if not interpret and not q_rope_smem:
+            if not interpret:
                 q_rope_a = plgpu.load(
                     q_ref.at[token, pl.ds(h0, heads), pl.ds(dv, ROPE)],
                     layout=plgpu.Layout.WGMMA,
                     optimized=False,
                 )
             plgpu.barrier_wait(q_ready.at[0])
-            if interpret or q_rope_smem:
+            if interpret:
                 plgpu.barrier_wait(q_ready.at[1])
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             m_init = plgpu.layout_cast(jnp.full((heads,), _M_INIT, jnp.float32), row_layout)
@@ -558,124 +535,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
 
-            def split_pairs(w, s_ref=None, acc_ref=None):
-                """WG ``w``'s pair loop in the 64-row split schedule (``block_k=64``,
-                ``exchange="one_way"``): the one-way exchange, QK^T issued part by part
-                as the parts land, and every part handed back as soon as its last
-                reader is done, so the memory WG refills it while the pair goes on."""
-                cols = pl.ds(w * half, half)
-                p_mine = k_rope.at[0] if w == 0 else p_bufs.at[0]  # where this WG's P goes
-                p_theirs = p_bufs.at[0] if w == 0 else k_rope.at[0]
-
-                def to_acc(x):
-                    return lax.broadcast_in_dim(x, (heads, half), [0])
-
-                def qk_part(h, acc):
-                    """Wait for part ``h`` of this WG's block; add its QK^T to ``acc``."""
-                    plgpu.barrier_wait(ready.at[_part(w, h)])
-                    feats = pl.ds(_PARTS.index(h) * half, half)
-                    k_part = k_lat.at[w].at[:, feats].transpose((1, 0))
-                    plgpu.wgmma(acc, q_lat.at[:, feats], k_part)
-                    if h == "R":
-                        plgpu.wgmma(acc, q_rope_a, k_rope.at[w].transpose((1, 0)))
-
-                def scores(s_ref):
-                    """S of this WG's block (WG0: L then R part; WG1: R then L)."""
-                    if interpret:
-
-                        def qk(acc_ref):
-                            qk_part(_PARTS[w], acc_ref)
-                            qk_part(_PARTS[1 - w], acc_ref)
-                            return acc_ref[...]
-
-                        return pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
-                    s_ref[...] = s_zero
-                    qk_part(_PARTS[w], s_ref)
-                    qk_part(_PARTS[1 - w], s_ref)
-                    return s_ref[...]
-
-                def step(p, carry, next_qk=False):
-                    m_i, l_i, acc = carry
-                    # WG0 with early_qk: issued by the prologue or the previous step.
-                    s = s_ref[...] if early_qk and w == 0 else scores(s_ref)
-                    s = masked_scores(p, s)
-                    own_v = k_lat.at[w].at[:, cols]
-                    their_v = k_lat.at[1 - w].at[:, cols]
-                    if w == 0:
-                        m_own = jnp.maximum(m_i, scaled_max(s))
-                    else:
-                        plgpu.barrier_wait(max_ready.at[0])
-                        m_0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
-                        m_own = jnp.maximum(m_0, scaled_max(s))
-                    stats.at[w][...] = m_own
-                    plgpu.barrier_arrive(max_ready.at[w])
-                    probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
-                    alpha = jnp.exp2(m_i - m_own)
-                    l_i = l_i * alpha + probs.sum(axis=1)
-                    p16 = probs.astype(jnp.bfloat16)
-                    if interpret:  # the own product reads P back from shared memory
-                        p_mine[...] = p16
-                    acc = pv_add(acc, acc_ref, p_mine if interpret else p16, own_v, to_acc(alpha))
-                    if w == 0:
-                        # Own block's value half (part L) is done: hand it back.
-                        if not interpret:
-                            plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[_part(0, "L")])
-                        plgpu.barrier_wait(max_ready.at[1])
-                        m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
-                        shift = jnp.exp2(m_own - m_new)
-                        p_mine[...] = (probs * lax.broadcast_in_dim(shift, s.shape, [0])).astype(
-                            jnp.bfloat16
-                        )
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(p_ready.at[0])
-                        l_i = l_i * shift
-                        plgpu.barrier_wait(p_ready.at[1])
-                        acc = pv_add(acc, acc_ref, p_theirs, their_v, to_acc(shift))
-                        if next_qk:  # the next pair's L part behind the remote product
-                            s_ref[...] = s_zero
-                            qk_part("L", s_ref)
-                            plgpu.wgmma_wait(1)
-                            plgpu.barrier_arrive(consumed.at[_part(1, "L")])
-                            qk_part("R", s_ref)
-                        else:
-                            if not interpret:
-                                plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(consumed.at[_part(1, "L")])
-                    else:
-                        m_new = m_own
-                        if not interpret:
-                            p_mine[...] = p16
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(p_ready.at[1])
-                        plgpu.barrier_wait(p_ready.at[0])
-                        acc = pv_add(acc, acc_ref, p_theirs, their_v)
-                        if not interpret:
-                            plgpu.wgmma_wait(1)
-                        plgpu.barrier_arrive(consumed.at[_part(1, "R")])
-                        if not interpret:
-                            plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[_part(0, "R")])
-                    return m_new, l_i, acc
-
-                acc = acc_zero if interpret else None
-                carry = (m_init, l_init, acc)
-                if early_qk and w == 0:  # a prologue issues pair 0's QK^T
-
-                    def first_qk(_, c):
-                        s_ref[...] = s_zero
-                        qk_part("L", s_ref)
-                        qk_part("R", s_ref)
-                        return c
-
-                    carry = lax.fori_loop(0, jnp.minimum(num_pairs, 1), first_qk, carry)
-                    last = jnp.maximum(num_pairs - 1, 0)
-                    carry = lax.fori_loop(0, last, functools.partial(step, next_qk=True), carry)
-                    m_i, l_i, acc = lax.fori_loop(last, num_pairs, step, carry)
-                else:
-                    m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, carry)
-                return (acc if interpret else acc_ref[...]), m_i, l_i
-
             def run_pairs(loop):
                 if interpret:
                     return loop()
@@ -718,13 +577,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
             if st.probe == "no_compute":
                 finish(*consume_only())
-            elif split:
-                for w in range(_COMPUTE_WGS):
-
-                    @pl.when(wg == w)
-                    def _split(w=w):
-                        finish(*run_pairs(functools.partial(split_pairs, w)))
-
             elif st.exchange == "one_way":
                 for w in range(_COMPUTE_WGS):
 
@@ -735,45 +587,9 @@ def _build_kernel(st: _Static, *, interpret: bool):
             else:
                 finish(*run_pairs(pairs))
 
-        def _memory_split():
-            plgpu.set_max_registers(memory_regs, action="decrease")
-
-            def publish(*parts):
-                """Publish the last ``len(parts)`` issued parts (oldest first) once copied."""
-                for i, (b, h) in enumerate(parts):
-                    wait_copies(len(parts) - 1 - i)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ready.at[_part(b, h)])
-
-            # Parts in the order they are freed: WG0's own value half (0, L) and WG1's
-            # (1, R) mid-pair, then the halves read by the other WG's product.
-            @pl.loop(0, num_pairs)
-            def _issue(p):
-                for parts in (((0, "L"), (1, "R")), ((0, "R"), (1, "L"))):
-                    for b, h in parts:
-
-                        @pl.when(p >= 1)
-                        def _wait_free(b=b, h=h):
-                            plgpu.barrier_wait(consumed.at[_part(b, h)])
-
-                        if st.probe != "no_gather":
-                            gather_part[h](
-                                store_ref,
-                                rows_ref.at[token, pl.ds((2 * p + b) * block_k, block_k)],
-                                k_lat.at[b],
-                                k_rope.at[b],
-                            )
-                    publish(*parts)
-
-            # Drain: observe the consumption of the last pair before the barriers die.
-            @pl.when(num_pairs > 0)
-            def _drain():
-                for b in range(_COMPUTE_WGS):
-                    for h in _PARTS:
-                        plgpu.barrier_wait(consumed.at[_part(b, h)])
-
+        @pl.when(wg == _COMPUTE_WGS)
         def _memory():
-            plgpu.set_max_registers(memory_regs, action="decrease")
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
             def signal_ready(pair):
                 """Publish ``pair``'s two blocks once copied: the pair issued last, whose
@@ -822,27 +638,21 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 plgpu.barrier_wait(consumed.at[ring * 2])
                 plgpu.barrier_wait(consumed.at[ring * 2 + 1])
 
-        pl.when(wg == _COMPUTE_WGS)(_memory_split if split else _memory)
-
     def entry(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref):
         tiled = _transforms(block_k)
         slots = 2 * stages
         bf16 = jnp.bfloat16
         q_lat = plgpu.SMEM((heads, dv), bf16, transforms=tiled)
-        q_rope = None
-        if interpret or q_rope_smem:
-            q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled)
+        q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled) if interpret else None
         k_lat = plgpu.SMEM((slots, block_k, dv), bf16, transforms=tiled)
         k_rope = plgpu.SMEM((slots, block_k, ROPE), bf16, transforms=tiled)
         p_bufs = None
         if not p_in_rope:
             p_bufs = plgpu.SMEM((_COMPUTE_WGS, heads, block_k), bf16, transforms=tiled)
-        elif split:  # WG1's P (WG0's goes where block 0's rope was)
-            p_bufs = plgpu.SMEM((1, heads, block_k), bf16, transforms=tiled)
         # one_way in interpret mode: WG0's own P, read back by its own value product.
         one_way = st.exchange == "one_way"
         p_local = None
-        if interpret and one_way and not split:
+        if interpret and one_way:
             p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
         # Per-row exchange between the compute WGs: the maxima, then the sums.
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
@@ -850,11 +660,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
             lambda *args: kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, args),
             [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats],
             (
-                # ready / consumed: per block, or per part of a block (split)
-                plgpu.Barrier(num_barriers=2 * slots if split else slots),
-                plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots)
-                if split
-                else plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
+                plgpu.Barrier(num_barriers=slots),
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
                 plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
                 # one_way: WG w's running max (max_ready[w]) and P (p_ready[w]) are out
