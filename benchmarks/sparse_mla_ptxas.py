@@ -19,31 +19,41 @@ import tempfile
 from pathlib import Path
 
 
-def compile_one(name: str) -> None:
-    """Compile variant ``name`` once (run in a child process with the dump flags set)."""
+def variant_fn(name: str):
+    """``fn(q, store, rows, counts)``: variant ``name`` of the variants script, jitted."""
     import jax
-    import jax.numpy as jnp
 
     sys.path.insert(0, str(Path(__file__).parent))
     import sparse_mla_variants as variants
 
-    from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
+    from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
 
     knobs = dict(variants.VARIANTS[name])
-    static = {k: knobs.pop(k) for k in ("probe", "experiments") if k in knobs}
-    fn = jax.jit(
-        functools.partial(
-            variants.probe_attend,
-            sm_scale=0.07,
-            dv=512,
-            config=SparseMlaKernelConfig(**knobs),
-            **static,
-        )
+    static = {k: knobs.pop(k) for k in ("probe",) if k in knobs}
+    attend = (
+        functools.partial(variants.probe_attend, **static) if static else sparse_mla_rows_attention
     )
-    q = jnp.zeros((8, 64, 576), jnp.bfloat16)
-    store = jnp.zeros((1024, 576), jnp.bfloat16)
-    rows = jnp.zeros((8, 2048), jnp.int32)
-    jax.block_until_ready(fn(q, store, rows, jnp.full((8,), 2048, jnp.int32)))
+    config = SparseMlaKernelConfig(**knobs)
+    return jax.jit(functools.partial(attend, sm_scale=0.07, dv=512, config=config))
+
+
+def small_args():
+    """A small problem (8 tokens, 64 heads, 2048 rows each) to compile at."""
+    import jax.numpy as jnp
+
+    return (
+        jnp.zeros((8, 64, 576), jnp.bfloat16),
+        jnp.zeros((1024, 576), jnp.bfloat16),
+        jnp.zeros((8, 2048), jnp.int32),
+        jnp.full((8,), 2048, jnp.int32),
+    )
+
+
+def compile_one(name: str) -> None:
+    """Compile and run variant ``name`` once (in a child process with the dump flags)."""
+    import jax
+
+    jax.block_until_ready(variant_fn(name)(*small_args()))
 
 
 def main() -> None:

@@ -59,3 +59,15 @@ def test_report_names_the_commit_and_keeps_failures(variants, tmp_path):
     assert any("| 64x1 | 8.100 | 290 | 2.3e-04 |" in line for line in md)
     assert any("| one-way | failed |" in line and "boom" in line for line in md)
     assert json.loads((tmp_path / "sparse_mla_variants.json").read_text())["rows"] == rows
+
+
+def test_ptxas_script_builds_each_variant():
+    """``benchmarks/sparse_mla_ptxas.py`` builds every variant (cross-lowered for CUDA)."""
+    import jax
+
+    with load_script(SCRIPT.parent / "sparse_mla_ptxas.py", "sparse_mla_ptxas") as ptxas:
+        args = ptxas.small_args()
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+        for name in ("one-way max exchange", "probe: no gather"):
+            exported = jax.export.export(ptxas.variant_fn(name), platforms=["cuda"])(*structs)
+            assert "mosaic_gpu" in exported.mlir_module()
