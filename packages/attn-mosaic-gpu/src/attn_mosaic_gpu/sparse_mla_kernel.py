@@ -36,10 +36,12 @@ L2. Three warpgroups (``num_threads=3``):
   and then accumulates ``P_own V_own + P_other V_other`` over its value half (own P from
   registers, the other WG's from shared memory). Both WGs then arrive on both slots'
   ``consumed`` barriers, which the memory WG waits on before refilling them.
-  Q's 64 rope features stay in registers. With 64-row blocks a block's P goes where its
-  rope features were (dead once its QK^T is done), so one pair of blocks fits in
+  All of Q (72 KiB) is in shared memory, loaded once by TMA (kept out of registers, where
+  it would push the compute WGs into spills). With 64-row blocks a block's P goes where
+  its rope features were (dead once its QK^T is done), so one pair of blocks fits in
   227 KiB; with 32-row blocks two pairs fit (one consumed while the next is gathered)
-  plus one P buffer per compute WG.
+  plus one P buffer per compute WG, with 2.5 KiB to spare (the kernel reserves no
+  reduction scratch: see ``_launch``).
 * ``exchange="one_way"`` (the default at 32-row blocks; the other order of the same work, as
   FlashMLA's Hopper sparse prefill does it): WG0 does not wait for WG1 before its own
   value product. Per pair, WG0 takes ``m0 = max(m, rowmax S_0)``, publishes it
@@ -326,26 +328,13 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
             @pl.when(wg == 0)
             def _load_q():
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[token, pl.ds(h0, heads), pl.ds(0, dv)], q_lat, q_ready.at[0]
-                )
-                if interpret:
+                for i, (lo, width, dst) in enumerate(((0, dv, q_lat), (dv, ROPE, q_rope))):
                     plgpu.copy_gmem_to_smem(
-                        q_ref.at[token, pl.ds(h0, heads), pl.ds(dv, ROPE)], q_rope, q_ready.at[1]
+                        q_ref.at[token, pl.ds(h0, heads), pl.ds(lo, width)], dst, q_ready.at[i]
                     )
 
-            # Q's rope features stay in registers (16 per thread; the A operand of the
-            # second QK^T wgmma), which leaves shared memory for a second pair of blocks.
-            q_rope_a = q_rope
-            if not interpret:
-                q_rope_a = plgpu.load(
-                    q_ref.at[token, pl.ds(h0, heads), pl.ds(dv, ROPE)],
-                    layout=plgpu.Layout.WGMMA,
-                    optimized=False,
-                )
             plgpu.barrier_wait(q_ready.at[0])
-            if interpret:
-                plgpu.barrier_wait(q_ready.at[1])
+            plgpu.barrier_wait(q_ready.at[1])
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             m_init = plgpu.layout_cast(jnp.full((heads,), _M_INIT, jnp.float32), row_layout)
             l_init = plgpu.layout_cast(jnp.full((heads,), 0.0, jnp.float32), row_layout)
@@ -365,14 +354,14 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_lat, block(k_lat, ring, wg).transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, q_rope_a, block(k_rope, ring, wg).transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_rope, block(k_rope, ring, wg).transpose((1, 0)))
                     return acc_ref[...]
 
                 if interpret:
                     return pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
                 s_ref[...] = s_zero
                 plgpu.wgmma(s_ref, q_lat, block(k_lat, ring, wg).transpose((1, 0)))
-                plgpu.wgmma(s_ref, q_rope_a, block(k_rope, ring, wg).transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_rope, block(k_rope, ring, wg).transpose((1, 0)))
                 return None
 
             def masked_scores(p, s):
@@ -643,7 +632,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
         slots = 2 * stages
         bf16 = jnp.bfloat16
         q_lat = plgpu.SMEM((heads, dv), bf16, transforms=tiled)
-        q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled) if interpret else None
+        q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled)
         k_lat = plgpu.SMEM((slots, block_k, dv), bf16, transforms=tiled)
         k_rope = plgpu.SMEM((slots, block_k, ROPE), bf16, transforms=tiled)
         p_bufs = None
@@ -701,7 +690,9 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
         grid_names=(_AXIS_HEADS, _AXIS_TOKENS),
         num_threads=_COMPUTE_WGS + 1,
         thread_name=_AXIS_WG,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # No cross-warp reduction (row maxima and sums stay within a warp's quads), so
+        # none of the default 2 KiB of reduction scratch; Q's rope features need it.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret,
     )(q, store, rows, counts)
 
