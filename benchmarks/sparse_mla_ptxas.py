@@ -26,14 +26,7 @@ def variant_fn(name: str):
     sys.path.insert(0, str(Path(__file__).parent))
     import sparse_mla_variants as variants
 
-    from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
-
-    knobs = dict(variants.VARIANTS[name])
-    static = {k: knobs.pop(k) for k in ("probe",) if k in knobs}
-    attend = (
-        functools.partial(variants.probe_attend, **static) if static else sparse_mla_rows_attention
-    )
-    config = SparseMlaKernelConfig(**knobs)
+    attend, config = variants.variant_attend(variants.VARIANTS[name])
     return jax.jit(functools.partial(attend, sm_scale=0.07, dv=512, config=config))
 
 

@@ -22,10 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_common import check_sparse_mla_inputs, selected_rows, sparse_mla_units
+from attn_common import selected_rows, sparse_mla_units
 from attn_common.bench import device_ms, provenance
-from attn_common.bench_sparse_mla import CASES, make_inputs
+from attn_common.bench_sparse_mla import CASES
 from attn_common.sparse_mla_rows import row_table_width
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sparse_mla_variants import case_problem  # a sibling script
 
 BLOCK = 64  # the kernel's row-table multiple (2 * block_k)
 _ABSENT = 2**31 - 1
@@ -47,14 +50,8 @@ def two_sort_rows(units, *, block: int = BLOCK):
 
 def time_case(case, iterations: int) -> list[dict]:
     """The row-table variants of one benchmark case (see the module docstring)."""
-    inputs = make_inputs(case)
-    (q, kv, idx, pos), kw = inputs["args"], inputs["kwargs"]
-    problem = check_sparse_mla_inputs(q, kv, idx, pos, **kw)
-    tables = {
-        k: kw[k]
-        for k in ("page_size", "q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
-        if k in kw
-    }
+    inputs, problem, tables = case_problem(case)
+    _, kv, idx, pos = inputs["args"]
 
     def units_only(kv, idx, pos, tables):
         return sparse_mla_units(problem, kv, idx, pos, **tables)[0]

@@ -16,6 +16,7 @@ Writes ``sparse_mla_variants.json`` and ``.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -53,22 +54,24 @@ def load_module(path: Path):
 
 def probe_attend(q, store, rows, counts, *, sm_scale, dv, config, probe):
     """The kernel with a diagnostic ``probe`` (``_Static.probe``); heads a multiple of 64."""
-    st = sparse_mla_kernel._Static(
-        tokens=q.shape[0],
-        heads=q.shape[1],
-        dv=dv,
-        width=store.shape[1],
-        sm_scale=float(sm_scale),
-        block_k=config.block_k,
-        num_stages=config.num_stages,
-        exchange=config.exchange,
-        probe=probe,
-    )
+    q, st = sparse_mla_kernel._padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
+    st = dataclasses.replace(st, probe=probe)
     return sparse_mla_kernel._launch(q, store, rows, counts, st=st, interpret=None)
 
 
-def case_rows(case) -> tuple:
-    """``(q [N, H, Dk], store, rows, counts, sm_scale, flops)`` of a benchmark case."""
+def variant_attend(knobs: dict) -> tuple:
+    """``(attend, config)`` of a ``VARIANTS`` entry: the kernel (with its probe, if any)."""
+    knobs = dict(knobs)
+    probe = knobs.pop("probe", "")
+    attend = sparse_mla_kernel.sparse_mla_rows_attention
+    if probe:
+        attend = functools.partial(probe_attend, probe=probe)
+    return attend, SparseMlaKernelConfig(**knobs)
+
+
+def case_problem(case) -> tuple[dict, object, dict]:
+    """``(inputs, problem, tables)`` of a benchmark case: ``make_inputs``' answer, its
+    ``check_sparse_mla_inputs`` problem and the ragged tables among its kwargs."""
     inputs = make_inputs(case)
     (q, kv, idx, pos), kw = inputs["args"], inputs["kwargs"]
     problem = check_sparse_mla_inputs(q, kv, idx, pos, **kw)
@@ -77,6 +80,13 @@ def case_rows(case) -> tuple:
         for k in ("page_size", "q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
         if k in kw
     }
+    return inputs, problem, tables
+
+
+def case_rows(case) -> tuple:
+    """``(q [N, H, Dk], store, rows, counts, sm_scale, flops)`` of a benchmark case."""
+    inputs, problem, tables = case_problem(case)
+    q, kv, idx, pos = inputs["args"]
     units, store = sparse_mla_units(problem, kv, idx, pos, **tables)
     rows, counts = selected_rows(units, read_block=problem.read_block, block=ROW_BLOCK)
     flops = 2.0 * case.heads * (case.dk + case.dv) * float(inputs["rows_per_query"].sum())
@@ -87,14 +97,7 @@ def run(cases, variants: dict, baseline, iterations: int) -> list[dict]:
     out_rows = []
     for case in cases:
         q, store, rows, counts, sm_scale, flops = case_rows(case)
-        fns = {}
-        for label, knobs in variants.items():
-            knobs = dict(knobs)
-            probe = knobs.pop("probe", "")
-            attend = sparse_mla_kernel.sparse_mla_rows_attention
-            if probe:
-                attend = functools.partial(probe_attend, probe=probe)
-            fns[label] = (attend, SparseMlaKernelConfig(**knobs))
+        fns = {label: variant_attend(knobs) for label, knobs in variants.items()}
         if baseline is not None:
             fns["baseline"] = (baseline.sparse_mla_rows_attention, baseline.SparseMlaKernelConfig())
         first = None

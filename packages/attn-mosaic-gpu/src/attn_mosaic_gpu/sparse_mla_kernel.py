@@ -697,6 +697,27 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
     )(q, store, rows, counts)
 
 
+def _padded_static(
+    q: jax.Array, store: jax.Array, *, sm_scale: float, dv: int, config: SparseMlaKernelConfig
+) -> tuple[jax.Array, _Static]:
+    """``q`` with its heads padded to a multiple of 64, and the kernel's static shape."""
+    tokens, heads, _ = q.shape
+    heads_pad = -(-heads // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM
+    if heads_pad != heads:
+        q = jnp.pad(q, ((0, 0), (0, heads_pad - heads), (0, 0)))
+    st = _Static(
+        tokens=tokens,
+        heads=heads_pad,
+        dv=dv,
+        width=store.shape[1],
+        sm_scale=float(sm_scale),
+        block_k=config.block_k,
+        num_stages=config.num_stages,
+        exchange=config.exchange,
+    )
+    return q, st
+
+
 def sparse_mla_rows_attention(
     q: jax.Array,
     store: jax.Array,
@@ -742,19 +763,7 @@ def sparse_mla_rows_attention(
             f"rows: got shape {rows.shape}, expected [{tokens}, Kp] with Kp a multiple of "
             f"{2 * config.block_k}"
         )
-    heads_pad = -(-heads // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM
-    if heads_pad != heads:
-        q = jnp.pad(q, ((0, 0), (0, heads_pad - heads), (0, 0)))
-    st = _Static(
-        tokens=tokens,
-        heads=heads_pad,
-        dv=dv,
-        width=store.shape[1],
-        sm_scale=float(sm_scale),
-        block_k=config.block_k,
-        num_stages=config.num_stages,
-        exchange=config.exchange,
-    )
+    q, st = _padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
     out, lse = _launch(
         q,
         store,
