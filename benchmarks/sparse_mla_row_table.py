@@ -1,9 +1,12 @@
 """What the Hopper sparse-MLA op spends on its row table, and cheaper ways to build it.
 
 Times, per benchmark case (CUPTI median), ``sparse_mla_units`` + ``selected_rows`` as
-the op runs them, the ``[N, K]`` sort alone, and, for token-level selections
-(``read_block == 1``), a two-sort build (sort; mark repeats absent; sort again) that
-needs no prefix sum and no scatter; its table is checked equal to ``selected_rows``'s::
+the op runs them (with ``num_rows``: token-level selections sorted as one packed 1-D
+array), the same with the batched ``[N, K]`` sort (no ``num_rows``), and both sorts
+alone; for unit selections, the old expansion of units to rows (scatter, scan, gathers)
+against the op's fused max-reduction; for token-level selections (``read_block == 1``),
+two-sort builds (sort; mark repeats absent; sort again) that need no prefix sum and no
+scatter, batched and packed. Every variant's table is checked equal to the op's::
 
     python benchmarks/sparse_mla_row_table.py --out /tmp/r --cases 'flat-h128-*'
 
@@ -13,36 +16,38 @@ Writes ``sparse_mla_row_table.json`` into ``--out`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from fnmatch import fnmatch
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attn_common import selected_rows, sparse_mla_units
+from attn_common import sparse_mla_rows as rows_module
 from attn_common.bench import device_ms, provenance
 from attn_common.bench_sparse_mla import CASES
-from attn_common.sparse_mla_rows import row_table_width
+from attn_common.sparse_mla_rows import _ABSENT, _sort_rows, row_table_width
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sparse_mla_variants import case_problem  # a sibling script
 
 BLOCK = 64  # the kernel's row-table multiple (2 * block_k)
-_ABSENT = 2**31 - 1
 
 
-def two_sort_rows(units, *, block: int = BLOCK):
+def two_sort_rows(units, *, block: int = BLOCK, num_rows: int | None = None):
     """``selected_rows`` for ``read_block == 1`` by two sorts (no cumsum, no scatter)."""
     n, top_k = units.first_row.shape
     width = row_table_width(top_k, 1, block)
     valid = (units.first_row >= 0) & (units.first_pos <= units.position[:, None])
     valid &= units.first_pos < units.kv_len[:, None]
-    key = jnp.sort(jnp.where(valid, units.first_row, _ABSENT), axis=1)
+    key = _sort_rows(jnp.where(valid, units.first_row, _ABSENT), num_rows)
     repeat = jnp.concatenate([jnp.zeros((n, 1), bool), key[:, 1:] == key[:, :-1]], axis=1)
-    key = jnp.sort(jnp.where(repeat, _ABSENT, key), axis=1)
+    key = _sort_rows(jnp.where(repeat, _ABSENT, key), num_rows)
     counts = (key != _ABSENT).sum(axis=1, dtype=jnp.int32)
     rows = jnp.where(key == _ABSENT, -1, key)
     return jnp.pad(rows, ((0, 0), (0, width - top_k)), constant_values=-1), counts
@@ -56,28 +61,43 @@ def time_case(case, iterations: int) -> list[dict]:
     def units_only(kv, idx, pos, tables):
         return sparse_mla_units(problem, kv, idx, pos, **tables)[0]
 
-    def table(kv, idx, pos, tables):
+    num_rows = int(np.prod(kv.shape[:-1]))  # the store's rows, as the op passes them
+
+    def table(kv, idx, pos, tables, num_rows=num_rows):
         units = units_only(kv, idx, pos, tables)
-        return selected_rows(units, read_block=problem.read_block, block=BLOCK)
+        return selected_rows(units, read_block=problem.read_block, block=BLOCK, num_rows=num_rows)
 
-    def sort_only(kv, idx, pos, tables):
-        return jnp.sort(units_only(kv, idx, pos, tables).first_row, axis=1)
+    def sort_only(kv, idx, pos, tables, num_rows=None):
+        first_row = units_only(kv, idx, pos, tables).first_row
+        return _sort_rows(jnp.where(first_row >= 0, first_row, _ABSENT), num_rows)
 
-    fns = {"op's row table": table, "units": units_only, "sort only": sort_only}
-    if problem.read_block == 1:
+    fns = {"op's row table": table, "units": units_only, "batched sort only": sort_only}
+    if problem.read_block > 1:
+        fns["scatter expansion"] = table  # traced with EXPAND_BY_MAX_UNITS = 0, below
+    else:
+        fns["batched sort"] = functools.partial(table, num_rows=None)
+        fns["packed sort only"] = functools.partial(sort_only, num_rows=num_rows)
         fns["two sorts"] = lambda *a: two_sort_rows(units_only(*a))
+        fns["two packed sorts"] = lambda *a: two_sort_rows(units_only(*a), num_rows=num_rows)
     results, reference = [], None
     for label, fn in fns.items():
-        fn = jax.jit(fn)
+        limit = 0 if label == "scatter expansion" else rows_module.EXPAND_BY_MAX_UNITS
+        with mock.patch.object(rows_module, "EXPAND_BY_MAX_UNITS", limit):
+            fn = jax.jit(fn).lower(kv, idx, pos, tables).compile()
         ms, _ = device_ms(fn, kv, idx, pos, tables, iterations=iterations)
-        row = {"case": case.name, "variant": label, "ms": ms}
+        hlo = fn.as_text()
+        # Which sort XLA chose: a CUB radix sort is a custom call, its own one a sort op.
+        row = {"case": case.name, "variant": label, "ms": ms, "cub_sort": "DeviceRadixSort" in hlo}
         if label == "op's row table":
             reference = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
-        if label == "two sorts":
+        if label != "op's row table" and "only" not in label and label != "units":
             got = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
             row["equal"] = all(np.array_equal(a, b) for a, b in zip(got, reference, strict=True))
         results.append(row)
-        print(f"{case.name:18s} {label:16s} {ms:8.3f} ms {row.get('equal', '')}", flush=True)
+        cub = "cub" if row["cub_sort"] else ""
+        print(
+            f"{case.name:18s} {label:18s} {ms:8.3f} ms {cub:3s} {row.get('equal', '')}", flush=True
+        )
     return results
 
 

@@ -10,6 +10,8 @@ the reference.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,14 +27,29 @@ from attn_common import (
     ragged_units,
     row_table_width,
     selected_rows,
+    sparse_mla_rows,
     sparse_mla_units,
 )
+from attn_common.sparse_mla_rows import _ABSENT, _sort_rows
 from attn_reference import sparse_mla_attention
 
 BLOCKS = (1, 8, 64)
 RAGGED_Q, RAGGED_SEQS, RAGGED_SLOTS = 24, 4, 32  # padded ragged shapes (see below)
 
-_selected_rows = jax.jit(selected_rows, static_argnames=("read_block", "block"))
+_jit_rows = jax.jit(selected_rows, static_argnames=("read_block", "block", "num_rows"))
+
+
+def _selected_rows(units, *, scatter: bool = False, **kw):
+    """``selected_rows``, jitted; ``scatter``: eagerly, units expanded by the scatter."""
+    if not scatter:
+        return _jit_rows(units, **kw)
+    with mock.patch.object(sparse_mla_rows, "EXPAND_BY_MAX_UNITS", 0):
+        return selected_rows(units, **kw)
+
+
+# num_rows: none (batched sort); a bound that packs (query, row) into 32 bits with
+# room to spare, or exactly (5 queries: 3 bits + 29); one too wide (the batched sort).
+NUM_ROWS = (None, 64, 2**29 - 1, 2**31 - 2)
 
 
 def _cdiv(a, b):
@@ -102,6 +119,8 @@ def test_example():
         ({"read_block": 0}, "read_block"),
         ({"read_block": True}, "read_block"),
         ({"read_block": 2, "block": 0}, "block"),
+        ({"read_block": 1, "num_rows": -1}, "num_rows"),
+        ({"read_block": 1, "num_rows": 3.0}, "num_rows"),
     ],
 )
 def test_bad_static_arguments(kw, name):
@@ -118,9 +137,24 @@ def test_empty_shapes():
             position=jnp.zeros((n,), jnp.int32),
             kv_len=jnp.ones((n,), jnp.int32),
         )
-        rows, counts = selected_rows(units, read_block=2, block=8)
-        assert rows.shape == (n, row_table_width(k, 2, 8)) and counts.shape == (n,)
-        assert not np.asarray(counts).any()
+        for rb, num_rows in ((2, None), (1, 0), (1, 100)):
+            rows, counts = selected_rows(units, read_block=rb, block=8, num_rows=num_rows)
+            assert rows.shape == (n, row_table_width(k, rb, 8)) and counts.shape == (n,)
+            assert not np.asarray(counts).any()
+
+
+@pytest.mark.parametrize("num_rows", [5000, 2**24 - 1, 2**31 - 2])
+def test_packed_sort_matches_batched(num_rows):
+    """``_sort_rows``: the packed 1-D sort (or its fallback) gives ``jnp.sort``'s rows."""
+    rng = np.random.default_rng(num_rows)
+    n, k = 256, 96  # 8 query bits: 2**24 - 1 packs exactly into 32, 2**31 - 2 falls back
+    key = rng.integers(0, min(num_rows, 300), (n, k), dtype=np.int32)  # many repeats
+    key[rng.random((n, k)) < 0.2] = num_rows - 1  # the highest row
+    key[rng.random((n, k)) < 0.2] = _ABSENT
+    got = jax.jit(_sort_rows, static_argnums=1)(jnp.asarray(key), num_rows)
+    np.testing.assert_array_equal(np.asarray(got), np.sort(key, axis=1))
+    packed = "u32[24576]" in str(jax.make_jaxpr(_sort_rows, static_argnums=1)(key, num_rows))
+    assert packed == (num_rows < 2**31 - 2)  # which of the two sorts ran
 
 
 # --------------------------------------------------------------------------------------
@@ -159,11 +193,13 @@ def unit_rows_oracle(units: UnitRows, rb: int) -> list[set[int]]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(unit_rows(), st.sampled_from(BLOCKS))
-def test_unit_rows_vs_brute_force(p, block):
-    units, rb = p
-    got = _selected_rows(UnitRows(*map(jnp.asarray, units)), read_block=rb, block=block)
-    _check(got, unit_rows_oracle(units, rb), row_table_width(units.first_row.shape[1], rb, block))
+@given(unit_rows(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
+def test_unit_rows_vs_brute_force(p, block, num_rows, scatter):
+    units, rb = p  # rows below 6 + 6 * 5 + 5 <= 64
+    units = UnitRows(*map(jnp.asarray, units))
+    got = _selected_rows(units, read_block=rb, block=block, num_rows=num_rows, scatter=scatter)
+    want = unit_rows_oracle(UnitRows(*map(np.asarray, units)), rb)
+    _check(got, want, row_table_width(units.first_row.shape[1], rb, block))
 
 
 # --------------------------------------------------------------------------------------
@@ -210,9 +246,9 @@ def flat_oracle(idx, pos, num_tokens: int, read_block: int) -> list[set[int]]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(flat_problems(), st.sampled_from(BLOCKS))
-def test_flat_vs_brute_force(p, block):
-    idx, pos, num_tokens, rb = p
+@given(flat_problems(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
+def test_flat_vs_brute_force(p, block, num_rows, scatter):
+    idx, pos, num_tokens, rb = p  # 8 queries, rows below 2 * 40
     units = flat_units(
         jnp.asarray(idx),
         jnp.asarray(pos),
@@ -220,7 +256,9 @@ def test_flat_vs_brute_force(p, block):
         read_block=rb,
         num_units=_cdiv(num_tokens, rb),
     )
-    got = _selected_rows(units, read_block=rb, block=block)
+    if num_rows == 64:
+        num_rows = 2 * num_tokens  # the store's rows, as the op passes them
+    got = _selected_rows(units, read_block=rb, block=block, num_rows=num_rows, scatter=scatter)
     _check(got, flat_oracle(idx, pos, num_tokens, rb), row_table_width(idx.shape[2], rb, block))
 
 
@@ -284,8 +322,8 @@ def _pad(x, size: int, fill: int) -> np.ndarray:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ragged_problems(), st.sampled_from(BLOCKS))
-def test_ragged_vs_brute_force(p, block):
+@given(ragged_problems(), st.sampled_from(BLOCKS), st.booleans())
+def test_ragged_vs_brute_force(p, block, scatter):
     layout, idx, pos, page_size = p
     num_q = len(idx)
     # Fixed shapes (few compiles): padded queries (position -1) attend nothing, padded
@@ -301,7 +339,7 @@ def test_ragged_vs_brute_force(p, block):
         page_size=page_size,
         num_pages=layout["num_pages"],
     )
-    got = _selected_rows(units, read_block=page_size, block=block)
+    got = _selected_rows(units, read_block=page_size, block=block, scatter=scatter)
     width = row_table_width(idx.shape[1], page_size, block)
     want = ragged_oracle(layout, idx, pos, page_size) + [set()] * (RAGGED_Q - num_q)
     _check(got, want, width)

@@ -23,11 +23,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from attn_common.sparse_mla import SparseMlaProblem, lift_ragged_indices, ragged_query_info
 from attn_common.tables import sanitize_unit_ids
 
 _ABSENT = 2**31 - 1  # sort key of a row that is not attended (never a real row)
+# Units per query up to which selected_rows expands units to rows by one fused
+# [N, Kp, K] max-reduction (N * Kp * K compares) rather than a scatter and a scan.
+EXPAND_BY_MAX_UNITS = 256
 
 
 class UnitRows(NamedTuple):
@@ -137,8 +141,29 @@ def row_table_width(top_k: int, read_block: int, block: int = 64) -> int:
     return -(-top_k * read_block // block) * block
 
 
+def _sort_rows(key: jax.Array, num_rows: int | None) -> jax.Array:
+    """``jnp.sort(key, axis=1)`` for ``key [N, K]``: store rows and ``_ABSENT``.
+
+    With ``num_rows`` (every row below it) and ``N`` small enough, one 1-D sort of
+    ``(query << row_bits) | row`` in uint32 does it: each query's ``K`` keys stay in its
+    own ``K`` slots, sorted. XLA on Hopper runs a 1-D sort of that size as a CUB radix
+    sort, where a batched ``[N, K]`` sort of ``K = 2048`` keys is a shared-memory
+    comparison sort (docs/sparse_mla_gpu.md measures both). Otherwise the batched sort.
+    """
+    n, top_k = key.shape
+    row_bits = None if num_rows is None else int(num_rows).bit_length()
+    if row_bits is None or n * top_k <= 1 or (n - 1).bit_length() + row_bits > 32:
+        return jnp.sort(key, axis=1)
+    absent = (1 << row_bits) - 1  # above every row
+    query = jnp.arange(n, dtype=jnp.uint32)[:, None] << row_bits
+    row = jnp.where(key == _ABSENT, absent, key).astype(jnp.uint32)
+    packed = lax.sort((query | row).reshape(-1), is_stable=False).reshape(n, top_k)
+    row = (packed & jnp.uint32(absent)).astype(jnp.int32)
+    return jnp.where(row == absent, _ABSENT, row)
+
+
 def selected_rows(
-    units: UnitRows, *, read_block: int, block: int = 64
+    units: UnitRows, *, read_block: int, block: int = 64, num_rows: int | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Each query's attended store rows, sorted and duplicate-free; jit-friendly.
 
@@ -155,12 +180,21 @@ def selected_rows(
     Returns ``rows [N, Kp]`` int32, ``Kp = row_table_width(K, read_block, block)``: query
     ``i``'s attended rows in ascending order in ``rows[i, :counts[i]]``, then ``-1``;
     and ``counts [N]`` int32. Cost: one sort of ``[N, K]`` (by first row; no ``K^2``
-    comparison), prefix sums and one scatter. Store rows must be below ``2**31 - 1``.
+    comparison), prefix sums, and either one scatter (``read_block == 1``), one fused
+    ``[N, Kp, K]`` max-reduction (``K <= EXPAND_BY_MAX_UNITS``) or a scatter and a scan.
+    Store rows must be below ``2**31 - 1``.
+    ``num_rows`` (optional, static): a bound on the store rows, which lets token-level
+    selections (``read_block == 1``) be sorted as one 1-D array (``_sort_rows``); the
+    table is the same either way.
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block: got {block!r}, expected a positive int")
     if isinstance(read_block, bool) or not isinstance(read_block, int) or read_block < 1:
         raise ValueError(f"read_block: got {read_block!r}, expected a positive int")
+    if num_rows is not None and (
+        isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0
+    ):
+        raise ValueError(f"num_rows: got {num_rows!r}, expected a non-negative int or None")
     n, top_k = units.first_row.shape
     width = row_table_width(top_k, read_block, block)
     if width == 0:
@@ -175,7 +209,7 @@ def selected_rows(
     length = jnp.where(first_row >= 0, jnp.clip(limit, 0, read_block), 0)
     key = jnp.where(length > 0, first_row, _ABSENT)
     if read_block == 1:  # length is 1 exactly where key is a row
-        key = jnp.sort(key, axis=1)
+        key = _sort_rows(key, num_rows)
         length = (key != _ABSENT).astype(jnp.int32)
     else:  # copies of a unit adjacent, the longest valid prefix first
         key, neg_length = jax.lax.sort((key, -length), dimension=1, num_keys=2)
@@ -185,11 +219,21 @@ def selected_rows(
     end = jnp.cumsum(length, axis=1, dtype=jnp.int32)
     start = end - length
     counts = end[:, -1]
+    slot = jnp.arange(width, dtype=jnp.int32)
+    if read_block > 1 and top_k <= EXPAND_BY_MAX_UNITS:
+        # Slot m holds row (key[k] - start[k]) + m of the kept unit k that owns it (the
+        # last one starting <= m). Kept units have ascending keys at least read_block
+        # apart and at most read_block rows each, so key - start never decreases along
+        # them: the owner's is the maximum over the kept units starting <= m. One
+        # [N, Kp, K] max-reduction that XLA fuses; no scatter, scan or gather.
+        offset = jnp.where(length > 0, key - start, jnp.iinfo(jnp.int32).min)
+        owns = start[:, None, :] <= slot[None, :, None]
+        rows = jnp.max(jnp.where(owns, offset[:, None, :], jnp.iinfo(jnp.int32).min), axis=2)
+        return jnp.where(slot < counts[:, None], rows + slot, -1), counts
     # Scatter each kept unit to its first slot; dropped units to distinct slots >= Kp.
     query = jnp.arange(n, dtype=jnp.int32)[:, None]
     unit = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (n, top_k))
     dest = jnp.where(length > 0, start, width + unit)
-    slot = jnp.arange(width, dtype=jnp.int32)
     empty = jnp.full((n, width), -1, jnp.int32)
     if read_block == 1:
         rows = empty.at[query, dest].set(key, mode="drop", unique_indices=True)
