@@ -3,9 +3,7 @@
 Times, per benchmark case (CUPTI median), ``sparse_mla_units`` + ``selected_rows`` as
 the op runs them (with ``num_rows``: token-level selections sorted as one packed 1-D
 array), the same with the batched ``[N, K]`` sort (no ``num_rows``), and both sorts
-alone; for unit selections, the old expansion of units to rows (scatter, scan, gathers)
-against the op's fused max-reduction; for token-level selections (``read_block == 1``),
-two-sort builds (sort; mark repeats absent; sort again) that need no prefix sum and no
+alone; for token-level selections (``read_block == 1``), two-sort builds (sort; mark repeats absent; sort again) that need no prefix sum and no
 scatter, batched and packed. Every variant's table is checked equal to the op's::
 
     python benchmarks/sparse_mla_row_table.py --out /tmp/r --cases 'flat-h128-*'
@@ -21,14 +19,12 @@ import json
 import sys
 from fnmatch import fnmatch
 from pathlib import Path
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attn_common import selected_rows, sparse_mla_units
-from attn_common import sparse_mla_rows as rows_module
 from attn_common.bench import device_ms, provenance
 from attn_common.bench_sparse_mla import CASES
 from attn_common.sparse_mla_rows import _ABSENT, _sort_rows, row_table_width
@@ -72,32 +68,31 @@ def time_case(case, iterations: int) -> list[dict]:
         return _sort_rows(jnp.where(first_row >= 0, first_row, _ABSENT), num_rows)
 
     fns = {"op's row table": table, "units": units_only, "batched sort only": sort_only}
-    if problem.read_block > 1:
-        fns["scatter expansion"] = table  # traced with EXPAND_BY_MAX_UNITS = 0, below
-    else:
+    if problem.read_block == 1:
         fns["batched sort"] = functools.partial(table, num_rows=None)
         fns["packed sort only"] = functools.partial(sort_only, num_rows=num_rows)
         fns["two sorts"] = lambda *a: two_sort_rows(units_only(*a))
         fns["two packed sorts"] = lambda *a: two_sort_rows(units_only(*a), num_rows=num_rows)
     results, reference = [], None
     for label, fn in fns.items():
-        limit = 0 if label == "scatter expansion" else rows_module.EXPAND_BY_MAX_UNITS
-        with mock.patch.object(rows_module, "EXPAND_BY_MAX_UNITS", limit):
-            fn = jax.jit(fn).lower(kv, idx, pos, tables).compile()
+        fn = jax.jit(fn).lower(kv, idx, pos, tables).compile()
         ms, _ = device_ms(fn, kv, idx, pos, tables, iterations=iterations)
-        hlo = fn.as_text()
-        # Which sort XLA chose: a CUB radix sort is a custom call, its own one a sort op.
-        row = {"case": case.name, "variant": label, "ms": ms, "cub_sort": "DeviceRadixSort" in hlo}
+        # How XLA sorts: its own sort op, or a custom call (a library sort).
+        sorts = [
+            line.split("=", 1)[1].strip()[:120]
+            for line in fn.as_text().splitlines()
+            if " sort(" in line or "custom-call(" in line
+        ]
+        row = {"case": case.name, "variant": label, "ms": ms, "sort_ops": sorts}
         if label == "op's row table":
             reference = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
         if label != "op's row table" and "only" not in label and label != "units":
             got = [np.asarray(x) for x in fn(kv, idx, pos, tables)]
             row["equal"] = all(np.array_equal(a, b) for a, b in zip(got, reference, strict=True))
         results.append(row)
-        cub = "cub" if row["cub_sort"] else ""
-        print(
-            f"{case.name:18s} {label:18s} {ms:8.3f} ms {cub:3s} {row.get('equal', '')}", flush=True
-        )
+        print(f"{case.name:18s} {label:18s} {ms:8.3f} ms {row.get('equal', '')}", flush=True)
+        for op in sorts:
+            print(f"    {op}", flush=True)
     return results
 
 
