@@ -148,7 +148,7 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
-        if not isinstance(self.prefetch_qk, bool):
+        if self.prefetch_qk not in (False, True, "after_p"):
             raise ValueError(f"prefetch_qk: got {self.prefetch_qk!r}, expected a bool")
         if self.prefetch_qk and (self.exchange != "one_way" or self.num_stages != 2):
             # With one pair slot, pair p + 1 is gathered only once pair p is consumed,
@@ -510,7 +510,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         m_own = jnp.maximum(m_0, scaled_max(s))
                         stats.at[1][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[1])
-                    if prefetch:
+                    if prefetch and st.prefetch_qk != "after_p":
                         s_next = [start_qk(s_ref, p + 1)]
                     probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
                     alpha = jnp.exp2(m_i - m_own)
@@ -530,6 +530,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         ).astype(jnp.bfloat16)
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(p_ready.at[0])
+                        if prefetch and st.prefetch_qk == "after_p":
+                            s_next = [start_qk(s_ref, p + 1)]
                         l_i = l_i * shift
                         plgpu.barrier_wait(p_ready.at[1])
                         acc = pv_add(acc, acc_ref, p_bufs.at[1], their_v, to_acc(shift))
@@ -548,6 +550,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         )
                         if not interpret:
                             publish_p()
+                        if prefetch and st.prefetch_qk == "after_p":
+                            s_next = [start_qk(s_ref, p + 1)]
                         plgpu.barrier_wait(p_ready.at[0])
                         acc = pv_add(acc, acc_ref, p_bufs.at[0], their_v)
                     if not interpret:
