@@ -36,8 +36,6 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 VARIANTS = {
     "lockstep": {"exchange": "lockstep"},
     "one-way max exchange": {"exchange": "one_way"},
-    "one-way + QK prefetch": {"exchange": "one_way", "prefetch_qk": True},
-    "one-way + late QK prefetch": {"exchange": "one_way", "prefetch_qk": "after_p"},
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},

@@ -51,14 +51,13 @@ LSE_ATOL = 2e-3
 
 
 def _config_id(c):
-    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}" + ("-prefetch" if c.prefetch_qk else "")
+    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}"
 
 
 CONFIGS = [
     SparseMlaKernelConfig(64, 1),
     SparseMlaKernelConfig(32, 2, "lockstep"),
     SparseMlaKernelConfig(32, 2, "one_way"),
-    SparseMlaKernelConfig(32, 2, "one_way", prefetch_qk=True),
 ]
 
 

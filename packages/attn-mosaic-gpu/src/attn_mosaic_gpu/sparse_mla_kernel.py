@@ -54,15 +54,6 @@ L2. Three warpgroups (``num_threads=3``):
   ``P`` buffer only after a wait that the other WG's last read of it precedes (each
   WG's wait for the other's max of pair ``p + 1`` follows the other's pair ``p``), so no
   barrier runs two phases ahead of its waiter.
-* ``prefetch_qk=True`` (one_way, two stages): without it a WG's tensor-core work per
-  pair is ``S = Q K^T``, then nothing through the softmax, then ``P V``. With it, each
-  WG issues the next pair's ``S`` (into the one ``S`` accumulator, whose values it has
-  already read into registers) right after publishing this pair's running max, so that
-  wgmma runs under this pair's softmax and value product. The end-of-pair ``wgmma``
-  wait covers it too, so nothing is in flight across the loop's back edge; pair 0's
-  ``S`` is issued before the loop and the last pair is peeled off (nothing after it to
-  issue), which needs at least one pair: a query with no row walks one fully masked
-  pair of zero-filled rows. It costs the 16 registers of a second 64 x 32 tile.
 * At the end the WGs add their row sums through shared memory, normalise, and store
   their output half to global memory; WG0 writes the LSE.
 
@@ -122,15 +113,11 @@ class SparseMlaKernelConfig:
     its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
     module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
     than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
-    ``prefetch_qk`` (one_way with two stages only): each compute WG issues the next
-    pair's ``S = Q K^T`` as soon as it has this pair's running max, so the tensor cores
-    work on it during this pair's softmax and value product (the module docstring).
     """
 
     block_k: int = 32
     num_stages: int = 2
     exchange: str | None = None
-    prefetch_qk: bool = False
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -148,12 +135,6 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
-        if self.prefetch_qk not in (False, True, "after_p"):
-            raise ValueError(f"prefetch_qk: got {self.prefetch_qk!r}, expected a bool")
-        if self.prefetch_qk and (self.exchange != "one_way" or self.num_stages != 2):
-            # With one pair slot, pair p + 1 is gathered only once pair p is consumed,
-            # after the point where the prefetch would wait for it.
-            raise ValueError("prefetch_qk=True takes exchange='one_way' and num_stages=2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +147,6 @@ class _Static:
     block_k: int
     num_stages: int
     exchange: str
-    prefetch_qk: bool = False
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
@@ -336,11 +316,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
         h0 = group * heads
         count = counts_ref[token]
         num_pairs = lax.div(count + 2 * block_k - 1, jnp.int32(2 * block_k))
-        if st.prefetch_qk:
-            # At least one pair, so the prefetching loop issues no wgmma conditionally: a
-            # query with no row walks one pair whose columns are all masked (its rows
-            # are zero-filled, never read), which leaves out 0 and l 0 (LSE -inf).
-            num_pairs = jnp.maximum(num_pairs, 1)
 
         def pair_sync():
             plgpu.barrier_arrive(pair)
@@ -482,21 +457,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 def to_acc(x):
                     return lax.broadcast_in_dim(x, (heads, half), [0])
 
-                def step(p, carry, prefetch=False):
-                    """Pair ``p``. ``prefetch`` (``prefetch_qk``, not on the last pair):
-                    ``S`` of pair ``p`` was issued by the previous step (the carry's last
-                    item in interpret mode) and this step issues pair ``p + 1``'s once
-                    it has published its running max. Every wgmma is waited for before
-                    the step ends, so none is in flight across the loop's back edge."""
-                    m_i, l_i, acc, *s_next = carry
+                def step(p, carry):
+                    m_i, l_i, acc = carry
                     ring = lax.rem(p, jnp.int32(stages))
-                    if st.prefetch_qk:
-                        s = s_next[0] if interpret else s_ref[...]
-                    else:
-                        s = start_qk(s_ref, p)
-                        if not interpret:
-                            s = s_ref[...]  # waits for pair p's QK^T
-                    s_next = []
+                    s = start_qk(s_ref, p)
+                    if not interpret:
+                        s = s_ref[...]  # waits for pair p's QK^T
                     s = masked_scores(p, s)
                     own_v = block(k_lat, ring, w).at[:, cols]
                     their_v = block(k_lat, ring, 1 - w).at[:, cols]
@@ -510,8 +476,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         m_own = jnp.maximum(m_0, scaled_max(s))
                         stats.at[1][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[1])
-                    if prefetch and st.prefetch_qk != "after_p":
-                        s_next = [start_qk(s_ref, p + 1)]
                     probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
                     alpha = jnp.exp2(m_i - m_own)
                     l_i = l_i * alpha + probs.sum(axis=1)
@@ -530,8 +494,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         ).astype(jnp.bfloat16)
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(p_ready.at[0])
-                        if prefetch and st.prefetch_qk == "after_p":
-                            s_next = [start_qk(s_ref, p + 1)]
                         l_i = l_i * shift
                         plgpu.barrier_wait(p_ready.at[1])
                         acc = pv_add(acc, acc_ref, p_bufs.at[1], their_v, to_acc(shift))
@@ -550,27 +512,16 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         )
                         if not interpret:
                             publish_p()
-                        if prefetch and st.prefetch_qk == "after_p":
-                            s_next = [start_qk(s_ref, p + 1)]
                         plgpu.barrier_wait(p_ready.at[0])
                         acc = pv_add(acc, acc_ref, p_bufs.at[0], their_v)
                     if not interpret:
                         plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(consumed.at[ring * 2 + w])
                     plgpu.barrier_arrive(consumed.at[ring * 2 + 1 - w])
-                    return (m_new, l_i, acc, *s_next)
+                    return m_new, l_i, acc
 
                 acc = acc_zero if interpret else None
-                if not st.prefetch_qk:
-                    m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
-                    return (acc if interpret else acc_ref[...]), m_i, l_i
-                # num_pairs >= 1 here (see `num_pairs`): pair 0's S first, the last pair
-                # peeled off (nothing after it to issue), so no wgmma is conditional.
-                carry = (m_init, l_init, acc, start_qk(s_ref, 0))
-                carry = lax.fori_loop(
-                    0, num_pairs - 1, functools.partial(step, prefetch=True), carry
-                )
-                m_i, l_i, acc = step(num_pairs - 1, carry)
+                m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
 
             def run_pairs(loop):
@@ -763,7 +714,6 @@ def _padded_static(
         block_k=config.block_k,
         num_stages=config.num_stages,
         exchange=config.exchange,
-        prefetch_qk=config.prefetch_qk,
     )
     return q, st
 
@@ -812,11 +762,6 @@ def sparse_mla_rows_attention(
         raise ValueError(
             f"rows: got shape {rows.shape}, expected [{tokens}, Kp] with Kp a multiple of "
             f"{2 * config.block_k}"
-        )
-    if kp == 0:  # no query has a row: nothing to launch
-        return (
-            jnp.zeros((tokens, heads, dv), jnp.float32),
-            jnp.full((tokens, heads), -jnp.inf, jnp.float32),
         )
     q, st = _padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
     out, lse = _launch(
