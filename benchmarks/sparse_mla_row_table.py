@@ -3,8 +3,11 @@
 Times, per benchmark case (CUPTI median), ``sparse_mla_units`` + ``selected_rows`` as
 the op runs them (with ``num_rows``: token-level selections sorted as one packed 1-D
 array), the same with the batched ``[N, K]`` sort (no ``num_rows``), and both sorts
-alone; for token-level selections (``read_block == 1``), two-sort builds (sort; mark repeats absent; sort again) that need no prefix sum and no
-scatter, batched and packed. Every variant's table is checked equal to the op's::
+alone; for unit selections, the expansion of units to rows by a scatter, a scan and
+gathers against the op's fused max-reduction; for token-level selections
+(``read_block == 1``), two-sort builds (sort; mark repeats absent; sort again) that
+need no prefix sum and no scatter, batched and packed. Every variant's table is checked
+equal to the op's, and its sorts and scatters are listed from the compiled HLO::
 
     python benchmarks/sparse_mla_row_table.py --out /tmp/r --cases 'flat-h128-*'
 
@@ -19,12 +22,14 @@ import json
 import sys
 from fnmatch import fnmatch
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attn_common import selected_rows, sparse_mla_units
+from attn_common import sparse_mla_rows as rows_module
 from attn_common.bench import device_ms, provenance
 from attn_common.bench_sparse_mla import CASES
 from attn_common.sparse_mla_rows import _ABSENT, _sort_rows, row_table_width
@@ -63,11 +68,16 @@ def time_case(case, iterations: int) -> list[dict]:
         units = units_only(kv, idx, pos, tables)
         return selected_rows(units, read_block=problem.read_block, block=BLOCK, num_rows=num_rows)
 
+    def table_scatter(kv, idx, pos, tables):  # its own function: its own jit trace
+        return table(kv, idx, pos, tables)
+
     def sort_only(kv, idx, pos, tables, num_rows=None):
         first_row = units_only(kv, idx, pos, tables).first_row
         return _sort_rows(jnp.where(first_row >= 0, first_row, _ABSENT), num_rows)
 
     fns = {"op's row table": table, "units": units_only, "batched sort only": sort_only}
+    if problem.read_block > 1:
+        fns["scatter expansion"] = table_scatter  # traced with EXPAND_BY_MAX_UNITS = 0
     if problem.read_block == 1:
         fns["batched sort"] = functools.partial(table, num_rows=None)
         fns["packed sort only"] = functools.partial(sort_only, num_rows=num_rows)
@@ -75,13 +85,15 @@ def time_case(case, iterations: int) -> list[dict]:
         fns["two packed sorts"] = lambda *a: two_sort_rows(units_only(*a), num_rows=num_rows)
     results, reference = [], None
     for label, fn in fns.items():
-        fn = jax.jit(fn).lower(kv, idx, pos, tables).compile()
+        limit = 0 if label == "scatter expansion" else rows_module.EXPAND_BY_MAX_UNITS
+        with mock.patch.object(rows_module, "EXPAND_BY_MAX_UNITS", limit):
+            fn = jax.jit(fn).lower(kv, idx, pos, tables).compile()  # traced here
         ms, _ = device_ms(fn, kv, idx, pos, tables, iterations=iterations)
-        # How XLA sorts: its own sort op, or a custom call (a library sort).
+        # How XLA sorts (its own sort op, or a custom call: a library sort) and scatters.
         sorts = [
             line.split("=", 1)[1].strip()[:120]
             for line in fn.as_text().splitlines()
-            if " sort(" in line or "custom-call(" in line
+            if any(op in line for op in (" sort(", "custom-call(", " scatter("))
         ]
         row = {"case": case.name, "variant": label, "ms": ms, "sort_ops": sorts}
         if label == "op's row table":

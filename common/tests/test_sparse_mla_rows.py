@@ -10,6 +10,8 @@ the reference.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ from attn_common import (
     ragged_units,
     row_table_width,
     selected_rows,
+    sparse_mla_rows,
     sparse_mla_units,
 )
 from attn_common.sparse_mla_rows import _ABSENT, _sort_rows
@@ -33,7 +36,17 @@ from attn_reference import sparse_mla_attention
 BLOCKS = (1, 8, 64)
 RAGGED_Q, RAGGED_SEQS, RAGGED_SLOTS = 24, 4, 32  # padded ragged shapes (see below)
 
-_selected_rows = jax.jit(selected_rows, static_argnames=("read_block", "block", "num_rows"))
+_jit_rows = jax.jit(selected_rows, static_argnames=("read_block", "block", "num_rows"))
+
+
+def _selected_rows(units, *, scatter: bool = False, **kw):
+    """``selected_rows``, jitted; ``scatter``: eagerly, units expanded by the scatter."""
+    if not scatter:
+        return _jit_rows(units, **kw)
+    with mock.patch.object(sparse_mla_rows, "EXPAND_BY_MAX_UNITS", 0):
+        return selected_rows(units, **kw)
+
+
 # num_rows: none (batched sort); a bound that packs (query, row) into 32 bits with
 # room to spare, or exactly (5 queries: 3 bits + 29); one too wide (the batched sort).
 NUM_ROWS = (None, 64, 2**29 - 1, 2**31 - 2)
@@ -180,11 +193,11 @@ def unit_rows_oracle(units: UnitRows, rb: int) -> list[set[int]]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(unit_rows(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS))
-def test_unit_rows_vs_brute_force(p, block, num_rows):
+@given(unit_rows(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
+def test_unit_rows_vs_brute_force(p, block, num_rows, scatter):
     units, rb = p  # rows below 6 + 6 * 5 + 5 <= 64
     units = UnitRows(*map(jnp.asarray, units))
-    got = _selected_rows(units, read_block=rb, block=block, num_rows=num_rows)
+    got = _selected_rows(units, read_block=rb, block=block, num_rows=num_rows, scatter=scatter)
     want = unit_rows_oracle(UnitRows(*map(np.asarray, units)), rb)
     _check(got, want, row_table_width(units.first_row.shape[1], rb, block))
 
@@ -233,8 +246,8 @@ def flat_oracle(idx, pos, num_tokens: int, read_block: int) -> list[set[int]]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(flat_problems(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS))
-def test_flat_vs_brute_force(p, block, num_rows):
+@given(flat_problems(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
+def test_flat_vs_brute_force(p, block, num_rows, scatter):
     idx, pos, num_tokens, rb = p  # 8 queries, rows below 2 * 40
     units = flat_units(
         jnp.asarray(idx),
@@ -245,7 +258,7 @@ def test_flat_vs_brute_force(p, block, num_rows):
     )
     if num_rows == 64:
         num_rows = 2 * num_tokens  # the store's rows, as the op passes them
-    got = _selected_rows(units, read_block=rb, block=block, num_rows=num_rows)
+    got = _selected_rows(units, read_block=rb, block=block, num_rows=num_rows, scatter=scatter)
     _check(got, flat_oracle(idx, pos, num_tokens, rb), row_table_width(idx.shape[2], rb, block))
 
 
@@ -309,8 +322,8 @@ def _pad(x, size: int, fill: int) -> np.ndarray:
 
 
 @settings(max_examples=60, deadline=None)
-@given(ragged_problems(), st.sampled_from(BLOCKS))
-def test_ragged_vs_brute_force(p, block):
+@given(ragged_problems(), st.sampled_from(BLOCKS), st.booleans())
+def test_ragged_vs_brute_force(p, block, scatter):
     layout, idx, pos, page_size = p
     num_q = len(idx)
     # Fixed shapes (few compiles): padded queries (position -1) attend nothing, padded
@@ -326,7 +339,7 @@ def test_ragged_vs_brute_force(p, block):
         page_size=page_size,
         num_pages=layout["num_pages"],
     )
-    got = _selected_rows(units, read_block=page_size, block=block)
+    got = _selected_rows(units, read_block=page_size, block=block, scatter=scatter)
     width = row_table_width(idx.shape[1], page_size, block)
     want = ragged_oracle(layout, idx, pos, page_size) + [set()] * (RAGGED_Q - num_q)
     _check(got, want, width)

@@ -29,6 +29,9 @@ from attn_common.sparse_mla import SparseMlaProblem, lift_ragged_indices, ragged
 from attn_common.tables import sanitize_unit_ids
 
 _ABSENT = 2**31 - 1  # sort key of a row that is not attended (never a real row)
+# Units per query up to which selected_rows expands units to rows by one fused
+# [N, Kp, K] max-reduction (N * Kp * K compares) rather than a scatter and a scan.
+EXPAND_BY_MAX_UNITS = 256
 
 
 class UnitRows(NamedTuple):
@@ -143,9 +146,10 @@ def _sort_rows(key: jax.Array, num_rows: int | None) -> jax.Array:
 
     With ``num_rows`` (every row below it) and ``N`` small enough, one 1-D sort of
     ``(query << row_bits) | row`` in uint32 does it: each query's ``K`` keys stay in its
-    own ``K`` slots, sorted. On the H200 that sort takes 0.25 ms against the batched
-    ``[N, K]`` sort's 0.44 for 4096 queries x 2048 keys (docs/sparse_mla_gpu.md).
-    Otherwise the batched sort.
+    own ``K`` slots, sorted. XLA on Hopper runs a 1-D sort of that size as a CUB radix
+    sort (``cub_sort_keys``) and the batched ``[N, K]`` sort of ``K = 2048`` keys as its
+    own sort kernel: 0.26 against 0.44 ms for 4096 queries on the H200
+    (docs/sparse_mla_gpu.md). Otherwise the batched sort.
     """
     n, top_k = key.shape
     row_bits = None if num_rows is None else int(num_rows).bit_length()
@@ -177,7 +181,9 @@ def selected_rows(
     Returns ``rows [N, Kp]`` int32, ``Kp = row_table_width(K, read_block, block)``: query
     ``i``'s attended rows in ascending order in ``rows[i, :counts[i]]``, then ``-1``;
     and ``counts [N]`` int32. Cost: one sort of ``[N, K]`` (by first row; no ``K^2``
-    comparison), prefix sums and one scatter. Store rows must be below ``2**31 - 1``.
+    comparison), prefix sums, and either one scatter (``read_block == 1``), one fused
+    ``[N, Kp, K]`` max-reduction (``K <= EXPAND_BY_MAX_UNITS``) or a scatter and a scan.
+    Store rows must be below ``2**31 - 1``.
     ``num_rows`` (optional, static): a bound on the store rows, which lets token-level
     selections (``read_block == 1``) be sorted as one 1-D array (``_sort_rows``); the
     table is the same either way.
@@ -214,11 +220,21 @@ def selected_rows(
     end = jnp.cumsum(length, axis=1, dtype=jnp.int32)
     start = end - length
     counts = end[:, -1]
+    slot = jnp.arange(width, dtype=jnp.int32)
+    if read_block > 1 and top_k <= EXPAND_BY_MAX_UNITS:
+        # Slot m holds row (key[k] - start[k]) + m of the kept unit k that owns it (the
+        # last one starting <= m). Kept units have ascending keys at least read_block
+        # apart and at most read_block rows each, so key - start never decreases along
+        # them: the owner's is the maximum over the kept units starting <= m. One
+        # [N, Kp, K] max-reduction that XLA fuses; no scatter, scan or gather.
+        offset = jnp.where(length > 0, key - start, jnp.iinfo(jnp.int32).min)
+        owns = start[:, None, :] <= slot[None, :, None]
+        rows = jnp.max(jnp.where(owns, offset[:, None, :], jnp.iinfo(jnp.int32).min), axis=2)
+        return jnp.where(slot < counts[:, None], rows + slot, -1), counts
     # Scatter each kept unit to its first slot; dropped units to distinct slots >= Kp.
     query = jnp.arange(n, dtype=jnp.int32)[:, None]
     unit = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (n, top_k))
     dest = jnp.where(length > 0, start, width + unit)
-    slot = jnp.arange(width, dtype=jnp.int32)
     empty = jnp.full((n, width), -1, jnp.int32)
     if read_block == 1:
         rows = empty.at[query, dest].set(key, mode="drop", unique_indices=True)
