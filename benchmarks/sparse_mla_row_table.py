@@ -77,7 +77,7 @@ def time_case(case, iterations: int) -> list[dict]:
 
     fns = {"op's row table": table, "units": units_only, "batched sort only": sort_only}
     if problem.read_block > 1:
-        fns["scatter expansion"] = table_scatter  # traced with EXPAND_BY_MAX_UNITS = 0
+        fns["scatter expansion"] = table_scatter  # traced with EXPAND_BY_MAX_COMPARES = 0
     if problem.read_block == 1:
         fns["batched sort"] = functools.partial(table, num_rows=None)
         fns["packed sort only"] = functools.partial(sort_only, num_rows=num_rows)
@@ -85,8 +85,8 @@ def time_case(case, iterations: int) -> list[dict]:
         fns["two packed sorts"] = lambda *a: two_sort_rows(units_only(*a), num_rows=num_rows)
     results, reference = [], None
     for label, fn in fns.items():
-        limit = 0 if label == "scatter expansion" else rows_module.EXPAND_BY_MAX_UNITS
-        with mock.patch.object(rows_module, "EXPAND_BY_MAX_UNITS", limit):
+        limit = 0 if label == "scatter expansion" else rows_module.EXPAND_BY_MAX_COMPARES
+        with mock.patch.object(rows_module, "EXPAND_BY_MAX_COMPARES", limit):
             fn = jax.jit(fn).lower(kv, idx, pos, tables).compile()  # traced here
         ms, _ = device_ms(fn, kv, idx, pos, tables, iterations=iterations)
         # How XLA sorts (its own sort op, or a custom call: a library sort) and scatters.

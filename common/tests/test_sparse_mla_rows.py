@@ -43,7 +43,7 @@ def _selected_rows(units, *, scatter: bool = False, **kw):
     """``selected_rows``, jitted; ``scatter``: eagerly, units expanded by the scatter."""
     if not scatter:
         return _jit_rows(units, **kw)
-    with mock.patch.object(sparse_mla_rows, "EXPAND_BY_MAX_UNITS", 0):
+    with mock.patch.object(sparse_mla_rows, "EXPAND_BY_MAX_COMPARES", 0):
         return selected_rows(units, **kw)
 
 
