@@ -48,6 +48,9 @@ class KernelConfig:
         capped softmax is MUFU-bound there). 0 = all on the MUFU.
       rcp_fma_cols: the same split for soft_sign's reciprocal (Hopper forward only;
         needs a soft_sign cap).
+      programs: 0 = one program per query tile; ``N > 0`` = ``N`` persistent programs
+        (one per SM: 132 on an H200) that walk the tiles, each loading its next tile's Q
+        while it computes the current one (Hopper forward only, one user per row).
     """
 
     block_q: int = 64
@@ -55,6 +58,7 @@ class KernelConfig:
     num_stages: int = 2
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
+    programs: int = 0
 
     def __post_init__(self) -> None:
         _check_block("block_q", self.block_q)
@@ -77,6 +81,10 @@ class KernelConfig:
                     f"{_FMA_COLS_MULTIPLE} from 0 to block_kv={self.block_kv} (key columns "
                     "of a score tile, split at register-tile boundaries)"
                 )
+        if isinstance(self.programs, bool) or not isinstance(self.programs, int):
+            raise TypeError(f"KernelConfig.programs: got {self.programs!r}, expected an int")
+        if self.programs < 0:
+            raise ValueError(f"KernelConfig.programs: got {self.programs}, expected >= 0")
 
     def replace(self, **changes) -> KernelConfig:
         """A copy with ``changes`` applied (validated again)."""

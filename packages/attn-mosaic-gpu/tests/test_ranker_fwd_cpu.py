@@ -206,6 +206,35 @@ def test_interpret_lone_tiles(config):
     _check(q, k, v, bounds, cap=SOFT_SIGN, config=config)
 
 
+@pytest.mark.slow  # interpret mode, ~1 min on 2 cores
+@pytest.mark.parametrize(
+    "config",
+    [SMALL.replace(programs=1), SMALL.replace(programs=4), default_config(64).replace(programs=5),
+     SMALL.replace(programs=40)],
+    ids=["kv64-1prog", "kv64-4progs", "kv128-4stages-5progs", "kv64-40progs"],
+)  # fmt: skip
+def test_interpret_persistent_matches_per_tile(config):
+    """``programs`` (persistent programs walking the tiles, Q/O double-buffered, the K/V
+    ring running on across tiles): out and LSE bitwise the per-tile kernel's, with tiles
+    that have one live half, an empty tile (row 2's history ends early), zero-step tiles
+    and more programs than tiles (40 > 24); race detection on."""
+    q, k, v = _inputs(11, 3, 300, 4, 2, 64, jnp.bfloat16)
+    bounds = jnp.array([[0, 150, 150, 170], [70, 120, 120, 127], [0, 0, 200, 230]], jnp.int32)
+    got = _check(q, k, v, bounds, cap=SOFT_SIGN, config=config)
+    want = _run_interpret(
+        q, k, v, bounds, cap=SOFT_SIGN, config=config.replace(programs=0), return_lse=True
+    )
+    np.testing.assert_array_equal(got[0], _f32(want[0]))
+    np.testing.assert_array_equal(got[1], _f32(want[1]))
+
+
+def test_persistent_programs_refuse_packed_bounds():
+    q, k, v = _inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
+    packed = jnp.array([[[0, 30, 30, 40], [40, 90, 90, 100]]], jnp.int32)
+    with pytest.raises(ValueError, match="programs"):
+        ranker_attention_fwd(q, k, v, packed, config=SMALL.replace(programs=2))
+
+
 def test_packed_users_must_not_overlap():
     q, k, v = _inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
     bounds = jnp.array([[[0, 50, 50, 60], [40, 80, 80, 90]]], jnp.int32)
@@ -294,8 +323,14 @@ def test_cross_lowering_cuda(name, batch, seq, q_heads, kv_heads, head_dim, cap,
         (64, KernelConfig(block_q=64, block_kv=192, num_stages=2)),
         (128, KernelConfig(block_q=64, block_kv=64, num_stages=4)),
         (256, KernelConfig(block_q=64, block_kv=64, num_stages=2)),
+        (128, KernelConfig(block_q=64, block_kv=128, num_stages=2, programs=132)),
+        (64, KernelConfig(block_q=64, block_kv=128, num_stages=4, programs=132)),
     ],
-    ids=lambda x: f"kv{x.block_kv}x{x.num_stages}" if isinstance(x, KernelConfig) else f"d{x}",
+    ids=lambda x: (
+        f"kv{x.block_kv}x{x.num_stages}" + (f"-{x.programs}progs" if x.programs else "")
+        if isinstance(x, KernelConfig)
+        else f"d{x}"
+    ),
 )
 def test_cross_lowering_configs(head_dim, config):
     def f(q, k, v, bounds):

@@ -272,6 +272,43 @@ def test_lone_tiles(head_dim, cap):
     _check(q, k, v, jnp.asarray(LONE_BOUNDS, jnp.int32), cap=CAPS[cap])
 
 
+# ----------------------------------------------------------- persistent programs
+
+
+PERSISTENT = [  # name, S, Hq, Hkv, D, bounds, cap, dtype
+    ("phoenix", 1152, 20, 4, 128, "phoenix", "soft_sign", jnp.bfloat16),
+    ("ragged", 1152, 20, 4, 128, "ragged", "soft_sign", jnp.bfloat16),
+    ("lone-d64", 1152, 10, 2, 64, "lone", "tanh", jnp.bfloat16),
+    ("mixed-d128-fp16", 700, 8, 2, 128, "mixed", "tanh_tight", jnp.float16),
+    ("small-d64", 640, 8, 8, 64, "small", "none", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("programs", [132, 7])
+@pytest.mark.parametrize("case", PERSISTENT, ids=[c[0] for c in PERSISTENT])
+def test_persistent_matches_per_tile(case, programs):
+    """``KernelConfig(programs=N)``: N persistent programs (132 = one per H200 SM; 7:
+    many tiles each) give out and LSE bitwise equal to the per-tile kernel's, and pass the
+    reference check; half-live tiles, empty rows, unaligned bounds, GQA 5:1."""
+    _, seq, hq, hkv, d, kind, cap, dtype = case
+    batch = 6
+    q, k, v = _inputs(17, batch, seq, hq, hkv, d, dtype, scale=1.5)
+    bounds = {
+        "phoenix": jnp.asarray([[0, 1024, 1024, 1088]] * batch, jnp.int32),
+        "ragged": _ragged_bounds(3, batch, seq),
+        "lone": jnp.asarray(LONE_BOUNDS + LONE_BOUNDS[:2], jnp.int32),
+        "mixed": _mixed_bounds(seq),
+        "small": jnp.asarray([[0, 512, 512, 640]] * batch, jnp.int32),
+    }[kind]
+    config = resolve_tuning(q, CAPS[cap], None, None)[0]
+    persistent = config.replace(programs=programs)
+    _check(q, k, v, bounds, cap=CAPS[cap], config=persistent)
+    got = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=persistent, return_lse=True)
+    want = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=config, return_lse=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize(
     "head_dim,cap",
     [(128, "soft_sign"), (128, "tanh"), (64, "none")],

@@ -155,10 +155,11 @@ def smem_bytes(
     buffer + barriers (+ the rows' key table for packed rows).
     """
     itemsize = jnp.dtype(dtype).itemsize
-    qo = _COMPUTE_WGS * config.block_q * head_dim * itemsize
+    copies = 2 if config.programs else 1  # persistent programs double-buffer Q/O and LSE
+    qo = copies * _COMPUTE_WGS * config.block_q * head_dim * itemsize
     kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
-    lse = _COMPUTE_WGS * config.block_q * 4 if return_lse else 0
-    barriers = 8 * (4 * config.num_stages + _COMPUTE_WGS + 1)
+    lse = copies * _COMPUTE_WGS * config.block_q * 4 if return_lse else 0
+    barriers = 8 * (4 * config.num_stages + copies * _COMPUTE_WGS + 1)
     if packed:
         lse += _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4
         barriers += 8 * _COMPUTE_WGS
@@ -192,6 +193,11 @@ def validate_config(
         raise ValueError(
             f"config.num_stages: got {config.num_stages}, expected >= 2 (the K/V ring needs "
             "a second slot so the next block loads while the current one is consumed)"
+        )
+    if config.programs and packed:
+        raise ValueError(
+            f"config.programs: got {config.programs}, expected 0 for packed bounds [B, U, 4] "
+            "(persistent programs take one user per row)"
         )
     if config.rcp_fma_cols and (cap is None or cap.method is not CapMethod.SOFT_SIGN):
         raise ValueError(
@@ -250,6 +256,8 @@ class _Static:
     max_on_raw: bool = True
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]).
     users: int = 0
+    # 0: one program per tile; N: N persistent programs walking the tiles.
+    programs: int = 0
 
 
 def packed_tile_mask(mask_from_table, row_entries, offset, shape):
@@ -332,6 +340,205 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         alpha = jnp.exp2(m_i - m_new)
         return softmax_exp2(x), alpha, m_new
 
+    def ring_slot(step):
+        """The K/V ring slot of step ``step`` of a one-tile program."""
+        return step % num_slots if isinstance(step, int) else lax.rem(step, jnp.int32(num_slots))
+
+    def tile_info(bounds_ref, steps_ref, batch, q_tile):
+        """A tile's first row, its KV steps and its bounds: ``users`` (packed rows) or
+        ``(hl, hu, cl, cu)``."""
+        if st.users:
+            # Packed rows: the tile's runs and each WG's unmasked steps come from the
+            # step list built outside (attn_common.packed.packed_step_list).
+            users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.users))
+            tile_start = q_tile * (2 * block_q)
+            ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], _COMPUTE_WGS)
+            return tile_start, ranges, users
+        hl = bounds_ref[batch, 0]
+        hu = bounds_ref[batch, 1]
+        cl = bounds_ref[batch, 2]
+        cu = bounds_ref[batch, 3]
+        tile_start = q_tile * (2 * block_q)
+        ranges = ranker_kv_block_ranges(
+            hl, hu, cl, cu, tile_start, tile_start + 2 * block_q, block_kv
+        )
+        return tile_start, ranges, (hl, hu, cl, cu)
+
+    def wg_rows(wg, tile_start, bnds):
+        """Compute WG ``wg``'s rows ``[row0, row1)`` of the tile and whether one is live."""
+        row0 = tile_start + wg * block_q
+        row1 = row0 + block_q
+        if st.users:
+            rows_seen = sum(
+                _overlap(row0, row1, u_hl, u_hu) + _overlap(row0, row1, u_cl, u_cu)
+                for u_hl, u_hu, u_cl, u_cu in bnds
+            )
+            return row0, row1, rows_seen > 0
+        hl, hu, cl, cu = bnds
+        return row0, row1, (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
+
+    def compute_tile(
+        wg, q_head, batch, tile_start, ranges, total_steps, bnds, bufs, barriers, out_refs, *,
+        load_q, slot_of, idle_waits,
+    ):  # fmt: skip
+        """One compute WG's part of a tile: its Q (``load_q(row0)``, called when it has a
+        live row), the KV steps (step ``i`` in ring slot ``slot_of(i)``), the softmax and
+        the output written to ``bufs``' Q/O tile and TMA-stored, not waited for.
+        ``idle_waits``: a WG with no live row also waits for every step's K and V, so
+        that its barrier phases stay in step across the tiles of a persistent program."""
+        qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
+        k_ready, v_ready, schedule, k_consumed, v_consumed = barriers
+        out_ref, lse_ref = out_refs
+
+        def schedule_sync():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        row0, row1, active = wg_rows(wg, tile_start, bnds)
+        if st.users:
+            unmasked_lo, unmasked_hi = ranges.full_steps(wg)
+        else:
+            hl, hu, cl, cu = bnds
+            # Steps whose block every row of this WG attends in full need no mask.
+            unmasked_lo, unmasked_hi = ranker_full_kv_steps(
+                ranges, hl, hu, cl, cu, row0, row1, block_kv
+            )
+        wg_steps = jnp.where(active, total_steps, 0)
+        pl.when(active)(lambda: load_q(row0))
+
+        if st.users:
+            # The rows' packed_query_table entries (key_lo, key_hi, self_key), one
+            # value per row: the mask is then three compares per score for any U.
+            # An inactive WG never reads them (it has no masked step).
+            row_keys = tuple(
+                plgpu.load(keys_smem2.at[wg, f], layout=plgpu.Layout.WGMMA.reduce(1))
+                for f in range(PACKED_QUERY_FIELDS)
+            )
+
+        m_i = plgpu.layout_cast(
+            jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+        )
+        l_i = plgpu.layout_cast(
+            jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+        )
+        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(wg_steps > 0)
+        def _wait_first_k():
+            plgpu.barrier_wait(k_ready.at[slot_of(0)])
+
+        pl.when(wg == 1)(schedule_sync)
+
+        def kv_step(step, carry, *, masked: bool):
+            acc, m_i, l_i = carry
+            slot = slot_of(step)
+
+            def compute_qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                schedule_sync()
+                return acc_ref[...]
+
+            qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+
+            if masked:
+                kv0 = ranges.block_at(step) * block_kv
+                if st.users:
+                    allowed = packed_tile_mask(
+                        ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
+                    )
+                else:
+                    allowed = ranker_tile_mask(row0, kv0, (block_q, block_kv), hl, hu, cl, cu)
+            else:
+                allowed = None
+
+            p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha
+            p16 = p.astype(dtype)
+
+            def end_softmax():
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(schedule)  # tensor cores are ours
+
+            if head_dim <= 128:
+                l_i = l_i + p.sum(axis=1)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                end_softmax()
+            else:
+                end_softmax()
+                l_i = l_i + p.sum(axis=1)
+
+            def wait_next_k():
+                nxt = step + 1
+
+                @pl.when(nxt < wg_steps)
+                def _wait_next_k():
+                    plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+
+            def compute_pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                wait_next_k()
+
+            if accumulate_in_place:
+                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+            else:
+                # Interpret mode (jax 0.11.2) implements neither run_state_p nor a
+                # wgmma whose A operand is in registers: P is staged through shared
+                # memory and the product goes into a fresh accumulator, then added.
+                p_smem = p_smem2.at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def compute_pv_fresh(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    wait_next_k()
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(
+                    compute_pv_fresh, plgpu.ACC((block_q, head_dim), jnp.float32)
+                )
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, m_new, l_i
+
+        masked_step = functools.partial(kv_step, masked=True)
+        full_step = functools.partial(kv_step, masked=False)
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, unmasked_lo, masked_step, carry)
+        carry = lax.fori_loop(unmasked_lo, unmasked_hi, full_step, carry)
+        carry = lax.fori_loop(unmasked_hi, wg_steps, masked_step, carry)
+        acc, m_i, l_i = carry
+
+        def idle_step(step, _):
+            # All-padding WG: keep the barrier protocol of a computing WG.
+            slot = slot_of(step)
+            if idle_waits:
+                plgpu.barrier_wait(k_ready.at[slot])
+            schedule_sync()
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            if idle_waits:
+                plgpu.barrier_wait(v_ready.at[slot])
+            schedule_sync()
+            plgpu.barrier_arrive(v_consumed.at[slot])
+
+        lax.fori_loop(wg_steps, total_steps, idle_step, None)
+        pl.when(wg == 0)(schedule_sync)
+
+        has_key = l_i > 0.0
+        inv_l = 1.0 / jnp.where(has_key, l_i, 1.0)
+        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        qo_smem[...] = out.astype(dtype)
+        if lse_smem is not None:
+            lse = jnp.where(
+                has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf
+            )
+            lse_smem[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
+        if lse_smem is not None:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
+
     def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
         bufs, ready, consumed, schedule = scoped
         qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
@@ -343,51 +550,15 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         q_tile = lax.axis_index(_axes.Q_TILES)
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
-
-        if st.users:
-            # Packed rows: the tile's runs and each WG's unmasked steps come from the
-            # step list built outside (attn_common.packed.packed_step_list).
-            users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.users))
-            tile_start = q_tile * (2 * block_q)
-            ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], _COMPUTE_WGS)
-        else:
-            hl = bounds_ref[batch, 0]
-            hu = bounds_ref[batch, 1]
-            cl = bounds_ref[batch, 2]
-            cu = bounds_ref[batch, 3]
-            tile_start = q_tile * (2 * block_q)
-            ranges = ranker_kv_block_ranges(
-                hl, hu, cl, cu, tile_start, tile_start + 2 * block_q, block_kv
-            )
+        tile_start, ranges, bnds = tile_info(bounds_ref, steps_ref, batch, q_tile)
         total_steps = ranges.total_steps
-
-        def schedule_sync():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
             qo_smem = qo_smem2.at[wg]
-            row0 = tile_start + wg * block_q
-            row1 = row0 + block_q
-            if st.users:
-                rows_seen = sum(
-                    _overlap(row0, row1, u_hl, u_hu) + _overlap(row0, row1, u_cl, u_cu)
-                    for u_hl, u_hu, u_cl, u_cu in users
-                )
-                active = rows_seen > 0
-                unmasked_lo, unmasked_hi = ranges.full_steps(wg)
-            else:
-                active = (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
-                # Steps whose block every row of this WG attends in full need no mask.
-                unmasked_lo, unmasked_hi = ranker_full_kv_steps(
-                    ranges, hl, hu, cl, cu, row0, row1, block_kv
-                )
-            wg_steps = jnp.where(active, total_steps, 0)
 
-            @pl.when(active)
-            def _load_q():
+            def load_q(row0):
                 plgpu.copy_gmem_to_smem(
                     q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_ready.at[wg]
                 )
@@ -400,141 +571,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                     plgpu.barrier_wait(keys_ready[0].at[wg])
                 plgpu.barrier_wait(q_ready.at[wg])
 
-            if st.users:
-                # The rows' packed_query_table entries (key_lo, key_hi, self_key), one
-                # value per row: the mask is then three compares per score for any U.
-                # An inactive WG never reads them (it has no masked step).
-                row_keys = tuple(
-                    plgpu.load(keys_smem2.at[wg, f], layout=plgpu.Layout.WGMMA.reduce(1))
-                    for f in range(PACKED_QUERY_FIELDS)
-                )
-
-            m_i = plgpu.layout_cast(
-                jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            )
-            l_i = plgpu.layout_cast(
-                jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            )
-            acc = plgpu.layout_cast(
-                jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
-            )
-
-            @pl.when(wg_steps > 0)
-            def _wait_first_k():
-                plgpu.barrier_wait(k_ready.at[0])
-
-            pl.when(wg == 1)(schedule_sync)
-
-            def kv_step(step, carry, *, masked: bool):
-                acc, m_i, l_i = carry
-                slot = lax.rem(step, jnp.int32(num_slots))
-
-                def compute_qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                    schedule_sync()
-                    return acc_ref[...]
-
-                qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
-
-                if masked:
-                    kv0 = ranges.block_at(step) * block_kv
-                    if st.users:
-                        allowed = packed_tile_mask(
-                            ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
-                        )
-                    else:
-                        allowed = ranker_tile_mask(row0, kv0, (block_q, block_kv), hl, hu, cl, cu)
-                else:
-                    allowed = None
-
-                p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha
-                p16 = p.astype(dtype)
-
-                def end_softmax():
-                    plgpu.barrier_arrive(schedule)  # softmax done
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(schedule)  # tensor cores are ours
-
-                if head_dim <= 128:
-                    l_i = l_i + p.sum(axis=1)
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                    end_softmax()
-                else:
-                    end_softmax()
-                    l_i = l_i + p.sum(axis=1)
-
-                def compute_pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    nxt = step + 1
-
-                    @pl.when(nxt < wg_steps)
-                    def _wait_next_k():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(num_slots))])
-
-                if accumulate_in_place:
-                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-                else:
-                    # Interpret mode (jax 0.11.2) implements neither run_state_p nor a
-                    # wgmma whose A operand is in registers: P is staged through shared
-                    # memory and the product goes into a fresh accumulator, then added.
-                    p_smem = p_smem2.at[wg]
-                    p_smem[...] = p16
-                    plgpu.commit_smem()
-
-                    def compute_pv_fresh(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                        nxt = step + 1
-
-                        @pl.when(nxt < wg_steps)
-                        def _wait_next_k():
-                            plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(num_slots))])
-
-                        return acc_ref[...]
-
-                    acc = acc + pl.run_scoped(
-                        compute_pv_fresh, plgpu.ACC((block_q, head_dim), jnp.float32)
-                    )
-                plgpu.barrier_arrive(v_consumed.at[slot])
-                return acc, m_new, l_i
-
-            masked_step = functools.partial(kv_step, masked=True)
-            full_step = functools.partial(kv_step, masked=False)
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, unmasked_lo, masked_step, carry)
-            carry = lax.fori_loop(unmasked_lo, unmasked_hi, full_step, carry)
-            carry = lax.fori_loop(unmasked_hi, wg_steps, masked_step, carry)
-            acc, m_i, l_i = carry
-
-            def idle_step(step, _):
-                # All-padding WG: keep the barrier protocol of a computing WG.
-                slot = lax.rem(step, jnp.int32(num_slots))
-                schedule_sync()
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                schedule_sync()
-                plgpu.barrier_arrive(v_consumed.at[slot])
-
-            lax.fori_loop(wg_steps, total_steps, idle_step, None)
-            pl.when(wg == 0)(schedule_sync)
-
-            has_key = l_i > 0.0
-            inv_l = 1.0 / jnp.where(has_key, l_i, 1.0)
-            out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-            qo_smem[...] = out.astype(dtype)
-            if lse_smem2 is not None:
-                lse_smem = lse_smem2.at[wg]
-                lse = jnp.where(
-                    has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf
-                )
-                lse_smem[...] = lse
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
-            if lse_smem2 is not None:
-                plgpu.copy_smem_to_gmem(
-                    lse_smem2.at[wg], lse_ref.at[batch, q_head, pl.ds(row0, block_q)]
-                )
+            lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
+            compute_tile(
+                wg, q_head, batch, tile_start, ranges, total_steps, bnds,
+                (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
+                (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
+                load_q=load_q, slot_of=ring_slot, idle_waits=False,
+            )  # fmt: skip
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _COMPUTE_WGS)
@@ -571,6 +614,120 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 plgpu.barrier_wait(k_consumed.at[slot])
                 plgpu.barrier_wait(v_consumed.at[slot])
 
+    def persistent_kernel(
+        q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped
+    ):
+        """``st.programs`` programs, each walking the tiles ``p, p + P, ...`` of the
+        (head, tile, batch) grid (head fastest, the per-tile grid's order). Q/O and LSE
+        are double-buffered: a compute WG issues tile ``j + 1``'s Q load when it starts
+        tile ``j`` (once tile ``j - 1``'s output store has read that buffer), and tile
+        ``j``'s stores are waited for only then. The K/V ring runs on across tiles: step
+        ``i`` of a tile whose program walked ``base`` steps before it uses slot
+        ``(base + i) % num_stages``, so the memory WG loads the next tile's first blocks
+        while the current tile's last ones are consumed. A tile computes exactly as in
+        the per-tile kernel (the same steps, in the same order)."""
+        del steps_ref, keys_ref  # one user per row only (validate_config)
+        bufs, ready, consumed, schedule = scoped
+        qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _ = bufs
+        k_ready, v_ready, q_ready = ready
+        k_consumed, v_consumed = consumed
+        programs = st.programs
+        tiles = st.seq_pad // (2 * block_q)
+        num_tiles = st.q_heads * tiles * st.batch
+        program = lax.axis_index(_axes.PROGRAMS)
+        wg = lax.axis_index(_axes.WARPGROUP)
+        # tiles program, program + P, ... below num_tiles (none when program >= num_tiles)
+        my_tiles = lax.div(jnp.maximum(num_tiles - program, 0) + (programs - 1), programs)
+
+        def tile_of(j):
+            """Program-local tile ``j``: its query head, batch row, first row, steps and
+            bounds."""
+            index = program + j * programs
+            q_head = lax.rem(index, jnp.int32(st.q_heads))
+            q_tile = lax.rem(lax.div(index, jnp.int32(st.q_heads)), jnp.int32(tiles))
+            batch = lax.div(index, jnp.int32(st.q_heads * tiles))
+            return (q_head, batch, *tile_info(bounds_ref, None, batch, q_tile))
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute_wg():
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+
+            def issue_q(j, buf):
+                q_head, batch, tile_start, _, bnds = tile_of(j)
+                row0, _, active = wg_rows(wg, tile_start, bnds)
+
+                @pl.when(active)
+                def _issue():
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[batch, pl.ds(row0, block_q), q_head],
+                        qo_smem3.at[buf, wg],
+                        q_ready.at[buf * _COMPUTE_WGS + wg],
+                    )
+
+            @pl.when(my_tiles > 0)
+            def _first():
+                issue_q(jnp.int32(0), 0)
+
+            def walk(j, base):
+                buf = lax.rem(j, 2)
+                q_head, batch, tile_start, ranges, bnds = tile_of(j)
+
+                @pl.when(j + 1 < my_tiles)
+                def _prefetch():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile j-1's stores
+                    issue_q(j + 1, 1 - buf)
+
+                lse_smem = None if lse_smem3 is None else lse_smem3.at[buf, wg]
+                total_steps = ranges.total_steps
+                compute_tile(
+                    wg, q_head, batch, tile_start, ranges, total_steps, bnds,
+                    (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
+                    (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
+                    load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
+                    slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
+                    idle_waits=True,
+                )  # fmt: skip
+                return base + total_steps
+
+            lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory_wg():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            def walk(j, base):
+                q_head, batch, _, ranges, _ = tile_of(j)
+                kv_head = lax.div(q_head, jnp.int32(group))
+
+                @pl.loop(0, ranges.total_steps)
+                def _issue(i):
+                    step = base + i
+                    slot = lax.rem(step, jnp.int32(num_slots))
+                    rows = (batch, pl.ds(ranges.block_at(i) * block_kv, block_kv), kv_head)
+
+                    @pl.when(step >= num_slots)
+                    def _k_free():
+                        plgpu.barrier_wait(k_consumed.at[slot])
+
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+                    @pl.when(step >= num_slots)
+                    def _v_free():
+                        plgpu.barrier_wait(v_consumed.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+                return base + ranges.total_steps
+
+            total = lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
+
+            @pl.loop(jnp.maximum(total - num_slots, 0), total)
+            def _drain(step):
+                slot = lax.rem(step, jnp.int32(num_slots))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
+
     def entry(*refs):
         # Inputs q, k, v, bounds (+ the step list and the query key table for packed
         # rows), then out (+ lse).
@@ -578,11 +735,14 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         q_ref, k_ref, v_ref, bounds_ref = refs[:4]
         steps_ref, keys_ref = refs[4:6] if st.users else (None, None)
         out_ref, lse_ref = (*refs[num_in:], None)[:2]
+        copies = (2,) if st.programs else ()  # persistent: Q/O and LSE double-buffered
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        qo = plgpu.SMEM((_COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
+        qo = plgpu.SMEM((*copies, _COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
         k_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
         v_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
-        lse_buf = plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32) if st.return_lse else None
+        lse_buf = None
+        if st.return_lse:
+            lse_buf = plgpu.SMEM((*copies, _COMPUTE_WGS, block_q), jnp.float32)
         p_buf = None
         if not accumulate_in_place:
             p_buf = plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
@@ -590,15 +750,17 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         if st.users:
             keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
             keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
+        body = persistent_kernel if st.programs else kernel
+
         pl.run_scoped(
-            lambda *args: kernel(
+            lambda *args: body(
                 q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, args
             ),
             [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf],
             (
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=num_slots),
-                plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS * (2 if st.programs else 1)),
                 *keys_ready,
             ),
             (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
@@ -629,11 +791,16 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
     out_type = [jax.ShapeDtypeStruct((st.batch, st.seq_pad, st.q_heads, st.head_dim), q.dtype)]
     if st.return_lse:
         out_type.append(jax.ShapeDtypeStruct((st.batch, st.q_heads, st.seq_pad), jnp.float32))
+    grid = dict(
+        grid=(st.q_heads, st.seq_pad // (2 * st.block_q), st.batch),
+        grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
+    )
+    if st.programs:
+        grid = dict(grid=(st.programs,), grid_names=(_axes.PROGRAMS,))
     results = plgpu.kernel(
         _build_kernel(st, q.dtype, accumulate_in_place=interpret is None),
         out_type=out_type,
-        grid=(st.q_heads, st.seq_pad // (2 * st.block_q), st.batch),
-        grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
+        **grid,
         num_threads=_COMPUTE_WGS + 1,
         thread_name=_axes.WARPGROUP,
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -722,6 +889,7 @@ def ranker_attention_fwd(
         exp2_fma_cols=config.exp2_fma_cols,
         rcp_fma_cols=config.rcp_fma_cols,
         users=users,
+        programs=config.programs,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]
