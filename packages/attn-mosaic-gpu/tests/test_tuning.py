@@ -180,6 +180,34 @@ def test_tune_descends_to_the_modelled_best():
     assert buckets == [512, 2048]  # the new 2048 entry replaced the old one
 
 
+def test_tune_sweeps_persistent_forward_programs(monkeypatch):
+    """On a device with an SM count the forward sweep tries programs = 0 or SMs after the
+    tiling and keeps the persistent programs when they measure faster."""
+    monkeypatch.setattr(tuning, "_sm_count", lambda: 132)
+
+    def cost(fn, args, *, stage, knobs):
+        ms = _cost_model(fn, args, stage=stage, knobs=knobs)
+        return ms - (0.2 if stage == "forward" and knobs.get("programs") == 132 else 0.0)
+
+    case = ranker_case("small-d64").scaled(1)
+    (entry,) = tuning.tune([case], timer=cost, progress=lambda _: None)["entries"]
+    assert entry["forward"]["programs"] == 132
+    assert tuning._parse_entry(entry)[1].forward.programs == 132
+
+
+def test_packed_bounds_drop_the_tables_persistent_programs(user_table):
+    """A table config with persistent programs serves one-user rows as it is and packed
+    rows ``[B, U, 4]`` (which the persistent kernel does not take) with programs=0."""
+    device = jax.devices()[0].device_kind
+    q = jnp.zeros((1, 1152, 2, 128), jnp.bfloat16)
+    entry = _entry(device=device)
+    entry["forward"]["programs"] = 132
+    _write(user_table, entry)
+    assert resolve_tuning(q, SOFT_SIGN, None, None)[0].programs == 132
+    config = resolve_tuning(q, SOFT_SIGN, None, None, packed=True)[0]
+    assert config == tuning._parse_entry(entry)[1].forward.replace(programs=0)
+
+
 def test_tune_sweeps_persistent_dq_before_the_ring_depth(monkeypatch):
     """On a device with an SM count the backward sweep tries dq_programs = 0 or SMs,
     before the ring depth: a persistent dq that a deeper ring would not fit (the timer

@@ -47,18 +47,23 @@ def _forward(q, k, v, bounds, *, backward_tuning, **kwargs):
 _attention = kernel_vjp(_forward, _backward)
 
 
-def resolve_tuning(q, cap, config, backward_tuning) -> tuple[KernelConfig, BackwardTuning | None]:
+def resolve_tuning(
+    q, cap, config, backward_tuning, *, packed: bool = False
+) -> tuple[KernelConfig, BackwardTuning | None]:
     """Fill ``config`` / ``backward_tuning`` left ``None`` from the tuned tables
     (``attn_mosaic_gpu.tuning.lookup``); a table config this problem cannot use (it
-    breaks a shared-memory or cap rule) gives way to ``default_config``."""
+    breaks a shared-memory or cap rule) gives way to ``default_config``. With ``packed``
+    bounds a table config's persistent ``programs`` (one user per row only) drop to 0."""
     if config is not None and backward_tuning is not None:
         return config, backward_tuning
     head_dim = q.shape[-1]
     tuned = lookup(head_dim=head_dim, dtype=q.dtype, cap=cap, seq_len=q.shape[1])
     if config is None:
         config = tuned.forward
+        if packed and config.programs:
+            config = config.replace(programs=0)
         try:
-            validate_config(config, head_dim, q.dtype, cap=cap)
+            validate_config(config, head_dim, q.dtype, cap=cap, packed=packed)
         except ValueError:
             config = default_config(head_dim, q.dtype)
     if backward_tuning is None and head_dim in PIPELINED_HEAD_DIMS:
@@ -112,7 +117,7 @@ def ranker_attention(
     if debug_checks:
         check = check_packed_bounds if packed else check_bounds
         check(bounds, seq_len=q.shape[1])
-    config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning)
+    config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning, packed=packed)
     kwargs = (
         ("sm_scale", sm_scale),
         ("cap", cap),

@@ -311,6 +311,9 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
         for block_kv, stages in _forward_candidates(d)
     ]
     start, axes = tilings[0], [("tiling", tilings[1:])]
+    sms = _sm_count()
+    if sms:  # persistent programs, one per SM (after the tiling: they double Q/O)
+        axes.append(("programs", [0, sms]))
     block_kv_max = max(t["block_kv"] for t in tilings)
     cols = [c for c in (0, 32, 64, 96, 128) if c <= block_kv_max]
     axes.append(("exp2_fma_cols", cols))
@@ -345,7 +348,6 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
             baxes.append(("rcp_fma_cols", [0, 32, 64]))
         # Persistent dq, one program per SM, before the ring depth: at D=128 it fits only
         # the 2-slot ring, so a deeper ring chosen first would shut it out.
-        sms = _sm_count()
         if sms:
             baxes.append(("dq_programs", [0, sms]))
         baxes.append(("num_stages", [2, 3] if d > 64 else [2, 4]))
