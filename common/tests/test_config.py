@@ -28,6 +28,7 @@ def test_only_fields_a_kernel_reads():
         "num_stages",
         "exp2_fma_cols",
         "rcp_fma_cols",
+        "programs",
     ]
     for gone in ("block_q_bwd", "block_kv_bwd", "query_block", "num_dma_buffers"):
         with pytest.raises(TypeError):
@@ -131,3 +132,12 @@ def test_fma_cols(field):
     for bad in (8.0, True, "8"):
         with pytest.raises(TypeError, match=rf"KernelConfig\.{field}"):
             KernelConfig(block_kv=128, **{field: bad})
+
+
+def test_programs():
+    assert KernelConfig().programs == 0 and KernelConfig(programs=132).programs == 132
+    with pytest.raises(ValueError, match=r"KernelConfig\.programs: got -1\b"):
+        KernelConfig(programs=-1)
+    for bad in (1.0, True, "4"):
+        with pytest.raises(TypeError, match=r"KernelConfig\.programs"):
+            KernelConfig(programs=bad)

@@ -138,6 +138,11 @@ def validate_config(config: KernelConfig) -> None:
                 f"config.{name}: got {getattr(config, name)}, expected 0 (a Hopper knob: the "
                 "TPU kernels have no MUFU/FMA split)"
             )
+    if config.programs:
+        raise ValueError(
+            f"config.programs: got {config.programs}, expected 0 (a Hopper knob: the TPU "
+            "kernels run one grid step per tile)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
