@@ -312,8 +312,8 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
     ]
     start, axes = tilings[0], [("tiling", tilings[1:])]
     sms = _sm_count()
-    if sms:  # persistent programs, one per SM (after the tiling: they double Q/O)
-        axes.append(("programs", [0, sms]))
+    if sms:  # persistent programs, 1-4 per SM (after the tiling: they double Q/O)
+        axes.append(("programs", [0, sms, 2 * sms, 4 * sms]))
     block_kv_max = max(t["block_kv"] for t in tilings)
     cols = [c for c in (0, 32, 64, 96, 128) if c <= block_kv_max]
     axes.append(("exp2_fma_cols", cols))
