@@ -95,6 +95,7 @@ from attn_common.packed import (
     ranker_mask_from_query_table,
 )
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
 from attn_mosaic_gpu.ranker_fwd import packed_tile_mask, ranker_tile_mask
@@ -595,15 +596,13 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
         q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs
         program = lax.axis_index(_axes.PROGRAMS)
         wg = lax.axis_index(_axes.WARPGROUP)
-        # tiles program, program + P, ... below num_tiles (none when program >= num_tiles)
-        my_tiles = lax.div(jnp.maximum(num_tiles - program, 0) + (programs - 1), programs)
+        my_tiles = program_tiles(program, programs, num_tiles)
 
         def tile_of(j):
             """Program-local tile ``j``: its query head, batch row, steps and rows."""
-            index = program + j * programs
-            q_head = lax.rem(index, jnp.int32(st.q_heads))
-            tile = lax.rem(lax.div(index, jnp.int32(st.q_heads)), jnp.int32(tiles))
-            batch = lax.div(index, jnp.int32(st.q_heads * tiles))
+            q_head, tile, batch = tile_coords(
+                program, j, programs=programs, heads=st.q_heads, tiles=tiles
+            )
             tile_start, ranges, one_user = _tile_steps(
                 st, bounds_ref, steps_ref, batch, tile, ranker_kv_block_ranges
             )
@@ -670,24 +669,20 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
         def _memory_wg():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-            def walk(j, base):
+            def tile_steps(j):
                 q_head, batch, _, ranges, _ = tile_of(j)
                 kv_head = lax.div(q_head, jnp.int32(group))
 
-                @pl.loop(0, ranges.total_steps)
-                def _issue(i):
-                    step = base + i
-                    slot = lax.rem(step, jnp.int32(num_slots))
-
+                def issue(i, step, slot):
                     @pl.when(step >= num_slots)
                     def _wait_free():
                         plgpu.barrier_wait(consumed.at[slot])
 
                     _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(i), kv_head, slot)
 
-                return base + ranges.total_steps
+                return ranges.total_steps, issue
 
-            total = lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
+            total = ring_walk(my_tiles, num_slots, tile_steps)
 
             @pl.loop(jnp.maximum(total - num_slots, 0), total)
             def _drain(step):

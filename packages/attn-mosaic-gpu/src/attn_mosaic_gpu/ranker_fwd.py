@@ -117,6 +117,7 @@ from attn_common.packed import (
     ranker_mask_from_query_table,
 )
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
 
@@ -649,16 +650,14 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         num_tiles = st.q_heads * tiles * st.batch
         program = lax.axis_index(_axes.PROGRAMS)
         wg = lax.axis_index(_axes.WARPGROUP)
-        # tiles program, program + P, ... below num_tiles (none when program >= num_tiles)
-        my_tiles = lax.div(jnp.maximum(num_tiles - program, 0) + (programs - 1), programs)
+        my_tiles = program_tiles(program, programs, num_tiles)
 
         def tile_of(j):
             """Program-local tile ``j``: its query head, batch row, first row, steps and
             bounds."""
-            index = program + j * programs
-            q_head = lax.rem(index, jnp.int32(st.q_heads))
-            q_tile = lax.rem(lax.div(index, jnp.int32(st.q_heads)), jnp.int32(tiles))
-            batch = lax.div(index, jnp.int32(st.q_heads * tiles))
+            q_head, q_tile, batch = tile_coords(
+                program, j, programs=programs, heads=st.q_heads, tiles=tiles
+            )
             return (q_head, batch, *tile_info(bounds_ref, None, batch, q_tile))
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -709,14 +708,11 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         def _memory_wg():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-            def walk(j, base):
+            def tile_steps(j):
                 q_head, batch, _, ranges, _ = tile_of(j)
                 kv_head = lax.div(q_head, jnp.int32(group))
 
-                @pl.loop(0, ranges.total_steps)
-                def _issue(i):
-                    step = base + i
-                    slot = lax.rem(step, jnp.int32(num_slots))
+                def issue(i, step, slot):
                     rows = (batch, pl.ds(ranges.block_at(i) * block_kv, block_kv), kv_head)
 
                     @pl.when(step >= num_slots)
@@ -731,9 +727,9 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
                     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-                return base + ranges.total_steps
+                return ranges.total_steps, issue
 
-            total = lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
+            total = ring_walk(my_tiles, num_slots, tile_steps)
 
             @pl.loop(jnp.maximum(total - num_slots, 0), total)
             def _drain(step):
