@@ -78,11 +78,7 @@ def run_case(name, iterations, patterns=None):
     case = ranker_case(name)
     b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
     assert s % 128 == 0, s
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (b, s, hq, d), jnp.bfloat16)
+    q, k, v, do = case.inputs()
     bounds_np = case.bounds(seed=0)
     bounds = jnp.asarray(bounds_np, jnp.int32)
     sm_scale = 1.0 / math.sqrt(d)

@@ -32,11 +32,8 @@ def time_case(name: str, programs: list[int], iterations: int) -> list[dict]:
     from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
 
     case = ranker_case(name)
-    b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
+    hq, d = case.q_heads, case.head_dim
+    q, k, v, _ = case.inputs()
     bounds = jnp.asarray(case.bounds())
     flops = ranker_flops(np.asarray(bounds), hq, d)
     tuned = resolve_tuning(q, case.cap, None, None)[0]

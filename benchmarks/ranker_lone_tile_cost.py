@@ -34,11 +34,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
     case = ranker_case("phoenix")
-    b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
+    b = case.batch
+    q, k, v, _ = case.inputs()
     rows = []
     for repeat in range(2):  # twice, interleaved, to see the run-to-run spread
         for cand_end in (1024, 1088, 1152):

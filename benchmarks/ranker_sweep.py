@@ -40,11 +40,8 @@ def main() -> None:
     rows = []
     for name in args.cases:
         case = ranker_case(name)
-        b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
-        keys = jax.random.split(jax.random.PRNGKey(0), 3)
-        q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
+        b, s, hq, d = case.batch, case.seq_len, case.q_heads, case.head_dim
+        q, k, v, _ = case.inputs()
         bounds = case.bounds()
         flops = ranker_flops(bounds, hq, d)
         bdev = jnp.asarray(bounds)

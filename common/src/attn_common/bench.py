@@ -249,13 +249,9 @@ class Progress:
 def run_case(
     case, impls: dict, iterations: int, seed: int, progress: Progress | None = None
 ) -> list[dict]:
-    b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
+    b, s, hq, d = case.batch, case.seq_len, case.q_heads, case.head_dim
     bounds = case.bounds(seed)
-    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (b, s, hq, d), jnp.bfloat16)
+    q, k, v, do = case.inputs(seed)
     bounds_dev = jnp.asarray(bounds)
     mask = dense_mask(bounds, s)
     flops = ranker_flops(bounds, hq, d)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attn_common.cap import CapMethod, CapParams
@@ -32,6 +34,17 @@ class RankerCase:
         num_cand = self.candidates[1] - self.candidates[0]
         hist = np.random.default_rng(seed).integers(126, 1023, size=self.batch)
         return np.stack([np.zeros_like(hist), hist, hist, hist + num_cand], 1).astype(np.int32)
+
+    def inputs(self, seed: int = 0, dtype=jnp.bfloat16) -> tuple[jax.Array, ...]:
+        """Random ``(q, k, v, dout)`` of the case's shapes: ``[B, S, Hq, D]`` for q and
+        dout, ``[B, S, Hkv, D]`` for k and v; standard normal, deterministic in
+        ``seed``."""
+        b, s, hq, hkv, d = self.batch, self.seq_len, self.q_heads, self.kv_heads, self.head_dim
+        keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+        shapes = ((b, s, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, hq, d))
+        return tuple(
+            jax.random.normal(key, shape, dtype) for key, shape in zip(keys, shapes, strict=True)
+        )
 
     def scaled(self, batch: int) -> RankerCase:
         """The same case with another batch size (tests at reduced size)."""

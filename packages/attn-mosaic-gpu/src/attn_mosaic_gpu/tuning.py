@@ -279,12 +279,8 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
     from attn_mosaic_gpu.ranker import ranker_attention
     from attn_mosaic_gpu.ranker_bwd_pipelined import PIPELINED_HEAD_DIMS, pipelined_stages
 
-    b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
-    dout = jax.random.normal(keys[3], (b, s, hq, d), jnp.bfloat16)
+    s, d = case.seq_len, case.head_dim
+    q, k, v, dout = case.inputs()
     bounds = jnp.asarray(case.bounds())
     soft_sign = case.cap.method is CapMethod.SOFT_SIGN
 
