@@ -68,7 +68,7 @@ def main() -> None:
                 line.strip()
                 for f in sorted(Path(dump).glob("*ptxas*"))
                 for line in f.read_text().splitlines()
-                if "stack frame" in line or "Used" in line
+                if "stack frame" in line or "Used" in line or "warning" in line.lower()
             ]
         lines.append(f"{name}: rc={rc}; " + "; ".join(report))
         print(lines[-1], flush=True)

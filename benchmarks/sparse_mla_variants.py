@@ -36,6 +36,7 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 VARIANTS = {
     "lockstep": {"exchange": "lockstep"},
     "one-way max exchange": {"exchange": "one_way"},
+    "solo softmax, 64-row blocks": {"block_k": 64, "num_stages": 2, "exchange": "solo"},
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
@@ -116,7 +117,8 @@ def run(cases, variants: dict, baseline, iterations: int) -> list[dict]:
                         np.nanmax(np.abs(np.asarray(lse) - first[1]))
                     )
                 print(
-                    f"{case.name:16s} {label:28s} {ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s",
+                    f"{case.name:16s} {label:28s} {ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s"
+                    f" rel L2 vs first {row.get('rel_l2_vs_first', 0.0):.2e}",
                     flush=True,
                 )
             except Exception as e:  # one broken variant must not hide the others
