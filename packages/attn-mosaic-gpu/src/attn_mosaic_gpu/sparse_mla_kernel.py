@@ -98,7 +98,7 @@ EXCHANGES = ("lockstep", "one_way", "solo")
 # exchange="solo": WG0 runs QK^T and the softmax of whole 64-row blocks and needs room for
 # a 64 x 64 S, its P and the next block's S beside its accumulator; WG1 only rescales and
 # accumulates. 256 + 232 + 24 = 512 registers per thread slot.
-_SOLO_REGISTERS = (256, 232)
+_SOLO_REGISTERS = (256, 224)
 
 
 @dataclasses.dataclass(frozen=True)
