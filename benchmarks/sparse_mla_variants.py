@@ -36,7 +36,6 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 VARIANTS = {
     "lockstep": {"exchange": "lockstep"},
     "one-way max exchange": {"exchange": "one_way"},
-    "solo softmax, 64-row blocks": {"block_k": 64, "num_stages": 2, "exchange": "solo"},
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},

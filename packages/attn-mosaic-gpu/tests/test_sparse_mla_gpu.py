@@ -58,7 +58,6 @@ CONFIGS = [
     SparseMlaKernelConfig(64, 1),
     SparseMlaKernelConfig(32, 2, "lockstep"),
     SparseMlaKernelConfig(32, 2, "one_way"),
-    SparseMlaKernelConfig(64, 2, "solo"),
 ]
 
 

@@ -151,7 +151,7 @@ def sparse_mla_attention(
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "config", "interpret"))
 def _attend(q, store, units, *, sm_scale, dv, read_block, config, interpret):
     rows, counts = selected_rows(
-        units, read_block=read_block, block=config.rows_per_step, num_rows=store.shape[0]
+        units, read_block=read_block, block=2 * config.block_k, num_rows=store.shape[0]
     )
     return sparse_mla_rows_attention(
         q, store, rows, counts, sm_scale=sm_scale, dv=dv, config=config, interpret=interpret

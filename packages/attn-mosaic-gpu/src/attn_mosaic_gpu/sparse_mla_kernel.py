@@ -94,11 +94,7 @@ _M_INIT = -1e30
 _AXIS_HEADS = "head_group"
 _AXIS_TOKENS = "token"
 _AXIS_WG = "wg"
-EXCHANGES = ("lockstep", "one_way", "solo")
-# exchange="solo": WG0 runs QK^T and the softmax of whole 64-row blocks and needs room for
-# a 64 x 64 S, its P and the next block's S beside its accumulator; WG1 only rescales and
-# accumulates. 256 + 232 + 24 = 512 registers per thread slot.
-_SOLO_REGISTERS = (256, 224)
+EXCHANGES = ("lockstep", "one_way")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +111,8 @@ class SparseMlaKernelConfig:
     ``exchange``: how the two compute WGs share the running max, ``"lockstep"`` (both
     exchange their block maxima, then both their P) or ``"one_way"`` (WG0 goes ahead on
     its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
-    module docstring), or ``"solo"`` (block_k=64, num_stages=2: one 64-row block per
-    ring slot; WG0 alone computes its QK^T and softmax and hands P and the rescale
-    factors to WG1 through shared memory; see the module docstring). ``None`` (the
-    default): ``"one_way"`` at block_k=32, 5-6 % faster than the lockstep on the H200
-    (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
+    module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
+    than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
     """
 
     block_k: int = 32
@@ -129,13 +122,6 @@ class SparseMlaKernelConfig:
     def __post_init__(self):
         if self.block_k not in (32, 64):
             raise ValueError(f"block_k: got {self.block_k!r}, expected 32 or 64")
-        if self.exchange == "solo":
-            if self.block_k != 64 or self.num_stages != 2:
-                raise ValueError(
-                    "exchange='solo' takes block_k=64, num_stages=2 (one 64-row block per "
-                    "ring slot; WG0 waits for the next block before releasing the current one)"
-                )
-            return
         limit = 1 if self.block_k == 64 else 2
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= limit:
             raise ValueError(
@@ -149,16 +135,6 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
-
-    @property
-    def blocks_per_step(self) -> int:
-        """Blocks in one ring slot: a pair (one per compute WG), or one with ``"solo"``."""
-        return 1 if self.exchange == "solo" else _COMPUTE_WGS
-
-    @property
-    def rows_per_step(self) -> int:
-        """Rows consumed per step of the loop: the row table's width must be a multiple."""
-        return self.blocks_per_step * self.block_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,27 +298,24 @@ def _build_kernel(st: _Static, *, interpret: bool):
     # [64, 64], dead once its QK^T is done (the same tiled layout). 32-row blocks: one P
     # buffer per compute WG, reused every pair.
     p_in_rope = block_k == ROPE
-    solo = st.exchange == "solo"
-    per_step = 1 if solo else _COMPUTE_WGS  # blocks per ring slot (and per loop step)
 
     def block(buf, ring, w):
-        # Ring slot `ring` holds a pair of blocks, WG0's then WG1's, [2 * stages, block_k, F],
-        # or with "solo" one block, [stages, block_k, F].
-        return buf.at[ring * per_step + w]
+        # Ring slot `ring` holds a pair of blocks, WG0's then WG1's: [2 * stages, block_k, F].
+        return buf.at[ring * 2 + w]
 
     def wait_copies(pending):
         if not interpret:
             _wait_copies(pending)
 
     def kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, scoped):
-        (q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats, alphas), barriers = scoped
+        (q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats), barriers = scoped
         ready, consumed, q_ready, pair, max_ready, p_ready = barriers
         group = lax.axis_index(_AXIS_HEADS)
         token = lax.axis_index(_AXIS_TOKENS)
         wg = lax.axis_index(_AXIS_WG)
         h0 = group * heads
         count = counts_ref[token]
-        num_steps = lax.div(count + per_step * block_k - 1, jnp.int32(per_step * block_k))
+        num_pairs = lax.div(count + 2 * block_k - 1, jnp.int32(2 * block_k))
 
         def pair_sync():
             plgpu.barrier_arrive(pair)
@@ -350,15 +323,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
-            if solo:
-                for w, registers in enumerate(_SOLO_REGISTERS):
-
-                    @pl.when(wg == w)
-                    def _grow(registers=registers):
-                        plgpu.set_max_registers(registers, action="increase")
-
-            else:
-                plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
             other = 1 - wg
 
             @pl.when(wg == 0)
@@ -401,8 +366,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
             def masked_scores(p, s):
                 """This WG's scores of pair ``p``, ``-inf`` past the query's row count."""
-                first = p * block_k if solo else (2 * p + wg) * block_k
-                col = first + plgpu.broadcasted_iota(
+                col = (2 * p + wg) * block_k + plgpu.broadcasted_iota(
                     jnp.int32, (heads, block_k), 1, layout=plgpu.Layout.WGMMA
                 )
                 return jnp.where(col < count, s, -jnp.inf)
@@ -480,7 +444,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     return m_new, l_i, acc
 
                 acc = acc_zero if interpret else None
-                m_i, l_i, acc = lax.fori_loop(0, num_steps, step, (m_init, l_init, acc))
+                m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
 
             def one_way_pairs(w, s_ref=None, acc_ref=None):
@@ -489,6 +453,9 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 on its own running max; WG1 takes the max of both and publishes it; WG0
                 rescales (P for WG1, its accumulator) before the product with WG1's P."""
                 cols = pl.ds(w * half, half)
+
+                def to_acc(x):
+                    return lax.broadcast_in_dim(x, (heads, half), [0])
 
                 def step(p, carry):
                     m_i, l_i, acc = carry
@@ -554,107 +521,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     return m_new, l_i, acc
 
                 acc = acc_zero if interpret else None
-                m_i, l_i, acc = lax.fori_loop(0, num_steps, step, (m_init, l_init, acc))
+                m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
-
-            def to_acc(x):
-                return lax.broadcast_in_dim(x, (heads, half), [0])
-
-            def solo_softmax_blocks(s_ref=None, acc_ref=None):
-                """WG0's loop with ``exchange="solo"`` (see the module docstring): QK^T and
-                the softmax of each 64-row block, P and the rescale factors published for
-                WG1, the product with value columns 0..255; block ``p + 1``'s QK^T is
-                issued behind block ``p``'s value product. In interpret mode (synchronous
-                wgmma) S is computed where the compiled kernel reads it, after the same
-                barriers."""
-                cols = pl.ds(0, half)
-
-                def issue_qk(p):
-                    ring = lax.rem(p, jnp.int32(stages))
-                    s_ref[...] = s_zero
-                    plgpu.wgmma(s_ref, q_lat, block(k_lat, ring, 0).transpose((1, 0)))
-                    plgpu.wgmma(s_ref, q_rope, block(k_rope, ring, 0).transpose((1, 0)))
-
-                def scores(p):
-                    if not interpret:
-                        return s_ref[...]  # waits for QK^T of p and the value product of p - 1
-                    ring = lax.rem(p, jnp.int32(stages))
-
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_lat, block(k_lat, ring, 0).transpose((1, 0)))
-                        plgpu.wgmma(acc_ref, q_rope, block(k_rope, ring, 0).transpose((1, 0)))
-                        return acc_ref[...]
-
-                    return pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
-
-                def wait_and_issue(p):
-                    plgpu.barrier_wait(ready.at[lax.rem(p, jnp.int32(stages))])
-                    if not interpret:
-                        issue_qk(p)
-
-                @pl.when(num_steps > 0)
-                def _first():
-                    wait_and_issue(0)
-
-                def step(p, carry):
-                    m_i, l_i, acc = carry
-                    ring = lax.rem(p, jnp.int32(stages))
-                    s = masked_scores(p, scores(p))
-
-                    @pl.when(p >= 1)
-                    def _release_previous():  # its value product has landed (waited above)
-                        plgpu.barrier_arrive(consumed.at[lax.rem(p - 1, jnp.int32(stages))])
-
-                    m_new = jnp.maximum(m_i, scaled_max(s))
-                    probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    alpha = jnp.exp2(m_i - m_new)
-                    l_i = l_i * alpha + probs.sum(axis=1)
-                    p16 = probs.astype(jnp.bfloat16)
-                    # P goes where the block's rope features were: its QK^T has landed.
-                    p_smem = block(k_rope, ring, 0)
-                    p_smem[...] = p16
-                    alphas.at[ring][...] = alpha
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p_ready.at[ring])
-                    v = block(k_lat, ring, 0).at[:, cols]
-                    acc = pv_add(acc, acc_ref, p_smem if interpret else p16, v, to_acc(alpha))
-
-                    @pl.when(p + 1 < num_steps)
-                    def _next():
-                        wait_and_issue(p + 1)
-
-                    return m_new, l_i, acc
-
-                acc = acc_zero if interpret else None
-                m_i, l_i, acc = lax.fori_loop(0, num_steps, step, (m_init, l_init, acc))
-                if not interpret:
-                    plgpu.wgmma_wait(0)
-
-                @pl.when(num_steps > 0)
-                def _release_last():
-                    plgpu.barrier_arrive(consumed.at[lax.rem(num_steps - 1, jnp.int32(stages))])
-
-                return (acc if interpret else acc_ref[...]), m_i, l_i
-
-            def solo_value_blocks(acc_ref=None):
-                """WG1's loop with ``exchange="solo"``: per block, wait for WG0's P and
-                rescale factors, rescale, add ``P V`` over value columns 256..511, release
-                the block. Its row sums stay 0 (WG0 holds them)."""
-                cols = pl.ds(half, half)
-
-                def step(p, acc):
-                    ring = lax.rem(p, jnp.int32(stages))
-                    plgpu.barrier_wait(p_ready.at[ring])
-                    alpha = plgpu.load(alphas.at[ring], layout=row_layout, optimized=False)
-                    v = block(k_lat, ring, 0).at[:, cols]
-                    acc = pv_add(acc, acc_ref, block(k_rope, ring, 0), v, to_acc(alpha))
-                    if not interpret:
-                        plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(consumed.at[ring])
-                    return acc
-
-                acc = lax.fori_loop(0, num_steps, step, acc_zero if interpret else None)
-                return (acc if interpret else acc_ref[...]), m_init, l_init
 
             def run_pairs(loop):
                 if interpret:
@@ -687,7 +555,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
             def consume_only():
                 """``probe="no_compute"``: take every block and hand it back at once."""
 
-                @pl.loop(0, num_steps)
+                @pl.loop(0, num_pairs)
                 def _consume(p):
                     ring = lax.rem(p, jnp.int32(stages))
                     plgpu.barrier_wait(ready.at[ring * 2 + wg])
@@ -698,21 +566,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
             if st.probe == "no_compute":
                 finish(*consume_only())
-            elif solo:
-
-                @pl.when(wg == 0)
-                def _solo_softmax():
-                    finish(*run_pairs(solo_softmax_blocks))
-
-                @pl.when(wg == 1)
-                def _solo_values():
-                    if interpret:
-                        finish(*solo_value_blocks())
-                    else:
-                        finish(
-                            *pl.run_scoped(solo_value_blocks, plgpu.ACC((heads, half), jnp.float32))
-                        )
-
             elif st.exchange == "one_way":
                 for w in range(_COMPUTE_WGS):
 
@@ -727,16 +580,16 @@ def _build_kernel(st: _Static, *, interpret: bool):
         def _memory():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-            def signal_ready(step):
-                """Publish ``step``'s blocks once copied: the step issued last, whose
-                cp.async groups (one per block, WG0's first) are the only ones pending."""
-                ring = lax.rem(step, jnp.int32(stages))
-                for w in range(per_step):
-                    wait_copies(per_step - 1 - w)
+            def signal_ready(pair):
+                """Publish ``pair``'s two blocks once copied: the pair issued last, whose
+                two cp.async groups (WG0's block first) are the only ones pending."""
+                ring = lax.rem(pair, jnp.int32(stages))
+                for w in range(_COMPUTE_WGS):
+                    wait_copies(_COMPUTE_WGS - 1 - w)
                     plgpu.commit_smem()
-                    plgpu.barrier_arrive(ready.at[ring * per_step + w])
+                    plgpu.barrier_arrive(ready.at[ring * 2 + w])
 
-            @pl.loop(0, num_steps)
+            @pl.loop(0, num_pairs)
             def _issue(p):
                 # Publish the previous pair (the only one in flight) before waiting for a
                 # free slot, so its consumers never wait for this pair's issue (the row
@@ -746,14 +599,14 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     signal_ready(p - 1)
 
                 ring = lax.rem(p, jnp.int32(stages))
-                for w in range(per_step):
-                    slot = ring * per_step + w
+                for w in range(_COMPUTE_WGS):
+                    slot = ring * 2 + w
 
                     @pl.when(p >= stages)
                     def _wait_free(slot=slot):
                         plgpu.barrier_wait(consumed.at[slot])
 
-                    blk = (per_step * p + w) * block_k
+                    blk = (2 * p + w) * block_k
                     if st.probe == "no_gather":
                         continue
                     gather(
@@ -763,20 +616,20 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         block(k_rope, ring, w),
                     )
 
-            @pl.when(num_steps > 0)
+            @pl.when(num_pairs > 0)
             def _signal_last():
-                signal_ready(num_steps - 1)
+                signal_ready(num_pairs - 1)
 
             # Drain: observe the consumption of the last pairs before the barriers die.
-            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+            @pl.loop(jnp.maximum(num_pairs - stages, 0), num_pairs)
             def _drain(p):
                 ring = lax.rem(p, jnp.int32(stages))
-                for w in range(per_step):
-                    plgpu.barrier_wait(consumed.at[ring * per_step + w if w else ring * per_step])
+                plgpu.barrier_wait(consumed.at[ring * 2])
+                plgpu.barrier_wait(consumed.at[ring * 2 + 1])
 
     def entry(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref):
         tiled = _transforms(block_k)
-        slots = per_step * stages
+        slots = 2 * stages
         bf16 = jnp.bfloat16
         q_lat = plgpu.SMEM((heads, dv), bf16, transforms=tiled)
         q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled)
@@ -792,22 +645,17 @@ def _build_kernel(st: _Static, *, interpret: bool):
             p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
         # Per-row exchange between the compute WGs: the maxima, then the sums.
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
-        # solo: WG0's rescale factors of each ring slot's block, for WG1.
-        alphas = plgpu.SMEM((stages, heads), jnp.float32) if solo else None
         pl.run_scoped(
             lambda *args: kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, args),
-            [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats, alphas],
+            [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats],
             (
                 plgpu.Barrier(num_barriers=slots),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
                 plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
-                # one_way: WG w's running max (max_ready[w]) and P (p_ready[w]) are out;
-                # solo: WG0's P and rescale factors of each ring slot (p_ready[slot]).
+                # one_way: WG w's running max (max_ready[w]) and P (p_ready[w]) are out
                 plgpu.Barrier(num_barriers=_COMPUTE_WGS) if one_way else None,
-                plgpu.Barrier(num_barriers=slots if solo else _COMPUTE_WGS)
-                if one_way or solo
-                else None,
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS) if one_way else None,
             ),
             collective_axes=_AXIS_WG,
         )
@@ -887,7 +735,7 @@ def sparse_mla_rows_attention(
       q: ``[N, H, dv + 64]`` bfloat16.
       store: ``[R, W]`` bfloat16, ``W >= dv + 64`` and ``W % 8 == 0``; only the rows named
         in ``rows`` are read.
-      rows: ``[N, Kp]`` int32, ``Kp % config.rows_per_step == 0``; row ids of ``store``, the
+      rows: ``[N, Kp]`` int32, ``Kp % (2 * block_k) == 0``; row ids of ``store``, the
         query's valid rows first, ``-1`` after.
       counts: ``[N]`` int32, the number of valid rows of each query (``<= Kp``).
       config: ``SparseMlaKernelConfig`` (``None``: the default).
@@ -910,10 +758,10 @@ def sparse_mla_rows_attention(
             f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {_CHUNK} == 0"
         )
     kp = rows.shape[1]
-    if rows.shape[0] != tokens or kp % config.rows_per_step:
+    if rows.shape[0] != tokens or kp % (2 * config.block_k):
         raise ValueError(
             f"rows: got shape {rows.shape}, expected [{tokens}, Kp] with Kp a multiple of "
-            f"{config.rows_per_step}"
+            f"{2 * config.block_k}"
         )
     q, st = _padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
     out, lse = _launch(
