@@ -35,9 +35,8 @@ from attn_common import (
     CapParams,
     KernelConfig,
 )
-from attn_common.packed import packed_users
 from attn_mosaic_gpu.ranker import resolve_tuning
-from attn_mosaic_gpu.ranker_fwd import MIN_PACKED_USERS, default_config, ranker_attention_fwd
+from attn_mosaic_gpu.ranker_fwd import default_config, ranker_attention_fwd
 from attn_reference.ranker import ranker_attention
 
 REL_L2 = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 5e-3}
@@ -78,9 +77,8 @@ def _errors(out, want):
 
 def _check(q, k, v, bounds, *, cap=None, config=None, sm_scale=None, return_lse=True):
     b, s, hq, d = q.shape
-    if config is None:  # what users get: the tuned table's config, as the front door resolves it
-        packed = packed_users(bounds, min_users=MIN_PACKED_USERS) > 0
-        config = resolve_tuning(q, cap, None, None, packed=packed)[0]
+    if config is None:  # what users get: the tuned table's config (resolve_tuning)
+        config = resolve_tuning(q, cap, None, None, bounds=bounds)[0]
     _poison_allocator(b * s * hq * (d * q.dtype.itemsize + 4))
     got = ranker_attention_fwd(
         q, k, v, bounds, cap=cap, config=config, sm_scale=sm_scale, return_lse=return_lse

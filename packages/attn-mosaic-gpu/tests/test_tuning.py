@@ -204,7 +204,9 @@ def test_packed_bounds_drop_the_tables_persistent_programs(user_table):
     entry["forward"]["programs"] = 132
     _write(user_table, entry)
     assert resolve_tuning(q, SOFT_SIGN, None, None)[0].programs == 132
-    config = resolve_tuning(q, SOFT_SIGN, None, None, packed=True)[0]
+    one_user, packed = jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 3, 4), jnp.int32)
+    assert resolve_tuning(q, SOFT_SIGN, None, None, bounds=one_user)[0].programs == 132
+    config = resolve_tuning(q, SOFT_SIGN, None, None, bounds=packed)[0]  # shape only
     assert config == tuning._parse_entry(entry)[1].forward.replace(programs=0)
 
 

@@ -48,14 +48,16 @@ _attention = kernel_vjp(_forward, _backward)
 
 
 def resolve_tuning(
-    q, cap, config, backward_tuning, *, packed: bool = False
+    q, cap, config, backward_tuning, *, bounds=None
 ) -> tuple[KernelConfig, BackwardTuning | None]:
     """Fill ``config`` / ``backward_tuning`` left ``None`` from the tuned tables
     (``attn_mosaic_gpu.tuning.lookup``); a table config this problem cannot use (it
-    breaks a shared-memory or cap rule) gives way to ``default_config``. With ``packed``
-    bounds a table config's persistent ``programs`` (one user per row only) drop to 0."""
+    breaks a shared-memory or cap rule) gives way to ``default_config``. For packed
+    ``bounds`` ``[B, U, 4]`` (only their shape is read) a table config's persistent
+    ``programs`` (one user per row only) drop to 0."""
     if config is not None and backward_tuning is not None:
         return config, backward_tuning
+    packed = bounds is not None and packed_users(bounds, min_users=MIN_PACKED_USERS) > 0
     head_dim = q.shape[-1]
     tuned = lookup(head_dim=head_dim, dtype=q.dtype, cap=cap, seq_len=q.shape[1])
     if config is None:
@@ -117,7 +119,7 @@ def ranker_attention(
     if debug_checks:
         check = check_packed_bounds if packed else check_bounds
         check(bounds, seq_len=q.shape[1])
-    config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning, packed=packed)
+    config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning, bounds=bounds)
     kwargs = (
         ("sm_scale", sm_scale),
         ("cap", cap),
