@@ -39,7 +39,10 @@ VARIANTS = {
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
+    "opaque Q address": {"exchange": "one_way", "opaque_q": True},
 }
+# Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
+STATIC_KNOBS = ("probe", "opaque_q")
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
 
@@ -52,20 +55,22 @@ def load_module(path: Path):
     return module
 
 
-def probe_attend(q, store, rows, counts, *, sm_scale, dv, config, probe):
-    """The kernel with a diagnostic ``probe`` (``_Static.probe``); heads a multiple of 64."""
+def static_attend(q, store, rows, counts, *, sm_scale, dv, config, static):
+    """The kernel with benchmark-only ``_Static`` knobs (``static``: a diagnostic
+    ``probe``, ``opaque_q``); heads a multiple of 64."""
     q, st = sparse_mla_kernel._padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
-    st = dataclasses.replace(st, probe=probe)
+    st = dataclasses.replace(st, **static)
     return sparse_mla_kernel._launch(q, store, rows, counts, st=st, interpret=None)
 
 
 def variant_attend(knobs: dict) -> tuple:
-    """``(attend, config)`` of a ``VARIANTS`` entry: the kernel (with its probe, if any)."""
+    """``(attend, config)`` of a ``VARIANTS`` entry: the kernel (with its ``_Static``
+    knobs, if any)."""
     knobs = dict(knobs)
-    probe = knobs.pop("probe", "")
+    static = {k: knobs.pop(k) for k in STATIC_KNOBS if k in knobs}
     attend = sparse_mla_kernel.sparse_mla_rows_attention
-    if probe:
-        attend = functools.partial(probe_attend, probe=probe)
+    if static:
+        attend = functools.partial(static_attend, static=static)
     return attend, SparseMlaKernelConfig(**knobs)
 
 
