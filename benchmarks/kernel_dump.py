@@ -23,6 +23,13 @@ import tempfile
 from pathlib import Path
 
 TARGETS = ("sparse", "sparse-opaque-q", "ranker-fwd", "ranker-bwd")
+# The phoenix backward kernels with extra knobs (ranker_bwd_pipelined._Static).
+BWD_KNOBS = {
+    "ranker-bwd-opaque": {"opaque_fixed": True},
+    "ranker-bwd-240": {"compute_registers": 240},
+    "ranker-bwd-opaque-240": {"opaque_fixed": True, "compute_registers": 240},
+}
+TARGETS += tuple(BWD_KNOBS)
 
 
 def compile_target(name: str) -> None:
@@ -55,6 +62,24 @@ def compile_target(name: str) -> None:
 
     if name == "ranker-fwd":
         jax.block_until_ready(jax.jit(fwd)(q, kk, v))
+    elif name in BWD_KNOBS:
+        import math
+
+        from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
+        from attn_mosaic_gpu.tuning import lookup
+
+        b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
+        fields = dict(
+            batch=b, seq_pad=s, q_heads=hq, kv_heads=hkv, head_dim=d,
+            sm_scale=1 / math.sqrt(d), cap=case.cap,
+        )  # fmt: skip
+        tuning = {**lookup(head_dim=d, dtype=q.dtype, cap=case.cap, seq_len=s).backward.knobs()}
+        tuning.update(BWD_KNOBS[name])
+        vec = jnp.zeros((b, hq, s), jnp.float32)
+        got = pipelined_bwd(
+            q, kk, v, dout, vec, vec, bounds, st_fields=fields, interpret=None, tuning=tuning
+        )
+        jax.block_until_ready(got)
     else:
         grads = jax.jit(jax.grad(lambda *a: (fwd(*a).astype(jnp.float32) * dout).sum(), (0, 1, 2)))
         jax.block_until_ready(grads(q, kk, v))

@@ -187,9 +187,19 @@ class _Static:
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
     # step lists built outside (attn_common.packed.packed_step_list).
     users: int = 0
+    # Experiments (dk/dv kernel): opaque_fixed recomputes K's and V's shared-memory
+    #   address every step from a value the compiler cannot prove is 0, so their 16 wgmma
+    #   descriptors are not hoisted out of the step loops (ptxas spilled them);
+    #   compute_registers: setmaxnreg of the compute WGs (the memory WG gets
+    #   504 - 2 x it: the three must fit the 3 x 168 registers the kernel launches with).
+    opaque_fixed: bool = False
+    compute_registers: int = _COMPUTE_REGISTERS
 
 
-_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_programs")
+_KNOBS = (
+    "num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_programs",
+    "opaque_fixed", "compute_registers",
+)  # fmt: skip
 
 
 def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
@@ -216,6 +226,8 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
     for name in ("fold", "overlap"):
         if not isinstance(knobs.get(name, False), bool):
             raise ValueError(f"backward tuning {name}: got {knobs[name]!r}, expected a bool")
+    if knobs.get("compute_registers", _COMPUTE_REGISTERS) not in (232, 240):
+        raise ValueError("backward tuning compute_registers: expected 232 or 240")
     programs = knobs.get("dq_programs", 0)
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
         raise ValueError(
@@ -717,8 +729,12 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(st.compute_registers, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            if st.opaque_fixed:
+                # 0 at run time (bounds are clipped to [0, S]), unknown to the compiler.
+                raw = bounds_ref[batch, 0] if not st.users else bounds_ref[batch, 0, 0]
+                opaque = lax.shift_right_logical(raw, 31)
             kv0 = tile_start + wg * b
             kv_rows = (batch, pl.ds(kv0, b), kv_head)
             srcs, dsts = [k_ref.at[kv_rows], v_ref.at[kv_rows]], [k_smem, v_smem]
@@ -755,7 +771,11 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                         q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 1, layout=layout)
                         return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
-                operands = (k_smem, q_smem.at[slot], v_smem, do_smem.at[slot])
+                k_fixed, v_fixed = k_smem, v_smem
+                if st.opaque_fixed:
+                    own = wg + lax.bitwise_and(i, opaque)
+                    k_fixed, v_fixed = k_smem2.at[own], v_smem2.at[own]
+                operands = (k_fixed, q_smem.at[slot], v_fixed, do_smem.at[slot])
                 p_t, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 1)
                 dk, dv = _dkv_update(
                     dk, dv, p_t, factor, q_smem.at[slot], do_smem.at[slot], staging, st,
@@ -779,7 +799,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(504 - 2 * st.compute_registers, action="decrease")
 
             def issue(step, slot):
                 head = lax.div(step, jnp.maximum(head_steps, 1))
