@@ -542,7 +542,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(st.compute_registers, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             row0 = tile_start + wg * b
             rows = (batch, pl.ds(row0, b), q_head)
@@ -568,7 +568,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(504 - 2 * st.compute_registers, action="decrease")
 
             def issue(step, slot):
                 _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(step), kv_head, slot)
@@ -624,7 +624,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(st.compute_registers, action="increase")
             staging = None if in_place else (ds_smem2.at[wg],)
 
             def rows_of(q_head, batch, tile_start):
@@ -679,7 +679,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(504 - 2 * st.compute_registers, action="decrease")
 
             def tile_steps(j):
                 q_head, batch, _, ranges, _ = tile_of(j)
