@@ -1,54 +1,52 @@
-"""Mosaic GPU's compiler dumps (PTX, SASS, ptxas report) of the Hopper kernels (one GPU).
+"""Mosaic GPU's compiler dumps (PTX, ptxas report) of the Hopper kernels, and what ptxas
+spills in each loop.
 
-Compiles each named target in a child process with ``MOSAIC_GPU_DUMP_{PTX,SASS,PTXAS}``
-on and packs what Mosaic GPU wrote into ``--out/<target>.tar.gz``; prints ptxas's
-register and spill lines. Read the SASS for what the loops keep live (e.g. wgmma
-descriptors hoisted out of a loop)::
+On the GPU machine (one GPU): compile each target in a child process with
+``MOSAIC_GPU_DUMP_{PTX,PTXAS}`` on, pack what Mosaic GPU wrote into
+``--out/<target>.tar.gz`` and print ptxas's register and spill lines::
 
-    python benchmarks/kernel_dump.py --out /tmp/r sparse sparse-opaque-q ranker-fwd
+    python benchmarks/kernel_dump.py --out /tmp/r sparse ranker-fwd ranker-bwd
 
-Targets: ``sparse`` (the default sparse-MLA kernel), ``sparse-opaque-q`` (its
-``_Static(opaque_q=True)`` experiment), ``ranker-fwd`` (phoenix's forward, tuned
-config, 2 rows of the batch), ``ranker-bwd`` (phoenix's backward kernels).
+Anywhere (no GPU): ``--loops FILE.ptx`` compiles a dumped PTX file for sm_90a with
+``ptxas``, disassembles it with ``nvdisasm`` (both on ``PATH``: the PyPI wheels
+``nvidia-cuda-nvcc`` and ``nvidia-cuda-nvdisasm`` carry them; the GPU machine has no
+``nvdisasm``, so Mosaic GPU's own SASS dump stays empty there) and prints, per loop
+with wgmma instructions, its SASS instruction count and its HGMMA, MUFU and spill
+(STL/LDL) instructions. A spill in a step loop costs every step; that is how the
+dk/dv kernel's hoisted K/V descriptors showed (``ranker_bwd_pipelined._build_dkv_kernel``).
+
+Targets: ``sparse`` (the sparse-MLA kernel at its default config), ``ranker-fwd``
+(phoenix's forward at the tuned config, 2 rows of the batch), ``ranker-bwd`` (phoenix's
+backward kernels).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
-TARGETS = ("sparse", "sparse-opaque-q", "ranker-fwd", "ranker-bwd")
-# The phoenix backward kernels with extra knobs (ranker_bwd_pipelined._Static).
-BWD_KNOBS = {
-    "ranker-bwd-opaque": {"opaque_fixed": True},
-    "ranker-bwd-240": {"compute_registers": 240},
-    "ranker-bwd-opaque-240": {"opaque_fixed": True, "compute_registers": 240},
-}
-TARGETS += tuple(BWD_KNOBS)
+TARGETS = ("sparse", "ranker-fwd", "ranker-bwd")
 
 
 def compile_target(name: str) -> None:
     """Compile and run target ``name`` once (in the child process that has the dump flags)."""
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
-    if name.startswith("sparse"):
+    if name == "sparse":
         from attn_mosaic_gpu import sparse_mla_kernel as k
 
         q = jnp.zeros((8, 64, 576), jnp.bfloat16)
         store = jnp.zeros((1024, 576), jnp.bfloat16)
         rows = jnp.zeros((8, 2048), jnp.int32)
         counts = jnp.full((8,), 2048, jnp.int32)
-        q, st = k._padded_static(q, store, sm_scale=0.07, dv=512, config=k.SparseMlaKernelConfig())
-        st = dataclasses.replace(st, opaque_q=name == "sparse-opaque-q")
-        jax.block_until_ready(k._launch(q, store, rows, counts, st=st, interpret=None))
+        jax.block_until_ready(k.sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.07))
         return
     from attn_common import ranker_case
     from attn_mosaic_gpu import ranker_attention
@@ -62,61 +60,96 @@ def compile_target(name: str) -> None:
 
     if name == "ranker-fwd":
         jax.block_until_ready(jax.jit(fwd)(q, kk, v))
-    elif name in BWD_KNOBS:
-        import math
-
-        from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
-        from attn_mosaic_gpu.tuning import lookup
-
-        b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
-        fields = dict(
-            batch=b, seq_pad=s, q_heads=hq, kv_heads=hkv, head_dim=d,
-            sm_scale=1 / math.sqrt(d), cap=case.cap,
-        )  # fmt: skip
-        tuning = {**lookup(head_dim=d, dtype=q.dtype, cap=case.cap, seq_len=s).backward.knobs()}
-        tuning.update(BWD_KNOBS[name])
-        vec = jnp.zeros((b, hq, s), jnp.float32)
-        got = pipelined_bwd(
-            q, kk, v, dout, vec, vec, bounds, st_fields=fields, interpret=None, tuning=tuning
-        )
-        jax.block_until_ready(got)
     else:
         grads = jax.jit(jax.grad(lambda *a: (fwd(*a).astype(jnp.float32) * dout).sum(), (0, 1, 2)))
         jax.block_until_ready(grads(q, kk, v))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--compile-one", help=argparse.SUPPRESS)
-    parser.add_argument("targets", nargs="*", default=list(TARGETS))
-    args = parser.parse_args()
-    if args.compile_one:
-        compile_target(args.compile_one)
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.targets:
+def dump(targets: list[str], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in targets:
         if name not in TARGETS:
             raise SystemExit(f"target: got {name!r}, expected one of {TARGETS}")
-        with tempfile.TemporaryDirectory() as dump:
-            flags = dict.fromkeys(
-                ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTXAS"), "1"
-            )
-            env = dict(os.environ, MOSAIC_GPU_DUMP_TO=dump, **flags)
-            cmd = [sys.executable, __file__, "--out", str(args.out), "--compile-one", name]
+        with tempfile.TemporaryDirectory() as tmp:
+            flags = dict.fromkeys(("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS"), "1")
+            env = dict(os.environ, MOSAIC_GPU_DUMP_TO=tmp, **flags)
+            cmd = [sys.executable, __file__, "--compile-one", name]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            files = sorted(Path(dump).iterdir())
-            with tarfile.open(args.out / f"{name}.tar.gz", "w:gz") as tar:
+            files = sorted(f for f in Path(tmp).iterdir() if f.suffix in (".ptx", ".ptxas"))
+            with tarfile.open(out / f"{name}.tar.gz", "w:gz") as tar:
                 for f in files:
                     tar.add(f, arcname=f"{name}/{f.name}")
             print(f"{name}: rc={proc.returncode}, {len(files)} files", flush=True)
             if proc.returncode:
                 print(proc.stderr[-3000:], flush=True)
             for f in files:
-                if "ptxas" in f.name:
+                if f.suffix == ".ptxas":
                     for line in f.read_text(errors="replace").splitlines():
-                        if "Used" in line or "spill" in line or "warning" in line.lower():
+                        if "Used" in line or "spill" in line:
                             print(f"  {f.name}: {line.strip()}", flush=True)
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The innermost loops of a SASS listing (a backward branch to an earlier label)
+    that hold wgmma instructions, with their instruction counts."""
+    lines = sass.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        if m := re.match(r"^\.(L_x_\d+):", line.strip()):
+            labels[m.group(1)] = i
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)] : i + 1]
+
+            def count(pattern, body=body):
+                return sum(1 for x in body if re.search(pattern, x))
+
+            if count("HGMMA"):
+                loops.append({
+                    "lines": (labels[m.group(1)], i),
+                    "instructions": count(r"/\*[0-9a-f]{4,5}\*/"),
+                    **{op: count(op) for op in ("HGMMA", "MUFU", "STL", "LDL")},
+                })  # fmt: skip
+
+    def inside(a, b):
+        return a is not b and b["lines"][0] <= a["lines"][0] and a["lines"][1] <= b["lines"][1]
+
+    # innermost only: the step loops (a barrier wait's retry branch also jumps back)
+    return [a for a in loops if not any(inside(b, a) for b in loops)]
+
+
+def loops_report(ptx: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        report = subprocess.run(
+            ["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+        print("\n".join(x.strip() for x in report.splitlines() if "spill" in x or "Used" in x))
+        sass = subprocess.run(
+            ["nvdisasm", "-c", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    for loop in sass_loops(sass):
+        print(loop)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="where the dumps go (on the GPU machine)")
+    parser.add_argument("--loops", type=Path, help="a dumped .ptx file to analyse (anywhere)")
+    parser.add_argument("--compile-one", help=argparse.SUPPRESS)
+    parser.add_argument("targets", nargs="*", default=list(TARGETS))
+    args = parser.parse_args()
+    if args.compile_one:
+        compile_target(args.compile_one)
+    elif args.loops:
+        loops_report(args.loops)
+    elif args.out:
+        dump(args.targets, args.out)
+    else:
+        parser.error("give --out (dump on the GPU machine) or --loops FILE.ptx")
 
 
 if __name__ == "__main__":

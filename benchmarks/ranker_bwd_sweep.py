@@ -49,12 +49,6 @@ VARIANTS = {
         "fold": True, "overlap": True, "num_stages": 2, "dq_programs": None,
     },
 }  # fmt: skip
-# Applied on top of the tuned table's knobs (experiments of the dk/dv kernel).
-ON_TUNED = {
-    "tuned + opaque K/V address": {"opaque_fixed": True},
-    "tuned + 240 registers": {"compute_registers": 240},
-    "tuned + opaque K/V + 240 registers": {"opaque_fixed": True, "compute_registers": 240},
-}
 KERNELS = {DQ_KERNEL: "dq", DKV_KERNEL: "dk/dv"}
 
 
@@ -97,9 +91,7 @@ def run_case(name, iterations, patterns=None):
     flops_bwd = 2.5 * ranker_flops(bounds_np, hq, d)
     rows = []
     tuned = lookup(head_dim=d, dtype=q.dtype, cap=case.cap, seq_len=s).backward.knobs()
-    tuned = {"num_stages": pipelined_stages(d), **tuned}
-    variants = {**VARIANTS, "tuned table (default)": tuned}
-    variants.update({label: {**tuned, **extra} for label, extra in ON_TUNED.items()})
+    variants = {**VARIANTS, "tuned table (default)": {"num_stages": pipelined_stages(d), **tuned}}
     if patterns:
         variants = {k: t for k, t in variants.items() if any(fnmatch(k, p) for p in patterns)}
     sms = getattr(jax.devices()[0], "core_count", None) or 132

@@ -326,11 +326,7 @@ def test_schedule_knobs_do_not_change_results():
         return [np.asarray(g.astype(jnp.float32)) for g in got]
 
     base = run(num_stages=2)
-    for tuning in (
-        {"num_stages": 3},
-        {"num_stages": 2, "overlap": False},
-        {"num_stages": 2, "opaque_fixed": True, "compute_registers": 240},
-    ):
+    for tuning in ({"num_stages": 3}, {"num_stages": 2, "overlap": False}):
         for name, a, b in zip(("dq", "dk", "dv"), base, run(**tuning), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {tuning}")
     for name, a, b in zip(("dq", "dk", "dv"), base, run(num_stages=2, fold=False), strict=True):

@@ -113,6 +113,10 @@ PIPELINED_HEAD_DIMS = (64, 128)
 _COMPUTE_WGS = 2
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
+# setmaxnreg: the three warpgroups' counts must sum to at most the 3 x 168 registers per
+# thread slot the kernel launches with, or an increase waits forever.
+_REGISTER_POOL = 504
+_DKV_COMPUTE_REGISTERS = 240  # dk/dv at D=128 (see _build_dkv_kernel)
 _LOG2E = math.log2(math.e)
 # CUDA kernel names (as ``<name>_mosaic_gpu``): profiles tell the two kernels apart by
 # name, not by launch order, which XLA may swap (dq and dk/dv are independent).
@@ -187,19 +191,9 @@ class _Static:
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
     # step lists built outside (attn_common.packed.packed_step_list).
     users: int = 0
-    # Experiments (dk/dv kernel): opaque_fixed recomputes K's and V's shared-memory
-    #   address every step from a value the compiler cannot prove is 0, so their 16 wgmma
-    #   descriptors are not hoisted out of the step loops (ptxas spilled them);
-    #   compute_registers: setmaxnreg of the compute WGs (the memory WG gets
-    #   504 - 2 x it: the three must fit the 3 x 168 registers the kernel launches with).
-    opaque_fixed: bool = False
-    compute_registers: int = _COMPUTE_REGISTERS
 
 
-_KNOBS = (
-    "num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_programs",
-    "opaque_fixed", "compute_registers",
-)  # fmt: skip
+_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_programs")
 
 
 def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
@@ -226,8 +220,6 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
     for name in ("fold", "overlap"):
         if not isinstance(knobs.get(name, False), bool):
             raise ValueError(f"backward tuning {name}: got {knobs[name]!r}, expected a bool")
-    if knobs.get("compute_registers", _COMPUTE_REGISTERS) not in (232, 240):
-        raise ValueError("backward tuning compute_registers: expected 232 or 240")
     programs = knobs.get("dq_programs", 0)
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
         raise ValueError(
@@ -542,7 +534,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(st.compute_registers, action="increase")
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             row0 = tile_start + wg * b
             rows = (batch, pl.ds(row0, b), q_head)
@@ -568,7 +560,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(504 - 2 * st.compute_registers, action="decrease")
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
             def issue(step, slot):
                 _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(step), kv_head, slot)
@@ -624,7 +616,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(st.compute_registers, action="increase")
+            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
             staging = None if in_place else (ds_smem2.at[wg],)
 
             def rows_of(q_head, batch, tile_start):
@@ -679,7 +671,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(504 - 2 * st.compute_registers, action="decrease")
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
             def tile_steps(j):
                 q_head, batch, _, ranges, _ = tile_of(j)
@@ -707,6 +699,17 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
     group = st.q_heads // st.kv_heads
+    # D=128: the accumulators dK, dV (2 x 64 of a thread's registers) and S^T, dP^T
+    # (2 x 32) leave too little room for the 16 wgmma descriptors of the fixed K and V,
+    # which the compiler hoists out of the step loops because their addresses are
+    # loop-invariant; ptxas then spilled (880 bytes, 55 local loads/stores per unmasked
+    # step). Addressing K and V anew each step (through a zero the compiler cannot
+    # see) keeps the descriptors in the loop, and 240 registers (the memory WG keeps
+    # 24, setmaxnreg's floor) leave 128 bytes of spills, all outside the unmasked loop:
+    # dk/dv 18-27 % faster on phoenix and ragged (docs/ranker_gpu.md). D=64 measured
+    # no gain and keeps the plain addresses and 232/40.
+    per_step_kv = st.head_dim > 64
+    compute_registers = _DKV_COMPUTE_REGISTERS if per_step_kv else _COMPUTE_REGISTERS
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, queries_ref,
@@ -729,12 +732,12 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(st.compute_registers, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-            if st.opaque_fixed:
+            if per_step_kv:
                 # 0 at run time (bounds are clipped to [0, S]), unknown to the compiler.
                 raw = bounds_ref[batch, 0] if not st.users else bounds_ref[batch, 0, 0]
-                opaque = lax.shift_right_logical(raw, 31)
+                opaque_zero = lax.shift_right_logical(raw, 31)
             kv0 = tile_start + wg * b
             kv_rows = (batch, pl.ds(kv0, b), kv_head)
             srcs, dsts = [k_ref.at[kv_rows], v_ref.at[kv_rows]], [k_smem, v_smem]
@@ -772,8 +775,8 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                         return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
                 k_fixed, v_fixed = k_smem, v_smem
-                if st.opaque_fixed:
-                    own = wg + lax.bitwise_and(i, opaque)
+                if per_step_kv:  # the same buffers, addressed anew each step
+                    own = wg + lax.bitwise_and(i, opaque_zero)
                     k_fixed, v_fixed = k_smem2.at[own], v_smem2.at[own]
                 operands = (k_fixed, q_smem.at[slot], v_fixed, do_smem.at[slot])
                 p_t, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 1)
@@ -799,7 +802,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(504 - 2 * st.compute_registers, action="decrease")
+            plgpu.set_max_registers(_REGISTER_POOL - 2 * compute_registers, action="decrease")
 
             def issue(step, slot):
                 head = lax.div(step, jnp.maximum(head_steps, 1))

@@ -150,10 +150,6 @@ class _Static:
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
-    # Experiment: Q's shared-memory address recomputed every pair from a value the
-    # compiler cannot prove constant (0 at run time), so that the 36 wgmma descriptors of
-    # Q are not hoisted out of the pair loop and kept live across it.
-    opaque_q: bool = False
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -312,8 +308,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
             _wait_copies(pending)
 
     def kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, scoped):
-        (q_lat2, q_rope2, k_lat, k_rope, p_bufs, p_local, stats), barriers = scoped
-        q_lat, q_rope = q_lat2.at[0], q_rope2.at[0]
+        (q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats), barriers = scoped
         ready, consumed, q_ready, pair, max_ready, p_ready = barriers
         group = lax.axis_index(_AXIS_HEADS)
         token = lax.axis_index(_AXIS_TOKENS)
@@ -356,22 +351,17 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 synchronous, computed and returned."""
                 ring = lax.rem(p, jnp.int32(stages))
                 plgpu.barrier_wait(ready.at[ring * 2 + wg])
-                if st.opaque_q:
-                    zero = lax.bitwise_and(p, lax.shift_right_arithmetic(count, 31))
-                    q_lat_p, q_rope_p = q_lat2.at[zero], q_rope2.at[zero]
-                else:
-                    q_lat_p, q_rope_p = q_lat, q_rope
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_lat_p, block(k_lat, ring, wg).transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, q_rope_p, block(k_rope, ring, wg).transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_lat, block(k_lat, ring, wg).transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_rope, block(k_rope, ring, wg).transpose((1, 0)))
                     return acc_ref[...]
 
                 if interpret:
                     return pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
                 s_ref[...] = s_zero
-                plgpu.wgmma(s_ref, q_lat_p, block(k_lat, ring, wg).transpose((1, 0)))
-                plgpu.wgmma(s_ref, q_rope_p, block(k_rope, ring, wg).transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_lat, block(k_lat, ring, wg).transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_rope, block(k_rope, ring, wg).transpose((1, 0)))
                 return None
 
             def masked_scores(p, s):
@@ -641,8 +631,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
         tiled = _transforms(block_k)
         slots = 2 * stages
         bf16 = jnp.bfloat16
-        q_lat = plgpu.SMEM((1, heads, dv), bf16, transforms=tiled)
-        q_rope = plgpu.SMEM((1, heads, ROPE), bf16, transforms=tiled)
+        q_lat = plgpu.SMEM((heads, dv), bf16, transforms=tiled)
+        q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled)
         k_lat = plgpu.SMEM((slots, block_k, dv), bf16, transforms=tiled)
         k_rope = plgpu.SMEM((slots, block_k, ROPE), bf16, transforms=tiled)
         p_bufs = None
