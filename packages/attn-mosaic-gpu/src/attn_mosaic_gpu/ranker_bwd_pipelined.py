@@ -7,9 +7,10 @@ cap'(y)``, ``dq = sm_scale * sum_j ds_ij k_j``, ``dk_j = sm_scale * sum ds_ij q_
 Both kernels have the forward's shape: one program owns a tile of ``2 * 64`` rows (dq:
 query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
 
-* WG0, WG1 (compute, ``setmaxnreg 232``): each owns 64 rows of the tile. It TMA-loads
-  its fixed operands once into its own shared buffers (dq: Q, dO, lse2, delta'; dk/dv:
-  K, V), then walks the steps, reading the streamed operands from a ring slot:
+* WG0, WG1 (compute, ``setmaxnreg 232``; dk/dv at D=128 240, the memory WG then 24):
+  each owns 64 rows of the tile. It TMA-loads its fixed operands once into its own
+  shared buffers (dq: Q, dO, lse2, delta'; dk/dv: K, V), then walks the steps, reading
+  the streamed operands from a ring slot:
 
   - dq: ``S = Q K^T`` and ``dP = dO V^T`` (one wgmma scope, both from shared memory),
     cap, mask, ``P``, ``dS``, then ``dQ += dS K`` with ``dS`` as the register A operand.
