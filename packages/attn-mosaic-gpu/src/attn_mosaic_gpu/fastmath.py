@@ -23,6 +23,7 @@ __all__ = [
     "RECIPROCAL_MAX_REL_ERROR",
     "exp2_fma",
     "fast_reciprocal",
+    "fast_reciprocal_tile",
     "reciprocal_fma",
     "split_columns",
 ]
@@ -92,6 +93,36 @@ def fast_reciprocal(d):
     ``approx_math``) and a multiply, where an IEEE divide is a long instruction sequence
     with a slow path."""
     r = lax.rsqrt(d)
+    return r * r
+
+
+def fast_reciprocal_tile(d):
+    """``fast_reciprocal`` of a 2-D WGMMA-layout tile inside a compiled Mosaic GPU kernel,
+    with ``rsqrt.approx.ftz.f32``.
+
+    Mosaic GPU lowers ``lax.rsqrt`` under ``approx_math`` to ``rsqrt.approx.f32``, for
+    which ptxas guards every element against a subnormal input: a compare and two
+    predicated multiplies around the MUFU op, 3 of a thread's ~15 instructions per
+    score in the soft_sign forward (``benchmarks/kernel_dump.py --loops``). The ``ftz``
+    form is the bare MUFU op. The kernels' denominators are at least ``1 / (scale *
+    log2 e)`` (soft_sign's ``d / k``, ``attn_common.cap_scaled_with_derivative``), far
+    above the subnormals, so the results are bitwise those of ``fast_reciprocal``. Not
+    for interpret mode, which runs no inline Mosaic GPU code.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct(d.shape, jnp.float32, layout=layout),
+    )
+    def rsqrt_ftz(ctx, x):
+        del ctx
+        # FragmentedArray's own elementwise helpers (jax 0.11.2), as its rsqrt uses them.
+        return x._pointwise(x._lift_fast_instr("rsqrt.approx.ftz.f32"))
+
+    r = rsqrt_ftz(d)
     return r * r
 
 

@@ -98,7 +98,13 @@ from attn_common.packed import (
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
-from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
+from attn_mosaic_gpu.fastmath import (
+    exp2_fma,
+    fast_reciprocal,
+    fast_reciprocal_tile,
+    reciprocal_fma,
+    split_columns,
+)
 from attn_mosaic_gpu.ranker_fwd import packed_tile_mask, ranker_tile_mask
 
 __all__ = [
@@ -241,7 +247,9 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
     """
 
     def reciprocal(d):
-        return split_columns(d, st.rcp_fma_cols, reciprocal_fma, fast_reciprocal)
+        # Compiled: the MUFU's reciprocal without ptxas's subnormal guard (fastmath).
+        on_mufu = fast_reciprocal if st.xla_fold_guard else fast_reciprocal_tile
+        return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
     if st.fold:
         s2, dcap = cap_scaled_with_derivative(

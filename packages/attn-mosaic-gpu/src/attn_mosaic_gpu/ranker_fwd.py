@@ -119,7 +119,13 @@ from attn_common.packed import (
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
-from attn_mosaic_gpu.fastmath import exp2_fma, fast_reciprocal, reciprocal_fma, split_columns
+from attn_mosaic_gpu.fastmath import (
+    exp2_fma,
+    fast_reciprocal,
+    fast_reciprocal_tile,
+    reciprocal_fma,
+    split_columns,
+)
 
 __all__ = [
     "SMEM_LIMIT_BYTES",
@@ -307,10 +313,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     group = st.q_heads // st.kv_heads
     cap = st.cap
 
+    # Compiled: the MUFU's reciprocal without ptxas's subnormal guard (fastmath).
+    on_mufu = fast_reciprocal_tile if accumulate_in_place else fast_reciprocal
+
     def reciprocal(d):
         if d.ndim != 2:  # the per-row maxima: too few to split
             return fast_reciprocal(d)
-        return split_columns(d, st.rcp_fma_cols, reciprocal_fma, fast_reciprocal)
+        return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
     def scale_and_cap(qk):
         # Base-2 logits s2 = cap(qk * sm_scale) * log2(e), the constants folded into the
