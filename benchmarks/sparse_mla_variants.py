@@ -39,10 +39,9 @@ VARIANTS = {
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
-    "opaque Q address": {"exchange": "one_way", "opaque_q": True},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
-STATIC_KNOBS = ("probe", "opaque_q")
+STATIC_KNOBS = ("probe",)
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
 
@@ -57,7 +56,7 @@ def load_module(path: Path):
 
 def static_attend(q, store, rows, counts, *, sm_scale, dv, config, static):
     """The kernel with benchmark-only ``_Static`` knobs (``static``: a diagnostic
-    ``probe``, ``opaque_q``); heads a multiple of 64."""
+    ``probe``); heads a multiple of 64."""
     q, st = sparse_mla_kernel._padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
     st = dataclasses.replace(st, **static)
     return sparse_mla_kernel._launch(q, store, rows, counts, st=st, interpret=None)
