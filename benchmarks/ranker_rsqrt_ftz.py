@@ -4,8 +4,9 @@
 
 For each suite case, in one process: the tuned forward and ``jax.grad`` of a
 forward+backward loss (what ``config=None`` runs), each with the kernels built on
-the old reciprocal, the new one, and the old one again (the module hook the kernels
-read at build time is switched and jax's caches cleared between), CUPTI median of
+the old reciprocal, the new one, and the old one again (``fastmath.fast_reciprocal_tile``,
+which ``fastmath.mufu_reciprocal`` hands the compiled kernels at build time, is
+switched and jax's caches cleared between), CUPTI median of
 iterations; outputs and gradients compared bitwise with the earlier runs::
 
     python benchmarks/ranker_rsqrt_ftz.py phoenix ragged
@@ -21,11 +22,12 @@ import numpy as np
 
 from attn_common import ranker_case, ranker_flops
 from attn_common.bench import device_ms
-from attn_mosaic_gpu import fastmath, ranker_attention, ranker_bwd_pipelined, ranker_fwd
+from attn_mosaic_gpu import fastmath, ranker_attention
 
+FTZ_TILE = fastmath.fast_reciprocal_tile
 RECIPROCALS = (
     ("rsqrt.approx", fastmath.fast_reciprocal),
-    ("rsqrt.approx.ftz", fastmath.fast_reciprocal_tile),
+    ("rsqrt.approx.ftz", FTZ_TILE),
     ("rsqrt.approx again", fastmath.fast_reciprocal),
 )
 
@@ -37,8 +39,7 @@ def run_case(name: str, iterations: int) -> None:
     flops = ranker_flops(np.asarray(bounds), case.q_heads, case.head_dim)
     results = {}
     for label, tile_reciprocal in RECIPROCALS:
-        ranker_fwd.fast_reciprocal_tile = tile_reciprocal
-        ranker_bwd_pipelined.fast_reciprocal_tile = tile_reciprocal
+        fastmath.fast_reciprocal_tile = tile_reciprocal
         jax.clear_caches()
 
         def fwd(q, k, v):
@@ -62,8 +63,7 @@ def run_case(name: str, iterations: int) -> None:
             f" {bitwise}",
             flush=True,
         )
-    ranker_fwd.fast_reciprocal_tile = fastmath.fast_reciprocal_tile
-    ranker_bwd_pipelined.fast_reciprocal_tile = fastmath.fast_reciprocal_tile
+    fastmath.fast_reciprocal_tile = FTZ_TILE
 
 
 def main() -> None:

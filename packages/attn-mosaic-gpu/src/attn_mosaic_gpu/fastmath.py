@@ -24,6 +24,7 @@ __all__ = [
     "exp2_fma",
     "fast_reciprocal",
     "fast_reciprocal_tile",
+    "mufu_reciprocal",
     "reciprocal_fma",
     "split_columns",
 ]
@@ -124,6 +125,12 @@ def fast_reciprocal_tile(d):
 
     r = rsqrt_ftz(d)
     return r * r
+
+
+def mufu_reciprocal(*, compiled: bool) -> Callable:
+    """The reciprocal a kernel runs on the MUFU for 2-D tiles: ``fast_reciprocal_tile``
+    when compiled for the GPU, ``fast_reciprocal`` in interpret mode."""
+    return fast_reciprocal_tile if compiled else fast_reciprocal
 
 
 def split_columns(x, fma_cols: int, on_fma: Callable, on_mufu: Callable):

@@ -100,8 +100,7 @@ from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
-    fast_reciprocal,
-    fast_reciprocal_tile,
+    mufu_reciprocal,
     reciprocal_fma,
     split_columns,
 )
@@ -193,8 +192,9 @@ class _Static:
     #   persistent programs that walk those tiles and load the next tile's fixed
     #   operands while the current one computes (_build_dq_persistent_kernel).
     dq_programs: int = 0
-    # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
-    xla_fold_guard: bool = False
+    # Interpret mode: it runs on XLA, which would fold exp2_fma's rounding step away
+    #   (hence its guard), and runs no inline Mosaic GPU code (fastmath.mufu_reciprocal).
+    interpret: bool = False
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
     # step lists built outside (attn_common.packed.packed_step_list).
     users: int = 0
@@ -247,8 +247,7 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
     """
 
     def reciprocal(d):
-        # Compiled: the MUFU's reciprocal without ptxas's subnormal guard (fastmath).
-        on_mufu = fast_reciprocal if st.xla_fold_guard else fast_reciprocal_tile
+        on_mufu = mufu_reciprocal(compiled=not st.interpret)
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
     if st.fold:
@@ -263,7 +262,7 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
         s2 = s * _LOG2E
     if allowed is not None:
         s2 = jnp.where(allowed, s2, -jnp.inf)
-    on_fma = functools.partial(exp2_fma, xla_fold_guard=st.xla_fold_guard)
+    on_fma = functools.partial(exp2_fma, xla_fold_guard=st.interpret)
     x = s2 - lax.broadcast_in_dim(lse2, raw.shape, [q_axis])
     return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2), dcap
 
@@ -904,7 +903,7 @@ def pipelined_bwd(
                 f"backward tuning {knobs}: the {kernel} kernel needs {size} bytes of shared "
                 f"memory, more than the {SMEM_LIMIT_BYTES} available per block on sm_90"
             )
-    st = _Static(**st_fields, **knobs, xla_fold_guard=interpret is not None, users=users)
+    st = _Static(**st_fields, **knobs, interpret=interpret is not None, users=users)
     return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
 
 

@@ -122,7 +122,7 @@ from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     fast_reciprocal,
-    fast_reciprocal_tile,
+    mufu_reciprocal,
     reciprocal_fma,
     split_columns,
 )
@@ -313,8 +313,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     group = st.q_heads // st.kv_heads
     cap = st.cap
 
-    # Compiled: the MUFU's reciprocal without ptxas's subnormal guard (fastmath).
-    on_mufu = fast_reciprocal_tile if accumulate_in_place else fast_reciprocal
+    on_mufu = mufu_reciprocal(compiled=accumulate_in_place)
 
     def reciprocal(d):
         if d.ndim != 2:  # the per-row maxima: too few to split
