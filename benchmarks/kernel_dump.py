@@ -15,9 +15,12 @@ with wgmma instructions, its SASS instruction count and its HGMMA, MUFU and spil
 (STL/LDL) instructions. A spill in a step loop costs every step; that is how the
 dk/dv kernel's hoisted K/V descriptors showed (``ranker_bwd_pipelined._build_dkv_kernel``).
 
-Targets: ``sparse`` (the sparse-MLA kernel at its default config), ``ranker-fwd``
-(phoenix's forward at the tuned config, 2 rows of the batch), ``ranker-bwd`` (phoenix's
-backward kernels).
+Targets: ``sparse`` (the sparse-MLA kernel at its default config) or ``sparse:<name>``
+(a variant of ``benchmarks/sparse_mla_variants.py``, e.g. ``'sparse:probe: no
+gather'``), at 8 tokens x 64 heads x 2048 rows; ``ranker-fwd`` (phoenix's forward at the
+tuned config, 2 rows of the batch), ``ranker-bwd`` (phoenix's backward kernels). ptxas's
+lines also go to ``--out/ptxas.txt``. (This script took over
+``benchmarks/sparse_mla_ptxas.py``, which older result files name.)
 """
 
 from __future__ import annotations
@@ -32,22 +35,45 @@ import tempfile
 from pathlib import Path
 
 TARGETS = ("sparse", "ranker-fwd", "ranker-bwd")
+SPARSE_DEFAULT = "one-way max exchange"  # the variant that is SparseMlaKernelConfig()
 
 
-def compile_target(name: str) -> None:
-    """Compile and run target ``name`` once (in the child process that has the dump flags)."""
+def check_target(name: str) -> None:
+    """Raise ``SystemExit`` naming the choices if ``name`` is no target."""
+    if name.startswith("sparse:"):
+        variants = sparse_variants().VARIANTS
+        if name[len("sparse:") :] not in variants:
+            raise SystemExit(f"target {name!r}: sparse variants are {list(variants)}")
+    elif name not in TARGETS:
+        raise SystemExit(f"target: got {name!r}, expected one of {TARGETS} or sparse:<variant>")
+
+
+def sparse_variants():
+    sys.path.insert(0, str(Path(__file__).parent))
+    import sparse_mla_variants
+
+    return sparse_mla_variants
+
+
+def target_fn(name: str):
+    """``(fn, args)``: target ``name``'s jitted computation and its inputs."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
-    if name == "sparse":
-        from attn_mosaic_gpu import sparse_mla_kernel as k
-
-        q = jnp.zeros((8, 64, 576), jnp.bfloat16)
-        store = jnp.zeros((1024, 576), jnp.bfloat16)
-        rows = jnp.zeros((8, 2048), jnp.int32)
-        counts = jnp.full((8,), 2048, jnp.int32)
-        jax.block_until_ready(k.sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.07))
-        return
+    if name == "sparse" or name.startswith("sparse:"):
+        variants = sparse_variants()
+        variant = name.partition(":")[2] or SPARSE_DEFAULT
+        attend, config = variants.variant_attend(variants.VARIANTS[variant])
+        fn = jax.jit(functools.partial(attend, sm_scale=0.07, dv=512, config=config))
+        args = (
+            jnp.zeros((8, 64, 576), jnp.bfloat16),
+            jnp.zeros((1024, 576), jnp.bfloat16),
+            jnp.zeros((8, 2048), jnp.int32),
+            jnp.full((8,), 2048, jnp.int32),
+        )
+        return fn, args
     from attn_common import ranker_case
     from attn_mosaic_gpu import ranker_attention
 
@@ -59,34 +85,45 @@ def compile_target(name: str) -> None:
         return ranker_attention(q, kk, v, bounds, cap=case.cap)
 
     if name == "ranker-fwd":
-        jax.block_until_ready(jax.jit(fwd)(q, kk, v))
-    else:
-        grads = jax.jit(jax.grad(lambda *a: (fwd(*a).astype(jnp.float32) * dout).sum(), (0, 1, 2)))
-        jax.block_until_ready(grads(q, kk, v))
+        return jax.jit(fwd), (q, kk, v)
+    grads = jax.grad(lambda *a: (fwd(*a).astype(jnp.float32) * dout).sum(), (0, 1, 2))
+    return jax.jit(grads), (q, kk, v)
+
+
+def compile_target(name: str) -> None:
+    """Compile and run target ``name`` once (in the child process that has the dump flags)."""
+    import jax
+
+    fn, args = target_fn(name)
+    jax.block_until_ready(fn(*args))
 
 
 def dump(targets: list[str], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in targets:
-        if name not in TARGETS:
-            raise SystemExit(f"target: got {name!r}, expected one of {TARGETS}")
+        check_target(name)
+    summary = []
+    for name in targets:
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "-", name)  # a file name the device hands back
         with tempfile.TemporaryDirectory() as tmp:
             flags = dict.fromkeys(("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS"), "1")
             env = dict(os.environ, MOSAIC_GPU_DUMP_TO=tmp, **flags)
             cmd = [sys.executable, __file__, "--compile-one", name]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             files = sorted(f for f in Path(tmp).iterdir() if f.suffix in (".ptx", ".ptxas"))
-            with tarfile.open(out / f"{name}.tar.gz", "w:gz") as tar:
+            with tarfile.open(out / f"{stem}.tar.gz", "w:gz") as tar:
                 for f in files:
-                    tar.add(f, arcname=f"{name}/{f.name}")
-            print(f"{name}: rc={proc.returncode}, {len(files)} files", flush=True)
+                    tar.add(f, arcname=f"{stem}/{f.name}")
+            summary.append(f"{name}: rc={proc.returncode}, {len(files)} files")
             if proc.returncode:
-                print(proc.stderr[-3000:], flush=True)
+                summary.append(proc.stderr[-3000:])
             for f in files:
                 if f.suffix == ".ptxas":
                     for line in f.read_text(errors="replace").splitlines():
-                        if "Used" in line or "spill" in line:
-                            print(f"  {f.name}: {line.strip()}", flush=True)
+                        if "Used" in line or "spill" in line or "warning" in line.lower():
+                            summary.append(f"  {f.name}: {line.strip()}")
+        print("\n".join(summary[-50:]), flush=True)
+    (out / "ptxas.txt").write_text("\n".join(summary) + "\n")
 
 
 def sass_loops(sass: str) -> list[dict]:

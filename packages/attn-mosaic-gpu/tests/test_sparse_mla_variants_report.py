@@ -61,13 +61,17 @@ def test_report_names_the_commit_and_keeps_failures(variants, tmp_path):
     assert json.loads((tmp_path / "sparse_mla_variants.json").read_text())["rows"] == rows
 
 
-def test_ptxas_script_builds_each_variant():
-    """``benchmarks/sparse_mla_ptxas.py`` builds every variant (cross-lowered for CUDA)."""
+def test_kernel_dump_builds_each_sparse_variant():
+    """``benchmarks/kernel_dump.py`` builds every sparse variant it may be asked to dump
+    (cross-lowered for CUDA)."""
     import jax
 
-    with load_script(SCRIPT.parent / "sparse_mla_ptxas.py", "sparse_mla_ptxas") as ptxas:
-        args = ptxas.small_args()
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-        for name in ("one-way max exchange", "probe: no gather"):
-            exported = jax.export.export(ptxas.variant_fn(name), platforms=["cuda"])(*structs)
+    with load_script(SCRIPT.parent / "kernel_dump.py", "kernel_dump") as dump:
+        for name in ("sparse", "sparse:one-way max exchange", "sparse:probe: no gather"):
+            dump.check_target(name)
+            fn, args = dump.target_fn(name)
+            structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+            exported = jax.export.export(fn, platforms=["cuda"])(*structs)
             assert "mosaic_gpu" in exported.mlir_module()
+        with pytest.raises(SystemExit, match="sparse variants are"):
+            dump.check_target("sparse:no such variant")

@@ -81,7 +81,7 @@ HEADS_PER_PROGRAM = 64  # wgmma M rows per warpgroup; both compute WGs share the
 ROPE = 64  # rope features of a key row (Dk - Dv)
 _COMPUTE_WGS = 2
 # setmaxnreg: 2 x 240 + 24 = 504 of the 512 registers per thread slot. ptxas reports
-# 156 bytes of spill stores at 232/40 and 80 at 240/24 (benchmarks/sparse_mla_ptxas.py);
+# 156 bytes of spill stores at 232/40 and 80 at 240/24 (benchmarks/kernel_dump.py);
 # 240/24 ran 3-4 % faster than 232/40 on the H200, 224/56 and 216/72 slower
 # (docs/sparse_mla_gpu.md).
 _COMPUTE_REGISTERS = 240
