@@ -25,6 +25,7 @@ __all__ = [
     "fast_reciprocal",
     "fast_reciprocal_tile",
     "mufu_reciprocal",
+    "ptx_unary_tile",
     "reciprocal_fma",
     "split_columns",
 ]
@@ -97,18 +98,15 @@ def fast_reciprocal(d):
     return r * r
 
 
-def fast_reciprocal_tile(d):
-    """``fast_reciprocal`` of a 2-D WGMMA-layout tile inside a compiled Mosaic GPU kernel,
-    with ``rsqrt.approx.ftz.f32``.
+def ptx_unary_tile(x, instruction: str):
+    """One PTX instruction (``"rcp.approx.ftz.f32"``: one operand, one f32 result) on
+    every element of a 2-D WGMMA-layout float32 tile inside a compiled Mosaic GPU kernel.
 
-    Mosaic GPU lowers ``lax.rsqrt`` under ``approx_math`` to ``rsqrt.approx.f32``, for
-    which ptxas guards every element against a subnormal input: a compare and two
-    predicated multiplies around the MUFU op, 3 of a thread's ~15 instructions per
-    score in the soft_sign forward (``benchmarks/kernel_dump.py --loops``). The ``ftz``
-    form is the bare MUFU op. The kernels' denominators are at least ``1 / (scale *
-    log2 e)`` (soft_sign's ``d / k``, ``attn_common.cap_scaled_with_derivative``), far
-    above the subnormals, so the results are bitwise those of ``fast_reciprocal``. Not
-    for interpret mode, which runs no inline Mosaic GPU code.
+    For the MUFU forms Mosaic GPU does not emit: under ``approx_math`` it lowers
+    ``lax.rsqrt`` to ``rsqrt.approx.f32`` and ``1 / x`` to a full division, and for the
+    non-``ftz`` approximations ptxas guards every element against a subnormal input (a
+    compare and two predicated multiplies around the MUFU op). Not for interpret mode,
+    which runs no inline Mosaic GPU code.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -116,15 +114,28 @@ def fast_reciprocal_tile(d):
 
     @plgpu.inline_mgpu(
         arg_types=(layout,),
-        return_type=plgpu.ShapeDtypeStruct(d.shape, jnp.float32, layout=layout),
+        return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=layout),
     )
-    def rsqrt_ftz(ctx, x):
+    def apply(ctx, tile):
         del ctx
         # FragmentedArray's own elementwise helpers (jax 0.11.2), as its rsqrt uses them.
-        return x._pointwise(x._lift_fast_instr("rsqrt.approx.ftz.f32"))
+        return tile._pointwise(tile._lift_fast_instr(instruction))
 
-    r = rsqrt_ftz(d)
-    return r * r
+    return apply(x)
+
+
+def fast_reciprocal_tile(d):
+    """``1 / d`` of a 2-D WGMMA-layout tile inside a compiled Mosaic GPU kernel: one
+    ``rcp.approx.ftz.f32`` (MUFU.RCP; PTX documents a max error of 1 ulp) per element.
+
+    ``fast_reciprocal``'s ``rsqrt(d)^2`` spends a multiply more per element and, as
+    ``rsqrt.approx.f32``, ptxas's subnormal guard (3 of a thread's ~15 instructions per
+    score in the soft_sign forward, ``benchmarks/kernel_dump.py --loops``). ``ftz``
+    flushes subnormal inputs and outputs, which the kernels never have: their
+    denominators lie in ``[1 / (scale * log2 e), inf)`` (soft_sign's ``d / k``,
+    ``attn_common.cap_scaled_with_derivative``).
+    """
+    return ptx_unary_tile(d, "rcp.approx.ftz.f32")
 
 
 def mufu_reciprocal(*, compiled: bool) -> Callable:
