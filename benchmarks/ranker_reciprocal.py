@@ -1,9 +1,9 @@
 """A/B of soft_sign's MUFU reciprocal in the Hopper ranker kernels, H200: the forms
 ``fastmath.fast_reciprocal_tile`` can take in the compiled kernels.
 
-* ``rcp.approx.ftz``: one ``rcp.approx.ftz.f32`` per element (the default).
-* ``rsqrt.approx.ftz^2``: ``rsqrt.approx.ftz.f32`` squared (the default until the
-  ``rcp`` form measured faster): a multiply more per element.
+* ``rsqrt.approx.ftz^2``: ``rsqrt.approx.ftz.f32`` squared (the default).
+* ``rcp.approx.ftz``: one ``rcp.approx.ftz.f32`` per element, a multiply less; not
+  bitwise the same, and slower in the phoenix forward (docs/ranker_gpu.md).
 * ``rsqrt.approx^2``: ``fastmath.fast_reciprocal``, Mosaic GPU's own
   ``rsqrt.approx.f32`` squared, around which ptxas puts a subnormal guard.
 
@@ -39,14 +39,13 @@ from attn_mosaic_gpu.ranker import resolve_tuning
 DEFAULT_TILE = fastmath.fast_reciprocal_tile
 
 
-def _rsqrt_ftz_squared(d):
-    r = fastmath.ptx_unary_tile(d, "rsqrt.approx.ftz.f32")
-    return r * r
+def _rcp_ftz(d):
+    return fastmath.ptx_unary_tile(d, "rcp.approx.ftz.f32")
 
 
 RECIPROCALS = {
-    "rcp.approx.ftz": DEFAULT_TILE,
-    "rsqrt.approx.ftz^2": _rsqrt_ftz_squared,
+    "rsqrt.approx.ftz^2": DEFAULT_TILE,
+    "rcp.approx.ftz": _rcp_ftz,
     "rsqrt.approx^2": fastmath.fast_reciprocal,
 }
 NAMES = ("out", "dq", "dk", "dv")

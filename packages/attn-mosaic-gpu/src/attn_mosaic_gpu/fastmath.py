@@ -125,17 +125,21 @@ def ptx_unary_tile(x, instruction: str):
 
 
 def fast_reciprocal_tile(d):
-    """``1 / d`` of a 2-D WGMMA-layout tile inside a compiled Mosaic GPU kernel: one
-    ``rcp.approx.ftz.f32`` (MUFU.RCP; PTX documents a max error of 1 ulp) per element.
+    """``fast_reciprocal`` of a 2-D WGMMA-layout tile inside a compiled Mosaic GPU kernel,
+    with ``rsqrt.approx.ftz.f32``.
 
-    ``fast_reciprocal``'s ``rsqrt(d)^2`` spends a multiply more per element and, as
-    ``rsqrt.approx.f32``, ptxas's subnormal guard (3 of a thread's ~15 instructions per
-    score in the soft_sign forward, ``benchmarks/kernel_dump.py --loops``). ``ftz``
-    flushes subnormal inputs and outputs, which the kernels never have: their
-    denominators lie in ``[1 / (scale * log2 e), inf)`` (soft_sign's ``d / k``,
-    ``attn_common.cap_scaled_with_derivative``).
+    Mosaic GPU lowers ``lax.rsqrt`` under ``approx_math`` to ``rsqrt.approx.f32``, for
+    which ptxas guards every element against a subnormal input: a compare and two
+    predicated multiplies around the MUFU op, 3 of a thread's ~15 instructions per
+    score in the soft_sign forward (``benchmarks/kernel_dump.py --loops``). The ``ftz``
+    form is the bare MUFU op. The kernels' denominators are at least ``1 / (scale *
+    log2 e)`` (soft_sign's ``d / k``, ``attn_common.cap_scaled_with_derivative``), far
+    above the subnormals, so the results are bitwise those of ``fast_reciprocal``.
+    One ``rcp.approx.ftz.f32`` per element (a multiply less) measured slower in the
+    phoenix forward on an H200, 1.52 against 1.47 ms (``benchmarks/ranker_reciprocal.py``).
     """
-    return ptx_unary_tile(d, "rcp.approx.ftz.f32")
+    r = ptx_unary_tile(d, "rsqrt.approx.ftz.f32")
+    return r * r
 
 
 def mufu_reciprocal(*, compiled: bool) -> Callable:
