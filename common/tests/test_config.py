@@ -29,6 +29,7 @@ def test_only_fields_a_kernel_reads():
         "exp2_fma_cols",
         "rcp_fma_cols",
         "programs",
+        "compute_registers",
     ]
     for gone in ("block_q_bwd", "block_kv_bwd", "query_block", "num_dma_buffers"):
         with pytest.raises(TypeError):
@@ -141,3 +142,14 @@ def test_programs():
     for bad in (1.0, True, "4"):
         with pytest.raises(TypeError, match=r"KernelConfig\.programs"):
             KernelConfig(programs=bad)
+
+
+def test_compute_registers():
+    assert KernelConfig().compute_registers == 0
+    assert KernelConfig(compute_registers=240).compute_registers == 240
+    for bad in (-8, 236, 264):
+        with pytest.raises(ValueError, match=rf"KernelConfig\.compute_registers: got {bad}\b"):
+            KernelConfig(compute_registers=bad)
+    for bad in (240.0, True, "240"):
+        with pytest.raises(TypeError, match=r"KernelConfig\.compute_registers"):
+            KernelConfig(compute_registers=bad)

@@ -15,6 +15,8 @@ _MAX_BLOCK = 1024
 _MIN_STAGES = 2  # a ring of one slot could not prefetch; no kernel takes it
 _MAX_STAGES = 8
 _FMA_COLS_MULTIPLE = 8  # column width of a Hopper WGMMA-layout register tile
+_REGISTER_MULTIPLE = 8  # setmaxnreg takes multiples of 8 ...
+_MAX_REGISTERS = 256  # ... up to 256 per thread
 
 
 def _check_block(name: str, value: object) -> None:
@@ -51,6 +53,9 @@ class KernelConfig:
       programs: 0 = one program per query tile; ``N > 0`` = ``N`` persistent programs
         (one per SM: 132 on an H200) that walk the tiles, each loading its next tile's Q
         while it computes the current one (Hopper forward only, one user per row).
+      compute_registers: registers per thread the compute warpgroups take (``setmaxnreg``;
+        the memory warpgroup gets what is left of the block's pool); 0 = the kernel's
+        default (Hopper forward only: 232, at most 240).
     """
 
     block_q: int = 64
@@ -59,6 +64,7 @@ class KernelConfig:
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
     programs: int = 0
+    compute_registers: int = 0
 
     def __post_init__(self) -> None:
         _check_block("block_q", self.block_q)
@@ -85,6 +91,15 @@ class KernelConfig:
             raise TypeError(f"KernelConfig.programs: got {self.programs!r}, expected an int")
         if self.programs < 0:
             raise ValueError(f"KernelConfig.programs: got {self.programs}, expected >= 0")
+        regs = self.compute_registers
+        if isinstance(regs, bool) or not isinstance(regs, int):
+            raise TypeError(f"KernelConfig.compute_registers: got {regs!r}, expected an int")
+        if regs < 0 or regs % _REGISTER_MULTIPLE or regs > _MAX_REGISTERS:
+            raise ValueError(
+                f"KernelConfig.compute_registers: got {regs}, expected 0 (the kernel's "
+                f"default) or a multiple of {_REGISTER_MULTIPLE} up to {_MAX_REGISTERS} "
+                "(setmaxnreg's range)"
+            )
 
     def replace(self, **changes) -> KernelConfig:
         """A copy with ``changes`` applied (validated again)."""

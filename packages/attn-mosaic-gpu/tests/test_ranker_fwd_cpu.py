@@ -325,14 +325,21 @@ def test_cross_lowering_cuda(name, batch, seq, q_heads, kv_heads, head_dim, cap,
         (256, KernelConfig(block_q=64, block_kv=64, num_stages=2)),
         (128, KernelConfig(block_q=64, block_kv=128, num_stages=2, programs=132)),
         (64, KernelConfig(block_q=64, block_kv=128, num_stages=4, programs=132)),
+        (128, KernelConfig(64, 128, 2, programs=528, compute_registers=240)),
+        (128, KernelConfig(64, 128, 2, compute_registers=224)),
     ],
     ids=lambda x: (
-        f"kv{x.block_kv}x{x.num_stages}" + (f"-{x.programs}progs" if x.programs else "")
+        f"kv{x.block_kv}x{x.num_stages}"
+        + (f"-{x.programs}progs" if x.programs else "")
+        + (f"-{x.compute_registers}regs" if x.compute_registers else "")
         if isinstance(x, KernelConfig)
         else f"d{x}"
     ),
 )
 def test_cross_lowering_configs(head_dim, config):
+    """Each config lowers to one kernel; its compute warpgroups' register count leaves
+    the memory warpgroup the rest of the 504 (232 -> 40 by default)."""
+
     def f(q, k, v, bounds):
         return ranker_attention_fwd(q, k, v, bounds, cap=TANH, config=config, return_lse=True)
 
@@ -342,7 +349,10 @@ def test_cross_lowering_configs(head_dim, config):
         _sds(2, 1000, 2, head_dim, dtype=jnp.float16),
         _sds(2, 4, dtype=jnp.int32),
     )
-    assert _mosaic_gpu_calls(exported.mlir_module()) == 1
+    text = exported.mlir_module()
+    assert _mosaic_gpu_calls(text) == 1
+    memory = 504 - 2 * (config.compute_registers or 232)
+    assert text.count(f"setmaxnreg.dec.sync.aligned.u32 {memory};") == 1
 
 
 @pytest.mark.parametrize(
@@ -409,6 +419,8 @@ def test_rejects_bad_gqa():
         (KernelConfig(block_q=64, block_kv=96), "block_kv"),
         (KernelConfig(block_q=64, block_kv=256, num_stages=1 + 1), "registers"),
         (KernelConfig(block_q=64, block_kv=128, num_stages=4), "shared memory"),
+        (KernelConfig(block_q=64, block_kv=128, compute_registers=248), "compute_registers"),
+        (KernelConfig(block_q=64, block_kv=128, compute_registers=160), "compute_registers"),
     ],
 )
 def test_rejects_config(config, match):

@@ -309,6 +309,31 @@ def test_persistent_matches_per_tile(case, programs):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@pytest.mark.parametrize("registers", [240, 224])
+@pytest.mark.parametrize("case", PERSISTENT, ids=[c[0] for c in PERSISTENT])
+def test_compute_registers(case, registers):
+    """``KernelConfig(compute_registers=N)`` moves registers between the compute and the
+    memory warpgroups and nothing else: out and LSE bitwise equal to the tuned config's
+    (persistent or per tile, as the table has it), and the reference check."""
+    _, seq, hq, hkv, d, kind, cap, dtype = case
+    batch = 6
+    q, k, v = _inputs(19, batch, seq, hq, hkv, d, dtype, scale=1.5)
+    bounds = {
+        "phoenix": jnp.asarray([[0, 1024, 1024, 1088]] * batch, jnp.int32),
+        "ragged": _ragged_bounds(5, batch, seq),
+        "lone": jnp.asarray(LONE_BOUNDS + LONE_BOUNDS[:2], jnp.int32),
+        "mixed": _mixed_bounds(seq),
+        "small": jnp.asarray([[0, 512, 512, 640]] * batch, jnp.int32),
+    }[kind]
+    config = resolve_tuning(q, CAPS[cap], None, None)[0]
+    moved = config.replace(compute_registers=registers)
+    _check(q, k, v, bounds, cap=CAPS[cap], config=moved)
+    got = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=moved, return_lse=True)
+    want = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=config, return_lse=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize(
     "head_dim,cap",
     [(128, "soft_sign"), (128, "tanh"), (64, "none")],

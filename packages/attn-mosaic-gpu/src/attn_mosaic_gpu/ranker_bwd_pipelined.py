@@ -97,6 +97,7 @@ from attn_common.packed import (
 )
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
+from attn_mosaic_gpu._registers import memory_registers
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
@@ -119,9 +120,6 @@ PIPELINED_HEAD_DIMS = (64, 128)
 _COMPUTE_WGS = 2
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
-# setmaxnreg: the three warpgroups' counts must sum to at most the 3 x 168 registers per
-# thread slot the kernel launches with, or an increase waits forever.
-_REGISTER_POOL = 504
 _DKV_COMPUTE_REGISTERS = 240  # dk/dv at D=128 (see _build_dkv_kernel)
 _LOG2E = math.log2(math.e)
 # CUDA kernel names (as ``<name>_mosaic_gpu``): profiles tell the two kernels apart by
@@ -810,7 +808,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_REGISTER_POOL - 2 * compute_registers, action="decrease")
+            plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
 
             def issue(step, slot):
                 head = lax.div(step, jnp.maximum(head_steps, 1))

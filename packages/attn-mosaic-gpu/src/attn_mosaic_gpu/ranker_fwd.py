@@ -11,16 +11,17 @@ Grid ``(Hq, q_tiles, B)`` (heads fastest, so the query heads of one GQA group ru
 each other and share K/V in L2). One program owns ``2 * block_q`` query rows of one
 (batch row, query head) and runs three warpgroups (``num_threads=3``):
 
-* WG0, WG1 (compute, ``setmaxnreg 232``): each owns ``block_q`` rows. It TMA-loads its Q
-  tile into its half of the Q/O shared buffer (one barrier per WG), then walks the KV
-  steps: ``S = Q K^T`` by wgmma from shared memory, ``sm_scale``, the soft cap
+* WG0, WG1 (compute, ``setmaxnreg 232``, or ``config.compute_registers`` up to 240):
+  each owns ``block_q`` rows. It TMA-loads its Q tile into its half of the Q/O shared
+  buffer (one barrier per WG), then walks the KV steps: ``S = Q K^T`` by wgmma from
+  shared memory, ``sm_scale``, the soft cap
   (``attn_common.cap_forward``), the ranker mask (``attn_common.ranker_mask`` on the tile
   iotas, only on steps whose block is not fully allowed for all of the WG's rows), an
   online softmax in base 2, and ``O += P V`` by wgmma with P from registers. At the end it
   normalises, writes O into the same shared buffer (Q is dead by then) and LSE into a
   small f32 buffer, and TMA-stores both to global memory.
-* WG2 (memory, ``setmaxnreg 40``): TMA-loads the K and V blocks of every step into a ring
-  of ``num_stages`` slots. The first ``num_stages`` steps are issued at once; step
+* WG2 (memory, ``setmaxnreg 40``: what the compute WGs leave of the pool): TMA-loads the
+  K and V blocks of every step into a ring of ``num_stages`` slots. The first ``num_stages`` steps are issued at once; step
   ``s + num_stages`` waits on the slot's *consumed* barriers before reusing it.
 
 The KV steps are ``attn_common.ranker_kv_block_ranges`` of the program's ``2 * block_q``
@@ -118,6 +119,12 @@ from attn_common.packed import (
 )
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
+from attn_mosaic_gpu._registers import (
+    LAUNCH_REGISTERS,
+    MIN_REGISTERS,
+    REGISTER_POOL,
+    memory_registers,
+)
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
@@ -142,8 +149,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # granted by setmaxnreg, the rest is left for addresses, m, l, P and the mask.
 _ACC_REGISTER_LIMIT = 160
 _COMPUTE_WGS = 2
-_COMPUTE_REGISTERS = 232
-_MEMORY_REGISTERS = 40
+# setmaxnreg of the compute WGs unless config.compute_registers says otherwise (the
+# memory WG keeps 40). 240 (memory WG 24) measured 2.5 % faster on phoenix and 1.6 %
+# slower on long at 39912d5 (docs/ranker_gpu.md), so it is a tuned knob.
+_DEFAULT_COMPUTE_REGISTERS = 232
+_MAX_COMPUTE_REGISTERS = (REGISTER_POOL - MIN_REGISTERS) // _COMPUTE_WGS  # 240
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
@@ -224,13 +234,21 @@ def validate_config(
             f"config.rcp_fma_cols: got {config.rcp_fma_cols}, expected 0 unless the cap is "
             "soft_sign (the only cap with a reciprocal)"
         )
+    regs = config.compute_registers
+    if regs and not LAUNCH_REGISTERS <= regs <= _MAX_COMPUTE_REGISTERS:
+        raise ValueError(
+            f"config.compute_registers: got {regs}, expected 0 (the default, "
+            f"{_DEFAULT_COMPUTE_REGISTERS}) or {LAUNCH_REGISTERS} to {_MAX_COMPUTE_REGISTERS} "
+            f"(the launch's {LAUNCH_REGISTERS} per thread up to what leaves the memory "
+            f"warpgroup setmaxnreg's floor of {MIN_REGISTERS})"
+        )
     acc_regs = config.block_q * (head_dim + config.block_kv) // 128
     if acc_regs > _ACC_REGISTER_LIMIT:
         raise ValueError(
             f"config: block_q * (D + block_kv) / 128 = {acc_regs} f32 accumulator registers "
             f"per thread for D={head_dim}, block_kv={config.block_kv}; the limit is "
-            f"{_ACC_REGISTER_LIMIT} of the {_COMPUTE_REGISTERS} a compute warpgroup gets "
-            "(use a smaller block_kv)"
+            f"{_ACC_REGISTER_LIMIT} of the {regs or _DEFAULT_COMPUTE_REGISTERS} a compute "
+            "warpgroup gets (use a smaller block_kv)"
         )
     need = smem_bytes(config, head_dim, dtype, return_lse=return_lse, packed=packed)
     if need > SMEM_LIMIT_BYTES:
@@ -278,6 +296,8 @@ class _Static:
     users: int = 0
     # 0: one program per tile; N: N persistent programs walking the tiles.
     programs: int = 0
+    # setmaxnreg of each compute WG; the memory WG keeps the rest of the pool.
+    compute_registers: int = _DEFAULT_COMPUTE_REGISTERS
 
 
 def packed_tile_mask(mask_from_table, row_entries, offset, shape):
@@ -577,7 +597,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(st.compute_registers, action="increase")
             qo_smem = qo_smem2.at[wg]
 
             def load_q(row0):
@@ -604,7 +624,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
             def kv_rows(step):
                 return (batch, pl.ds(ranges.block_at(step) * block_kv, block_kv), kv_head)
@@ -670,7 +690,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(st.compute_registers, action="increase")
 
             def issue_q(j, buf):
                 q_head, batch, tile_start, _, bnds = tile_of(j)
@@ -714,7 +734,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
             def tile_steps(j):
                 q_head, batch, _, ranges, _ = tile_of(j)
@@ -907,6 +927,7 @@ def ranker_attention_fwd(
         rcp_fma_cols=config.rcp_fma_cols,
         users=users,
         programs=config.programs,
+        compute_registers=config.compute_registers or _DEFAULT_COMPUTE_REGISTERS,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]

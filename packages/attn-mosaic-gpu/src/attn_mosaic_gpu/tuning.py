@@ -19,7 +19,7 @@ error. An explicit ``config=`` always wins over the tables for the forward.
 ``tune`` is the sweep (coordinate descent over the knobs, CUPTI device time, median of
 iterations): the forward's tiling, then how many key columns of each score tile compute
 ``exp2`` and soft_sign's reciprocal on the FMA pipe instead of the MUFU
-(``attn_mosaic_gpu.fastmath``); then the same two knobs, the persistent dq (0 or one
+(``attn_mosaic_gpu.fastmath``), then the compute warpgroups' register count; then the same two knobs, the persistent dq (0 or one
 program per SM) and the ring depth of the backward kernels, timed on the backward
 alone. A knob value is kept only when it beats
 the incumbent by more than ``min_gain`` (1%), so noise cannot pick a variant.
@@ -316,6 +316,9 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
     if soft_sign:
         axes.append(("rcp_fma_cols", [c for c in (0, 64, 128) if c <= block_kv_max]))
         axes.append(("exp2_fma_cols", cols))  # the best split moves with the other
+    # 240 registers per compute warpgroup (the memory warpgroup keeps 24) against the
+    # default 232: faster on some shapes, slower on others (docs/ranker_gpu.md).
+    axes.append(("compute_registers", [0, 240]))
     forward, forward_ms = _descend(start, axes, time_forward, min_gain, fwd_log)
 
     backward, backward_ms, bwd_log = {}, None, []
