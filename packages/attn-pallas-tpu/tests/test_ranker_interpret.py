@@ -313,6 +313,8 @@ def test_bad_inputs_raise_clear_errors():
         ranker_attention(q, k, v, bounds, config=KernelConfig(block_q=128, block_kv=64))
     with pytest.raises(ValueError, match=r"config.programs: got 132, expected 0 \(a Hopper"):
         ranker_attention(q, k, v, bounds, config=KernelConfig(128, 128, programs=132))
+    with pytest.raises(ValueError, match=r"config.compute_registers: got 240, expected 0"):
+        ranker_attention(q, k, v, bounds, config=KernelConfig(128, 128, compute_registers=240))
     with pytest.raises(ValueError, match="expected Hq % Hkv == 0"):
         ranker_attention(q, k[:, :, :0], v[:, :, :0], bounds)
     with pytest.raises(ValueError, match="bounds"):

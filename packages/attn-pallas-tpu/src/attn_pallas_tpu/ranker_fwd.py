@@ -143,6 +143,11 @@ def validate_config(config: KernelConfig) -> None:
             f"config.programs: got {config.programs}, expected 0 (a Hopper knob: the TPU "
             "kernels run one grid step per tile)"
         )
+    if config.compute_registers:
+        raise ValueError(
+            f"config.compute_registers: got {config.compute_registers}, expected 0 (a Hopper "
+            "knob: the register split of a warp-specialized kernel)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
