@@ -195,6 +195,50 @@ def test_tune_sweeps_persistent_forward_programs(monkeypatch):
     assert tuning._parse_entry(entry)[1].forward.programs == 132
 
 
+def test_tune_sweeps_compute_registers():
+    """The forward sweep tries 240 registers per compute warpgroup last and keeps it when
+    it measures faster (the default, 232, is written as 0)."""
+
+    def cost(fn, args, *, stage, knobs):
+        ms = _cost_model(fn, args, stage=stage, knobs=knobs)
+        return ms - (0.1 if stage == "forward" and knobs.get("compute_registers") == 240 else 0.0)
+
+    case = ranker_case("phoenix").scaled(1)
+    (entry,) = tuning.tune([case], timer=cost, progress=lambda _: None)["entries"]
+    assert entry["forward"]["compute_registers"] == 240
+    assert tuning._parse_entry(entry)[1].forward.compute_registers == 240
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-user", "packed"])
+def test_package_table_forward_configs_lower(packed):
+    """Every H200 entry's forward config, as ``resolve_tuning`` hands it to its case
+    (packed rows without persistent programs), passes the kernel's checks and lowers to
+    one Mosaic GPU kernel whose memory warpgroup keeps what the compute warpgroups leave
+    of the 504 registers."""
+    from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
+
+    for entry in json.loads(tuning.PACKAGE_TABLE.read_text())["entries"]:
+        case = ranker_case(entry["case"]).scaled(2)
+        config = tuning._parse_entry(entry)[1].forward
+        if packed:
+            config = config.replace(programs=0)
+        sds = jax.ShapeDtypeStruct
+        b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
+        bounds = sds((b, 3, 4) if packed else (b, 4), jnp.int32)
+
+        def f(q, k, v, bounds, cap=case.cap, config=config):
+            return ranker_attention_fwd(q, k, v, bounds, cap=cap, config=config, return_lse=True)
+
+        text = jax.export.export(jax.jit(f), platforms=["cuda"])(
+            sds((b, s, hq, d), jnp.bfloat16),
+            sds((b, s, hkv, d), jnp.bfloat16),
+            sds((b, s, hkv, d), jnp.bfloat16),
+            bounds,
+        ).mlir_module()
+        memory = 504 - 2 * (config.compute_registers or 232)
+        assert text.count(f"setmaxnreg.dec.sync.aligned.u32 {memory};") == 1, entry["case"]
+
+
 def test_packed_bounds_drop_the_tables_persistent_programs(user_table):
     """A table config with persistent programs serves one-user rows as it is and packed
     rows ``[B, U, 4]`` (which the persistent kernel does not take) with programs=0."""
