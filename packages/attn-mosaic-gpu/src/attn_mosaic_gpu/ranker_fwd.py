@@ -14,15 +14,16 @@ each other and share K/V in L2). One program owns ``2 * block_q`` query rows of 
 * WG0, WG1 (compute, ``setmaxnreg 232``, or ``config.compute_registers`` up to 240):
   each owns ``block_q`` rows. It TMA-loads its Q tile into its half of the Q/O shared
   buffer (one barrier per WG), then walks the KV steps: ``S = Q K^T`` by wgmma from
-  shared memory, ``sm_scale``, the soft cap
-  (``attn_common.cap_forward``), the ranker mask (``attn_common.ranker_mask`` on the tile
-  iotas, only on steps whose block is not fully allowed for all of the WG's rows), an
-  online softmax in base 2, and ``O += P V`` by wgmma with P from registers. At the end it
-  normalises, writes O into the same shared buffer (Q is dead by then) and LSE into a
-  small f32 buffer, and TMA-stores both to global memory.
+  shared memory, ``sm_scale``, the soft cap (``attn_common.cap_forward``), the ranker
+  mask (``attn_common.ranker_mask`` on the tile iotas, only on steps whose block is not
+  fully allowed for all of the WG's rows), an online softmax in base 2, and ``O += P V``
+  by wgmma with P from registers. At the end it normalises, writes O into the same
+  shared buffer (Q is dead by then) and LSE into a small f32 buffer, and TMA-stores both
+  to global memory.
 * WG2 (memory, ``setmaxnreg 40``: what the compute WGs leave of the pool): TMA-loads the
-  K and V blocks of every step into a ring of ``num_stages`` slots. The first ``num_stages`` steps are issued at once; step
-  ``s + num_stages`` waits on the slot's *consumed* barriers before reusing it.
+  K and V blocks of every step into a ring of ``num_stages`` slots. The first
+  ``num_stages`` steps are issued at once; step ``s + num_stages`` waits on the slot's
+  *consumed* barriers before reusing it.
 
 The KV steps are ``attn_common.ranker_kv_block_ranges`` of the program's ``2 * block_q``
 rows: the history blocks merged with the blocks holding the tile's candidates' own keys,
@@ -150,8 +151,8 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _ACC_REGISTER_LIMIT = 160
 _COMPUTE_WGS = 2
 # setmaxnreg of the compute WGs unless config.compute_registers says otherwise (the
-# memory WG keeps 40). 240 (memory WG 24) measured 2.5 % faster on phoenix and 1.6 %
-# slower on long at 39912d5 (docs/ranker_gpu.md), so it is a tuned knob.
+# memory WG keeps 40). 240 (memory WG 24) runs ragged's forward 2.4 % faster and long's
+# no faster on an H200 (docs/ranker_gpu.md), so it is a tuned knob.
 _DEFAULT_COMPUTE_REGISTERS = 232
 _MAX_COMPUTE_REGISTERS = (REGISTER_POOL - MIN_REGISTERS) // _COMPUTE_WGS  # 240
 _LOG2E = math.log2(math.e)
