@@ -46,7 +46,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
-from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
+from attn_mosaic_gpu.sparse_mla_kernel import (
+    LAZY_RESCALE_LOG2,
+    SparseMlaKernelConfig,
+    sparse_mla_rows_attention,
+)
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 DV, ROPE = 128, 64
@@ -298,6 +302,63 @@ def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange)
         np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("order", ["rising", "falling", "jump"])
+def test_kernel_running_max_moves(order, lazy):
+    """Scores whose row maxima rise from pair to pair by less and by more than
+    ``LAZY_RESCALE_LOG2`` (keys scaled up along the selection), fall (the first pair
+    holds every maximum) or jump once by far more: the one-way kernel, with and without
+    ``lazy_rescale`` (a max that moves only past the threshold; interpret mode runs its
+    rescales by exactly 1 where the compiled kernel skips them), against float64 math on
+    the same bf16 inputs; 64 heads, 7 pairs, a partial last block, race detection.
+
+    The lazy max costs accuracy on peaked rows: the eager kernel's largest P is exactly
+    1, the lazy one's up to 256 and rounded to bf16 like the rest, so its output may be
+    off by bf16's half-ulp (2^-9) of the values: max-abs is bounded by 2^-8 max|out|
+    there (0.09 of 37.6 on the rising case, rel L2 1.0e-3 against the eager 3.4e-4)."""
+    rng = np.random.default_rng(11)
+    tokens, heads, count, store_rows = 2, 64, 420, 480
+    rows = np.full((tokens, 448), -1, np.int32)
+    for n in range(tokens):
+        rows[n, :count] = rng.choice(store_rows, count, replace=False)
+    # Key row r's scale: how large the scores of the r-th selected row are.
+    position = np.empty(store_rows)
+    position[rows[0, :count]] = np.arange(count)
+    position[np.setdiff1d(np.arange(store_rows), rows[0, :count])] = 0
+    key_scale = {
+        "rising": 1.0 + position / 40.0,  # each pair's maxima ~2 log2 units above the last
+        "falling": 4.0 - 3.0 * position / count,
+        "jump": np.where(position >= 200, 6.0, 1.0),
+    }[order]
+    q = jnp.asarray(rng.standard_normal((tokens, heads, DK)), jnp.bfloat16)
+    store = rng.standard_normal((store_rows, DK)) * key_scale[:, None]
+    store = jnp.asarray(store, jnp.bfloat16)
+    counts = np.full((tokens,), count, np.int32)
+    config = SparseMlaKernelConfig(lazy_rescale=lazy)
+    out, lse = _run(
+        sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
+        sm_scale=SM_SCALE, dv=DV, config=config,
+    )  # fmt: skip
+    qf = np.asarray(q.astype(jnp.float32), np.float64)
+    sf = np.asarray(store.astype(jnp.float32), np.float64)
+    for n in range(tokens):
+        keys = sf[rows[n, :count], :DK]
+        s = qf[n] @ keys.T * SM_SCALE
+        m = s.max(1, keepdims=True)
+        p = np.exp(s - m)
+        want = p @ keys[:, :DV] / p.sum(1, keepdims=True)
+        tol = dict(TOL, atol=max(TOL["atol"], 2.0**-8 * np.abs(want).max())) if lazy else TOL
+        assert_close(np.asarray(out[n]), want, **tol)
+        np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
+        if n == 0:  # token 0's selection is ordered by key scale: the max moves as meant
+            block_max = s[:, : 13 * 32].reshape(heads, 13, 32).max(2) * np.log2(np.e)
+            steps = np.diff(np.maximum.accumulate(block_max, 1), axis=1)
+            if order == "rising":
+                assert ((steps > 0) & (steps < LAZY_RESCALE_LOG2)).any()
+            if order == "jump":
+                assert (steps > LAZY_RESCALE_LOG2).any()
+
+
 # ------------------------------------------------------------------------------------
 # Validation and dispatch facts
 
@@ -326,6 +387,10 @@ def test_refuses_what_the_kernel_does_not_take():
         SparseMlaKernelConfig(exchange="both")
     with pytest.raises(ValueError, match="block_k=32"):
         SparseMlaKernelConfig(block_k=64, num_stages=1, exchange="one_way")
+    with pytest.raises(ValueError, match="lazy_rescale=True takes exchange='one_way'"):
+        SparseMlaKernelConfig(exchange="lockstep", lazy_rescale=True)
+    with pytest.raises(TypeError, match="lazy_rescale"):
+        SparseMlaKernelConfig(lazy_rescale=1)
 
 
 # ------------------------------------------------------------------------------------
@@ -341,11 +406,13 @@ def _export(fn, *shapes):
 
 
 @pytest.mark.parametrize(
-    "heads,exchange", [(128, "lockstep"), (64, "lockstep"), (128, "one_way")]
+    "heads,exchange,lazy",
+    [(128, "lockstep", False), (64, "lockstep", False), (128, "one_way", False),
+     (128, "one_way", True)],
 )  # fmt: skip
-def test_cross_lowers_flat_token_level(heads, exchange):
+def test_cross_lowers_flat_token_level(heads, exchange, lazy):
     tokens, top_k, cache = 4096, 2048, 8192
-    config = SparseMlaKernelConfig(exchange=exchange)
+    config = SparseMlaKernelConfig(exchange=exchange, lazy_rescale=lazy)
 
     def fn(q, kv, idx, pos):
         return gpu.sparse_mla_attention(

@@ -51,13 +51,14 @@ LSE_ATOL = 2e-3
 
 
 def _config_id(c):
-    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}"
+    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}" + ("-lazy" if c.lazy_rescale else "")
 
 
 CONFIGS = [
     SparseMlaKernelConfig(64, 1),
     SparseMlaKernelConfig(32, 2, "lockstep"),
     SparseMlaKernelConfig(32, 2, "one_way"),
+    SparseMlaKernelConfig(32, 2, "one_way", lazy_rescale=True),
 ]
 
 

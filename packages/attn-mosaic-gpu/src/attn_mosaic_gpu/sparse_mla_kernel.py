@@ -91,6 +91,13 @@ _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30
+# lazy_rescale: a row's running max (base 2) moves only when a block exceeds it by more
+# than this, so P <= 2**8 = 256 before its bf16 rounding (relative, so no precision is
+# lost) and the row sums stay far inside float32.
+LAZY_RESCALE_LOG2 = 8.0
+# lazy_rescale's warpgroup-wide "did any row's max move" (a cross-warp reduction of a
+# 64-row vector): a few floats per warp.
+_LAZY_REDUCTION_SCRATCH = 256
 _AXIS_HEADS = "head_group"
 _AXIS_TOKENS = "token"
 _AXIS_WG = "wg"
@@ -113,11 +120,20 @@ class SparseMlaKernelConfig:
     its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
     module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
     than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
+    ``lazy_rescale`` (one_way only; not yet measured on a GPU, so off by default): a row's
+    running max moves only when a block raises it by more than ``LAZY_RESCALE_LOG2``
+    (FlashAttention-4's conditional rescale; P stays below ``2**LAZY_RESCALE_LOG2``), and
+    a compute WG skips an accumulator rescale when its max moved on no row, which also
+    spares WG0 the wait for ``P_0 V_0`` that the rescale before ``P_1 V_1`` forces. It
+    costs accuracy on peaked rows: the eager kernel's largest P is exactly 1, the lazy
+    one's is rounded to bf16 like the others, so the output can be off by bf16's half-ulp
+    of the values (tests/test_sparse_mla_cpu.py, ``test_kernel_running_max_moves``).
     """
 
     block_k: int = 32
     num_stages: int = 2
     exchange: str | None = None
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -135,6 +151,10 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
+        if not isinstance(self.lazy_rescale, bool):
+            raise TypeError(f"lazy_rescale: got {self.lazy_rescale!r}, expected a bool")
+        if self.lazy_rescale and self.exchange != "one_way":
+            raise ValueError("lazy_rescale=True takes exchange='one_way'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +167,7 @@ class _Static:
     block_k: int
     num_stages: int
     exchange: str
+    lazy_rescale: bool = False
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
@@ -457,6 +478,31 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 def to_acc(x):
                     return lax.broadcast_in_dim(x, (heads, half), [0])
 
+                def moved_max(m_prev, block_max):
+                    """The running max after a block of scaled row maxima ``block_max``;
+                    with lazy_rescale the old one unless the block exceeds it by more
+                    than LAZY_RESCALE_LOG2."""
+                    if not st.lazy_rescale:
+                        return jnp.maximum(m_prev, block_max)
+                    return jnp.where(block_max > m_prev + LAZY_RESCALE_LOG2, block_max, m_prev)
+
+                def rescale_add(acc, a, v, factor, m_from, m_to):
+                    """``pv_add`` with the accumulator scaled by the rows' ``factor`` (=
+                    ``exp2(m_from - m_to)``). With lazy_rescale (compiled) the scaling runs
+                    only when the max moved on some row of the WG (one flag: a cross-warp
+                    max), so where no row moved no product in flight is waited for.
+                    Interpret mode always scales: by exactly 1 where no row moved."""
+                    if not (st.lazy_rescale and not interpret):
+                        return pv_add(acc, acc_ref, a, v, to_acc(factor))
+                    moved = jnp.max(m_to - m_from) > 0.0  # the maxima never fall
+
+                    @pl.when(moved)
+                    def _rescale():
+                        acc_ref[...] = acc_ref[...] * to_acc(factor)  # waits for the products
+
+                    plgpu.wgmma(acc_ref, a, v)
+                    return None
+
                 def step(p, carry):
                     m_i, l_i, acc = carry
                     ring = lax.rem(p, jnp.int32(stages))
@@ -467,13 +513,13 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     own_v = block(k_lat, ring, w).at[:, cols]
                     their_v = block(k_lat, ring, 1 - w).at[:, cols]
                     if w == 0:
-                        m_own = jnp.maximum(m_i, scaled_max(s))
+                        m_own = moved_max(m_i, scaled_max(s))
                         stats.at[0][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[0])
                     else:
                         plgpu.barrier_wait(max_ready.at[0])
                         m_0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
-                        m_own = jnp.maximum(m_0, scaled_max(s))
+                        m_own = moved_max(m_0, scaled_max(s))
                         stats.at[1][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[1])
                     probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
@@ -483,8 +529,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     if w == 0:
                         if interpret:  # WG1 may still read p_bufs[0] (the previous pair)
                             p_local[...] = p16
-                        acc = pv_add(
-                            acc, acc_ref, p_local if interpret else p16, own_v, to_acc(alpha)
+                        acc = rescale_add(
+                            acc, p_local if interpret else p16, own_v, alpha, m_i, m_own
                         )
                         plgpu.barrier_wait(max_ready.at[1])
                         m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
@@ -496,7 +542,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         plgpu.barrier_arrive(p_ready.at[0])
                         l_i = l_i * shift
                         plgpu.barrier_wait(p_ready.at[1])
-                        acc = pv_add(acc, acc_ref, p_bufs.at[1], their_v, to_acc(shift))
+                        acc = rescale_add(acc, p_bufs.at[1], their_v, shift, m_own, m_new)
                     else:
                         m_new = m_own
 
@@ -507,8 +553,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
                         if interpret:  # its own product reads P back from shared memory
                             publish_p()
-                        acc = pv_add(
-                            acc, acc_ref, p_bufs.at[1] if interpret else p16, own_v, to_acc(alpha)
+                        acc = rescale_add(
+                            acc, p_bufs.at[1] if interpret else p16, own_v, alpha, m_i, m_own
                         )
                         if not interpret:
                             publish_p()
@@ -692,7 +738,11 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
         thread_name=_AXIS_WG,
         # No cross-warp reduction (row maxima and sums stay within a warp's quads), so
         # none of the default 2 KiB of reduction scratch; Q's rope features need it.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        # lazy_rescale reduces its rows' max moves to one flag per WG: a little.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            reduction_scratch_bytes=_LAZY_REDUCTION_SCRATCH if st.lazy_rescale else 0,
+        ),
         interpret=interpret,
     )(q, store, rows, counts)
 
@@ -714,6 +764,7 @@ def _padded_static(
         block_k=config.block_k,
         num_stages=config.num_stages,
         exchange=config.exchange,
+        lazy_rescale=config.lazy_rescale,
     )
     return q, st
 
