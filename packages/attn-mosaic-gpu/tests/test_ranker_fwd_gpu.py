@@ -284,29 +284,35 @@ PERSISTENT = [  # name, S, Hq, Hkv, D, bounds, cap, dtype
 ]
 
 
+def _check_config_change_bitwise(case, seed, **changes):
+    """The tuned config of a ``PERSISTENT`` case with ``changes`` applied: the reference
+    check, and out and LSE bitwise equal to the tuned config's."""
+    _, seq, hq, hkv, d, kind, cap, dtype = case
+    batch = 6
+    q, k, v = _inputs(seed, batch, seq, hq, hkv, d, dtype, scale=1.5)
+    bounds = {
+        "phoenix": jnp.asarray([[0, 1024, 1024, 1088]] * batch, jnp.int32),
+        "ragged": _ragged_bounds(seed, batch, seq),
+        "lone": jnp.asarray(LONE_BOUNDS + LONE_BOUNDS[:2], jnp.int32),
+        "mixed": _mixed_bounds(seq),
+        "small": jnp.asarray([[0, 512, 512, 640]] * batch, jnp.int32),
+    }[kind]
+    config = resolve_tuning(q, CAPS[cap], None, None)[0]
+    changed = config.replace(**changes)
+    _check(q, k, v, bounds, cap=CAPS[cap], config=changed)
+    got = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=changed, return_lse=True)
+    want = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=config, return_lse=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.parametrize("programs", [132, 7])
 @pytest.mark.parametrize("case", PERSISTENT, ids=[c[0] for c in PERSISTENT])
 def test_persistent_matches_per_tile(case, programs):
     """``KernelConfig(programs=N)``: N persistent programs (132 = one per H200 SM; 7:
     many tiles each) give out and LSE bitwise equal to the per-tile kernel's, and pass the
     reference check; half-live tiles, empty rows, unaligned bounds, GQA 5:1."""
-    _, seq, hq, hkv, d, kind, cap, dtype = case
-    batch = 6
-    q, k, v = _inputs(17, batch, seq, hq, hkv, d, dtype, scale=1.5)
-    bounds = {
-        "phoenix": jnp.asarray([[0, 1024, 1024, 1088]] * batch, jnp.int32),
-        "ragged": _ragged_bounds(3, batch, seq),
-        "lone": jnp.asarray(LONE_BOUNDS + LONE_BOUNDS[:2], jnp.int32),
-        "mixed": _mixed_bounds(seq),
-        "small": jnp.asarray([[0, 512, 512, 640]] * batch, jnp.int32),
-    }[kind]
-    config = resolve_tuning(q, CAPS[cap], None, None)[0]
-    persistent = config.replace(programs=programs)
-    _check(q, k, v, bounds, cap=CAPS[cap], config=persistent)
-    got = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=persistent, return_lse=True)
-    want = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=config, return_lse=True)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _check_config_change_bitwise(case, 17, programs=programs)
 
 
 @pytest.mark.parametrize("registers", [240, 224])
@@ -315,23 +321,7 @@ def test_compute_registers(case, registers):
     """``KernelConfig(compute_registers=N)`` moves registers between the compute and the
     memory warpgroups and nothing else: out and LSE bitwise equal to the tuned config's
     (persistent or per tile, as the table has it), and the reference check."""
-    _, seq, hq, hkv, d, kind, cap, dtype = case
-    batch = 6
-    q, k, v = _inputs(19, batch, seq, hq, hkv, d, dtype, scale=1.5)
-    bounds = {
-        "phoenix": jnp.asarray([[0, 1024, 1024, 1088]] * batch, jnp.int32),
-        "ragged": _ragged_bounds(5, batch, seq),
-        "lone": jnp.asarray(LONE_BOUNDS + LONE_BOUNDS[:2], jnp.int32),
-        "mixed": _mixed_bounds(seq),
-        "small": jnp.asarray([[0, 512, 512, 640]] * batch, jnp.int32),
-    }[kind]
-    config = resolve_tuning(q, CAPS[cap], None, None)[0]
-    moved = config.replace(compute_registers=registers)
-    _check(q, k, v, bounds, cap=CAPS[cap], config=moved)
-    got = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=moved, return_lse=True)
-    want = ranker_attention_fwd(q, k, v, bounds, cap=CAPS[cap], config=config, return_lse=True)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    _check_config_change_bitwise(case, 19, compute_registers=registers)
 
 
 @pytest.mark.parametrize(

@@ -180,33 +180,24 @@ def test_tune_descends_to_the_modelled_best():
     assert buckets == [512, 2048]  # the new 2048 entry replaced the old one
 
 
-def test_tune_sweeps_persistent_forward_programs(monkeypatch):
+@pytest.mark.parametrize(
+    "knob,value,case_name",
+    [("programs", 132, "small-d64"), ("compute_registers", 240, "phoenix")],
+)
+def test_tune_keeps_a_faster_forward_knob(monkeypatch, knob, value, case_name):
     """On a device with an SM count the forward sweep tries programs = 0 or SMs after the
-    tiling and keeps the persistent programs when they measure faster."""
+    tiling, and 240 registers per compute warpgroup last (the default 232 is written as
+    0); it keeps a value that measures faster, and the table entry parses back to it."""
     monkeypatch.setattr(tuning, "_sm_count", lambda: 132)
 
     def cost(fn, args, *, stage, knobs):
         ms = _cost_model(fn, args, stage=stage, knobs=knobs)
-        return ms - (0.2 if stage == "forward" and knobs.get("programs") == 132 else 0.0)
+        return ms - (0.2 if stage == "forward" and knobs.get(knob) == value else 0.0)
 
-    case = ranker_case("small-d64").scaled(1)
+    case = ranker_case(case_name).scaled(1)
     (entry,) = tuning.tune([case], timer=cost, progress=lambda _: None)["entries"]
-    assert entry["forward"]["programs"] == 132
-    assert tuning._parse_entry(entry)[1].forward.programs == 132
-
-
-def test_tune_sweeps_compute_registers():
-    """The forward sweep tries 240 registers per compute warpgroup last and keeps it when
-    it measures faster (the default, 232, is written as 0)."""
-
-    def cost(fn, args, *, stage, knobs):
-        ms = _cost_model(fn, args, stage=stage, knobs=knobs)
-        return ms - (0.1 if stage == "forward" and knobs.get("compute_registers") == 240 else 0.0)
-
-    case = ranker_case("phoenix").scaled(1)
-    (entry,) = tuning.tune([case], timer=cost, progress=lambda _: None)["entries"]
-    assert entry["forward"]["compute_registers"] == 240
-    assert tuning._parse_entry(entry)[1].forward.compute_registers == 240
+    assert entry["forward"][knob] == value
+    assert getattr(tuning._parse_entry(entry)[1].forward, knob) == value
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-user", "packed"])
