@@ -35,7 +35,7 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {
     "lockstep": {"exchange": "lockstep"},
-    "one-way max exchange": {"exchange": "one_way"},
+    "one-way max exchange": {"exchange": "one_way", "lazy_rescale": False},
     "one-way + lazy rescale": {"exchange": "one_way", "lazy_rescale": True},
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},

@@ -57,7 +57,7 @@ def _config_id(c):
 CONFIGS = [
     SparseMlaKernelConfig(64, 1),
     SparseMlaKernelConfig(32, 2, "lockstep"),
-    SparseMlaKernelConfig(32, 2, "one_way"),
+    SparseMlaKernelConfig(32, 2, "one_way", lazy_rescale=False),
     SparseMlaKernelConfig(32, 2, "one_way", lazy_rescale=True),
 ]
 

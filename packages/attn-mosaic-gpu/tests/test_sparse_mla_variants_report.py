@@ -75,3 +75,8 @@ def test_kernel_dump_builds_each_sparse_variant():
             assert "mosaic_gpu" in exported.mlir_module()
         with pytest.raises(SystemExit, match="sparse variants are"):
             dump.check_target("sparse:no such variant")
+        # `kernel_dump.py sparse` dumps the kernel users get.
+        from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
+
+        knobs = dump.sparse_variants().VARIANTS[dump.SPARSE_DEFAULT]
+        assert SparseMlaKernelConfig(**knobs) == SparseMlaKernelConfig()

@@ -54,8 +54,14 @@ L2. Three warpgroups (``num_threads=3``):
   ``P`` buffer only after a wait that the other WG's last read of it precedes (each
   WG's wait for the other's max of pair ``p + 1`` follows the other's pair ``p``), so no
   barrier runs two phases ahead of its waiter.
-* At the end the WGs add their row sums through shared memory, normalise, and store
-  their output half to global memory; WG0 writes the LSE.
+* ``lazy_rescale`` (the default with ``"one_way"``): the running max above moves only
+  when a block exceeds it by more than ``LAZY_RESCALE_LOG2``; where it moved on none of
+  a WG's rows, that WG's accumulator rescale is skipped (one warpgroup-wide flag), and
+  with it WG0's wait for ``P_0 V_0`` before ``P_1 V_1``. Each WG also sums the bf16 P
+  its products took.
+* At the end the WGs add their row sums through shared memory, normalise (by the sums
+  of the bf16 P under ``lazy_rescale``), and store their output half to global memory;
+  WG0 writes the LSE (from the float32 sums).
 
 Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
 never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
@@ -120,20 +126,22 @@ class SparseMlaKernelConfig:
     its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
     module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
     than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
-    ``lazy_rescale`` (one_way only; not yet measured on a GPU, so off by default): a row's
-    running max moves only when a block raises it by more than ``LAZY_RESCALE_LOG2``
-    (FlashAttention-4's conditional rescale; P stays below ``2**LAZY_RESCALE_LOG2``), and
-    a compute WG skips an accumulator rescale when its max moved on no row, which also
-    spares WG0 the wait for ``P_0 V_0`` that the rescale before ``P_1 V_1`` forces. It
-    costs accuracy on peaked rows: the eager kernel's largest P is exactly 1, the lazy
-    one's is rounded to bf16 like the others, so the output can be off by bf16's half-ulp
-    of the values (tests/test_sparse_mla_cpu.py, ``test_kernel_running_max_moves``).
+    ``lazy_rescale`` (one_way only): a row's running max moves only when a block raises
+    it by more than ``LAZY_RESCALE_LOG2`` (FlashAttention-4's conditional rescale; P
+    stays below ``2**LAZY_RESCALE_LOG2``), and a compute WG skips an accumulator rescale
+    when its max moved on no row, which also spares WG0 the wait for ``P_0 V_0`` that
+    the rescale before ``P_1 V_1`` forces. The output is normalised by the sums of the
+    bf16 P the products took (the LSE by the float32 sums), so a row whose weight sits
+    on one key, whose P is no longer exactly 1, still gets that key's value
+    (``test_kernel_running_max_moves``). ``None`` (the default): on with ``"one_way"``
+    (measured 5 % faster on an 8K-token cache: docs/sparse_mla_gpu.md), off with
+    ``"lockstep"``.
     """
 
     block_k: int = 32
     num_stages: int = 2
     exchange: str | None = None
-    lazy_rescale: bool = False
+    lazy_rescale: bool | None = None
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -151,6 +159,8 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
+        if self.lazy_rescale is None:
+            object.__setattr__(self, "lazy_rescale", self.exchange == "one_way")
         if not isinstance(self.lazy_rescale, bool):
             raise TypeError(f"lazy_rescale: got {self.lazy_rescale!r}, expected a bool")
         if self.lazy_rescale and self.exchange != "one_way":
@@ -504,7 +514,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     return None
 
                 def step(p, carry):
-                    m_i, l_i, acc = carry
+                    m_i, l_i, acc, *l_bf16 = carry
                     ring = lax.rem(p, jnp.int32(stages))
                     s = start_qk(s_ref, p)
                     if not interpret:
@@ -526,6 +536,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     alpha = jnp.exp2(m_i - m_own)
                     l_i = l_i * alpha + probs.sum(axis=1)
                     p16 = probs.astype(jnp.bfloat16)
+                    if st.lazy_rescale:  # the sums of the P the products take
+                        l_bf16 = [l_bf16[0] * alpha + p16.astype(jnp.float32).sum(axis=1)]
                     if w == 0:
                         if interpret:  # WG1 may still read p_bufs[0] (the previous pair)
                             p_local[...] = p16
@@ -541,6 +553,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(p_ready.at[0])
                         l_i = l_i * shift
+                        l_bf16 = [x * shift for x in l_bf16]
                         plgpu.barrier_wait(p_ready.at[1])
                         acc = rescale_add(acc, p_bufs.at[1], their_v, shift, m_own, m_new)
                     else:
@@ -564,11 +577,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(consumed.at[ring * 2 + w])
                     plgpu.barrier_arrive(consumed.at[ring * 2 + 1 - w])
-                    return m_new, l_i, acc
+                    return m_new, l_i, acc, *l_bf16
 
                 acc = acc_zero if interpret else None
-                m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
-                return (acc if interpret else acc_ref[...]), m_i, l_i
+                init = (m_init, l_init, acc) + ((l_init,) if st.lazy_rescale else ())
+                m_i, l_i, acc, *l_bf16 = lax.fori_loop(0, num_pairs, step, init)
+                return (acc if interpret else acc_ref[...]), m_i, l_i, *l_bf16
 
             def run_pairs(loop):
                 if interpret:
@@ -579,15 +593,28 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     plgpu.ACC((heads, half), jnp.float32),
                 )
 
-            def finish(acc, m_i, l_i):
-                """Add the two WGs' row sums, normalise, store the output half and LSE."""
+            def finish(acc, m_i, l_i, l_bf16=None):
+                """Add the two WGs' row sums, normalise, store the output half and LSE.
+
+                ``l_bf16`` (lazy_rescale): the row sums of the bf16-rounded P that the
+                value products took, which normalise the output, so that a row whose
+                weight sits on one key (P up to 256 under the lazy max, not exactly 1)
+                gets that key's value back exactly; the LSE keeps the float32 sums,
+                which the rounding would move by up to 2^-9."""
+
                 # `stats` now carries the row sums (every read of the maxima is done:
                 # each WG is past the last point where the other reads them).
-                stats.at[wg][...] = l_i
-                pair_sync()
-                l_tot = l_i + plgpu.load(stats.at[other], layout=row_layout, optimized=False)
+                def add_other(x):
+                    stats.at[wg][...] = x
+                    pair_sync()
+                    return x + plgpu.load(stats.at[other], layout=row_layout, optimized=False)
+
+                l_tot = l_norm = add_other(l_i)
+                if l_bf16 is not None:
+                    pair_sync()  # both WGs have read the sums before either overwrites them
+                    l_norm = add_other(l_bf16)
                 has_key = l_tot > 0.0
-                inv_l = 1.0 / jnp.where(has_key, l_tot, 1.0)
+                inv_l = 1.0 / jnp.where(has_key, l_norm, 1.0)
                 out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
                 out_ref.at[token, pl.ds(h0, heads), pl.ds(wg * half, half)][...] = out
 
@@ -689,7 +716,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
         p_local = None
         if interpret and one_way:
             p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
-        # Per-row exchange between the compute WGs: the maxima, then the sums.
+        # Per-row exchange between the compute WGs: the maxima, then the sums (with
+        # lazy_rescale also those of the bf16 P: no room for a second buffer).
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
         pl.run_scoped(
             lambda *args: kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, args),
