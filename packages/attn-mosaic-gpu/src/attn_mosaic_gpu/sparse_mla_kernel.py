@@ -496,15 +496,29 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         return jnp.maximum(m_prev, block_max)
                     return jnp.where(block_max > m_prev + LAZY_RESCALE_LOG2, block_max, m_prev)
 
-                def rescale_add(acc, a, v, factor, m_from, m_to):
+                lazy = st.lazy_rescale and not interpret
+
+                def any_moved(m_from, m_to):
+                    """lazy_rescale (compiled): whether the running max moved on any row of
+                    the WG, one warpgroup-uniform flag (a cross-warp max); else None.
+
+                    Mosaic GPU puts the cross-warp scratch at the same shared-memory bytes
+                    for both WGs, so each flag is taken where the max exchange's barriers
+                    order it against the other WG's (WG0's first before it arrives on
+                    ``max_ready[0]``, WG1's before ``max_ready[1]``, WG0's second after
+                    waiting on that): a flag computed while the other WG writes the
+                    scratch can differ between a WG's warps, which must agree on the
+                    branch before a wgmma (the H200 hung on such a race)."""
+                    return jnp.max(m_to - m_from) > 0.0 if lazy else None  # maxima never fall
+
+                def rescale_add(acc, a, v, factor, moved):
                     """``pv_add`` with the accumulator scaled by the rows' ``factor`` (=
-                    ``exp2(m_from - m_to)``). With lazy_rescale (compiled) the scaling runs
-                    only when the max moved on some row of the WG (one flag: a cross-warp
-                    max), so where no row moved no product in flight is waited for.
-                    Interpret mode always scales: by exactly 1 where no row moved."""
-                    if not (st.lazy_rescale and not interpret):
+                    ``exp2(m_from - m_to)``); with lazy_rescale (compiled) only when
+                    ``moved`` (``any_moved``), so where no row moved no product in flight
+                    is waited for. Interpret mode always scales: by exactly 1 where no
+                    row moved."""
+                    if moved is None:
                         return pv_add(acc, acc_ref, a, v, to_acc(factor))
-                    moved = jnp.max(m_to - m_from) > 0.0  # the maxima never fall
 
                     @pl.when(moved)
                     def _rescale():
@@ -524,12 +538,14 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     their_v = block(k_lat, ring, 1 - w).at[:, cols]
                     if w == 0:
                         m_own = moved_max(m_i, scaled_max(s))
+                        moved_own = any_moved(m_i, m_own)
                         stats.at[0][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[0])
                     else:
                         plgpu.barrier_wait(max_ready.at[0])
                         m_0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
                         m_own = moved_max(m_0, scaled_max(s))
+                        moved_own = any_moved(m_i, m_own)
                         stats.at[1][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[1])
                     probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
@@ -542,10 +558,11 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         if interpret:  # WG1 may still read p_bufs[0] (the previous pair)
                             p_local[...] = p16
                         acc = rescale_add(
-                            acc, p_local if interpret else p16, own_v, alpha, m_i, m_own
+                            acc, p_local if interpret else p16, own_v, alpha, moved_own
                         )
                         plgpu.barrier_wait(max_ready.at[1])
                         m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
+                        moved_shift = any_moved(m_own, m_new)
                         shift = jnp.exp2(m_own - m_new)
                         p_bufs.at[0][...] = (
                             probs * lax.broadcast_in_dim(shift, s.shape, [0])
@@ -555,7 +572,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         l_i = l_i * shift
                         l_bf16 = [x * shift for x in l_bf16]
                         plgpu.barrier_wait(p_ready.at[1])
-                        acc = rescale_add(acc, p_bufs.at[1], their_v, shift, m_own, m_new)
+                        acc = rescale_add(acc, p_bufs.at[1], their_v, shift, moved_shift)
                     else:
                         m_new = m_own
 
@@ -567,7 +584,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         if interpret:  # its own product reads P back from shared memory
                             publish_p()
                         acc = rescale_add(
-                            acc, p_bufs.at[1] if interpret else p16, own_v, alpha, m_i, m_own
+                            acc, p_bufs.at[1] if interpret else p16, own_v, alpha, moved_own
                         )
                         if not interpret:
                             publish_p()
