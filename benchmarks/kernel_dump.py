@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 TARGETS = ("sparse", "ranker-fwd", "ranker-bwd")
-SPARSE_DEFAULT = "one-way + lazy rescale"  # the variant that is SparseMlaKernelConfig()
+SPARSE_DEFAULT = "one-way max exchange"  # the variant that is SparseMlaKernelConfig()
 
 
 def check_target(name: str) -> None:

@@ -54,7 +54,7 @@ L2. Three warpgroups (``num_threads=3``):
   ``P`` buffer only after a wait that the other WG's last read of it precedes (each
   WG's wait for the other's max of pair ``p + 1`` follows the other's pair ``p``), so no
   barrier runs two phases ahead of its waiter.
-* ``lazy_rescale`` (the default with ``"one_way"``): the running max above moves only
+* ``lazy_rescale`` (opt-in, measured slower): the running max above moves only
   when a block exceeds it by more than ``LAZY_RESCALE_LOG2``; where it moved on none of
   a WG's rows, that WG's accumulator rescale is skipped (one warpgroup-wide flag), and
   with it WG0's wait for ``P_0 V_0`` before ``P_1 V_1``. Each WG also sums the bf16 P
@@ -126,22 +126,23 @@ class SparseMlaKernelConfig:
     its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
     module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
     than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
-    ``lazy_rescale`` (one_way only): a row's running max moves only when a block raises
-    it by more than ``LAZY_RESCALE_LOG2`` (FlashAttention-4's conditional rescale; P
-    stays below ``2**LAZY_RESCALE_LOG2``), and a compute WG skips an accumulator rescale
-    when its max moved on no row, which also spares WG0 the wait for ``P_0 V_0`` that
-    the rescale before ``P_1 V_1`` forces. The output is normalised by the sums of the
-    bf16 P the products took (the LSE by the float32 sums), so a row whose weight sits
-    on one key, whose P is no longer exactly 1, still gets that key's value
-    (``test_kernel_running_max_moves``). ``None`` (the default): on with ``"one_way"``
-    (measured 5 % faster on an 8K-token cache: docs/sparse_mla_gpu.md), off with
-    ``"lockstep"``.
+    ``lazy_rescale`` (one_way only; off by default: measured slower and less accurate):
+    a row's running max moves only when a block raises it by more than
+    ``LAZY_RESCALE_LOG2`` (FlashAttention-4's conditional rescale; P stays below
+    ``2**LAZY_RESCALE_LOG2``), and a compute WG skips an accumulator rescale when its max
+    moved on no row, which also spares WG0 the wait for ``P_0 V_0`` that the rescale
+    before ``P_1 V_1`` forces. The output is normalised by the sums of the bf16 P the
+    products took (the LSE by the float32 sums), so a row whose weight sits on one key
+    still gets that key's value (``test_kernel_running_max_moves``). On the H200 it ran
+    1.2x slower than the eager kernel (the flags must be taken where the max exchange
+    orders them, on its critical path) with 1.5x its error on the benchmark's rows (the
+    largest P is rounded to bf16, no longer exactly 1): docs/sparse_mla_gpu.md.
     """
 
     block_k: int = 32
     num_stages: int = 2
     exchange: str | None = None
-    lazy_rescale: bool | None = None
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -159,8 +160,6 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
-        if self.lazy_rescale is None:
-            object.__setattr__(self, "lazy_rescale", self.exchange == "one_way")
         if not isinstance(self.lazy_rescale, bool):
             raise TypeError(f"lazy_rescale: got {self.lazy_rescale!r}, expected a bool")
         if self.lazy_rescale and self.exchange != "one_way":
@@ -508,7 +507,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     ``max_ready[0]``, WG1's before ``max_ready[1]``, WG0's second after
                     waiting on that): a flag computed while the other WG writes the
                     scratch can differ between a WG's warps, which must agree on the
-                    branch before a wgmma (the H200 hung on such a race)."""
+                    branch before a wgmma (the H200 hung with the flags taken next to
+                    each rescale; docs/sparse_mla_gpu.md)."""
                     return jnp.max(m_to - m_from) > 0.0 if lazy else None  # maxima never fall
 
                 def rescale_add(acc, a, v, factor, moved):
