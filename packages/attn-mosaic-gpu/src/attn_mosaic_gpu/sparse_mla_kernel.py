@@ -54,11 +54,11 @@ L2. Three warpgroups (``num_threads=3``):
   ``P`` buffer only after a wait that the other WG's last read of it precedes (each
   WG's wait for the other's max of pair ``p + 1`` follows the other's pair ``p``), so no
   barrier runs two phases ahead of its waiter.
-* ``lazy_rescale`` (opt-in, measured slower): the running max above moves only
-  when a block exceeds it by more than ``LAZY_RESCALE_LOG2``; where it moved on none of
-  a WG's rows, that WG's accumulator rescale is skipped (one warpgroup-wide flag), and
-  with it WG0's wait for ``P_0 V_0`` before ``P_1 V_1``. Each WG also sums the bf16 P
-  its products took.
+* ``lazy_rescale`` (opt-in): the running max above moves only when a block exceeds it
+  by more than ``LAZY_RESCALE_LOG2``; where it moved on none of WG0's rows, WG0 skips
+  its accumulator rescale (one warpgroup-wide flag, WG0's alone: see ``any_moved``),
+  and with the second one its wait for ``P_0 V_0`` before ``P_1 V_1``. Each WG also
+  sums the bf16 P its products took.
 * At the end the WGs add their row sums through shared memory, normalise (by the sums
   of the bf16 P under ``lazy_rescale``), and store their output half to global memory;
   WG0 writes the LSE (from the float32 sums).
@@ -126,17 +126,18 @@ class SparseMlaKernelConfig:
     its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
     module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
     than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
-    ``lazy_rescale`` (one_way only; off by default: measured slower and less accurate):
-    a row's running max moves only when a block raises it by more than
-    ``LAZY_RESCALE_LOG2`` (FlashAttention-4's conditional rescale; P stays below
-    ``2**LAZY_RESCALE_LOG2``), and a compute WG skips an accumulator rescale when its max
-    moved on no row, which also spares WG0 the wait for ``P_0 V_0`` that the rescale
-    before ``P_1 V_1`` forces. The output is normalised by the sums of the bf16 P the
-    products took (the LSE by the float32 sums), so a row whose weight sits on one key
-    still gets that key's value (``test_kernel_running_max_moves``). On the H200 it ran
-    1.2x slower than the eager kernel (the flags must be taken where the max exchange
-    orders them, on its critical path) with 1.5x its error on the benchmark's rows (the
-    largest P is rounded to bf16, no longer exactly 1): docs/sparse_mla_gpu.md.
+    ``lazy_rescale`` (one_way only; off by default): a row's running max moves only
+    when a block raises it by more than ``LAZY_RESCALE_LOG2`` (FlashAttention-4's
+    conditional rescale; P stays below ``2**LAZY_RESCALE_LOG2``), and WG0 skips an
+    accumulator rescale when its max moved on no row, which also spares it the wait for
+    ``P_0 V_0`` that the rescale before ``P_1 V_1`` forces. The output is normalised by
+    the sums of the bf16 P the products took (the LSE by the float32 sums), so a row
+    whose weight sits on one key still gets that key's value
+    (``test_kernel_running_max_moves``). It costs 1.5x the eager kernel's error on the
+    benchmark's rows (the largest P is rounded to bf16, no longer exactly 1). With both
+    WGs skipping it ran 1.2x slower than the eager kernel on the H200 (their flags
+    ordered on the max exchange's critical path); WG0 alone skipping is not yet
+    measured (docs/sparse_mla_gpu.md).
     """
 
     block_k: int = 32
@@ -495,20 +496,20 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         return jnp.maximum(m_prev, block_max)
                     return jnp.where(block_max > m_prev + LAZY_RESCALE_LOG2, block_max, m_prev)
 
-                lazy = st.lazy_rescale and not interpret
+                # Only WG0 skips rescales: Mosaic GPU puts a cross-warp reduction's
+                # scratch at the same shared-memory bytes for both WGs, so flags taken
+                # by both race (a flag read while the other WG writes the scratch can
+                # differ between one WG's warps, which must agree on the branch before a
+                # wgmma: the H200 hung), and ordering them by the max exchange's
+                # barriers put them on its critical path (1.2x slower). WG0 has the
+                # rescale that waits for a product in flight (before P_1 V_1); WG1's
+                # runs as in the eager kernel (by exactly 1 where no row moved).
+                lazy = st.lazy_rescale and not interpret and w == 0
 
                 def any_moved(m_from, m_to):
-                    """lazy_rescale (compiled): whether the running max moved on any row of
-                    the WG, one warpgroup-uniform flag (a cross-warp max); else None.
-
-                    Mosaic GPU puts the cross-warp scratch at the same shared-memory bytes
-                    for both WGs, so each flag is taken where the max exchange's barriers
-                    order it against the other WG's (WG0's first before it arrives on
-                    ``max_ready[0]``, WG1's before ``max_ready[1]``, WG0's second after
-                    waiting on that): a flag computed while the other WG writes the
-                    scratch can differ between a WG's warps, which must agree on the
-                    branch before a wgmma (the H200 hung with the flags taken next to
-                    each rescale; docs/sparse_mla_gpu.md)."""
+                    """lazy_rescale (compiled, WG0): whether the running max moved on any
+                    row of the WG, one warpgroup-uniform flag (a cross-warp max); else
+                    None (always rescale)."""
                     return jnp.max(m_to - m_from) > 0.0 if lazy else None  # maxima never fall
 
                 def rescale_add(acc, a, v, factor, moved):
@@ -538,14 +539,14 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     their_v = block(k_lat, ring, 1 - w).at[:, cols]
                     if w == 0:
                         m_own = moved_max(m_i, scaled_max(s))
-                        moved_own = any_moved(m_i, m_own)
                         stats.at[0][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[0])
+                        moved_own = any_moved(m_i, m_own)
                     else:
                         plgpu.barrier_wait(max_ready.at[0])
                         m_0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
                         m_own = moved_max(m_0, scaled_max(s))
-                        moved_own = any_moved(m_i, m_own)
+                        moved_own = None  # WG1 always rescales (see `lazy`)
                         stats.at[1][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[1])
                     probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
