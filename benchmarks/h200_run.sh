@@ -16,7 +16,9 @@
 # and the first line of every log. With two GPUs the test files (GPU 0) and the bench
 # and sweep (GPU 1) run side by side, then the 2-GPU sharding check. RUN_FWD=0 skips the
 # forward tests; FWD_SELECT=<pytest -k expression> narrows them, for a quick look only:
-# after a kernel change commit the log of the whole suite. OUT defaults to a new folder
+# after a kernel change commit the log of the whole suite. TEST_TIMEOUT (default 240 s)
+# fails a single test that runs longer, so a kernel that hangs costs one test's time,
+# not the file's whole limit (a hung sparse-MLA test did on 2026-12-02). OUT defaults to a new folder
 # attn-results/h200-<timestamp>, never a committed path; copy what you commit.
 set -u
 OUT=${OUT:-attn-results/h200-$(date +%Y%m%d-%H%M%S)}
@@ -37,7 +39,8 @@ want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 header() { echo "commit $commit ($(nvidia-smi -L | head -n 1))" >"$1"; }
 pytest_log() {  # pytest_log LOG LIMIT FILE [pytest args]
   local log=$1 limit=$2; shift 2; header "$log"
-  timeout "$limit" python3 -m pytest -v -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} "$@" >>"$log" 2>&1
+  timeout "$limit" python3 -m pytest -v -p no:cacheprovider --timeout "${TEST_TIMEOUT:-240}" \
+    ${xdist[@]+"${xdist[@]}"} "$@" >>"$log" 2>&1
   local rc=$?; echo "rc=$rc" >>"$log"; echo "$(basename "$log" .log) rc=$rc"
 }
 bwd_tests() { want bwd && pytest_log "$OUT/h200_ranker_bwd_tests.log" "${BWD_LIMIT:-330}" \
