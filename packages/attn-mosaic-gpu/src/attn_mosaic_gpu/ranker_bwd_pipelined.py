@@ -118,8 +118,7 @@ __all__ = [
 BLOCK = 64  # rows per compute WG and rows per streamed block (one wgmma M)
 PIPELINED_HEAD_DIMS = (64, 128)
 _COMPUTE_WGS = 2
-_COMPUTE_REGISTERS = 232
-_MEMORY_REGISTERS = 40
+_COMPUTE_REGISTERS = 232  # the memory warpgroup keeps the rest (40)
 _DKV_COMPUTE_REGISTERS = 240  # dk/dv at D=128 (see _build_dkv_kernel)
 _LOG2E = math.log2(math.e)
 # CUDA kernel names (as ``<name>_mosaic_gpu``): profiles tell the two kernels apart by
@@ -566,7 +565,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
 
             def issue(step, slot):
                 _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(step), kv_head, slot)
@@ -677,7 +676,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
 
             def tile_steps(j):
                 q_head, batch, _, ranges, _ = tile_of(j)

@@ -81,6 +81,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_mosaic_gpu._registers import memory_registers
+
 __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
 
 HEADS_PER_PROGRAM = 64  # wgmma M rows per warpgroup; both compute WGs share the heads
@@ -90,8 +92,7 @@ _COMPUTE_WGS = 2
 # 156 bytes of spill stores at 232/40 and 80 at 240/24 (benchmarks/kernel_dump.py);
 # 240/24 ran 3-4 % faster than 232/40 on the H200, 224/56 and 216/72 slower
 # (docs/sparse_mla_gpu.md).
-_COMPUTE_REGISTERS = 240
-_MEMORY_REGISTERS = 24
+_COMPUTE_REGISTERS = 240  # the memory WG keeps the rest: 24, setmaxnreg's floor
 _THREADS = 128  # per warpgroup
 _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
@@ -669,7 +670,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
 
             def signal_ready(pair):
                 """Publish ``pair``'s two blocks once copied: the pair issued last, whose

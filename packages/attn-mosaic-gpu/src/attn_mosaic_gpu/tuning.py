@@ -19,9 +19,9 @@ error. An explicit ``config=`` always wins over the tables for the forward.
 ``tune`` is the sweep (coordinate descent over the knobs, CUPTI device time, median of
 iterations): the forward's tiling, then how many key columns of each score tile compute
 ``exp2`` and soft_sign's reciprocal on the FMA pipe instead of the MUFU
-(``attn_mosaic_gpu.fastmath``), then the compute warpgroups' register count; then the same two knobs, the persistent dq (0 or one
-program per SM) and the ring depth of the backward kernels, timed on the backward
-alone. A knob value is kept only when it beats
+(``attn_mosaic_gpu.fastmath``), then the compute warpgroups' register count; then the
+same two knobs, the persistent dq (0 or one program per SM) and the ring depth of the
+backward kernels, timed on the backward alone. A knob value is kept only when it beats
 the incumbent by more than ``min_gain`` (1%), so noise cannot pick a variant.
 """
 
