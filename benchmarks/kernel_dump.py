@@ -17,7 +17,9 @@ dk/dv kernel's hoisted K/V descriptors showed (``ranker_bwd_pipelined._build_dkv
 
 Targets: ``sparse`` (the sparse-MLA kernel at its default config) or ``sparse:<name>``
 (a variant of ``benchmarks/sparse_mla_variants.py``, e.g. ``'sparse:probe: no
-gather'``), at 8 tokens x 64 heads x 2048 rows; ``ranker-fwd`` (phoenix's forward at the
+gather'``), or ``sparse-file:<kernel file>:<block_k>,<num_stages>,<exchange>`` (another
+revision's ``sparse_mla_kernel.py``, as ``git show REV:path`` writes it, at that
+config), at 8 tokens x 64 heads x 2048 rows; ``ranker-fwd`` (phoenix's forward at the
 tuned config, 2 rows of the batch), ``ranker-bwd`` (phoenix's backward kernels). ptxas's
 lines also go to ``--out/ptxas.txt``. (This script took over
 ``benchmarks/sparse_mla_ptxas.py``, which older result files name.)
@@ -40,7 +42,13 @@ SPARSE_DEFAULT = "one-way max exchange"  # the variant that is SparseMlaKernelCo
 
 def check_target(name: str) -> None:
     """Raise ``SystemExit`` naming the choices if ``name`` is no target."""
-    if name.startswith("sparse:"):
+    if name.startswith("sparse-file:"):
+        path, _, config = name[len("sparse-file:") :].rpartition(":")
+        if not Path(path).is_file() or len(config.split(",")) != 3:
+            raise SystemExit(
+                f"target {name!r}: expected sparse-file:<file>:<bk>,<stages>,<exchange>"
+            )
+    elif name.startswith("sparse:"):
         variants = sparse_variants().VARIANTS
         if name[len("sparse:") :] not in variants:
             raise SystemExit(f"target {name!r}: sparse variants are {list(variants)}")
@@ -62,10 +70,17 @@ def target_fn(name: str):
     import jax
     import jax.numpy as jnp
 
-    if name == "sparse" or name.startswith("sparse:"):
+    if name.startswith("sparse"):
         variants = sparse_variants()
-        variant = name.partition(":")[2] or SPARSE_DEFAULT
-        attend, config = variants.variant_attend(variants.VARIANTS[variant])
+        if name.startswith("sparse-file:"):
+            path, _, spec = name[len("sparse-file:") :].rpartition(":")
+            block_k, stages, exchange = spec.split(",")
+            module = variants.load_module(Path(path))
+            attend = module.sparse_mla_rows_attention
+            config = module.SparseMlaKernelConfig(int(block_k), int(stages), exchange)
+        else:
+            variant = name.partition(":")[2] or SPARSE_DEFAULT
+            attend, config = variants.variant_attend(variants.VARIANTS[variant])
         fn = jax.jit(functools.partial(attend, sm_scale=0.07, dv=512, config=config))
         args = (
             jnp.zeros((8, 64, 576), jnp.bfloat16),

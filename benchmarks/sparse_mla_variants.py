@@ -35,8 +35,7 @@ from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {
     "lockstep": {"exchange": "lockstep"},
-    "one-way max exchange": {"exchange": "one_way", "lazy_rescale": False},
-    "one-way + lazy rescale": {"exchange": "one_way", "lazy_rescale": True},
+    "one-way max exchange": {"exchange": "one_way"},
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
     "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
     "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},

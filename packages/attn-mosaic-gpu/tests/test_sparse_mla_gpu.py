@@ -51,14 +51,13 @@ LSE_ATOL = 2e-3
 
 
 def _config_id(c):
-    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}" + ("-lazy" if c.lazy_rescale else "")
+    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}"
 
 
 CONFIGS = [
     SparseMlaKernelConfig(64, 1),
     SparseMlaKernelConfig(32, 2, "lockstep"),
-    SparseMlaKernelConfig(32, 2, "one_way", lazy_rescale=False),
-    SparseMlaKernelConfig(32, 2, "one_way", lazy_rescale=True),
+    SparseMlaKernelConfig(32, 2, "one_way"),
 ]
 
 

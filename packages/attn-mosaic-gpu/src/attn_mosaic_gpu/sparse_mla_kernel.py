@@ -54,14 +54,8 @@ L2. Three warpgroups (``num_threads=3``):
   ``P`` buffer only after a wait that the other WG's last read of it precedes (each
   WG's wait for the other's max of pair ``p + 1`` follows the other's pair ``p``), so no
   barrier runs two phases ahead of its waiter.
-* ``lazy_rescale`` (opt-in): the running max above moves only when a block exceeds it
-  by more than ``LAZY_RESCALE_LOG2``; where it moved on none of WG0's rows, WG0 skips
-  its accumulator rescale (one warpgroup-wide flag, WG0's alone: see ``any_moved``),
-  and with the second one its wait for ``P_0 V_0`` before ``P_1 V_1``. Each WG also
-  sums the bf16 P its products took.
-* At the end the WGs add their row sums through shared memory, normalise (by the sums
-  of the bf16 P under ``lazy_rescale``), and store their output half to global memory;
-  WG0 writes the LSE (from the float32 sums).
+* At the end the WGs add their row sums through shared memory, normalise, and store
+  their output half to global memory; WG0 writes the LSE.
 
 Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
 never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
@@ -98,13 +92,6 @@ _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30
-# lazy_rescale: a row's running max (base 2) moves only when a block exceeds it by more
-# than this, so P <= 2**8 = 256 before its bf16 rounding (relative, so no precision is
-# lost) and the row sums stay far inside float32.
-LAZY_RESCALE_LOG2 = 8.0
-# lazy_rescale's warpgroup-wide "did any row's max move" (a cross-warp reduction of a
-# 64-row vector): a few floats per warp.
-_LAZY_REDUCTION_SCRATCH = 256
 _AXIS_HEADS = "head_group"
 _AXIS_TOKENS = "token"
 _AXIS_WG = "wg"
@@ -127,24 +114,11 @@ class SparseMlaKernelConfig:
     its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
     module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
     than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
-    ``lazy_rescale`` (one_way only; off by default): a row's running max moves only
-    when a block raises it by more than ``LAZY_RESCALE_LOG2`` (FlashAttention-4's
-    conditional rescale; P stays below ``2**LAZY_RESCALE_LOG2``), and WG0 skips an
-    accumulator rescale when its max moved on no row, which also spares it the wait for
-    ``P_0 V_0`` that the rescale before ``P_1 V_1`` forces. The output is normalised by
-    the sums of the bf16 P the products took (the LSE by the float32 sums), so a row
-    whose weight sits on one key still gets that key's value
-    (``test_kernel_running_max_moves``). It costs 1.5x the eager kernel's error on the
-    benchmark's rows (the largest P is rounded to bf16, no longer exactly 1). With both
-    WGs skipping it ran 1.2x slower than the eager kernel on the H200 (their flags
-    ordered on the max exchange's critical path); WG0 alone skipping is not yet
-    measured (docs/sparse_mla_gpu.md).
     """
 
     block_k: int = 32
     num_stages: int = 2
     exchange: str | None = None
-    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.block_k not in (32, 64):
@@ -162,10 +136,6 @@ class SparseMlaKernelConfig:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
         if self.exchange == "one_way" and self.block_k != 32:
             raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
-        if not isinstance(self.lazy_rescale, bool):
-            raise TypeError(f"lazy_rescale: got {self.lazy_rescale!r}, expected a bool")
-        if self.lazy_rescale and self.exchange != "one_way":
-            raise ValueError("lazy_rescale=True takes exchange='one_way'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +148,6 @@ class _Static:
     block_k: int
     num_stages: int
     exchange: str
-    lazy_rescale: bool = False
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
@@ -396,12 +365,24 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 plgpu.wgmma(s_ref, q_rope, block(k_rope, ring, wg).transpose((1, 0)))
                 return None
 
-            def masked_scores(p, s):
-                """This WG's scores of pair ``p``, ``-inf`` past the query's row count."""
+            def masked_scores(p, s, masked=True):
+                """This WG's scores of pair ``p``, ``-inf`` past the query's row count
+                (``masked``; a pair wholly below the count is returned as it is)."""
+                if not masked:
+                    return s
                 col = (2 * p + wg) * block_k + plgpu.broadcasted_iota(
                     jnp.int32, (heads, block_k), 1, layout=plgpu.Layout.WGMMA
                 )
                 return jnp.where(col < count, s, -jnp.inf)
+
+            def walk_pairs(step, init):
+                """``step(p, carry, masked=...)`` over every pair: first the pairs wholly
+                below the query's row count, whose columns are all rows and need no mask
+                (no column iota, compare and select per score, nor the registers they
+                hold), then the last, partial pair, if any, masked."""
+                full = lax.div(count, jnp.int32(2 * block_k))
+                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
+                return lax.fori_loop(full, num_pairs, functools.partial(step, masked=True), carry)
 
             def scaled_max(s, other_max=None):
                 """Row max of ``s`` (and ``other_max``) in the exp2 domain; a row with no
@@ -428,12 +409,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 plgpu.wgmma(acc_ref, a, v)
                 return None
 
-            def softmax_and_pv(p, s, acc, acc_ref, m_i, l_i):
+            def softmax_and_pv(p, s, acc, acc_ref, m_i, l_i, masked):
                 """Pair ``p``'s softmax (one running max for both WGs) and value product:
                 issued into ``acc_ref`` and not waited for, or in interpret mode added
                 to ``acc`` (own P read back from shared memory: no register-A wgmma)."""
                 ring = lax.rem(p, jnp.int32(stages))
-                s = masked_scores(p, s)
+                s = masked_scores(p, s, masked)
                 stats.at[wg][...] = s.max(axis=1)
                 pair_sync()
                 m_other = plgpu.load(stats.at[other], layout=row_layout, optimized=False)
@@ -462,12 +443,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 accumulator are the ACC refs ``s_ref``, ``acc_ref``; in interpret mode
                 they are values."""
 
-                def step(p, carry):
+                def step(p, carry, masked):
                     m_i, l_i, acc = carry
                     s = start_qk(s_ref, p)
                     if not interpret:
                         s = s_ref[...]  # waits for pair p's QK^T
-                    acc, m_new, l_i = softmax_and_pv(p, s, acc, acc_ref, m_i, l_i)
+                    acc, m_new, l_i = softmax_and_pv(p, s, acc, acc_ref, m_i, l_i, masked)
                     if not interpret:
                         plgpu.wgmma_wait(0)
                     ring = lax.rem(p, jnp.int32(stages))
@@ -476,7 +457,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     return m_new, l_i, acc
 
                 acc = acc_zero if interpret else None
-                m_i, l_i, acc = lax.fori_loop(0, num_pairs, step, (m_init, l_init, acc))
+                m_i, l_i, acc = walk_pairs(step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
 
             def one_way_pairs(w, s_ref=None, acc_ref=None):
@@ -489,82 +470,37 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 def to_acc(x):
                     return lax.broadcast_in_dim(x, (heads, half), [0])
 
-                def moved_max(m_prev, block_max):
-                    """The running max after a block of scaled row maxima ``block_max``;
-                    with lazy_rescale the old one unless the block exceeds it by more
-                    than LAZY_RESCALE_LOG2."""
-                    if not st.lazy_rescale:
-                        return jnp.maximum(m_prev, block_max)
-                    return jnp.where(block_max > m_prev + LAZY_RESCALE_LOG2, block_max, m_prev)
-
-                # Only WG0 skips rescales: Mosaic GPU puts a cross-warp reduction's
-                # scratch at the same shared-memory bytes for both WGs, so flags taken
-                # by both race (a flag read while the other WG writes the scratch can
-                # differ between one WG's warps, which must agree on the branch before a
-                # wgmma: the H200 hung), and ordering them by the max exchange's
-                # barriers put them on its critical path (1.2x slower). WG0 has the
-                # rescale that waits for a product in flight (before P_1 V_1); WG1's
-                # runs as in the eager kernel (by exactly 1 where no row moved).
-                lazy = st.lazy_rescale and not interpret and w == 0
-
-                def any_moved(m_from, m_to):
-                    """lazy_rescale (compiled, WG0): whether the running max moved on any
-                    row of the WG, one warpgroup-uniform flag (a cross-warp max); else
-                    None (always rescale)."""
-                    return jnp.max(m_to - m_from) > 0.0 if lazy else None  # maxima never fall
-
-                def rescale_add(acc, a, v, factor, moved):
-                    """``pv_add`` with the accumulator scaled by the rows' ``factor`` (=
-                    ``exp2(m_from - m_to)``); with lazy_rescale (compiled) only when
-                    ``moved`` (``any_moved``), so where no row moved no product in flight
-                    is waited for. Interpret mode always scales: by exactly 1 where no
-                    row moved."""
-                    if moved is None:
-                        return pv_add(acc, acc_ref, a, v, to_acc(factor))
-
-                    @pl.when(moved)
-                    def _rescale():
-                        acc_ref[...] = acc_ref[...] * to_acc(factor)  # waits for the products
-
-                    plgpu.wgmma(acc_ref, a, v)
-                    return None
-
-                def step(p, carry):
-                    m_i, l_i, acc, *l_bf16 = carry
+                def step(p, carry, masked):
+                    m_i, l_i, acc = carry
                     ring = lax.rem(p, jnp.int32(stages))
                     s = start_qk(s_ref, p)
                     if not interpret:
                         s = s_ref[...]  # waits for pair p's QK^T
-                    s = masked_scores(p, s)
+                    s = masked_scores(p, s, masked)
                     own_v = block(k_lat, ring, w).at[:, cols]
                     their_v = block(k_lat, ring, 1 - w).at[:, cols]
                     if w == 0:
-                        m_own = moved_max(m_i, scaled_max(s))
+                        m_own = jnp.maximum(m_i, scaled_max(s))
                         stats.at[0][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[0])
-                        moved_own = any_moved(m_i, m_own)
                     else:
                         plgpu.barrier_wait(max_ready.at[0])
                         m_0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
-                        m_own = moved_max(m_0, scaled_max(s))
-                        moved_own = None  # WG1 always rescales (see `lazy`)
+                        m_own = jnp.maximum(m_0, scaled_max(s))
                         stats.at[1][...] = m_own
                         plgpu.barrier_arrive(max_ready.at[1])
                     probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
                     alpha = jnp.exp2(m_i - m_own)
                     l_i = l_i * alpha + probs.sum(axis=1)
                     p16 = probs.astype(jnp.bfloat16)
-                    if st.lazy_rescale:  # the sums of the P the products take
-                        l_bf16 = [l_bf16[0] * alpha + p16.astype(jnp.float32).sum(axis=1)]
                     if w == 0:
                         if interpret:  # WG1 may still read p_bufs[0] (the previous pair)
                             p_local[...] = p16
-                        acc = rescale_add(
-                            acc, p_local if interpret else p16, own_v, alpha, moved_own
+                        acc = pv_add(
+                            acc, acc_ref, p_local if interpret else p16, own_v, to_acc(alpha)
                         )
                         plgpu.barrier_wait(max_ready.at[1])
                         m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
-                        moved_shift = any_moved(m_own, m_new)
                         shift = jnp.exp2(m_own - m_new)
                         p_bufs.at[0][...] = (
                             probs * lax.broadcast_in_dim(shift, s.shape, [0])
@@ -572,9 +508,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(p_ready.at[0])
                         l_i = l_i * shift
-                        l_bf16 = [x * shift for x in l_bf16]
                         plgpu.barrier_wait(p_ready.at[1])
-                        acc = rescale_add(acc, p_bufs.at[1], their_v, shift, moved_shift)
+                        acc = pv_add(acc, acc_ref, p_bufs.at[1], their_v, to_acc(shift))
                     else:
                         m_new = m_own
 
@@ -585,8 +520,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
                         if interpret:  # its own product reads P back from shared memory
                             publish_p()
-                        acc = rescale_add(
-                            acc, p_bufs.at[1] if interpret else p16, own_v, alpha, moved_own
+                        acc = pv_add(
+                            acc, acc_ref, p_bufs.at[1] if interpret else p16, own_v, to_acc(alpha)
                         )
                         if not interpret:
                             publish_p()
@@ -596,12 +531,11 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(consumed.at[ring * 2 + w])
                     plgpu.barrier_arrive(consumed.at[ring * 2 + 1 - w])
-                    return m_new, l_i, acc, *l_bf16
+                    return m_new, l_i, acc
 
                 acc = acc_zero if interpret else None
-                init = (m_init, l_init, acc) + ((l_init,) if st.lazy_rescale else ())
-                m_i, l_i, acc, *l_bf16 = lax.fori_loop(0, num_pairs, step, init)
-                return (acc if interpret else acc_ref[...]), m_i, l_i, *l_bf16
+                m_i, l_i, acc = walk_pairs(step, (m_init, l_init, acc))
+                return (acc if interpret else acc_ref[...]), m_i, l_i
 
             def run_pairs(loop):
                 if interpret:
@@ -612,28 +546,15 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     plgpu.ACC((heads, half), jnp.float32),
                 )
 
-            def finish(acc, m_i, l_i, l_bf16=None):
-                """Add the two WGs' row sums, normalise, store the output half and LSE.
-
-                ``l_bf16`` (lazy_rescale): the row sums of the bf16-rounded P that the
-                value products took, which normalise the output, so that a row whose
-                weight sits on one key (P up to 256 under the lazy max, not exactly 1)
-                gets that key's value back exactly; the LSE keeps the float32 sums,
-                which the rounding would move by up to 2^-9."""
-
+            def finish(acc, m_i, l_i):
+                """Add the two WGs' row sums, normalise, store the output half and LSE."""
                 # `stats` now carries the row sums (every read of the maxima is done:
                 # each WG is past the last point where the other reads them).
-                def add_other(x):
-                    stats.at[wg][...] = x
-                    pair_sync()
-                    return x + plgpu.load(stats.at[other], layout=row_layout, optimized=False)
-
-                l_tot = l_norm = add_other(l_i)
-                if l_bf16 is not None:
-                    pair_sync()  # both WGs have read the sums before either overwrites them
-                    l_norm = add_other(l_bf16)
+                stats.at[wg][...] = l_i
+                pair_sync()
+                l_tot = l_i + plgpu.load(stats.at[other], layout=row_layout, optimized=False)
                 has_key = l_tot > 0.0
-                inv_l = 1.0 / jnp.where(has_key, l_norm, 1.0)
+                inv_l = 1.0 / jnp.where(has_key, l_tot, 1.0)
                 out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
                 out_ref.at[token, pl.ds(h0, heads), pl.ds(wg * half, half)][...] = out
 
@@ -735,8 +656,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
         p_local = None
         if interpret and one_way:
             p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
-        # Per-row exchange between the compute WGs: the maxima, then the sums (with
-        # lazy_rescale also those of the bf16 P: no room for a second buffer).
+        # Per-row exchange between the compute WGs: the maxima, then the sums.
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
         pl.run_scoped(
             lambda *args: kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, args),
@@ -785,10 +705,9 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
         thread_name=_AXIS_WG,
         # No cross-warp reduction (row maxima and sums stay within a warp's quads), so
         # none of the default 2 KiB of reduction scratch; Q's rope features need it.
-        # lazy_rescale reduces its rows' max moves to one flag per WG: a little.
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
-            reduction_scratch_bytes=_LAZY_REDUCTION_SCRATCH if st.lazy_rescale else 0,
+            reduction_scratch_bytes=0,
         ),
         interpret=interpret,
     )(q, store, rows, counts)
@@ -811,7 +730,6 @@ def _padded_static(
         block_k=config.block_k,
         num_stages=config.num_stages,
         exchange=config.exchange,
-        lazy_rescale=config.lazy_rescale,
     )
     return q, st
 
