@@ -18,8 +18,10 @@
 # forward tests; FWD_SELECT=<pytest -k expression> narrows them, for a quick look only:
 # after a kernel change commit the log of the whole suite. TEST_TIMEOUT (default 240 s)
 # fails a single test that runs longer, so a kernel that hangs costs one test's time,
-# not the file's whole limit (a hung sparse-MLA test did on 2026-12-02). OUT defaults to a new folder
-# attn-results/h200-<timestamp>, never a committed path; copy what you commit.
+# not the file's whole limit (a hung sparse-MLA test did on 2026-12-02). OUT defaults
+# to a new folder attn-results/h200-<timestamp>, never a committed path; copy what you
+# commit. The device machine hands back only a few files per call: pack $OUT into one
+# tarball when calling through it.
 set -u
 OUT=${OUT:-attn-results/h200-$(date +%Y%m%d-%H%M%S)}
 PARTS=${PARTS:-bwd bench sweep fwd sparse}

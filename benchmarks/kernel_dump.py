@@ -40,14 +40,19 @@ TARGETS = ("sparse", "ranker-fwd", "ranker-bwd")
 SPARSE_DEFAULT = "one-way max exchange"  # the variant that is SparseMlaKernelConfig()
 
 
+def sparse_file_target(name: str) -> tuple[Path, tuple[int, int, str]]:
+    """``(kernel file, (block_k, num_stages, exchange))`` of a ``sparse-file:`` target."""
+    path, _, spec = name[len("sparse-file:") :].rpartition(":")
+    fields = spec.split(",")
+    if not Path(path).is_file() or len(fields) != 3 or not all(f.isdigit() for f in fields[:2]):
+        raise SystemExit(f"target {name!r}: expected sparse-file:<file>:<bk>,<stages>,<exchange>")
+    return Path(path), (int(fields[0]), int(fields[1]), fields[2])
+
+
 def check_target(name: str) -> None:
     """Raise ``SystemExit`` naming the choices if ``name`` is no target."""
     if name.startswith("sparse-file:"):
-        path, _, config = name[len("sparse-file:") :].rpartition(":")
-        if not Path(path).is_file() or len(config.split(",")) != 3:
-            raise SystemExit(
-                f"target {name!r}: expected sparse-file:<file>:<bk>,<stages>,<exchange>"
-            )
+        sparse_file_target(name)
     elif name.startswith("sparse:"):
         variants = sparse_variants().VARIANTS
         if name[len("sparse:") :] not in variants:
@@ -70,14 +75,13 @@ def target_fn(name: str):
     import jax
     import jax.numpy as jnp
 
-    if name.startswith("sparse"):
+    if name == "sparse" or name.startswith(("sparse:", "sparse-file:")):
         variants = sparse_variants()
         if name.startswith("sparse-file:"):
-            path, _, spec = name[len("sparse-file:") :].rpartition(":")
-            block_k, stages, exchange = spec.split(",")
-            module = variants.load_module(Path(path))
+            path, config_args = sparse_file_target(name)
+            module = variants.load_module(path)
             attend = module.sparse_mla_rows_attention
-            config = module.SparseMlaKernelConfig(int(block_k), int(stages), exchange)
+            config = module.SparseMlaKernelConfig(*config_args)
         else:
             variant = name.partition(":")[2] or SPARSE_DEFAULT
             attend, config = variants.variant_attend(variants.VARIANTS[variant])
