@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 TARGETS = ("sparse", "ranker-fwd", "ranker-bwd")
-SPARSE_DEFAULT = "one-way max exchange"  # the variant that is SparseMlaKernelConfig()
+SPARSE_DEFAULT = "64-row split"  # the variant that is SparseMlaKernelConfig()
 
 
 def sparse_file_target(name: str) -> tuple[Path, tuple[int, int, str]]:

@@ -34,11 +34,18 @@ from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {
-    "lockstep": {"exchange": "lockstep"},
-    "one-way max exchange": {"exchange": "one_way"},
+    "64-row split": {"block_k": 64, "num_stages": 1, "exchange": "one_way"},
+    "lockstep": {"block_k": 32, "num_stages": 2, "exchange": "lockstep"},
+    "one-way max exchange": {"block_k": 32, "num_stages": 2, "exchange": "one_way"},
     # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
-    "probe: no gather": {"exchange": "one_way", "probe": "no_gather"},
-    "probe: no compute": {"exchange": "one_way", "probe": "no_compute"},
+    "probe: no gather": {
+        "block_k": 64,
+        "num_stages": 1,
+        "exchange": "one_way",
+        "probe": "no_gather",
+    },
+    "probe: no gather, 32-row": {"block_k": 32, "num_stages": 2, "probe": "no_gather"},
+    "probe: no compute": {"block_k": 32, "num_stages": 2, "probe": "no_compute"},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
 STATIC_KNOBS = ("probe",)

@@ -2,7 +2,7 @@
 
 For a set of shapes, bounds layouts and configs, traces ``jax.grad`` of
 ``attn_mosaic_gpu.ranker_attention`` (forward, dq and dk/dv kernels; and two forward-only
-configs) and the sparse-MLA row-table kernel (``sparse-mla``: its two tilings, H=128)
+configs) and the sparse-MLA row-table kernel (``sparse-mla``: its schedules, H=128)
 and prints a hash of a canonical text of the jaxpr: sub-jaxprs inlined (the
 printer's sharing of equal sub-jaxprs depends on how the code is factored), variables
 renamed in order of definition, source locations and object addresses dropped. Equal
@@ -124,8 +124,8 @@ def cases(only: str | None):
 
 
 def sparse_mla_cases():
-    """The sparse-MLA kernel at the benchmark's H=128 shape, both tilings (configs built
-    positionally, so older revisions trace too)."""
+    """The sparse-MLA kernel at the benchmark's H=128 shape, each schedule (configs built
+    positionally, so older revisions trace too; one a revision refuses is left out)."""
     from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
 
     sds = jax.ShapeDtypeStruct
@@ -135,13 +135,16 @@ def sparse_mla_cases():
         sds((256, 2048), jnp.int32),
         sds((256,), jnp.int32),
     )
-    for block_k, stages in ((32, 2), (64, 1)):
-        config = SparseMlaKernelConfig(block_k, stages)
+    for block_k, stages, exchange in ((32, 2, "one_way"), (64, 1, "lockstep"), (64, 1, "one_way")):
+        try:
+            config = SparseMlaKernelConfig(block_k, stages, exchange)
+        except ValueError:  # a revision without this schedule
+            continue
 
         def attend(q, store, rows, counts, config=config):
             return sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.07, config=config)
 
-        yield f"sparse-mla-{block_k}x{stages}", attend, args
+        yield f"sparse-mla-{block_k}x{stages}-{exchange}", attend, args
 
 
 def main() -> None:

@@ -97,11 +97,16 @@ def _flat(fn, case, *, rb=16, **kw):
     )
 
 
-@pytest.mark.parametrize("exchange", ["lockstep", "one_way"])
-def test_flat_units_vs_reference(exchange):
-    """Both max exchanges; the case has empty queries, -1 and duplicate units."""
+SCHEDULES = [(64, 1, "one_way"), (64, 1, "lockstep"), (32, 2, "one_way")]
+SCHEDULE_IDS = ["split64", "lockstep64", "one_way32"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_flat_units_vs_reference(schedule):
+    """Every schedule (the 64-row split one, the default, and both max exchanges); the
+    case has empty queries, -1 and duplicate units."""
     case = flat_case(1)
-    config = SparseMlaKernelConfig(exchange=exchange)
+    config = SparseMlaKernelConfig(*schedule)
     got = _run(_flat, gpu.sparse_mla_attention, case, config=config)
     want = _flat(ref.sparse_mla_attention, case)
     assert np.isneginf(np.asarray(want[1])).any()  # the case has empty queries
@@ -209,10 +214,10 @@ def _ragged(fn, case, page_size=16, **kw):
     )
 
 
-@pytest.mark.parametrize("exchange", ["lockstep", "one_way"])
-def test_ragged_poisoned_vs_reference(exchange):
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_ragged_poisoned_vs_reference(schedule):
     """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
-    the feature padding of every row; both max exchanges."""
+    the feature padding of every row; every schedule."""
     layout, cache, q, idx, positions = ragged_case(10)
     want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
@@ -222,7 +227,7 @@ def test_ragged_poisoned_vs_reference(exchange):
     rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=10)
     rows[:, DK:] = np.nan  # the feature padding past Dk
     dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
-    config = SparseMlaKernelConfig(exchange=exchange)
+    config = SparseMlaKernelConfig(*schedule)
     got = _run(_ragged, gpu.sparse_mla_attention, dirty, config=config)
     _check(got, want)
 
@@ -266,8 +271,8 @@ def test_write_back_bit_identical_and_prefill_wrapper():
 
 @pytest.mark.parametrize(
     "block_k,num_stages,exchange",
-    [(64, 1, "lockstep"), (32, 2, "lockstep"), (32, 1, "lockstep"), (32, 2, "one_way"),
-     (32, 1, "one_way")],
+    [(64, 1, "one_way"), (64, 1, "lockstep"), (32, 2, "lockstep"), (32, 1, "lockstep"),
+     (32, 2, "one_way"), (32, 1, "one_way")],
 )  # fmt: skip
 def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange):
     """128 heads (two programs per token), counts that end inside a block and a pair;
@@ -299,16 +304,19 @@ def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange)
         np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
 
 
+@pytest.mark.parametrize(
+    "schedule", [(64, 1, "one_way"), (32, 2, "one_way")], ids=["split64", "one_way32"]
+)
 @pytest.mark.parametrize("order", ["rising", "falling", "jump"])
-def test_kernel_running_max_moves(order):
+def test_kernel_running_max_moves(order, schedule):
     """Scores whose row maxima rise from pair to pair by small steps and by large ones
     (keys scaled up along the selection), fall (the first pair holds every maximum) or
-    jump once by far more: the one-way kernel (WG0's rescale of its P and accumulator by
-    the pair's max) against float64 math on the same bf16 inputs; 64 heads, 7 pairs, a
-    partial last block, race detection."""
+    jump once by far more: the one-way kernels, 64-row split and 32-row (WG0's rescale of
+    its P and accumulator by the pair's max), against float64 math on the same bf16
+    inputs; 64 heads, 4 or 7 pairs, a partial last block, race detection."""
     rng = np.random.default_rng(11)
     tokens, heads, count, store_rows = 2, 64, 420, 480
-    rows = np.full((tokens, 448), -1, np.int32)
+    rows = np.full((tokens, 512), -1, np.int32)
     for n in range(tokens):
         rows[n, :count] = rng.choice(store_rows, count, replace=False)
     # Key row r's scale: how large the scores of the r-th selected row are.
@@ -324,7 +332,7 @@ def test_kernel_running_max_moves(order):
     store = rng.standard_normal((store_rows, DK)) * key_scale[:, None]
     store = jnp.asarray(store, jnp.bfloat16)
     counts = np.full((tokens,), count, np.int32)
-    config = SparseMlaKernelConfig()
+    config = SparseMlaKernelConfig(*schedule)
     out, lse = _run(
         sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
         sm_scale=SM_SCALE, dv=DV, config=config,
@@ -374,8 +382,8 @@ def test_refuses_what_the_kernel_does_not_take():
         SparseMlaKernelConfig(block_k=64, num_stages=2)
     with pytest.raises(ValueError, match="exchange"):
         SparseMlaKernelConfig(exchange="both")
-    with pytest.raises(ValueError, match="block_k=32"):
-        SparseMlaKernelConfig(block_k=64, num_stages=1, exchange="one_way")
+    # The default is the 64-row split schedule (one-way exchange at block_k=64).
+    assert SparseMlaKernelConfig() == SparseMlaKernelConfig(64, 1, "one_way")
 
 
 # ------------------------------------------------------------------------------------
@@ -390,10 +398,14 @@ def _export(fn, *shapes):
     return text
 
 
-@pytest.mark.parametrize("heads,exchange", [(128, "lockstep"), (64, "lockstep"), (128, "one_way")])
-def test_cross_lowers_flat_token_level(heads, exchange):
+@pytest.mark.parametrize(
+    "heads,schedule",
+    [(128, (64, 1, "one_way")), (64, (64, 1, "one_way")), (128, (64, 1, "lockstep")),
+     (128, (32, 2, "one_way")), (128, (32, 2, "lockstep"))],
+)  # fmt: skip
+def test_cross_lowers_flat_token_level(heads, schedule):
     tokens, top_k, cache = 4096, 2048, 8192
-    config = SparseMlaKernelConfig(exchange=exchange)
+    config = SparseMlaKernelConfig(*schedule)
 
     def fn(q, kv, idx, pos):
         return gpu.sparse_mla_attention(

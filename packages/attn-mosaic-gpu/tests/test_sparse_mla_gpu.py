@@ -55,7 +55,8 @@ def _config_id(c):
 
 
 CONFIGS = [
-    SparseMlaKernelConfig(64, 1),
+    SparseMlaKernelConfig(64, 1, "one_way"),  # the default: the 64-row split schedule
+    SparseMlaKernelConfig(64, 1, "lockstep"),
     SparseMlaKernelConfig(32, 2, "lockstep"),
     SparseMlaKernelConfig(32, 2, "one_way"),
 ]

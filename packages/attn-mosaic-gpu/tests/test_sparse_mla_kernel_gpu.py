@@ -86,7 +86,13 @@ def _poison(nbytes):
 @pytest.mark.parametrize("width", [576, 640])
 @pytest.mark.parametrize(
     "block_k,num_stages,exchange",
-    [(64, 1, "lockstep"), (32, 2, "lockstep"), (32, 1, "lockstep"), (32, 2, "one_way")],
+    [
+        (64, 1, "one_way"),
+        (64, 1, "lockstep"),
+        (32, 2, "lockstep"),
+        (32, 1, "lockstep"),
+        (32, 2, "one_way"),
+    ],
 )
 def test_kernel_matches_oracle(heads, kp, counts, width, block_k, num_stages, exchange):
     sm_scale = 1.0 / np.sqrt(192.0)
@@ -122,5 +128,5 @@ def test_config_rejects_bad_values():
         SparseMlaKernelConfig(block_k=64, num_stages=2)
     with pytest.raises(ValueError, match="num_stages"):
         SparseMlaKernelConfig(block_k=32, num_stages=3)
-    with pytest.raises(ValueError, match="block_k=32"):
-        SparseMlaKernelConfig(block_k=64, num_stages=1, exchange="one_way")
+    # The default is the 64-row split schedule (one-way exchange at block_k=64).
+    assert SparseMlaKernelConfig() == SparseMlaKernelConfig(64, 1, "one_way")

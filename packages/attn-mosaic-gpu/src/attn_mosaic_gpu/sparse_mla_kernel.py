@@ -54,6 +54,22 @@ L2. Three warpgroups (``num_threads=3``):
   ``P`` buffer only after a wait that the other WG's last read of it precedes (each
   WG's wait for the other's max of pair ``p + 1`` follows the other's pair ``p``), so no
   barrier runs two phases ahead of its waiter.
+* The 64-row split schedule (``block_k=64`` with ``exchange="one_way"``, the default):
+  one pair of 64-row blocks (Q and the pair take 216 of the 227 KiB), so QK^T runs
+  N = 64 wide and reads Q from shared memory once per 64 keys instead of once per 32.
+  So that the next pair streams in while this one is used, each block is two parts with
+  their own ``ready`` and ``consumed`` barriers: ``L`` (latent features 0-255, WG0's
+  value half) and ``R`` (latent 256-511, WG1's value half, and the rope features). WG0
+  takes its block's QK^T part L first, WG1 part R first; WG0 hands part L of its block
+  back once its own product is done, WG1 part R of its own block likewise, and each
+  hands back the part the other's product read once that product has landed. The
+  memory WG refills parts in that order: (0, L) and (1, R), then (0, R) and (1, L).
+  The max exchange is the one-way one above; WG0's P goes where its block's rope
+  features were (dead after its QK^T, refilled only with part R once WG1's product
+  has read it), WG1's into its own buffer. Every buffer is addressed with
+  ``p & opaque_zero`` (an input that holds 0) each pair: with one pair of blocks every
+  address is loop-invariant, and the compiler would otherwise compute all 80 wgmma
+  descriptors before the loop and spill them (1048 bytes; 1.6x slower).
 * At the end the WGs add their row sums through shared memory, normalise, and store
   their output half to global memory; WG0 writes the LSE.
 
@@ -96,6 +112,12 @@ _AXIS_HEADS = "head_group"
 _AXIS_TOKENS = "token"
 _AXIS_WG = "wg"
 EXCHANGES = ("lockstep", "one_way")
+_PARTS = ("L", "R")  # 64-row split schedule: latent 0-255; latent 256-511 and rope
+
+
+def _part(block: int, part: str) -> int:
+    """Barrier index of ``part`` of the pair's block ``block`` (split schedule)."""
+    return 2 * block + _PARTS.index(part)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,21 +125,22 @@ class SparseMlaKernelConfig:
     """Tiling of the Hopper sparse-MLA kernel.
 
     ``block_k``: rows per block (each compute WG takes one block of every pair); 64 or
-    32. ``num_stages``: pairs of blocks in the shared-memory ring. Q takes 72 KiB and a
-    pair of 64-row blocks 144 KiB of the 227 KiB, so one pair fits (the next pair's
-    gather waits for the current pair's value product); at 32 rows two pairs fit with
-    their P buffers, so one pair is gathered while the other is consumed. The default,
-    (32, 2), measured 1.4x faster than (64, 1) on an 8K-token cache and 1.8x on a 128K
-    one, where the gather's latency is longest (docs/sparse_mla_gpu.md).
+    32. ``num_stages``: pairs of blocks in shared memory. Q takes 72 KiB and a pair of
+    64-row blocks 144 KiB of the 227 KiB, so at 64 rows one pair fits; at 32 rows two
+    pairs fit with their P buffers, so one pair is gathered while the other is consumed.
     ``exchange``: how the two compute WGs share the running max, ``"lockstep"`` (both
     exchange their block maxima, then both their P) or ``"one_way"`` (WG0 goes ahead on
-    its own max, WG1 publishes the pair's max, WG0 rescales; block_k=32 only; see the
-    module docstring). ``None`` (the default): ``"one_way"`` at block_k=32, 5-6 % faster
-    than the lockstep on the H200 (docs/sparse_mla_gpu.md), ``"lockstep"`` at 64.
+    its own max, WG1 publishes the pair's max, WG0 rescales; see the module docstring).
+    ``None`` resolves to ``"one_way"``. At 64 rows the one-way exchange is the split
+    schedule: each block in two parts with their own barriers, refilled as soon as
+    their last reader is done, so the next pair streams in while this one is used.
+    The default, (64, 1, one_way), ran 1.06-1.21x faster than (32, 2, one_way) on the
+    H200 (docs/sparse_mla_gpu.md): its QK^T wgmmas are N = 64 wide, so Q is read from
+    shared memory once per 64 keys instead of once per 32.
     """
 
-    block_k: int = 32
-    num_stages: int = 2
+    block_k: int = 64
+    num_stages: int = 1
     exchange: str | None = None
 
     def __post_init__(self):
@@ -131,11 +154,9 @@ class SparseMlaKernelConfig:
                 f"{2 * self.block_k * 1152 // 1024} KiB of the 227 KiB of shared memory)"
             )
         if self.exchange is None:  # frozen: resolve the default in place
-            object.__setattr__(self, "exchange", "one_way" if self.block_k == 32 else "lockstep")
+            object.__setattr__(self, "exchange", "one_way")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange: got {self.exchange!r}, expected one of {EXCHANGES}")
-        if self.exchange == "one_way" and self.block_k != 32:
-            raise ValueError("exchange='one_way' takes block_k=32 (P in its own buffers)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +190,10 @@ def _transforms(block_k: int):
     return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(swizzle))
 
 
-def _gather_block(st: _Static):
+def _gather_block(st: _Static, part: str | None = None):
     """cp.async gather of one block of rows into its (latent, rope) slots (see the
-    module docstring).
+    module docstring); ``part`` ``"L"`` copies only the first half of the latent
+    features, ``"R"`` the second half and the rope features (64-row split schedule).
 
     The shared-memory slots are tiled ``[rows / 8, features / T, 8, T]`` (``T`` = 64 or
     32 bf16 per row of a tile, 128 or 64 bytes) and swizzled: 16-byte chunk ``c`` of row
@@ -213,10 +235,16 @@ def _gather_block(st: _Static):
         store_ptr = llvm.addrspacecast(
             llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
         )
-        slots = (
-            (mgpu_utils.memref_ptr(latent), latent_tiles),
-            (mgpu_utils.memref_ptr(rope), rope_tiles),
-        )
+        latent_ptr, rope_ptr = mgpu_utils.memref_ptr(latent), mgpu_utils.memref_ptr(rope)
+        # (slot, tiles per row of the slot, tile in the slot, feature tile of the row)
+        latent_range = {
+            None: range(latent_tiles),
+            "L": range(latent_tiles // 2),
+            "R": range(latent_tiles // 2, latent_tiles),
+        }[part]
+        copies = [(latent_ptr, latent_tiles, j, j) for j in latent_range]
+        if part in (None, "R"):
+            copies += [(rope_ptr, rope_tiles, j, latent_tiles + j) for j in range(rope_tiles)]
         for i in range(rows_per_thread):
             r = arith.addi(group, const(row_groups * i))
             row = memref.load(rows, [arith.index_cast(index, r)])
@@ -233,38 +261,36 @@ def _gather_block(st: _Static):
                 arith.muli(r_lo, const(tile)),
                 arith.muli(arith.xori(chunk, phase), const(_CHUNK)),
             )
-            feature_tile = 0
-            for dst_base, tiles in slots:
-                row_tile = arith.muli(arith.divui(r, const(8)), const(tiles))
-                for j in range(tiles):
-                    dst_off = arith.addi(
-                        arith.muli(arith.addi(row_tile, const(j)), const(8 * tile)), in_tile
-                    )
-                    src_off = arith.addi(src0, const(feature_tile * tile, i64))
-                    nvvm.cp_async_shared_global(
-                        mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
-                        mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
-                        16,
-                        nvvm.LoadCacheModifierKind.CG,
-                        cp_size=src_bytes,
-                    )
-                    feature_tile += 1
+            row_tile = arith.divui(r, const(8))
+            for dst_base, tiles, j, feature_tile in copies:
+                first_tile = arith.addi(arith.muli(row_tile, const(tiles)), const(j))
+                dst_off = arith.addi(arith.muli(first_tile, const(8 * tile)), in_tile)
+                src_off = arith.addi(src0, const(feature_tile * tile, i64))
+                nvvm.cp_async_shared_global(
+                    mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
+                    mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
+                    16,
+                    nvvm.LoadCacheModifierKind.CG,
+                    cp_size=src_bytes,
+                )
         nvvm.cp_async_commit_group()
 
     return gather
 
 
-def _gather_block_interpret(st: _Static):
+def _gather_block_interpret(st: _Static, part: str | None = None):
     """The same gather for interpret mode, which does not run inline Mosaic GPU code."""
     dv = st.dv
+    lo, hi = {None: (0, dv), "L": (0, dv // 2), "R": (dv // 2, dv)}[part]
 
     def gather(store, rows, latent, rope):
         def one(r, carry):
             row = rows[r]
             data = store[jnp.maximum(row, 0), pl.ds(0, dv + ROPE)]
             data = jnp.where(row >= 0, data, jnp.zeros_like(data))
-            latent[r, :] = data[:dv]
-            rope[r, :] = data[dv:]
+            latent[r, pl.ds(lo, hi - lo)] = data[lo:hi]
+            if part != "L":
+                rope[r, :] = data[dv:]
             return carry
 
         lax.fori_loop(0, st.block_k, one, 0)
@@ -299,6 +325,14 @@ def _build_kernel(st: _Static, *, interpret: bool):
     # [64, 64], dead once its QK^T is done (the same tiled layout). 32-row blocks: one P
     # buffer per compute WG, reused every pair.
     p_in_rope = block_k == ROPE
+    # 64-row blocks with the one-way exchange: one pair of blocks, each in two parts
+    # with their own barriers (see the module docstring).
+    split = block_k == ROPE and st.exchange == "one_way"
+    if split and st.probe == "no_compute":
+        raise NotImplementedError("probe='no_compute' takes the pair-ring schedules only")
+    if split:
+        make = _gather_block_interpret if interpret else _gather_block
+        gather_part = {h: make(st, h) for h in _PARTS}
 
     def block(buf, ring, w):
         # Ring slot `ring` holds a pair of blocks, WG0's then WG1's: [2 * stages, block_k, F].
@@ -308,14 +342,21 @@ def _build_kernel(st: _Static, *, interpret: bool):
         if not interpret:
             _wait_copies(pending)
 
-    def kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, scoped):
-        (q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats), barriers = scoped
+    def kernel(q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped):
+        (q_lat_all, q_rope_all, k_lat, k_rope, p_bufs, p_local, stats), barriers = scoped
+        q_lat, q_rope = q_lat_all.at[0], q_rope_all.at[0]
         ready, consumed, q_ready, pair, max_ready, p_ready = barriers
         group = lax.axis_index(_AXIS_HEADS)
         token = lax.axis_index(_AXIS_TOKENS)
         wg = lax.axis_index(_AXIS_WG)
         h0 = group * heads
         count = counts_ref[token]
+        # 0 at run time (an input that holds 0), so the compiler can derive nothing
+        # about it: the split schedule addresses its buffers with `p & opaque_zero` each
+        # pair, which keeps its 80 wgmma descriptors from being computed before the pair
+        # loop and spilled (1048 bytes of spills and 1.6x slower without; a zero derived
+        # from `count` is folded away, since the loop runs only while count > 0).
+        opaque_zero = zero_ref[0]
         num_pairs = lax.div(count + 2 * block_k - 1, jnp.int32(2 * block_k))
 
         def pair_sync():
@@ -537,6 +578,107 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 m_i, l_i, acc = walk_pairs(step, (m_init, l_init, acc))
                 return (acc if interpret else acc_ref[...]), m_i, l_i
 
+            def split_pairs(w, s_ref=None, acc_ref=None):
+                """WG ``w``'s pair loop in the 64-row split schedule (``block_k=64``,
+                ``exchange="one_way"``): the one-way exchange, QK^T issued part by part
+                as the parts land, and every part handed back as soon as its last
+                reader is done, so the memory WG refills it while the pair goes on."""
+                cols = pl.ds(w * half, half)
+
+                def p_bufs_of(o):
+                    """(this WG's P buffer, the other's), addressed with ``o``."""
+                    p_mine = k_rope.at[o] if w == 0 else p_bufs.at[o]  # where this WG's P goes
+                    p_theirs = p_bufs.at[o] if w == 0 else k_rope.at[o]
+                    return p_mine, p_theirs
+
+                def to_acc(x):
+                    return lax.broadcast_in_dim(x, (heads, half), [0])
+
+                def qk_part(h, acc, o):
+                    """Wait for part ``h`` of this WG's block; add its QK^T to ``acc``."""
+                    plgpu.barrier_wait(ready.at[_part(w, h)])
+                    feats = pl.ds(_PARTS.index(h) * half, half)
+                    k_part = k_lat.at[w + o].at[:, feats].transpose((1, 0))
+                    plgpu.wgmma(acc, q_lat_all.at[o].at[:, feats], k_part)
+                    if h == "R":
+                        plgpu.wgmma(acc, q_rope_all.at[o], k_rope.at[w + o].transpose((1, 0)))
+
+                def scores(s_ref, o):
+                    """S of this WG's block (WG0: L then R part; WG1: R then L)."""
+                    if interpret:
+
+                        def qk(acc_ref):
+                            qk_part(_PARTS[w], acc_ref, o)
+                            qk_part(_PARTS[1 - w], acc_ref, o)
+                            return acc_ref[...]
+
+                        return pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
+                    s_ref[...] = s_zero
+                    qk_part(_PARTS[w], s_ref, o)
+                    qk_part(_PARTS[1 - w], s_ref, o)
+                    return s_ref[...]
+
+                def step(p, carry, masked):
+                    m_i, l_i, acc = carry
+                    o = lax.bitwise_and(p, opaque_zero)
+                    p_mine, p_theirs = p_bufs_of(o)
+                    s = masked_scores(p, scores(s_ref, o), masked)
+                    own_v = k_lat.at[w + o].at[:, cols]
+                    their_v = k_lat.at[1 - w + o].at[:, cols]
+                    if w == 0:
+                        m_own = jnp.maximum(m_i, scaled_max(s))
+                    else:
+                        plgpu.barrier_wait(max_ready.at[0])
+                        m_0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
+                        m_own = jnp.maximum(m_0, scaled_max(s))
+                    stats.at[w][...] = m_own
+                    plgpu.barrier_arrive(max_ready.at[w])
+                    probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - m_own)
+                    l_i = l_i * alpha + probs.sum(axis=1)
+                    p16 = probs.astype(jnp.bfloat16)
+                    if interpret:  # the own product reads P back from shared memory
+                        p_mine[...] = p16
+                    acc = pv_add(acc, acc_ref, p_mine if interpret else p16, own_v, to_acc(alpha))
+                    if w == 0:
+                        # Own block's value half (part L) is done: hand it back.
+                        if not interpret:
+                            plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[_part(0, "L")])
+                        plgpu.barrier_wait(max_ready.at[1])
+                        m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
+                        shift = jnp.exp2(m_own - m_new)
+                        p_mine[...] = (probs * lax.broadcast_in_dim(shift, s.shape, [0])).astype(
+                            jnp.bfloat16
+                        )
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(p_ready.at[0])
+                        l_i = l_i * shift
+                        plgpu.barrier_wait(p_ready.at[1])
+                        acc = pv_add(acc, acc_ref, p_theirs, their_v, to_acc(shift))
+                        if not interpret:
+                            plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[_part(1, "L")])
+                    else:
+                        m_new = m_own
+                        if not interpret:
+                            p_mine[...] = p16
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(p_ready.at[1])
+                        plgpu.barrier_wait(p_ready.at[0])
+                        acc = pv_add(acc, acc_ref, p_theirs, their_v)
+                        if not interpret:
+                            plgpu.wgmma_wait(1)
+                        plgpu.barrier_arrive(consumed.at[_part(1, "R")])
+                        if not interpret:
+                            plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[_part(0, "R")])
+                    return m_new, l_i, acc
+
+                acc = acc_zero if interpret else None
+                m_i, l_i, acc = walk_pairs(step, (m_init, l_init, acc))
+                return (acc if interpret else acc_ref[...]), m_i, l_i
+
             def run_pairs(loop):
                 if interpret:
                     return loop()
@@ -579,6 +721,13 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
             if st.probe == "no_compute":
                 finish(*consume_only())
+            elif split:
+                for w in range(_COMPUTE_WGS):
+
+                    @pl.when(wg == w)
+                    def _split(w=w):
+                        finish(*run_pairs(functools.partial(split_pairs, w)))
+
             elif st.exchange == "one_way":
                 for w in range(_COMPUTE_WGS):
 
@@ -589,7 +738,43 @@ def _build_kernel(st: _Static, *, interpret: bool):
             else:
                 finish(*run_pairs(pairs))
 
-        @pl.when(wg == _COMPUTE_WGS)
+        def _memory_split():
+            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+
+            def publish(*parts):
+                """Publish the last ``len(parts)`` issued parts (oldest first) once copied."""
+                for i, (b, h) in enumerate(parts):
+                    wait_copies(len(parts) - 1 - i)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ready.at[_part(b, h)])
+
+            # Parts in the order they are freed: WG0's own value half (0, L) and WG1's
+            # (1, R) mid-pair, then the halves read by the other WG's product.
+            @pl.loop(0, num_pairs)
+            def _issue(p):
+                for parts in (((0, "L"), (1, "R")), ((0, "R"), (1, "L"))):
+                    for b, h in parts:
+
+                        @pl.when(p >= 1)
+                        def _wait_free(b=b, h=h):
+                            plgpu.barrier_wait(consumed.at[_part(b, h)])
+
+                        if st.probe != "no_gather":
+                            gather_part[h](
+                                store_ref,
+                                rows_ref.at[token, pl.ds((2 * p + b) * block_k, block_k)],
+                                k_lat.at[b],
+                                k_rope.at[b],
+                            )
+                    publish(*parts)
+
+            # Drain: observe the consumption of the last pair before the barriers die.
+            @pl.when(num_pairs > 0)
+            def _drain():
+                for b in range(_COMPUTE_WGS):
+                    for h in _PARTS:
+                        plgpu.barrier_wait(consumed.at[_part(b, h)])
+
         def _memory():
             plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
 
@@ -640,30 +825,40 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 plgpu.barrier_wait(consumed.at[ring * 2])
                 plgpu.barrier_wait(consumed.at[ring * 2 + 1])
 
-    def entry(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref):
+        pl.when(wg == _COMPUTE_WGS)(_memory_split if split else _memory)
+
+    def entry(q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref):
         tiled = _transforms(block_k)
         slots = 2 * stages
         bf16 = jnp.bfloat16
-        q_lat = plgpu.SMEM((heads, dv), bf16, transforms=tiled)
-        q_rope = plgpu.SMEM((heads, ROPE), bf16, transforms=tiled)
+        # Q with a leading axis of 1, so the split schedule can address it anew each pair.
+        q_lat = plgpu.SMEM((1, heads, dv), bf16, transforms=tiled)
+        q_rope = plgpu.SMEM((1, heads, ROPE), bf16, transforms=tiled)
         k_lat = plgpu.SMEM((slots, block_k, dv), bf16, transforms=tiled)
         k_rope = plgpu.SMEM((slots, block_k, ROPE), bf16, transforms=tiled)
         p_bufs = None
         if not p_in_rope:
             p_bufs = plgpu.SMEM((_COMPUTE_WGS, heads, block_k), bf16, transforms=tiled)
+        elif split:  # WG1's P (WG0's goes where block 0's rope was)
+            p_bufs = plgpu.SMEM((1, heads, block_k), bf16, transforms=tiled)
         # one_way in interpret mode: WG0's own P, read back by its own value product.
         one_way = st.exchange == "one_way"
         p_local = None
-        if interpret and one_way:
+        if interpret and one_way and not split:
             p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
         # Per-row exchange between the compute WGs: the maxima, then the sums.
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
         pl.run_scoped(
-            lambda *args: kernel(q_ref, store_ref, rows_ref, counts_ref, out_ref, lse_ref, args),
+            lambda *args: kernel(
+                q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, args
+            ),
             [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats],
             (
-                plgpu.Barrier(num_barriers=slots),
-                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
+                # ready / consumed: per block, or per part of a block (split)
+                plgpu.Barrier(num_barriers=2 * slots if split else slots),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots)
+                if split
+                else plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
                 plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
                 # one_way: WG w's running max (max_ready[w]) and P (p_ready[w]) are out
@@ -710,7 +905,7 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
             reduction_scratch_bytes=0,
         ),
         interpret=interpret,
-    )(q, store, rows, counts)
+    )(q, store, rows, counts, jnp.zeros((1,), jnp.int32))
 
 
 def _padded_static(
