@@ -46,9 +46,18 @@ VARIANTS = {
     },
     "probe: no gather, 32-row": {"block_k": 32, "num_stages": 2, "probe": "no_gather"},
     "probe: no compute": {"block_k": 32, "num_stages": 2, "probe": "no_compute"},
+    # The split schedule's knobs under measurement (_Static, see sparse_mla_kernel).
+    "split, registers 232/40": {"compute_registers": 232},
+    "split, noinc": {"noinc": True},
+    "split, noinc, 232/40": {"noinc": True, "compute_registers": 232},
+    "split, L2 256B": {"copy_hint": "256B"},
+    "split, L2 256B evict-last": {"copy_hint": "256B_evict_last"},
+    "split, noinc, L2 256B evict-last": {"noinc": True, "copy_hint": "256B_evict_last"},
+    "split, early P0": {"early_p0": True},
+    "split, noinc, early P0": {"noinc": True, "early_p0": True},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
-STATIC_KNOBS = ("probe",)
+STATIC_KNOBS = ("probe", "compute_registers", "copy_hint", "noinc", "early_p0")
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
 

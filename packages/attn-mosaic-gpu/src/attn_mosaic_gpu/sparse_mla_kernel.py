@@ -173,6 +173,17 @@ class _Static:
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
+    # Benchmark knobs under measurement: setmaxnreg of each compute WG (the memory WG
+    # keeps the rest); the cp.async L2 hint ("" none, "256B" an L2 prefetch of 256 bytes,
+    # "256B_evict_last" and an evict-last cache policy); and, in the split schedule, parts
+    # published by the copies themselves (cp.async.mbarrier.arrive.noinc on hand-kept
+    # barriers) instead of by the memory WG once it has waited for them.
+    compute_registers: int = _COMPUTE_REGISTERS
+    copy_hint: str = ""
+    noinc: bool = False
+    # Split schedule: WG0 publishes its rescaled P for WG1 while its own value product
+    # runs, and only then waits for that product to hand its part L back.
+    early_p0: bool = False
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -237,6 +248,31 @@ def _gather_block(st: _Static, part: str | None = None):
             llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
         )
         latent_ptr, rope_ptr = mgpu_utils.memref_ptr(latent), mgpu_utils.memref_ptr(rope)
+        policy = None
+        if st.copy_hint == "256B_evict_last":
+            policy = mgpu_utils.inline_ptx(
+                "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", result_types=i64
+            )
+
+        def copy16(dst, src, src_bytes):
+            """One 16-byte cp.async (``src_bytes`` 0 zero-fills), with the L2 hint."""
+            if not st.copy_hint:
+                nvvm.cp_async_shared_global(
+                    dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=src_bytes
+                )
+            elif policy is None:
+                mgpu_utils.inline_ptx(
+                    "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", dst, src, src_bytes
+                )
+            else:
+                mgpu_utils.inline_ptx(
+                    "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
+                    dst,
+                    src,
+                    src_bytes,
+                    policy,
+                )
+
         # (slot, tiles per row of the slot, tile in the slot, feature tile of the row)
         latent_range = {
             None: range(latent_tiles),
@@ -267,12 +303,10 @@ def _gather_block(st: _Static, part: str | None = None):
                 first_tile = arith.addi(arith.muli(row_tile, const(tiles)), const(j))
                 dst_off = arith.addi(arith.muli(first_tile, const(8 * tile)), in_tile)
                 src_off = arith.addi(src0, const(feature_tile * tile, i64))
-                nvvm.cp_async_shared_global(
+                copy16(
                     mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
                     mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
-                    16,
-                    nvvm.LoadCacheModifierKind.CG,
-                    cp_size=src_bytes,
+                    src_bytes,
                 )
         nvvm.cp_async_commit_group()
 
@@ -311,6 +345,73 @@ def _wait_copies(pending: int):
     wait()
 
 
+# Hand-kept mbarriers (``noinc``): Pallas's barriers cannot be handed to inline Mosaic GPU
+# code, which ``cp.async.mbarrier.arrive`` needs, so these live in a plain shared-memory
+# buffer (two 32-bit words per barrier) and are waited on by parity (pair ``p``: ``p & 1``).
+def _mbarrier_ptr(ref, index: int):
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    i64 = ir.IntegerType.get_signless(64)
+    return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [index], i64)
+
+
+def _init_copy_barriers(bars, arrivals: int):
+    """Initialise every barrier of ``bars`` for ``arrivals`` arrivals (one thread), then
+    sync the whole CTA, so no thread uses one before it is initialised."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, nvvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    count = bars.shape[0] // 2
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def init(ctx, ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        first = mgpu_utils.single_thread_predicate(scope=mgpu_utils.ThreadSubset.BLOCK)
+        for i in range(count):
+            nvvm.mbarrier_init(
+                _mbarrier_ptr(ref, i), arith.constant(i32, arrivals), predicate=first
+            )
+        nvvm.fence_mbarrier_init()
+        gpu.barrier()
+
+    init(bars)
+
+
+def _arrive_on_copies(bars, index: int):
+    """Arrive on barrier ``index`` once this thread's cp.async copies so far have landed
+    (``.noinc``: the arrival counts towards the barrier's initial count)."""
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def arrive(ctx, ref):
+        del ctx
+        nvvm.cp_async_mbarrier_arrive(_mbarrier_ptr(ref, index), noinc=True)
+
+    arrive(bars)
+
+
+def _wait_copies_landed(bars, index: int, parity):
+    """Wait for phase ``parity`` of barrier ``index``, then fence for the async proxy:
+    the copies were written by the generic proxy, and wgmma reads through the async one."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, nvvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
+    def wait(ctx, ref, phase):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        (phase,) = phase.registers.flat
+        nvvm.mbarrier_try_wait_parity(
+            _mbarrier_ptr(ref, index), phase, arith.constant(i32, 10_000_000)
+        )
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    wait(bars, parity)
+
+
 def _build_kernel(st: _Static, *, interpret: bool):
     """The kernel body. ``interpret``: the Mosaic GPU interpreter runs neither inline
     Mosaic GPU code (the cp.async gather: rows are copied by plain loads and stores
@@ -334,6 +435,9 @@ def _build_kernel(st: _Static, *, interpret: bool):
     if split:
         make = _gather_block_interpret if interpret else _gather_block
         gather_part = {h: make(st, h) for h in _PARTS}
+    # Parts published by their copies (hand-kept barriers; the interpreter runs no inline
+    # Mosaic GPU code, so it keeps the memory WG's arrivals).
+    noinc = split and st.noinc and not interpret
 
     def block(buf, ring, w):
         # Ring slot `ring` holds a pair of blocks, WG0's then WG1's: [2 * stages, block_k, F].
@@ -344,7 +448,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
             _wait_copies(pending)
 
     def kernel(q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped):
-        (q_lat_all, q_rope_all, k_lat, k_rope, p_bufs, p_local, stats), barriers = scoped
+        (q_lat_all, q_rope_all, k_lat, k_rope, p_bufs, p_local, stats, copy_bars), barriers = scoped
         q_lat, q_rope = q_lat_all.at[0], q_rope_all.at[0]
         ready, consumed, q_ready, pair, max_ready, p_ready = barriers
         group = lax.axis_index(_AXIS_HEADS)
@@ -364,9 +468,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
             plgpu.barrier_arrive(pair)
             plgpu.barrier_wait(pair)
 
+        if noinc:
+            _init_copy_barriers(copy_bars, _THREADS)
+
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(st.compute_registers, action="increase")
             other = 1 - wg
 
             @pl.when(wg == 0)
@@ -595,35 +702,39 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 def to_acc(x):
                     return lax.broadcast_in_dim(x, (heads, half), [0])
 
-                def qk_part(h, acc, o):
-                    """Wait for part ``h`` of this WG's block; add its QK^T to ``acc``."""
-                    plgpu.barrier_wait(ready.at[_part(w, h)])
+                def qk_part(h, acc, o, p):
+                    """Wait for part ``h`` of this WG's block of pair ``p``; add its QK^T
+                    to ``acc``."""
+                    if noinc:
+                        _wait_copies_landed(copy_bars, _part(w, h), lax.bitwise_and(p, 1))
+                    else:
+                        plgpu.barrier_wait(ready.at[_part(w, h)])
                     feats = pl.ds(_PARTS.index(h) * half, half)
                     k_part = k_lat.at[w + o].at[:, feats].transpose((1, 0))
                     plgpu.wgmma(acc, q_lat_all.at[o].at[:, feats], k_part)
                     if h == "R":
                         plgpu.wgmma(acc, q_rope_all.at[o], k_rope.at[w + o].transpose((1, 0)))
 
-                def scores(s_ref, o):
+                def scores(s_ref, o, p):
                     """S of this WG's block (WG0: L then R part; WG1: R then L)."""
                     if interpret:
 
                         def qk(acc_ref):
-                            qk_part(_PARTS[w], acc_ref, o)
-                            qk_part(_PARTS[1 - w], acc_ref, o)
+                            qk_part(_PARTS[w], acc_ref, o, p)
+                            qk_part(_PARTS[1 - w], acc_ref, o, p)
                             return acc_ref[...]
 
                         return pl.run_scoped(qk, plgpu.ACC((heads, block_k), jnp.float32))
                     s_ref[...] = s_zero
-                    qk_part(_PARTS[w], s_ref, o)
-                    qk_part(_PARTS[1 - w], s_ref, o)
+                    qk_part(_PARTS[w], s_ref, o, p)
+                    qk_part(_PARTS[1 - w], s_ref, o, p)
                     return s_ref[...]
 
                 def step(p, carry, masked):
                     m_i, l_i, acc = carry
                     o = lax.bitwise_and(p, opaque_zero)
                     p_mine, p_theirs = p_bufs_of(o)
-                    s = masked_scores(p, scores(s_ref, o), masked)
+                    s = masked_scores(p, scores(s_ref, o, p), masked)
                     own_v = k_lat.at[w + o].at[:, cols]
                     their_v = k_lat.at[1 - w + o].at[:, cols]
                     if w == 0:
@@ -642,10 +753,15 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         p_mine[...] = p16
                     acc = pv_add(acc, acc_ref, p_mine if interpret else p16, own_v, to_acc(alpha))
                     if w == 0:
-                        # Own block's value half (part L) is done: hand it back.
-                        if not interpret:
-                            plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[_part(0, "L")])
+
+                        def hand_back_l():
+                            # Own block's value half (part L) is done: hand it back.
+                            if not interpret:
+                                plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(consumed.at[_part(0, "L")])
+
+                        if not st.early_p0:
+                            hand_back_l()
                         plgpu.barrier_wait(max_ready.at[1])
                         m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
                         shift = jnp.exp2(m_own - m_new)
@@ -654,6 +770,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         )
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(p_ready.at[0])
+                        if st.early_p0:
+                            hand_back_l()
                         l_i = l_i * shift
                         plgpu.barrier_wait(p_ready.at[1])
                         acc = pv_add(acc, acc_ref, p_theirs, their_v, to_acc(shift))
@@ -740,7 +858,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 finish(*run_pairs(pairs))
 
         def _memory_split():
-            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
             def publish(*parts):
                 """Publish the last ``len(parts)`` issued parts (oldest first) once copied."""
@@ -767,7 +885,10 @@ def _build_kernel(st: _Static, *, interpret: bool):
                                 k_lat.at[b],
                                 k_rope.at[b],
                             )
-                    publish(*parts)
+                        if noinc:
+                            _arrive_on_copies(copy_bars, _part(b, h))
+                    if not noinc:
+                        publish(*parts)
 
             # Drain: observe the consumption of the last pair before the barriers die.
             @pl.when(num_pairs > 0)
@@ -777,7 +898,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         plgpu.barrier_wait(consumed.at[_part(b, h)])
 
         def _memory():
-            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
             def signal_ready(pair):
                 """Publish ``pair``'s two blocks once copied: the pair issued last, whose
@@ -849,11 +970,13 @@ def _build_kernel(st: _Static, *, interpret: bool):
             p_local = plgpu.SMEM((heads, block_k), bf16, transforms=tiled)
         # Per-row exchange between the compute WGs: the maxima, then the sums.
         stats = plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32)
+        # noinc: the parts' hand-kept barriers, two 32-bit words each.
+        copy_bars = plgpu.SMEM((2 * 2 * slots,), jnp.uint32) if noinc else None
         pl.run_scoped(
             lambda *args: kernel(
                 q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, args
             ),
-            [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats],
+            [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats, copy_bars],
             (
                 # ready / consumed: per block, or per part of a block (split)
                 plgpu.Barrier(num_barriers=2 * slots if split else slots),
