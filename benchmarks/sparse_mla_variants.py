@@ -53,6 +53,8 @@ VARIANTS = {
     "split, L2 256B": {"copy_hint": "256B"},
     "split, L2 256B evict-last": {"copy_hint": "256B_evict_last"},
     "split, noinc, L2 256B evict-last": {"noinc": True, "copy_hint": "256B_evict_last"},
+    "split, noinc, 224/56": {"noinc": True, "compute_registers": 224},
+    "split, noinc, 232/40, L2 256B": {"noinc": True, "compute_registers": 232, "copy_hint": "256B"},
     "split, early P0": {"early_p0": True},
     "split, noinc, early P0": {"noinc": True, "early_p0": True},
 }
