@@ -46,20 +46,13 @@ VARIANTS = {
     },
     "probe: no gather, 32-row": {"block_k": 32, "num_stages": 2, "probe": "no_gather"},
     "probe: no compute": {"block_k": 32, "num_stages": 2, "probe": "no_compute"},
-    # The split schedule's knobs under measurement (_Static, see sparse_mla_kernel).
-    "split, registers 232/40": {"compute_registers": 232},
-    "split, noinc": {"noinc": True},
-    "split, noinc, 232/40": {"noinc": True, "compute_registers": 232},
-    "split, L2 256B": {"copy_hint": "256B"},
-    "split, L2 256B evict-last": {"copy_hint": "256B_evict_last"},
-    "split, noinc, L2 256B evict-last": {"noinc": True, "copy_hint": "256B_evict_last"},
-    "split, noinc, 224/56": {"noinc": True, "compute_registers": 224},
-    "split, noinc, 232/40, L2 256B": {"noinc": True, "compute_registers": 232, "copy_hint": "256B"},
-    "split, early P0": {"early_p0": True},
-    "split, noinc, early P0": {"noinc": True, "early_p0": True},
+    # The split schedule at the 32-row kernel's registers (the default before 2026-12-02).
+    "split, registers 240/24": {"compute_registers": 240},
+    "split, L2 prefetch 1 pair ahead": {"prefetch_pairs": 1},
+    "split, L2 prefetch 2 pairs ahead": {"prefetch_pairs": 2},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
-STATIC_KNOBS = ("probe", "compute_registers", "copy_hint", "noinc", "early_p0")
+STATIC_KNOBS = ("probe", "compute_registers", "prefetch_pairs")
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
 

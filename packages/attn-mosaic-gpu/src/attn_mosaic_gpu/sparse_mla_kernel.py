@@ -14,7 +14,7 @@ Grid ``(Hp // 64, N)``: one program per (query token, group of 64 heads), head g
 fastest so the programs of one token run side by side and share its gathered rows in
 L2. Three warpgroups (``num_threads=3``):
 
-* WG2 (memory, ``setmaxnreg 24``) gathers the token's selected rows, ``block_k`` rows
+* WG2 (memory; ``setmaxnreg`` 24, 40 in the split schedule) gathers the token's selected rows, ``block_k`` rows
   per block, with 16-byte ``cp.async`` copies issued by all 128 threads (Hopper's TMA
   has no row gather): 8 threads per row, each thread copying the same 16-byte chunk of
   every 64-feature tile of its rows, straight into the 128-byte-swizzled tiled layout
@@ -27,7 +27,7 @@ L2. Three warpgroups (``num_threads=3``):
   pair ``p``'s slots to be ``consumed`` and issue it. So a pair is published as soon as
   it has landed, never behind the next pair's issue (the row ids' global loads and the
   copies), and pair ``p`` is in flight while the compute WGs work on pair ``p - 1``.
-* WG0, WG1 (compute, ``setmaxnreg 240``) each own one block of every pair and one half
+* WG0, WG1 (compute; ``setmaxnreg`` 240, 232 in the split schedule) each own one block of every pair and one half
   of the value features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator).
   Per pair: ``S = Q K^T`` over the 512 latent and the 64 rope features of its own block
   (two wgmmas from shared memory), the columns past ``counts[n]`` masked; the two WGs
@@ -64,10 +64,19 @@ L2. Three warpgroups (``num_threads=3``):
   back once its own product is done, WG1 part R of its own block likewise, and each
   hands back the part the other's product read once that product has landed. The
   memory WG refills parts in that order: (0, L) and (1, R), then (0, R) and (1, L).
-  The max exchange is the one-way one above; WG0's P goes where its block's rope
-  features were (dead after its QK^T, refilled only with part R once WG1's product
-  has read it), WG1's into its own buffer. Every buffer is addressed with
-  ``p & opaque_zero`` (an input that holds 0) each pair: with one pair of blocks every
+  The memory WG does not wait for a part's copies: after issuing them, each of its
+  threads executes ``cp.async.mbarrier.arrive.noinc`` on the part's ``ready`` barrier
+  (128 arrivals), which arrives once that thread's copies have landed, so it goes on to
+  the next freed part at once (the kernel 1.10-1.13x faster on the H200 than waiting for
+  the copies and arriving itself; with the registers 232/40, which the memory WG's
+  gathers want, 1.15-1.18x). Pallas barriers cannot be handed to inline Mosaic GPU
+  code, so these four are hand-kept in a shared-memory buffer and waited on by parity
+  (``p & 1``); the waiting compute thread fences the async proxy (the copies are
+  generic-proxy writes, wgmma reads through the async proxy). The interpreter keeps the
+  memory WG's own arrivals. The max exchange is the one-way one above; WG0's P goes
+  where its block's rope features were (dead after its QK^T, refilled only with part R
+  once WG1's product has read it), WG1's into its own buffer. Every buffer is addressed
+  with ``p & opaque_zero`` (an input that holds 0) each pair: with one pair of blocks every
   address is loop-invariant, and the compiler would otherwise compute all 80 wgmma
   descriptors before the loop and spill them (1048 bytes; 1.6x slower).
 * At the end the WGs add their row sums through shared memory, normalise, and store
@@ -98,11 +107,11 @@ __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attent
 HEADS_PER_PROGRAM = 64  # wgmma M rows per warpgroup; both compute WGs share the heads
 ROPE = 64  # rope features of a key row (Dk - Dv)
 _COMPUTE_WGS = 2
-# setmaxnreg: 2 x 240 + 24 = 504 of the 512 registers per thread slot. ptxas reports
-# 156 bytes of spill stores at 232/40 and 80 at 240/24 (benchmarks/kernel_dump.py);
-# 240/24 ran 3-4 % faster than 232/40 on the H200, 224/56 and 216/72 slower
-# (docs/sparse_mla_gpu.md).
-_COMPUTE_REGISTERS = 240  # the memory WG keeps the rest: 24, setmaxnreg's floor
+# setmaxnreg of each compute WG; the memory WG keeps the rest of the 504 per thread slot.
+# 32-row blocks: 240 (the memory WG 24, setmaxnreg's floor) ran 3-4 % faster than 232/40,
+# 224/56 and 216/72 slower. The split schedule: 232 (memory 40) ran the kernel 1.09-1.10x
+# faster than 240/24 on the H200, 224/56 as fast as 232 (docs/sparse_mla_gpu.md).
+_COMPUTE_REGISTERS = {"split": 232, "ring": 240}
 _THREADS = 128  # per warpgroup
 _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
@@ -173,17 +182,12 @@ class _Static:
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
-    # Benchmark knobs under measurement: setmaxnreg of each compute WG (the memory WG
-    # keeps the rest); the cp.async L2 hint ("" none, "256B" an L2 prefetch of 256 bytes,
-    # "256B_evict_last" and an evict-last cache policy); and, in the split schedule, parts
-    # published by the copies themselves (cp.async.mbarrier.arrive.noinc on hand-kept
-    # barriers) instead of by the memory WG once it has waited for them.
-    compute_registers: int = _COMPUTE_REGISTERS
-    copy_hint: str = ""
-    noinc: bool = False
-    # Split schedule: WG0 publishes its rescaled P for WG1 while its own value product
-    # runs, and only then waits for that product to hand its part L back.
-    early_p0: bool = False
+    # Benchmark-only: setmaxnreg of each compute WG (the memory WG keeps the rest);
+    # None: the schedule's own (_compute_registers).
+    compute_registers: int | None = None
+    # Benchmark-only (split schedule): L2 prefetch of the rows this many pairs ahead
+    # (0: none).
+    prefetch_pairs: int = 0
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -248,31 +252,6 @@ def _gather_block(st: _Static, part: str | None = None):
             llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
         )
         latent_ptr, rope_ptr = mgpu_utils.memref_ptr(latent), mgpu_utils.memref_ptr(rope)
-        policy = None
-        if st.copy_hint == "256B_evict_last":
-            policy = mgpu_utils.inline_ptx(
-                "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", result_types=i64
-            )
-
-        def copy16(dst, src, src_bytes):
-            """One 16-byte cp.async (``src_bytes`` 0 zero-fills), with the L2 hint."""
-            if not st.copy_hint:
-                nvvm.cp_async_shared_global(
-                    dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=src_bytes
-                )
-            elif policy is None:
-                mgpu_utils.inline_ptx(
-                    "cp.async.cg.shared.global.L2::256B [$0], [$1], 16, $2;", dst, src, src_bytes
-                )
-            else:
-                mgpu_utils.inline_ptx(
-                    "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
-                    dst,
-                    src,
-                    src_bytes,
-                    policy,
-                )
-
         # (slot, tiles per row of the slot, tile in the slot, feature tile of the row)
         latent_range = {
             None: range(latent_tiles),
@@ -303,14 +282,50 @@ def _gather_block(st: _Static, part: str | None = None):
                 first_tile = arith.addi(arith.muli(row_tile, const(tiles)), const(j))
                 dst_off = arith.addi(arith.muli(first_tile, const(8 * tile)), in_tile)
                 src_off = arith.addi(src0, const(feature_tile * tile, i64))
-                copy16(
+                nvvm.cp_async_shared_global(
                     mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
                     mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
-                    src_bytes,
+                    16,
+                    nvvm.LoadCacheModifierKind.CG,
+                    cp_size=src_bytes,
                 )
         nvvm.cp_async_commit_group()
 
     return gather
+
+
+def _prefetch_rows(st: _Static):
+    """Ask L2 for the rows of ``rows`` (one per memory-WG thread, ``cp.async.bulk
+    .prefetch.L2``: the row's first ``Dk`` features), so a later gather of them reads L2,
+    not HBM. Rows with id ``< 0`` are skipped."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    row_bytes = (st.dv + ROPE) * 2
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def prefetch(ctx, store, rows):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        index = ir.IndexType.get()
+        lane = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS))
+        row = memref.load(rows, [arith.index_cast(index, lane)])
+        valid = arith.cmpi(arith.CmpIPredicate.sge, row, arith.constant(i32, 0))
+        offset = arith.muli(
+            arith.extui(i64, arith.select(valid, row, arith.constant(i32, 0))),
+            arith.constant(i64, st.width),
+        )
+        store_ptr = llvm.addrspacecast(
+            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
+        )
+        src = mgpu_utils.getelementptr(store_ptr, [offset], ir.BF16Type.get())
+        mgpu_utils.inline_ptx(
+            f"cp.async.bulk.prefetch.L2.global [$0], {row_bytes};", src, predicate=valid
+        )
+
+    return prefetch
 
 
 def _gather_block_interpret(st: _Static, part: str | None = None):
@@ -435,9 +450,11 @@ def _build_kernel(st: _Static, *, interpret: bool):
     if split:
         make = _gather_block_interpret if interpret else _gather_block
         gather_part = {h: make(st, h) for h in _PARTS}
-    # Parts published by their copies (hand-kept barriers; the interpreter runs no inline
-    # Mosaic GPU code, so it keeps the memory WG's arrivals).
-    noinc = split and st.noinc and not interpret
+    # The split schedule's parts are published by their copies (cp.async.mbarrier.arrive
+    # .noinc on hand-kept barriers); the interpreter runs no inline Mosaic GPU code, so
+    # there the memory WG arrives once it has waited for them.
+    noinc = split and not interpret
+    compute_registers = st.compute_registers or _COMPUTE_REGISTERS["split" if split else "ring"]
 
     def block(buf, ring, w):
         # Ring slot `ring` holds a pair of blocks, WG0's then WG1's: [2 * stages, block_k, F].
@@ -473,7 +490,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
-            plgpu.set_max_registers(st.compute_registers, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
             other = 1 - wg
 
             @pl.when(wg == 0)
@@ -753,15 +770,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         p_mine[...] = p16
                     acc = pv_add(acc, acc_ref, p_mine if interpret else p16, own_v, to_acc(alpha))
                     if w == 0:
-
-                        def hand_back_l():
-                            # Own block's value half (part L) is done: hand it back.
-                            if not interpret:
-                                plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(consumed.at[_part(0, "L")])
-
-                        if not st.early_p0:
-                            hand_back_l()
+                        # Own block's value half (part L) is done: hand it back. (Publishing
+                        # the rescaled P for WG1 first, while the product runs, measured
+                        # 1.07-1.12x slower.)
+                        if not interpret:
+                            plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[_part(0, "L")])
                         plgpu.barrier_wait(max_ready.at[1])
                         m_new = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
                         shift = jnp.exp2(m_own - m_new)
@@ -770,8 +784,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         )
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(p_ready.at[0])
-                        if st.early_p0:
-                            hand_back_l()
                         l_i = l_i * shift
                         plgpu.barrier_wait(p_ready.at[1])
                         acc = pv_add(acc, acc_ref, p_theirs, their_v, to_acc(shift))
@@ -858,7 +870,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                 finish(*run_pairs(pairs))
 
         def _memory_split():
-            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
+            plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
 
             def publish(*parts):
                 """Publish the last ``len(parts)`` issued parts (oldest first) once copied."""
@@ -889,6 +901,16 @@ def _build_kernel(st: _Static, *, interpret: bool):
                             _arrive_on_copies(copy_bars, _part(b, h))
                     if not noinc:
                         publish(*parts)
+                    ahead = p + st.prefetch_pairs
+                    if parts[0] == (0, "L") and st.prefetch_pairs and not interpret:
+                        # Between the two halves: the row ids' load waits out the other
+                        # half's hand-back, not this half's issue.
+                        @pl.when(ahead < num_pairs)
+                        def _prefetch(ahead=ahead):
+                            _prefetch_rows(st)(
+                                store_ref,
+                                rows_ref.at[token, pl.ds(ahead * 2 * block_k, 2 * block_k)],
+                            )
 
             # Drain: observe the consumption of the last pair before the barriers die.
             @pl.when(num_pairs > 0)
@@ -898,7 +920,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
                         plgpu.barrier_wait(consumed.at[_part(b, h)])
 
         def _memory():
-            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
+            plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
 
             def signal_ready(pair):
                 """Publish ``pair``'s two blocks once copied: the pair issued last, whose
