@@ -48,11 +48,9 @@ VARIANTS = {
     "probe: no compute": {"block_k": 32, "num_stages": 2, "probe": "no_compute"},
     # The split schedule at the 32-row kernel's registers (the default before 2026-12-02).
     "split, registers 240/24": {"compute_registers": 240},
-    "split, L2 prefetch 1 pair ahead": {"prefetch_pairs": 1},
-    "split, L2 prefetch 2 pairs ahead": {"prefetch_pairs": 2},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
-STATIC_KNOBS = ("probe", "compute_registers", "prefetch_pairs")
+STATIC_KNOBS = ("probe", "compute_registers")
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
 

@@ -185,9 +185,6 @@ class _Static:
     # Benchmark-only: setmaxnreg of each compute WG (the memory WG keeps the rest);
     # None: the schedule's own (_compute_registers).
     compute_registers: int | None = None
-    # Benchmark-only (split schedule): L2 prefetch of the rows this many pairs ahead
-    # (0: none).
-    prefetch_pairs: int = 0
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -292,40 +289,6 @@ def _gather_block(st: _Static, part: str | None = None):
         nvvm.cp_async_commit_group()
 
     return gather
-
-
-def _prefetch_rows(st: _Static):
-    """Ask L2 for the rows of ``rows`` (one per memory-WG thread, ``cp.async.bulk
-    .prefetch.L2``: the row's first ``Dk`` features), so a later gather of them reads L2,
-    not HBM. Rows with id ``< 0`` are skipped."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    row_bytes = (st.dv + ROPE) * 2
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def prefetch(ctx, store, rows):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        index = ir.IndexType.get()
-        lane = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS))
-        row = memref.load(rows, [arith.index_cast(index, lane)])
-        valid = arith.cmpi(arith.CmpIPredicate.sge, row, arith.constant(i32, 0))
-        offset = arith.muli(
-            arith.extui(i64, arith.select(valid, row, arith.constant(i32, 0))),
-            arith.constant(i64, st.width),
-        )
-        store_ptr = llvm.addrspacecast(
-            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
-        )
-        src = mgpu_utils.getelementptr(store_ptr, [offset], ir.BF16Type.get())
-        mgpu_utils.inline_ptx(
-            f"cp.async.bulk.prefetch.L2.global [$0], {row_bytes};", src, predicate=valid
-        )
-
-    return prefetch
 
 
 def _gather_block_interpret(st: _Static, part: str | None = None):
@@ -901,16 +864,6 @@ def _build_kernel(st: _Static, *, interpret: bool):
                             _arrive_on_copies(copy_bars, _part(b, h))
                     if not noinc:
                         publish(*parts)
-                    ahead = p + st.prefetch_pairs
-                    if parts[0] == (0, "L") and st.prefetch_pairs and not interpret:
-                        # Between the two halves: the row ids' load waits out the other
-                        # half's hand-back, not this half's issue.
-                        @pl.when(ahead < num_pairs)
-                        def _prefetch(ahead=ahead):
-                            _prefetch_rows(st)(
-                                store_ref,
-                                rows_ref.at[token, pl.ds(ahead * 2 * block_k, 2 * block_k)],
-                            )
 
             # Drain: observe the consumption of the last pair before the barriers die.
             @pl.when(num_pairs > 0)
