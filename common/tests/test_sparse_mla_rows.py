@@ -192,6 +192,29 @@ def unit_rows_oracle(units: UnitRows, rb: int) -> list[set[int]]:
     return sets
 
 
+@pytest.mark.parametrize("repeats", [False, True])
+@pytest.mark.parametrize("num_rows", [None, 4096])
+def test_token_rows_with_and_without_repeats(repeats, num_rows):
+    """Token-level tables: a batch with no repeated row takes the sorted keys as they
+    are, one with a repeat (in one query) the compaction; both give the brute force's
+    table, with ``-1``, causal and ``kv_len`` cuts in every query."""
+    rng = np.random.default_rng(7)
+    n, k = 16, 40
+    first_row = np.stack([rng.choice(4000, k, replace=False) for _ in range(n)]).astype(np.int32)
+    first_row[rng.random((n, k)) < 0.15] = -1
+    if repeats:
+        first_row[3, 5] = first_row[3, 6] = 17  # one query's row twice
+    first_pos = first_row.copy()  # one request: positions are rows
+    position = rng.integers(1000, 4000, n).astype(np.int32)
+    kv_len = rng.integers(2000, 4001, n).astype(np.int32)
+    units = UnitRows(*map(jnp.asarray, (first_row, first_pos, position, kv_len)))
+    sets = [
+        {int(r) for r in first_row[i] if 0 <= r <= position[i] and r < kv_len[i]} for i in range(n)
+    ]
+    got = _selected_rows(units, read_block=1, block=64, num_rows=num_rows)
+    _check(got, sets, row_table_width(k, 1, 64))
+
+
 @settings(max_examples=80, deadline=None)
 @given(unit_rows(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
 def test_unit_rows_vs_brute_force(p, block, num_rows, scatter):
