@@ -119,6 +119,7 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30
 _AXIS_HEADS = "head_group"
 _AXIS_TOKENS = "token"
+_AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
 EXCHANGES = ("lockstep", "one_way")
 _PARTS = ("L", "R")  # 64-row split schedule: latent 0-255; latent 256-511 and rope
@@ -185,6 +186,21 @@ class _Static:
     # Benchmark-only: setmaxnreg of each compute WG (the memory WG keeps the rest);
     # None: the schedule's own (_compute_registers).
     compute_registers: int | None = None
+    # Benchmark-only: launch order. 0: head groups fastest (a token's programs side by
+    # side). L > 0: one program axis, in chunks of L tokens x all head groups with the
+    # head group slower, so head group g of a token starts about g * L programs after
+    # head group 0 (its rows then come from L2, fetched by head group 0).
+    token_lag: int = 0
+
+
+def _lagged_program(i, st: _Static):
+    """(head group, token) of program ``i`` in the ``token_lag`` launch order: chunks of
+    ``L`` tokens (the last one shorter), each all of its tokens' head group 0, then 1..."""
+    lag, groups = st.token_lag, st.heads // HEADS_PER_PROGRAM
+    chunk = lax.div(i, jnp.int32(groups * lag))
+    within = i - chunk * (groups * lag)
+    size = jnp.minimum(jnp.int32(lag), st.tokens - chunk * lag)
+    return lax.div(within, size), chunk * lag + lax.rem(within, size)
 
 
 def _smem_tiling(block_k: int) -> tuple[int, int]:
@@ -431,8 +447,11 @@ def _build_kernel(st: _Static, *, interpret: bool):
         (q_lat_all, q_rope_all, k_lat, k_rope, p_bufs, p_local, stats, copy_bars), barriers = scoped
         q_lat, q_rope = q_lat_all.at[0], q_rope_all.at[0]
         ready, consumed, q_ready, pair, max_ready, p_ready = barriers
-        group = lax.axis_index(_AXIS_HEADS)
-        token = lax.axis_index(_AXIS_TOKENS)
+        if st.token_lag:
+            group, token = _lagged_program(lax.axis_index(_AXIS_PROGRAM), st)
+        else:
+            group = lax.axis_index(_AXIS_HEADS)
+            token = lax.axis_index(_AXIS_TOKENS)
         wg = lax.axis_index(_AXIS_WG)
         h0 = group * heads
         count = counts_ref[token]
@@ -993,8 +1012,10 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
     return plgpu.kernel(
         _build_kernel(st, interpret=interpret is not None),
         out_type=out_type,
-        grid=(st.heads // HEADS_PER_PROGRAM, st.tokens),
-        grid_names=(_AXIS_HEADS, _AXIS_TOKENS),
+        grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,)
+        if st.token_lag
+        else (st.heads // HEADS_PER_PROGRAM, st.tokens),
+        grid_names=(_AXIS_PROGRAM,) if st.token_lag else (_AXIS_HEADS, _AXIS_TOKENS),
         num_threads=_COMPUTE_WGS + 1,
         thread_name=_AXIS_WG,
         # No cross-warp reduction (row maxima and sums stay within a warp's quads), so
