@@ -10,9 +10,11 @@ first ``Dv = 512``. ``out [N, Hp, Dv]`` float32 and ``lse [N, Hp]`` float32 (nat
 
 Schedule
 --------
-Grid ``(Hp // 64, N)``: one program per (query token, group of 64 heads), head groups
-fastest so the programs of one token run side by side and share its gathered rows in
-L2. Three warpgroups (``num_threads=3``):
+One program per (query token, group of 64 heads), launched in chunks of 8 tokens: the
+chunk's head group 0 programs, then its head group 1 programs, and so on, so each head
+group of a token runs a few programs behind the one before and reads the token's rows
+from L2, where the earlier one brought them (``_lagged_program``; side by side, both
+would wait on the same misses). Three warpgroups (``num_threads=3``):
 
 * WG2 (memory; ``setmaxnreg`` 24, 40 in the split schedule) gathers the token's selected rows, ``block_k`` rows
   per block, with 16-byte ``cp.async`` copies issued by all 128 threads (Hopper's TMA
@@ -112,6 +114,11 @@ _COMPUTE_WGS = 2
 # 224/56 and 216/72 slower. The split schedule: 232 (memory 40) ran the kernel 1.09-1.10x
 # faster than 240/24 on the H200, 224/56 as fast as 232 (docs/sparse_mla_gpu.md).
 _COMPUTE_REGISTERS = {"split": 232, "ring": 240}
+# Launch order: a token's head groups this many programs apart, so the later ones find its
+# rows in L2 (fetched by head group 0) rather than waiting on the same misses. On the
+# H200, 8 ran the split kernel 1.01-1.04x faster than side by side (4.312 against 4.469
+# ms on a 128K-row cache), 16-64 between the two (docs/sparse_mla_gpu.md).
+_TOKEN_LAG = 8
 _THREADS = 128  # per warpgroup
 _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
@@ -186,17 +193,20 @@ class _Static:
     # Benchmark-only: setmaxnreg of each compute WG (the memory WG keeps the rest);
     # None: the schedule's own (_compute_registers).
     compute_registers: int | None = None
-    # Benchmark-only: launch order. 0: head groups fastest (a token's programs side by
-    # side). L > 0: one program axis, in chunks of L tokens x all head groups with the
-    # head group slower, so head group g of a token starts about g * L programs after
-    # head group 0 (its rows then come from L2, fetched by head group 0).
-    token_lag: int = 0
+    # Benchmark-only: the launch order's token lag (None: _TOKEN_LAG; 0: a 2-D grid with
+    # the head groups fastest, a token's programs side by side; see _lagged_program).
+    token_lag: int | None = None
 
 
-def _lagged_program(i, st: _Static):
-    """(head group, token) of program ``i`` in the ``token_lag`` launch order: chunks of
-    ``L`` tokens (the last one shorter), each all of its tokens' head group 0, then 1..."""
-    lag, groups = st.token_lag, st.heads // HEADS_PER_PROGRAM
+def _token_lag(st: _Static) -> int:
+    return _TOKEN_LAG if st.token_lag is None else st.token_lag
+
+
+def _lagged_program(i, lag: int, st: _Static):
+    """(head group, token) of program ``i`` in the lagged launch order: chunks of ``lag``
+    tokens (the last one shorter), each all of its tokens' head group 0, then 1...: so a
+    token's head group ``g`` starts about ``g * lag`` programs after its head group 0."""
+    groups = st.heads // HEADS_PER_PROGRAM
     chunk = lax.div(i, jnp.int32(groups * lag))
     within = i - chunk * (groups * lag)
     size = jnp.minimum(jnp.int32(lag), st.tokens - chunk * lag)
@@ -433,6 +443,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
     # .noinc on hand-kept barriers); the interpreter runs no inline Mosaic GPU code, so
     # there the memory WG arrives once it has waited for them.
     noinc = split and not interpret
+    token_lag = _token_lag(st)
     compute_registers = st.compute_registers or _COMPUTE_REGISTERS["split" if split else "ring"]
 
     def block(buf, ring, w):
@@ -447,8 +458,8 @@ def _build_kernel(st: _Static, *, interpret: bool):
         (q_lat_all, q_rope_all, k_lat, k_rope, p_bufs, p_local, stats, copy_bars), barriers = scoped
         q_lat, q_rope = q_lat_all.at[0], q_rope_all.at[0]
         ready, consumed, q_ready, pair, max_ready, p_ready = barriers
-        if st.token_lag:
-            group, token = _lagged_program(lax.axis_index(_AXIS_PROGRAM), st)
+        if token_lag:
+            group, token = _lagged_program(lax.axis_index(_AXIS_PROGRAM), token_lag, st)
         else:
             group = lax.axis_index(_AXIS_HEADS)
             token = lax.axis_index(_AXIS_TOKENS)
@@ -1013,9 +1024,9 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
         _build_kernel(st, interpret=interpret is not None),
         out_type=out_type,
         grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,)
-        if st.token_lag
+        if _token_lag(st)
         else (st.heads // HEADS_PER_PROGRAM, st.tokens),
-        grid_names=(_AXIS_PROGRAM,) if st.token_lag else (_AXIS_HEADS, _AXIS_TOKENS),
+        grid_names=(_AXIS_PROGRAM,) if _token_lag(st) else (_AXIS_HEADS, _AXIS_TOKENS),
         num_threads=_COMPUTE_WGS + 1,
         thread_name=_AXIS_WG,
         # No cross-warp reduction (row maxima and sums stay within a warp's quads), so
