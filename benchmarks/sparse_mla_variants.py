@@ -48,9 +48,9 @@ VARIANTS = {
     "probe: no compute": {"block_k": 32, "num_stages": 2, "probe": "no_compute"},
     # The split schedule at the 32-row kernel's registers (the default before 2026-12-02).
     "split, registers 240/24": {"compute_registers": 240},
-    # Launch orders: a token's head groups side by side (before 2026-12-02), or 16 tokens
-    # apart (the default: 8).
-    "split, head groups side by side": {"token_lag": 0},
+    # Launch orders: the 2-D grid (every token's head group 0 first; before 2026-12-02),
+    # or a token's head groups 16 tokens apart (the default: 8).
+    "split, 2-D grid": {"token_lag": 0},
     "split, head groups 16 tokens apart": {"token_lag": 16},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.

@@ -13,11 +13,14 @@ Schedule
 One program per (query token, group of 64 heads), launched in chunks of 8 tokens: the
 chunk's head group 0 programs, then its head group 1 programs, and so on, so each head
 group of a token runs a few programs behind the one before and reads the token's rows
-from L2, where the earlier one brought them (``_lagged_program``; side by side, both
-would wait on the same misses). Three warpgroups (``num_threads=3``):
+from L2, where the earlier one brought them (``_lagged_program``). A 2-D grid
+``(Hp // 64, N)`` ran every token's head group 0 before any head group 1 (Pallas maps
+the last grid axis to CUDA's fastest, x), so the second fetch of a token's rows came
+4096 programs later, long evicted from L2. Three warpgroups (``num_threads=3``):
 
-* WG2 (memory; ``setmaxnreg`` 24, 40 in the split schedule) gathers the token's selected rows, ``block_k`` rows
-  per block, with 16-byte ``cp.async`` copies issued by all 128 threads (Hopper's TMA
+* WG2 (memory; ``setmaxnreg`` 24, 40 in the split schedule) gathers the token's
+  selected rows, ``block_k`` rows per block, with 16-byte ``cp.async`` copies issued by
+  all 128 threads (Hopper's TMA
   has no row gather): 8 threads per row, each thread copying the same 16-byte chunk of
   every 64-feature tile of its rows, straight into the 128-byte-swizzled tiled layout
   wgmma reads. Rows past ``counts[n]`` are zero-filled (``cp.async`` with a source size
@@ -29,8 +32,8 @@ would wait on the same misses). Three warpgroups (``num_threads=3``):
   pair ``p``'s slots to be ``consumed`` and issue it. So a pair is published as soon as
   it has landed, never behind the next pair's issue (the row ids' global loads and the
   copies), and pair ``p`` is in flight while the compute WGs work on pair ``p - 1``.
-* WG0, WG1 (compute; ``setmaxnreg`` 240, 232 in the split schedule) each own one block of every pair and one half
-  of the value features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator).
+* WG0, WG1 (compute; ``setmaxnreg`` 240, 232 in the split schedule) each own one
+  block of every pair and one half of the value features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator).
   Per pair: ``S = Q K^T`` over the 512 latent and the 64 rope features of its own block
   (two wgmmas from shared memory), the columns past ``counts[n]`` masked; the two WGs
   swap their row maxima through shared memory (``pair`` barrier) so both use the same
@@ -78,8 +81,8 @@ would wait on the same misses). Three warpgroups (``num_threads=3``):
   memory WG's own arrivals. The max exchange is the one-way one above; WG0's P goes
   where its block's rope features were (dead after its QK^T, refilled only with part R
   once WG1's product has read it), WG1's into its own buffer. Every buffer is addressed
-  with ``p & opaque_zero`` (an input that holds 0) each pair: with one pair of blocks every
-  address is loop-invariant, and the compiler would otherwise compute all 80 wgmma
+  with ``p & opaque_zero`` (an input that holds 0) each pair: with one pair of blocks
+  every address is loop-invariant, and the compiler would otherwise compute all 80 wgmma
   descriptors before the loop and spill them (1048 bytes; 1.6x slower).
 * At the end the WGs add their row sums through shared memory, normalise, and store
   their output half to global memory; WG0 writes the LSE.
@@ -114,10 +117,10 @@ _COMPUTE_WGS = 2
 # 224/56 and 216/72 slower. The split schedule: 232 (memory 40) ran the kernel 1.09-1.10x
 # faster than 240/24 on the H200, 224/56 as fast as 232 (docs/sparse_mla_gpu.md).
 _COMPUTE_REGISTERS = {"split": 232, "ring": 240}
-# Launch order: a token's head groups this many programs apart, so the later ones find its
-# rows in L2 (fetched by head group 0) rather than waiting on the same misses. On the
-# H200, 8 ran the split kernel 1.01-1.04x faster than side by side (4.312 against 4.469
-# ms on a 128K-row cache), 16-64 between the two (docs/sparse_mla_gpu.md).
+# Launch order: a token's head groups this many tokens apart, so the later ones find its
+# rows in L2 (fetched by head group 0). On the H200, 8 ran the split kernel 1.01-1.04x
+# faster than the 2-D grid's order, all of head group 0 first (4.312 against 4.469 ms on
+# a 128K-row cache); 16-64 within 1 % of 8 (docs/sparse_mla_gpu.md).
 _TOKEN_LAG = 8
 _THREADS = 128  # per warpgroup
 _CHUNK = 8  # bf16 elements per 16-byte cp.async
@@ -191,10 +194,10 @@ class _Static:
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
     # Benchmark-only: setmaxnreg of each compute WG (the memory WG keeps the rest);
-    # None: the schedule's own (_compute_registers).
+    # None: the schedule's own (_COMPUTE_REGISTERS).
     compute_registers: int | None = None
-    # Benchmark-only: the launch order's token lag (None: _TOKEN_LAG; 0: a 2-D grid with
-    # the head groups fastest, a token's programs side by side; see _lagged_program).
+    # Benchmark-only: the launch order's token lag (None: _TOKEN_LAG; 0: the 2-D grid,
+    # every token's head group 0 before any head group 1; see _lagged_program).
     token_lag: int | None = None
 
 
