@@ -16,12 +16,11 @@ group of a token runs a few programs behind the one before and reads the token's
 from L2, where the earlier one brought them (``_lagged_program``). A 2-D grid
 ``(Hp // 64, N)`` ran every token's head group 0 before any head group 1 (Pallas maps
 the last grid axis to CUDA's fastest, x), so the second fetch of a token's rows came
-4096 programs later, long evicted from L2. Three warpgroups (``num_threads=3``):
+``N`` programs later, long evicted from L2. Three warpgroups (``num_threads=3``):
 
 * WG2 (memory; ``setmaxnreg`` 24, 40 in the split schedule) gathers the token's
   selected rows, ``block_k`` rows per block, with 16-byte ``cp.async`` copies issued by
-  all 128 threads (Hopper's TMA
-  has no row gather): 8 threads per row, each thread copying the same 16-byte chunk of
+  all 128 threads (Hopper's TMA has no row gather): 8 threads per row, each thread copying the same 16-byte chunk of
   every 64-feature tile of its rows, straight into the 128-byte-swizzled tiled layout
   wgmma reads. Rows past ``counts[n]`` are zero-filled (``cp.async`` with a source size
   of 0), so stale or uninitialised shared memory never reaches the value product.
@@ -33,7 +32,8 @@ the last grid axis to CUDA's fastest, x), so the second fetch of a token's rows 
   it has landed, never behind the next pair's issue (the row ids' global loads and the
   copies), and pair ``p`` is in flight while the compute WGs work on pair ``p - 1``.
 * WG0, WG1 (compute; ``setmaxnreg`` 240, 232 in the split schedule) each own one
-  block of every pair and one half of the value features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator).
+  block of every pair and one half of the value features (``Dv / 2`` = 256 columns, a
+  64 x 256 f32 accumulator).
   Per pair: ``S = Q K^T`` over the 512 latent and the 64 rope features of its own block
   (two wgmmas from shared memory), the columns past ``counts[n]`` masked; the two WGs
   swap their row maxima through shared memory (``pair`` barrier) so both use the same
