@@ -20,9 +20,9 @@ the last grid axis to CUDA's fastest, x), so the second fetch of a token's rows 
 
 * WG2 (memory; ``setmaxnreg`` 24, 40 in the split schedule) gathers the token's
   selected rows, ``block_k`` rows per block, with 16-byte ``cp.async`` copies issued by
-  all 128 threads (Hopper's TMA has no row gather): 8 threads per row, each thread copying the same 16-byte chunk of
-  every 64-feature tile of its rows, straight into the 128-byte-swizzled tiled layout
-  wgmma reads. Rows past ``counts[n]`` are zero-filled (``cp.async`` with a source size
+  all 128 threads (Hopper's TMA has no row gather): 8 threads per row, each thread
+  copying the same 16-byte chunk of every 64-feature tile of its rows, straight into
+  the 128-byte-swizzled tiled layout wgmma reads. Rows past ``counts[n]`` are zero-filled (``cp.async`` with a source size
   of 0), so stale or uninitialised shared memory never reaches the value product.
   Blocks go in pairs (block ``2p`` for WG0, ``2p + 1`` for WG1) into a ring of
   ``num_stages`` pair slots. Before pair ``p``, the warpgroup waits for the copies of
