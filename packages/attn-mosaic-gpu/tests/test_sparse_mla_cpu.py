@@ -13,6 +13,7 @@
   whole call, row table included, to its Mosaic GPU custom call.
 * Validation: what the kernel does not take is refused by name, and ``supports`` says
   why so that dispatch falls back to the reference.
+* The launch order: every (head group, token) once, in chunks of tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
+from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
 
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
@@ -267,6 +269,27 @@ def test_write_back_bit_identical_and_prefill_wrapper():
 
 # ------------------------------------------------------------------------------------
 # The kernel on its own
+
+
+@pytest.mark.parametrize("lag", [1, 3, 8])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [1, 7, 8, 17, 64])
+def test_lagged_launch_order(lag, groups, tokens):
+    """The launch order runs every (head group, token) once; within each chunk of
+    ``lag`` tokens (the last one shorter) all of head group ``g`` before ``g + 1``, so a
+    token's head groups are ``min(lag, tokens left)`` programs apart."""
+    st = sparse_mla_kernel._Static(
+        tokens=tokens, heads=64 * groups, dv=DV, width=DK, sm_scale=1.0,
+        block_k=64, num_stages=1, exchange="one_way",
+    )  # fmt: skip
+    program = jnp.arange(groups * tokens, dtype=jnp.int32)
+    group, token = (np.asarray(x) for x in sparse_mla_kernel._lagged_program(program, lag, st))
+    order = {(int(g), int(t)): i for i, (g, t) in enumerate(zip(group, token, strict=True))}
+    assert sorted(order) == [(g, t) for g in range(groups) for t in range(tokens)]
+    for (g, t), i in order.items():
+        chunk = t // lag
+        size = min(lag, tokens - chunk * lag)
+        assert i == chunk * lag * groups + g * size + t - chunk * lag
 
 
 @pytest.mark.parametrize(
