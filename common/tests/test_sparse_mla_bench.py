@@ -76,9 +76,15 @@ def test_smoke_run(script, tmp_path):
         )
         assert row["bytes"] == want_bytes
         assert row["target"] is None and "target_met" not in row
+    flat, paged = saved["rows"]
+    assert "write_rows" not in flat
+    assert paged["write_rows"] == paged["num_queries"] and paged["write_row_bytes"] == 2 * 640
+    assert paged["write_back_ms"] > 0 and paged["write_and_attend_ms"] > 0
+    assert not any(k.endswith("_error") for k in paged)
     assert saved["failed"] == result["failed"] == 0
     md = (tmp_path / "sparse_mla_gpu.md").read_text()
     assert "flat-smoke" in md and "paged-smoke" in md and prov["commit"] in md
+    assert "| paged-smoke | 32 |" in md  # the write-back table
     assert "not a measurement" in md
     svg = (tmp_path / "sparse_mla_gpu.svg").read_text()
     assert "flat-smoke" in svg and "not a measurement" in svg
@@ -181,6 +187,34 @@ def test_rows_per_query_match_the_row_table(bench, mode):
     _, counts = selected_rows(units, read_block=kw["read_block"])
     np.testing.assert_array_equal(np.asarray(counts), inputs["rows_per_query"])
     assert (inputs["rows_per_query"] < 32).any()  # early positions: -1 padded
+
+
+def test_write_inputs_are_the_cases_newest_tokens(bench):
+    """``write_inputs``: each query token's slot is its own position in its request's
+    pages, so the wrapper writes the new rows where the case's attention reads them:
+    the reference wrapper equals the reference attention over the cache written by
+    ``paged_write_back`` (q rebuilt from ``ql``, ``qpe``)."""
+    import attn_reference
+
+    case = _small_case(bench, "paged")
+    inputs = bench.make_inputs(case, seed=5)
+    args, kw = inputs["args"], inputs["kwargs"]
+    w = bench.write_inputs(case, args, kw)
+    ps = case.page_size
+    loc = np.asarray(w["loc"])
+    assert len(set(loc.tolist())) == loc.size  # one slot per new token
+    page_of = np.asarray(kw["page_indices"])[
+        np.asarray(kw["cu_kv_lens"])[np.asarray(kw["q_seq_id"])] // ps
+        + np.asarray(args[3][0]) // ps
+    ]
+    np.testing.assert_array_equal(loc // ps, page_of)
+    np.testing.assert_array_equal(loc % ps, np.asarray(args[3][0]) % ps)
+    out, cache = attn_reference.prefill_write_and_attend_ragged(
+        *w.values(), kv_lora_rank=case.dv, page_size=ps, sm_scale=bench.SM_SCALE
+    )
+    q = jnp.concatenate([w["ql"], w["qpe"]], axis=-1)[None]
+    want = sparse_mla_attention(q, cache, *args[2:], **kw)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [5, 512])

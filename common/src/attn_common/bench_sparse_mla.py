@@ -32,8 +32,11 @@ speed-up of ours over xla, the bytes a row-gather kernel must move (each query r
 valid rows of 576 bf16 once per 64-head group, plus q in and the f32 out) against the
 copy ceiling (``attn_common.bench.ceilings``), the target (H=128: >= 500 TFLOP/s and
 >= 3.3x xla; H=64: >= 350 TFLOP/s and >= 3.8x), and the rel L2 error of ours vs xla
-(and of xla vs the reference on a sample of queries). A row fails when ours raised or
-every XLA chunk size failed; ``run`` counts them in ``result["failed"]``.
+(and of xla vs the reference on a sample of queries). Paged cases also time ours'
+``paged_write_back`` of the queries' new rows (they are their requests' newest
+tokens) and its ``prefill_write_and_attend_ragged`` (write, then attend), both jitted
+without donating the cache (``time_write``). A row fails when ours raised or every XLA
+chunk size failed; ``run`` counts them in ``result["failed"]``.
 
 Two entry points share this code:
 
@@ -389,6 +392,72 @@ def load_impl(impl: str, config: tuple[int, int] | None = None) -> Callable:
     raise ValueError(f"impl: got {impl!r}, expected one of {IMPLS[:2]}")
 
 
+def write_inputs(case: Case, args: tuple, kwargs: dict, seed: int = 0) -> dict:
+    """Paged cases: the arguments of ``prefill_write_and_attend_ragged`` for the case's
+    queries, which are the newest tokens of their requests: ``ql``/``qpe`` split from
+    ``q``, random new latents ``kvc``/``kpe``, each token's cache slot ``loc`` (its
+    request's page table), ``cu_q_lens``; the case's cache, selections and tables."""
+    q, cache, idx, pos = args
+    ps = case.page_size
+    q_seq_id, cu_kv_lens = kwargs["q_seq_id"], kwargs["cu_kv_lens"]
+    pos = pos[0]
+    page = kwargs["page_indices"][cu_kv_lens[q_seq_id] // ps + pos // ps]
+    k_c, k_r = jax.random.split(jax.random.PRNGKey(seed + 1))
+    s = case.num_queries
+    counts = jnp.bincount(q_seq_id, length=kwargs["seq_lens"].shape[0])
+    return {
+        "ql": q[0, :, :, : case.dv],
+        "qpe": q[0, :, :, case.dv :],
+        "kvc": jax.random.normal(k_c, (s, case.dv), jnp.bfloat16),
+        "kpe": jax.random.normal(k_r, (s, case.dk - case.dv), jnp.bfloat16),
+        "cache": cache,
+        "topk_pages": idx[0],
+        "positions": pos,
+        "loc": (page * ps + pos % ps).astype(jnp.int32),
+        "seq_lens": kwargs["seq_lens"],
+        "cu_q_lens": jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)]).astype(
+            jnp.int32
+        ),
+        "cu_kv_lens": cu_kv_lens,
+        "page_indices": kwargs["page_indices"],
+    }
+
+
+def time_write(case: Case, args: tuple, kwargs: dict, *, impl: str, iterations: int) -> dict:
+    """Paged cases: the backend's ``paged_write_back`` of the case's new rows (the
+    wrapper's rows ``[c_kv | k_rope | 0...]``) and its ``prefill_write_and_attend_ragged``
+    (write, then attend over the new cache), each jitted without donating the cache, so
+    a copy of the cache, if XLA makes one, is in the time. Failures are recorded."""
+    from attn_common.paged import latent_rows
+
+    module = __import__("attn_mosaic_gpu" if impl == "mosaic-gpu" else "attn_reference")
+    w = write_inputs(case, args, kwargs)
+    rows = latent_rows(w["kvc"], w["kpe"], width=w["cache"].shape[-1], dtype=w["cache"].dtype)
+    out: dict = {"write_rows": int(rows.shape[0]), "write_row_bytes": int(rows.shape[1]) * 2}
+    write = jax.jit(functools.partial(module.paged_write_back, page_size=case.page_size))
+    wrapper = jax.jit(
+        functools.partial(
+            module.prefill_write_and_attend_ragged,
+            kv_lora_rank=case.dv,
+            page_size=case.page_size,
+            sm_scale=SM_SCALE,
+        )
+    )
+    timed = (
+        ("write_back", write, (w["cache"], rows, w["loc"])),
+        ("write_and_attend", wrapper, tuple(w.values())),
+    )
+    for name, fn, fn_args in timed:
+        try:
+            ms, _ = device_ms(fn, *fn_args, iterations=iterations)
+            out[f"{name}_ms"] = ms
+            print(f"  {name:<15}: {ms:9.3f} ms")
+        except Exception as e:
+            out[f"{name}_error"] = _error(e)
+            print(f"  {name:<15}: FAILED {out[f'{name}_error']}")
+    return out
+
+
 def jit_call(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
     """``(jitted, call_args)``: ``jitted(*call_args)`` is ``fn(*args, **kwargs)`` with the
     array kwargs (the ragged tables) traced arguments, the rest static."""
@@ -523,6 +592,13 @@ def run_case(
             row["ours_error"] = _error(e)
             print(f"  {impl:<15}: FAILED {row['ours_error']}")
             traceback.print_exc(limit=2)
+    if case.mode == "paged" and impl != "none":
+        row.update(time_write(case, args, kwargs, impl=impl, iterations=iterations))
+        if row.get("write_back_ms"):  # the new rows read and written once
+            write_bytes = 2 * row["write_rows"] * row["write_row_bytes"]
+            row["write_back_tbps"] = write_bytes / row["write_back_ms"] / 1e9
+        if row.get("write_and_attend_ms"):
+            row["write_and_attend_tflops"] = flops / row["write_and_attend_ms"] / 1e9
     if ceil.get("copy_tbps"):
         row["copy_ceiling_ms"] = bytes_moved / (ceil["copy_tbps"] * 1e9)
         if row["ours_ms"]:
@@ -610,6 +686,28 @@ def write_reports(result: dict, out: Path) -> list[Path]:
             )
             + " |"
         )
+    writes = [r for r in result["rows"] if "write_rows" in r]
+    if writes:
+        lines += [
+            "",
+            "Paged write-back (`paged_write_back`: the new tokens' rows into the cache) and "
+            "the write-then-attend wrapper (`prefill_write_and_attend_ragged`), each "
+            "jitted without donating the cache: a copy of the cache, if XLA makes one, "
+            "is in the time. TB/s count the new rows read and written once.",
+            "",
+            "| case | new rows | write-back ms | write-back TB/s | wrapper ms | "
+            "wrapper TFLOP/s | attention alone ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in writes:
+            lines.append(
+                f"| {r['case']} | {r['write_rows']} | "
+                f"{_f(r.get('write_back_ms'), '.3f') or 'failed'} | "
+                f"{_f(r.get('write_back_tbps'), '.2f')} | "
+                f"{_f(r.get('write_and_attend_ms'), '.3f') or 'failed'} | "
+                f"{_f(r.get('write_and_attend_tflops'), '.1f')} | "
+                f"{_f(r.get('ours_ms'), '.3f')} |"
+            )
     errors = [(r["case"], r["ours_error"]) for r in result["rows"] if r.get("ours_error")]
     if errors:
         lines += ["", "Errors of ours:", ""]
