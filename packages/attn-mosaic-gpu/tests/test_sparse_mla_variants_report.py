@@ -4,6 +4,7 @@ and keeps a failed variant's row."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,10 +24,13 @@ def variants():
 def test_variants_are_configs_and_a_baseline_file_loads(variants):
     from attn_mosaic_gpu import sparse_mla_kernel
 
-    for knobs in variants.VARIANTS.values():
-        knobs = dict(knobs)
-        assert knobs.pop("probe", "") in ("", "no_gather", "no_compute")
-        sparse_mla_kernel.SparseMlaKernelConfig(**knobs)
+    static_fields = {f.name for f in dataclasses.fields(sparse_mla_kernel._Static)}
+    assert set(variants.STATIC_KNOBS) <= static_fields  # benchmark-only knobs
+    for label, knobs in variants.VARIANTS.items():
+        config_knobs = {k: v for k, v in knobs.items() if k not in variants.STATIC_KNOBS}
+        assert knobs.get("probe", "") in ("", "no_gather", "no_compute"), label
+        _, config = variants.variant_attend(knobs)
+        assert config == sparse_mla_kernel.SparseMlaKernelConfig(**config_knobs), label
     baseline = variants.load_module(KERNEL)
     assert baseline is not sparse_mla_kernel
     assert baseline.sparse_mla_rows_attention is not sparse_mla_kernel.sparse_mla_rows_attention
