@@ -8,7 +8,8 @@ gathers against the op's fused max-reduction; for token-level selections
 (``read_block == 1``), two-sort builds (sort; mark repeats absent; sort again) that
 need no prefix sum and no scatter, batched and packed, and the op's table of the same
 ids with one repeated (a batch with a repeat pays for the compaction that one without
-skips). Every variant's table but that one is checked equal to the op's, and its sorts and scatters are listed from the compiled HLO::
+skips). Every variant's table but that one is checked equal to the op's, and its sorts
+and scatters are listed from the compiled HLO::
 
     python benchmarks/sparse_mla_row_table.py --out /tmp/r --cases 'flat-h128-*'
 

@@ -68,6 +68,7 @@ import dataclasses
 import fnmatch
 import functools
 import html
+import importlib
 import json
 import math
 import sys
@@ -373,23 +374,22 @@ def xla_sparse_mla(
 # --------------------------------------------------------------------------- ours
 
 
+def _backend(impl: str):
+    """The named backend's package (imported lazily; may raise)."""
+    if impl not in IMPLS[:2]:
+        raise ValueError(f"impl: got {impl!r}, expected one of {IMPLS[:2]}")
+    return importlib.import_module({"mosaic-gpu": "attn_mosaic_gpu"}.get(impl, "attn_reference"))
+
+
 def load_impl(impl: str, config: tuple[int, int] | None = None) -> Callable:
     """``sparse_mla_attention`` of the named backend (imported lazily; may raise);
     ``config``: the Hopper kernel's ``(block_k, num_stages)``, ``None`` its default."""
-    if impl == "mosaic-gpu":
-        import attn_mosaic_gpu
-
-        if config is None:
-            return attn_mosaic_gpu.sparse_mla_attention
+    module = _backend(impl)
+    if impl == "mosaic-gpu" and config is not None:
         return functools.partial(
-            attn_mosaic_gpu.sparse_mla_attention,
-            config=attn_mosaic_gpu.SparseMlaKernelConfig(*config),
+            module.sparse_mla_attention, config=module.SparseMlaKernelConfig(*config)
         )
-    if impl == "reference":
-        import attn_reference
-
-        return attn_reference.sparse_mla_attention
-    raise ValueError(f"impl: got {impl!r}, expected one of {IMPLS[:2]}")
+    return module.sparse_mla_attention
 
 
 def write_inputs(case: Case, args: tuple, kwargs: dict, seed: int = 0) -> dict:
@@ -430,7 +430,7 @@ def time_write(case: Case, args: tuple, kwargs: dict, *, impl: str, iterations: 
     a copy of the cache, if XLA makes one, is in the time. Failures are recorded."""
     from attn_common.paged import latent_rows
 
-    module = __import__("attn_mosaic_gpu" if impl == "mosaic-gpu" else "attn_reference")
+    module = _backend(impl)
     w = write_inputs(case, args, kwargs)
     rows = latent_rows(w["kvc"], w["kpe"], width=w["cache"].shape[-1], dtype=w["cache"].dtype)
     out: dict = {"write_rows": int(rows.shape[0]), "write_row_bytes": int(rows.shape[1]) * 2}
