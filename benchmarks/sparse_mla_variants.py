@@ -70,9 +70,11 @@ def load_module(path: Path):
 def static_attend(q, store, rows, counts, *, sm_scale, dv, config, static):
     """The kernel with benchmark-only ``_Static`` knobs (``static``: a diagnostic
     ``probe``); heads a multiple of 64."""
-    q, st = sparse_mla_kernel._padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
+    q, q_rope, st = sparse_mla_kernel._padded_static(
+        q, None, store, sm_scale=sm_scale, dv=dv, config=config
+    )
     st = dataclasses.replace(st, **static)
-    return sparse_mla_kernel._launch(q, store, rows, counts, st=st, interpret=None)
+    return sparse_mla_kernel._launch(q, q_rope, store, rows, counts, st=st, interpret=None)
 
 
 def variant_attend(knobs: dict) -> tuple:

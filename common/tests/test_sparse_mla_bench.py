@@ -79,7 +79,9 @@ def test_smoke_run(script, tmp_path):
     flat, paged = saved["rows"]
     assert "write_rows" not in flat
     assert paged["write_rows"] == paged["num_queries"] and paged["write_row_bytes"] == 2 * 640
-    assert paged["write_back_ms"] > 0 and paged["write_and_attend_ms"] > 0
+    for key in ("write_back", "write_back_loop", "write_and_attend", "write_and_attend_loop"):
+        assert paged[f"{key}_ms"] > 0, key
+    assert paged["write_back_tbps"] > 0 and paged["write_and_attend_tflops"] > 0
     assert not any(k.endswith("_error") for k in paged)
     assert saved["failed"] == result["failed"] == 0
     md = (tmp_path / "sparse_mla_gpu.md").read_text()
@@ -215,6 +217,29 @@ def test_write_inputs_are_the_cases_newest_tokens(bench):
     q = jnp.concatenate([w["ql"], w["qpe"]], axis=-1)[None]
     want = sparse_mla_attention(q, cache, *args[2:], **kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_carried_calls_feed_each_new_cache_to_the_next(bench, calls):
+    """``carried_calls``: ``calls`` calls, each on the cache the last one returned (a
+    bare new cache, or a tuple ending with it), the caller's cache left as it was."""
+    cache, step = jnp.arange(4.0), jnp.float32(10)
+
+    def write(x, cache):
+        return cache * 2 + x
+
+    def write_and_read(x, cache):
+        return cache.sum(), write(x, cache)
+
+    want = np.arange(4.0)
+    for _ in range(calls):
+        want = want * 2 + 10
+    got = bench.carried_calls(write, 1, calls)(step, cache)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    total, got = bench.carried_calls(write_and_read, 1, calls)(step, cache)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert float(total) == float(((want - 10) / 2).sum())  # read by the last call
+    np.testing.assert_array_equal(np.asarray(cache), np.arange(4.0))
 
 
 @pytest.mark.parametrize("chunk", [5, 512])

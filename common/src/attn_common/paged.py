@@ -193,6 +193,7 @@ def write_then_attend(
     kv_lora_rank: int,
     page_size: int,
     sm_scale: float,
+    split_q: bool = False,
     **attend_kwargs,
 ):
     """The ``prefill_write_and_attend_ragged`` composition, for any backend.
@@ -200,7 +201,10 @@ def write_then_attend(
     Validates, builds each new token's row ``[c_kv | k_rope | 0...]``, writes the rows with
     ``write_back(cache, rows, loc, page_size=...)``, then runs ragged sparse MLA with
     ``attend`` (a backend's ``sparse_mla_attention`` or its ``_qblock`` twin) over the new
-    cache. Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
+    cache. Its query is ``[1, T, H, kv_lora_rank + rope]``, ``ql`` and ``qpe`` joined (a
+    copy of all of Q), or with ``split_q`` the pair ``(ql[None], qpe[None])`` for a
+    backend that reads the two where they are. Returns ``(out [T, H, kv_lora_rank]
+    float32, new_cache)``.
     """
     from attn_common.sparse_mla import seq_id_from_cu_q_lens
 
@@ -221,7 +225,10 @@ def write_then_attend(
     )
     rows = latent_rows(kvc, kpe, width=cache.shape[-1], dtype=cache.dtype)
     new_cache = write_back(cache, rows, loc, page_size=page_size)
-    q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]
+    if split_q:
+        q = (ql[None], qpe.astype(ql.dtype)[None])
+    else:
+        q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]
     out = attend(
         q,
         new_cache,

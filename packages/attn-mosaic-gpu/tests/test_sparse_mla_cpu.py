@@ -280,7 +280,7 @@ def test_lagged_launch_order(lag, groups, tokens):
     token's head groups are ``min(lag, tokens left)`` programs apart."""
     st = sparse_mla_kernel._Static(
         tokens=tokens, heads=64 * groups, dv=DV, width=DK, sm_scale=1.0,
-        block_k=64, num_stages=1, exchange="one_way",
+        block_k=64, num_stages=1, exchange="one_way", rope_at=DV,
     )  # fmt: skip
     program = jnp.arange(groups * tokens, dtype=jnp.int32)
     group, token = (np.asarray(x) for x in sparse_mla_kernel._lagged_program(program, lag, st))
@@ -325,6 +325,30 @@ def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange)
         want = p @ keys[:, :DV] / p.sum(1, keepdims=True)
         assert_close(np.asarray(out[n]), want, **TOL)
         np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
+
+
+def test_kernel_reads_q_rope_apart():
+    """Q's rope features given as their own array (what the prefill wrapper passes, so
+    as not to copy Q joining them) give the bits of the joined Q; 80 heads, so both
+    parts are padded to two head groups; race detection."""
+    rng = np.random.default_rng(8)
+    tokens, heads, kp, store_rows = 2, 80, 128, 200
+    counts = np.array([128, 70], np.int32)
+    rows = np.full((tokens, kp), -1, np.int32)
+    for n, c in enumerate(counts):
+        rows[n, :c] = rng.choice(store_rows, c, replace=False)
+    q = jnp.asarray(rng.standard_normal((tokens, heads, DK)), jnp.bfloat16)
+    store = jnp.asarray(rng.standard_normal((store_rows, DK)), jnp.bfloat16)
+    args = (store, jnp.asarray(rows), jnp.asarray(counts))
+    joined = _run(sparse_mla_rows_attention, q, *args, sm_scale=SM_SCALE, dv=DV)
+    apart = _run(
+        sparse_mla_rows_attention, q[..., :DV], *args, sm_scale=SM_SCALE, dv=DV,
+        q_rope=q[..., DV:],
+    )  # fmt: skip
+    for got, want in zip(apart, joined, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="q_rope"):
+        sparse_mla_rows_attention(q[..., :DV], *args, sm_scale=SM_SCALE, dv=DV, q_rope=q[..., :32])
 
 
 @pytest.mark.parametrize(
@@ -465,3 +489,34 @@ def test_cross_lowers_ragged_paged():
         ((requests + 1,), jnp.int32),
         ((pages,), jnp.int32),
     )
+
+
+def test_cross_lowers_prefill_wrapper_without_joining_q():
+    """The write-then-attend wrapper at a benchmark shape lowers for the GPU, and its
+    kernel reads ``ql`` and ``qpe`` where they are: no ``[1, T, H, 576]`` joined query
+    (a copy of all of Q, 0.3-0.4 ms at this shape on the H200) is built."""
+    tokens, heads, page, pages, top_k, requests = 4096, 128, 64, 4 * 128 + 8, 32, 4
+
+    def fn(ql, qpe, kvc, kpe, cache, idx, pos, loc, seq_lens, cu_q, cu_kv, page_indices):
+        return gpu.prefill_write_and_attend_ragged(
+            ql, qpe, kvc, kpe, cache, idx, pos, loc, seq_lens, cu_q, cu_kv, page_indices,
+            kv_lora_rank=512, page_size=page, sm_scale=0.0721,
+        )  # fmt: skip
+
+    i32 = jnp.int32
+    text = _export(
+        fn,
+        ((tokens, heads, 512), jnp.bfloat16),
+        ((tokens, heads, 64), jnp.bfloat16),
+        ((tokens, 512), jnp.bfloat16),
+        ((tokens, 64), jnp.bfloat16),
+        ((pages, page // 2, 2, 640), jnp.bfloat16),
+        ((tokens, top_k), i32),
+        ((tokens,), i32),
+        ((tokens,), i32),
+        ((requests,), i32),
+        ((requests + 1,), i32),
+        ((requests + 1,), i32),
+        ((pages,), i32),
+    )
+    assert f"{tokens}x{heads}x576" not in text

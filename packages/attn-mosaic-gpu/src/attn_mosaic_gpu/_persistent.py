@@ -1,9 +1,11 @@
 """The tile walk of the persistent Hopper ranker kernels (forward, dq).
 
-``N`` programs walk the tiles of the per-tile grid ``(heads, tiles, batch)`` (head
-fastest): program ``p`` takes tiles ``p, p + N, ...``. Its memory warpgroup keeps one
-K/V ring running across its tiles: step ``i`` of a tile whose program walked ``base``
-steps before it uses ring slot ``(base + i) % num_slots``.
+``N`` programs walk the tiles of the per-tile grid ``(heads, tiles, batch)``, head
+fastest (the per-tile grid itself launches batch fastest: Pallas maps its last axis to
+CUDA's x; docs/ranker_gpu.md measured the order): program ``p`` takes tiles ``p, p + N,
+...``. Its memory warpgroup keeps one K/V ring running across its tiles: step ``i`` of a
+tile whose program walked ``base`` steps before it uses ring slot ``(base + i) %
+num_slots``.
 """
 
 from __future__ import annotations

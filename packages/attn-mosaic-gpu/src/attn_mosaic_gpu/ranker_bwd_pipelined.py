@@ -577,7 +577,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
 
 def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
     """dq with ``st.dq_programs`` programs, each walking the tiles ``p, p + P, ...`` of
-    the (head, tile, batch) grid (head fastest, as the per-tile grid launches them).
+    the (head, tile, batch) grid, head fastest (``_persistent.tile_coords``).
 
     The fixed operands are double-buffered: while a compute WG walks the steps of its
     tile ``j`` it has already issued the TMA loads of tile ``j + 1``'s Q, dO, lse2 and

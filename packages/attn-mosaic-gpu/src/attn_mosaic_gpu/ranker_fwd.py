@@ -661,7 +661,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped
     ):
         """``st.programs`` programs, each walking the tiles ``p, p + P, ...`` of the
-        (head, tile, batch) grid (head fastest, the per-tile grid's order). Q/O and LSE
+        (head, tile, batch) grid, head fastest (``_persistent.tile_coords``). Q/O and LSE
         are double-buffered: a compute WG issues tile ``j + 1``'s Q load when it starts
         tile ``j`` (once tile ``j - 1``'s output store has read that buffer), and tile
         ``j``'s stores are waited for only then. The K/V ring runs on across tiles: step

@@ -42,7 +42,9 @@ the last grid axis to CUDA's fastest, x), so the second fetch of a token's rows 
   registers, the other WG's from shared memory). Both WGs then arrive on both slots'
   ``consumed`` barriers, which the memory WG waits on before refilling them.
   All of Q (72 KiB) is in shared memory, loaded once by TMA (kept out of registers, where
-  it would push the compute WGs into spills). With 64-row blocks a block's P goes where
+  it would push the compute WGs into spills), its latent and rope features by one copy
+  each, from one ``[N, H, Dk]`` array or from two (``q_rope``: the prefill wrapper's
+  ``ql`` and ``qpe`` as they come, never joined into a copy of Q). With 64-row blocks a block's P goes where
   its rope features were (dead once its QK^T is done), so one pair of blocks fits in
   227 KiB; with 32-row blocks two pairs fit (one consumed while the next is gathered)
   plus one P buffer per compute WG, with 2.5 KiB to spare (the kernel reserves no
@@ -190,6 +192,9 @@ class _Static:
     block_k: int
     num_stages: int
     exchange: str
+    # Column of the rope ref's first rope feature: dv when Q comes joined (the same
+    # array as the latent ref), 0 when its rope features come as their own array.
+    rope_at: int
     # Benchmark-only diagnostics (wrong results): "no_gather" (the memory WG publishes
     # blocks without copying them) or "no_compute" (the compute WGs only consume them).
     probe: str = ""
@@ -457,7 +462,9 @@ def _build_kernel(st: _Static, *, interpret: bool):
         if not interpret:
             _wait_copies(pending)
 
-    def kernel(q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped):
+    def kernel(
+        q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped
+    ):
         (q_lat_all, q_rope_all, k_lat, k_rope, p_bufs, p_local, stats, copy_bars), barriers = scoped
         q_lat, q_rope = q_lat_all.at[0], q_rope_all.at[0]
         ready, consumed, q_ready, pair, max_ready, p_ready = barriers
@@ -491,9 +498,10 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
             @pl.when(wg == 0)
             def _load_q():
-                for i, (lo, width, dst) in enumerate(((0, dv, q_lat), (dv, ROPE, q_rope))):
+                parts = ((q_ref, 0, dv, q_lat), (q_rope_ref, st.rope_at, ROPE, q_rope))
+                for i, (src, lo, width, dst) in enumerate(parts):
                     plgpu.copy_gmem_to_smem(
-                        q_ref.at[token, pl.ds(h0, heads), pl.ds(lo, width)], dst, q_ready.at[i]
+                        src.at[token, pl.ds(h0, heads), pl.ds(lo, width)], dst, q_ready.at[i]
                     )
 
             plgpu.barrier_wait(q_ready.at[0])
@@ -957,7 +965,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
 
         pl.when(wg == _COMPUTE_WGS)(_memory_split if split else _memory)
 
-    def entry(q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref):
+    def entry(q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, *outs):  # outs: zero, out, lse
         tiled = _transforms(block_k)
         slots = 2 * stages
         bf16 = jnp.bfloat16
@@ -981,9 +989,7 @@ def _build_kernel(st: _Static, *, interpret: bool):
         # noinc: the parts' hand-kept barriers, two 32-bit words each.
         copy_bars = plgpu.SMEM((2 * 2 * slots,), jnp.uint32) if noinc else None
         pl.run_scoped(
-            lambda *args: kernel(
-                q_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, args
-            ),
+            lambda *args: kernel(q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, *outs, args),
             [q_lat, q_rope, k_lat, k_rope, p_bufs, p_local, stats, copy_bars],
             (
                 # ready / consumed: per block, or per part of a block (split)
@@ -1018,7 +1024,7 @@ def resolve_interpret(interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _launch(q, store, rows, counts, *, st: _Static, interpret):
+def _launch(q, q_rope, store, rows, counts, *, st: _Static, interpret):
     out_type = (
         jax.ShapeDtypeStruct((st.tokens, st.heads, st.dv), jnp.float32),
         jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
@@ -1039,17 +1045,26 @@ def _launch(q, store, rows, counts, *, st: _Static, interpret):
             reduction_scratch_bytes=0,
         ),
         interpret=interpret,
-    )(q, store, rows, counts, jnp.zeros((1,), jnp.int32))
+    )(q, q_rope, store, rows, counts, jnp.zeros((1,), jnp.int32))
 
 
 def _padded_static(
-    q: jax.Array, store: jax.Array, *, sm_scale: float, dv: int, config: SparseMlaKernelConfig
-) -> tuple[jax.Array, _Static]:
-    """``q`` with its heads padded to a multiple of 64, and the kernel's static shape."""
+    q: jax.Array,
+    q_rope: jax.Array | None,
+    store: jax.Array,
+    *,
+    sm_scale: float,
+    dv: int,
+    config: SparseMlaKernelConfig,
+) -> tuple[jax.Array, jax.Array, _Static]:
+    """The kernel's latent and rope query refs, heads padded to a multiple of 64 (``q``
+    twice when ``q_rope`` is ``None``), and its static shape."""
     tokens, heads, _ = q.shape
     heads_pad = -(-heads // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM
     if heads_pad != heads:
-        q = jnp.pad(q, ((0, 0), (0, heads_pad - heads), (0, 0)))
+        pad = ((0, 0), (0, heads_pad - heads), (0, 0))
+        q = jnp.pad(q, pad)
+        q_rope = None if q_rope is None else jnp.pad(q_rope, pad)
     st = _Static(
         tokens=tokens,
         heads=heads_pad,
@@ -1059,8 +1074,9 @@ def _padded_static(
         block_k=config.block_k,
         num_stages=config.num_stages,
         exchange=config.exchange,
+        rope_at=dv if q_rope is None else 0,
     )
-    return q, st
+    return q, q if q_rope is None else q_rope, st
 
 
 def sparse_mla_rows_attention(
@@ -1071,18 +1087,23 @@ def sparse_mla_rows_attention(
     *,
     sm_scale: float,
     dv: int = 512,
+    q_rope: jax.Array | None = None,
     config: SparseMlaKernelConfig | None = None,
     interpret: object = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Attend each query token's gathered rows (see the module docstring).
 
     Args:
-      q: ``[N, H, dv + 64]`` bfloat16.
+      q: ``[N, H, dv + 64]`` bfloat16, or with ``q_rope`` its latent features ``[N, H,
+        dv]``.
       store: ``[R, W]`` bfloat16, ``W >= dv + 64`` and ``W % 8 == 0``; only the rows named
         in ``rows`` are read.
       rows: ``[N, Kp]`` int32, ``Kp % (2 * block_k) == 0``; row ids of ``store``, the
         query's valid rows first, ``-1`` after.
       counts: ``[N]`` int32, the number of valid rows of each query (``<= Kp``).
+      q_rope: ``None`` or ``[N, H, 64]`` bfloat16, the rope features of the queries,
+        read where they are: a caller holding the two parts apart (the prefill
+        wrappers' ``ql`` and ``qpe``) saves concatenating them, a copy of all of Q.
       config: ``SparseMlaKernelConfig`` (``None``: the default).
       interpret: ``True`` or ``plgpu.InterpretGPUParams``: Mosaic GPU interpret mode.
 
@@ -1093,6 +1114,13 @@ def sparse_mla_rows_attention(
     tokens, heads, dk = q.shape
     if q.dtype != jnp.bfloat16 or store.dtype != jnp.bfloat16:
         raise TypeError(f"q, store: got {q.dtype}, {store.dtype}, expected bfloat16")
+    if q_rope is not None:
+        if q_rope.dtype != jnp.bfloat16 or q_rope.shape != (tokens, heads, ROPE):
+            raise ValueError(
+                f"q_rope: got {q_rope.dtype} {q_rope.shape}, expected bfloat16 "
+                f"{(tokens, heads, ROPE)}"
+            )
+        dk += ROPE
     if dv % 128 or dk != dv + ROPE:
         raise NotImplementedError(
             f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}, Dv a "
@@ -1108,9 +1136,10 @@ def sparse_mla_rows_attention(
             f"rows: got shape {rows.shape}, expected [{tokens}, Kp] with Kp a multiple of "
             f"{2 * config.block_k}"
         )
-    q, st = _padded_static(q, store, sm_scale=sm_scale, dv=dv, config=config)
+    q, q_rope, st = _padded_static(q, q_rope, store, sm_scale=sm_scale, dv=dv, config=config)
     out, lse = _launch(
         q,
+        q_rope,
         store,
         rows.astype(jnp.int32),
         counts.astype(jnp.int32),
