@@ -432,16 +432,23 @@ def carried_calls(fn: Callable, cache_at: int, calls: int) -> Callable:
     cache; its result the new cache, or a tuple ending with it), each call's new cache
     fed to the next through a loop, as a serving loop with a donated cache does: XLA
     updates a loop-carried buffer in place. Only the first call reads the caller's
-    cache, which is not donated (a copy of it, if XLA makes one, comes once)."""
+    cache, which is not donated (a copy of it, if XLA makes one, comes once). Of the
+    other results the loop carries the first element only, which keeps the call alive
+    without copying a whole output into the carry each call (the wrapper's ``out`` is
+    1 GiB at 4096 tokens x 128 heads: 0.44 ms a call on the H200). Returns the last
+    call's new cache, or ``(first elements..., new cache)``."""
 
-    def new_cache(result):
-        return result[-1] if isinstance(result, tuple) else result
+    def carried(result):
+        if not isinstance(result, tuple):
+            return result
+        return (*(x.reshape(-1)[0] for x in result[:-1]), result[-1])
 
     def run(*xs):
         def call(cache):
-            return fn(*xs[:cache_at], cache, *xs[cache_at + 1 :])
+            return carried(fn(*xs[:cache_at], cache, *xs[cache_at + 1 :]))
 
-        return lax.fori_loop(1, calls, lambda _, r: call(new_cache(r)), call(xs[cache_at]))
+        return lax.fori_loop(1, calls, lambda _, r: call(r[-1] if isinstance(r, tuple) else r),
+                             call(xs[cache_at]))  # fmt: skip
 
     return jax.jit(run)
 
