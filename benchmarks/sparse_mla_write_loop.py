@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 
-import jax
 from jax.experimental.mosaic.gpu import profiler
 
-import attn_mosaic_gpu as gpu
 from attn_common import bench_sparse_mla as bench
 
 CALLS = 8
@@ -31,14 +28,7 @@ def main() -> None:
     case = next(c for c in bench.CASES if c.name == args.case)
     inputs = bench.make_inputs(case, seed=0)
     w = bench.write_inputs(case, inputs["args"], inputs["kwargs"])
-    wrapper = jax.jit(
-        functools.partial(
-            gpu.prefill_write_and_attend_ragged,
-            kv_lora_rank=case.dv,
-            page_size=case.page_size,
-            sm_scale=bench.SM_SCALE,
-        )
-    )
+    _, wrapper = bench.write_fns(case, "mosaic-gpu")
     loop = bench.carried_calls(wrapper, list(w).index("cache"), CALLS)
     call_args = tuple(w.values())
     for name, fn in (("one", wrapper), ("loop", loop)):

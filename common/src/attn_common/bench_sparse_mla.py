@@ -452,22 +452,10 @@ def carried_calls(fn: Callable, cache_at: int, calls: int) -> Callable:
     return jax.jit(run)
 
 
-def time_write(case: Case, args: tuple, kwargs: dict, *, impl: str, iterations: int) -> dict:
-    """Paged cases: the backend's ``paged_write_back`` of the case's new rows (the
-    wrapper's rows ``[c_kv | k_rope | 0...]``) and its ``prefill_write_and_attend_ragged``
-    (write, then attend over the new cache), each jitted as one call without donating
-    the cache (``*_ms``; XLA copies the cache first, which CUPTI sees only when it runs
-    as a kernel), and the write-back as ``WRITE_LOOP_CALLS`` calls carrying the cache
-    through a loop (``write_back_loop_ms``, per call: the in-place update of serving).
-    The wrapper is not timed in a loop: 8 back-to-back attentions hold the H200 at its
-    power limit, where its clock drops, so the loop measured the clock (every kernel 7-8
-    % slower; docs/sparse_mla_gpu.md). Failures are recorded."""
-    from attn_common.paged import latent_rows
-
+def write_fns(case: Case, impl: str) -> tuple[Callable, Callable]:
+    """The named backend's jitted ``paged_write_back`` and ``prefill_write_and_attend_ragged``
+    at the case's page size (the wrapper's arguments: ``write_inputs``)."""
     module = _backend(impl)
-    w = write_inputs(case, args, kwargs)
-    rows = latent_rows(w["kvc"], w["kpe"], width=w["cache"].shape[-1], dtype=w["cache"].dtype)
-    out: dict = {"write_rows": int(rows.shape[0]), "write_row_bytes": int(rows.shape[1]) * 2}
     write = jax.jit(functools.partial(module.paged_write_back, page_size=case.page_size))
     wrapper = jax.jit(
         functools.partial(
@@ -477,6 +465,25 @@ def time_write(case: Case, args: tuple, kwargs: dict, *, impl: str, iterations: 
             sm_scale=SM_SCALE,
         )
     )
+    return write, wrapper
+
+
+def time_write(case: Case, args: tuple, kwargs: dict, *, impl: str, iterations: int) -> dict:
+    """Paged cases: the backend's ``paged_write_back`` of the case's new rows (the
+    wrapper's rows ``[c_kv | k_rope | 0...]``) and its ``prefill_write_and_attend_ragged``
+    (write, then attend over the new cache), each jitted as one call without donating
+    the cache (``*_ms``; XLA copies the cache first, which CUPTI sees only when it runs
+    as a kernel), and the write-back as ``WRITE_LOOP_CALLS`` calls carrying the cache
+    through a loop (``write_back_loop_ms``, per call: the in-place update of serving).
+    The wrapper is not timed in a loop: 8 back-to-back attentions hold the H200 at its
+    power limit, where its clock drops, so the loop measured the clock (the attention
+    kernel 7 % slower; docs/sparse_mla_gpu.md). Failures are recorded."""
+    from attn_common.paged import latent_rows
+
+    write, wrapper = write_fns(case, impl)
+    w = write_inputs(case, args, kwargs)
+    rows = latent_rows(w["kvc"], w["kpe"], width=w["cache"].shape[-1], dtype=w["cache"].dtype)
+    out: dict = {"write_rows": int(rows.shape[0]), "write_row_bytes": int(rows.shape[1]) * 2}
     write_args, wrapper_args = (w["cache"], rows, w["loc"]), tuple(w.values())
     loop = WRITE_LOOP_CALLS
     timed = (
@@ -491,7 +498,7 @@ def time_write(case: Case, args: tuple, kwargs: dict, *, impl: str, iterations: 
             print(f"  {name:<21}: {ms / calls:9.3f} ms")
         except Exception as e:
             out[f"{name}_error"] = _error(e)
-            print(f"  {name:<15}: FAILED {out[f'{name}_error']}")
+            print(f"  {name:<21}: FAILED {out[f'{name}_error']}")
     return out
 
 
