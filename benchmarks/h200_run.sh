@@ -50,7 +50,7 @@ bwd_tests() { want bwd && pytest_log "$OUT/h200_ranker_bwd_tests.log" "${BWD_LIM
 fwd_tests() { want fwd && [ "${RUN_FWD:-1}" = 1 ] && pytest_log "$OUT/h200_ranker_fwd_tests.log" \
   "${FWD_LIMIT:-600}" "$tests/test_ranker_fwd_gpu.py" ${FWD_SELECT:+-k "$FWD_SELECT"}; }
 sparse_tests() { want sparse && pytest_log "$OUT/h200_sparse_mla_tests.log" "${SPARSE_LIMIT:-200}" \
-  "$tests/test_sparse_mla_gpu.py" "$tests/test_sparse_mla_kernel_gpu.py"; }
+  "$tests/test_sparse_mla_gpu.py" "$tests/test_sparse_mla_kernel_gpu.py" "$tests/test_row_sort_gpu.py"; }
 bench() { want bench || return 0; header "$OUT/bench.log"; timeout "${BENCH_LIMIT:-330}" \
   python3 -m attn_common.cli bench --out "$OUT" --iterations "${ITERATIONS:-10}" --overwrite \
   >>"$OUT/bench.log" 2>&1; echo "bench rc=$?"; }

@@ -30,7 +30,7 @@ from attn_common import (
     sparse_mla_rows,
     sparse_mla_units,
 )
-from attn_common.sparse_mla_rows import _ABSENT, _sort_rows
+from attn_common.sparse_mla_rows import _ABSENT, sort_rows
 from attn_reference import sparse_mla_attention
 
 BLOCKS = (1, 8, 64)
@@ -145,15 +145,15 @@ def test_empty_shapes():
 
 @pytest.mark.parametrize("num_rows", [5000, 2**24 - 1, 2**31 - 2])
 def test_packed_sort_matches_batched(num_rows):
-    """``_sort_rows``: the packed 1-D sort (or its fallback) gives ``jnp.sort``'s rows."""
+    """``sort_rows``: the packed 1-D sort (or its fallback) gives ``jnp.sort``'s rows."""
     rng = np.random.default_rng(num_rows)
     n, k = 256, 96  # 8 query bits: 2**24 - 1 packs exactly into 32, 2**31 - 2 falls back
     key = rng.integers(0, min(num_rows, 300), (n, k), dtype=np.int32)  # many repeats
     key[rng.random((n, k)) < 0.2] = num_rows - 1  # the highest row
     key[rng.random((n, k)) < 0.2] = _ABSENT
-    got = jax.jit(_sort_rows, static_argnums=1)(jnp.asarray(key), num_rows)
+    got = jax.jit(sort_rows, static_argnums=1)(jnp.asarray(key), num_rows)
     np.testing.assert_array_equal(np.asarray(got), np.sort(key, axis=1))
-    packed = "u32[24576]" in str(jax.make_jaxpr(_sort_rows, static_argnums=1)(key, num_rows))
+    packed = "u32[24576]" in str(jax.make_jaxpr(sort_rows, static_argnums=1)(key, num_rows))
     assert packed == (num_rows < 2**31 - 2)  # which of the two sorts ran
 
 

@@ -19,6 +19,7 @@ twice, or two selections reaching the same store row, give that row once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -142,7 +143,7 @@ def row_table_width(top_k: int, read_block: int, block: int = 64) -> int:
     return -(-top_k * read_block // block) * block
 
 
-def _sort_rows(key: jax.Array, num_rows: int | None) -> jax.Array:
+def sort_rows(key: jax.Array, num_rows: int | None) -> jax.Array:
     """``jnp.sort(key, axis=1)`` for ``key [N, K]``: store rows and ``_ABSENT``.
 
     With ``num_rows`` (every row below it) and ``N`` small enough, one 1-D sort of
@@ -150,7 +151,8 @@ def _sort_rows(key: jax.Array, num_rows: int | None) -> jax.Array:
     own ``K`` slots, sorted. XLA on Hopper runs a 1-D sort of that size as a CUB radix
     sort (``cub_sort_keys``) and the batched ``[N, K]`` sort of ``K = 2048`` keys as its
     own sort kernel: 0.26 against 0.44 ms for 4096 queries on the H200
-    (docs/sparse_mla_gpu.md). Otherwise the batched sort.
+    (docs/sparse_mla_gpu.md). Otherwise the batched sort. ``selected_rows``'s default
+    ``sort_keys``; a backend can pass a faster one (``attn_mosaic_gpu.row_sort``).
     """
     n, top_k = key.shape
     row_bits = None if num_rows is None else int(num_rows).bit_length()
@@ -212,7 +214,12 @@ def _token_rows(key: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
 
 
 def selected_rows(
-    units: UnitRows, *, read_block: int, block: int = 64, num_rows: int | None = None
+    units: UnitRows,
+    *,
+    read_block: int,
+    block: int = 64,
+    num_rows: int | None = None,
+    sort_keys: Callable[[jax.Array, int | None], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Each query's attended store rows, sorted and duplicate-free; jit-friendly.
 
@@ -236,8 +243,10 @@ def selected_rows(
     ``2**31 - 1``.
 
     ``num_rows`` (optional, static): a bound on the store rows, which lets token-level
-    selections (``read_block == 1``) be sorted as one 1-D array (``_sort_rows``); the
-    table is the same either way.
+    selections (``read_block == 1``) be sorted as one 1-D array (``sort_rows``); the
+    table is the same either way. ``sort_keys`` (optional, static): what sorts the
+    token-level keys, ``sort_keys(key [N, K] int32, num_rows)`` -> ``jnp.sort(key,
+    axis=1)`` (default ``sort_rows``).
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block: got {block!r}, expected a positive int")
@@ -261,7 +270,7 @@ def selected_rows(
     length = jnp.where(first_row >= 0, jnp.clip(limit, 0, read_block), 0)
     key = jnp.where(length > 0, first_row, _ABSENT)
     if read_block == 1:
-        return _token_rows(_sort_rows(key, num_rows), width)
+        return _token_rows((sort_keys or sort_rows)(key, num_rows), width)
     # Copies of a unit adjacent, the longest valid prefix first.
     key, neg_length = jax.lax.sort((key, -length), dimension=1, num_keys=2)
     length = _kept_lengths(key, -neg_length)

@@ -4,8 +4,9 @@
 selection (flat unit ids or ragged request-local pages, ``read_block = 1`` for the
 token-level selections of DeepSeek V3.2's indexer) into a per-query row table with
 ``attn_common.sparse_mla_units`` + ``selected_rows`` (causal bound, ``kv_len``, ``-1``,
-out-of-range ids and duplicates all resolved there, outside the kernel), and runs the
-gather-attend kernel of ``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is the
+out-of-range ids and duplicates all resolved there, outside the kernel; token-level
+keys sorted per query by ``row_sort``), and runs the gather-attend kernel of
+``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is the
 same computation: the query-blocked union schedule is a TPU design, and on Hopper each
 program gathers its own token's rows, so the TPU knobs are validated and do not change
 anything. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
@@ -28,6 +29,7 @@ from attn_common import (
     write_then_attend,
 )
 from attn_common.sparse_mla import check_qblock_knobs, empty_result
+from attn_mosaic_gpu import row_sort
 from attn_mosaic_gpu.sparse_mla_kernel import (
     ROPE,
     SparseMlaKernelConfig,
@@ -173,7 +175,13 @@ def _sparse_mla(
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "config", "interpret"))
 def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, config, interpret):
     rows, counts = selected_rows(
-        units, read_block=read_block, block=2 * config.block_k, num_rows=store.shape[0]
+        units,
+        read_block=read_block,
+        block=2 * config.block_k,
+        num_rows=store.shape[0],
+        # Token-level keys sorted per query in one kernel (the interpreter cannot run
+        # it, so interpret mode keeps XLA's sort; the table is the same either way).
+        sort_keys=None if interpret else row_sort.sort_rows,
     )
     return sparse_mla_rows_attention(
         q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, config=config,

@@ -1,0 +1,146 @@
+"""The per-query row-key sort of the Hopper sparse-MLA row table, on the CPU.
+
+``attn_mosaic_gpu.row_sort`` emits one network of compare-exchange steps (``sort_plan``)
+as inline Mosaic GPU code, which the interpreter cannot run. Here a NumPy model runs the
+same plan on the same (thread, key) layout (128 threads x ``K / 128`` keys, shuffles as
+lane permutations, shared-memory steps as warp permutations) and must sort exactly like
+``np.sort``; the kernel must lower for CUDA at the benchmark shape, replace XLA's sort in
+the front door's lowering, and refuse what it does not take. On the H200
+``test_row_sort_gpu.py`` checks the kernel itself bitwise against ``jnp.sort``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attn_mosaic_gpu as gpu
+from attn_common.sparse_mla_rows import sort_rows as xla_sort_rows
+from attn_mosaic_gpu.row_sort import (
+    MAX_KEYS,
+    MIN_KEYS,
+    row_sort_supported,
+    segment_sort,
+    sort_plan,
+    sort_rows,
+)
+
+THREADS = 128
+SIZES = [512, 1024, 2048, 4096]
+
+
+def run_plan(keys: np.ndarray) -> np.ndarray:
+    """``sort_plan`` applied as the kernel applies it, to one query's keys ``[K]``."""
+    k = keys.shape[0]
+    per_thread = k // THREADS
+    regs = keys.reshape(THREADS, per_thread).copy()  # thread t holds keys t*E .. t*E+E-1
+    thread = np.arange(THREADS)
+    for step in sort_plan(k):
+        thread_part, key_part = step.mask // per_thread, step.mask % per_thread
+        if step.where == "registers":
+            assert thread_part == 0
+            for e in range(per_thread):
+                p = e ^ key_part
+                if e < p:
+                    lo = np.minimum(regs[:, e], regs[:, p])
+                    regs[:, p] = np.maximum(regs[:, e], regs[:, p])
+                    regs[:, e] = lo
+            continue
+        # A shuffle stays inside a warp; a shared-memory step reaches another warp.
+        assert (thread_part < 32) == (step.where == "shuffle")
+        other = regs[thread ^ thread_part][:, np.arange(per_thread) ^ key_part]
+        lower = (thread & (1 << (thread_part.bit_length() - 1))) == 0
+        regs = np.where(lower[:, None], np.minimum(regs, other), np.maximum(regs, other))
+    return regs.reshape(k)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_plan_sorts(size):
+    rng = np.random.default_rng(size)
+    big = np.iinfo(np.int32).max
+    cases = [
+        rng.integers(0, 1 << 17, size),  # distinct-ish rows of a 128K store
+        rng.integers(0, 8, size),  # many repeats
+        np.where(rng.random(size) < 0.3, big, rng.integers(0, 1000, size)),  # absent keys
+        np.arange(size)[::-1],
+        np.arange(size),
+        np.full(size, 5),
+        rng.integers(np.iinfo(np.int32).min, big, size, endpoint=True),
+    ]
+    for keys in cases:
+        keys = keys.astype(np.int32)
+        np.testing.assert_array_equal(run_plan(keys), np.sort(keys))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.sampled_from(SIZES),
+    seed=st.integers(0, 2**32 - 1),
+    distinct=st.integers(1, 1 << 20),
+)
+def test_plan_sorts_property(size, seed, distinct):
+    keys = np.random.default_rng(seed).integers(0, distinct, size).astype(np.int32)
+    np.testing.assert_array_equal(run_plan(keys), np.sort(keys))
+
+
+def test_plan_shape():
+    """Each size's network: ``log2 K (log2 K + 1) / 2`` steps, of which only the three
+    whose partner is in another warp go through shared memory."""
+    for size in SIZES:
+        plan = sort_plan(size)
+        log = size.bit_length() - 1
+        assert len(plan) == log * (log + 1) // 2
+        assert sum(s.where == "shared" for s in plan) == 3
+
+
+def test_supported_sizes():
+    assert [k for k in range(1, 2 * MAX_KEYS + 1) if row_sort_supported(k)] == SIZES
+    assert SIZES[0] == MIN_KEYS and SIZES[-1] == MAX_KEYS
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [jnp.zeros((4, 300), jnp.int32), jnp.zeros((4, 2048), jnp.uint32), jnp.zeros(2048, jnp.int32)],
+)
+def test_segment_sort_refuses(keys):
+    with pytest.raises(ValueError, match="keys"):
+        segment_sort(keys)
+
+
+def test_sort_rows_falls_back_to_xla():
+    """Widths the kernel does not take go to ``attn_common``'s sort (no Mosaic GPU call)."""
+    keys = jnp.asarray(np.random.default_rng(0).integers(0, 5000, (6, 300)), jnp.int32)
+    np.testing.assert_array_equal(sort_rows(keys, 5000), xla_sort_rows(keys, 5000))
+    np.testing.assert_array_equal(sort_rows(keys, 5000), np.sort(np.asarray(keys), axis=1))
+
+
+def _export(fn, *structs):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs).mlir_module()
+
+
+def test_cross_lowers_at_benchmark_shape():
+    text = _export(segment_sort, jax.ShapeDtypeStruct((4096, 2048), jnp.int32))
+    assert "mosaic_gpu" in text and "stablehlo.sort" not in text
+
+
+def test_front_door_sorts_token_rows_in_the_kernel():
+    """The Hopper op's token-level row table lowers with the sort kernel, not XLA's sort
+    (two Mosaic GPU calls: the sort and the attention)."""
+    tokens, top_k, cache = 256, 2048, 1 << 17
+
+    def fn(q, kv, idx, pos):
+        return gpu.sparse_mla_attention(q, kv, idx, pos, sm_scale=0.07, read_block=1)
+
+    text = _export(
+        fn,
+        jax.ShapeDtypeStruct((1, tokens, 128, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, cache, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, tokens, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((1, tokens), jnp.int32),
+    )
+    assert "stablehlo.sort" not in text
+    assert text.count("mosaic_gpu") >= 2
