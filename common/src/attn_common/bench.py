@@ -171,6 +171,38 @@ def _on_gpu() -> bool:
     return device_class() in ("hopper", "gpu")
 
 
+def _cupti_iteration_ms(fn, args, iterations: int) -> list[float] | None:
+    """Each call's device time (ms, the sum of its kernels' CUPTI durations).
+
+    What ``jax.experimental.mosaic.gpu.profiler.measure`` does, except that a call's
+    kernels need not be recorded in the same order every call, only be the same
+    kernels: with two Mosaic GPU kernels and a conditional in one program (the Hopper
+    sparse-MLA op's row sort and attention) CUPTI listed them in different orders
+    between calls, which ``measure`` refuses.
+    """
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    jax.block_until_ready(fn(*args))  # warm-up, outside the record
+    ext._cupti_init()
+    try:
+        jax.block_until_ready([fn(*args) for _ in range(iterations)])
+    finally:
+        records = ext._cupti_get_timings(True)
+    if not records:
+        return None
+    if len(records) % iterations:
+        raise RuntimeError(f"{len(records)} kernel records for {iterations} calls")
+    per_call = len(records) // iterations
+    calls = [records[i * per_call : (i + 1) * per_call] for i in range(iterations)]
+    names = sorted(name for name, _ in calls[0])
+    for call in calls[1:]:
+        if sorted(name for name, _ in call) != names:
+            first, other = ([name[:40] for name, _ in c] for c in (calls[0], call))
+            raise RuntimeError(f"the calls ran different kernels: {first} against {other}")
+    return [sum(ms for _, ms in call) for call in calls]
+
+
 def device_ms(fn, *args, iterations: int = 20) -> tuple[float, str]:
     """Median device time of ``fn(*args)`` in ms, and the method used."""
     global _WALLCLOCK_NOTED
@@ -178,9 +210,7 @@ def device_ms(fn, *args, iterations: int = 20) -> tuple[float, str]:
         raise ValueError(f"iterations: got {iterations!r}, expected a positive int")
     if _on_gpu():
         try:
-            from jax.experimental.mosaic.gpu import profiler
-
-            _, timings = profiler.measure(fn, iterations=iterations)(*args)
+            timings = _cupti_iteration_ms(fn, args, iterations)
             if timings:
                 return float(statistics.median(timings)), "cupti"
         except Exception as e:  # CUPTI unavailable: fall back to saturated wall clock
