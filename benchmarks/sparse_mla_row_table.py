@@ -1,8 +1,8 @@
 """What the Hopper sparse-MLA op spends on its row table, and cheaper ways to build it.
 
 Times, per benchmark case (CUPTI median), ``sparse_mla_units`` + ``selected_rows`` as
-the Hopper op runs them (token-level selections sorted by
-``attn_mosaic_gpu.row_sort``), the same with XLA's sorts (with ``num_rows``: one packed
+the Hopper op runs them (token-level selections by the table kernel of
+``attn_mosaic_gpu.row_sort``: sort, repeats dropped, compaction), the same with XLA's sorts (with ``num_rows``: one packed
 1-D array, CUB's radix sort; without: the batched ``[N, K]`` sort), and the sorts
 alone; for unit selections, the expansion of units to rows by a scatter, a scan and
 gathers against the op's fused max-reduction; for token-level selections
@@ -35,7 +35,7 @@ from attn_common import selected_rows, sparse_mla_units
 from attn_common import sparse_mla_rows as rows_module
 from attn_common.bench import device_ms, provenance
 from attn_common.bench_sparse_mla import CASES
-from attn_common.sparse_mla_rows import _ABSENT, row_table_width, sort_rows
+from attn_common.sparse_mla_rows import ABSENT, row_table_width, sort_rows
 from attn_mosaic_gpu import row_sort
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -50,11 +50,11 @@ def two_sort_rows(units, *, block: int = BLOCK, num_rows: int | None = None):
     width = row_table_width(top_k, 1, block)
     valid = (units.first_row >= 0) & (units.first_pos <= units.position[:, None])
     valid &= units.first_pos < units.kv_len[:, None]
-    key = sort_rows(jnp.where(valid, units.first_row, _ABSENT), num_rows)
+    key = sort_rows(jnp.where(valid, units.first_row, ABSENT), num_rows)
     repeat = jnp.concatenate([jnp.zeros((n, 1), bool), key[:, 1:] == key[:, :-1]], axis=1)
-    key = sort_rows(jnp.where(repeat, _ABSENT, key), num_rows)
-    counts = (key != _ABSENT).sum(axis=1, dtype=jnp.int32)
-    rows = jnp.where(key == _ABSENT, -1, key)
+    key = sort_rows(jnp.where(repeat, ABSENT, key), num_rows)
+    counts = (key != ABSENT).sum(axis=1, dtype=jnp.int32)
+    rows = jnp.where(key == ABSENT, -1, key)
     return jnp.pad(rows, ((0, 0), (0, width - top_k)), constant_values=-1), counts
 
 
@@ -68,33 +68,35 @@ def time_case(case, iterations: int) -> list[dict]:
 
     num_rows = int(np.prod(kv.shape[:-1]))  # the store's rows, as the op passes them
 
-    def table(kv, idx, pos, tables, num_rows=num_rows, sort_keys=row_sort.sort_rows):
+    def table(kv, idx, pos, tables, num_rows=num_rows, token_table=row_sort.token_rows):
         units = units_only(kv, idx, pos, tables)
         return selected_rows(
             units,
             read_block=problem.read_block,
             block=BLOCK,
             num_rows=num_rows,
-            sort_keys=sort_keys,
+            token_table=token_table,
         )
 
     def table_scatter(kv, idx, pos, tables):  # its own function: its own jit trace
         return table(kv, idx, pos, tables)
 
-    def sort_only(kv, idx, pos, tables, num_rows=None, sort_keys=sort_rows):
+    def sort_only(kv, idx, pos, tables, num_rows=None):
         first_row = units_only(kv, idx, pos, tables).first_row
-        return sort_keys(jnp.where(first_row >= 0, first_row, _ABSENT), num_rows)
+        return sort_rows(jnp.where(first_row >= 0, first_row, ABSENT), num_rows)
+
+    def kernel_only(kv, idx, pos, tables):
+        first_row = units_only(kv, idx, pos, tables).first_row
+        return row_sort.distinct_sorted_rows(jnp.where(first_row >= 0, first_row, ABSENT))
 
     fns = {"op's row table": table, "units": units_only, "batched sort only": sort_only}
     if problem.read_block > 1:
         fns["scatter expansion"] = table_scatter  # traced with EXPAND_BY_MAX_COMPARES = 0
     if problem.read_block == 1:
-        fns["packed sort (XLA)"] = functools.partial(table, sort_keys=sort_rows)
-        fns["batched sort"] = functools.partial(table, num_rows=None, sort_keys=sort_rows)
+        fns["packed sort (XLA)"] = functools.partial(table, token_table=None)
+        fns["batched sort"] = functools.partial(table, num_rows=None, token_table=None)
         fns["packed sort only"] = functools.partial(sort_only, num_rows=num_rows)
-        fns["segment sort only"] = functools.partial(
-            sort_only, num_rows=num_rows, sort_keys=row_sort.sort_rows
-        )
+        fns["table kernel alone"] = kernel_only
         fns["two sorts"] = lambda *a: two_sort_rows(units_only(*a))
         fns["two packed sorts"] = lambda *a: two_sort_rows(units_only(*a), num_rows=num_rows)
 

@@ -30,7 +30,7 @@ from attn_common import (
     sparse_mla_rows,
     sparse_mla_units,
 )
-from attn_common.sparse_mla_rows import _ABSENT, sort_rows
+from attn_common.sparse_mla_rows import ABSENT, sort_rows
 from attn_reference import sparse_mla_attention
 
 BLOCKS = (1, 8, 64)
@@ -150,7 +150,7 @@ def test_packed_sort_matches_batched(num_rows):
     n, k = 256, 96  # 8 query bits: 2**24 - 1 packs exactly into 32, 2**31 - 2 falls back
     key = rng.integers(0, min(num_rows, 300), (n, k), dtype=np.int32)  # many repeats
     key[rng.random((n, k)) < 0.2] = num_rows - 1  # the highest row
-    key[rng.random((n, k)) < 0.2] = _ABSENT
+    key[rng.random((n, k)) < 0.2] = ABSENT
     got = jax.jit(sort_rows, static_argnums=1)(jnp.asarray(key), num_rows)
     np.testing.assert_array_equal(np.asarray(got), np.sort(key, axis=1))
     packed = "u32[24576]" in str(jax.make_jaxpr(sort_rows, static_argnums=1)(key, num_rows))

@@ -29,7 +29,7 @@ from jax import lax
 from attn_common.sparse_mla import SparseMlaProblem, lift_ragged_indices, ragged_query_info
 from attn_common.tables import sanitize_unit_ids
 
-_ABSENT = 2**31 - 1  # sort key of a row that is not attended (never a real row)
+ABSENT = 2**31 - 1  # sort key of a row that is not attended (never a real row)
 # Compares per query (Kp * K) up to which selected_rows expands units to rows by one
 # fused [N, Kp, K] max-reduction rather than a scatter and a scan: 65536 for 32 pages of
 # 64 rows, where it measured 0.12 against 0.19 ms for 4096 queries on the H200.
@@ -144,15 +144,14 @@ def row_table_width(top_k: int, read_block: int, block: int = 64) -> int:
 
 
 def sort_rows(key: jax.Array, num_rows: int | None) -> jax.Array:
-    """``jnp.sort(key, axis=1)`` for ``key [N, K]``: store rows and ``_ABSENT``.
+    """``jnp.sort(key, axis=1)`` for ``key [N, K]``: store rows and ``ABSENT``.
 
     With ``num_rows`` (every row below it) and ``N`` small enough, one 1-D sort of
     ``(query << row_bits) | row`` in uint32 does it: each query's ``K`` keys stay in its
     own ``K`` slots, sorted. XLA on Hopper runs a 1-D sort of that size as a CUB radix
     sort (``cub_sort_keys``) and the batched ``[N, K]`` sort of ``K = 2048`` keys as its
     own sort kernel: 0.26 against 0.44 ms for 4096 queries on the H200
-    (docs/sparse_mla_gpu.md). Otherwise the batched sort. ``selected_rows``'s default
-    ``sort_keys``; a backend can pass a faster one (``attn_mosaic_gpu.row_sort``).
+    (docs/sparse_mla_gpu.md). Otherwise the batched sort.
     """
     n, top_k = key.shape
     row_bits = None if num_rows is None else int(num_rows).bit_length()
@@ -160,10 +159,10 @@ def sort_rows(key: jax.Array, num_rows: int | None) -> jax.Array:
         return jnp.sort(key, axis=1)
     absent = (1 << row_bits) - 1  # above every row
     query = jnp.arange(n, dtype=jnp.uint32)[:, None] << row_bits
-    row = jnp.where(key == _ABSENT, absent, key).astype(jnp.uint32)
+    row = jnp.where(key == ABSENT, absent, key).astype(jnp.uint32)
     packed = lax.sort((query | row).reshape(-1), is_stable=False).reshape(n, top_k)
     row = (packed & jnp.uint32(absent)).astype(jnp.int32)
-    return jnp.where(row == absent, _ABSENT, row)
+    return jnp.where(row == absent, ABSENT, row)
 
 
 def _kept_lengths(key: jax.Array, length: jax.Array) -> jax.Array:
@@ -189,17 +188,25 @@ def _to_first_slots(values: jax.Array, length: jax.Array, start: jax.Array, widt
     return table.at[query, dest].set(values, mode="drop", unique_indices=True)
 
 
+def token_rows_by_sort(
+    key: jax.Array, width: int, num_rows: int | None
+) -> tuple[jax.Array, jax.Array]:
+    """``selected_rows`` of token-level selections from their keys ``[N, K]`` (store
+    rows, ``ABSENT`` where not attended): ``sort_rows``, then ``_token_rows``."""
+    return _token_rows(sort_rows(key, num_rows), width)
+
+
 def _token_rows(key: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
     """``selected_rows`` of token-level selections from their sorted keys ``[N, K]``
-    (rows, then ``_ABSENT``): each query's rows once, ascending, padded to ``width``.
+    (rows, then ``ABSENT``): each query's rows once, ascending, padded to ``width``.
 
     A batch without a repeated row (what a top-K indexer emits) is its own table: the
-    sorted keys with ``_ABSENT`` as ``-1``. Only a batch with a repeat pays for the
+    sorted keys with ``ABSENT`` as ``-1``. Only a batch with a repeat pays for the
     compaction, a prefix sum and a scatter of every key to its slot (about 0.1 of the
     table's 0.40 ms for 4096 queries x 2048 tokens on the H200; docs/sparse_mla_gpu.md).
     """
     top_k = key.shape[1]
-    present = (key != _ABSENT).astype(jnp.int32)
+    present = (key != ABSENT).astype(jnp.int32)
     kept = _kept_lengths(key, present)
 
     def as_is():
@@ -219,7 +226,7 @@ def selected_rows(
     read_block: int,
     block: int = 64,
     num_rows: int | None = None,
-    sort_keys: Callable[[jax.Array, int | None], jax.Array] | None = None,
+    token_table: Callable[[jax.Array, int, int | None], tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Each query's attended store rows, sorted and duplicate-free; jit-friendly.
 
@@ -244,9 +251,11 @@ def selected_rows(
 
     ``num_rows`` (optional, static): a bound on the store rows, which lets token-level
     selections (``read_block == 1``) be sorted as one 1-D array (``sort_rows``); the
-    table is the same either way. ``sort_keys`` (optional, static): what sorts the
-    token-level keys, ``sort_keys(key [N, K] int32, num_rows)`` -> ``jnp.sort(key,
-    axis=1)`` (default ``sort_rows``).
+    table is the same either way. ``token_table`` (optional, static): what builds the
+    table of token-level selections from their keys, ``token_table(key [N, K] int32
+    (store rows, ``ABSENT`` where not attended), width, num_rows)`` -> ``(rows [N,
+    width], counts [N])`` as above (default ``token_rows_by_sort``; a backend can pass
+    its own kernel, ``attn_mosaic_gpu.row_sort``).
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block: got {block!r}, expected a positive int")
@@ -268,9 +277,9 @@ def selected_rows(
         - first_pos
     )
     length = jnp.where(first_row >= 0, jnp.clip(limit, 0, read_block), 0)
-    key = jnp.where(length > 0, first_row, _ABSENT)
+    key = jnp.where(length > 0, first_row, ABSENT)
     if read_block == 1:
-        return _token_rows((sort_keys or sort_rows)(key, num_rows), width)
+        return (token_table or token_rows_by_sort)(key, width, num_rows)
     # Copies of a unit adjacent, the longest valid prefix first.
     key, neg_length = jax.lax.sort((key, -length), dimension=1, num_keys=2)
     length = _kept_lengths(key, -neg_length)

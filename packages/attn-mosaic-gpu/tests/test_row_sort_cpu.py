@@ -1,12 +1,13 @@
-"""The per-query row-key sort of the Hopper sparse-MLA row table, on the CPU.
+"""The Hopper sparse-MLA row-table kernel of token-level selections, on the CPU.
 
 ``attn_mosaic_gpu.row_sort`` emits one network of compare-exchange steps (``sort_plan``)
-as inline Mosaic GPU code, which the interpreter cannot run. Here a NumPy model runs the
-same plan on the same (thread, key) layout (128 threads x ``K / 128`` keys, shuffles as
-lane permutations, shared-memory steps as warp permutations) and must sort exactly like
-``np.sort``; the kernel must lower for CUDA at the benchmark shape, replace XLA's sort in
-the front door's lowering, and refuse what it does not take. On the H200
-``test_row_sort_gpu.py`` checks the kernel itself bitwise against ``jnp.sort``.
+and a compaction as inline Mosaic GPU code, which the interpreter cannot run. Here a
+NumPy model runs the same plan on the same (thread, key) layout (128 threads x ``K /
+128`` keys, shuffles as lane permutations, shared-memory steps as warp permutations) and
+must sort exactly like ``np.sort``, and its compaction (per-thread counts, warp scans,
+warp totals) must give ``attn_common``'s table; the kernel must lower for CUDA at the
+benchmark shape, replace XLA's sort in the front door's lowering, and refuse what it
+does not take. On the H200 ``test_row_sort_gpu.py`` checks the kernel itself.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn_mosaic_gpu as gpu
-from attn_common.sparse_mla_rows import sort_rows as xla_sort_rows
+from attn_common.sparse_mla_rows import ABSENT, token_rows_by_sort
 from attn_mosaic_gpu.row_sort import (
     MAX_KEYS,
     MIN_KEYS,
+    distinct_sorted_rows,
     row_sort_supported,
-    segment_sort,
     sort_plan,
-    sort_rows,
+    token_rows,
 )
 
 THREADS = 128
@@ -58,6 +59,28 @@ def run_plan(keys: np.ndarray) -> np.ndarray:
     return regs.reshape(k)
 
 
+def model_table(keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """The kernel's table of one query's keys: ``run_plan``, then its compaction."""
+    k = keys.shape[0]
+    regs = run_plan(keys).reshape(THREADS, k // THREADS)
+    before = np.concatenate([[regs[0, 0]], regs[:-1, -1]])  # the previous thread's last
+    new = regs != np.concatenate([before[:, None], regs[:, :-1]], axis=1)
+    new[0, 0] = True
+    kept = new & (regs != ABSENT)
+    count = kept.sum(1)
+    warp_scan = count.reshape(-1, 32).cumsum(1)  # the shuffle scans
+    warp_total = warp_scan[:, -1]
+    slot = (warp_scan - count.reshape(-1, 32)).reshape(-1)
+    slot += np.repeat(np.concatenate([[0], warp_total.cumsum()[:-1]]), 32)
+    table = np.full(k + 1, -1, np.int64)
+    for t in range(THREADS):
+        s = slot[t]
+        for e in range(regs.shape[1]):
+            table[s if kept[t, e] else k] = regs[t, e]
+            s += kept[t, e]
+    return table[:k], int(warp_total.sum())
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_plan_sorts(size):
     rng = np.random.default_rng(size)
@@ -87,6 +110,25 @@ def test_plan_sorts_property(size, seed, distinct):
     np.testing.assert_array_equal(run_plan(keys), np.sort(keys))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.sampled_from(SIZES),
+    seed=st.integers(0, 2**32 - 1),
+    distinct=st.integers(1, 1 << 20),
+    absent=st.floats(0, 1),
+)
+def test_model_table_is_the_table(size, seed, distinct, absent):
+    """The modelled compaction gives ``token_rows_by_sort``'s rows and count: repeats and
+    ``ABSENT`` keys dropped, the rest ascending, then ``-1``."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, distinct, size).astype(np.int32)
+    keys[rng.random(size) < absent] = ABSENT
+    rows, count = model_table(keys)
+    want_rows, want_counts = token_rows_by_sort(jnp.asarray(keys[None]), size, None)
+    np.testing.assert_array_equal(rows, np.asarray(want_rows)[0])
+    assert count == int(want_counts[0])
+
+
 def test_plan_shape():
     """Each size's network: ``log2 K (log2 K + 1) / 2`` steps, of which only the three
     whose partner is in another warp go through shared memory."""
@@ -106,16 +148,21 @@ def test_supported_sizes():
     "keys",
     [jnp.zeros((4, 300), jnp.int32), jnp.zeros((4, 2048), jnp.uint32), jnp.zeros(2048, jnp.int32)],
 )
-def test_segment_sort_refuses(keys):
+def test_kernel_refuses(keys):
     with pytest.raises(ValueError, match="keys"):
-        segment_sort(keys)
+        distinct_sorted_rows(keys)
 
 
-def test_sort_rows_falls_back_to_xla():
-    """Widths the kernel does not take go to ``attn_common``'s sort (no Mosaic GPU call)."""
-    keys = jnp.asarray(np.random.default_rng(0).integers(0, 5000, (6, 300)), jnp.int32)
-    np.testing.assert_array_equal(sort_rows(keys, 5000), xla_sort_rows(keys, 5000))
-    np.testing.assert_array_equal(sort_rows(keys, 5000), np.sort(np.asarray(keys), axis=1))
+@pytest.mark.parametrize("size,width", [(300, 320), (2048, 2112), (256, 256)])
+def test_token_rows_falls_back_to_xla(size, width):
+    """Widths or ``K`` the kernel does not take go to ``attn_common``'s table."""
+    keys = np.random.default_rng(size).integers(0, 5000, (6, size)).astype(np.int32)
+    keys[:, 3] = keys[:, 4]
+    keys[1, ::7] = ABSENT
+    got = token_rows(jnp.asarray(keys), width, 5000)
+    want = token_rows_by_sort(jnp.asarray(keys), width, 5000)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _export(fn, *structs):
@@ -123,13 +170,13 @@ def _export(fn, *structs):
 
 
 def test_cross_lowers_at_benchmark_shape():
-    text = _export(segment_sort, jax.ShapeDtypeStruct((4096, 2048), jnp.int32))
+    text = _export(distinct_sorted_rows, jax.ShapeDtypeStruct((4096, 2048), jnp.int32))
     assert "mosaic_gpu" in text and "stablehlo.sort" not in text
 
 
 def test_front_door_sorts_token_rows_in_the_kernel():
-    """The Hopper op's token-level row table lowers with the sort kernel, not XLA's sort
-    (two Mosaic GPU calls: the sort and the attention)."""
+    """The Hopper op's token-level row table lowers with the table kernel, not XLA's sort
+    or its conditional compaction (two Mosaic GPU calls: the table and the attention)."""
     tokens, top_k, cache = 256, 2048, 1 << 17
 
     def fn(q, kv, idx, pos):
@@ -142,5 +189,5 @@ def test_front_door_sorts_token_rows_in_the_kernel():
         jax.ShapeDtypeStruct((1, tokens, top_k), jnp.int32),
         jax.ShapeDtypeStruct((1, tokens), jnp.int32),
     )
-    assert "stablehlo.sort" not in text
+    assert "stablehlo.sort" not in text and "stablehlo.case" not in text
     assert text.count("mosaic_gpu") >= 2

@@ -1,37 +1,48 @@
-"""Sort each query's row keys on Hopper: one CTA per query, a bitonic network in registers.
+"""The row table of token-level selections on Hopper: sort, drop repeats, compact, in one CTA.
 
-The sparse-MLA row table (``attn_common.sparse_mla_rows.selected_rows``) sorts every
-query's ``K`` selected rows to drop repeats. XLA's best form of that sort, one CUB radix
-sort of ``(query << row_bits) | row`` packed into uint32, makes four passes over all
-``N * K`` keys through global memory: 0.26 of the table's 0.29 ms for 4096 queries x 2048
-tokens on an H200 (docs/sparse_mla_gpu.md). Here each query's keys are sorted where they
-fit, inside one CTA, read once and written once.
+The sparse-MLA row table (``attn_common.sparse_mla_rows.selected_rows``) lists each
+query's ``K`` selected store rows once, ascending, then ``-1``, with a count. XLA's best
+form of its sort, one CUB radix sort of ``(query << row_bits) | row`` packed into uint32,
+makes four passes over all ``N * K`` keys through global memory (0.26 of the table's
+0.29 ms for 4096 queries x 2048 tokens on an H200), and dropping repeats then takes a
+conditional, and a prefix sum and a scatter when a row repeats. Here one program does a
+query's whole table where its keys fit, inside one CTA: read once, written once.
 
 Schedule
 --------
 One program (one warpgroup, 128 threads) per query; ``K`` a power of two, ``E = K / 128``
 keys per thread: thread ``t`` holds keys ``t * E + e`` (``e < E``) in registers, loaded
-and stored as 16-byte vectors. The network is the bitonic sort written with "flips" so
-that every compare-exchange keeps the smaller key at the lower index (no direction bits):
-for ``k = 2, 4, ..., K`` a flip step pairs index ``i`` with ``i ^ (k - 1)``, then
-half-cleaner steps pair ``i`` with ``i ^ j`` for ``j = k / 4, ..., 1``. A step's partner
-mask ``x`` splits into a thread part ``x // E`` and an element part ``x % E``
-(``sort_plan``):
+and stored as 16-byte vectors.
 
-* thread part 0: both keys are the thread's own (a min and a max of two registers);
-* thread part below 32: the partner is a lane of the same warp; one butterfly shuffle
-  per key brings the partner's key ``e ^ (x % E)`` across;
-* otherwise (the partner is in another warp; 3 of the 66 steps at ``K = 2048``): every
-  thread stores its keys to shared memory, one CTA barrier, and reads its partner's.
-  Two buffers alternate, so the next such step's stores never overwrite keys a slower
-  thread has still to read (between them lies the other buffer's barrier).
+1. **Sort.** The bitonic network written with "flips", so that every compare-exchange
+   keeps the smaller key at the lower index (no direction bits): for ``k = 2, 4, ...,
+   K`` a flip step pairs index ``i`` with ``i ^ (k - 1)``, then half-cleaner steps pair
+   ``i`` with ``i ^ j`` for ``j = k / 4, ..., 1``. A step's partner mask ``x`` splits
+   into a thread part ``x // E`` and a key part ``x % E`` (``sort_plan``):
 
-The thread on the lower side of the pair keeps the minimum, the other the maximum. 38 of
-the 66 steps at ``K = 2048`` stay in registers. The same ``sort_plan`` drives the tests'
-NumPy model of the network (``packages/attn-mosaic-gpu/tests/test_row_sort.py``).
+   * thread part 0: both keys are the thread's own (a min and a max of two registers);
+   * thread part below 32: the partner is a lane of the same warp; one butterfly
+     shuffle per key brings the partner's key ``e ^ (x % E)`` across;
+   * otherwise (the partner is in another warp; 3 of the 66 steps at ``K = 2048``):
+     every thread stores its keys to shared memory, one CTA barrier, and reads its
+     partner's. Two buffers alternate, so the next such step's stores never overwrite
+     keys a slower thread has still to read (between them lies the other buffer's
+     barrier).
 
-Mosaic GPU's interpreter does not run inline Mosaic GPU code, so under ``interpret``
-(and for ``K`` the kernel does not take) ``sort_rows`` is ``attn_common``'s XLA sort.
+   The thread on the lower side of the pair keeps the minimum, the other the maximum.
+   38 of the 66 steps at ``K = 2048`` stay in registers.
+2. **Drop repeats and absent keys.** A key is kept iff it is not ``ABSENT`` and differs
+   from the key before it (the previous thread's last key comes through shared memory).
+3. **Compact.** Each thread counts its kept keys; a shuffle scan within each warp and
+   the four warps' totals in shared memory give every thread its first output slot and
+   the query's count. The kept keys are stored to their slots of a shared-memory row
+   prefilled with ``-1`` (keys not kept go to one spare slot past the row), and the row
+   goes out to global memory as 16-byte vectors. Three CTA barriers in all.
+
+The same ``sort_plan`` drives the tests' NumPy model of the network
+(``packages/attn-mosaic-gpu/tests/test_row_sort_cpu.py``). Mosaic GPU's interpreter does
+not run inline Mosaic GPU code, so under ``interpret`` (and for ``K`` or widths the
+kernel does not take) ``token_rows`` is ``attn_common``'s XLA sort and compaction.
 """
 
 from __future__ import annotations
@@ -44,12 +55,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common.sparse_mla_rows import sort_rows as xla_sort_rows
+from attn_common.sparse_mla_rows import ABSENT, token_rows_by_sort
 
-__all__ = ["SortStep", "row_sort_supported", "segment_sort", "sort_plan", "sort_rows"]
+__all__ = ["SortStep", "distinct_sorted_rows", "row_sort_supported", "sort_plan", "token_rows"]
 
 _THREADS = 128
 _WARP = 32
+_WARPS = _THREADS // _WARP
 _VECTOR = 4  # int32 keys per 16-byte load or store
 MIN_KEYS, MAX_KEYS = 512, 4096  # K: 4 to 32 keys per thread
 _AXIS = "query"
@@ -64,7 +76,7 @@ class SortStep(NamedTuple):
 
 
 def row_sort_supported(keys_per_query: int) -> bool:
-    """Whether ``segment_sort`` takes ``K`` keys per query: a power of two in
+    """Whether the kernel takes ``K`` keys per query: a power of two in
     ``[MIN_KEYS, MAX_KEYS]``."""
     k = keys_per_query
     return MIN_KEYS <= k <= MAX_KEYS and k & (k - 1) == 0
@@ -86,10 +98,10 @@ def sort_plan(keys_per_query: int) -> tuple[SortStep, ...]:
     return tuple(steps)
 
 
-def _sort_body(keys_per_query: int):
-    """The inline Mosaic GPU body: sort row ``query`` of ``keys`` into ``out``."""
+def _table_body(keys_per_query: int):
+    """The inline Mosaic GPU body: row ``query`` of ``keys`` -> its table and count."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm, nvvm, vector
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     per_thread = keys_per_query // _THREADS
@@ -100,10 +112,13 @@ def _sort_body(keys_per_query: int):
             plgpu.RefType(),
             plgpu.RefType(),
             plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(),
             plgpu.Layout.WG_SPLAT(()),
         ),
     )
-    def body(ctx, keys, out, exchange, query):
+    def body(ctx, keys, rows_out, counts_out, exchange, table, scan, query):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
@@ -114,6 +129,8 @@ def _sort_body(keys_per_query: int):
 
         (query,) = query.registers.flat
         thread = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
+        lane = arith.remui(thread, const(_WARP))
+        warp = arith.divui(thread, const(_WARP))
 
         def global_ptr(ref):
             return llvm.addrspacecast(
@@ -121,7 +138,7 @@ def _sort_body(keys_per_query: int):
             )
 
         def vectors_at(ptr, first_key):
-            """Pointers to the thread's ``per_thread / 4`` vectors from key ``first_key``."""
+            """Pointers to the ``per_thread / 4`` vectors from key ``first_key`` on."""
             first = arith.divui(first_key, const(_VECTOR, first_key.type))
             return [
                 mgpu_utils.getelementptr(ptr, [arith.addi(first, const(v, first.type))], vec)
@@ -132,13 +149,20 @@ def _sort_body(keys_per_query: int):
             regs = []
             for ptr in ptrs:
                 loaded = llvm.load(vec, ptr)
-                regs += [vector.extract(loaded, [], [lane]) for lane in range(_VECTOR)]
+                regs += [vector.extract(loaded, [], [i]) for i in range(_VECTOR)]
             return regs
 
         def store(ptrs, regs):
             for v, ptr in enumerate(ptrs):
                 llvm.store(vector.from_elements(vec, regs[v * _VECTOR : (v + 1) * _VECTOR]), ptr)
 
+        def word(ptr, index):
+            return mgpu_utils.getelementptr(ptr, [index], i32)
+
+        def is_lower(top_bit: int):
+            return arith.cmpi(arith.CmpIPredicate.eq, arith.andi(thread, const(top_bit)), const(0))
+
+        # 1. Sort.
         row_start = arith.muli(arith.extui(i64, query), const(keys_per_query, i64))
         mine = arith.addi(row_start, arith.extui(i64, arith.muli(thread, const(per_thread))))
         regs = load(vectors_at(global_ptr(keys), mine))
@@ -171,39 +195,97 @@ def _sort_body(keys_per_query: int):
                 buffer ^= 1
             # The lower index of a pair keeps the minimum: this thread is the lower side
             # iff the mask's top bit (in the thread part) is clear in its index.
-            top = 1 << (thread_part.bit_length() - 1)
-            lower = arith.cmpi(arith.CmpIPredicate.eq, arith.andi(thread, const(top)), const(0))
+            lower = is_lower(1 << (thread_part.bit_length() - 1))
             regs = [
                 arith.select(lower, arith.minsi(a, b), arith.maxsi(a, b))
                 for a, b in zip(regs, other, strict=True)
             ]
-        store(vectors_at(global_ptr(out), mine), regs)
+
+        # 2. Kept keys: not ABSENT and not equal to the key before. The table row starts
+        # as -1 (its spare slot past the end takes the keys not kept, see 3).
+        table_ptr, scan_ptr = mgpu_utils.memref_ptr(table), mgpu_utils.memref_ptr(scan)
+        first_own = arith.muli(thread, const(per_thread))
+        store(vectors_at(table_ptr, first_own), [const(-1)] * per_thread)
+        llvm.store(regs[-1], word(scan_ptr, thread))
+        gpu.barrier()  # the last keys and the -1 row are out
+        before = llvm.load(i32, word(scan_ptr, arith.maxsi(arith.subi(thread, const(1)), const(0))))
+        first_thread = arith.cmpi(arith.CmpIPredicate.eq, thread, const(0))
+        count = const(0)
+        kept = []
+        for e in range(per_thread):
+            previous = regs[e - 1] if e else before
+            new = arith.cmpi(arith.CmpIPredicate.ne, regs[e], previous)
+            if not e:
+                new = arith.ori(new, first_thread)
+            keep = arith.andi(new, arith.cmpi(arith.CmpIPredicate.ne, regs[e], const(ABSENT)))
+            kept.append(keep)
+            count = arith.addi(count, arith.extui(i32, keep))
+
+        # 3. Each thread's first slot: an inclusive shuffle scan of the counts within the
+        # warp, plus the totals of the warps before (through shared memory).
+        inclusive = count
+        for d in (1, 2, 4, 8, 16):
+            up = nvvm.shfl_sync(const(-1), inclusive, const(d), const(0), nvvm.ShflKind.up)
+            has = arith.cmpi(arith.CmpIPredicate.uge, lane, const(d))
+            inclusive = arith.addi(inclusive, arith.select(has, up, const(0)))
+        # Warp totals go past the last keys, which slower threads may still be reading.
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, const(_WARP - 1))):
+            llvm.store(inclusive, word(scan_ptr, arith.addi(warp, const(_THREADS))))
+        gpu.barrier()  # warp totals are out
+        slot = arith.subi(inclusive, count)
+        total = const(0)
+        for w in range(_WARPS):
+            warp_total = llvm.load(i32, word(scan_ptr, const(_THREADS + w)))
+            earlier = arith.cmpi(arith.CmpIPredicate.ugt, warp, const(w))
+            slot = arith.addi(slot, arith.select(earlier, warp_total, const(0)))
+            total = arith.addi(total, warp_total)
+        spare = const(keys_per_query)
+        for e in range(per_thread):
+            llvm.store(regs[e], word(table_ptr, arith.select(kept[e], slot, spare)))
+            slot = arith.addi(slot, arith.extui(i32, kept[e]))
+        gpu.barrier()  # the row is compacted
+        out = arith.addi(row_start, arith.extui(i64, first_own))
+        store(vectors_at(global_ptr(rows_out), out), load(vectors_at(table_ptr, first_own)))
+        with mgpu_utils.when(first_thread):
+            llvm.store(total, word(global_ptr(counts_out), query))
 
     return body
 
 
 @functools.cache
-def _sort_call(queries: int, keys_per_query: int):
-    body = _sort_body(keys_per_query)
+def _table_call(queries: int, keys_per_query: int):
+    body = _table_body(keys_per_query)
 
-    def kernel(keys_ref, out_ref, exchange_ref):
-        body(keys_ref, out_ref, exchange_ref, lax.axis_index(_AXIS))
+    def kernel(keys_ref, rows_ref, counts_ref, exchange_ref, table_ref, scan_ref):
+        body(
+            keys_ref, rows_ref, counts_ref, exchange_ref, table_ref, scan_ref,
+            lax.axis_index(_AXIS),
+        )  # fmt: skip
 
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((queries, keys_per_query), jnp.int32),
-        scratch_types=[plgpu.SMEM((2, keys_per_query), jnp.int32)],
+        out_type=(
+            jax.ShapeDtypeStruct((queries, keys_per_query), jnp.int32),
+            jax.ShapeDtypeStruct((queries,), jnp.int32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((2, keys_per_query), jnp.int32),  # the sort's exchange buffers
+            plgpu.SMEM((keys_per_query + _VECTOR,), jnp.int32),  # the row (+ a spare slot)
+            plgpu.SMEM((_THREADS + _WARPS,), jnp.int32),  # last keys; warp totals
+        ],
         grid=(queries,),
         grid_names=(_AXIS,),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
     )
 
 
-def segment_sort(keys: jax.Array) -> jax.Array:
-    """``jnp.sort(keys, axis=1)`` for ``keys [N, K]`` int32 on a Hopper GPU.
+def distinct_sorted_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each query's distinct keys, ascending, then ``-1``, and their count, on Hopper.
 
-    ``K`` must satisfy ``row_sort_supported``; any int32 values (the row table's keys
-    are store rows and ``2**31 - 1``). Returns ``[N, K]`` int32, each row ascending.
+    ``keys [N, K]`` int32 (``K`` satisfying ``row_sort_supported``): store rows, with
+    ``ABSENT`` (``2**31 - 1``) where not attended; any other int32 is a row. Returns
+    ``rows [N, K]`` int32 and ``counts [N]`` int32, what ``token_rows_by_sort`` gives at
+    ``width = K``.
     """
     if keys.ndim != 2 or keys.dtype != jnp.int32:
         raise ValueError(f"keys: got {keys.dtype} {keys.shape}, expected int32 [N, K]")
@@ -213,13 +295,14 @@ def segment_sort(keys: jax.Array) -> jax.Array:
             f"keys: got K = {keys_per_query}, expected a power of two in [{MIN_KEYS}, {MAX_KEYS}]"
         )
     if queries == 0:
-        return keys
-    return _sort_call(queries, keys_per_query)(keys)
+        return keys, jnp.zeros((0,), jnp.int32)
+    return _table_call(queries, keys_per_query)(keys)
 
 
-def sort_rows(keys: jax.Array, num_rows: int | None) -> jax.Array:
-    """``selected_rows``'s ``sort_keys`` on Hopper: ``segment_sort`` where it applies,
-    else ``attn_common``'s XLA sort (the packed CUB sort or the batched one)."""
-    if keys.ndim == 2 and keys.dtype == jnp.int32 and row_sort_supported(keys.shape[1]):
-        return segment_sort(keys)
-    return xla_sort_rows(keys, num_rows)
+def token_rows(keys: jax.Array, width: int, num_rows: int | None) -> tuple[jax.Array, jax.Array]:
+    """``selected_rows``'s ``token_table`` on Hopper: ``distinct_sorted_rows`` where it
+    applies (``K`` supported, ``width == K``), else ``attn_common``'s XLA sort."""
+    supported = keys.ndim == 2 and keys.dtype == jnp.int32 and row_sort_supported(keys.shape[1])
+    if supported and width == keys.shape[1]:
+        return distinct_sorted_rows(keys)
+    return token_rows_by_sort(keys, width, num_rows)

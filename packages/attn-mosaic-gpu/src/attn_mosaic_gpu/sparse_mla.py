@@ -4,8 +4,8 @@
 selection (flat unit ids or ragged request-local pages, ``read_block = 1`` for the
 token-level selections of DeepSeek V3.2's indexer) into a per-query row table with
 ``attn_common.sparse_mla_units`` + ``selected_rows`` (causal bound, ``kv_len``, ``-1``,
-out-of-range ids and duplicates all resolved there, outside the kernel; token-level
-keys sorted per query by ``row_sort``), and runs the gather-attend kernel of
+out-of-range ids and duplicates all resolved there, outside the kernel; the tables of
+token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the gather-attend kernel of
 ``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is the
 same computation: the query-blocked union schedule is a TPU design, and on Hopper each
 program gathers its own token's rows, so the TPU knobs are validated and do not change
@@ -179,9 +179,9 @@ def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, config, interp
         read_block=read_block,
         block=2 * config.block_k,
         num_rows=store.shape[0],
-        # Token-level keys sorted per query in one kernel (the interpreter cannot run
+        # Token-level tables built per query by one kernel (the interpreter cannot run
         # it, so interpret mode keeps XLA's sort; the table is the same either way).
-        sort_keys=None if interpret else row_sort.sort_rows,
+        token_table=None if interpret else row_sort.token_rows,
     )
     return sparse_mla_rows_attention(
         q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, config=config,
