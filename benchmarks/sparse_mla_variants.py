@@ -5,7 +5,8 @@ once per case, is the same for every variant) for several ``SparseMlaKernelConfi
 and, with ``--baseline FILE``, the kernel of another revision (a copy of its
 ``sparse_mla_kernel.py``, e.g. ``git show REV:packages/.../sparse_mla_kernel.py``), so a
 schedule change is measured against the schedule it replaces in the same process.
-CUPTI median per variant; every variant's output is compared with the first's::
+CUPTI median per variant (``--rounds R``: the variants timed in turn R times, the
+median of the rounds); every variant's output is compared with the first's::
 
     python benchmarks/sparse_mla_variants.py --out /tmp/r --cases 'flat-h128-*' \
         --baseline /tmp/old_sparse_mla_kernel.py
@@ -115,7 +116,9 @@ def case_rows(case) -> tuple:
     return q.reshape(-1, case.heads, case.dk), store, rows, counts, problem.sm_scale, flops
 
 
-def run(cases, variants: dict, baseline, iterations: int) -> list[dict]:
+def run(cases, variants: dict, baseline, iterations: int, rounds: int = 1) -> list[dict]:
+    """Each case's variants timed in turn, ``rounds`` times over (the same compiled
+    kernels; a row's ``ms`` is the median of its rounds' medians, ``ms_rounds`` each)."""
     out_rows = []
     for case in cases:
         q, store, rows, counts, sm_scale, flops = case_rows(case)
@@ -123,13 +126,32 @@ def run(cases, variants: dict, baseline, iterations: int) -> list[dict]:
         if baseline is not None:
             fns["baseline"] = (baseline.sparse_mla_rows_attention, baseline.SparseMlaKernelConfig())
         first = None
+        compiled = {}
         for label, (attend, config) in fns.items():
             fn = jax.jit(functools.partial(attend, sm_scale=sm_scale, dv=case.dv, config=config))
+            try:
+                fn(q, store, rows, counts)
+                compiled[label] = fn
+            except Exception as e:  # one broken variant must not hide the others
+                compiled[label] = e
+        times = {label: [] for label in fns}
+        for _ in range(rounds - 1):  # the last round is timed below, with the checks
+            for label, fn in compiled.items():
+                if not isinstance(fn, Exception):
+                    times[label].append(
+                        device_ms(fn, q, store, rows, counts, iterations=iterations)[0]
+                    )
+        for label, (_, config) in fns.items():
+            fn = compiled[label]
             row = {"case": case.name, "variant": label, "config": repr(config)}
             try:
+                if isinstance(fn, Exception):
+                    raise fn
                 out, lse = fn(q, store, rows, counts)
                 ms, method = device_ms(fn, q, store, rows, counts, iterations=iterations)
-                row.update(ms=ms, tflops=flops / ms / 1e9, timing=method)
+                times[label].append(ms)
+                ms = float(np.median(times[label]))
+                row.update(ms=ms, ms_rounds=times[label], tflops=flops / ms / 1e9, timing=method)
                 if first is None:
                     first = (np.asarray(out), np.asarray(lse))
                 else:
@@ -139,7 +161,8 @@ def run(cases, variants: dict, baseline, iterations: int) -> list[dict]:
                     )
                 print(
                     f"{case.name:16s} {label:28s} {ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s"
-                    f" rel L2 vs first {row.get('rel_l2_vs_first', 0.0):.2e}",
+                    f" rel L2 vs first {row.get('rel_l2_vs_first', 0.0):.2e}"
+                    f" (rounds: {' '.join(f'{t:.3f}' for t in times[label])})",
                     flush=True,
                 )
             except Exception as e:  # one broken variant must not hide the others
@@ -185,13 +208,14 @@ def main() -> None:
         "--baseline", type=Path, default=None, help="another revision's kernel file"
     )
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="times over every variant")
     args = parser.parse_args()
     cases = [c for c in CASES if any(fnmatch(c.name, p) for p in args.cases)]
     variants = VARIANTS
     if args.variants:
         variants = {k: v for k, v in VARIANTS.items() if any(fnmatch(k, p) for p in args.variants)}
     baseline = load_module(args.baseline) if args.baseline else None
-    rows = run(cases, variants, baseline, args.iterations)
+    rows = run(cases, variants, baseline, args.iterations, args.rounds)
     data = {
         **provenance(),
         "device": jax.devices()[0].device_kind,
