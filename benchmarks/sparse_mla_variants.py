@@ -53,14 +53,12 @@ VARIANTS = {
     # or a token's head groups 16 tokens apart (the default: 8).
     "split, 2-D grid": {"token_lag": 0},
     "split, head groups 16 tokens apart": {"token_lag": 16},
-    # L2 prefetch of the rows of pair p + n as pair p starts (the default: 1, by a
-    # token's first head group only).
+    # L2 prefetch of the rows of pair p + n as pair p starts (the default: 1).
     "split, no L2 prefetch": {"l2_prefetch": 0},
     "split, L2 prefetch 2 pairs ahead": {"l2_prefetch": 2},
-    "split, L2 prefetch by both head groups": {"l2_prefetch_groups": 2},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
-STATIC_KNOBS = ("probe", "compute_registers", "token_lag", "l2_prefetch", "l2_prefetch_groups")
+STATIC_KNOBS = ("probe", "compute_registers", "token_lag", "l2_prefetch")
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
 

@@ -126,10 +126,8 @@ _COMPUTE_REGISTERS = {"split": 232, "ring": 240}
 _TOKEN_LAG = 8
 # Split schedule: as the memory WG starts pair p it has the rows of pair p + this many
 # prefetched into L2 (one bulk prefetch per row), so that on a cache larger than L2 the
-# copies of a pair's last-freed parts find their rows there, not in HBM; only in a
-# token's first head group's program (the later ones find the rows it brought in L2).
+# copies of a pair's last-freed parts find their rows there, not in HBM.
 _L2_PREFETCH = 1
-_L2_PREFETCH_GROUPS = 1
 _THREADS = 128  # per warpgroup
 _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
@@ -210,22 +208,17 @@ class _Static:
     # Benchmark-only: the launch order's token lag (None: _TOKEN_LAG; 0: the 2-D grid,
     # every token's head group 0 before any head group 1; see _lagged_program).
     token_lag: int | None = None
-    # Benchmark-only, split schedule: the pair whose rows the memory WG prefetches into
-    # L2 as it starts pair p is p + l2_prefetch (0: none; None: _L2_PREFETCH), in the
-    # programs of the first l2_prefetch_groups head groups (None: _L2_PREFETCH_GROUPS).
+    # Split schedule: the pair whose rows the memory WG prefetches into L2 as it starts
+    # pair p is p + l2_prefetch (0: none; None: _L2_PREFETCH).
     l2_prefetch: int | None = None
-    l2_prefetch_groups: int | None = None
 
 
 def _token_lag(st: _Static) -> int:
     return _TOKEN_LAG if st.token_lag is None else st.token_lag
 
 
-def _l2_prefetch(st: _Static) -> tuple[int, int]:
-    """(pairs ahead, head groups that prefetch) of the split schedule's L2 prefetch."""
-    ahead = _L2_PREFETCH if st.l2_prefetch is None else st.l2_prefetch
-    groups = _L2_PREFETCH_GROUPS if st.l2_prefetch_groups is None else st.l2_prefetch_groups
-    return ahead, groups
+def _l2_prefetch(st: _Static) -> int:
+    return _L2_PREFETCH if st.l2_prefetch is None else st.l2_prefetch
 
 
 def _lagged_program(i, lag: int, st: _Static):
@@ -934,14 +927,12 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ready.at[_part(b, h)])
 
-            prefetch_ahead, prefetch_groups = _l2_prefetch(st)
-            if interpret or st.probe == "no_gather":
-                prefetch_ahead = 0
+            prefetch_ahead = _l2_prefetch(st) if not interpret and st.probe != "no_gather" else 0
             if prefetch_ahead:
                 prefetch = _prefetch_pair(st)
 
             def prefetch_pair(p):
-                @pl.when((p < num_pairs) & (group < prefetch_groups))
+                @pl.when(p < num_pairs)
                 def _prefetch():
                     prefetch(store_ref, rows_ref.at[token, pl.ds(2 * p * block_k, 2 * block_k)])
 
