@@ -53,12 +53,9 @@ VARIANTS = {
     # or a token's head groups 16 tokens apart (the default: 8).
     "split, 2-D grid": {"token_lag": 0},
     "split, head groups 16 tokens apart": {"token_lag": 16},
-    # L2 prefetch of the rows of pair p + n as pair p starts (the default: 1).
-    "split, no L2 prefetch": {"l2_prefetch": 0},
-    "split, L2 prefetch 2 pairs ahead": {"l2_prefetch": 2},
 }
 # Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
-STATIC_KNOBS = ("probe", "compute_registers", "token_lag", "l2_prefetch")
+STATIC_KNOBS = ("probe", "compute_registers", "token_lag")
 ROW_BLOCK = 128  # row-table width multiple that suits every block_k
 
 

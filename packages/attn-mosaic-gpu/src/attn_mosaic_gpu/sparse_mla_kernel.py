@@ -124,10 +124,6 @@ _COMPUTE_REGISTERS = {"split": 232, "ring": 240}
 # faster than the 2-D grid's order, all of head group 0 first (4.312 against 4.469 ms on
 # a 128K-row cache); 16-64 within 1 % of 8 (docs/sparse_mla_gpu.md).
 _TOKEN_LAG = 8
-# Split schedule: as the memory WG starts pair p it has the rows of pair p + this many
-# prefetched into L2 (one bulk prefetch per row), so that on a cache larger than L2 the
-# copies of a pair's last-freed parts find their rows there, not in HBM.
-_L2_PREFETCH = 1
 _THREADS = 128  # per warpgroup
 _CHUNK = 8  # bf16 elements per 16-byte cp.async
 _LOG2E = math.log2(math.e)
@@ -208,17 +204,10 @@ class _Static:
     # Benchmark-only: the launch order's token lag (None: _TOKEN_LAG; 0: the 2-D grid,
     # every token's head group 0 before any head group 1; see _lagged_program).
     token_lag: int | None = None
-    # Split schedule: the pair whose rows the memory WG prefetches into L2 as it starts
-    # pair p is p + l2_prefetch (0: none; None: _L2_PREFETCH).
-    l2_prefetch: int | None = None
 
 
 def _token_lag(st: _Static) -> int:
     return _TOKEN_LAG if st.token_lag is None else st.token_lag
-
-
-def _l2_prefetch(st: _Static) -> int:
-    return _L2_PREFETCH if st.l2_prefetch is None else st.l2_prefetch
 
 
 def _lagged_program(i, lag: int, st: _Static):
@@ -334,39 +323,6 @@ def _gather_block(st: _Static, part: str | None = None):
         nvvm.cp_async_commit_group()
 
     return gather
-
-
-def _prefetch_pair(st: _Static):
-    """Prefetch a pair's rows into L2: thread ``t`` of the memory WG one bulk prefetch of
-    the ``Dk`` features of row ``rows[t]`` (``2 * block_k`` rows, one per thread; rows
-    with id ``< 0`` none). Nothing waits for it: the pair's copies find the rows in L2
-    if they arrived in time, and in HBM otherwise."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    if 2 * st.block_k != _THREADS:
-        raise NotImplementedError("the L2 prefetch takes one row per memory-WG thread")
-    row_bytes = (st.dv + ROPE) * 2
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def prefetch(ctx, store, rows):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        lane = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS))
-        row = memref.load(rows, [arith.index_cast(ir.IndexType.get(), lane)])
-        store_ptr = llvm.addrspacecast(
-            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
-        )
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.sge, row, arith.constant(i32, 0))):
-            offset = arith.muli(arith.extui(i64, row), arith.constant(i64, st.width))
-            nvvm.cp_async_bulk_prefetch(
-                mgpu_utils.getelementptr(store_ptr, [offset], ir.BF16Type.get()),
-                arith.constant(i32, row_bytes),
-            )
-
-    return prefetch
 
 
 def _gather_block_interpret(st: _Static, part: str | None = None):
@@ -927,24 +883,10 @@ def _build_kernel(st: _Static, *, interpret: bool):
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ready.at[_part(b, h)])
 
-            prefetch_ahead = _l2_prefetch(st) if not interpret and st.probe != "no_gather" else 0
-            if prefetch_ahead:
-                prefetch = _prefetch_pair(st)
-
-            def prefetch_pair(p):
-                @pl.when(p < num_pairs)
-                def _prefetch():
-                    prefetch(store_ref, rows_ref.at[token, pl.ds(2 * p * block_k, 2 * block_k)])
-
-            for p in range(1, prefetch_ahead):  # pair 0's copies go out at once anyway
-                prefetch_pair(p)
-
             # Parts in the order they are freed: WG0's own value half (0, L) and WG1's
             # (1, R) mid-pair, then the halves read by the other WG's product.
             @pl.loop(0, num_pairs)
             def _issue(p):
-                if prefetch_ahead:
-                    prefetch_pair(p + prefetch_ahead)
                 for parts in (((0, "L"), (1, "R")), ((0, "R"), (1, "L"))):
                     for b, h in parts:
 
