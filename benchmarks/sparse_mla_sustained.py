@@ -18,9 +18,9 @@ import functools
 import statistics
 
 import jax
-from jax.experimental.mosaic.gpu import profiler
 
 from attn_common import bench_sparse_mla as bench
+from attn_common.bench import cupti_call_ms
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
 
 
 def report(label: str, compiled, call_args: tuple, calls: int) -> None:
-    _, ms = profiler.Cupti().measure(compiled, iterations=calls)(*call_args)
+    ms = cupti_call_ms(compiled, call_args, calls)
     print(f"{label}: {calls} back-to-back calls, ms per call: first 10 "
           f"median {statistics.median(ms[:10]):.3f}, last 10 median "
           f"{statistics.median(ms[-10:]):.3f}, all median {statistics.median(ms):.3f}",

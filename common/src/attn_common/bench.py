@@ -171,7 +171,7 @@ def _on_gpu() -> bool:
     return device_class() in ("hopper", "gpu")
 
 
-def _cupti_iteration_ms(fn, args, iterations: int) -> list[float] | None:
+def cupti_call_ms(fn, args, iterations: int) -> list[float] | None:
     """Each call's device time (ms, the sum of its kernels' CUPTI durations).
 
     What ``jax.experimental.mosaic.gpu.profiler.measure`` does, except that a call's
@@ -210,7 +210,7 @@ def device_ms(fn, *args, iterations: int = 20) -> tuple[float, str]:
         raise ValueError(f"iterations: got {iterations!r}, expected a positive int")
     if _on_gpu():
         try:
-            timings = _cupti_iteration_ms(fn, args, iterations)
+            timings = cupti_call_ms(fn, args, iterations)
             if timings:
                 return float(statistics.median(timings)), "cupti"
         except Exception as e:  # CUPTI unavailable: fall back to saturated wall clock
