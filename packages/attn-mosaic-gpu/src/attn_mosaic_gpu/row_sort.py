@@ -37,7 +37,7 @@ and stored as 16-byte vectors.
    the four warps' totals in shared memory give every thread its first output slot and
    the query's count. The kept keys are stored to their slots of a shared-memory row
    prefilled with ``-1`` (keys not kept go to one spare slot past the row), and the row
-   goes out to global memory as 16-byte vectors. Three CTA barriers in all.
+   goes out to global memory as 16-byte vectors. Three CTA barriers here, six with the sort's.
 
 The same ``sort_plan`` drives the tests' NumPy model of the network
 (``packages/attn-mosaic-gpu/tests/test_row_sort_cpu.py``). Mosaic GPU's interpreter does
