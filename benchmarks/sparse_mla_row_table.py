@@ -2,10 +2,11 @@
 
 Times, per benchmark case (CUPTI median), ``sparse_mla_units`` + ``selected_rows`` as
 the Hopper op runs them (token-level selections by the table kernel of
-``attn_mosaic_gpu.row_sort``: sort, repeats dropped, compaction), the same with XLA's sorts (with ``num_rows``: one packed
-1-D array, CUB's radix sort; without: the batched ``[N, K]`` sort), and the sorts
-alone; for unit selections, the expansion of units to rows by a scatter, a scan and
-gathers against the op's fused max-reduction; for token-level selections
+``attn_mosaic_gpu.row_sort``: sort, repeats dropped, compaction), the same with XLA's
+sorts (with ``num_rows``: one packed 1-D array, CUB's radix sort; without: the batched
+``[N, K]`` sort), XLA's sorts and the table kernel alone; for unit selections, the
+expansion of units to rows by a scatter, a scan and gathers against the op's fused
+max-reduction; for token-level selections
 (``read_block == 1``), two-sort builds (sort; mark repeats absent; sort again) that
 need no prefix sum and no scatter, batched and packed, and the op's table of the same
 ids with one repeated (a batch with a repeat pays for the compaction that one without

@@ -176,9 +176,10 @@ def cupti_call_ms(fn, args, iterations: int) -> list[float] | None:
 
     What ``jax.experimental.mosaic.gpu.profiler.measure`` does, except that a call's
     kernels need not be recorded in the same order every call, only be the same
-    kernels: with two Mosaic GPU kernels and a conditional in one program (the Hopper
-    sparse-MLA op's row sort and attention) CUPTI listed them in different orders
-    between calls, which ``measure`` refuses.
+    kernels: for a program with a conditional (the Hopper sparse-MLA op while its row
+    table was a sort kernel followed by XLA's conditional compaction) CUPTI listed the
+    branch's kernel late, so the calls' kernels came in different orders, which
+    ``measure`` refuses.
     """
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 

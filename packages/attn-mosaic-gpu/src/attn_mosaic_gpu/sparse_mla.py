@@ -5,8 +5,8 @@ selection (flat unit ids or ragged request-local pages, ``read_block = 1`` for t
 token-level selections of DeepSeek V3.2's indexer) into a per-query row table with
 ``attn_common.sparse_mla_units`` + ``selected_rows`` (causal bound, ``kv_len``, ``-1``,
 out-of-range ids and duplicates all resolved there, outside the kernel; the tables of
-token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the gather-attend kernel of
-``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is the
+token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the
+gather-attend kernel of ``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is the
 same computation: the query-blocked union schedule is a TPU design, and on Hopper each
 program gathers its own token's rows, so the TPU knobs are validated and do not change
 anything. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
