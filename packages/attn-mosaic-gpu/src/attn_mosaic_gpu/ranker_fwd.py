@@ -159,8 +159,9 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
-# The forward's schedule (A/B switch while it is measured): FA3's intra-warpgroup overlap.
-_OVERLAP = True
+# The forward's schedule (A/B switch while it is measured): True = FA3's intra-warpgroup
+# overlap (overlapped_tile), False = the ping-pong alone (compute_tile).
+_OVERLAP = False
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
 
@@ -613,6 +614,9 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             )
         live = active & (total_steps > 0)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
+        s_zero = plgpu.layout_cast(
+            jnp.full((block_q, block_kv), 0.0, jnp.float32), plgpu.Layout.WGMMA
+        )
 
         def step_mask(step, row_keys):
             kv0 = ranges.block_at(step) * block_kv
@@ -626,6 +630,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             """Issue ``Q K^T`` into ``s_ref`` (compiled), or compute and return it."""
             k_t = k_smem.at[slot].transpose((1, 0))
             if in_place:
+                s_ref[...] = s_zero  # wgmma accumulates; S lives across the steps
                 plgpu.wgmma(s_ref, qo_smem, k_t)
                 return None
 
