@@ -159,9 +159,6 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
-# The forward's schedule (A/B switch while it is measured): True = FA3's intra-warpgroup
-# overlap (overlapped_tile), False = the ping-pong alone (compute_tile).
-_OVERLAP = False
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
 
@@ -302,8 +299,6 @@ class _Static:
     programs: int = 0
     # setmaxnreg of each compute WG; the memory WG keeps the rest of the pool.
     compute_registers: int = _DEFAULT_COMPUTE_REGISTERS
-    # FA3's intra-warpgroup overlap (overlapped_tile); False: compute_tile.
-    overlap: bool = True
 
 
 def packed_tile_mask(mask_from_table, row_entries, offset, shape):
@@ -587,228 +582,6 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         if lse_smem is not None:
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
 
-    def overlapped_tile(
-        wg, q_head, batch, tile_start, ranges, total_steps, bnds, bufs, barriers, out_refs, *,
-        load_q, slot_of, idle_waits,
-    ):  # fmt: skip
-        """``compute_tile`` with FA3's intra-warpgroup overlap: step ``i``'s ``Q K^T`` and
-        step ``i - 1``'s ``P V`` are issued together, and the softmax of step ``i`` runs
-        while ``P V`` is in flight. The two WGs take turns issuing (``turn``)."""
-        qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
-        k_ready, v_ready, turn, k_consumed, v_consumed = barriers
-        in_place = accumulate_in_place
-
-        def take_turn():
-            plgpu.barrier_wait(turn.at[wg])
-
-        def pass_turn():
-            plgpu.barrier_arrive(turn.at[1 - wg])
-
-        row0, row1, active = wg_rows(wg, tile_start, bnds)
-        if st.users:
-            unmasked_lo, unmasked_hi = ranges.full_steps(wg)
-        else:
-            hl, hu, cl, cu = bnds
-            unmasked_lo, unmasked_hi = ranker_full_kv_steps(
-                ranges, hl, hu, cl, cu, row0, row1, block_kv
-            )
-        live = active & (total_steps > 0)
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        s_zero = plgpu.layout_cast(
-            jnp.full((block_q, block_kv), 0.0, jnp.float32), plgpu.Layout.WGMMA
-        )
-
-        def step_mask(step, row_keys):
-            kv0 = ranges.block_at(step) * block_kv
-            if st.users:
-                return packed_tile_mask(
-                    ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
-                )
-            return ranker_tile_mask(row0, kv0, (block_q, block_kv), hl, hu, cl, cu)
-
-        def qk_product(s_ref, slot):
-            """Issue ``Q K^T`` into ``s_ref`` (compiled), or compute and return it."""
-            k_t = k_smem.at[slot].transpose((1, 0))
-            if in_place:
-                s_ref[...] = s_zero  # wgmma accumulates; S lives across the steps
-                plgpu.wgmma(s_ref, qo_smem, k_t)
-                return None
-
-            def fresh(r):
-                plgpu.wgmma(r, qo_smem, k_t)
-                return r[...]
-
-            return pl.run_scoped(fresh, plgpu.ACC((block_q, block_kv), jnp.float32))
-
-        def pv_product(o_ref, acc, p16, slot):
-            """Issue ``O += P V`` into ``o_ref`` (compiled), or add it to ``acc``."""
-            if in_place:
-                plgpu.wgmma(o_ref, p16, v_smem.at[slot])
-                return None
-            # Interpret mode: no register-A wgmma; P goes through shared memory.
-            p_smem = p_smem2.at[wg]
-            p_smem[...] = p16
-            plgpu.commit_smem()
-
-            def fresh(r):
-                plgpu.wgmma(r, p_smem, v_smem.at[slot])
-                return r[...]
-
-            return acc + pl.run_scoped(fresh, plgpu.ACC((block_q, head_dim), jnp.float32))
-
-        def wait_k(step):
-            @pl.when(step < total_steps)
-            def _wait():
-                plgpu.barrier_wait(k_ready.at[slot_of(step)])
-
-        def live_steps(s_ref=None, o_ref=None):
-            """The WG's steps; ``(acc, m, l)`` at the end."""
-            acc = None if in_place else jnp.zeros((block_q, head_dim), jnp.float32)
-            row_keys = None
-            if st.users:
-                # The rows' packed_query_table entries (key_lo, key_hi, self_key): the
-                # mask is then three compares per score for any U.
-                row_keys = tuple(
-                    plgpu.load(keys_smem2.at[wg, f], layout=row_layout)
-                    for f in range(PACKED_QUERY_FIELDS)
-                )
-            m_i = plgpu.layout_cast(jnp.full((block_q,), _M_INIT, jnp.float32), row_layout)
-            first = slot_of(0)
-            wait_k(0)
-            take_turn()
-            qk = qk_product(s_ref, first)
-            pass_turn()
-            if in_place:
-                qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-            plgpu.barrier_arrive(k_consumed.at[first])
-            first_unmasked = (unmasked_lo <= 0) & (unmasked_hi > 0)
-            p, _, m_i = lax.cond(
-                first_unmasked,
-                lambda qk, m: online_softmax_step(qk, None, m),
-                lambda qk, m: online_softmax_step(qk, step_mask(0, row_keys), m),
-                qk,
-                m_i,
-            )
-            l_i = p.sum(axis=1)
-            p16 = p.astype(dtype)
-            wait_k(1)
-
-            def kv_step(step, carry, *, masked: bool):
-                m_i, l_i, p16, acc = carry
-                slot, prev = slot_of(step), slot_of(step - 1)
-                take_turn()
-                qk = qk_product(s_ref, slot)
-                plgpu.barrier_wait(v_ready.at[prev])
-                acc = pv_product(o_ref, acc, p16, prev)
-                pass_turn()
-                allowed = step_mask(step, row_keys) if masked else None  # while Q K^T runs
-                if in_place:
-                    qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V still runs
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
-                l_i = l_i * alpha + p.sum(axis=1)
-                if in_place:
-                    plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(v_consumed.at[prev])
-                scale = lax.broadcast_in_dim(alpha, (block_q, head_dim), [0])
-                if in_place:
-                    o_ref[...] = o_ref[...] * scale
-                else:
-                    acc = acc * scale
-                wait_k(step + 1)
-                return m_new, l_i, p.astype(dtype), acc
-
-            lo = jnp.maximum(unmasked_lo, 1)
-            hi = jnp.maximum(unmasked_hi, lo)
-            carry = (m_i, l_i, p16, acc)
-            carry = lax.fori_loop(1, lo, functools.partial(kv_step, masked=True), carry)
-            carry = lax.fori_loop(lo, hi, functools.partial(kv_step, masked=False), carry)
-            carry = lax.fori_loop(hi, total_steps, functools.partial(kv_step, masked=True), carry)
-            m_i, l_i, p16, acc = carry
-            last = slot_of(total_steps - 1)
-            take_turn()
-            plgpu.barrier_wait(v_ready.at[last])
-            acc = pv_product(o_ref, acc, p16, last)
-            pass_turn()
-            if in_place:
-                acc = o_ref[...]  # waits for the last P V
-            plgpu.barrier_arrive(v_consumed.at[last])
-            return acc, m_i, l_i
-
-        def idle_steps():
-            """All-padding WG: a live WG's turns, waits and arrivals, without the math."""
-
-            def idle_step(step, _):
-                slot, prev = slot_of(step), slot_of(step - 1)
-                take_turn()
-                if idle_waits:
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    pl.when(step > 0)(lambda: plgpu.barrier_wait(v_ready.at[prev]))
-                pass_turn()
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                pl.when(step > 0)(lambda: plgpu.barrier_arrive(v_consumed.at[prev]))
-
-            lax.fori_loop(0, total_steps, idle_step, None)
-
-            @pl.when(total_steps > 0)
-            def _last():
-                last = slot_of(total_steps - 1)
-                take_turn()
-                if idle_waits:
-                    plgpu.barrier_wait(v_ready.at[last])
-                pass_turn()
-                plgpu.barrier_arrive(v_consumed.at[last])
-
-        @pl.when(live)
-        def _live():
-            load_q(row0)
-            if in_place:
-                acc = plgpu.ACC((block_q, block_kv), jnp.float32)
-                out = pl.run_scoped(live_steps, acc, plgpu.ACC((block_q, head_dim), jnp.float32))
-            else:
-                out = live_steps()
-            store_out(wg, q_head, batch, row0, *out, qo_smem, lse_smem, out_refs)
-
-        @pl.when(jnp.logical_not(live))
-        def _idle():
-            idle_steps()
-            zeros = plgpu.layout_cast(
-                jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
-            )
-            m_i = plgpu.layout_cast(jnp.full((block_q,), _M_INIT, jnp.float32), row_layout)
-            l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
-            store_out(wg, q_head, batch, row0, zeros, m_i, l_i, qo_smem, lse_smem, out_refs)
-
-    def store_out(wg, q_head, batch, row0, acc, m_i, l_i, qo_smem, lse_smem, out_refs):
-        """Normalise, write O (into the Q/O tile) and LSE to shared memory, TMA-store
-        both (not waited for). ``l == 0`` marks a row with no allowed key."""
-        out_ref, lse_ref = out_refs
-        has_key = l_i > 0.0
-        inv_l = 1.0 / jnp.where(has_key, l_i, 1.0)
-        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        qo_smem[...] = out.astype(dtype)
-        if lse_smem is not None:
-            lse = jnp.where(
-                has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf
-            )
-            lse_smem[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
-        if lse_smem is not None:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
-
-    def open_turns(wg, schedule):
-        """Overlapped schedule: WG0 takes the first turn (WG1 hands it over)."""
-        if st.overlap:
-            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule.at[0]))
-
-    def close_turns(wg, schedule):
-        """Overlapped schedule: WG0 observes WG1's last hand-over."""
-        if st.overlap:
-            pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule.at[0]))
-
-    tile_body = overlapped_tile if st.overlap else compute_tile
-
     def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
         bufs, ready, consumed, schedule = scoped
         qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
@@ -842,14 +615,12 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 plgpu.barrier_wait(q_ready.at[wg])
 
             lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
-            open_turns(wg, schedule)
-            tile_body(
+            compute_tile(
                 wg, q_head, batch, tile_start, ranges, total_steps, bnds,
                 (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
                 (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
                 load_q=load_q, slot_of=ring_slot, idle_waits=False,
             )  # fmt: skip
-            close_turns(wg, schedule)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _COMPUTE_WGS)
@@ -938,8 +709,6 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             def _first():
                 issue_q(jnp.int32(0), 0)
 
-            open_turns(wg, schedule)
-
             def walk(j, base):
                 buf = lax.rem(j, 2)
                 q_head, batch, tile_start, ranges, bnds = tile_of(j)
@@ -951,7 +720,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
                 lse_smem = None if lse_smem3 is None else lse_smem3.at[buf, wg]
                 total_steps = ranges.total_steps
-                tile_body(
+                compute_tile(
                     wg, q_head, batch, tile_start, ranges, total_steps, bnds,
                     (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
                     (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
@@ -962,7 +731,6 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 return base + total_steps
 
             lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
-            close_turns(wg, schedule)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == _COMPUTE_WGS)
@@ -1034,10 +802,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 *keys_ready,
             ),
             (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
-            # The overlapped schedule's turns (one per compute WG), else the ping-pong's.
-            plgpu.Barrier(num_barriers=_COMPUTE_WGS)
-            if st.overlap
-            else plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -1164,7 +929,6 @@ def ranker_attention_fwd(
         users=users,
         programs=config.programs,
         compute_registers=config.compute_registers or _DEFAULT_COMPUTE_REGISTERS,
-        overlap=_OVERLAP,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]
