@@ -180,6 +180,21 @@ def test_grad_ring_wraps_d128_gqa_unmasked_steps():
 
 
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
+def test_grad_soft_sign_80_paired_huge_scores():
+    """soft_sign 80, where dq and dk/dv share one MUFU reciprocal between two scores
+    (``fastmath.paired_affine_reciprocal``; soft_sign 8 above keeps one per score): scores
+    up to ~1e18 (``helpers.huge_keys``), GQA 2:1, padding, masked candidate blocks.
+    (Keys up to 1e20 put dq 0.35 rel L2 from the float32 reference, with one reciprocal
+    per score too: the bf16 backward's limit, not the pairing's.)"""
+    from helpers import huge_keys
+
+    q, k, v = _inputs(9, 2, 200, 4, 2, 64, jnp.bfloat16)
+    k = jnp.asarray(huge_keys(k.astype(jnp.float32), seed=10, max_exp=16)).astype(jnp.bfloat16)
+    bounds = jnp.array([[0, 100, 100, 150], [0, 128, 128, 190]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=CapParams(CapMethod.SOFT_SIGN, 80.0), seed=9)
+
+
+@pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_grad_ring_wraps_d64_tanh():
     """D=64 (4-slot ring) with 9 history blocks: the ring wraps; tanh cap."""
     q, k, v = _inputs(5, 1, 640, 2, 1, 64, jnp.float16)

@@ -313,6 +313,20 @@ def test_grad_packed_users(head_dim, cap, layout):
         assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_grad_soft_sign_huge_scores(head_dim):
+    """soft_sign 80 (paired MUFU reciprocals in dq and dk/dv): scores up to ~1e18
+    (``helpers.huge_keys``; keys up to 1e20 put dq 0.35 rel L2 from the float32
+    reference in interpret mode, with one reciprocal per score too: the bf16 backward's
+    limit, not the pairing's)."""
+    from helpers import huge_keys
+
+    q, k, v = _inputs(31, 2, 384, 10, 2, head_dim, jnp.bfloat16)
+    k = jnp.asarray(huge_keys(k.astype(jnp.float32), seed=32, max_exp=16)).astype(jnp.bfloat16)
+    bounds = jnp.asarray([[0, 256, 256, 320], [0, 200, 230, 352]], jnp.int32)
+    _check_grads(q, k, v, bounds, cap=SS80)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_grad_deterministic(head_dim):
     """Same inputs -> bitwise identical dq, dk, dv (no atomics; fixed GQA order)."""

@@ -176,6 +176,21 @@ def test_interpret_fma_pipe_split(cap, config):
 
 
 @pytest.mark.slow  # interpret mode, ~15 s on 2 cores
+@pytest.mark.parametrize("config", [SMALL, KernelConfig(64, 128, 2)], ids=["kv64", "kv128"])
+def test_interpret_soft_sign_huge_scores_dirty_padding_keys(config):
+    """soft_sign 80 (two scores share one MUFU reciprocal): scores up to ~1e37
+    (``helpers.huge_keys``) saturate as in the reference, and NaN / Inf in keys no row
+    attends (masked scores, zeroed before the cap) reach no other score."""
+    from helpers import huge_keys
+
+    q, k, v = _inputs(11, 2, 200, 4, 2, 64, jnp.bfloat16)
+    k = jnp.asarray(huge_keys(k.astype(jnp.float32), seed=12, max_exp=35, dirty_from=190))
+    k = k.astype(jnp.bfloat16)
+    bounds = jnp.array([[0, 100, 100, 150], [0, 128, 128, 190]], jnp.int32)
+    _check(q, k, v, bounds, cap=PHOENIX_CAP, config=config)
+
+
+@pytest.mark.slow  # interpret mode, ~15 s on 2 cores
 @pytest.mark.parametrize("cap", [SOFT_SIGN, None], ids=["soft_sign", "none"])
 def test_interpret_packed_users(cap):
     """Packed rows [B, U, 4]: users sharing a block, unaligned boundaries, an empty

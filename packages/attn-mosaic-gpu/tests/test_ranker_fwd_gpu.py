@@ -348,6 +348,21 @@ def test_packed_user_shapes(head_dim):
     _check(q, k, v, bounds, cap=CAPS["soft_sign"])
 
 
+@pytest.mark.parametrize("config", [None, KernelConfig(64, 64, 2)], ids=["tuned", "kv64"])
+def test_soft_sign_huge_scores_dirty_padding_keys(config):
+    """soft_sign 80 (two scores share one MUFU reciprocal, fastmath.paired_affine_reciprocal):
+    scores up to ~1e37 saturate as in the reference (the pairing's products stay normal
+    floats under the MUFU's flush-to-zero), and NaN / -Inf in keys that no row attends
+    reach no other score."""
+    from helpers import huge_keys
+
+    seq = 384
+    q, k, v = _inputs(23, 2, seq, 10, 2, 128, jnp.bfloat16)
+    k = jnp.asarray(huge_keys(k.astype(jnp.float32), seed=24, max_exp=35, dirty_from=352))
+    bounds = jnp.asarray([[0, 256, 256, 320], [0, 200, 230, 352]], jnp.int32)
+    _check(q, k.astype(jnp.bfloat16), v, bounds, cap=CAPS["soft_sign"], config=config)
+
+
 @pytest.mark.parametrize("seq", [1, 65, 127, 129, 300])
 def test_odd_lengths(seq):
     q, k, v = _inputs(5, 2, seq, 4, 4, 128, jnp.bfloat16)

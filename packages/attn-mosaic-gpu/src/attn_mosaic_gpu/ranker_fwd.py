@@ -131,6 +131,9 @@ from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     fast_reciprocal,
     mufu_reciprocal,
+    pair_product_reciprocal,
+    paired_affine_reciprocal,
+    pairs_reciprocals,
     reciprocal_fma,
     split_columns,
 )
@@ -335,11 +338,19 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     cap = st.cap
 
     on_mufu = mufu_reciprocal(compiled=accumulate_in_place)
+    paired = pairs_reciprocals(cap, st.rcp_fma_cols)
 
     def reciprocal(d):
         if d.ndim != 2:  # the per-row maxima: too few to split
             return fast_reciprocal(d)
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
+
+    def affine_reciprocal(x, slope, intercept):
+        # soft_sign's 1 / (|qk| slope + intercept): one MUFU op per two scores of a tile.
+        if paired and x.ndim == 2:
+            rcp = pair_product_reciprocal(compiled=accumulate_in_place)
+            return paired_affine_reciprocal(x, slope, intercept, rcp=rcp)
+        return reciprocal(x * slope + intercept)
 
     def scale_and_cap(qk):
         # Base-2 logits s2 = cap(qk * sm_scale) * log2(e), the constants folded into the
@@ -347,7 +358,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         # so that `s2 - m` is one FMA. The derivative the helper also returns is dead
         # code here.
         s2, _ = cap_scaled_with_derivative(
-            qk, cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
+            qk, cap, st.sm_scale, out_scale=_LOG2E, affine_reciprocal=affine_reciprocal
         )
         return s2
 
@@ -371,11 +382,15 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             raw_max = raw.max(axis=1)
             step_max = jnp.where(raw_max > -jnp.inf, scale_and_cap(raw_max), _M_INIT)
             m_new = jnp.maximum(m_i, step_max)
+            if masked and paired:
+                # A paired reciprocal shares one MUFU op between two scores of a row, so
+                # a masked key's score (padding, or any Inf/NaN there) must not reach it.
+                qk = jnp.where(allowed, qk, 0.0)
             x = scale_and_cap(qk) - lax.broadcast_in_dim(m_new, qk.shape, [0])
             if masked:
                 x = jnp.where(allowed, x, -jnp.inf)
         else:
-            s = scale_and_cap(qk)
+            s = scale_and_cap(jnp.where(allowed, qk, 0.0) if masked and paired else qk)
             if masked:
                 s = jnp.where(allowed, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
