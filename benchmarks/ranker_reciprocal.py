@@ -1,25 +1,25 @@
 """A/B of soft_sign's MUFU reciprocal in the Hopper ranker kernels, H200: the forms
-the compiled kernels can take (``attn_mosaic_gpu.fastmath``).
+``fastmath.fast_reciprocal_tile`` can take in the compiled kernels.
 
-* ``paired-rcp``: ``fastmath.paired_affine_reciprocal`` with ``rcp.approx.ftz.f32``:
-  one MUFU op per two scores of a row (the default).
-* ``paired-rsqrt``: the same pairing with ``rsqrt.approx.ftz.f32`` squared.
-* ``single-rsqrt``: one ``rsqrt.approx.ftz.f32`` per score, squared (the kernels before
-  the pairing).
-* ``single-rcp``: one ``rcp.approx.ftz.f32`` per score, a multiply less.
+* ``rsqrt.approx.ftz^2``: ``rsqrt.approx.ftz.f32`` squared (the default).
+* ``rcp.approx.ftz``: one ``rcp.approx.ftz.f32`` per element, a multiply less; not
+  bitwise the same, and slower in the phoenix forward (docs/ranker_gpu.md).
+* ``rsqrt.approx^2``: ``fastmath.fast_reciprocal``, Mosaic GPU's own
+  ``rsqrt.approx.f32`` squared, around which ptxas puts a subnormal guard.
 
 For each suite case, in one process and in the order given (``--variants``; a name
 may repeat, to see the drift between runs): the tuned forward and ``jax.grad`` of a
 forward+backward loss (what ``config=None`` runs), with the kernels built on that form
-(``fastmath.PAIRED_RECIPROCAL`` and ``fastmath.fast_reciprocal_tile``, read at build
-time, are switched and jax's caches cleared between), CUPTI median of iterations. Each
-output and gradient is compared bitwise with the earlier variants' and measured against
-the float32 reference (``attn_reference``, float32 inputs): rel L2 and max-abs, the two
-figures the GPU conformance tests bound. ``--exp2-cols`` also times the forward with
-each variant at those ``exp2_fma_cols`` (the tuned config otherwise): the tuned split
-was chosen with two MUFU ops per score, and the best split moves with the MUFU's load::
+(``fastmath.fast_reciprocal_tile``, which ``fastmath.mufu_reciprocal`` hands the
+compiled kernels at build time, is switched and jax's caches cleared between), CUPTI
+median of iterations. Each output and gradient is compared bitwise with the earlier
+variants' and measured against the float32 reference (``attn_reference``, float32
+inputs): rel L2 and max-abs, the two figures the GPU conformance tests bound.
+``--exp2-cols`` also times the forward with each variant at those ``exp2_fma_cols``
+(the tuned config otherwise): the tuned split was chosen with one reciprocal, and the
+best split moves with the MUFU's load::
 
-    python benchmarks/ranker_reciprocal.py phoenix ragged --exp2-cols 0 16 32
+    python benchmarks/ranker_reciprocal.py phoenix ragged --exp2-cols 0 16 32 48 64
 """
 
 from __future__ import annotations
@@ -37,19 +37,16 @@ from attn_mosaic_gpu import fastmath, ranker_attention
 from attn_mosaic_gpu.ranker import resolve_tuning
 
 DEFAULT_TILE = fastmath.fast_reciprocal_tile
-DEFAULT_PAIRED = fastmath.PAIRED_RECIPROCAL
 
 
 def _rcp_ftz(d):
     return fastmath.ptx_unary_tile(d, "rcp.approx.ftz.f32")
 
 
-# variant: (fastmath.PAIRED_RECIPROCAL, fastmath.fast_reciprocal_tile)
 RECIPROCALS = {
-    "paired-rcp": ("rcp", DEFAULT_TILE),
-    "paired-rsqrt": ("rsqrt", DEFAULT_TILE),
-    "single-rsqrt": (None, DEFAULT_TILE),
-    "single-rcp": (None, _rcp_ftz),
+    "rsqrt.approx.ftz^2": DEFAULT_TILE,
+    "rcp.approx.ftz": _rcp_ftz,
+    "rsqrt.approx^2": fastmath.fast_reciprocal,
 }
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -82,7 +79,7 @@ def run_case(name: str, variants: list[str], iterations: int, exp2_cols: list[in
 
     results = {}
     for label in variants:
-        fastmath.PAIRED_RECIPROCAL, fastmath.fast_reciprocal_tile = RECIPROCALS[label]
+        fastmath.fast_reciprocal_tile = RECIPROCALS[label]
         jax.clear_caches()
 
         def fwd(q, k, v):
@@ -115,7 +112,7 @@ def run_case(name: str, variants: list[str], iterations: int, exp2_cols: list[in
                 q, k, v, iterations=iterations,
             )  # fmt: skip
             print(f"{name:8s} {label:20s} fwd {ms:.3f} ms with {config}", flush=True)
-    fastmath.PAIRED_RECIPROCAL, fastmath.fast_reciprocal_tile = DEFAULT_PAIRED, DEFAULT_TILE
+    fastmath.fast_reciprocal_tile = DEFAULT_TILE
 
 
 def main() -> None:
@@ -125,7 +122,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         choices=list(RECIPROCALS),
-        default=["paired-rcp", "single-rsqrt", "paired-rsqrt", "paired-rcp"],
+        default=["rsqrt.approx.ftz^2", "rcp.approx.ftz", "rsqrt.approx.ftz^2"],
     )
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--exp2-cols", nargs="*", type=int, default=[])

@@ -225,8 +225,8 @@ def poison_rows(rows: np.ndarray, keep: np.ndarray, *, seed: int = 0) -> np.ndar
 
 def huge_keys(k, *, seed: int, max_exp: float, dirty_from: int | None = None) -> np.ndarray:
     """``k`` ([B, S, H, D]) with each key scaled by ``10^u``, ``u`` uniform in
-    ``[0, max_exp]``, so that scores reach ~``10^max_exp`` (soft_sign's paired reciprocals
-    must cover every float32 score); keys from ``dirty_from`` on, which no row may attend,
+    ``[0, max_exp]``, so that scores reach ~``10^max_exp`` (a soft cap must saturate them
+    as the float32 reference does); keys from ``dirty_from`` on, which no row may attend,
     alternate NaN and -Inf. Float32; cast it back to the test's dtype."""
     rng = np.random.default_rng(seed)
     k = np.asarray(k, np.float32) * 10.0 ** rng.uniform(0.0, max_exp, (*k.shape[:2], 1, 1))

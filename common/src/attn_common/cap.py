@@ -138,13 +138,7 @@ def cap_derivative_from_output(y, cap: CapParams | None):
 
 
 def cap_scaled_with_derivative(
-    raw,
-    cap: CapParams | None,
-    scale: float,
-    *,
-    out_scale=1.0,
-    reciprocal=None,
-    affine_reciprocal=None,
+    raw, cap: CapParams | None, scale: float, *, out_scale=1.0, reciprocal=None
 ):
     """``(out_scale * cap(scale * raw), cap'(scale * raw))`` with the constants folded.
 
@@ -155,11 +149,6 @@ def cap_scaled_with_derivative(
     ``1/d``; tanh: ``1 - t^2`` from ``t = tanh``), saves about half the elementwise work
     of ``cap_forward`` + ``cap_derivative_from_output``. The derivative is ``None`` for
     ``CapMethod.NONE`` (it is 1). ``reciprocal`` as in ``cap_forward``.
-    ``affine_reciprocal(x, slope, intercept)``, if given, replaces it: soft_sign's
-    denominator is affine in ``x = |raw|``, and a kernel that sees that form can fold
-    constants into it (``attn_mosaic_gpu.fastmath.paired_affine_reciprocal``); it must
-    return ``1 / (x * slope + intercept)`` (``slope``, ``intercept``: positive Python
-    floats).
     """
     cap = normalize_cap(cap)
     if cap.method is CapMethod.NONE:
@@ -172,10 +161,7 @@ def cap_scaled_with_derivative(
     # reciprocal is taken of d / k (one FMA away from raw), so k costs no multiply and
     # the value ends in one multiply, which a kernel fuses with what follows.
     k = scale * out_scale
-    slope, intercept = scale / (c * k), 1.0 / k
-    if affine_reciprocal is not None:
-        inv_k = affine_reciprocal(jnp.abs(raw), slope, intercept)
-    else:
-        recip = reciprocal or (lambda d: _divide(jnp.ones_like(d), d))
-        inv_k = recip(jnp.abs(raw) * slope + intercept)
+    denom_k = jnp.abs(raw) * (scale / (c * k)) + 1.0 / k
+    recip = reciprocal or (lambda d: _divide(jnp.ones_like(d), d))
+    inv_k = recip(denom_k)
     return raw * inv_k, (inv_k * inv_k) * (1.0 / (k * k))

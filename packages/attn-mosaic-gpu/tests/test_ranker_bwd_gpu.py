@@ -315,10 +315,9 @@ def test_grad_packed_users(head_dim, cap, layout):
 
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_grad_soft_sign_huge_scores(head_dim):
-    """soft_sign 80 (paired MUFU reciprocals in dq and dk/dv): scores up to ~1e18
-    (``helpers.huge_keys``; keys up to 1e20 put dq 0.35 rel L2 from the float32
-    reference in interpret mode, with one reciprocal per score too: the bf16 backward's
-    limit, not the pairing's)."""
+    """soft_sign 80: scores up to ~1e18 (``helpers.huge_keys``; keys up to 1e20 put dq
+    0.35 rel L2 from the float32 reference in interpret mode: the bf16 backward's limit
+    at such scores)."""
     from helpers import huge_keys
 
     q, k, v = _inputs(31, 2, 384, 10, 2, head_dim, jnp.bfloat16)

@@ -178,9 +178,9 @@ def test_interpret_fma_pipe_split(cap, config):
 @pytest.mark.slow  # interpret mode, ~15 s on 2 cores
 @pytest.mark.parametrize("config", [SMALL, KernelConfig(64, 128, 2)], ids=["kv64", "kv128"])
 def test_interpret_soft_sign_huge_scores_dirty_padding_keys(config):
-    """soft_sign 80 (two scores share one MUFU reciprocal): scores up to ~1e37
-    (``helpers.huge_keys``) saturate as in the reference, and NaN / Inf in keys no row
-    attends (masked scores, zeroed before the cap) reach no other score."""
+    """soft_sign 80: scores up to ~1e37 (``helpers.huge_keys``) saturate as in the
+    reference, and NaN / Inf in keys that no row attends (masked before the softmax)
+    reach no other score."""
     from helpers import huge_keys
 
     q, k, v = _inputs(11, 2, 200, 4, 2, 64, jnp.bfloat16)

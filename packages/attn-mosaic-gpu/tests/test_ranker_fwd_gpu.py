@@ -350,10 +350,9 @@ def test_packed_user_shapes(head_dim):
 
 @pytest.mark.parametrize("config", [None, KernelConfig(64, 64, 2)], ids=["tuned", "kv64"])
 def test_soft_sign_huge_scores_dirty_padding_keys(config):
-    """soft_sign 80 (two scores share one MUFU reciprocal, fastmath.paired_affine_reciprocal):
-    scores up to ~1e37 saturate as in the reference (the pairing's products stay normal
-    floats under the MUFU's flush-to-zero), and NaN / -Inf in keys that no row attends
-    reach no other score."""
+    """soft_sign 80: scores up to ~1e37 (``helpers.huge_keys``) saturate as in the
+    reference (soft_sign's reciprocal stays a normal float under the MUFU's
+    flush-to-zero), and NaN / -Inf in keys that no row attends reach no other score."""
     from helpers import huge_keys
 
     seq = 384

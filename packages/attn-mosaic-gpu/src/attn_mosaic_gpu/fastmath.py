@@ -13,14 +13,10 @@ check them elementwise).
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
-
-from attn_common import CapMethod, CapParams
 
 __all__ = [
     "EXP2_MAX_REL_ERROR",
@@ -29,12 +25,9 @@ __all__ = [
     "fast_reciprocal",
     "fast_reciprocal_tile",
     "mufu_reciprocal",
-    "pair_product_reciprocal",
-    "pair_scale",
-    "paired_affine_reciprocal",
-    "pairs_reciprocals",
     "ptx_unary_tile",
     "reciprocal_fma",
+    "rescale_rows_where_needed",
     "split_columns",
 ]
 
@@ -56,14 +49,6 @@ _EXP2_MIN = -127.0
 _RECIPROCAL_MAGIC = 0x7EF311C3
 _NEWTON_STEPS = 3
 RECIPROCAL_MAX_REL_ERROR = 3e-7
-_F32_MAX = 3.4028234663852886e38
-# float32 normals span [2^-126, 2^128); paired_affine_reciprocal keeps its products,
-# reciprocals and FFMA constants in [2^-126, 2^126), so the ``ftz`` MUFU ops neither
-# read nor produce a subnormal and nothing overflows.
-_NORMAL_EXP = 126
-# The MUFU op behind a paired reciprocal: "rcp" (rcp.approx.ftz.f32) or "rsqrt"
-# (rsqrt.approx.ftz.f32 squared); None turns pairing off (one MUFU op per element).
-PAIRED_RECIPROCAL: str | None = "rcp"
 
 
 def exp2_fma(x, *, xla_fold_guard: bool = False):
@@ -164,77 +149,51 @@ def mufu_reciprocal(*, compiled: bool) -> Callable:
     return fast_reciprocal_tile if compiled else fast_reciprocal
 
 
-def pair_scale(slope: float, intercept: float) -> float | None:
-    """The power of two ``sigma`` with which ``paired_affine_reciprocal`` is exact (to a
-    few ulp) for every ``x`` in ``[0, float32 max]``, or ``None`` if there is none.
+def rescale_rows_where_needed(acc, alpha):
+    """``acc * alpha[:, None]`` for a 2-D WGMMA-layout float32 tile inside a compiled
+    Mosaic GPU kernel, skipped by every thread whose rows all have ``alpha == 1``.
 
-    With ``a, b`` in ``[lo, hi]`` (``lo = intercept``, ``hi = f32max * slope + intercept``)
-    the kernel forms ``sigma * a * b``, its reciprocal, ``1 / (sigma * b)`` and the FFMA
-    constants ``slope * sigma``, ``intercept * sigma``; each must stay in
-    ``[2^-124, 2^124]``. That needs ``hi / lo`` below about ``2^124``: soft_sign caps from
-    about 10 up (``slope = 1 / (cap * log2 e)`` in the kernels) qualify; smaller caps keep
-    one MUFU op per element.
+    The online softmax rescales its output accumulator by ``alpha = exp2(m_old - m_new)``
+    each step: one multiply per accumulator element (64 per thread and step for a 64 x 128
+    tile), though with a lazily updated max (the kernels move ``m`` only when a row's max
+    grows by more than a threshold) ``alpha`` is exactly 1 on most steps. Each thread
+    holds whole rows' slices, so it tests its own rows' ``alpha`` and branches around
+    the multiplies (``scf.if``; a warp pays for the multiplies only when one of its
+    threads needs them). Not for interpret mode, which runs no inline Mosaic GPU code.
     """
-    hi = _F32_MAX * slope + intercept
-    if not (slope > 0 and intercept > 0 and math.isfinite(hi)):
-        return None
-    lo_exp, hi_exp, slope_exp = math.log2(intercept), math.log2(hi), math.log2(slope)
-    # sigma = 2^e with, as lower bounds: sigma lo^2 (the smallest product), sigma lo and
-    # sigma slope (the FFMA constants; 1 / (sigma lo) the largest of r * a) and sigma
-    # itself >= 2^-126; as upper bounds (strict, for the rcp's rounding): sigma hi^2 (the
-    # largest product) and sigma hi < 2^126.
-    e_min = math.ceil(-_NORMAL_EXP - min(2 * lo_exp, lo_exp, slope_exp, 0.0))
-    e_max = math.ceil(_NORMAL_EXP - max(2 * hi_exp, hi_exp, 0.0)) - 1
-    if e_min > e_max:
-        return None
-    return 2.0 ** ((e_min + e_max) // 2)
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, scf, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    layout = plgpu.Layout.WGMMA
 
-def paired_affine_reciprocal(x, slope: float, intercept: float, *, rcp: Callable):
-    """``1 / (x * slope + intercept)`` for a 2-D tile ``x >= 0`` with one ``rcp`` (a
-    MUFU op) per two elements.
-
-    soft_sign's denominators are affine in ``|raw|`` (``attn_common.
-    cap_scaled_with_derivative``). Each element of the tile's left half is paired with
-    the element ``width / 2`` columns to its right (free slices of a WGMMA register tile):
-    with ``a`` the left denominator and ``b = sigma * `` the right one (``sigma`` from
-    ``pair_scale``, folded into the FFMA's constants), ``r = rcp(a * b)`` gives
-    ``1 / a = r * b`` and ``1 / b_unscaled = (r * a) * sigma``: one MUFU op and four
-    multiplies per pair instead of two MUFU ops. The relative error is that of ``rcp``
-    plus 1.5 ulp of rounding. Pairs share a fate: an Inf or NaN ``x`` makes its partner's
-    result NaN too (callers zero masked scores first). Where ``pair_scale`` finds no
-    ``sigma`` or the width is not a multiple of 16, ``rcp`` runs on every element.
-    """
-    sigma = pair_scale(slope, intercept)
-    width = x.shape[-1]
-    if sigma is None or x.ndim != 2 or width % 16:
-        return rcp(x * slope + intercept)
-    half = width // 2
-    a = x[:, :half] * slope + intercept
-    b = x[:, half:] * (slope * sigma) + intercept * sigma
-    r = rcp(a * b)
-    return jnp.concatenate([r * b, (r * a) * sigma], axis=1)
-
-
-def pairs_reciprocals(cap: CapParams | None, rcp_fma_cols: int) -> bool:
-    """Whether a kernel computes soft_sign's reciprocals with ``paired_affine_reciprocal``
-    (a soft_sign cap whose reciprocals all run on the MUFU)."""
-    return (
-        PAIRED_RECIPROCAL is not None
-        and cap is not None
-        and cap.method is CapMethod.SOFT_SIGN
-        and not rcp_fma_cols
+    @plgpu.inline_mgpu(
+        arg_types=(layout, layout.reduce(1)),
+        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=layout),
     )
+    def apply(ctx, acc, alpha):
+        del ctx
+        changed = alpha != 1.0  # i1 registers, this thread's rows
+        needed = None
+        for reg in changed.registers.flat:
+            if isinstance(reg.type, ir.VectorType):
+                i1 = ir.IntegerType.get_signless(1)
+                reg = vector.ReductionOp(i1, vector.CombiningKind.OR, reg).result
+            needed = reg if needed is None else arith.ori(needed, reg)
+        flat = list(acc.registers.flat)
+        branch = scf.IfOp(needed, [r.type for r in flat], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+            scf.yield_(list(scaled.registers.flat))
+        with ir.InsertionPoint(branch.else_block):
+            scf.yield_(flat)
+        registers = np.empty(acc.registers.shape, dtype=object)
+        registers.flat[:] = list(branch.results)
+        return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
 
-
-def pair_product_reciprocal(*, compiled: bool) -> Callable:
-    """The MUFU reciprocal of ``paired_affine_reciprocal``'s products (2-D tiles):
-    ``rcp.approx.ftz.f32`` when compiled, ``fast_reciprocal`` in interpret mode."""
-    if not compiled:
-        return fast_reciprocal
-    if PAIRED_RECIPROCAL == "rsqrt":
-        return fast_reciprocal_tile
-    return functools.partial(ptx_unary_tile, instruction="rcp.approx.ftz.f32")
+    return apply(acc, alpha)
 
 
 def split_columns(x, fma_cols: int, on_fma: Callable, on_mufu: Callable):

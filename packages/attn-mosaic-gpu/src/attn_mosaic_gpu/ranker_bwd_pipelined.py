@@ -102,9 +102,6 @@ from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     mufu_reciprocal,
-    pair_product_reciprocal,
-    paired_affine_reciprocal,
-    pairs_reciprocals,
     reciprocal_fma,
     split_columns,
 )
@@ -250,23 +247,9 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
         on_mufu = mufu_reciprocal(compiled=not st.interpret)
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
-    def affine_reciprocal(x, slope, intercept):
-        # soft_sign's 1 / (|raw| slope + intercept): one MUFU op per two scores.
-        rcp = pair_product_reciprocal(compiled=not st.interpret)
-        return paired_affine_reciprocal(x, slope, intercept, rcp=rcp)
-
     if st.fold:
-        # Paired reciprocals let a non-finite masked score make its partner NaN; unlike
-        # the forward, the backward zeroes no masked score first: the K or Q row that
-        # made it enters dQ = dS K or dK = dS^T Q anyway (0 * NaN).
-        paired = pairs_reciprocals(st.cap, st.rcp_fma_cols)
         s2, dcap = cap_scaled_with_derivative(
-            raw,
-            st.cap,
-            st.sm_scale,
-            out_scale=_LOG2E,
-            reciprocal=reciprocal,
-            affine_reciprocal=affine_reciprocal if paired else None,
+            raw, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
         )
     else:
         s, dcap = raw * st.sm_scale, None

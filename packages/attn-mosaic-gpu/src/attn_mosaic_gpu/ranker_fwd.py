@@ -131,10 +131,8 @@ from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     fast_reciprocal,
     mufu_reciprocal,
-    pair_product_reciprocal,
-    paired_affine_reciprocal,
-    pairs_reciprocals,
     reciprocal_fma,
+    rescale_rows_where_needed,
     split_columns,
 )
 
@@ -162,6 +160,12 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
+# The running max moves only when a row's max grows by more than this (base 2): P <= 2^8
+# meanwhile (exact in f32, far inside bf16/fp16), and alpha == 1 exactly on the other
+# steps, whose accumulator rescale is then skipped (fastmath.rescale_rows_where_needed).
+_LAZY_MAX_THRESHOLD = 8.0
+# A/B switch of the lazy max and the skipped rescale (benchmarks/ranker_fwd_rescale.py).
+_LAZY_RESCALE = True
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
 
@@ -338,19 +342,11 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
     cap = st.cap
 
     on_mufu = mufu_reciprocal(compiled=accumulate_in_place)
-    paired = pairs_reciprocals(cap, st.rcp_fma_cols)
 
     def reciprocal(d):
         if d.ndim != 2:  # the per-row maxima: too few to split
             return fast_reciprocal(d)
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
-
-    def affine_reciprocal(x, slope, intercept):
-        # soft_sign's 1 / (|qk| slope + intercept): one MUFU op per two scores of a tile.
-        if paired and x.ndim == 2:
-            rcp = pair_product_reciprocal(compiled=accumulate_in_place)
-            return paired_affine_reciprocal(x, slope, intercept, rcp=rcp)
-        return reciprocal(x * slope + intercept)
 
     def scale_and_cap(qk):
         # Base-2 logits s2 = cap(qk * sm_scale) * log2(e), the constants folded into the
@@ -358,7 +354,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         # so that `s2 - m` is one FMA. The derivative the helper also returns is dead
         # code here.
         s2, _ = cap_scaled_with_derivative(
-            qk, cap, st.sm_scale, out_scale=_LOG2E, affine_reciprocal=affine_reciprocal
+            qk, cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
         )
         return s2
 
@@ -367,6 +363,18 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
         on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
         return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
+
+    def new_running_max(m_i, step_max):
+        if not _LAZY_RESCALE:
+            return jnp.maximum(m_i, step_max)
+        # Lazy: keep m until the row's max exceeds it by the threshold, so that alpha is
+        # exactly 1 (and the accumulator's rescale skipped) on most steps.
+        return jnp.where(step_max > m_i + _LAZY_MAX_THRESHOLD, step_max, m_i)
+
+    def rescale(acc, alpha):
+        if _LAZY_RESCALE and accumulate_in_place:
+            return rescale_rows_where_needed(acc, alpha)
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
     def online_softmax_step(qk, allowed, m_i):
         """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
@@ -381,19 +389,15 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
             raw_max = raw.max(axis=1)
             step_max = jnp.where(raw_max > -jnp.inf, scale_and_cap(raw_max), _M_INIT)
-            m_new = jnp.maximum(m_i, step_max)
-            if masked and paired:
-                # A paired reciprocal shares one MUFU op between two scores of a row, so
-                # a masked key's score (padding, or any Inf/NaN there) must not reach it.
-                qk = jnp.where(allowed, qk, 0.0)
+            m_new = new_running_max(m_i, step_max)
             x = scale_and_cap(qk) - lax.broadcast_in_dim(m_new, qk.shape, [0])
             if masked:
                 x = jnp.where(allowed, x, -jnp.inf)
         else:
-            s = scale_and_cap(jnp.where(allowed, qk, 0.0) if masked and paired else qk)
+            s = scale_and_cap(qk)
             if masked:
                 s = jnp.where(allowed, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_new = new_running_max(m_i, s.max(axis=1))
             x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
         alpha = jnp.exp2(m_i - m_new)
         return softmax_exp2(x), alpha, m_new
@@ -511,7 +515,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 allowed = None
 
             p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = rescale(acc, alpha)
             l_i = l_i * alpha
             p16 = p.astype(dtype)
 
