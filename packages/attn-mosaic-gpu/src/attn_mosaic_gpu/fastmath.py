@@ -27,7 +27,6 @@ __all__ = [
     "mufu_reciprocal",
     "ptx_unary_tile",
     "reciprocal_fma",
-    "rescale_rows_where_needed",
     "split_columns",
 ]
 
@@ -147,53 +146,6 @@ def mufu_reciprocal(*, compiled: bool) -> Callable:
     """The reciprocal a kernel runs on the MUFU for 2-D tiles: ``fast_reciprocal_tile``
     when compiled for the GPU, ``fast_reciprocal`` in interpret mode."""
     return fast_reciprocal_tile if compiled else fast_reciprocal
-
-
-def rescale_rows_where_needed(acc, alpha):
-    """``acc * alpha[:, None]`` for a 2-D WGMMA-layout float32 tile inside a compiled
-    Mosaic GPU kernel, skipped by every thread whose rows all have ``alpha == 1``.
-
-    The online softmax rescales its output accumulator by ``alpha = exp2(m_old - m_new)``
-    each step: one multiply per accumulator element (64 per thread and step for a 64 x 128
-    tile), though with a lazily updated max (the kernels move ``m`` only when a row's max
-    grows by more than a threshold) ``alpha`` is exactly 1 on most steps. Each thread
-    holds whole rows' slices, so it tests its own rows' ``alpha`` and branches around
-    the multiplies (``scf.if``; a warp pays for the multiplies only when one of its
-    threads needs them). Not for interpret mode, which runs no inline Mosaic GPU code.
-    """
-    import numpy as np
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, scf, vector
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    layout = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(
-        arg_types=(layout, layout.reduce(1)),
-        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=layout),
-    )
-    def apply(ctx, acc, alpha):
-        del ctx
-        changed = alpha != 1.0  # i1 registers, this thread's rows
-        needed = None
-        for reg in changed.registers.flat:
-            if isinstance(reg.type, ir.VectorType):
-                i1 = ir.IntegerType.get_signless(1)
-                reg = vector.ReductionOp(i1, vector.CombiningKind.OR, reg).result
-            needed = reg if needed is None else arith.ori(needed, reg)
-        flat = list(acc.registers.flat)
-        branch = scf.IfOp(needed, [r.type for r in flat], has_else=True)
-        with ir.InsertionPoint(branch.then_block):
-            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
-            scf.yield_(list(scaled.registers.flat))
-        with ir.InsertionPoint(branch.else_block):
-            scf.yield_(flat)
-        registers = np.empty(acc.registers.shape, dtype=object)
-        registers.flat[:] = list(branch.results)
-        return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
-
-    return apply(acc, alpha)
 
 
 def split_columns(x, fma_cols: int, on_fma: Callable, on_mufu: Callable):

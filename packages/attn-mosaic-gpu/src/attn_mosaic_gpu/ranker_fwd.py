@@ -132,7 +132,6 @@ from attn_mosaic_gpu.fastmath import (
     fast_reciprocal,
     mufu_reciprocal,
     reciprocal_fma,
-    rescale_rows_where_needed,
     split_columns,
 )
 
@@ -160,12 +159,6 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
-# The running max moves only when a row's max grows by more than this (base 2): P <= 2^8
-# meanwhile (exact in f32, far inside bf16/fp16), and alpha == 1 exactly on the other
-# steps, whose accumulator rescale is then skipped (fastmath.rescale_rows_where_needed).
-_LAZY_MAX_THRESHOLD = 8.0
-# A/B switch of the lazy max and the skipped rescale (benchmarks/ranker_fwd_rescale.py).
-_LAZY_RESCALE = True
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
 
@@ -364,18 +357,6 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
         return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
 
-    def new_running_max(m_i, step_max):
-        if not _LAZY_RESCALE:
-            return jnp.maximum(m_i, step_max)
-        # Lazy: keep m until the row's max exceeds it by the threshold, so that alpha is
-        # exactly 1 (and the accumulator's rescale skipped) on most steps.
-        return jnp.where(step_max > m_i + _LAZY_MAX_THRESHOLD, step_max, m_i)
-
-    def rescale(acc, alpha):
-        if _LAZY_RESCALE and accumulate_in_place:
-            return rescale_rows_where_needed(acc, alpha)
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
     def online_softmax_step(qk, allowed, m_i):
         """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
         rescale ``alpha`` of the running sums and the new running max (base 2).
@@ -389,7 +370,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
             raw_max = raw.max(axis=1)
             step_max = jnp.where(raw_max > -jnp.inf, scale_and_cap(raw_max), _M_INIT)
-            m_new = new_running_max(m_i, step_max)
+            m_new = jnp.maximum(m_i, step_max)
             x = scale_and_cap(qk) - lax.broadcast_in_dim(m_new, qk.shape, [0])
             if masked:
                 x = jnp.where(allowed, x, -jnp.inf)
@@ -397,7 +378,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             s = scale_and_cap(qk)
             if masked:
                 s = jnp.where(allowed, s, -jnp.inf)
-            m_new = new_running_max(m_i, s.max(axis=1))
+            m_new = jnp.maximum(m_i, s.max(axis=1))
             x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
         alpha = jnp.exp2(m_i - m_new)
         return softmax_exp2(x), alpha, m_new
@@ -515,7 +496,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 allowed = None
 
             p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
-            acc = rescale(acc, alpha)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
 
