@@ -159,9 +159,6 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
 _M_INIT = -1e30
-# (profile_space, profile_dir) turns on Mosaic GPU's profiler: each compute WG records
-# the named scopes of its steps (benchmarks/ranker_fwd_timeline.py). None: off.
-_PROFILE: tuple[int, str] | None = None
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
 
@@ -484,8 +481,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 schedule_sync()
                 return acc_ref[...]
 
-            with jax.named_scope("qk"):
-                qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
 
             if masked:
@@ -499,23 +495,19 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             else:
                 allowed = None
 
-            with jax.named_scope("softmax"):
-                p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha
-                p16 = p.astype(dtype)
+            p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha
+            p16 = p.astype(dtype)
 
             def end_softmax():
                 plgpu.barrier_arrive(schedule)  # softmax done
-                with jax.named_scope("wait_v"):
-                    plgpu.barrier_wait(v_ready.at[slot])
-                with jax.named_scope("wait_turn"):
-                    plgpu.barrier_wait(schedule)  # tensor cores are ours
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(schedule)  # tensor cores are ours
 
             if head_dim <= 128:
-                with jax.named_scope("softmax"):
-                    l_i = l_i + p.sum(axis=1)
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                l_i = l_i + p.sum(axis=1)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 end_softmax()
             else:
                 end_softmax()
@@ -533,8 +525,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 wait_next_k()
 
             if accumulate_in_place:
-                with jax.named_scope("pv"):
-                    acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
             else:
                 # Interpret mode (jax 0.11.2) implements neither run_state_p nor a
                 # wgmma whose A operand is in registers: P is staged through shared
@@ -850,14 +841,7 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
         **grid,
         num_threads=_COMPUTE_WGS + 1,
         thread_name=_axes.WARPGROUP,
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True,
-            **(
-                dict(zip(("profile_space", "profile_dir"), _PROFILE, strict=True))
-                if _PROFILE
-                else {}
-            ),
-        ),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(*inputs)
     return tuple(results)
