@@ -223,17 +223,13 @@ def poison_rows(rows: np.ndarray, keep: np.ndarray, *, seed: int = 0) -> np.ndar
     return out
 
 
-def huge_keys(k, *, seed: int, max_exp: float, dirty_from: int | None = None) -> np.ndarray:
-    """``k`` ([B, S, H, D]) with each key scaled by ``10^u``, ``u`` uniform in
-    ``[0, max_exp]``, so that scores reach ~``10^max_exp`` (a soft cap must saturate them
-    as the float32 reference does); keys from ``dirty_from`` on, which no row may attend,
-    alternate NaN and -Inf. Float32; cast it back to the test's dtype."""
-    rng = np.random.default_rng(seed)
-    k = np.asarray(k, np.float32) * 10.0 ** rng.uniform(0.0, max_exp, (*k.shape[:2], 1, 1))
-    if dirty_from is not None:
-        k[:, dirty_from::2] = np.nan
-        k[:, dirty_from + 1 :: 2] = -np.inf
-    return k.astype(np.float32)
+def huge_keys(k, *, seed: int, max_exp: float) -> np.ndarray:
+    """Float32 copy of ``k`` ([B, S, H, D]) with each key scaled by ``10^u``, ``u``
+    uniform in ``[0, max_exp]``, so that scores reach ~``10^max_exp`` (a soft cap must
+    saturate them as the float32 reference does). Cast it back to the test's dtype;
+    ``poison_rows`` dirties keys that no row attends."""
+    scale = 10.0 ** rng_for(seed).uniform(0.0, max_exp, (*k.shape[:2], 1, 1))
+    return np.asarray(k, np.float32) * scale.astype(np.float32)
 
 
 def shaped_packed_bounds(seed: int, rows: int, seq_len: int, users: int = 6) -> np.ndarray:

@@ -179,13 +179,14 @@ def test_interpret_fma_pipe_split(cap, config):
 @pytest.mark.parametrize("config", [SMALL, KernelConfig(64, 128, 2)], ids=["kv64", "kv128"])
 def test_interpret_soft_sign_huge_scores_dirty_padding_keys(config):
     """soft_sign 80: scores up to ~1e37 (``helpers.huge_keys``) saturate as in the
-    reference, and NaN / Inf in keys that no row attends (masked before the softmax)
+    reference, and NaN / Inf in keys that no row attends (``helpers.poison_rows``) (masked before the softmax)
     reach no other score."""
-    from helpers import huge_keys
+    from helpers import huge_keys, poison_rows
 
     q, k, v = _inputs(11, 2, 200, 4, 2, 64, jnp.bfloat16)
-    k = jnp.asarray(huge_keys(k.astype(jnp.float32), seed=12, max_exp=35, dirty_from=190))
-    k = k.astype(jnp.bfloat16)
+    attended = (np.arange(200) < 190)[None, :, None]  # no row attends keys 190..199
+    k = poison_rows(huge_keys(k.astype(jnp.float32), seed=12, max_exp=35), attended)
+    k = jnp.asarray(k).astype(jnp.bfloat16)
     bounds = jnp.array([[0, 100, 100, 150], [0, 128, 128, 190]], jnp.int32)
     _check(q, k, v, bounds, cap=PHOENIX_CAP, config=config)
 

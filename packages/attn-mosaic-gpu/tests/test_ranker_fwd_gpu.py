@@ -352,12 +352,14 @@ def test_packed_user_shapes(head_dim):
 def test_soft_sign_huge_scores_dirty_padding_keys(config):
     """soft_sign 80: scores up to ~1e37 (``helpers.huge_keys``) saturate as in the
     reference (soft_sign's reciprocal stays a normal float under the MUFU's
-    flush-to-zero), and NaN / -Inf in keys that no row attends reach no other score."""
-    from helpers import huge_keys
+    flush-to-zero), and NaN / Inf in keys that no row attends (``helpers.poison_rows``) reach no other score."""
+    from helpers import huge_keys, poison_rows
 
     seq = 384
     q, k, v = _inputs(23, 2, seq, 10, 2, 128, jnp.bfloat16)
-    k = jnp.asarray(huge_keys(k.astype(jnp.float32), seed=24, max_exp=35, dirty_from=352))
+    attended = (np.arange(seq) < 352)[None, :, None]  # no row attends keys 352..383
+    k = poison_rows(huge_keys(k.astype(jnp.float32), seed=24, max_exp=35), attended)
+    k = jnp.asarray(k)
     bounds = jnp.asarray([[0, 256, 256, 320], [0, 200, 230, 352]], jnp.int32)
     _check(q, k.astype(jnp.bfloat16), v, bounds, cap=CAPS["soft_sign"], config=config)
 
