@@ -10,6 +10,7 @@ scheduler, as in the forward's ping-pong; 2 = two). The cycles per warp instruct
 per scheduler follow from the CUPTI time and the SM clock::
 
     python benchmarks/mufu_rate.py --iterations 4096 --warpgroups 1 2
+    python benchmarks/mufu_rate.py --ops ex2+rcp ex2+fma4 rcp+fma6 --values 64
 
 Operations: ``ex2``, ``rsqrt``, ``rcp`` and ``tanh`` (``.approx.ftz.f32``, one MUFU
 instruction each; ``ex2`` of the value's negation, a free operand modifier, keeps the
@@ -40,12 +41,28 @@ INSTRUCTIONS = {
 }
 
 
-def _step(op: str):
+def _one(op: str):
     if op == "fma":
         return lambda x: x * 0.999 + 0.001
     if op == "ex2":
         return lambda x: ptx_unary_tile(-x, INSTRUCTIONS[op])
     return lambda x: ptx_unary_tile(x, INSTRUCTIONS[op])
+
+
+def _step(op: str):
+    """``op`` or a ``+``-joined sequence applied in turn (``ex2+rcp``, ``ex2+fma4``:
+    four FMAs), which shows whether a warp's MUFU and FMA-pipe instructions overlap."""
+    parts = []
+    for name in op.split("+"):
+        count = int(name[3:]) if name.startswith("fma") and name[3:] else 1
+        parts += [_one("fma" if name.startswith("fma") else name)] * count
+
+    def step(x):
+        for part in parts:
+            x = part(x)
+        return x
+
+    return step
 
 
 def build(op: str, iterations: int, warpgroups: int, values: int, programs: int):
@@ -107,7 +124,9 @@ def main() -> None:
                 ms, _ = device_ms(fn, iterations=args.repeats)
                 cycles = ms * 1e-3 * mhz * 1e6
                 # Warp instructions per scheduler: 4 warps per warpgroup over 4 schedulers.
-                per_scheduler = warpgroups * values * args.iterations
+                # A "+"-joined op counts each of its instructions.
+                ops = sum(int(n[3:]) if n.startswith("fma") and n[3:] else 1 for n in op.split("+"))
+                per_scheduler = warpgroups * values * args.iterations * ops
                 print(
                     f"{op:6s} {values:3d} values/thread, {warpgroups} WG/SM: {ms:.3f} ms, "
                     f"{cycles / per_scheduler:.2f} cycles per warp instruction per scheduler",
