@@ -161,6 +161,12 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
+# EXPERIMENT (benchmarks/ranker_fwd_handoff.py): how a compute WG hands the CUDA cores
+# to the other. "arrive": the schedule barrier as shipped; "pinned": the softmax-done
+# arrive follows a shared-memory store of l_i (the release orders it after every
+# exponent of the thread's rows, which ptxas otherwise hoists it above); "free": no
+# schedule barrier at all.
+_HANDOFF = __import__("os").environ.get("ATTN_FWD_HANDOFF", "arrive")
 
 
 def default_config(head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
@@ -299,6 +305,7 @@ class _Static:
     programs: int = 0
     # setmaxnreg of each compute WG; the memory WG keeps the rest of the pool.
     compute_registers: int = _DEFAULT_COMPUTE_REGISTERS
+    handoff: str = "arrive"
 
 
 def packed_tile_mask(mask_from_table, row_entries, offset, shape):
@@ -429,13 +436,15 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         the output written to ``bufs``' Q/O tile and TMA-stored, not waited for.
         ``idle_waits``: a WG with no live row also waits for every step's K and V, so
         that its barrier phases stay in step across the tiles of a persistent program."""
-        qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
+        qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2, pin_smem2 = bufs
         k_ready, v_ready, schedule, k_consumed, v_consumed = barriers
         out_ref, lse_ref = out_refs
+        free = st.handoff == "free"
 
         def schedule_sync():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
+            if not free:
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(schedule)
 
         row0, row1, active = wg_rows(wg, tile_start, bnds)
         if st.users:
@@ -501,9 +510,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             p16 = p.astype(dtype)
 
             def end_softmax():
-                plgpu.barrier_arrive(schedule)  # softmax done
+                if st.handoff == "pinned":
+                    pin_smem2.at[wg][...] = l_i
+                if not free:
+                    plgpu.barrier_arrive(schedule)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(schedule)  # tensor cores are ours
+                if not free:
+                    plgpu.barrier_wait(schedule)  # tensor cores are ours
 
             if head_dim <= 128:
                 l_i = l_i + p.sum(axis=1)
@@ -584,7 +597,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
     def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
         bufs, ready, consumed, schedule = scoped
-        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
+        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2, pin_smem2 = bufs
         k_ready, v_ready, q_ready, *keys_ready = ready
         k_consumed, v_consumed = consumed
 
@@ -617,7 +630,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
             compute_tile(
                 wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-                (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
+                (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2, pin_smem2),
                 (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
                 load_q=load_q, slot_of=ring_slot, idle_waits=False,
             )  # fmt: skip
@@ -671,7 +684,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         the per-tile kernel (the same steps, in the same order)."""
         del steps_ref, keys_ref  # one user per row only (validate_config)
         bufs, ready, consumed, schedule = scoped
-        qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _ = bufs
+        qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _, pin_smem2 = bufs
         k_ready, v_ready, q_ready = ready
         k_consumed, v_consumed = consumed
         programs = st.programs
@@ -722,7 +735,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 total_steps = ranges.total_steps
                 compute_tile(
                     wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-                    (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
+                    (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None, pin_smem2),
                     (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
                     load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
                     slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
@@ -788,13 +801,16 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         if st.users:
             keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
             keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
+        pin_buf = None
+        if st.handoff == "pinned":
+            pin_buf = plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32)
         body = persistent_kernel if st.programs else kernel
 
         pl.run_scoped(
             lambda *args: body(
                 q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, args
             ),
-            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf],
+            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf, pin_buf],
             (
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=num_slots),
@@ -929,6 +945,7 @@ def ranker_attention_fwd(
         users=users,
         programs=config.programs,
         compute_registers=config.compute_registers or _DEFAULT_COMPUTE_REGISTERS,
+        handoff=_HANDOFF,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]
