@@ -11,6 +11,9 @@ other warpgroup starts its softmax early and the two share the MUFU. The variant
   arrive's release semantics keep it after the store, so after every exponent of the
   thread's rows: the strict ping-pong the schedule was designed as.
 * ``free``: no schedule barrier; the warpgroups only meet at the K/V ring.
+* ``start``, ``max``, ``half``: the arrive placed (in program order) right after the
+  ``Q K^T`` result, after the row max (pinned by a store of it), or after the first half
+  of the exponentials (pinned by a store of their row sums).
 
 For each case, the tuned config (``--no-cap`` also runs it without a cap), each variant
 compiled and checked bitwise against the first, then timed round after round in the
@@ -32,7 +35,7 @@ from attn_common.bench import device_ms
 from attn_mosaic_gpu import ranker_fwd
 from attn_mosaic_gpu.ranker import resolve_tuning
 
-VARIANTS = ("arrive", "pinned", "free")
+VARIANTS = ("arrive", "pinned", "free", "start", "max", "half")
 
 
 def run_case(name, cap, variants, rounds, iterations):

@@ -358,13 +358,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         )
         return s2
 
-    def softmax_exp2(x):
+    def softmax_exp2(x, fma_cols=st.exp2_fma_cols):
         # The first exp2_fma_cols key columns on the FMA pipe, the rest on the MUFU.
         # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
         on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
-        return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
+        return split_columns(x, fma_cols, on_fma, jnp.exp2)
 
-    def online_softmax_step(qk, allowed, m_i):
+    def online_softmax_step(qk, allowed, m_i, signal=None):
         """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
         rescale ``alpha`` of the running sums and the new running max (base 2).
         ``allowed`` is ``None`` on steps whose block needs no mask."""
@@ -388,7 +388,16 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             m_new = jnp.maximum(m_i, s.max(axis=1))
             x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
         alpha = jnp.exp2(m_i - m_new)
-        return softmax_exp2(x), alpha, m_new
+        if st.handoff == "max":
+            signal(m_new)
+        if st.handoff == "half":
+            half = x.shape[1] // 2
+            p_lo = softmax_exp2(x[:, :half], min(st.exp2_fma_cols, half))
+            sum_lo = p_lo.sum(axis=1)
+            signal(sum_lo)
+            p_hi = softmax_exp2(x[:, half:], max(st.exp2_fma_cols - half, 0))
+            return jnp.concatenate([p_lo, p_hi], axis=1), alpha, m_new, sum_lo + p_hi.sum(axis=1)
+        return softmax_exp2(x), alpha, m_new, None
 
     def ring_slot(step):
         """The K/V ring slot of step ``step`` of a one-tile program."""
@@ -504,7 +513,14 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             else:
                 allowed = None
 
-            p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
+            def signal(value):
+                if value is not None:
+                    pin_smem2.at[wg][...] = value
+                plgpu.barrier_arrive(schedule)  # softmax done (early)
+
+            if st.handoff == "start":
+                signal(None)
+            p, alpha, m_new, p_sum = online_softmax_step(qk, allowed, m_i, signal)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
@@ -512,14 +528,14 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             def end_softmax():
                 if st.handoff == "pinned":
                     pin_smem2.at[wg][...] = l_i
-                if not free:
+                if st.handoff in ("arrive", "pinned"):
                     plgpu.barrier_arrive(schedule)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
                 if not free:
                     plgpu.barrier_wait(schedule)  # tensor cores are ours
 
             if head_dim <= 128:
-                l_i = l_i + p.sum(axis=1)
+                l_i = l_i + (p.sum(axis=1) if p_sum is None else p_sum)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 end_softmax()
             else:
@@ -802,7 +818,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
             keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
         pin_buf = None
-        if st.handoff == "pinned":
+        if st.handoff in ("pinned", "max", "half"):
             pin_buf = plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32)
         body = persistent_kernel if st.programs else kernel
 
