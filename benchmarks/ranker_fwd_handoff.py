@@ -35,6 +35,8 @@ from attn_common.bench import device_ms
 from attn_mosaic_gpu import ranker_fwd
 from attn_mosaic_gpu.ranker import resolve_tuning
 
+# The variants live in 71246cc's ranker_fwd.py (measured there, not kept).
+EXPERIMENT_COMMIT = "71246cc"
 VARIANTS = ("arrive", "pinned", "free", "start", "max", "half")
 
 
@@ -75,6 +77,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
+    if not hasattr(ranker_fwd, "_HANDOFF"):
+        raise SystemExit(
+            f"ranker_fwd.py has no _HANDOFF switch: run this against {EXPERIMENT_COMMIT}'s "
+            f"(git checkout {EXPERIMENT_COMMIT} -- packages/attn-mosaic-gpu/src/attn_mosaic_gpu/"
+            "ranker_fwd.py)"
+        )
     for name in args.cases:
         caps = [ranker_case(name).cap] + ([None] if args.no_cap else [])
         for cap in dict.fromkeys(caps):

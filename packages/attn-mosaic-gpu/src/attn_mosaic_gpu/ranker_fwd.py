@@ -161,12 +161,6 @@ _LN2 = math.log(2.0)
 _M_INIT = -1e30
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
-# EXPERIMENT (benchmarks/ranker_fwd_handoff.py): how a compute WG hands the CUDA cores
-# to the other. "arrive": the schedule barrier as shipped; "pinned": the softmax-done
-# arrive follows a shared-memory store of l_i (the release orders it after every
-# exponent of the thread's rows, which ptxas otherwise hoists it above); "free": no
-# schedule barrier at all.
-_HANDOFF = __import__("os").environ.get("ATTN_FWD_HANDOFF", "arrive")
 
 
 def default_config(head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
@@ -305,7 +299,6 @@ class _Static:
     programs: int = 0
     # setmaxnreg of each compute WG; the memory WG keeps the rest of the pool.
     compute_registers: int = _DEFAULT_COMPUTE_REGISTERS
-    handoff: str = "arrive"
 
 
 def packed_tile_mask(mask_from_table, row_entries, offset, shape):
@@ -358,13 +351,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         )
         return s2
 
-    def softmax_exp2(x, fma_cols=st.exp2_fma_cols):
+    def softmax_exp2(x):
         # The first exp2_fma_cols key columns on the FMA pipe, the rest on the MUFU.
         # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
         on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
-        return split_columns(x, fma_cols, on_fma, jnp.exp2)
+        return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
 
-    def online_softmax_step(qk, allowed, m_i, signal=None):
+    def online_softmax_step(qk, allowed, m_i):
         """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
         rescale ``alpha`` of the running sums and the new running max (base 2).
         ``allowed`` is ``None`` on steps whose block needs no mask."""
@@ -388,16 +381,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             m_new = jnp.maximum(m_i, s.max(axis=1))
             x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
         alpha = jnp.exp2(m_i - m_new)
-        if st.handoff == "max":
-            signal(m_new)
-        if st.handoff == "half":
-            half = x.shape[1] // 2
-            p_lo = softmax_exp2(x[:, :half], min(st.exp2_fma_cols, half))
-            sum_lo = p_lo.sum(axis=1)
-            signal(sum_lo)
-            p_hi = softmax_exp2(x[:, half:], max(st.exp2_fma_cols - half, 0))
-            return jnp.concatenate([p_lo, p_hi], axis=1), alpha, m_new, sum_lo + p_hi.sum(axis=1)
-        return softmax_exp2(x), alpha, m_new, None
+        return softmax_exp2(x), alpha, m_new
 
     def ring_slot(step):
         """The K/V ring slot of step ``step`` of a one-tile program."""
@@ -445,15 +429,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         the output written to ``bufs``' Q/O tile and TMA-stored, not waited for.
         ``idle_waits``: a WG with no live row also waits for every step's K and V, so
         that its barrier phases stay in step across the tiles of a persistent program."""
-        qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2, pin_smem2 = bufs
+        qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
         k_ready, v_ready, schedule, k_consumed, v_consumed = barriers
         out_ref, lse_ref = out_refs
-        free = st.handoff == "free"
 
         def schedule_sync():
-            if not free:
-                plgpu.barrier_arrive(schedule)
-                plgpu.barrier_wait(schedule)
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
 
         row0, row1, active = wg_rows(wg, tile_start, bnds)
         if st.users:
@@ -513,29 +495,18 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             else:
                 allowed = None
 
-            def signal(value):
-                if value is not None:
-                    pin_smem2.at[wg][...] = value
-                plgpu.barrier_arrive(schedule)  # softmax done (early)
-
-            if st.handoff == "start":
-                signal(None)
-            p, alpha, m_new, p_sum = online_softmax_step(qk, allowed, m_i, signal)
+            p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
 
             def end_softmax():
-                if st.handoff == "pinned":
-                    pin_smem2.at[wg][...] = l_i
-                if st.handoff in ("arrive", "pinned"):
-                    plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_arrive(schedule)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
-                if not free:
-                    plgpu.barrier_wait(schedule)  # tensor cores are ours
+                plgpu.barrier_wait(schedule)  # tensor cores are ours
 
             if head_dim <= 128:
-                l_i = l_i + (p.sum(axis=1) if p_sum is None else p_sum)
+                l_i = l_i + p.sum(axis=1)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 end_softmax()
             else:
@@ -613,7 +584,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
     def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
         bufs, ready, consumed, schedule = scoped
-        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2, pin_smem2 = bufs
+        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
         k_ready, v_ready, q_ready, *keys_ready = ready
         k_consumed, v_consumed = consumed
 
@@ -646,7 +617,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
             compute_tile(
                 wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-                (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2, pin_smem2),
+                (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
                 (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
                 load_q=load_q, slot_of=ring_slot, idle_waits=False,
             )  # fmt: skip
@@ -700,7 +671,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         the per-tile kernel (the same steps, in the same order)."""
         del steps_ref, keys_ref  # one user per row only (validate_config)
         bufs, ready, consumed, schedule = scoped
-        qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _, pin_smem2 = bufs
+        qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _ = bufs
         k_ready, v_ready, q_ready = ready
         k_consumed, v_consumed = consumed
         programs = st.programs
@@ -751,7 +722,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 total_steps = ranges.total_steps
                 compute_tile(
                     wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-                    (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None, pin_smem2),
+                    (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
                     (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
                     load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
                     slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
@@ -817,16 +788,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         if st.users:
             keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
             keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
-        pin_buf = None
-        if st.handoff in ("pinned", "max", "half"):
-            pin_buf = plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32)
         body = persistent_kernel if st.programs else kernel
 
         pl.run_scoped(
             lambda *args: body(
                 q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, args
             ),
-            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf, pin_buf],
+            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf],
             (
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=num_slots),
@@ -961,7 +929,6 @@ def ranker_attention_fwd(
         users=users,
         programs=config.programs,
         compute_registers=config.compute_registers or _DEFAULT_COMPUTE_REGISTERS,
-        handoff=_HANDOFF,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]
