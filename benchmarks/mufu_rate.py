@@ -10,13 +10,16 @@ scheduler, as in the forward's ping-pong; 2 = two). The cycles per warp instruct
 per scheduler follow from the CUPTI time and the SM clock::
 
     python benchmarks/mufu_rate.py --iterations 4096 --warpgroups 1 2
-    python benchmarks/mufu_rate.py --ops ex2+rcp ex2+fma4 rcp+fma6 --values 64
+    python benchmarks/mufu_rate.py --ops ex2+fma4 rsqrt+fma6 --values 64
 
-Operations: ``ex2``, ``rsqrt``, ``rcp`` and ``tanh`` (``.approx.ftz.f32``, one MUFU
+Operations: ``ex2``, ``rsqrt`` and ``tanh`` (``.approx.ftz.f32``, one MUFU
 instruction each; ``ex2`` of the value's negation, a free operand modifier, keeps the
-chain bounded) and ``fma`` (one FFMA) for scale. Each value's chain is dependent, so
-with 64 chains per thread the rate is the unit's throughput once 64 chains cover its
-latency; ``--values 16`` (16 chains) shows the latency side.
+chain bounded) and ``fma`` (one FFMA) for scale. ``rcp`` is not offered: a chain of
+reciprocals is the identity every second step, and the compiler removed it (at 8dd8460,
+``results/mufu_rate_8dd8460.log``); so was ``rcp`` after ``ex2`` of a negation. Each
+value's chain is dependent, so with 64 chains per thread the rate is the unit's
+throughput once 64 chains cover its latency; ``--values 16`` (16 chains) shows the
+latency side.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ ROWS = 64
 INSTRUCTIONS = {
     "ex2": "ex2.approx.ftz.f32",
     "rsqrt": "rsqrt.approx.ftz.f32",
-    "rcp": "rcp.approx.ftz.f32",
     "tanh": "tanh.approx.f32",
 }
 
@@ -50,7 +52,7 @@ def _one(op: str):
 
 
 def _step(op: str):
-    """``op`` or a ``+``-joined sequence applied in turn (``ex2+rcp``, ``ex2+fma4``:
+    """``op`` or a ``+``-joined sequence applied in turn (``ex2+tanh``, ``ex2+fma4``:
     four FMAs), which shows whether a warp's MUFU and FMA-pipe instructions overlap."""
     parts = []
     for name in op.split("+"):
@@ -108,7 +110,7 @@ def sm_clock_mhz() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", nargs="+", default=["fma", "ex2", "rsqrt", "rcp", "tanh"])
+    parser.add_argument("--ops", nargs="+", default=["fma", "ex2", "rsqrt", "tanh"])
     parser.add_argument("--iterations", type=int, default=4096)
     parser.add_argument("--warpgroups", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--values", nargs="+", type=int, default=[64, 16])

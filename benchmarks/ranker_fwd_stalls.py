@@ -22,6 +22,7 @@ import collections
 import csv
 import ctypes
 import dataclasses
+import gzip
 import re
 
 
@@ -74,7 +75,8 @@ def read_rows(path: str) -> list[Row]:
     """The rows of ``ncu --page source --print-source sass --csv`` (last kernel wins if
     the file holds several: ncu prints one table per kernel; the longest is taken)."""
     tables, current = [], None
-    with open(path, newline="") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
         for record in csv.reader(f):
             if record and "Address" in record[:2]:
                 current = {"header": record, "rows": []}
@@ -106,6 +108,44 @@ def read_rows(path: str) -> list[Row]:
     return best or []
 
 
+def regions(loop: list[Row]) -> None:
+    """The step loop cut at its landmarks (wgmma waits, barrier arrives, the last wgmma
+    fence before ``P V``): each region's share of the samples, and where each mbarrier
+    arrive sits among the step's exponentials."""
+    marks = collections.defaultdict(list)
+    for i, r in enumerate(loop):
+        for key in ("DEPBAR", "SYNCS.ARRIVE", "TRYWAIT", "MUFU.EX2", "WARPGROUP.ARRIVE"):
+            if key in r.source:
+                marks[key].append(i)
+    ex2 = marks["MUFU.EX2"]
+    waits = marks["DEPBAR"]
+    if len(waits) < 2 or not ex2 or not marks["WARPGROUP.ARRIVE"]:
+        print("\n(no step-loop landmarks found)")
+        return
+    qk_wait, pv_wait = waits[0], waits[-1]
+    pv_fence = marks["WARPGROUP.ARRIVE"][-1]
+    turn = max((i for i in marks["TRYWAIT"] if i < pv_fence), default=qk_wait)
+    cuts = [
+        ("Q K^T issue, ping-pong sync", 0, qk_wait),
+        ("wait for Q K^T (wgmma)", qk_wait, qk_wait + 1),
+        ("softmax, up to the turn wait", qk_wait + 1, turn),
+        ("turn wait .. P V fence", turn, pv_fence),
+        ("P V issue, wait for next K", pv_fence, pv_wait),
+        ("wait for P V (wgmma)", pv_wait, pv_wait + 1),
+        ("loop end", pv_wait + 1, len(loop)),
+    ]
+    total = max(sum(r.samples for r in loop), 1)
+    print("\nstep loop by region (share of its samples):")
+    for name, a, b in cuts:
+        n = sum(r.samples for r in loop[a:b])
+        print(f"  {name:32s} [{a:4d}, {b:4d}) {n:8d} {n / total:6.1%}")
+    print(f"exponentials (MUFU.EX2) at loop indices {ex2[0]}..{ex2[-1]} ({len(ex2)})")
+    for i in marks["SYNCS.ARRIVE"]:
+        before = sum(1 for e in ex2 if e < i)
+        print(f"  mbarrier arrive at {i:4d}: {loop[i].source.strip()[:48]:48s} "
+              f"after {before} of the {len(ex2)} EX2")  # fmt: skip
+
+
 def analyse(path: str, top: int) -> None:
     rows = read_rows(path)
     if not rows:
@@ -132,6 +172,7 @@ def analyse(path: str, top: int) -> None:
     print("\nhot-loop samples by opcode (instructions of that opcode in the loop):")
     for op, n in by_opcode.most_common():
         print(f"  {op:12s} {n:8d} {n / max(loop_samples, 1):6.1%}  ({count_opcode[op]})")
+    regions([r for r in loop if r.executed < hot])
     print(f"\nthe {top} most-sampled hot-loop instructions, in program order:")
     chosen = sorted(sorted(loop, key=lambda r: -r.samples)[:top], key=lambda r: int(r.address, 16))
     for r in chosen:

@@ -44,7 +44,11 @@ Barriers (all in shared memory):
 * ``schedule`` (2 arrivals): the FA3 ping-pong. WG1 starts one phase late, so while one
   WG runs its softmax on the CUDA cores the other owns the tensor cores for its wgmmas.
   Every WG arrives twice per step (once in QK^T, once after the softmax), plus once before
-  or after the loop, so the two stay balanced whatever the step count.
+  or after the loop, so the two stay balanced whatever the step count. The softmax-done
+  arrive depends on no value of the softmax, and ptxas issues it before the step's
+  exponentials, so the two WGs' softmaxes overlap in part; measured on an H200, that is
+  as fast as any placement tried, and pinning it after the softmax (a strict ping-pong)
+  is 10-17 % slower (docs/ranker_gpu.md, "Where the forward's warps stall").
 
 A WG whose rows are all padding (no history or candidate row) does not compute: it walks
 the same steps doing only its barrier arrivals (so the other WG and the memory WG never
