@@ -36,6 +36,7 @@ from attn_mosaic_gpu.ranker_fwd import (
     default_config,
     ranker_attention_fwd,
     smem_bytes,
+    validate_config,
 )
 from attn_reference.ranker import ranker_attention
 
@@ -405,6 +406,64 @@ def test_cross_lowering_fma_split(head_dim, cap, config):
 def test_default_config_fits_shared_memory(head_dim, dtype):
     cfg = default_config(head_dim, dtype)
     assert smem_bytes(cfg, head_dim, dtype, return_lse=True) <= SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize(
+    "head_dim,config,return_lse,users",
+    [
+        (128, KernelConfig(64, 128, 2), True, 0),
+        (128, KernelConfig(64, 128, 2, programs=528), True, 0),
+        (128, KernelConfig(64, 192, 2), True, 0),  # 88 bytes over: refused
+        (128, KernelConfig(64, 192, 2), False, 0),  # fits without the LSE buffer
+        (128, KernelConfig(64, 128, 3), True, 0),
+        (64, KernelConfig(64, 64, 4), True, 0),
+        (256, KernelConfig(64, 64, 2), True, 0),
+        (128, KernelConfig(64, 128, 2), True, 2),
+        (64, KernelConfig(64, 128, 4), False, 2),
+    ],
+    ids=lambda x: (
+        f"kv{x.block_kv}x{x.num_stages}-p{x.programs}" if isinstance(x, KernelConfig) else str(x)
+    ),
+)
+def test_smem_bytes_is_what_mosaic_allocates(monkeypatch, head_dim, config, return_lse, users):
+    """``smem_bytes`` (what ``validate_config`` checks) equals Mosaic GPU's own count, so
+    a config is refused by our validation exactly when Mosaic would refuse it. Mosaic
+    states its count when it exceeds the bound; a bound of 0 makes it state it always."""
+    import jax.experimental.mosaic.gpu.core as mosaic_core
+
+    import attn_mosaic_gpu.ranker_fwd as fwd
+
+    monkeypatch.setattr(mosaic_core, "_SMEM_SIZE_BOUND", 0)
+    monkeypatch.setattr(fwd, "validate_config", lambda *args, **kwargs: None)
+    if users:
+        bounds = jnp.array([[[0, 100, 100, 200], [200, 300, 300, 400]]], jnp.int32)
+    else:
+        bounds = jnp.array([[0, 300, 300, 512]], jnp.int32)
+    kv = jnp.zeros((1, 512, 1, head_dim), jnp.bfloat16)
+    q = jnp.zeros((1, 512, 2, head_dim), jnp.bfloat16)
+    fn = jax.jit(
+        lambda q, k, v: fwd.ranker_attention_fwd(
+            q, k, v, bounds, config=config, return_lse=return_lse
+        )
+    )
+    with pytest.raises(ValueError, match=r"smem_bytes=(\d+)") as info:
+        jax.export.export(fn, platforms=["cuda"])(q, kv, kv)
+    mosaic = int(re.search(r"smem_bytes=(\d+)", str(info.value)).group(1))
+    assert (
+        smem_bytes(config, head_dim, jnp.bfloat16, return_lse=return_lse, packed=bool(users))
+        == mosaic
+    )
+
+
+def test_rejects_config_mosaic_would_refuse():
+    """192-key blocks at D=128 with the LSE need 88 bytes more than the 227 KiB: refused by
+    validation (naming shared memory), not by Mosaic at compile time; without the LSE they
+    fit."""
+    q, k, v, bounds = _bad(head_dim=128)
+    config = KernelConfig(block_q=64, block_kv=192, num_stages=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        ranker_attention_fwd(q, k, v, bounds, config=config, return_lse=True)
+    validate_config(config, 128, jnp.bfloat16, return_lse=False)
 
 
 def _bad(dtype=jnp.bfloat16, head_dim=64, q_heads=2, kv_heads=1):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 # Opt-in shared memory per block on H100/H200 (sm_90): 227 KiB.
 SMEM_LIMIT_BYTES = 227 * 1024
 # Swizzled buffers are 1024-byte aligned.
 SMEM_ALIGN = 1024
+# Pallas reserves this scratch for any kernel with a reduction (a row max or sum), whether
+# the reduction's layout needs it or not: CompilerParams.reduction_scratch_bytes.
+REDUCTION_SCRATCH_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
 
 
 def round_up(x: int, m: int) -> int:

@@ -130,7 +130,12 @@ from attn_mosaic_gpu._registers import (
     REGISTER_POOL,
     memory_registers,
 )
-from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
+from attn_mosaic_gpu._smem import (
+    REDUCTION_SCRATCH_BYTES,
+    SMEM_ALIGN,
+    SMEM_LIMIT_BYTES,
+    round_up,
+)
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     fast_reciprocal,
@@ -184,21 +189,27 @@ def default_config(head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
 def smem_bytes(
     config: KernelConfig, head_dim: int, dtype, *, return_lse: bool = True, packed: bool = False
 ) -> int:
-    """Shared memory the kernel allocates for ``config`` (bytes, with alignment slack).
+    """Shared memory the kernel allocates for ``config``, in bytes: what Mosaic GPU
+    counts against the 227 KiB (``tests/test_ranker_fwd_cpu.py`` checks it exactly).
 
-    Q/O tiles of both compute WGs + ``num_stages`` K and V blocks + the LSE staging
-    buffer + barriers (+ the rows' key table for packed rows).
+    Q/O tiles of both compute WGs, the K ring, the V ring, the LSE staging buffer and
+    (packed rows) the rows' key table, each 1024-byte aligned; 8 bytes per barrier; and
+    the reduction scratch Pallas reserves.
     """
     itemsize = jnp.dtype(dtype).itemsize
     copies = 2 if config.programs else 1  # persistent programs double-buffer Q/O and LSE
-    qo = copies * _COMPUTE_WGS * config.block_q * head_dim * itemsize
-    kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
-    lse = copies * _COMPUTE_WGS * config.block_q * 4 if return_lse else 0
-    barriers = 8 * (4 * config.num_stages + copies * _COMPUTE_WGS + 1)
-    if packed:
-        lse += _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4
-        barriers += 8 * _COMPUTE_WGS
-    return round_up(qo, SMEM_ALIGN) + round_up(kv // 2, SMEM_ALIGN) * 2 + lse + barriers
+    ring = config.num_stages * config.block_kv * head_dim * itemsize
+    buffers = [
+        copies * _COMPUTE_WGS * config.block_q * head_dim * itemsize,  # Q/O
+        ring,  # K
+        ring,  # V
+        copies * _COMPUTE_WGS * config.block_q * 4 if return_lse else 0,
+        _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4 if packed else 0,
+    ]
+    barriers = 4 * config.num_stages + copies * _COMPUTE_WGS + 1 + (_COMPUTE_WGS if packed else 0)
+    return (
+        sum(round_up(size, SMEM_ALIGN) for size in buffers) + 8 * barriers + REDUCTION_SCRATCH_BYTES
+    )
 
 
 def validate_config(
