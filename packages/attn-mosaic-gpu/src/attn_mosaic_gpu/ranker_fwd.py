@@ -342,260 +342,279 @@ def _overlap(lo, hi, seg_lo, seg_hi):
     return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
 
 
-def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
-    """The kernel body; ``accumulate_in_place=False`` avoids run_state (interpret mode)."""
-    block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
-    num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
-    cap = st.cap
-
-    on_mufu = mufu_reciprocal(compiled=accumulate_in_place)
+def _scale_and_cap(st: _Static, qk, *, compiled: bool):
+    """Base-2 logits ``s2 = cap(qk * sm_scale) * log2(e)`` of a raw ``Q K^T`` tile or of
+    per-row maxima: the constants folded into the multiplies the cap needs anyway (no cap:
+    one multiply), ending in a multiply so that ``s2 - m`` is one FMA. Soft_sign's
+    reciprocal runs on the MUFU except for ``st.rcp_fma_cols`` key columns."""
+    on_mufu = mufu_reciprocal(compiled=compiled)
 
     def reciprocal(d):
         if d.ndim != 2:  # the per-row maxima: too few to split
             return fast_reciprocal(d)
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
-    def scale_and_cap(qk):
-        # Base-2 logits s2 = cap(qk * sm_scale) * log2(e), the constants folded into the
-        # multiplies the cap needs anyway (no cap: one multiply), ending in a multiply
-        # so that `s2 - m` is one FMA. The derivative the helper also returns is dead
-        # code here.
-        s2, _ = cap_scaled_with_derivative(
-            qk, cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
+    # The derivative the helper also returns is dead code here.
+    s2, _ = cap_scaled_with_derivative(
+        qk, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
+    )
+    return s2
+
+
+def _softmax_exp2(st: _Static, x, *, compiled: bool):
+    """``exp2`` of a tile: the first ``st.exp2_fma_cols`` key columns on the FMA pipe, the
+    rest on the MUFU. Interpret mode runs on XLA, which would fold exp2_fma's rounding
+    step away, hence the guard."""
+    on_fma = functools.partial(exp2_fma, xla_fold_guard=not compiled)
+    return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
+
+
+def _online_softmax_step(st: _Static, qk, allowed, m_i, *, compiled: bool):
+    """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
+    rescale ``alpha`` of the running sums and the new running max (base 2).
+    ``allowed`` is ``None`` on steps whose block needs no mask."""
+    masked = allowed is not None
+    if st.max_on_raw:
+        # Every cap is increasing, so a row's largest base-2 logit is the logit of
+        # its largest raw score: the max runs on the raw tile (beside the cap's
+        # reciprocals, not after them), and each exponent s2 - m is one FMA after the
+        # cap's last multiply.
+        raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
+        raw_max = raw.max(axis=1)
+        step_max = jnp.where(
+            raw_max > -jnp.inf, _scale_and_cap(st, raw_max, compiled=compiled), _M_INIT
         )
-        return s2
+        m_new = jnp.maximum(m_i, step_max)
+        x = _scale_and_cap(st, qk, compiled=compiled) - lax.broadcast_in_dim(m_new, qk.shape, [0])
+        if masked:
+            x = jnp.where(allowed, x, -jnp.inf)
+    else:
+        s = _scale_and_cap(st, qk, compiled=compiled)
+        if masked:
+            s = jnp.where(allowed, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
+    alpha = jnp.exp2(m_i - m_new)
+    return _softmax_exp2(st, x, compiled=compiled), alpha, m_new
 
-    def softmax_exp2(x):
-        # The first exp2_fma_cols key columns on the FMA pipe, the rest on the MUFU.
-        # Interpret mode runs on XLA, which would fold exp2_fma's rounding step away.
-        on_fma = functools.partial(exp2_fma, xla_fold_guard=not accumulate_in_place)
-        return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
 
-    def online_softmax_step(qk, allowed, m_i):
-        """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
-        rescale ``alpha`` of the running sums and the new running max (base 2).
-        ``allowed`` is ``None`` on steps whose block needs no mask."""
-        masked = allowed is not None
-        if st.max_on_raw:
-            # Every cap is increasing, so a row's largest base-2 logit is the logit of
-            # its largest raw score: the max runs on the raw tile, and each exponent
-            # s2 - m is one FMA after the cap's last multiply (the softmax is bound by
-            # instruction issue, not by the MUFU).
-            raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
-            raw_max = raw.max(axis=1)
-            step_max = jnp.where(raw_max > -jnp.inf, scale_and_cap(raw_max), _M_INIT)
-            m_new = jnp.maximum(m_i, step_max)
-            x = scale_and_cap(qk) - lax.broadcast_in_dim(m_new, qk.shape, [0])
-            if masked:
-                x = jnp.where(allowed, x, -jnp.inf)
+def _tile_info(st: _Static, bounds_ref, steps_ref, batch, q_tile):
+    """A tile's first row, its KV steps and its bounds: ``users`` (packed rows) or
+    ``(hl, hu, cl, cu)``."""
+    if st.users:
+        # Packed rows: the tile's runs and each WG's unmasked steps come from the
+        # step list built outside (attn_common.packed.packed_step_list).
+        users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.users))
+        tile_start = q_tile * (2 * st.block_q)
+        ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], _COMPUTE_WGS)
+        return tile_start, ranges, users
+    hl = bounds_ref[batch, 0]
+    hu = bounds_ref[batch, 1]
+    cl = bounds_ref[batch, 2]
+    cu = bounds_ref[batch, 3]
+    tile_start = q_tile * (2 * st.block_q)
+    ranges = ranker_kv_block_ranges(
+        hl, hu, cl, cu, tile_start, tile_start + 2 * st.block_q, st.block_kv
+    )
+    return tile_start, ranges, (hl, hu, cl, cu)
+
+
+def _wg_rows(st: _Static, wg, tile_start, bnds):
+    """Compute WG ``wg``'s rows ``[row0, row1)`` of the tile and whether one is live."""
+    row0 = tile_start + wg * st.block_q
+    row1 = row0 + st.block_q
+    if st.users:
+        rows_seen = sum(
+            _overlap(row0, row1, u_hl, u_hu) + _overlap(row0, row1, u_cl, u_cu)
+            for u_hl, u_hu, u_cl, u_cu in bnds
+        )
+        return row0, row1, rows_seen > 0
+    hl, hu, cl, cu = bnds
+    return row0, row1, (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
+
+
+def _compute_tile(
+    st: _Static, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds, bufs,
+    barriers, out_refs, *, load_q, slot_of, idle_waits, compiled: bool,
+):  # fmt: skip
+    """One compute WG's part of a tile: its Q (``load_q(row0)``, called when it has a
+    live row), the KV steps (step ``i`` in ring slot ``slot_of(i)``), the softmax and
+    the output written to ``bufs``' Q/O tile and TMA-stored, not waited for.
+    ``idle_waits``: a WG with no live row also waits for every step's K and V, so
+    that its barrier phases stay in step across the tiles of a persistent program.
+    ``compiled=False`` (interpret mode) stages P through shared memory for ``P V``."""
+    block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
+    qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
+    k_ready, v_ready, schedule, k_consumed, v_consumed = barriers
+    out_ref, lse_ref = out_refs
+
+    def schedule_sync():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    row0, row1, active = _wg_rows(st, wg, tile_start, bnds)
+    if st.users:
+        unmasked_lo, unmasked_hi = ranges.full_steps(wg)
+    else:
+        hl, hu, cl, cu = bnds
+        # Steps whose block every row of this WG attends in full need no mask.
+        unmasked_lo, unmasked_hi = ranker_full_kv_steps(
+            ranges, hl, hu, cl, cu, row0, row1, block_kv
+        )
+    wg_steps = jnp.where(active, total_steps, 0)
+    pl.when(active)(lambda: load_q(row0))
+
+    if st.users:
+        # The rows' packed_query_table entries (key_lo, key_hi, self_key), one
+        # value per row: the mask is then three compares per score for any U.
+        # An inactive WG never reads them (it has no masked step).
+        row_keys = tuple(
+            plgpu.load(keys_smem2.at[wg, f], layout=plgpu.Layout.WGMMA.reduce(1))
+            for f in range(PACKED_QUERY_FIELDS)
+        )
+
+    m_i = plgpu.layout_cast(
+        jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+    )
+    l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(wg_steps > 0)
+    def _wait_first_k():
+        plgpu.barrier_wait(k_ready.at[slot_of(0)])
+
+    pl.when(wg == 1)(schedule_sync)
+
+    def kv_step(step, carry, *, masked: bool):
+        acc, m_i, l_i = carry
+        slot = slot_of(step)
+
+        def compute_qk(acc_ref):
+            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            schedule_sync()
+            return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+
+        if masked:
+            kv0 = ranges.block_at(step) * block_kv
+            if st.users:
+                allowed = packed_tile_mask(
+                    ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
+                )
+            else:
+                allowed = ranker_tile_mask(row0, kv0, (block_q, block_kv), hl, hu, cl, cu)
         else:
-            s = scale_and_cap(qk)
-            if masked:
-                s = jnp.where(allowed, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
-        alpha = jnp.exp2(m_i - m_new)
-        return softmax_exp2(x), alpha, m_new
+            allowed = None
+
+        p, alpha, m_new = _online_softmax_step(st, qk, allowed, m_i, compiled=compiled)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha
+        p16 = p.astype(dtype)
+
+        def end_softmax():
+            plgpu.barrier_arrive(schedule)  # softmax done
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)  # tensor cores are ours
+
+        if head_dim <= 128:
+            l_i = l_i + p.sum(axis=1)
+            acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+            end_softmax()
+        else:
+            end_softmax()
+            l_i = l_i + p.sum(axis=1)
+
+        def wait_next_k():
+            nxt = step + 1
+
+            @pl.when(nxt < wg_steps)
+            def _wait_next_k():
+                plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+
+        def compute_pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            wait_next_k()
+
+        if compiled:
+            acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        else:
+            # Interpret mode (jax 0.11.2) implements neither run_state_p nor a
+            # wgmma whose A operand is in registers: P is staged through shared
+            # memory and the product goes into a fresh accumulator, then added.
+            p_smem = p_smem2.at[wg]
+            p_smem[...] = p16
+            plgpu.commit_smem()
+
+            def compute_pv_fresh(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                wait_next_k()
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(compute_pv_fresh, plgpu.ACC((block_q, head_dim), jnp.float32))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l_i
+
+    masked_step = functools.partial(kv_step, masked=True)
+    full_step = functools.partial(kv_step, masked=False)
+    carry = (acc, m_i, l_i)
+    carry = lax.fori_loop(0, unmasked_lo, masked_step, carry)
+    carry = lax.fori_loop(unmasked_lo, unmasked_hi, full_step, carry)
+    carry = lax.fori_loop(unmasked_hi, wg_steps, masked_step, carry)
+    acc, m_i, l_i = carry
+
+    def idle_step(step, _):
+        # All-padding WG: keep the barrier protocol of a computing WG.
+        slot = slot_of(step)
+        if idle_waits:
+            plgpu.barrier_wait(k_ready.at[slot])
+        schedule_sync()
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        if idle_waits:
+            plgpu.barrier_wait(v_ready.at[slot])
+        schedule_sync()
+        plgpu.barrier_arrive(v_consumed.at[slot])
+
+    lax.fori_loop(wg_steps, total_steps, idle_step, None)
+    pl.when(wg == 0)(schedule_sync)
+
+    _store_output(
+        st, dtype, acc, m_i, l_i, qo_smem, lse_smem, out_ref, lse_ref,
+        batch=batch, q_head=q_head, row0=row0,
+    )  # fmt: skip
+
+
+def _store_output(
+    st: _Static, dtype, acc, m_i, l_i, qo_smem, lse_smem, out_ref, lse_ref, *, batch, q_head,
+    row0,
+):  # fmt: skip
+    """A compute WG's epilogue: ``O = acc / l`` into its Q/O tile (Q is dead by then) and
+    the LSE (natural log) into its staging buffer, both TMA-stored and not waited for. A
+    row with no allowed key (``l == 0``) gets ``O = 0`` and ``LSE = -inf``."""
+    block_q = st.block_q
+    has_key = l_i > 0.0
+    inv_l = 1.0 / jnp.where(has_key, l_i, 1.0)
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    qo_smem[...] = out.astype(dtype)
+    if lse_smem is not None:
+        lse = jnp.where(has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf)
+        lse_smem[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
+    if lse_smem is not None:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
+
+
+def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
+    """The kernel body; ``accumulate_in_place=False`` avoids run_state (interpret mode)."""
+    block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
+    num_slots = st.num_stages
+    group = st.q_heads // st.kv_heads
 
     def ring_slot(step):
         """The K/V ring slot of step ``step`` of a one-tile program."""
         return step % num_slots if isinstance(step, int) else lax.rem(step, jnp.int32(num_slots))
-
-    def tile_info(bounds_ref, steps_ref, batch, q_tile):
-        """A tile's first row, its KV steps and its bounds: ``users`` (packed rows) or
-        ``(hl, hu, cl, cu)``."""
-        if st.users:
-            # Packed rows: the tile's runs and each WG's unmasked steps come from the
-            # step list built outside (attn_common.packed.packed_step_list).
-            users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.users))
-            tile_start = q_tile * (2 * block_q)
-            ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], _COMPUTE_WGS)
-            return tile_start, ranges, users
-        hl = bounds_ref[batch, 0]
-        hu = bounds_ref[batch, 1]
-        cl = bounds_ref[batch, 2]
-        cu = bounds_ref[batch, 3]
-        tile_start = q_tile * (2 * block_q)
-        ranges = ranker_kv_block_ranges(
-            hl, hu, cl, cu, tile_start, tile_start + 2 * block_q, block_kv
-        )
-        return tile_start, ranges, (hl, hu, cl, cu)
-
-    def wg_rows(wg, tile_start, bnds):
-        """Compute WG ``wg``'s rows ``[row0, row1)`` of the tile and whether one is live."""
-        row0 = tile_start + wg * block_q
-        row1 = row0 + block_q
-        if st.users:
-            rows_seen = sum(
-                _overlap(row0, row1, u_hl, u_hu) + _overlap(row0, row1, u_cl, u_cu)
-                for u_hl, u_hu, u_cl, u_cu in bnds
-            )
-            return row0, row1, rows_seen > 0
-        hl, hu, cl, cu = bnds
-        return row0, row1, (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
-
-    def compute_tile(
-        wg, q_head, batch, tile_start, ranges, total_steps, bnds, bufs, barriers, out_refs, *,
-        load_q, slot_of, idle_waits,
-    ):  # fmt: skip
-        """One compute WG's part of a tile: its Q (``load_q(row0)``, called when it has a
-        live row), the KV steps (step ``i`` in ring slot ``slot_of(i)``), the softmax and
-        the output written to ``bufs``' Q/O tile and TMA-stored, not waited for.
-        ``idle_waits``: a WG with no live row also waits for every step's K and V, so
-        that its barrier phases stay in step across the tiles of a persistent program."""
-        qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
-        k_ready, v_ready, schedule, k_consumed, v_consumed = barriers
-        out_ref, lse_ref = out_refs
-
-        def schedule_sync():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
-
-        row0, row1, active = wg_rows(wg, tile_start, bnds)
-        if st.users:
-            unmasked_lo, unmasked_hi = ranges.full_steps(wg)
-        else:
-            hl, hu, cl, cu = bnds
-            # Steps whose block every row of this WG attends in full need no mask.
-            unmasked_lo, unmasked_hi = ranker_full_kv_steps(
-                ranges, hl, hu, cl, cu, row0, row1, block_kv
-            )
-        wg_steps = jnp.where(active, total_steps, 0)
-        pl.when(active)(lambda: load_q(row0))
-
-        if st.users:
-            # The rows' packed_query_table entries (key_lo, key_hi, self_key), one
-            # value per row: the mask is then three compares per score for any U.
-            # An inactive WG never reads them (it has no masked step).
-            row_keys = tuple(
-                plgpu.load(keys_smem2.at[wg, f], layout=plgpu.Layout.WGMMA.reduce(1))
-                for f in range(PACKED_QUERY_FIELDS)
-            )
-
-        m_i = plgpu.layout_cast(
-            jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        l_i = plgpu.layout_cast(
-            jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-        @pl.when(wg_steps > 0)
-        def _wait_first_k():
-            plgpu.barrier_wait(k_ready.at[slot_of(0)])
-
-        pl.when(wg == 1)(schedule_sync)
-
-        def kv_step(step, carry, *, masked: bool):
-            acc, m_i, l_i = carry
-            slot = slot_of(step)
-
-            def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                schedule_sync()
-                return acc_ref[...]
-
-            qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-
-            if masked:
-                kv0 = ranges.block_at(step) * block_kv
-                if st.users:
-                    allowed = packed_tile_mask(
-                        ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
-                    )
-                else:
-                    allowed = ranker_tile_mask(row0, kv0, (block_q, block_kv), hl, hu, cl, cu)
-            else:
-                allowed = None
-
-            p, alpha, m_new = online_softmax_step(qk, allowed, m_i)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha
-            p16 = p.astype(dtype)
-
-            def end_softmax():
-                plgpu.barrier_arrive(schedule)  # softmax done
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(schedule)  # tensor cores are ours
-
-            if head_dim <= 128:
-                l_i = l_i + p.sum(axis=1)
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                end_softmax()
-            else:
-                end_softmax()
-                l_i = l_i + p.sum(axis=1)
-
-            def wait_next_k():
-                nxt = step + 1
-
-                @pl.when(nxt < wg_steps)
-                def _wait_next_k():
-                    plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
-
-            def compute_pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                wait_next_k()
-
-            if accumulate_in_place:
-                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-            else:
-                # Interpret mode (jax 0.11.2) implements neither run_state_p nor a
-                # wgmma whose A operand is in registers: P is staged through shared
-                # memory and the product goes into a fresh accumulator, then added.
-                p_smem = p_smem2.at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def compute_pv_fresh(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                    wait_next_k()
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(
-                    compute_pv_fresh, plgpu.ACC((block_q, head_dim), jnp.float32)
-                )
-            plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_new, l_i
-
-        masked_step = functools.partial(kv_step, masked=True)
-        full_step = functools.partial(kv_step, masked=False)
-        carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, unmasked_lo, masked_step, carry)
-        carry = lax.fori_loop(unmasked_lo, unmasked_hi, full_step, carry)
-        carry = lax.fori_loop(unmasked_hi, wg_steps, masked_step, carry)
-        acc, m_i, l_i = carry
-
-        def idle_step(step, _):
-            # All-padding WG: keep the barrier protocol of a computing WG.
-            slot = slot_of(step)
-            if idle_waits:
-                plgpu.barrier_wait(k_ready.at[slot])
-            schedule_sync()
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            if idle_waits:
-                plgpu.barrier_wait(v_ready.at[slot])
-            schedule_sync()
-            plgpu.barrier_arrive(v_consumed.at[slot])
-
-        lax.fori_loop(wg_steps, total_steps, idle_step, None)
-        pl.when(wg == 0)(schedule_sync)
-
-        has_key = l_i > 0.0
-        inv_l = 1.0 / jnp.where(has_key, l_i, 1.0)
-        out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        qo_smem[...] = out.astype(dtype)
-        if lse_smem is not None:
-            lse = jnp.where(
-                has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf
-            )
-            lse_smem[...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
-        if lse_smem is not None:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
 
     def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
         bufs, ready, consumed, schedule = scoped
@@ -608,7 +627,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         q_tile = lax.axis_index(_axes.Q_TILES)
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
-        tile_start, ranges, bnds = tile_info(bounds_ref, steps_ref, batch, q_tile)
+        tile_start, ranges, bnds = _tile_info(st, bounds_ref, steps_ref, batch, q_tile)
         total_steps = ranges.total_steps
 
         @pl.when(wg < _COMPUTE_WGS)
@@ -630,11 +649,12 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
                 plgpu.barrier_wait(q_ready.at[wg])
 
             lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
-            compute_tile(
-                wg, q_head, batch, tile_start, ranges, total_steps, bnds,
+            _compute_tile(
+                st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
                 (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
                 (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
                 load_q=load_q, slot_of=ring_slot, idle_waits=False,
+                compiled=accumulate_in_place,
             )  # fmt: skip
             plgpu.wait_smem_to_gmem(0)
 
@@ -702,7 +722,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             q_head, q_tile, batch = tile_coords(
                 program, j, programs=programs, heads=st.q_heads, tiles=tiles
             )
-            return (q_head, batch, *tile_info(bounds_ref, None, batch, q_tile))
+            return (q_head, batch, *_tile_info(st, bounds_ref, None, batch, q_tile))
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -710,7 +730,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
             def issue_q(j, buf):
                 q_head, batch, tile_start, _, bnds = tile_of(j)
-                row0, _, active = wg_rows(wg, tile_start, bnds)
+                row0, _, active = _wg_rows(st, wg, tile_start, bnds)
 
                 @pl.when(active)
                 def _issue():
@@ -735,13 +755,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 
                 lse_smem = None if lse_smem3 is None else lse_smem3.at[buf, wg]
                 total_steps = ranges.total_steps
-                compute_tile(
-                    wg, q_head, batch, tile_start, ranges, total_steps, bnds,
+                _compute_tile(
+                    st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
                     (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
                     (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
                     load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
                     slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
-                    idle_waits=True,
+                    idle_waits=True, compiled=accumulate_in_place,
                 )  # fmt: skip
                 return base + total_steps
 
