@@ -3,9 +3,10 @@
 ``ranker_fwd_knob.py`` changes one field of the tuned config; some tilings need several
 at once (192-key blocks fit the shared memory only without persistent programs, for
 example). Each ``--config`` is ``field=value,field=value`` applied to the tuned config;
-all are compiled first and compared bitwise with the tuned config's out and LSE
-(different tilings add in another order, so they may differ in the last bits), then
-timed round after round in the same order (CUPTI device time, median)::
+all are compiled first, each output's largest absolute difference from the tuned
+config's is printed (other tilings add in another order, so they may differ in the last
+bits; a config the kernel refuses is reported and skipped), then they are timed round
+after round in the same order (CUPTI device time, median)::
 
     python benchmarks/ranker_fwd_configs.py --cases phoenix --no-lse \\
         --config programs=0 --config programs=0,block_kv=192
