@@ -13,6 +13,12 @@ SMEM_ALIGN = 1024
 REDUCTION_SCRATCH_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
 
 
+def tile_transforms() -> tuple:
+    """The shared-memory layout of the ranker kernels' bf16/fp16 tiles (Q, K, V, dO, O, P,
+    dS): (8, 64) tiles with the 128-byte swizzle, what TMA and wgmma both take."""
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
 def round_up(x: int, m: int) -> int:
     """The smallest multiple of ``m`` that is ``>= x``."""
     return -(-x // m) * m

@@ -77,7 +77,7 @@ from attn_common import (
 )
 from attn_common.packed import normalize_ranker_bounds, packed_users
 from attn_mosaic_gpu import _axes
-from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
+from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up, tile_transforms
 from attn_mosaic_gpu.ranker_bwd_pipelined import (
     PIPELINED_HEAD_DIMS,
     pipelined_bwd,
@@ -158,10 +158,6 @@ class _BwdStatic:
     head_dim: int
     sm_scale: float
     cap: CapParams
-
-
-def _transforms():
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _logits(qk, st: _BwdStatic):
@@ -266,9 +262,9 @@ def _build_dq_kernel(st: _BwdStatic, dtype):
         plgpu.wait_smem_to_gmem(0)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref):
-        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=_transforms())
-        half = plgpu.SMEM((bkv, dh), dtype, transforms=_transforms()) if d_split > 1 else None
-        sq = plgpu.SMEM((bq, bkv), dtype, transforms=_transforms())
+        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=tile_transforms())
+        half = plgpu.SMEM((bkv, dh), dtype, transforms=tile_transforms()) if d_split > 1 else None
+        sq = plgpu.SMEM((bq, bkv), dtype, transforms=tile_transforms())
         vec = plgpu.SMEM((bq,), jnp.float32)
         pl.run_scoped(
             lambda *args: kernel(
@@ -383,9 +379,9 @@ def _build_dkv_kernel(st: _BwdStatic, dtype):
         plgpu.wait_smem_to_gmem(0)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref):
-        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=_transforms())
-        half = plgpu.SMEM((bq, dh), dtype, transforms=_transforms()) if d_split > 1 else None
-        sq = plgpu.SMEM((bkv, bq), dtype, transforms=_transforms())
+        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=tile_transforms())
+        half = plgpu.SMEM((bq, dh), dtype, transforms=tile_transforms()) if d_split > 1 else None
+        sq = plgpu.SMEM((bkv, bq), dtype, transforms=tile_transforms())
         vec = plgpu.SMEM((bq,), jnp.float32)
         pl.run_scoped(
             lambda *args: kernel(

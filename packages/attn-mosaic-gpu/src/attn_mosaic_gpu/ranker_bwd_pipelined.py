@@ -98,7 +98,7 @@ from attn_common.packed import (
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import memory_registers
-from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up
+from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up, tile_transforms
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     mufu_reciprocal,
@@ -230,10 +230,6 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
             f"backward tuning dq_programs: got {programs!r}, expected 0 (one program per "
             "tile) or a positive number of persistent programs"
         )
-
-
-def _transforms():
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
@@ -495,7 +491,7 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
         steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
         dq_ref = refs[-1]
-        t = _transforms()
+        t = tile_transforms()
         own = plgpu.SMEM((*lead, _COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
         own_vec = plgpu.SMEM((*lead, _COMPUTE_WGS, b), jnp.float32)
         ring = plgpu.SMEM((st.num_stages, b, st.head_dim), dtype, transforms=t)
@@ -831,7 +827,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
         steps_ref, queries_ref = refs[7:9] if st.users else (None, None)
         dk_ref, dv_ref = refs[-2:]
-        t = _transforms()
+        t = tile_transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
         ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
         ring_vec = plgpu.SMEM((num_slots, b), jnp.float32)

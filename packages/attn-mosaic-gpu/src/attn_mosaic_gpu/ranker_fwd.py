@@ -135,6 +135,7 @@ from attn_mosaic_gpu._smem import (
     SMEM_ALIGN,
     SMEM_LIMIT_BYTES,
     round_up,
+    tile_transforms,
 )
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
@@ -809,7 +810,7 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         steps_ref, keys_ref = refs[4:6] if st.users else (None, None)
         out_ref, lse_ref = (*refs[num_in:], None)[:2]
         copies = (2,) if st.programs else ()  # persistent: Q/O and LSE double-buffered
-        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        transforms = tile_transforms()
         qo = plgpu.SMEM((*copies, _COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
         k_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
         v_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
