@@ -320,8 +320,8 @@ def ranker_q_block_ranges(
     return _merge_block_ranges(h0, h1, c0, c1)
 
 
-def _overlap_len(lo, hi, seg_lo, seg_hi):
-    """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)``."""
+def overlap_len(lo, hi, seg_lo, seg_hi):
+    """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)`` (scalars or arrays; 0 when disjoint)."""
     return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
 
 
@@ -355,9 +355,9 @@ def ranker_full_kv_steps(
     result is every fully allowed step of the first run.
     """
     rows = q_end - q_start
-    n_hist = _overlap_len(q_start, q_end, history_lo, history_hi)
-    n_cand = _overlap_len(q_start, q_end, candidate_lo, candidate_hi)
-    n_both = _overlap_len(
+    n_hist = overlap_len(q_start, q_end, history_lo, history_hi)
+    n_cand = overlap_len(q_start, q_end, candidate_lo, candidate_hi)
+    n_both = overlap_len(
         q_start, q_end, jnp.maximum(history_lo, candidate_lo), jnp.minimum(history_hi, candidate_hi)
     )
     rows_full = (rows > 0) & (n_hist + n_cand - n_both == rows)

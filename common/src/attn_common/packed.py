@@ -57,7 +57,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from attn_common.bounds import SegmentBounds, _as_int_array, _cdiv, normalize_bounds, ranker_mask
+from attn_common.bounds import (
+    SegmentBounds,
+    _as_int_array,
+    _cdiv,
+    _overlaps,
+    normalize_bounds,
+    overlap_len,
+    ranker_mask,
+)
 from attn_common.metadata import is_concrete
 
 __all__ = [
@@ -494,10 +502,6 @@ def _fields(bounds, *tile):
     return fields, tuple(jnp.asarray(x, jnp.int32)[..., None] for x in tile)
 
 
-def _overlaps(lo, hi, seg_lo, seg_hi):
-    return (lo < seg_hi) & (hi > seg_lo) & (seg_lo < seg_hi) & (lo < hi)
-
-
 def _block_interval(ok, lo, hi, block):
     return jnp.where(ok, lo // block, 0), jnp.where(ok, _cdiv(hi, block), 0)
 
@@ -534,10 +538,6 @@ def packed_q_block_ranges(bounds, kv_start, kv_end, block_q: int) -> PackedBlock
     return _union_runs(jnp.concatenate([h0, c0], -1), jnp.concatenate([h1, c1], -1))
 
 
-def _overlap_len(lo, hi, seg_lo, seg_hi):
-    return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
-
-
 def _widest(ok, b0, b1):
     """Among users where ``ok`` (``[..., U]``), the block interval with the most blocks."""
     n = jnp.where(ok, jnp.maximum(b1 - b0, 0), 0)
@@ -561,9 +561,9 @@ def packed_full_kv_steps(ranges: PackedBlockRanges, bounds, q_start, q_end, bloc
     """
     (hl, hu, cl, cu), (qs, qe) = _fields(bounds, q_start, q_end)
     rows = qe - qs
-    n_hist = _overlap_len(qs, qe, hl, hu)
-    n_cand = _overlap_len(qs, qe, cl, cu)
-    n_both = _overlap_len(qs, qe, jnp.maximum(hl, cl), jnp.minimum(hu, cu))
+    n_hist = overlap_len(qs, qe, hl, hu)
+    n_cand = overlap_len(qs, qe, cl, cu)
+    n_both = overlap_len(qs, qe, jnp.maximum(hl, cl), jnp.minimum(hu, cu))
     rows_full = (rows > 0) & (n_hist + n_cand - n_both == rows)
     b0, b1 = _widest(rows_full, _cdiv(hl, block_kv), hu // block_kv)
     return ranges.blocks_to_steps(b0, b1)

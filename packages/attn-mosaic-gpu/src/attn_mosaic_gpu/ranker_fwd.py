@@ -114,6 +114,7 @@ from attn_common import (
     ranker_kv_block_ranges,
     ranker_mask,
 )
+from attn_common.bounds import overlap_len
 from attn_common.packed import (
     PACKED_QUERY_FIELDS,
     TileSteps,
@@ -338,11 +339,6 @@ def ranker_tile_mask(row0, col0, shape, hl, hu, cl, cu):
     return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
 
-def _overlap(lo, hi, seg_lo, seg_hi):
-    """Length of ``[lo, hi) ∩ [seg_lo, seg_hi)`` (scalars)."""
-    return jnp.maximum(jnp.minimum(hi, seg_hi) - jnp.maximum(lo, seg_lo), 0)
-
-
 def _scale_and_cap(st: _Static, qk, *, compiled: bool):
     """Base-2 logits ``s2 = cap(qk * sm_scale) * log2(e)`` of a raw ``Q K^T`` tile or of
     per-row maxima: the constants folded into the multiplies the cap needs anyway (no cap:
@@ -426,12 +422,12 @@ def _wg_rows(st: _Static, wg, tile_start, bnds):
     row1 = row0 + st.block_q
     if st.users:
         rows_seen = sum(
-            _overlap(row0, row1, u_hl, u_hu) + _overlap(row0, row1, u_cl, u_cu)
+            overlap_len(row0, row1, u_hl, u_hu) + overlap_len(row0, row1, u_cl, u_cu)
             for u_hl, u_hu, u_cl, u_cu in bnds
         )
         return row0, row1, rows_seen > 0
     hl, hu, cl, cu = bnds
-    return row0, row1, (_overlap(row0, row1, hl, hu) + _overlap(row0, row1, cl, cu)) > 0
+    return row0, row1, (overlap_len(row0, row1, hl, hu) + overlap_len(row0, row1, cl, cu)) > 0
 
 
 def _compute_tile(
