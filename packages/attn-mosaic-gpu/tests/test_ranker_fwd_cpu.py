@@ -413,8 +413,9 @@ def test_default_config_fits_shared_memory(head_dim, dtype):
     [
         (128, KernelConfig(64, 128, 2), True, 0),
         (128, KernelConfig(64, 128, 2, programs=528), True, 0),
-        (128, KernelConfig(64, 192, 2), True, 0),  # 88 bytes over: refused
-        (128, KernelConfig(64, 192, 2), False, 0),  # fits without the LSE buffer
+        (128, KernelConfig(64, 192, 2), True, 0),  # 1,960 bytes under the limit
+        (128, KernelConfig(64, 192, 2), True, 2),  # 104 bytes over: refused
+        (128, KernelConfig(64, 192, 2), False, 2),  # fits without the LSE buffer
         (128, KernelConfig(64, 128, 3), True, 0),
         (64, KernelConfig(64, 64, 4), True, 0),
         (256, KernelConfig(64, 64, 2), True, 0),
@@ -456,14 +457,16 @@ def test_smem_bytes_is_what_mosaic_allocates(monkeypatch, head_dim, config, retu
 
 
 def test_rejects_config_mosaic_would_refuse():
-    """192-key blocks at D=128 with the LSE need 88 bytes more than the 227 KiB: refused by
-    validation (naming shared memory), not by Mosaic at compile time; without the LSE they
-    fit."""
-    q, k, v, bounds = _bad(head_dim=128)
+    """192-key blocks at D=128 with packed bounds and the LSE need 104 bytes more than the
+    227 KiB: refused by validation (naming shared memory), not by Mosaic at compile time;
+    without the LSE, or with one user per row, they fit."""
+    q, k, v, _ = _bad(head_dim=128)
+    packed_bounds = jnp.array([[[0, 16, 16, 24], [32, 48, 48, 56]]], jnp.int32)
     config = KernelConfig(block_q=64, block_kv=192, num_stages=2)
     with pytest.raises(ValueError, match="shared memory"):
-        ranker_attention_fwd(q, k, v, bounds, config=config, return_lse=True)
-    validate_config(config, 128, jnp.bfloat16, return_lse=False)
+        ranker_attention_fwd(q, k, v, packed_bounds, config=config, return_lse=True)
+    validate_config(config, 128, jnp.bfloat16, return_lse=False, packed=True)
+    validate_config(config, 128, jnp.bfloat16, return_lse=True)
 
 
 def _bad(dtype=jnp.bfloat16, head_dim=64, q_heads=2, kv_heads=1):

@@ -132,7 +132,6 @@ from attn_mosaic_gpu._registers import (
     memory_registers,
 )
 from attn_mosaic_gpu._smem import (
-    REDUCTION_SCRATCH_BYTES,
     SMEM_ALIGN,
     SMEM_LIMIT_BYTES,
     round_up,
@@ -195,8 +194,8 @@ def smem_bytes(
     counts against the 227 KiB (``tests/test_ranker_fwd_cpu.py`` checks it exactly).
 
     Q/O tiles of both compute WGs, the K ring, the V ring, the LSE staging buffer and
-    (packed rows) the rows' key table, each 1024-byte aligned; 8 bytes per barrier; and
-    the reduction scratch Pallas reserves.
+    (packed rows) the rows' key table, each 1024-byte aligned, and 8 bytes per barrier
+    (no reduction scratch: ``CompilerParams(reduction_scratch_bytes=0)``).
     """
     itemsize = jnp.dtype(dtype).itemsize
     copies = 2 if config.programs else 1  # persistent programs double-buffer Q/O and LSE
@@ -209,9 +208,7 @@ def smem_bytes(
         _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4 if packed else 0,
     ]
     barriers = 4 * config.num_stages + copies * _COMPUTE_WGS + 1 + (_COMPUTE_WGS if packed else 0)
-    return (
-        sum(round_up(size, SMEM_ALIGN) for size in buffers) + 8 * barriers + REDUCTION_SCRATCH_BYTES
-    )
+    return sum(round_up(size, SMEM_ALIGN) for size in buffers) + 8 * barriers
 
 
 def validate_config(
@@ -873,7 +870,10 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
         **grid,
         num_threads=_COMPUTE_WGS + 1,
         thread_name=_axes.WARPGROUP,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The row max and sum reduce within a warp (shuffles), so the forward needs none of
+        # the shared-memory scratch Pallas reserves for cross-warp reductions; a reduction
+        # that did would fail to lower, not run wrong.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret,
     )(*inputs)
     return tuple(results)
