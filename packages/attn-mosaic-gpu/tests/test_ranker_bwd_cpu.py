@@ -307,6 +307,56 @@ def test_backward_fits_shared_memory(head_dim, dtype):
         assert need <= SMEM_LIMIT_BYTES, name
 
 
+@pytest.mark.parametrize(
+    "head_dim,stages,dq_programs,users",
+    [
+        (64, 2, 0, 0),
+        (64, 3, 0, 2),
+        (64, 4, 132, 0),
+        (128, 2, 0, 2),
+        (128, 2, 132, 0),
+        (128, 3, 132, 0),  # 231,624 bytes: 824 under the limit
+    ],
+)
+def test_pipelined_smem_bytes_is_what_mosaic_allocates(
+    monkeypatch, head_dim, stages, dq_programs, users
+):
+    """``pipelined_smem_bytes`` (what ``pipelined_bwd`` checks before building) equals
+    Mosaic GPU's own count for the dq and the dk/dv kernel, so a backward tuning is
+    refused exactly when Mosaic would refuse it."""
+    import jax.experimental.mosaic.gpu.core as mosaic_core
+
+    from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_smem_bytes
+
+    counted = []
+    count = mosaic_core._smem_tree_size
+    monkeypatch.setattr(
+        mosaic_core, "_smem_tree_size", lambda tree: counted.append(count(tree)) or counted[-1]
+    )
+    seq = 256
+    fields = dict(
+        batch=1, seq_pad=seq, q_heads=2, kv_heads=1, head_dim=head_dim, sm_scale=1.0, cap=TANH
+    )
+    sds = jax.ShapeDtypeStruct
+    bounds = sds((1, users, 4) if users else (1, 4), jnp.int32)
+    q = sds((1, seq, 2, head_dim), jnp.bfloat16)
+    kv = sds((1, seq, 1, head_dim), jnp.bfloat16)
+    vec = sds((1, 2, seq), jnp.float32)
+    tuning = {"num_stages": stages, "dq_programs": dq_programs}
+
+    def bwd(q, k, v, do, lse2, delta, bounds):
+        return pipelined_bwd(
+            q, k, v, do, lse2, delta, bounds, st_fields=fields, interpret=None,
+            tuning=tuning, users=users,
+        )  # fmt: skip
+
+    jax.export.export(jax.jit(bwd), platforms=["cuda"])(q, kv, kv, q, vec, vec, bounds)
+    need = pipelined_smem_bytes(
+        head_dim, jnp.bfloat16, num_stages=stages, dq_programs=dq_programs, packed=bool(users)
+    )
+    assert counted == [need["dq"], need["dkv"]]
+
+
 def test_backward_rejects_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
         validate_bwd(96, jnp.bfloat16)

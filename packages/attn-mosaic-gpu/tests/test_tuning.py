@@ -327,19 +327,21 @@ def test_backward_rings_fit(head_dim):
 
 
 def test_persistent_dq_too_deep_a_ring_is_refused():
-    """D=128 persistent dq fits the default 2-slot ring only; a deeper one is refused
-    before any kernel is built, naming the kernel and the bytes."""
+    """D=128 persistent dq fits a 2- or 3-slot ring with one user per row (231,624 bytes
+    at 3); 4 slots, or 3 with the packed rows' key table (234,728), are refused before
+    any kernel is built, naming the kernel and the bytes."""
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
 
     x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
     vec = jnp.zeros((1, 1, 128), jnp.float32)
     fields = dict(batch=1, seq_pad=128, q_heads=1, kv_heads=1, head_dim=128, sm_scale=1.0, cap=TANH)
     bounds = jnp.array([[0, 100, 100, 120]], jnp.int32)
-    with pytest.raises(ValueError, match=r"the dq kernel needs \d+ bytes of shared memory"):
-        pipelined_bwd(
-            x, x, x, x, vec, vec, bounds, st_fields=fields, interpret=None,
-            tuning={"num_stages": 3, "dq_programs": 132},
-        )  # fmt: skip
+    for stages, users in ((4, 0), (3, 2)):
+        with pytest.raises(ValueError, match=r"the dq kernel needs \d+ bytes of shared memory"):
+            pipelined_bwd(
+                x, x, x, x, vec, vec, bounds, st_fields=fields, interpret=None,
+                tuning={"num_stages": stages, "dq_programs": 132}, users=users,
+            )  # fmt: skip
 
 
 def test_attn_tune_writes_and_merges_the_user_table(user_table, monkeypatch, capsys):

@@ -119,9 +119,11 @@ def _simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
 
 
 def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
-    """Shared memory of the dq and dk/dv kernels used for ``head_dim`` (bytes)."""
+    """Shared memory of the dq and dk/dv kernels used for ``head_dim`` (bytes; for D 64
+    and 128 at the default ring depth, with the packed rows' key tables, the larger
+    layout)."""
     if head_dim in PIPELINED_HEAD_DIMS:
-        return pipelined_smem_bytes(head_dim, dtype)
+        return pipelined_smem_bytes(head_dim, dtype, packed=True)
     return _simple_smem_bytes(head_dim, dtype)
 
 

@@ -140,25 +140,43 @@ def pipelined_smem_bytes(
     interpret: bool = False,
     num_stages: int | None = None,
     dq_programs: int = 0,
+    packed: bool = False,
 ) -> dict[str, int]:
-    """Shared memory of the dq and dk/dv kernels (bytes, with alignment slack);
-    ``num_stages=None`` is the default ring depth of ``head_dim``; persistent dq
-    programs (``dq_programs > 0``) double its fixed buffers."""
+    """Shared memory of the dq and dk/dv kernels in bytes: what Mosaic GPU allocates
+    (``tests/test_ranker_bwd_cpu.py`` checks it exactly). ``num_stages=None`` is the
+    default ring depth of ``head_dim``; persistent dq programs (``dq_programs > 0``)
+    double its fixed buffers; ``packed`` adds the rows' key tables (bounds ``[B, U, 4]``).
+
+    Each buffer is 1024-byte aligned and each barrier takes 8 bytes, as in
+    ``_dq_entry`` and ``_build_dkv_kernel``'s entry; neither kernel reduces across warps,
+    so Pallas reserves no reduction scratch.
+    """
     item = jnp.dtype(dtype).itemsize
     stages = pipelined_stages(head_dim) if num_stages is None else num_stages
-    tile = round_up(BLOCK * head_dim * item, SMEM_ALIGN)
-    square = round_up(BLOCK * BLOCK * item, SMEM_ALIGN)
-    vec = BLOCK * 4
-    fixed = 2 * _COMPUTE_WGS * tile
-    streamed = 2 * stages * tile
-    staging = _COMPUTE_WGS * square if interpret else 0
-    barriers = 8 * (6 * stages + 5 * _COMPUTE_WGS)
-    # Counted for every call: the packed rows' per-WG table (3 or 5 int32 per row).
-    dq_table = _COMPUTE_WGS * PACKED_QUERY_FIELDS * vec
-    dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * vec
-    dq_copies = 2 if dq_programs else 1
-    dq = dq_copies * (fixed + 2 * _COMPUTE_WGS * vec + dq_table) + streamed + staging + barriers
-    dkv = fixed + streamed + 2 * stages * vec + dkv_table + 2 * staging + barriers
+
+    def aligned(*sizes: int) -> int:
+        return sum(round_up(size, SMEM_ALIGN) for size in sizes)
+
+    tile = BLOCK * head_dim * item  # one WG's rows, or one streamed block
+    staging = _COMPUTE_WGS * BLOCK * BLOCK * item if interpret else 0
+    lead = 2 if dq_programs else 1
+    dq_table = lead * _COMPUTE_WGS * PACKED_QUERY_FIELDS * BLOCK * 4 if packed else 0
+    dq = aligned(
+        *[lead * _COMPUTE_WGS * tile] * 2,  # Q, dO
+        *[lead * _COMPUTE_WGS * BLOCK * 4] * 2,  # lse2, delta'
+        *[stages * tile] * 2,  # K, V ring
+        staging,
+        dq_table,
+    ) + 8 * ((5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages)
+    dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
+    dkv = aligned(
+        *[_COMPUTE_WGS * tile] * 2,  # K, V
+        *[stages * tile] * 2,  # Q, dO ring
+        *[stages * BLOCK * 4] * 2,  # lse2, delta' ring
+        staging,
+        staging,
+        dkv_table,
+    ) + 8 * ((3 if packed else 2) * _COMPUTE_WGS + 5 * stages)
     return {"dq": dq, "dkv": dkv}
 
 
@@ -887,8 +905,9 @@ def pipelined_bwd(
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
     check_backward_knobs(knobs, st_fields["cap"])
     need = pipelined_smem_bytes(
-        st_fields["head_dim"], q.dtype, num_stages=knobs["num_stages"],
-        dq_programs=knobs.get("dq_programs", 0),
+        st_fields["head_dim"], q.dtype, interpret=interpret is not None,
+        num_stages=knobs["num_stages"], dq_programs=knobs.get("dq_programs", 0),
+        packed=bool(users),
     )  # fmt: skip
     for kernel, size in need.items():
         if size > SMEM_LIMIT_BYTES:
