@@ -98,7 +98,7 @@ from attn_common.packed import (
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import memory_registers
-from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up, tile_transforms
+from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, allocated_bytes, tile_transforms
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     mufu_reciprocal,
@@ -147,36 +147,34 @@ def pipelined_smem_bytes(
     default ring depth of ``head_dim``; persistent dq programs (``dq_programs > 0``)
     double its fixed buffers; ``packed`` adds the rows' key tables (bounds ``[B, U, 4]``).
 
-    Each buffer is 1024-byte aligned and each barrier takes 8 bytes, as in
-    ``_dq_entry`` and ``_build_dkv_kernel``'s entry; neither kernel reduces across warps,
-    so Pallas reserves no reduction scratch.
+    The buffers and barriers are those of ``_dq_entry`` and ``_build_dkv_kernel``'s
+    entry (``_smem.allocated_bytes``); neither kernel has a reduction that Pallas
+    reserves scratch for.
     """
     item = jnp.dtype(dtype).itemsize
     stages = pipelined_stages(head_dim) if num_stages is None else num_stages
-
-    def aligned(*sizes: int) -> int:
-        return sum(round_up(size, SMEM_ALIGN) for size in sizes)
-
     tile = BLOCK * head_dim * item  # one WG's rows, or one streamed block
     staging = _COMPUTE_WGS * BLOCK * BLOCK * item if interpret else 0
     lead = 2 if dq_programs else 1
     dq_table = lead * _COMPUTE_WGS * PACKED_QUERY_FIELDS * BLOCK * 4 if packed else 0
-    dq = aligned(
+    dq_buffers = [
         *[lead * _COMPUTE_WGS * tile] * 2,  # Q, dO
         *[lead * _COMPUTE_WGS * BLOCK * 4] * 2,  # lse2, delta'
         *[stages * tile] * 2,  # K, V ring
         staging,
         dq_table,
-    ) + 8 * ((5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages)
+    ]
+    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages)
     dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
-    dkv = aligned(
+    dkv_buffers = [
         *[_COMPUTE_WGS * tile] * 2,  # K, V
         *[stages * tile] * 2,  # Q, dO ring
         *[stages * BLOCK * 4] * 2,  # lse2, delta' ring
         staging,
         staging,
         dkv_table,
-    ) + 8 * ((3 if packed else 2) * _COMPUTE_WGS + 5 * stages)
+    ]
+    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 5 * stages)
     return {"dq": dq, "dkv": dkv}
 
 

@@ -131,12 +131,7 @@ from attn_mosaic_gpu._registers import (
     REGISTER_POOL,
     memory_registers,
 )
-from attn_mosaic_gpu._smem import (
-    SMEM_ALIGN,
-    SMEM_LIMIT_BYTES,
-    round_up,
-    tile_transforms,
-)
+from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, allocated_bytes, round_up, tile_transforms
 from attn_mosaic_gpu.fastmath import (
     exp2_fma,
     fast_reciprocal,
@@ -208,7 +203,7 @@ def smem_bytes(
         _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4 if packed else 0,
     ]
     barriers = 4 * config.num_stages + copies * _COMPUTE_WGS + 1 + (_COMPUTE_WGS if packed else 0)
-    return sum(round_up(size, SMEM_ALIGN) for size in buffers) + 8 * barriers
+    return allocated_bytes(buffers, barriers)
 
 
 def validate_config(
