@@ -55,37 +55,3 @@ def test_report_names_the_commit_and_orders_the_kernels(sweep, tmp_path):
     (table_row,) = [line for line in lines if line.startswith("| phoenix")]
     assert "| dq: 2.350; dk/dv: 3.250 | 5.600 | 326 |" in table_row
     assert lines[-1] == "a note"
-
-
-def test_step_model_counts_and_fits(capsys):
-    """``benchmarks/ranker_bwd_step_model.py`` on the committed sweep: program counts are
-    the kernels' grids, step counts are the blocks holding an allowed pair (brute force
-    over the dense mask of the case's first rows), and it prints both fits."""
-    import numpy as np
-
-    from attn_common import ranker_case, ranker_mask
-
-    path = SCRIPT.with_name("ranker_bwd_step_model.py")
-    with load_script(path, "ranker_bwd_step_model") as model:
-        counts = model.step_counts("phoenix")
-        case = ranker_case("phoenix")
-        tiles = case.seq_len // 128
-        assert counts["dq"][0] == case.q_heads * tiles * case.batch
-        assert counts["dk/dv"][0] == case.kv_heads * tiles * case.batch
-        bounds = np.asarray(case.bounds(seed=0))
-        pos = np.arange(case.seq_len)
-        dq_steps = dkv_steps = 0
-        for row in bounds:
-            allowed = np.asarray(ranker_mask(pos[:, None], pos[None, :], *row))
-            blocks = allowed.reshape(tiles, 128, case.seq_len // 64, 64).any(axis=(1, 3))
-            dq_steps += int(blocks.sum())  # (query tile, key block) pairs
-            blocks_t = allowed.T.reshape(tiles, 128, case.seq_len // 64, 64).any(axis=(1, 3))
-            dkv_steps += int(blocks_t.sum())  # (key tile, query block) pairs
-        assert counts["dq"][1] == dq_steps * case.q_heads
-        assert counts["dk/dv"][1] == dkv_steps * case.q_heads
-
-        model.main(
-            ["--sweep", str(SCRIPT.parents[1] / "docs" / "results" / "ranker_bwd_sweep.json")]
-        )
-    out = capsys.readouterr().out
-    assert "dq: fixed" in out and "dk/dv: fixed" in out and "phoenix" in out
