@@ -7,9 +7,11 @@ float32 (natural log). A row with no allowed key gives ``out = 0``, ``lse = -inf
 
 Schedule
 --------
-Grid ``(Hq, q_tiles, B)`` (heads fastest, so the query heads of one GQA group run next to
-each other and share K/V in L2). One program owns ``2 * block_q`` query rows of one
-(batch row, query head) and runs three warpgroups (``num_threads=3``):
+Grid ``(Hq, q_tiles, B)``. Pallas Mosaic GPU maps the last grid axis to CUDA's x, the
+fastest-launched one, so the batch rows of one (head, tile) launch next to each other
+(batch fastest; permuting the grid measured no faster, docs/ranker_gpu.md). One program
+owns ``2 * block_q`` query rows of one (batch row, query head) and runs three warpgroups
+(``num_threads=3``):
 
 * WG0, WG1 (compute, ``setmaxnreg 232``, or ``config.compute_registers`` up to 240):
   each owns ``block_q`` rows. It TMA-loads its Q tile into its half of the Q/O shared
@@ -56,7 +58,8 @@ stall) and writes zeros / ``-inf``. A program with zero steps writes zeros and `
 for both WGs, so every element of ``out`` and ``lse`` is written.
 
 Persistent programs (``config.programs = N > 0``; one user per row): grid ``(N,)``,
-program ``p`` walks the tiles ``p, p + N, ...`` of the grid above in its order, each
+program ``p`` walks the tiles ``p, p + N, ...`` of the (head, tile, batch) tiles, head
+fastest (``_persistent.tile_coords``), so GQA siblings run together; each
 exactly as the one-tile program computes it (out and LSE bitwise the same). Q/O and LSE
 are double-buffered: a compute WG issues tile ``j + 1``'s Q load when it starts tile
 ``j``, once tile ``j - 1``'s output stores have read that buffer, and tile ``j``'s
