@@ -50,7 +50,7 @@ Barriers (all in shared memory):
   arrive depends on no value of the softmax, and ptxas issues it before the step's
   exponentials, so the two WGs' softmaxes overlap in part; measured on an H200, that is
   as fast as any placement tried, and pinning it after the softmax (a strict ping-pong)
-  is 10-17 % slower (docs/ranker_gpu.md, "Where the forward's warps stall").
+  is 10-17 % slower (docs/ranker_gpu.md, "The forward").
 
 A WG whose rows are all padding (no history or candidate row) does not compute: it walks
 the same steps doing only its barrier arrivals (so the other WG and the memory WG never
