@@ -30,7 +30,7 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   WG issues the next tile's fixed-operand loads into a second buffer before walking the
   current tile's steps, and the K/V ring runs on across tiles
   (``_build_dq_persistent_kernel``). It targets the ~7 us that each per-tile program
-  spends besides its steps (``benchmarks/ranker_bwd_step_model.py``); on the H200 it
+  spends besides its steps (1d4614c, docs/experiments.md); on the H200 it
   took phoenix's dq from 2.39 to 2.17 ms and small-d64's from 0.37 to 0.29 ms, while
   long and ragged moved within noise.
 
