@@ -111,8 +111,10 @@ def test_backend_table_matches_attn_info(path, line, header, rows):
     for row, name in zip(rows, named, strict=True):
         ops = backend_ops(name)
         device_cell = row[header.index("device")] if "device" in header else row[0]
-        words = [w for w in DEVICE_WORDS if w in device_cell.lower()]
-        claimed = None if "any" in device_cell.lower() else DEVICE_WORDS[words[0]]
+        words = [w for w in DEVICE_WORDS if re.search(rf"\b{w}\b", device_cell.lower())]
+        anywhere = re.search(r"\bany\b", device_cell.lower()) is not None
+        assert anywhere or len(words) == 1, f"{where}: no device in {device_cell!r}"
+        claimed = None if anywhere else DEVICE_WORDS[words[0]]
         assert claimed == dispatch.supported_devices(name), (
             f"{where}: {name} on {device_cell!r}; attn info: "
             f"{dispatch.supported_devices(name) or 'any'}"
