@@ -50,8 +50,14 @@ FORWARD_CONFIGS = (
 )
 
 
+# An inline Mosaic GPU function, named in place of its Python name: its code is compared
+# through the lowered module (``lowered_kernels``), not by what it is called.
+INLINE = "<inline Mosaic GPU function>"
+
+
 def canonical(closed: core.ClosedJaxpr) -> str:
-    """The jaxpr as text with sub-jaxprs inlined and names, locations, addresses dropped."""
+    """The jaxpr as text with sub-jaxprs inlined and names, locations, addresses dropped
+    (inline Mosaic GPU functions too: see ``INLINE``)."""
     names: dict = {}
     counter = iter(range(1 << 62))
 
@@ -86,7 +92,7 @@ def canonical(closed: core.ClosedJaxpr) -> str:
         for eqn in jaxpr.eqns:
             ins = " ".join(map(name, eqn.invars))
             params = ", ".join(
-                f"{k}={param(eqn.params[k], depth)}"
+                f"{k}={INLINE if k == 'mgpu_fn' else param(eqn.params[k], depth)}"
                 for k in sorted(eqn.params)
                 if k not in ("name", "source_info")
             )
