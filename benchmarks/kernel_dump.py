@@ -15,9 +15,8 @@ with wgmma instructions, its SASS instruction count and its HGMMA, MUFU and spil
 (STL/LDL) instructions. A spill in a step loop costs every step; that is how the
 dk/dv kernel's hoisted K/V descriptors showed (``ranker_bwd_pipelined._build_dkv_kernel``).
 
-Targets: ``sparse`` (the sparse-MLA kernel at its default config) or ``sparse:<name>``
-(a variant of ``benchmarks/sparse_mla_variants.py``, e.g. ``'sparse:probe: no
-gather'``), or ``sparse-file:<kernel file>:<block_k>,<num_stages>,<exchange>`` (another
+Targets: ``sparse`` (the sparse-MLA kernel as it ships) or ``sparse:<name>``
+(a variant of ``benchmarks/sparse_mla_variants.py``), or ``sparse-file:<kernel file>:<block_k>,<num_stages>,<exchange>`` (another
 revision's ``sparse_mla_kernel.py``, as ``git show REV:path`` writes it, at that
 config), at 8 tokens x 64 heads x 2048 rows; ``ranker-fwd`` (phoenix's forward at the
 tuned config, 2 rows of the batch), ``ranker-bwd`` (phoenix's backward kernels). ptxas's

@@ -1,10 +1,12 @@
-"""Hopper sparse-MLA kernel variants side by side on the benchmark's cases (one H200 run).
+"""The Hopper sparse-MLA kernel against another revision's, on the benchmark's cases (one H200 run).
 
 Times the row-table kernel alone (``sparse_mla_rows_attention``; the row table, built
-once per case, is the same for every variant) for several ``SparseMlaKernelConfig``s,
-and, with ``--baseline FILE``, the kernel of another revision (a copy of its
+once per case, is the same for every variant) as it ships, and, with ``--baseline
+FILE``, the kernel of another revision (a copy of its
 ``sparse_mla_kernel.py``, e.g. ``git show REV:packages/.../sparse_mla_kernel.py``), so a
-schedule change is measured against the schedule it replaces in the same process.
+schedule change is measured against the schedule it replaces in the same process. (The
+kernel ships one schedule; the variants it had, other schedules, diagnostic probes,
+register splits and launch orders, are at da2ec0c, which ``--baseline`` can load.)
 CUPTI median per variant (``--rounds R``: the variants timed in turn R times, the
 median of the rounds); every variant's output is compared with the first's::
 
@@ -17,7 +19,6 @@ Writes ``sparse_mla_variants.json`` and ``.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -34,29 +35,8 @@ from attn_common.bench_sparse_mla import CASES, make_inputs, rel_l2
 from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
-VARIANTS = {
-    "64-row split": {"block_k": 64, "num_stages": 1, "exchange": "one_way"},
-    "lockstep": {"block_k": 32, "num_stages": 2, "exchange": "lockstep"},
-    "one-way max exchange": {"block_k": 32, "num_stages": 2, "exchange": "one_way"},
-    # Diagnostics (wrong results): how fast the compute alone and the gather alone go.
-    "probe: no gather": {
-        "block_k": 64,
-        "num_stages": 1,
-        "exchange": "one_way",
-        "probe": "no_gather",
-    },
-    "probe: no gather, 32-row": {"block_k": 32, "num_stages": 2, "probe": "no_gather"},
-    "probe: no compute": {"block_k": 32, "num_stages": 2, "probe": "no_compute"},
-    # The split schedule at the 32-row kernel's registers (the default before 2026-12-02).
-    "split, registers 240/24": {"compute_registers": 240},
-    # Launch orders: the 2-D grid (every token's head group 0 first; before 2026-12-02),
-    # or a token's head groups 16 tokens apart (the default: 8).
-    "split, 2-D grid": {"token_lag": 0},
-    "split, head groups 16 tokens apart": {"token_lag": 16},
-}
-# Knobs of the kernel's _Static (benchmark-only), not of SparseMlaKernelConfig.
-STATIC_KNOBS = ("probe", "compute_registers", "token_lag")
-ROW_BLOCK = 128  # row-table width multiple that suits every block_k
+VARIANTS = {"64-row split": {}}  # the kernel as it ships (SparseMlaKernelConfig())
+ROW_BLOCK = 128  # row-table width multiple: a pair of 64-row blocks
 
 
 def load_module(path: Path):
@@ -68,25 +48,9 @@ def load_module(path: Path):
     return module
 
 
-def static_attend(q, store, rows, counts, *, sm_scale, dv, config, static):
-    """The kernel with benchmark-only ``_Static`` knobs (``static``: a diagnostic
-    ``probe``); heads a multiple of 64."""
-    q, q_rope, st = sparse_mla_kernel._padded_static(
-        q, None, store, sm_scale=sm_scale, dv=dv, config=config
-    )
-    st = dataclasses.replace(st, **static)
-    return sparse_mla_kernel._launch(q, q_rope, store, rows, counts, st=st, interpret=None)
-
-
 def variant_attend(knobs: dict) -> tuple:
-    """``(attend, config)`` of a ``VARIANTS`` entry: the kernel (with its ``_Static``
-    knobs, if any)."""
-    knobs = dict(knobs)
-    static = {k: knobs.pop(k) for k in STATIC_KNOBS if k in knobs}
-    attend = sparse_mla_kernel.sparse_mla_rows_attention
-    if static:
-        attend = functools.partial(static_attend, static=static)
-    return attend, SparseMlaKernelConfig(**knobs)
+    """``(attend, config)`` of a ``VARIANTS`` entry."""
+    return sparse_mla_kernel.sparse_mla_rows_attention, SparseMlaKernelConfig(**knobs)
 
 
 def case_problem(case) -> tuple[dict, object, dict]:
