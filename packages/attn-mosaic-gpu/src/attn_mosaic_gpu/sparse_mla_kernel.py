@@ -16,7 +16,7 @@ group of a token runs a few programs behind the one before and reads the token's
 from L2, where the earlier one brought them (``_lagged_program``). Three warpgroups
 (``num_threads=3``), registers 232 / 232 / 40 (``setmaxnreg``).
 
-Shared memory (``_Buffers``, 216 of the 227 KiB): all of Q (72 KiB: its 512 latent and
+Shared memory (``_Buffers``; Q and the pair take 216 of the 227 KiB): all of Q (72 KiB: its 512 latent and
 64 rope features, loaded once by TMA, one copy each, from one ``[N, H, Dk]`` array or
 from two, ``q_rope``: the prefill wrapper's ``ql`` and ``qpe`` as they come, never joined
 into a copy of Q), one pair of 64-row blocks of keys (144 KiB; block 0 is WG0's, block 1
@@ -213,7 +213,7 @@ _REFILL_ORDER = ((_Part.L0, _Part.R1), (_Part.R0, _Part.L1))
 class _Buffers(NamedTuple):
     """The kernel's shared memory (``_buffer_types`` allocates it)."""
 
-    q_lat: Any  # [1, 64, Dv]: Q's latent features (a leading axis of 1: see `p & zero`)
+    q_lat: Any  # [1, 64, Dv]: Q's latent features (a leading axis of 1: `p & opaque_zero`)
     q_rope: Any  # [1, 64, 64]: Q's rope features
     k_lat: Any  # [2, 64, Dv]: the pair's blocks' latent features (parts L, R)
     k_rope: Any  # [2, 64, 64]: their rope features (part R); k_rope[0] then WG0's P
@@ -225,7 +225,10 @@ class _Buffers(NamedTuple):
 class _Barriers(NamedTuple):
     """The kernel's Pallas barriers (``_barrier_types`` allocates them)."""
 
-    ready: Any  # [4] per _Part, interpret mode: the memory WG's copies have landed
+    # [4] per _Part: the memory WG's copies have landed. Interpret mode only: compiled,
+    # the copies arrive on their hand-kept barriers (`_Buffers.copied`) and this one is
+    # unused, though allocated (32 bytes) as it was before the other schedules left.
+    ready: Any
     consumed: Any  # [4] per _Part: its last reader is done; the memory WG may refill it
     q_ready: Any  # [2]: Q's latent / rope features have landed (_Q_LATENT, _Q_ROPE)
     pair: Any  # both compute WGs: the row sums are in `stats`
