@@ -493,7 +493,7 @@ class _RowInit(NamedTuple):
 def _compute_wg(prog: _Program):
     """WG0 and WG1: load Q, walk the pairs, write the output (see the module docstring)."""
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-    st, buf, bar, heads = prog.st, prog.buf, prog.bar, HEADS_PER_PROGRAM
+    st, bar, heads = prog.st, prog.bar, HEADS_PER_PROGRAM
     other = 1 - prog.wg
 
     @pl.when(prog.wg == 0)
