@@ -13,14 +13,15 @@ Anywhere (no GPU): ``--loops FILE.ptx`` compiles a dumped PTX file for sm_90a wi
 ``nvdisasm``, so Mosaic GPU's own SASS dump stays empty there) and prints, per loop
 with wgmma instructions, its SASS instruction count and its HGMMA, MUFU and spill
 (STL/LDL) instructions. A spill in a step loop costs every step; that is how the
-dk/dv kernel's hoisted K/V descriptors showed (docs/ranker_gpu.md).
+dk/dv kernel's hoisted K/V descriptors showed (``ranker_bwd_pipelined._build_dkv_kernel``).
 
-Targets: ``sparse`` (the sparse-MLA kernel at its default config) or ``sparse:<name>``
-(a variant of ``benchmarks/sparse_mla_variants.py``, e.g. ``'sparse:lockstep'``), or
-``sparse-file:<kernel file>:<block_k>,<num_stages>,<exchange>`` (another revision's
-``sparse_mla_kernel.py``, as ``git show REV:path`` writes it, at that config), at 8 tokens x 64 heads x 2048 rows; ``ranker-fwd`` (phoenix's forward at the
+Targets: ``sparse`` (the sparse-MLA kernel as it ships) or ``sparse:<name>``
+(a variant of ``benchmarks/sparse_mla_variants.py``), or ``sparse-file:<kernel file>:<block_k>,<num_stages>,<exchange>`` (another
+revision's ``sparse_mla_kernel.py``, as ``git show REV:path`` writes it, at that
+config), at 8 tokens x 64 heads x 2048 rows; ``ranker-fwd`` (phoenix's forward at the
 tuned config, 2 rows of the batch), ``ranker-bwd`` (phoenix's backward kernels). ptxas's
-lines also go to ``--out/ptxas.txt``.
+lines also go to ``--out/ptxas.txt``. (This script took over
+``benchmarks/sparse_mla_ptxas.py``, which older result files name.)
 """
 
 from __future__ import annotations

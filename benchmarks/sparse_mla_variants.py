@@ -1,10 +1,12 @@
-"""Hopper sparse-MLA kernel variants side by side on the benchmark's cases (one H200 run).
+"""The Hopper sparse-MLA kernel against another revision's, on the benchmark's cases (one H200 run).
 
 Times the row-table kernel alone (``sparse_mla_rows_attention``; the row table, built
-once per case, is the same for every variant) for several ``SparseMlaKernelConfig``s,
-and, with ``--baseline FILE``, the kernel of another revision (a copy of its
+once per case, is the same for every variant) as it ships, and, with ``--baseline
+FILE``, the kernel of another revision (a copy of its
 ``sparse_mla_kernel.py``, e.g. ``git show REV:packages/.../sparse_mla_kernel.py``), so a
-schedule change is measured against the schedule it replaces in the same process.
+schedule change is measured against the schedule it replaces in the same process. (The
+kernel ships one schedule; the variants it had, other schedules, diagnostic probes,
+register splits and launch orders, are at da2ec0c, which ``--baseline`` can load.)
 CUPTI median per variant (``--rounds R``: the variants timed in turn R times, the
 median of the rounds); every variant's output is compared with the first's::
 
@@ -33,12 +35,8 @@ from attn_common.bench_sparse_mla import CASES, make_inputs, rel_l2
 from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
-VARIANTS = {
-    "64-row split": {"block_k": 64, "num_stages": 1, "exchange": "one_way"},
-    "lockstep": {"block_k": 32, "num_stages": 2, "exchange": "lockstep"},
-    "one-way max exchange": {"block_k": 32, "num_stages": 2, "exchange": "one_way"},
-}
-ROW_BLOCK = 128  # row-table width multiple that suits every block_k
+VARIANTS = {"64-row split": {}}  # the kernel as it ships (SparseMlaKernelConfig())
+ROW_BLOCK = 128  # row-table width multiple: a pair of 64-row blocks
 
 
 def load_module(path: Path):
@@ -51,7 +49,7 @@ def load_module(path: Path):
 
 
 def variant_attend(knobs: dict) -> tuple:
-    """``(attend, config)`` of a ``VARIANTS`` entry: the public kernel and its config."""
+    """``(attend, config)`` of a ``VARIANTS`` entry."""
     return sparse_mla_kernel.sparse_mla_rows_attention, SparseMlaKernelConfig(**knobs)
 
 

@@ -53,12 +53,35 @@ def test_traces_every_case(fingerprint):
 
 
 def test_sparse_mla_cases_trace(fingerprint):
-    hashes = {}
+    texts = {}
     for label, fn, shapes in fingerprint.sparse_mla_cases():
-        hashes[label] = fingerprint.canonical(jax.make_jaxpr(fn)(*shapes))
-    assert list(hashes) == [
-        "sparse-mla-32x2-one_way",
-        "sparse-mla-64x1-lockstep",
-        "sparse-mla-64x1-one_way",
+        texts[label] = fingerprint.canonical(jax.make_jaxpr(fn)(*shapes))
+    assert list(texts) == [
+        "sparse-mla-flat-unit-h128",
+        "sparse-mla-flat-token-h128",
+        "sparse-mla-flat-token-h64",
+        "sparse-mla-flat-token-h16",
+        "sparse-mla-flat-token-xla-sort-h64",
+        "sparse-mla-paged-h128",
+        "sparse-mla-paged-h64",
+        "sparse-mla-paged-h16",
+        "sparse-mla-prefill-wrapper-h128",
+        "sparse-mla-kernel-h128",
+        "row-sort-k512",
+        "row-sort-k2048",
+        "row-sort-k4096",
     ]
-    assert len(set(hashes.values())) == 3
+    assert len(set(texts.values())) == len(texts)
+    assert all(label.startswith(fingerprint.LOWERED_PREFIXES) for label in texts)
+
+
+def test_lowered_kernels_hold_the_inline_code(fingerprint):
+    """The row-sort kernel is one inline Mosaic GPU body: its jaxpr names it, its lowered
+    module holds the sort's shuffles, one per key of a thread per shuffle step."""
+    cases = {label: (fn, shapes) for label, fn, shapes in fingerprint.sparse_mla_cases()}
+    fn, shapes = cases["row-sort-k512"]
+    assert "shfl" not in fingerprint.canonical(jax.make_jaxpr(fn)(*shapes))
+    text = fingerprint.lowered_kernels(fn, shapes)
+    assert "loc(" not in text
+    assert text.count("nvvm.shfl.sync") > 4 * 10
+    assert fingerprint.lowered_kernels(*cases["row-sort-k2048"]) != text

@@ -99,16 +99,10 @@ def _flat(fn, case, *, rb=16, **kw):
     )
 
 
-SCHEDULES = [(64, 1, "one_way"), (64, 1, "lockstep"), (32, 2, "one_way")]
-SCHEDULE_IDS = ["split64", "lockstep64", "one_way32"]
-
-
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
-def test_flat_units_vs_reference(schedule):
-    """Every schedule (the 64-row split one, the default, and both max exchanges); the
-    case has empty queries, -1 and duplicate units."""
+def test_flat_units_vs_reference():
+    """The case has empty queries, -1 and duplicate units; the config spelled out."""
     case = flat_case(1)
-    config = SparseMlaKernelConfig(*schedule)
+    config = SparseMlaKernelConfig(64, 1, "one_way")
     got = _run(_flat, gpu.sparse_mla_attention, case, config=config)
     want = _flat(ref.sparse_mla_attention, case)
     assert np.isneginf(np.asarray(want[1])).any()  # the case has empty queries
@@ -216,10 +210,9 @@ def _ragged(fn, case, page_size=16, **kw):
     )
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
-def test_ragged_poisoned_vs_reference(schedule):
+def test_ragged_poisoned_vs_reference():
     """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
-    the feature padding of every row; every schedule."""
+    the feature padding of every row."""
     layout, cache, q, idx, positions = ragged_case(10)
     want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
@@ -229,8 +222,7 @@ def test_ragged_poisoned_vs_reference(schedule):
     rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=10)
     rows[:, DK:] = np.nan  # the feature padding past Dk
     dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
-    config = SparseMlaKernelConfig(*schedule)
-    got = _run(_ragged, gpu.sparse_mla_attention, dirty, config=config)
+    got = _run(_ragged, gpu.sparse_mla_attention, dirty)
     _check(got, want)
 
 
@@ -278,10 +270,9 @@ def test_lagged_launch_order(lag, groups, tokens):
     """The launch order runs every (head group, token) once; within each chunk of
     ``lag`` tokens (the last one shorter) all of head group ``g`` before ``g + 1``, so a
     token's head groups are ``min(lag, tokens left)`` programs apart."""
-    st = sparse_mla_kernel._Static(
-        tokens=tokens, heads=64 * groups, dv=DV, width=DK, sm_scale=1.0,
-        block_k=64, num_stages=1, exchange="one_way", rope_at=DV,
-    )  # fmt: skip
+    st = sparse_mla_kernel._SparseMlaStatics(
+        tokens=tokens, heads=64 * groups, dv=DV, width=DK, sm_scale=1.0, rope_at=DV
+    )
     program = jnp.arange(groups * tokens, dtype=jnp.int32)
     group, token = (np.asarray(x) for x in sparse_mla_kernel._lagged_program(program, lag, st))
     order = {(int(g), int(t)): i for i, (g, t) in enumerate(zip(group, token, strict=True))}
@@ -292,14 +283,8 @@ def test_lagged_launch_order(lag, groups, tokens):
         assert i == chunk * lag * groups + g * size + t - chunk * lag
 
 
-@pytest.mark.parametrize(
-    "block_k,num_stages,exchange",
-    [(64, 1, "one_way"), (64, 1, "lockstep"), (32, 2, "lockstep"), (32, 1, "lockstep"),
-     (32, 2, "one_way"), (32, 1, "one_way")],
-)  # fmt: skip
-def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange):
-    """128 heads (two programs per token), counts that end inside a block and a pair;
-    every tiling (the ring of two pairs at block_k=32 included) and both max exchanges
+def test_kernel_two_head_groups_and_partial_pairs():
+    """128 heads (two programs per token), counts that end inside a block and a pair
     (race detection on: the one-way exchange reuses its P and max buffers every pair)."""
     rng = np.random.default_rng(5)
     tokens, heads, kp, store_rows = 3, 128, 256, 300
@@ -313,7 +298,7 @@ def test_kernel_two_head_groups_and_partial_pairs(block_k, num_stages, exchange)
     store = jnp.asarray(store, jnp.bfloat16)
     out, lse = _run(
         sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
-        sm_scale=SM_SCALE, dv=DV, config=SparseMlaKernelConfig(block_k, num_stages, exchange),
+        sm_scale=SM_SCALE, dv=DV,
     )  # fmt: skip
     qf = np.asarray(q.astype(jnp.float32), np.float64)
     sf = np.asarray(store.astype(jnp.float32), np.float64)
@@ -351,16 +336,13 @@ def test_kernel_reads_q_rope_apart():
         sparse_mla_rows_attention(q[..., :DV], *args, sm_scale=SM_SCALE, dv=DV, q_rope=q[..., :32])
 
 
-@pytest.mark.parametrize(
-    "schedule", [(64, 1, "one_way"), (32, 2, "one_way")], ids=["split64", "one_way32"]
-)
 @pytest.mark.parametrize("order", ["rising", "falling", "jump"])
-def test_kernel_running_max_moves(order, schedule):
+def test_kernel_running_max_moves(order):
     """Scores whose row maxima rise from pair to pair by small steps and by large ones
     (keys scaled up along the selection), fall (the first pair holds every maximum) or
-    jump once by far more: the one-way kernels, 64-row split and 32-row (WG0's rescale of
-    its P and accumulator by the pair's max), against float64 math on the same bf16
-    inputs; 64 heads, 4 or 7 pairs, a partial last block, race detection."""
+    jump once by far more: WG0's rescale of its P and accumulator by the pair's max,
+    against float64 math on the same bf16 inputs; 64 heads, 4 pairs, a partial last
+    block, race detection."""
     rng = np.random.default_rng(11)
     tokens, heads, count, store_rows = 2, 64, 420, 480
     rows = np.full((tokens, 512), -1, np.int32)
@@ -379,10 +361,9 @@ def test_kernel_running_max_moves(order, schedule):
     store = rng.standard_normal((store_rows, DK)) * key_scale[:, None]
     store = jnp.asarray(store, jnp.bfloat16)
     counts = np.full((tokens,), count, np.int32)
-    config = SparseMlaKernelConfig(*schedule)
     out, lse = _run(
         sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
-        sm_scale=SM_SCALE, dv=DV, config=config,
+        sm_scale=SM_SCALE, dv=DV,
     )  # fmt: skip
     qf = np.asarray(q.astype(jnp.float32), np.float64)
     sf = np.asarray(store.astype(jnp.float32), np.float64)
@@ -423,13 +404,15 @@ def test_refuses_what_the_kernel_does_not_take():
     assert gpu.supports("sparse_mla_attention", q, kv, kv_lora_rank=DV) is None
     assert "multiple of 128" in gpu.supports("sparse_mla_attention_qblock", q, kv, kv_lora_rank=96)
     assert gpu.supports("paged_write_back", kv, kv, kv) is None
-    with pytest.raises(ValueError, match="block_k"):
-        SparseMlaKernelConfig(block_k=48)
-    with pytest.raises(ValueError, match="num_stages"):
+    with pytest.raises(ValueError, match=r"block_k: got 32, expected 64.*da2ec0c"):
+        SparseMlaKernelConfig(32, 2, "one_way")  # the 32-row ring, removed
+    with pytest.raises(ValueError, match="num_stages: got 2"):
         SparseMlaKernelConfig(block_k=64, num_stages=2)
-    with pytest.raises(ValueError, match="exchange"):
-        SparseMlaKernelConfig(exchange="both")
-    # The default is the 64-row split schedule (one-way exchange at block_k=64).
+    with pytest.raises(ValueError, match="exchange: got 'lockstep'"):
+        SparseMlaKernelConfig(exchange="lockstep")  # removed
+    with pytest.raises(TypeError, match="config"):
+        sparse_mla_rows_attention(q[0], kv[0], idx[0], idx[0, :, 0], sm_scale=1.0, config=(64,))
+    # The one schedule: one pair of 64-row blocks in parts, the one-way max exchange.
     assert SparseMlaKernelConfig() == SparseMlaKernelConfig(64, 1, "one_way")
 
 
@@ -445,18 +428,15 @@ def _export(fn, *shapes):
     return text
 
 
-@pytest.mark.parametrize(
-    "heads,schedule",
-    [(128, (64, 1, "one_way")), (64, (64, 1, "one_way")), (128, (64, 1, "lockstep")),
-     (128, (32, 2, "one_way")), (128, (32, 2, "lockstep"))],
-)  # fmt: skip
-def test_cross_lowers_flat_token_level(heads, schedule):
+@pytest.mark.parametrize("heads", [128, 64])
+def test_cross_lowers_flat_token_level(heads):
+    """H=128 (and 64), 4096 tokens, top-2048 tokens of an 8K flat cache: the row-sort
+    kernel builds the table, the sparse-MLA kernel attends."""
     tokens, top_k, cache = 4096, 2048, 8192
-    config = SparseMlaKernelConfig(*schedule)
 
     def fn(q, kv, idx, pos):
         return gpu.sparse_mla_attention(
-            q, kv, idx, pos, sm_scale=0.0721, read_block=1, return_lse=True, config=config
+            q, kv, idx, pos, sm_scale=0.0721, read_block=1, return_lse=True
         )
 
     _export(

@@ -42,24 +42,11 @@ from helpers import (
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
-from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 DV, DK = 512, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
 TOL = dict(rtol_l2=1e-2, atol=3e-2)
 LSE_ATOL = 2e-3
-
-
-def _config_id(c):
-    return f"bk{c.block_k}s{c.num_stages}-{c.exchange}"
-
-
-CONFIGS = [
-    SparseMlaKernelConfig(64, 1, "one_way"),  # the default: the 64-row split schedule
-    SparseMlaKernelConfig(64, 1, "lockstep"),
-    SparseMlaKernelConfig(32, 2, "lockstep"),
-    SparseMlaKernelConfig(32, 2, "one_way"),
-]
 
 
 def _poison(nbytes):
@@ -98,17 +85,16 @@ def _flat(fn, case, rb, **kw):
     return fn(q, kv, idx, pos, sm_scale=SM_SCALE, read_block=rb, return_lse=True, **kw)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize(
     "heads,top_k,kv_len", [(128, 2048, 8192), (64, 1000, 4096), (16, 333, 2000)]
 )
-def test_flat_token_level(heads, top_k, kv_len, config):
+def test_flat_token_level(heads, top_k, kv_len):
     case = _token_case(heads + top_k, seq=48, heads=heads, kv_len=kv_len, top_k=top_k)
     want = _flat(ref.sparse_mla_attention, case, 1)
     keep = attended_rows_flat(case[2], case[3], kv_len=kv_len, read_block=1)
     dirty = (case[0], poison_rows(case[1], keep, seed=heads), case[2], case[3])
     _poison(48 * heads * DV * 4)
-    got = _flat(gpu.sparse_mla_attention, dirty, 1, config=config)
+    got = _flat(gpu.sparse_mla_attention, dirty, 1)
     _check(got, want)
 
 
@@ -154,8 +140,7 @@ def _ragged(fn, case, page_size=64, **kw):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
-def test_ragged_paged_dirty_cache(config):
+def test_ragged_paged_dirty_cache():
     layout, cache, q, idx, positions = _ragged_case(11)
     want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
     pages = cache.shape[0]
@@ -163,7 +148,7 @@ def test_ragged_paged_dirty_cache(config):
     rows = poison_rows(cache.reshape(pages * 64, -1), keep, seed=11)
     rows[:, DK:] = np.nan  # the feature padding past Dk
     dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
-    got = _ragged(gpu.sparse_mla_attention, dirty, config=config)
+    got = _ragged(gpu.sparse_mla_attention, dirty)
     _check(got, want)
 
 

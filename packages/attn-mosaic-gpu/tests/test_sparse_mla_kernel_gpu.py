@@ -23,7 +23,7 @@ import pytest
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
 
-from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
+from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
 
 DV = 512
 DK = 576
@@ -84,24 +84,13 @@ def _poison(nbytes):
     ],
 )
 @pytest.mark.parametrize("width", [576, 640])
-@pytest.mark.parametrize(
-    "block_k,num_stages,exchange",
-    [
-        (64, 1, "one_way"),
-        (64, 1, "lockstep"),
-        (32, 2, "lockstep"),
-        (32, 1, "lockstep"),
-        (32, 2, "one_way"),
-    ],
-)
-def test_kernel_matches_oracle(heads, kp, counts, width, block_k, num_stages, exchange):
+def test_kernel_matches_oracle(heads, kp, counts, width):
     sm_scale = 1.0 / np.sqrt(192.0)
     q, store, rows, counts_a = _problem(
         len(counts) + heads, len(counts), heads, kp, 4096, width, counts
     )
     _poison(len(counts) * heads * DV * 4)
-    config = SparseMlaKernelConfig(block_k, num_stages, exchange)
-    out, lse = sparse_mla_rows_attention(q, store, rows, counts_a, sm_scale=sm_scale, config=config)
+    out, lse = sparse_mla_rows_attention(q, store, rows, counts_a, sm_scale=sm_scale)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     want_out, want_lse = _oracle(q, store, rows, counts_a, sm_scale)
     assert np.isfinite(out).all(), "NaN/Inf in out"
@@ -119,14 +108,3 @@ def test_kernel_deterministic():
     b = sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.1)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="block_k"):
-        SparseMlaKernelConfig(block_k=48)
-    with pytest.raises(ValueError, match="num_stages"):
-        SparseMlaKernelConfig(block_k=64, num_stages=2)
-    with pytest.raises(ValueError, match="num_stages"):
-        SparseMlaKernelConfig(block_k=32, num_stages=3)
-    # The default is the 64-row split schedule (one-way exchange at block_k=64).
-    assert SparseMlaKernelConfig() == SparseMlaKernelConfig(64, 1, "one_way")

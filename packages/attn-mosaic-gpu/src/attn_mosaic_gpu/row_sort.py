@@ -98,10 +98,178 @@ def sort_plan(keys_per_query: int) -> tuple[SortStep, ...]:
     return tuple(steps)
 
 
+class _Emitter:
+    """The inline body's building blocks (Mosaic GPU's MLIR dialects): int32 constants,
+    this thread's indices, 16-byte vector loads and stores of a thread's keys."""
+
+    def __init__(self, per_thread: int):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+        self.per_thread = per_thread
+        self.i32 = ir.IntegerType.get_signless(32)
+        self.i64 = ir.IntegerType.get_signless(64)
+        self.vec = ir.VectorType.get((_VECTOR,), self.i32)
+        self.thread = arith.remui(mgpu_utils.thread_idx(), self.const(_THREADS))
+        self.lane = arith.remui(self.thread, self.const(_WARP))
+        self.warp = arith.divui(self.thread, self.const(_WARP))
+
+    def const(self, v, ty=None):
+        from jax._src.lib.mlir.dialects import arith
+
+        return arith.constant(self.i32 if ty is None else ty, v)
+
+    @staticmethod
+    def global_ptr(ref):
+        from jax._src.lib.mlir.dialects import llvm
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+        return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
+
+    def vectors_at(self, ptr, first_key):
+        """Pointers to the ``per_thread / 4`` vectors from key ``first_key`` on."""
+        from jax._src.lib.mlir.dialects import arith
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+        first = arith.divui(first_key, self.const(_VECTOR, first_key.type))
+        return [
+            mgpu_utils.getelementptr(ptr, [arith.addi(first, self.const(v, first.type))], self.vec)
+            for v in range(self.per_thread // _VECTOR)
+        ]
+
+    def load(self, ptrs):
+        from jax._src.lib.mlir.dialects import llvm, vector
+
+        regs = []
+        for ptr in ptrs:
+            loaded = llvm.load(self.vec, ptr)
+            regs += [vector.extract(loaded, [], [i]) for i in range(_VECTOR)]
+        return regs
+
+    def store(self, ptrs, regs):
+        from jax._src.lib.mlir.dialects import llvm, vector
+
+        for v, ptr in enumerate(ptrs):
+            llvm.store(vector.from_elements(self.vec, regs[v * _VECTOR : (v + 1) * _VECTOR]), ptr)
+
+    def word(self, ptr, index):
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+        return mgpu_utils.getelementptr(ptr, [index], self.i32)
+
+    def is_lower(self, top_bit: int):
+        from jax._src.lib.mlir.dialects import arith
+
+        masked = arith.andi(self.thread, self.const(top_bit))
+        return arith.cmpi(arith.CmpIPredicate.eq, masked, self.const(0))
+
+
+def _sort(em: _Emitter, plan: tuple[SortStep, ...], regs: list, exchange_ptr, keys: int):
+    """1. The bitonic network ``plan`` over the thread's keys ``regs`` (see the module
+    docstring): in registers, by shuffles, or through the two shared-memory buffers
+    at ``exchange_ptr``."""
+    from jax._src.lib.mlir.dialects import arith, gpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    per_thread = em.per_thread
+    buffer = 0
+    for step in plan:
+        thread_part, key_part = step.mask // per_thread, step.mask % per_thread
+        if step.where == "registers":
+            for e in range(per_thread):
+                p = e ^ key_part
+                if e < p:
+                    regs[e], regs[p] = (
+                        arith.minsi(regs[e], regs[p]),
+                        arith.maxsi(regs[e], regs[p]),
+                    )
+            continue
+        if step.where == "shuffle":
+            other = [
+                mgpu_utils.shfl_bfly(regs[e ^ key_part], thread_part) for e in range(per_thread)
+            ]
+        else:
+            base = buffer * keys
+            own = arith.addi(arith.muli(em.thread, em.const(per_thread)), em.const(base))
+            em.store(em.vectors_at(exchange_ptr, own), regs)
+            gpu.barrier()
+            partner = arith.xori(em.thread, em.const(thread_part))
+            theirs = arith.addi(arith.muli(partner, em.const(per_thread)), em.const(base))
+            partner_regs = em.load(em.vectors_at(exchange_ptr, theirs))
+            other = [partner_regs[e ^ key_part] for e in range(per_thread)]
+            buffer ^= 1
+        # The lower index of a pair keeps the minimum: this thread is the lower side
+        # iff the mask's top bit (in the thread part) is clear in its index.
+        lower = em.is_lower(1 << (thread_part.bit_length() - 1))
+        regs = [
+            arith.select(lower, arith.minsi(a, b), arith.maxsi(a, b))
+            for a, b in zip(regs, other, strict=True)
+        ]
+    return regs
+
+
+def _kept_keys(em: _Emitter, regs: list, table_ptr, scan_ptr, first_own):
+    """2. Which sorted keys are kept: not ABSENT and not equal to the key before (the
+    previous thread's last key comes through ``scan``). The table row starts as -1 (its
+    spare slot past the end takes the keys not kept, see ``_compact``). Returns (kept
+    flags, their count, whether this is thread 0)."""
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+
+    em.store(em.vectors_at(table_ptr, first_own), [em.const(-1)] * em.per_thread)
+    llvm.store(regs[-1], em.word(scan_ptr, em.thread))
+    gpu.barrier()  # the last keys and the -1 row are out
+    previous_thread = arith.maxsi(arith.subi(em.thread, em.const(1)), em.const(0))
+    before = llvm.load(em.i32, em.word(scan_ptr, previous_thread))
+    first_thread = arith.cmpi(arith.CmpIPredicate.eq, em.thread, em.const(0))
+    count = em.const(0)
+    kept = []
+    for e in range(em.per_thread):
+        previous = regs[e - 1] if e else before
+        new = arith.cmpi(arith.CmpIPredicate.ne, regs[e], previous)
+        if not e:
+            new = arith.ori(new, first_thread)
+        absent = arith.cmpi(arith.CmpIPredicate.ne, regs[e], em.const(ABSENT))
+        keep = arith.andi(new, absent)
+        kept.append(keep)
+        count = arith.addi(count, arith.extui(em.i32, keep))
+    return kept, count, first_thread
+
+
+def _compact(em: _Emitter, regs: list, kept: list, count, table_ptr, scan_ptr, keys: int):
+    """3. Store the kept keys to their slots of the table row: each thread's first slot
+    is an inclusive shuffle scan of the counts within the warp, plus the totals of the
+    warps before (through shared memory). Returns the query's count."""
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm, nvvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    inclusive = count
+    for d in (1, 2, 4, 8, 16):
+        up = nvvm.shfl_sync(em.const(-1), inclusive, em.const(d), em.const(0), nvvm.ShflKind.up)
+        has = arith.cmpi(arith.CmpIPredicate.uge, em.lane, em.const(d))
+        inclusive = arith.addi(inclusive, arith.select(has, up, em.const(0)))
+    # Warp totals go past the last keys, which slower threads may still be reading.
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, em.lane, em.const(_WARP - 1))):
+        llvm.store(inclusive, em.word(scan_ptr, arith.addi(em.warp, em.const(_THREADS))))
+    gpu.barrier()  # warp totals are out
+    slot = arith.subi(inclusive, count)
+    total = em.const(0)
+    for w in range(_WARPS):
+        warp_total = llvm.load(em.i32, em.word(scan_ptr, em.const(_THREADS + w)))
+        earlier = arith.cmpi(arith.CmpIPredicate.ugt, em.warp, em.const(w))
+        slot = arith.addi(slot, arith.select(earlier, warp_total, em.const(0)))
+        total = arith.addi(total, warp_total)
+    spare = em.const(keys)
+    for e in range(em.per_thread):
+        llvm.store(regs[e], em.word(table_ptr, arith.select(kept[e], slot, spare)))
+        slot = arith.addi(slot, arith.extui(em.i32, kept[e]))
+    gpu.barrier()  # the row is compacted
+    return total
+
+
 def _table_body(keys_per_query: int):
     """The inline Mosaic GPU body: row ``query`` of ``keys`` -> its table and count."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, nvvm, vector
+    from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     per_thread = keys_per_query // _THREADS
@@ -120,134 +288,25 @@ def _table_body(keys_per_query: int):
     )
     def body(ctx, keys, rows_out, counts_out, exchange, table, scan, query):
         del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        vec = ir.VectorType.get((_VECTOR,), i32)
-
-        def const(v, ty=i32):
-            return arith.constant(ty, v)
-
         (query,) = query.registers.flat
-        thread = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
-        lane = arith.remui(thread, const(_WARP))
-        warp = arith.divui(thread, const(_WARP))
-
-        def global_ptr(ref):
-            return llvm.addrspacecast(
-                llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref)
-            )
-
-        def vectors_at(ptr, first_key):
-            """Pointers to the ``per_thread / 4`` vectors from key ``first_key`` on."""
-            first = arith.divui(first_key, const(_VECTOR, first_key.type))
-            return [
-                mgpu_utils.getelementptr(ptr, [arith.addi(first, const(v, first.type))], vec)
-                for v in range(per_thread // _VECTOR)
-            ]
-
-        def load(ptrs):
-            regs = []
-            for ptr in ptrs:
-                loaded = llvm.load(vec, ptr)
-                regs += [vector.extract(loaded, [], [i]) for i in range(_VECTOR)]
-            return regs
-
-        def store(ptrs, regs):
-            for v, ptr in enumerate(ptrs):
-                llvm.store(vector.from_elements(vec, regs[v * _VECTOR : (v + 1) * _VECTOR]), ptr)
-
-        def word(ptr, index):
-            return mgpu_utils.getelementptr(ptr, [index], i32)
-
-        def is_lower(top_bit: int):
-            return arith.cmpi(arith.CmpIPredicate.eq, arith.andi(thread, const(top_bit)), const(0))
-
-        # 1. Sort.
-        row_start = arith.muli(arith.extui(i64, query), const(keys_per_query, i64))
-        mine = arith.addi(row_start, arith.extui(i64, arith.muli(thread, const(per_thread))))
-        regs = load(vectors_at(global_ptr(keys), mine))
+        em = _Emitter(per_thread)
+        i64 = em.i64
+        row_start = arith.muli(arith.extui(i64, query), em.const(keys_per_query, i64))
+        mine = arith.addi(row_start, arith.extui(i64, arith.muli(em.thread, em.const(per_thread))))
+        regs = em.load(em.vectors_at(em.global_ptr(keys), mine))
         exchange_ptr = mgpu_utils.memref_ptr(exchange)
-        buffer = 0
-        for step in plan:
-            thread_part, key_part = step.mask // per_thread, step.mask % per_thread
-            if step.where == "registers":
-                for e in range(per_thread):
-                    p = e ^ key_part
-                    if e < p:
-                        regs[e], regs[p] = (
-                            arith.minsi(regs[e], regs[p]),
-                            arith.maxsi(regs[e], regs[p]),
-                        )
-                continue
-            if step.where == "shuffle":
-                other = [
-                    mgpu_utils.shfl_bfly(regs[e ^ key_part], thread_part) for e in range(per_thread)
-                ]
-            else:
-                base = buffer * keys_per_query
-                own = arith.addi(arith.muli(thread, const(per_thread)), const(base))
-                store(vectors_at(exchange_ptr, own), regs)
-                gpu.barrier()
-                partner = arith.xori(thread, const(thread_part))
-                theirs = arith.addi(arith.muli(partner, const(per_thread)), const(base))
-                partner_regs = load(vectors_at(exchange_ptr, theirs))
-                other = [partner_regs[e ^ key_part] for e in range(per_thread)]
-                buffer ^= 1
-            # The lower index of a pair keeps the minimum: this thread is the lower side
-            # iff the mask's top bit (in the thread part) is clear in its index.
-            lower = is_lower(1 << (thread_part.bit_length() - 1))
-            regs = [
-                arith.select(lower, arith.minsi(a, b), arith.maxsi(a, b))
-                for a, b in zip(regs, other, strict=True)
-            ]
-
-        # 2. Kept keys: not ABSENT and not equal to the key before. The table row starts
-        # as -1 (its spare slot past the end takes the keys not kept, see 3).
+        regs = _sort(em, plan, regs, exchange_ptr, keys_per_query)
         table_ptr, scan_ptr = mgpu_utils.memref_ptr(table), mgpu_utils.memref_ptr(scan)
-        first_own = arith.muli(thread, const(per_thread))
-        store(vectors_at(table_ptr, first_own), [const(-1)] * per_thread)
-        llvm.store(regs[-1], word(scan_ptr, thread))
-        gpu.barrier()  # the last keys and the -1 row are out
-        before = llvm.load(i32, word(scan_ptr, arith.maxsi(arith.subi(thread, const(1)), const(0))))
-        first_thread = arith.cmpi(arith.CmpIPredicate.eq, thread, const(0))
-        count = const(0)
-        kept = []
-        for e in range(per_thread):
-            previous = regs[e - 1] if e else before
-            new = arith.cmpi(arith.CmpIPredicate.ne, regs[e], previous)
-            if not e:
-                new = arith.ori(new, first_thread)
-            keep = arith.andi(new, arith.cmpi(arith.CmpIPredicate.ne, regs[e], const(ABSENT)))
-            kept.append(keep)
-            count = arith.addi(count, arith.extui(i32, keep))
-
-        # 3. Each thread's first slot: an inclusive shuffle scan of the counts within the
-        # warp, plus the totals of the warps before (through shared memory).
-        inclusive = count
-        for d in (1, 2, 4, 8, 16):
-            up = nvvm.shfl_sync(const(-1), inclusive, const(d), const(0), nvvm.ShflKind.up)
-            has = arith.cmpi(arith.CmpIPredicate.uge, lane, const(d))
-            inclusive = arith.addi(inclusive, arith.select(has, up, const(0)))
-        # Warp totals go past the last keys, which slower threads may still be reading.
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, const(_WARP - 1))):
-            llvm.store(inclusive, word(scan_ptr, arith.addi(warp, const(_THREADS))))
-        gpu.barrier()  # warp totals are out
-        slot = arith.subi(inclusive, count)
-        total = const(0)
-        for w in range(_WARPS):
-            warp_total = llvm.load(i32, word(scan_ptr, const(_THREADS + w)))
-            earlier = arith.cmpi(arith.CmpIPredicate.ugt, warp, const(w))
-            slot = arith.addi(slot, arith.select(earlier, warp_total, const(0)))
-            total = arith.addi(total, warp_total)
-        spare = const(keys_per_query)
-        for e in range(per_thread):
-            llvm.store(regs[e], word(table_ptr, arith.select(kept[e], slot, spare)))
-            slot = arith.addi(slot, arith.extui(i32, kept[e]))
-        gpu.barrier()  # the row is compacted
+        first_own = arith.muli(em.thread, em.const(per_thread))
+        kept, count, first_thread = _kept_keys(em, regs, table_ptr, scan_ptr, first_own)
+        total = _compact(em, regs, kept, count, table_ptr, scan_ptr, keys_per_query)
         out = arith.addi(row_start, arith.extui(i64, first_own))
-        store(vectors_at(global_ptr(rows_out), out), load(vectors_at(table_ptr, first_own)))
+        em.store(
+            em.vectors_at(em.global_ptr(rows_out), out),
+            em.load(em.vectors_at(table_ptr, first_own)),
+        )
         with mgpu_utils.when(first_thread):
-            llvm.store(total, word(global_ptr(counts_out), query))
+            llvm.store(total, em.word(em.global_ptr(counts_out), query))
 
     return body
 
