@@ -191,11 +191,13 @@ def test_qblock_twins_share_the_spec():
         ):
             changes = {"kv_lora_rank": 600} if op == "sparse_mla_attention" else {
                 "ql": np.zeros((2, 1, 256), BF16)}  # fmt: skip
-            with pytest.warns(DeprecationWarning) if (
-                backend == "mosaic-gpu" and twin == "sparse_mla_attention_qblock"
-            ) else _no_warning():
-                with pytest.raises(ValueError, match=r"^(kv_lora_rank|ql): got"):
-                    _call(getattr(module, twin), op, changes)
+            with (
+                pytest.warns(DeprecationWarning)
+                if (backend == "mosaic-gpu" and twin == "sparse_mla_attention_qblock")
+                else _no_warning(),
+                pytest.raises(ValueError, match=r"^(kv_lora_rank|ql): got"),
+            ):
+                _call(getattr(module, twin), op, changes)
 
 
 class _no_warning:

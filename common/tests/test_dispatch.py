@@ -329,9 +329,7 @@ def test_only_arguments_the_caller_set_are_passed_on(fake):
     assert kwargs == {}
     *_, kwargs = dispatch.ranker_attention(*VALID["ranker"], debug_checks=True, return_lse=True)
     assert kwargs == {"debug_checks": True, "return_lse": True}
-    *_, kwargs = dispatch.sparse_mla_attention_qblock(
-        *VALID["sparse"], sm_scale=0.5, head_block=2
-    )
+    *_, kwargs = dispatch.sparse_mla_attention_qblock(*VALID["sparse"], sm_scale=0.5, head_block=2)
     assert kwargs == {"sm_scale": 0.5, "head_block": 2}
     *_, kwargs = dispatch.prefill_write_and_attend_ragged(
         *VALID["prefill"], kv_lora_rank=512, page_size=16, sm_scale=1.0
