@@ -214,14 +214,14 @@ def test_kernel_limits_name_the_argument_and_promise_nothing():
     import attn_pallas_tpu
 
     q = Q.astype(jnp.float16)
-    with pytest.raises(NotImplementedError, match=r"^q: got dtype float16, the TPU ranker") as e:
+    with pytest.raises(TypeError, match=r"^q: got dtype float16, the TPU ranker") as e:
         attn_pallas_tpu.ranker_attention(q, q, q, BOUNDS)
     assert "attn_reference takes any" in str(e.value) and "falls back" not in str(e.value)
     q = Q[..., :32]
     with pytest.raises(NotImplementedError, match=r"^q: got head dim D = 32, the Hopper"):
         attn_mosaic_gpu.ranker_attention(q, q, q, BOUNDS)
     kv = SPARSE["kv"].astype(F32)
-    with pytest.raises(NotImplementedError, match=r"^kv: got dtype float32, the Hopper"):
+    with pytest.raises(TypeError, match=r"^kv: got dtype float32, the Hopper"):
         attn_mosaic_gpu.sparse_mla_attention(SQ, kv, *list(SPARSE.values())[2:4], sm_scale=0.1)
     with pytest.raises(NotImplementedError, match=r"^read_block: got 8, the TPU kernels"):
         attn_pallas_tpu.sparse_mla_attention(
@@ -259,3 +259,16 @@ def test_cap_params_still_accepted():
         q, q, q, [0, 8, 8, 16], cap=CapParams(method=CapMethod.TANH, value=30.0)
     )
     assert out.shape == q.shape
+
+
+def test_dtype_policy_sparse_mla_casts_the_query_to_the_cache_dtype():
+    """Sparse MLA's one policy (docs/semantics.md): q is cast to kv's dtype, everywhere."""
+    import attn_reference
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 1, 576)).astype(F32)
+    kv = rng.standard_normal((1, 128, 576)).astype(BF16)
+    args = (SPARSE["indices"], SPARSE["positions"])
+    mixed = attn_reference.sparse_mla_attention(q, kv, *args, sm_scale=0.1)
+    cast = attn_reference.sparse_mla_attention(q.astype(BF16), kv, *args, sm_scale=0.1)
+    np.testing.assert_array_equal(mixed, cast)

@@ -21,7 +21,8 @@ backends can refuse the same input differently.
 
 What a backend's kernels cannot take (a dtype, a head dim) is not a property of the op:
 the backend states it with :meth:`RankerCall.require` / :func:`require_kernel`, which
-raise ``NotImplementedError`` in one wording, never promising a fallback.
+raise ``TypeError`` (a dtype) or ``NotImplementedError`` in one wording, never
+promising a fallback.
 
 Builders are trace-safe: array *values* are checked only when they are host values
 (numpy or a concrete ``jax.Array``), and under ``jit`` with ``debug_checks=True``
@@ -70,11 +71,13 @@ def require_kernel(
     what: str,
     kernels: str,
 ) -> None:
-    """A backend's kernel limit: ``NotImplementedError`` naming the argument, the value
-    and what these kernels take (no fallback is promised: the caller picks one)."""
+    """A backend's kernel limit: ``TypeError`` for a dtype (``what="dtype"``), else
+    ``NotImplementedError``, naming the argument, the value and what these kernels take
+    (no fallback is promised: the caller picks another backend)."""
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
-        raise NotImplementedError(
+        error = TypeError if what == "dtype" else NotImplementedError
+        raise error(
             f"{name}: got {what} {value}, the {kernels} kernels take {shown}; "
             "attn_reference takes any"
         )
@@ -99,7 +102,8 @@ class RankerCall:
     interpret: Any
 
     def require(self, *, dtypes: Collection, head_dims: Collection[int], kernels: str):
-        """Raise ``NotImplementedError`` unless these kernels take q's dtype and head dim."""
+        """Raise unless these kernels take q's dtype (``TypeError``) and head dim
+        (``NotImplementedError``)."""
         names = [jnp.dtype(d).name for d in dtypes]
         require_kernel("q", jnp.dtype(self.q.dtype).name, names, what="dtype", kernels=kernels)
         require_kernel(

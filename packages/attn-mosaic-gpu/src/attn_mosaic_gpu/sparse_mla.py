@@ -109,7 +109,8 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
     names = ("qpe", "cache") if q_rope is not None else ("q", "kv")
     reason = sparse_mla_unsupported(None, call.kv.dtype, problem.dk, problem.dv, names=names)
     if reason is not None:
-        raise NotImplementedError(reason + "; attn_reference takes any")
+        error = TypeError if "dtype" in reason else NotImplementedError
+        raise error(reason + "; attn_reference takes any")
     if config is not None and not isinstance(config, SparseMlaKernelConfig):
         raise TypeError(
             f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
