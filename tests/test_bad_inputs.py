@@ -218,7 +218,7 @@ def test_kernel_limits_name_the_argument_and_promise_nothing():
         attn_pallas_tpu.ranker_attention(q, q, q, BOUNDS)
     assert "attn_reference takes any" in str(e.value) and "falls back" not in str(e.value)
     q = Q[..., :32]
-    with pytest.raises(NotImplementedError, match=r"^q: got head dim D = 32, the Hopper"):
+    with pytest.raises(NotImplementedError, match=r"^q: got head dim 32, the Hopper"):
         attn_mosaic_gpu.ranker_attention(q, q, q, BOUNDS)
     kv = SPARSE["kv"].astype(F32)
     with pytest.raises(TypeError, match=r"^kv: got dtype float32, the Hopper"):

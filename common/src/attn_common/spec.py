@@ -107,7 +107,7 @@ class RankerCall:
         names = [jnp.dtype(d).name for d in dtypes]
         require_kernel("q", jnp.dtype(self.q.dtype).name, names, what="dtype", kernels=kernels)
         require_kernel(
-            "q", self.problem.head_dim, tuple(head_dims), what="head dim D =", kernels=kernels
+            "q", self.problem.head_dim, tuple(head_dims), what="head dim", kernels=kernels
         )
 
 
