@@ -95,7 +95,7 @@ def ranker_attention(call: RankerCall, *, backward_tuning: BackwardTuning | None
     q, p = call.q, call.problem
     packed = call.users >= MIN_PACKED_USERS
     if packed and p.head_dim not in PIPELINED_HEAD_DIMS:
-        raise NotImplementedError(
+        raise ValueError(
             f"bounds: got {call.users} users per row with head dim D = {p.head_dim}; the "
             f"Hopper kernels take packed rows [B, U, 4] for D in {PIPELINED_HEAD_DIMS}; "
             "attn_reference takes any"
