@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
@@ -20,6 +21,7 @@ from helpers import (
     rng_for,
     upcast,
 )
+from jax.experimental import checkify
 from oracle import scatter_oracle, sparse_mla_oracle_ragged
 
 from attn_reference import (
@@ -230,9 +232,26 @@ def _write_case(seed, page_size, dtype, rows_dtype):
 def test_paged_write_back_random(page_size, dtype, rows_dtype):
     rows_dtype = dtype if rows_dtype == "same" else rows_dtype
     cache, rows, loc = _write_case(70, page_size, dtype, rows_dtype)
-    new = paged_write_back(cache, rows, loc, page_size=page_size)
+    # Traced loc: slots past the cache are dropped (host values are refused, below).
+    write = jax.jit(functools.partial(paged_write_back, page_size=page_size))
+    new = write(cache, rows, loc)
     _assert_bit_identical(new, scatter_oracle(cache, rows, loc))
     assert not np.array_equal(_bits(new), _bits(cache))
+
+
+def test_paged_write_back_refuses_host_loc_past_the_cache():
+    cache, rows, loc = _write_case(70, 16, "bfloat16", "float32")
+    with pytest.raises(ValueError, match=r"loc: entry 1 is 112, expected a cache slot < .* 112"):
+        paged_write_back(cache, rows, loc, page_size=16)
+    # Under jit with debug_checks: a checkify error naming loc.
+    checked = checkify.checkify(
+        jax.jit(functools.partial(paged_write_back, page_size=16, debug_checks=True))
+    )
+    err, _ = checked(cache, rows, jnp.asarray(loc))
+    with pytest.raises(checkify.JaxRuntimeError, match="loc: entry"):
+        err.throw()
+    with pytest.raises(TypeError, match="rows: got dtype int32 for a bfloat16 cache"):
+        paged_write_back(cache, rows.astype(np.int32), np.maximum(loc, -1) % 112, page_size=16)
 
 
 @pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)

@@ -80,7 +80,10 @@ def normalize_cap(cap: CapParams | None) -> CapParams:
     if cap is None:
         return NO_CAP
     if not isinstance(cap, CapParams):
-        raise TypeError(f"cap: got {type(cap).__name__}, expected CapParams or None")
+        raise TypeError(
+            f"cap: got {type(cap).__name__} {cap!r}, expected CapParams or None "
+            "(e.g. CapParams(method=CapMethod.TANH, value=30.0))"
+        )
     return cap
 
 

@@ -40,9 +40,12 @@ truthy ``interpret=`` (Pallas interpret mode) lifts the device check, so that e.
 inputs that backend's ``supports`` rejects raise :class:`UnsupportedInputError` (a
 ``ValueError``) with its reason.
 
-The front-door functions take the reference backend's arguments. Keyword arguments left
-at their default are not passed on, so each backend applies its own default and a
-backend is only handed the options its caller actually set.
+The front-door functions take the op's spec (``attn_common.spec``: one signature,
+one set of argument docs, one validation for every backend). Each call is validated
+once, before a backend is chosen, so a bad input gets the same error on every device;
+the selected backend's ``impl`` receives the validated call value. Keyword arguments
+the caller did not set are not passed on to ``supports`` or to a third-party backend,
+so each applies its own default.
 """
 
 from __future__ import annotations
@@ -50,17 +53,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as metadata
 import importlib.util
+import inspect
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
-if TYPE_CHECKING:
-    from attn_common.bounds import SegmentBounds
-    from attn_common.cap import CapParams
-    from attn_common.config import KernelConfig
+from attn_common.spec import prefill_call, ranker_call, sparse_mla_call, write_back_call
 
 ENTRY_POINT_GROUP = "attn.backends"
 
@@ -314,24 +315,26 @@ def select_backend(
     reason = _unsupported_reason(module, op, args, kwargs)
     if reason is not None:
         raise UnsupportedInputError(
-            f"implementation={implementation!r} does not support these {op} inputs: {reason} "
-            "(implementation=None falls back to a backend that does)"
+            f"implementation={implementation!r} does not support these {op} inputs: {reason}"
         )
     return implementation, fn
 
 
-def _set_kwargs(local: dict, defaults: dict) -> dict:
-    """The keyword arguments a caller set: those that differ from the front door's default."""
-    out = {}
-    for name, default in defaults.items():
-        value = local[name]
-        if value is default or (type(value) is type(default) and value == default):
-            continue
-        out[name] = value
-    return out
+_SPECS: dict[str, Callable[..., Any]] = {
+    "ranker_attention": ranker_call,
+    "sparse_mla_attention": sparse_mla_call,
+    "sparse_mla_attention_qblock": sparse_mla_call,
+    "paged_write_back": write_back_call,
+    "prefill_write_and_attend_ragged": prefill_call,
+    "prefill_write_and_attend_ragged_qblock": prefill_call,
+}
 
 
 def _dispatch(op: str, implementation: str | None, args: tuple, kwargs: dict):
+    """Validate once with the op's spec (the same errors whichever backend runs it),
+    select the backend, and hand it the validated call (``fn.impl``; a backend function
+    without one, e.g. a third-party backend, gets the arguments as given)."""
+    call = _SPECS[op](*args, **kwargs)
     _, fn = select_backend(
         op,
         implementation,
@@ -339,316 +342,85 @@ def _dispatch(op: str, implementation: str | None, args: tuple, kwargs: dict):
         args=args,
         kwargs=kwargs,
     )
-    return fn(*args, **kwargs)
+    impl = getattr(fn, "impl", None)
+    return impl(call) if impl is not None else fn(*args, **kwargs)
 
 
-_RANKER_DEFAULTS = dict(
-    sm_scale=None, cap=None, config=None, return_lse=False, debug_checks=False, interpret=False
-)
+_IMPLEMENTATION_DOC = """      implementation: ``None`` (the best installed backend for the default device) or
+        ``"mosaic-gpu"``, ``"pallas-tpu"``, ``"reference"``.
+"""
 
 
-def ranker_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bounds: SegmentBounds | jax.Array,
-    *,
-    sm_scale: float | None = None,
-    cap: CapParams | None = None,
-    config: KernelConfig | None = None,
-    return_lse: bool = False,
-    debug_checks: bool = False,
-    interpret: Any = False,
-    implementation: str | None = None,
-):
+def _front_door(op: str, summary: str) -> Callable[..., Any]:
+    """The front-door function of ``op``: the spec's signature plus ``implementation``.
+
+    Only the arguments the caller set are passed on (the backend applies its defaults).
+    """
+    builder = _SPECS[op]
+    sig = inspect.signature(builder)
+    arrays = [p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+    def door(*args, implementation: str | None = None, **kwargs):
+        bound = sig.bind(*args, **kwargs).arguments  # the arguments the caller set
+        positional = tuple(bound.pop(name) for name in arrays if name in bound)
+        return _dispatch(op, implementation, positional, bound)
+
+    implementation = inspect.Parameter(
+        "implementation", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None"
+    )
+    door.__signature__ = sig.replace(
+        parameters=[*sig.parameters.values(), implementation],
+        return_annotation=inspect.Signature.empty,
+    )
+    spec_doc = inspect.getdoc(builder) or ""
+    args_doc, _, returns = spec_doc[spec_doc.index("Args:") :].partition("\nReturns:")
+    args_doc = "\n".join("    " + line if line else line for line in args_doc.splitlines())
+    returns = "\n".join("    " + line if line else line for line in returns.splitlines())
+    door.__doc__ = (
+        f"{summary}\n\n    Semantics and arguments: ``attn_common.spec.{builder.__name__}`` "
+        f"(one spec for every backend).\n\n{args_doc}\n{_IMPLEMENTATION_DOC}\n"
+        f"    Returns:{returns}\n"
+    )
+    door.__name__ = door.__qualname__ = op
+    door.__module__ = __name__
+    return door
+
+
+ranker_attention = _front_door(
+    "ranker_attention",
     """Ranker attention (history + isolated candidates, soft cap, GQA) on the best backend.
 
-    Semantics: docs/semantics.md, "Ranker attention"; a history token attends to the
-    whole history, a candidate to the history and to itself; every other row is padding
-    (output 0, LSE ``-inf``, zero gradients).
-
-    Args:
-      q: ``[B, S, Hq, D]`` float (the Hopper kernels take bf16/fp16 and D in
-        {64, 128, 256}; other inputs fall back to the reference, with a warning).
-      k, v: ``[B, S, Hkv, D]``, q's dtype, ``Hq % Hkv == 0``.
-      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]`` = (history_lo,
-        history_hi, candidate_lo, candidate_hi); traced data, clipped to ``[0, S]``.
-      sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
-      cap: ``CapParams`` soft cap (tanh or soft_sign), or ``None``.
-      config: ``KernelConfig`` tiling; ``None`` picks the backend's default (the
-        reference ignores it).
-      return_lse: also return ``lse [B, Hq, S]`` float32 (natural log, differentiable).
-      debug_checks: also check at run time that the bounds are in range (``checkify``
-        checks: wrap the call in ``jax.experimental.checkify.checkify``).
-      interpret: run a Pallas kernel in interpret mode (on a CPU); lifts the device
-        check of an explicit ``implementation``.
-      implementation: ``None`` (the best installed backend for the default device) or
-        ``"mosaic-gpu"``, ``"pallas-tpu"``, ``"reference"``.
-
-    Returns:
-      ``out [B, S, Hq, D]`` in q's dtype, or ``(out, lse)``. Differentiable in q, k, v.
-    """
-    kwargs = _set_kwargs(locals(), _RANKER_DEFAULTS)
-    return _dispatch("ranker_attention", implementation, (q, k, v, bounds), kwargs)
-
-
-_SPARSE_ARGS_DOC = """
-    Args:
-      q: flat mode ``[B, S, H, Dk]`` (Dk = kv_lora_rank + rope, e.g. 512 + 64); ragged
-        paged mode ``[1, T, H, Dk]`` (all requests packed into one row).
-      kv: flat mode the latent cache ``[B, T_kv, Dk]``; ragged paged mode the paged cache
-        ``[num_pages, page_size // pk, pk, Dk_pad]`` (``pk = kv_packing(dtype)``,
-        ``Dk_pad = padded_dk(Dk)``).
-      indices: int ``[B, S, K]`` selected units per query: flat mode unit ids (a unit is
-        ``read_block`` tokens), ragged mode request-local page ids; ``-1`` or out of
-        range = none; duplicates count once.
-      positions: int ``[B, S]`` the query's position (keys at positions ``<=`` it only).
-      sm_scale: logit scale (required; e.g. ``1/sqrt(192)`` for DeepSeek V3).
-      kv_lora_rank: the value width: values are the first ``kv_lora_rank`` features.
-      read_block: tokens per selected unit (flat mode; ragged mode: ``page_size``).
-      return_lse: also return ``lse [B, S, H]`` float32.
-      page_size, q_seq_id, seq_lens, cu_kv_lens, page_indices: ragged paged mode
-        (``q_seq_id`` given): tokens per page, request of each query ``[T]``, request
-        lengths, cumulative page-table offsets in tokens and the page table; see
-        docs/semantics.md, "Sparse MLA prefill".
-      debug_checks: also check at run time that the indices are in range.
-      interpret: run a Pallas kernel in interpret mode (on a CPU); lifts the device
-        check of an explicit ``implementation``.
-      implementation: ``None`` (the best installed backend for the default device) or
-        ``"mosaic-gpu"``, ``"pallas-tpu"``, ``"reference"``.
-"""
-
-_SPARSE_DEFAULTS = dict(
-    kv_lora_rank=512,
-    read_block=128,
-    return_lse=False,
-    page_size=None,
-    q_seq_id=None,
-    seq_lens=None,
-    cu_kv_lens=None,
-    page_indices=None,
-    debug_checks=False,
-    interpret=False,
+    A history token attends to the whole history, a candidate to the history and to
+    itself; every other row is padding (output 0, LSE ``-inf``, zero gradients). Inputs
+    a preferred kernel cannot take (say fp32 on Hopper) run on the next backend, with a
+    warning.""",
 )
-
-
-def sparse_mla_attention(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    debug_checks: bool = False,
-    interpret: Any = False,
-    implementation: str | None = None,
-):
-    kwargs = _set_kwargs(locals(), _SPARSE_DEFAULTS)
-    kwargs["sm_scale"] = sm_scale
-    return _dispatch("sparse_mla_attention", implementation, (q, kv, indices, positions), kwargs)
-
-
-sparse_mla_attention.__doc__ = (
+sparse_mla_attention = _front_door(
+    "sparse_mla_attention",
     """Sparse MLA prefill (DeepSeek sparse attention) on the best backend: each query
-    attends to the selected units of the latent cache (per-query kernel on TPU).
-"""
-    + _SPARSE_ARGS_DOC
-    + """
-    Returns:
-      ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse)``.
-    """
+    attends to the selected units of the latent cache (per-query kernel on TPU).""",
 )
-
-
-def sparse_mla_attention_qblock(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    head_block: int | None = None,
-    debug_checks: bool = False,
-    interpret: Any = False,
-    implementation: str | None = None,
-):
-    kwargs = _set_kwargs(
-        locals(), {**_SPARSE_DEFAULTS, "query_block": None, "u_max": None, "head_block": None}
-    )
-    kwargs["sm_scale"] = sm_scale
-    return _dispatch(
-        "sparse_mla_attention_qblock", implementation, (q, kv, indices, positions), kwargs
-    )
-
-
-sparse_mla_attention_qblock.__doc__ = (
+sparse_mla_attention_qblock = _front_door(
+    "sparse_mla_attention_qblock",
     """Sparse MLA prefill, query-blocked variant, on the best backend: same semantics as
     :func:`sparse_mla_attention` and the same result for every setting of the knobs
-    below (they tile the TPU kernel; ``None`` plans the tiling automatically and runs
-    the per-query kernel when it moves fewer bytes).
-"""
-    + _SPARSE_ARGS_DOC
-    + """      query_block: queries per program (they share one union of selected units);
-        ``None``: planned automatically (docs/tpu_sparse_mla.md).
-      u_max: union slots per chunk: a larger union is streamed in chunks, so this is a
-        VMEM/speed knob that never changes the answer; ``None``: the backend's default.
-      head_block: heads per program (TPU kernel; ``None``: planned automatically).
-
-    Returns:
-      ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse)``.
-    """
+    (they tile the TPU kernel; ``None`` plans the tiling automatically and runs the
+    per-query kernel when it moves fewer bytes).""",
 )
-
-
-def paged_write_back(
-    cache: jax.Array,
-    rows: jax.Array,
-    loc: jax.Array,
-    *,
-    page_size: int,
-    r_cap: int | None = None,
-    interpret: Any = False,
-    implementation: str | None = None,
-) -> jax.Array:
+paged_write_back = _front_door(
+    "paged_write_back",
     """Write new latent rows into the paged cache on the best backend: ``cache[loc[t]] =
-    rows[t]`` for every valid ``loc[t]``; returns the new cache.
-
-    Args:
-      cache: paged cache ``[num_pages, page_size // pk, pk, D]``; flat slot ``s`` is page
-        ``s // page_size``, row ``s % page_size``.
-      rows: ``[T, D]`` new rows, cast to the cache dtype.
-      loc: int ``[T]`` flat slot per row; negative or out-of-range rows are dropped. A
-        slot listed more than once keeps its last row (as a sequential write would).
-      page_size: tokens per page.
-      r_cap: size of the TPU kernel's run table (``None``: its default).
-      interpret: run a Pallas kernel in interpret mode (on a CPU).
-      implementation: ``None`` (best backend) or ``"pallas-tpu"``, ``"reference"``.
-    """
-    kwargs = _set_kwargs(locals(), dict(r_cap=None, interpret=False))
-    kwargs["page_size"] = page_size
-    return _dispatch("paged_write_back", implementation, (cache, rows, loc), kwargs)
-
-
-_PREFILL_DOC = """
-    Args:
-      ql: ``[T, H, kv_lora_rank]`` absorbed latent query; qpe: ``[T, H, rope]``.
-      kvc: ``[T, kv_lora_rank]`` new latents; kpe: ``[T, rope]`` (or ``[T, 1, rope]``).
-      cache: the paged cache ``[num_pages, page_size // pk, pk, Dk_pad]``.
-      topk_pages: ``[T, K]`` request-local page ids (``-1`` = none).
-      positions: ``[T]`` request-local query positions. loc: ``[T]`` flat cache slots.
-      seq_lens, cu_q_lens, cu_kv_lens, page_indices: the packed ragged tables.
-      kv_lora_rank, page_size, sm_scale: as in :func:`sparse_mla_attention`.
-      query_block: queries per program of the query-blocked kernel (``None``: the
-        backend's default; the per-query variant accepts it for a drop-in swap).
-      u_max: union slots per chunk of the query-blocked kernel (never changes the
-        answer; ``None``: its default).
-      debug_checks: also check at run time the ragged tables and the indices.
-      interpret: run a Pallas kernel in interpret mode (on a CPU).
-      implementation: ``None`` (best backend) or ``"pallas-tpu"``, ``"reference"``.
-"""
-
-_PREFILL_DEFAULTS = dict(query_block=None, u_max=None, debug_checks=False, interpret=False)
-
-
-def prefill_write_and_attend_ragged(
-    ql: jax.Array,
-    qpe: jax.Array,
-    kvc: jax.Array,
-    kpe: jax.Array,
-    cache: jax.Array,
-    topk_pages: jax.Array,
-    positions: jax.Array,
-    loc: jax.Array,
-    seq_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    cu_kv_lens: jax.Array,
-    page_indices: jax.Array,
-    *,
-    kv_lora_rank: int,
-    page_size: int,
-    sm_scale: float,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    debug_checks: bool = False,
-    interpret: Any = False,
-    implementation: str | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    args = (ql, qpe, kvc, kpe, cache, topk_pages, positions, loc, seq_lens, cu_q_lens,
-            cu_kv_lens, page_indices)  # fmt: skip
-    kwargs = _set_kwargs(locals(), _PREFILL_DEFAULTS)
-    kwargs.update(kv_lora_rank=kv_lora_rank, page_size=page_size, sm_scale=sm_scale)
-    return _dispatch("prefill_write_and_attend_ragged", implementation, args, kwargs)
-
-
-prefill_write_and_attend_ragged.__doc__ = (
-    """Write the new tokens' latents into the paged cache, then attend (ragged mode,
-    per-query kernel on TPU), on the best backend.
-"""
-    + _PREFILL_DOC
-    + """
-    Returns:
-      ``(out [T, H, kv_lora_rank] float32, new_cache)``.
-    """
+    rows[t]`` for every ``loc[t] >= 0``; returns the new cache.""",
 )
-
-
-def prefill_write_and_attend_ragged_qblock(
-    ql: jax.Array,
-    qpe: jax.Array,
-    kvc: jax.Array,
-    kpe: jax.Array,
-    cache: jax.Array,
-    topk_pages: jax.Array,
-    positions: jax.Array,
-    loc: jax.Array,
-    seq_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    cu_kv_lens: jax.Array,
-    page_indices: jax.Array,
-    *,
-    kv_lora_rank: int,
-    page_size: int,
-    sm_scale: float,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    debug_checks: bool = False,
-    interpret: Any = False,
-    implementation: str | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    args = (ql, qpe, kvc, kpe, cache, topk_pages, positions, loc, seq_lens, cu_q_lens,
-            cu_kv_lens, page_indices)  # fmt: skip
-    kwargs = _set_kwargs(locals(), _PREFILL_DEFAULTS)
-    kwargs.update(kv_lora_rank=kv_lora_rank, page_size=page_size, sm_scale=sm_scale)
-    return _dispatch("prefill_write_and_attend_ragged_qblock", implementation, args, kwargs)
-
-
-prefill_write_and_attend_ragged_qblock.__doc__ = (
+prefill_write_and_attend_ragged = _front_door(
+    "prefill_write_and_attend_ragged",
+    """Write the new tokens' latents into the paged cache, then attend (ragged mode,
+    per-query kernel on TPU), on the best backend.""",
+)
+prefill_write_and_attend_ragged_qblock = _front_door(
+    "prefill_write_and_attend_ragged_qblock",
     """Write the new tokens' latents into the paged cache, then attend with the
-    query-blocked kernel (ragged mode), on the best backend.
-"""
-    + _PREFILL_DOC
-    + """
-    Returns:
-      ``(out [T, H, kv_lora_rank] float32, new_cache)``.
-    """
+    query-blocked kernel (ragged mode), on the best backend.""",
 )
 
 

@@ -34,6 +34,8 @@ The rules (``P = page_size``, ``R = num_seqs``, ``N = len(page_indices)``):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterator
 
 import jax
@@ -223,3 +225,102 @@ def check_unit_indices(indices, num_units: int, *, debug_checks: bool) -> None:
         "indices out of range: need -1 <= index < {n}",
         n=jnp.asarray(num_units, jnp.int32),  # checkify formats arrays only, not ints
     )
+
+
+def _int_vector(x, name: str, hint: str, size: int | None = None) -> int:
+    """Check that ``x`` is an integer ``[n]`` array (``n == size`` when given); return ``n``."""
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: got {type(x).__name__}, expected an integer array {hint}")
+    if len(shape) != 1 or (size is not None and shape[0] != size):
+        raise ValueError(f"{name}: got shape {tuple(shape)}, expected {hint}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name}: got dtype {x.dtype}, expected an integer dtype")
+    return int(shape[0])
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q_seq_id", "seq_lens", "cu_kv_lens", "page_indices"],
+    meta_fields=["page_size"],
+)
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """The paged-cache metadata of a packed ragged batch, validated (a pytree).
+
+    ``q_seq_id [T]`` request of each packed query token, ``seq_lens [R]``, page-aligned
+    ``cu_kv_lens [R + 1]``, ``page_indices [N]`` and the static ``page_size``; the rules
+    are in this module's docstring. Build it with :func:`ragged_batch`, which checks
+    them once on the host (or under ``checkify`` with ``debug_checks``); every backend
+    then reads the same validated tables.
+    """
+
+    q_seq_id: jax.Array
+    seq_lens: jax.Array
+    cu_kv_lens: jax.Array
+    page_indices: jax.Array
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def total_pages(self) -> int:
+        """The page table's length (request-local page ids lift to ``[0, N)``)."""
+        return int(self.page_indices.shape[0])
+
+    def as_kwargs(self) -> dict:
+        """``page_size``, ``q_seq_id``, ``seq_lens``, ``cu_kv_lens``, ``page_indices``."""
+        return {
+            "page_size": self.page_size,
+            "q_seq_id": self.q_seq_id,
+            "seq_lens": self.seq_lens,
+            "cu_kv_lens": self.cu_kv_lens,
+            "page_indices": self.page_indices,
+        }
+
+
+def ragged_batch(
+    *,
+    seq_lens,
+    cu_kv_lens,
+    page_indices,
+    page_size: int,
+    num_pages: int,
+    num_tokens: int,
+    q_seq_id=None,
+    cu_q_lens=None,
+    debug_checks: bool = False,
+) -> RaggedBatch:
+    """Validate the ragged tables once and return them as a :class:`RaggedBatch`.
+
+    Give ``q_seq_id [T]`` (sparse MLA's ragged mode) or ``cu_q_lens [R + 1]`` (the
+    write-then-attend wrappers; ``q_seq_id`` is derived from it). Shapes and integer
+    dtypes always; the values when they are host values, or under ``checkify`` with
+    ``debug_checks`` (:func:`check_ragged_metadata`). ``page_size`` must already be
+    validated; ``num_pages`` is the cache's page count, ``num_tokens`` the query count.
+    """
+    num_seqs = _int_vector(seq_lens, "seq_lens", "[num_seqs]")
+    _int_vector(cu_kv_lens, "cu_kv_lens", f"[num_seqs + 1 = {num_seqs + 1}]", num_seqs + 1)
+    _int_vector(page_indices, "page_indices", "[total_pages]")
+    if cu_q_lens is not None:
+        _int_vector(cu_q_lens, "cu_q_lens", f"[num_seqs + 1 = {num_seqs + 1}]", num_seqs + 1)
+    if q_seq_id is not None:
+        _int_vector(q_seq_id, "q_seq_id", f"[S = {num_tokens}] (one per query token)", num_tokens)
+    check_ragged_metadata(
+        q_seq_id=q_seq_id,
+        seq_lens=seq_lens,
+        cu_kv_lens=cu_kv_lens,
+        page_indices=page_indices,
+        page_size=page_size,
+        num_pages=num_pages,
+        cu_q_lens=cu_q_lens,
+        num_tokens=num_tokens if cu_q_lens is not None else None,
+        debug_checks=debug_checks,
+    )
+    if q_seq_id is None:
+        from attn_common.sparse_mla import seq_id_from_cu_q_lens
+
+        q_seq_id = seq_id_from_cu_q_lens(jnp.asarray(cu_q_lens), num_tokens)
+    return RaggedBatch(q_seq_id, seq_lens, cu_kv_lens, page_indices, page_size)

@@ -16,13 +16,18 @@ here, before tracing, so they reject the same calls with the same errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
-from attn_common.metadata import check_ragged_metadata
 from attn_common.ranker import array_shape
 from attn_common.sparse_mla import _check_positive_int, padded_dk
 from attn_common.tables import keep_last_writes, kv_packing
+
+if TYPE_CHECKING:
+    from attn_common.spec import PrefillCall, SparseMlaCall, WriteBackCall
 
 
 def latent_rows(kvc: jax.Array, kpe: jax.Array, *, width: int, dtype) -> jax.Array:
@@ -52,13 +57,12 @@ def scatter_write_back(cache: jax.Array, rows: jax.Array, loc: jax.Array) -> jax
     return flat.reshape(cache.shape)
 
 
-def write_back_by_scatter(cache: jax.Array, rows: jax.Array, loc: jax.Array, page_size: int):
-    """The whole write-back as the reference defines it: validate the inputs
-    (``check_write_back_inputs``), keep the last row of a repeated slot
+def write_back_by_scatter(call: WriteBackCall) -> jax.Array:
+    """The whole write-back as the reference defines it, on a validated call
+    (``attn_common.spec.write_back_call``): keep the last row of a repeated slot
     (``keep_last_writes``) and scatter (``scatter_write_back``). Backends whose write-back
-    is this XLA scatter call it; a kernel write-back must equal it bit for bit."""
-    num_pages, rows_per_page, pk, _ = check_write_back_inputs(cache, rows, loc, page_size)
-    return scatter_write_back(cache, rows, keep_last_writes(loc, num_pages * rows_per_page * pk))
+    is this XLA scatter use it; a kernel write-back must equal it bit for bit."""
+    return scatter_write_back(call.cache, call.rows, keep_last_writes(call.loc, call.slots))
 
 
 def check_paged_cache(cache, page_size) -> tuple[int, ...]:
@@ -102,6 +106,15 @@ def check_write_back_inputs(cache, rows, loc, page_size) -> tuple[int, ...]:
     shape = check_paged_cache(cache, page_size)
     feat = shape[3]
     rows_shape = array_shape(rows, "rows")
+    floating = jnp.issubdtype(rows.dtype, jnp.floating) and jnp.issubdtype(
+        cache.dtype, jnp.floating
+    )
+    if not floating and jnp.dtype(rows.dtype) != jnp.dtype(cache.dtype):
+        raise TypeError(
+            f"rows: got dtype {jnp.dtype(rows.dtype).name} for a {jnp.dtype(cache.dtype).name} "
+            "cache, expected the cache's dtype (floating rows are cast to a floating cache; "
+            "nothing else is cast)"
+        )
     if len(rows_shape) != 2 or rows_shape[1] != feat:
         raise ValueError(f"rows: got shape {rows_shape}, expected [T, D={feat}]")
     _check_int_array(loc, "loc", rows_shape[:1], f"[T={rows_shape[0]}]")
@@ -167,81 +180,29 @@ def check_prefill_inputs(
         _check_int_array(x, name, (num_seqs + 1,), f"[num_seqs + 1 = {num_seqs + 1}]")
     _check_int_array(page_indices, "page_indices", (None,), "[total_pages]")
     check_paged_cache(cache, page_size)
-    if not jnp.issubdtype(cache.dtype, jnp.floating):
-        raise TypeError(f"cache: got dtype {cache.dtype}, expected a floating dtype")
+    _check_float_array(cache, "cache")
     dk_pad = padded_dk(dv + rope)
     if cache.shape[-1] != dk_pad:
         raise ValueError(f"cache: got last dim {cache.shape[-1]}, expected Dk_pad = {dk_pad}")
 
 
 def write_then_attend(
-    write_back,
-    attend,
-    ql,
-    qpe,
-    kvc,
-    kpe,
-    cache,
-    topk_pages,
-    positions,
-    loc,
-    seq_lens,
-    cu_q_lens,
-    cu_kv_lens,
-    page_indices,
+    write_back: Callable[[WriteBackCall], jax.Array],
+    attend: Callable[[SparseMlaCall], jax.Array],
+    call: PrefillCall,
     *,
-    kv_lora_rank: int,
-    page_size: int,
-    sm_scale: float,
     split_q: bool = False,
-    **attend_kwargs,
 ):
     """The ``prefill_write_and_attend_ragged`` composition, for any backend.
 
-    Validates, builds each new token's row ``[c_kv | k_rope | 0...]``, writes the rows with
-    ``write_back(cache, rows, loc, page_size=...)``, then runs ragged sparse MLA with
-    ``attend`` (a backend's ``sparse_mla_attention`` or its ``_qblock`` twin) over the new
-    cache. Its query is ``[1, T, H, kv_lora_rank + rope]``, ``ql`` and ``qpe`` joined (a
-    copy of all of Q), or with ``split_q`` the pair ``(ql[None], qpe[None])`` for a
-    backend that reads the two where they are. Returns ``(out [T, H, kv_lora_rank]
-    float32, new_cache)``.
+    Builds each new token's row ``[c_kv | k_rope | 0...]``, writes the rows with the
+    backend's ``write_back`` (an impl taking a ``WriteBackCall``), then runs ragged sparse
+    MLA over the new cache with its ``attend`` (an impl taking a ``SparseMlaCall``; the
+    query is ``ql`` and ``qpe`` joined, or the pair with ``split_q``:
+    ``PrefillCall.attend``). Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
     """
-    from attn_common.sparse_mla import seq_id_from_cu_q_lens
-
-    check_prefill_inputs(
-        ql, qpe, kvc, kpe, cache, topk_pages, positions, loc, seq_lens, cu_q_lens,
-        cu_kv_lens, page_indices, kv_lora_rank=kv_lora_rank, page_size=page_size,
-    )  # fmt: skip
-    num_tokens = ql.shape[0]
-    check_ragged_metadata(
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        page_size=page_size,
-        num_pages=cache.shape[0],
-        cu_q_lens=cu_q_lens,
-        num_tokens=num_tokens,
-        debug_checks=attend_kwargs.get("debug_checks", False),
-    )
-    rows = latent_rows(kvc, kpe, width=cache.shape[-1], dtype=cache.dtype)
-    new_cache = write_back(cache, rows, loc, page_size=page_size)
-    if split_q:
-        q = (ql[None], qpe.astype(ql.dtype)[None])
-    else:
-        q = jnp.concatenate([ql, qpe.astype(ql.dtype)], axis=-1)[None]
-    out = attend(
-        q,
-        new_cache,
-        topk_pages[None],
-        positions.reshape(1, num_tokens),
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=seq_id_from_cu_q_lens(cu_q_lens, num_tokens),
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        **attend_kwargs,
-    )
+    cache = call.cache
+    rows = latent_rows(call.kvc, call.kpe, width=cache.shape[-1], dtype=cache.dtype)
+    new_cache = write_back(call.write(rows))
+    out = attend(call.attend(new_cache, split_q=split_q))
     return out[0], new_cache

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attn_common.metadata import check_ragged_metadata, check_unit_indices
+from attn_common.metadata import RaggedBatch, check_unit_indices, ragged_batch
 from attn_common.ranker import array_shape, resolve_sm_scale
 from attn_common.tables import kv_packing
 
@@ -99,7 +99,12 @@ def check_qblock_knobs(query_block: int | None, u_max: int | None, head_block: i
             raise ValueError(f"{name}: got {value!r}, expected a positive int or None")
 
 
-def check_sparse_mla_inputs(
+def check_sparse_mla_inputs(q, kv, indices, positions, **kwargs) -> SparseMlaProblem:
+    """Validate sparse-MLA inputs; return the static facts (``validate_sparse_mla``)."""
+    return validate_sparse_mla(q, kv, indices, positions, **kwargs)[0]
+
+
+def validate_sparse_mla(
     q,
     kv,
     indices,
@@ -114,12 +119,13 @@ def check_sparse_mla_inputs(
     cu_kv_lens=None,
     page_indices=None,
     debug_checks: bool = False,
-) -> SparseMlaProblem:
+) -> tuple[SparseMlaProblem, RaggedBatch | None]:
     """Validate sparse-MLA inputs before launch; raise naming the argument and the rule.
 
-    Shapes, dtypes and static arguments always. The ragged tables too when they are host
-    values (``attn_common.metadata``); under jit, with ``debug_checks=True``, the same
-    rules and the index range become ``checkify`` checks.
+    Shapes, dtypes (``q`` and ``kv`` floating) and static arguments always. The ragged tables too when they are host values
+    (``attn_common.metadata``); under jit, with ``debug_checks=True``, the same rules
+    and the index range become ``checkify`` checks. Returns the static facts and, in
+    ragged mode, the validated :class:`~attn_common.metadata.RaggedBatch`.
     """
     q_shape = array_shape(q, "q")
     if len(q_shape) != 4:
@@ -151,8 +157,8 @@ def check_sparse_mla_inputs(
         "cu_kv_lens": cu_kv_lens,
         "page_indices": page_indices,
     }
-    ragged = q_seq_id is not None
-    if not ragged:
+    ragged = None
+    if q_seq_id is None:
         given = [n for n, a in ragged_args.items() if a is not None]
         if page_size is not None:
             given.append("page_size")
@@ -168,24 +174,12 @@ def check_sparse_mla_inputs(
         missing = [n for n, a in ragged_args.items() if a is None]
         if missing:
             raise ValueError(f"{missing[0]}: missing; ragged mode needs {list(ragged_args)}")
-        if page_size is None:
-            raise ValueError("page_size: missing; ragged mode needs the cache page size")
-        page_size = _check_positive_int(page_size, "page_size")
-        if page_size % 16:
-            raise ValueError(f"page_size: got {page_size}, expected a multiple of 16")
+        page_size = check_page_size(page_size)
         if read_block != page_size:
             raise ValueError(
                 f"read_block: got {read_block}, ragged mode needs read_block == page_size "
                 f"({page_size}): a unit is one page"
             )
-        (n_tok,) = _check_int_array(q_seq_id, "q_seq_id", 1, "[S]")
-        if n_tok != num_queries:
-            raise ValueError(f"q_seq_id: got {n_tok} tokens, expected S = {num_queries}")
-        (n_seq,) = _check_int_array(seq_lens, "seq_lens", 1, "[num_seqs]")
-        (n_cu,) = _check_int_array(cu_kv_lens, "cu_kv_lens", 1, "[num_seqs + 1]")
-        if n_cu != n_seq + 1:
-            raise ValueError(f"cu_kv_lens: got {n_cu} entries, expected num_seqs + 1 = {n_seq + 1}")
-        (num_units,) = _check_int_array(page_indices, "page_indices", 1, "[total_pages]")
         pk = kv_packing(kv.dtype)
         want = (page_size // pk, pk, padded_dk(dk))
         if len(kv_shape) != 4 or kv_shape[1:] != want:
@@ -195,17 +189,19 @@ def check_sparse_mla_inputs(
                 f"[num_pages, {', '.join(map(str, want))}] for dtype {kv.dtype}"
             )
         kv_len = kv_shape[0] * page_size
-        check_ragged_metadata(
+        ragged = ragged_batch(
             q_seq_id=q_seq_id,
             seq_lens=seq_lens,
             cu_kv_lens=cu_kv_lens,
             page_indices=page_indices,
             page_size=page_size,
             num_pages=kv_shape[0],
+            num_tokens=num_queries,
             debug_checks=debug_checks,
         )
+        num_units = ragged.total_pages
     check_unit_indices(indices, num_units, debug_checks=debug_checks)
-    return SparseMlaProblem(
+    problem = SparseMlaProblem(
         batch=batch,
         num_queries=num_queries,
         heads=heads,
@@ -214,10 +210,21 @@ def check_sparse_mla_inputs(
         top_k=top_k,
         read_block=read_block,
         sm_scale=scale,
-        ragged=ragged,
+        ragged=ragged is not None,
         num_units=num_units,
         kv_len=kv_len,
     )
+    return problem, ragged
+
+
+def check_page_size(page_size) -> int:
+    """A paged cache's ``page_size``: a positive multiple of 16 (whole bf16 tiles)."""
+    if page_size is None:
+        raise ValueError("page_size: missing; ragged mode needs the cache page size")
+    page_size = _check_positive_int(page_size, "page_size")
+    if page_size % 16:
+        raise ValueError(f"page_size: got {page_size}, expected a multiple of 16")
+    return page_size
 
 
 def seq_id_from_cu_q_lens(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:

@@ -144,11 +144,12 @@ def test_flat_poisoned_unattended_rows(rb):
 def test_qblock_twin_same_result_and_knobs_checked():
     case = flat_case(3, batch=1, seq=7)
     a = _run(_flat, gpu.sparse_mla_attention, case)
-    b = _run(_flat, functools.partial(gpu.sparse_mla_attention_qblock, query_block=8), case)
+    with pytest.warns(DeprecationWarning, match="sparse_mla_attention_qblock is deprecated"):
+        b = _run(_flat, functools.partial(gpu.sparse_mla_attention_qblock, query_block=8), case)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(ValueError, match="query_block"):
-        _flat(functools.partial(gpu.sparse_mla_attention_qblock, query_block=0), case)
+        _flat(functools.partial(gpu.sparse_mla_attention, query_block=0), case)
 
 
 @pytest.mark.parametrize(
@@ -391,16 +392,17 @@ def test_kernel_running_max_moves(order):
 def test_refuses_what_the_kernel_does_not_take():
     case = flat_case(4, batch=1, seq=7)
     q, kv, idx, pos = case
-    with pytest.raises(NotImplementedError, match="bfloat16"):
-        _flat(gpu.sparse_mla_attention, (q.astype(np.float32), kv, idx, pos))
+    with pytest.raises(TypeError, match=r"kv: got dtype float32.*bfloat16"):
+        _flat(gpu.sparse_mla_attention, (q, kv.astype(np.float32), idx, pos))
     with pytest.raises(NotImplementedError, match="multiple of 128"):
         gpu.sparse_mla_attention(q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=64, read_block=16)
     wide_q, wide_kv = np.concatenate([q, q[..., :DV]], -1), np.concatenate([kv, kv[..., :DV]], -1)
-    with pytest.raises(NotImplementedError, match="Dk = kv_lora_rank"):
+    with pytest.raises(NotImplementedError, match="rope = 64"):
         _flat(gpu.sparse_mla_attention, (wide_q, wide_kv, idx, pos))
     with pytest.raises(TypeError, match="config"):
         _flat(gpu.sparse_mla_attention, case, config=(64, 1))
-    assert "bfloat16" in gpu.supports("sparse_mla_attention", q.astype(np.float32), kv)
+    assert "bfloat16" in gpu.supports("sparse_mla_attention", q, kv.astype(np.float32))
+    assert gpu.supports("sparse_mla_attention", q.astype(np.float32), kv, kv_lora_rank=DV) is None
     assert gpu.supports("sparse_mla_attention", q, kv, kv_lora_rank=DV) is None
     assert "multiple of 128" in gpu.supports("sparse_mla_attention_qblock", q, kv, kv_lora_rank=96)
     assert gpu.supports("paged_write_back", kv, kv, kv) is None

@@ -8,6 +8,9 @@ that overflows (scatter fallback). Results must be bit-identical to the scatter.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -83,8 +86,10 @@ LOC = [*range(17, 26), -1, 3, 10_000, *range(40, 51), -1, 66, *range(80, 85), 95
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_write_back_bit_identical(dtype):
     cache, rows, loc = _case(1, dtype, LOC)
-    want = ref.paged_write_back(cache, rows, loc, page_size=PAGE)
-    got = paged_write_back(cache, rows, loc, page_size=PAGE, interpret=INTERPRET)
+    # Traced loc: the slot past the cache is dropped (host values are refused).
+    want = jax.jit(functools.partial(ref.paged_write_back, page_size=PAGE))(cache, rows, loc)
+    write = functools.partial(paged_write_back, page_size=PAGE, interpret=INTERPRET)
+    got = jax.jit(write)(cache, rows, loc)
     _no_races()
     np.testing.assert_array_equal(_bits(got), _bits(want))
     assert not np.array_equal(_bits(got), _bits(cache))
@@ -111,7 +116,7 @@ def test_write_back_kernel_path_directly(dtype):
         interpret=INTERPRET,
     )
     _no_races()
-    want = ref.paged_write_back(cache, rows, loc, page_size=PAGE)
+    want = jax.jit(functools.partial(ref.paged_write_back, page_size=PAGE))(cache, rows, loc)
     np.testing.assert_array_equal(_bits(out.reshape(cache.shape)), _bits(want))
 
 
@@ -130,8 +135,11 @@ def test_write_back_fragmented_loc_falls_back(dtype):
 def test_write_back_all_dropped_and_validation():
     cache, rows, _ = _case(4, "bfloat16", [0] * 5)
     loc = jnp.asarray([-1, -1, 999, -7, -1], jnp.int32)
-    got = paged_write_back(cache, rows, loc, page_size=PAGE, interpret=INTERPRET)
+    write = functools.partial(paged_write_back, page_size=PAGE, interpret=INTERPRET)
+    got = jax.jit(write)(cache, rows, loc)  # traced: the slot past the cache is dropped
     np.testing.assert_array_equal(_bits(got), _bits(cache))
+    with pytest.raises(ValueError, match="loc: entry 2 is 999"):  # host values: refused
+        write(cache, rows, loc)
     with pytest.raises(ValueError, match="cache"):
         paged_write_back(cache, rows, loc, page_size=32)
     with pytest.raises(ValueError, match="rows"):

@@ -32,12 +32,14 @@ def supports(op: str, *args, **kwargs) -> str | None:
     if not isinstance(dv, int) or isinstance(dv, bool):
         return None  # the op's own validation names the problem
     if op in _ATTEND:
+        names = ("q", "kv")
         q, kv = _arg(args, kwargs, 0, "q"), _arg(args, kwargs, 1, "kv")
         dk = _last_dim(q)
     elif op in _PREFILL:
+        names = ("qpe", "cache")
         q, kv = _arg(args, kwargs, 0, "ql"), _arg(args, kwargs, 4, "cache")
         ql_dim, qpe_dim = _last_dim(q), _last_dim(_arg(args, kwargs, 1, "qpe"))
         dk = None if ql_dim is None or qpe_dim is None else ql_dim + qpe_dim
     else:  # paged_write_back: the XLA scatter takes every cache
         return None
-    return sparse_mla_unsupported(getattr(q, "dtype", None), getattr(kv, "dtype", None), dk, dv)
+    return sparse_mla_unsupported(None, getattr(kv, "dtype", None), dk, dv, names=names)

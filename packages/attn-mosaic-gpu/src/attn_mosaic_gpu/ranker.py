@@ -11,11 +11,10 @@ without atomics, so gradients are bitwise deterministic (checked on an H200).
 
 from __future__ import annotations
 
-import jax
-
-from attn_common import CapParams, KernelConfig, check_bounds
-from attn_common.packed import check_packed_bounds, packed_users
+from attn_common import KernelConfig
+from attn_common.packed import packed_users
 from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
+from attn_common.spec import RankerCall, public_op, ranker_call
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_bwd_pipelined import PIPELINED_HEAD_DIMS
 from attn_mosaic_gpu.ranker_fwd import (
@@ -73,62 +72,49 @@ def resolve_tuning(
     return config, backward_tuning
 
 
-def ranker_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bounds,
-    *,
-    sm_scale: float | None = None,
-    cap: CapParams | None = None,
-    config: KernelConfig | None = None,
-    backward_tuning: BackwardTuning | None = None,
-    return_lse: bool = False,
-    debug_checks: bool = False,
-    interpret=False,
-):
+@public_op(ranker_call)
+def ranker_attention(call: RankerCall, *, backward_tuning: BackwardTuning | None = None):
     """Ranker attention on Hopper; same contract as ``attn_reference.ranker_attention``.
 
-    Args:
-      q: ``[B, S, Hq, D]`` bf16 or fp16; k, v: ``[B, S, Hkv, D]``; D in {64, 128, 256}.
-      bounds: ``SegmentBounds`` or int ``[B, 4]`` / ``[4]``, or packed ``[B, U, 4]``
-        (``U`` users per row, ``attn_common.packed``; D 64 and 128); traced data.
-      sm_scale, cap, return_lse, interpret: see ``ranker_attention_fwd``.
-      config: the forward's ``KernelConfig``; ``None`` reads the tuned tables
-        (``attn_mosaic_gpu.tuning``: the user's ``attn tune`` table, then the package's
-        H200 table, then ``default_config``). An explicit config always wins.
-      backward_tuning: the backward kernels' schedule knobs (``BackwardTuning``; they use
-        fixed 64-row blocks, which ``KernelConfig`` has no field for); ``None`` reads
-        the same tables. D=256 runs the simple backward kernels, which take none.
-      debug_checks: emit ``checkify`` checks that the bounds are in range, as the
-        reference does (wrap the call in ``jax.experimental.checkify.checkify``).
-
-    Returns ``out [B, S, Hq, D]`` or ``(out, lse [B, Hq, S])``. Differentiable in q, k, v
-    (``jax.grad`` / ``jax.vjp``, under ``jit``), including through ``lse``. The forward
+    The kernels take bf16 or fp16 and D in {64, 128, 256}; packed bounds ``[B, U, 4]``
+    for D 64 and 128. ``config``: the forward's ``KernelConfig``; ``None`` reads the
+    tuned tables (``attn_mosaic_gpu.tuning``: the user's ``attn tune`` table, then the
+    package's H200 table, then ``default_config``); an explicit config always wins.
+    ``backward_tuning``: the backward kernels' schedule knobs (``BackwardTuning``; they
+    use fixed 64-row blocks, which ``KernelConfig`` has no field for); ``None`` reads the
+    same tables. D=256 runs the simple backward kernels, which take none. The forward
     kernel always computes the LSE (a residual of the backward), also when
     ``return_lse=False``; ``config`` is then validated with the LSE buffer.
     """
+    call.require(dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS, kernels="Hopper ranker")
+    if backward_tuning is not None and not isinstance(backward_tuning, BackwardTuning):
+        raise TypeError(
+            f"backward_tuning: got {type(backward_tuning).__name__}, expected BackwardTuning "
+            "or None"
+        )
+    q, p = call.q, call.problem
+    packed = call.users >= MIN_PACKED_USERS
+    if packed and p.head_dim not in PIPELINED_HEAD_DIMS:
+        raise ValueError(
+            f"bounds: got {call.users} users per row with head dim D = {p.head_dim}; the "
+            f"Hopper kernels take packed rows [B, U, 4] for D in {PIPELINED_HEAD_DIMS}; "
+            "attn_reference takes any"
+        )
+    interpret = call.interpret
     if isinstance(interpret, bool) and not interpret:
         interpret = False
-    packed = packed_users(bounds, min_users=MIN_PACKED_USERS) > 0
-    if packed and q.shape[-1] not in PIPELINED_HEAD_DIMS:
-        raise ValueError(
-            f"bounds: packed rows [B, U, 4] run on the Hopper kernels for head_dim in "
-            f"{PIPELINED_HEAD_DIMS}; got head_dim {q.shape[-1]} (the reference takes them)"
-        )
-    if debug_checks:
-        check = check_packed_bounds if packed else check_bounds
-        check(bounds, seq_len=q.shape[1])
-    config, backward_tuning = resolve_tuning(q, cap, config, backward_tuning, bounds=bounds)
+    config, backward_tuning = resolve_tuning(
+        q, p.cap, call.config, backward_tuning, bounds=call.bounds
+    )
     kwargs = (
-        ("sm_scale", sm_scale),
-        ("cap", cap),
+        ("sm_scale", p.sm_scale),
+        ("cap", p.cap),
         ("config", config),
         ("backward_tuning", backward_tuning),
         ("interpret", interpret),
     )
-    out, lse = _attention(q, k, v, bounds, kwargs)
-    return (out, lse) if return_lse else out
+    out, lse = _attention(q, call.k, call.v, call.bounds, kwargs)
+    return (out, lse) if call.return_lse else out
 
 
 def supports(op: str, *args, **kwargs) -> str | None:

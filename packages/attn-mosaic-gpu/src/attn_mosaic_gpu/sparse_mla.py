@@ -1,15 +1,15 @@
 """Sparse MLA prefill on Hopper behind the shared API names (docs/design.md).
 
-``sparse_mla_attention`` validates with ``attn_common.check_sparse_mla_inputs``, turns the
+``sparse_mla_attention`` takes the validated call of ``attn_common.spec.sparse_mla_call``, turns the
 selection (flat unit ids or ragged request-local pages, ``read_block = 1`` for the
 token-level selections of DeepSeek V3.2's indexer) into a per-query row table with
 ``attn_common.sparse_mla_units`` + ``selected_rows`` (causal bound, ``kv_len``, ``-1``,
 out-of-range ids and duplicates all resolved there, outside the kernel; the tables of
 token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the
-gather-attend kernel of ``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is the
-same computation: the query-blocked union schedule is a TPU design, and on Hopper each
-program gathers its own token's rows, so the TPU knobs are validated and do not change
-anything. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
+gather-attend kernel of ``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is a
+deprecated second name for it: the query-blocked union schedule is a TPU design, and on
+Hopper each program gathers its own token's rows, so the TPU knobs are validated and do
+not change anything. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
 and the two ``prefill_write_and_attend_ragged`` wrappers compose it with the kernel,
 which reads their ``ql`` and ``qpe`` apart (no joined copy of Q).
 """
@@ -17,18 +17,28 @@ which reads their ``ql`` and ``qpe`` apart (no joined copy of Q).
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
 
 from attn_common import (
-    check_sparse_mla_inputs,
     selected_rows,
     sparse_mla_units,
     write_back_by_scatter,
     write_then_attend,
 )
-from attn_common.sparse_mla import check_qblock_knobs, empty_result
+from attn_common.sparse_mla import empty_result
+from attn_common.spec import (
+    PrefillCall,
+    SparseMlaCall,
+    WriteBackCall,
+    prefill_call,
+    public_op,
+    sparse_mla_call,
+    write_back_call,
+)
 from attn_mosaic_gpu import row_sort
 from attn_mosaic_gpu.sparse_mla_kernel import (
     ROPE,
@@ -50,109 +60,67 @@ KERNEL_DTYPE = jnp.bfloat16
 _VALUE_MULTIPLE = 128  # each compute warpgroup takes Dv / 2 value columns, whole 64-wide tiles
 
 
-def sparse_mla_unsupported(q_dtype, kv_dtype, dk: int | None, dv: int | None) -> str | None:
-    """Why the Hopper kernel cannot take these static facts (``None``: it can)."""
-    for name, dtype in (("q", q_dtype), ("kv", kv_dtype)):
-        if dtype is not None and jnp.dtype(dtype) != KERNEL_DTYPE:
-            return f"{name}: got dtype {jnp.dtype(dtype).name}, the Hopper kernel takes bfloat16"
+def sparse_mla_unsupported(
+    q_dtype, kv_dtype, dk: int | None, dv: int | None, *, names=("q", "kv")
+) -> str | None:
+    """Why the Hopper kernel cannot take these static facts (``None``: it can).
+
+    ``q_dtype`` is not a limit (the query is cast to the cache's dtype); ``names`` are
+    the query's and the cache's argument names (``("qpe", "cache")`` for the
+    write-then-attend wrappers, whose rope width is ``qpe``'s last dim).
+    """
+    del q_dtype
+    q_name, kv_name = names
+    if kv_dtype is not None and jnp.dtype(kv_dtype) != KERNEL_DTYPE:
+        return (
+            f"{kv_name}: got dtype {jnp.dtype(kv_dtype).name}, the Hopper kernel takes a "
+            "bfloat16 cache"
+        )
     if dv is not None and (dv % _VALUE_MULTIPLE or dv < _VALUE_MULTIPLE):
-        return f"kv_lora_rank: got {dv}, the Hopper kernel needs a multiple of {_VALUE_MULTIPLE}"
+        return (
+            f"kv_lora_rank: got {dv}, the Hopper kernel needs a positive multiple of "
+            f"{_VALUE_MULTIPLE}"
+        )
     if dk is not None and dv is not None and dk != dv + ROPE:
         return (
-            f"q: got head dim {dk} with kv_lora_rank {dv}; the Hopper kernel takes "
-            f"Dk = kv_lora_rank + {ROPE}"
+            f"{q_name}: got a rope width of {dk - dv} (Dk = {dk}, kv_lora_rank = {dv}), the "
+            f"Hopper kernel takes rope = {ROPE} (Dk = kv_lora_rank + {ROPE})"
         )
     return None
 
 
-def sparse_mla_attention(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    config: SparseMlaKernelConfig | None = None,
-    interpret: object = False,
-    debug_checks: bool = False,
-):
+@public_op(sparse_mla_call)
+def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig | None = None):
     """Sparse MLA attention over selected KV units on Hopper; the reference's contract.
 
-    Flat mode: ``q [B, S, H, Dk]`` bf16, ``kv [B, T, Dk]`` bf16, ``indices [B, S, K]``
-    unit ids (a unit is ``read_block`` tokens, ``1`` for token-level selections; ``-1``
-    or out of range = none; duplicates count once), ``positions [B, S]``. Ragged paged
-    mode (``q_seq_id`` given): ``B == 1``, ``kv`` the paged cache ``[num_pages,
-    page_size // 2, 2, Dk_pad]``, ``indices`` request-local page ids
-    (``attn_common.sparse_mla``). ``Dk = kv_lora_rank + 64``, ``kv_lora_rank`` a multiple
-    of 128; any ``H`` (padded to 64-head groups); cache rows no query attends may hold
-    anything (NaN, Inf). ``config``: the kernel's ``SparseMlaKernelConfig``.
-    ``interpret=True`` runs the kernel in Mosaic GPU interpret mode on the CPU.
-
-    Returns ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse [B, S, H])``
-    (natural log; a query with no valid key gets ``out = 0``, ``lse = -inf``).
+    The kernel takes a bfloat16 cache (the query takes its dtype), ``Dk = kv_lora_rank +
+    64`` with ``kv_lora_rank`` a multiple of 128, and any ``H`` (padded to 64-head
+    groups); ``read_block = 1`` serves token-level selections. Cache rows no query
+    attends may hold anything (NaN, Inf). The query-blocked knobs are validated and
+    change nothing (each program gathers its own token's rows). ``config``: the kernel's
+    ``SparseMlaKernelConfig``. ``interpret=True`` runs the kernel in Mosaic GPU
+    interpret mode on the CPU.
     """
-    return _sparse_mla(
-        q, None, kv, indices, positions, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
-        read_block=read_block, return_lse=return_lse, page_size=page_size,
-        q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices, config=config, interpret=interpret,
-        debug_checks=debug_checks,
-    )  # fmt: skip
-
-
-def _sparse_mla(
-    q, q_rope, kv, indices, positions, *, sm_scale, kv_lora_rank, read_block, return_lse,
-    page_size, q_seq_id, seq_lens, cu_kv_lens, page_indices, config, interpret, debug_checks,
-):  # fmt: skip
-    """``sparse_mla_attention``; with ``q_rope`` (``[B, S, H, 64]``) ``q`` holds only the
-    latent features ``[B, S, H, kv_lora_rank]`` and the kernel reads the two apart."""
-    joined = q
-    if q_rope is not None:  # validated as the [B, S, H, Dk] query they make up
-        joined = jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] + q_rope.shape[-1]), q.dtype)
-    problem = check_sparse_mla_inputs(
-        joined,
-        kv,
-        indices,
-        positions,
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=read_block,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        debug_checks=debug_checks,
-    )
-    reason = sparse_mla_unsupported(q.dtype, kv.dtype, problem.dk, problem.dv)
+    problem = call.problem
+    q_rope = None
+    q = call.q
+    if isinstance(q, tuple):  # (latent, rope): the write-then-attend wrappers' query
+        q, q_rope = q
+    names = ("qpe", "cache") if q_rope is not None else ("q", "kv")
+    reason = sparse_mla_unsupported(None, call.kv.dtype, problem.dk, problem.dv, names=names)
     if reason is not None:
-        raise NotImplementedError(reason + " (attn_reference.sparse_mla_attention takes it)")
+        error = TypeError if "dtype" in reason else NotImplementedError
+        raise error(reason + "; attn_reference takes any")
     if config is not None and not isinstance(config, SparseMlaKernelConfig):
         raise TypeError(
             f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
         )
     config = config or SparseMlaKernelConfig()
-    interpret = resolve_interpret(interpret)
+    interpret = resolve_interpret(call.interpret)
     if problem.is_empty:
-        return empty_result(problem, return_lse)
+        return empty_result(problem, call.return_lse)
     units, store = sparse_mla_units(
-        problem,
-        kv,
-        indices,
-        positions,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
+        problem, call.kv, call.indices, call.positions, **call.ragged_kwargs()
     )
     if q_rope is not None:
         q_rope = q_rope.reshape(-1, problem.heads, ROPE)
@@ -169,7 +137,7 @@ def _sparse_mla(
     )
     shape = (problem.batch, problem.num_queries, problem.heads)
     out = out.reshape(*shape, problem.dv)
-    return (out, lse.reshape(shape)) if return_lse else out
+    return (out, lse.reshape(shape)) if call.return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "config", "interpret"))
@@ -189,106 +157,49 @@ def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, config, interp
     )  # fmt: skip
 
 
-def sparse_mla_attention_qblock(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    head_block: int | None = None,
-    config: SparseMlaKernelConfig | None = None,
-    interpret: object = False,
-    debug_checks: bool = False,
-):
-    """``sparse_mla_attention``'s twin under the query-blocked name: the same kernel.
+def sparse_mla_attention_qblock(*args, **kwargs):
+    """Deprecated: the same kernel as :func:`sparse_mla_attention` under a second name.
 
-    ``query_block``, ``u_max`` and ``head_block`` tune the TPU's query-blocked schedule;
-    they are validated (positive ints or ``None``) and change nothing here.
+    The query-blocked schedule is a TPU design; on Hopper ``query_block``, ``u_max`` and
+    ``head_block`` are validated and change nothing, and ``sparse_mla_attention`` takes
+    them too. Call that instead; this name goes in the next release. (The front door's
+    ``attn_common.sparse_mla_attention_qblock`` keeps working and runs the same kernel.)
     """
-    check_qblock_knobs(query_block, u_max, head_block)
-    return sparse_mla_attention(
-        q, kv, indices, positions, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
-        read_block=read_block, return_lse=return_lse, page_size=page_size,
-        q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices, config=config, interpret=interpret,
-        debug_checks=debug_checks,
-    )  # fmt: skip
+    warnings.warn(
+        "attn_mosaic_gpu.sparse_mla_attention_qblock is deprecated: it is the same kernel as "
+        "attn_mosaic_gpu.sparse_mla_attention, which takes the same arguments; use that",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return sparse_mla_attention(*args, **kwargs)
 
 
-def paged_write_back(
-    cache: jax.Array,
-    rows: jax.Array,
-    loc: jax.Array,
-    *,
-    page_size: int,
-    r_cap: int | None = None,
-    interpret: object = False,
-) -> jax.Array:
+sparse_mla_attention_qblock.__signature__ = inspect.signature(sparse_mla_attention)
+sparse_mla_attention_qblock.impl = sparse_mla_attention.impl  # the front door's entry
+
+
+@public_op(write_back_call)
+def paged_write_back(call: WriteBackCall) -> jax.Array:
     """``cache[loc[t]] = rows[t]`` for every ``loc[t] >= 0``, as an XLA scatter on the GPU.
 
-    Bit-identical to ``attn_reference.paged_write_back`` (the same scatter); see it for
-    the arguments. ``r_cap`` and ``interpret`` are accepted for API parity.
+    Bit-identical to ``attn_reference.paged_write_back`` (the same scatter). ``r_cap``
+    and ``interpret`` are accepted for API parity.
     """
-    del r_cap, interpret
-    return write_back_by_scatter(cache, rows, loc, page_size)
+    return write_back_by_scatter(call)
 
 
+@public_op(prefill_call)
 def prefill_write_and_attend_ragged(
-    ql: jax.Array,
-    qpe: jax.Array,
-    kvc: jax.Array,
-    kpe: jax.Array,
-    cache: jax.Array,
-    topk_pages: jax.Array,
-    positions: jax.Array,
-    loc: jax.Array,
-    seq_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    cu_kv_lens: jax.Array,
-    page_indices: jax.Array,
-    *,
-    kv_lora_rank: int,
-    page_size: int,
-    sm_scale: float,
-    interpret: object = False,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    config: SparseMlaKernelConfig | None = None,
-    debug_checks: bool = False,
+    call: PrefillCall, *, config: SparseMlaKernelConfig | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (ragged mode).
 
-    Same arguments and result as ``attn_reference.prefill_write_and_attend_ragged``:
-    ``(out [T, H, kv_lora_rank] float32, new_cache)``. ``query_block`` / ``u_max`` are
-    validated and change nothing on Hopper. The kernel reads ``ql`` and ``qpe`` where
-    they are: joining them first would copy all of Q (0.3-0.4 ms for 4096 tokens x 128
-    heads on the H200, docs/sparse_mla_gpu.md).
+    ``query_block`` / ``u_max`` are validated and change nothing on Hopper. The kernel
+    reads ``ql`` and ``qpe`` where they are: joining them first would copy all of Q
+    (0.3-0.4 ms for 4096 tokens x 128 heads on the H200, docs/sparse_mla_gpu.md).
     """
-    check_qblock_knobs(query_block, u_max, None)
-    return write_then_attend(
-        paged_write_back, _attend_q_parts, ql, qpe, kvc, kpe, cache, topk_pages,
-        positions, loc, seq_lens, cu_q_lens, cu_kv_lens, page_indices,
-        kv_lora_rank=kv_lora_rank, page_size=page_size, sm_scale=sm_scale, split_q=True,
-        config=config, interpret=interpret, debug_checks=debug_checks,
-    )  # fmt: skip
-
-
-def _attend_q_parts(q_parts, kv, indices, positions, **kwargs):
-    """``write_then_attend``'s ``attend`` with ``split_q``: ``q_parts = (ql, qpe)``."""
-    ql, qpe = q_parts
-    kwargs.setdefault("return_lse", False)
-    return _sparse_mla(ql, qpe, kv, indices, positions, **kwargs)
+    attend = functools.partial(sparse_mla_attention.impl, config=config)
+    return write_then_attend(paged_write_back.impl, attend, call, split_q=True)
 
 
 prefill_write_and_attend_ragged_qblock = prefill_write_and_attend_ragged

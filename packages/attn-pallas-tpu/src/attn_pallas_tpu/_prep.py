@@ -25,12 +25,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import (
     SparseMlaProblem,
-    check_sparse_mla_inputs,
     lift_ragged_indices,
     ragged_query_info,
     sanitize_unit_ids,
 )
 from attn_common.sparse_mla_plan import TpuChip, chip_for_device_kind
+from attn_common.spec import SparseMlaCall, require_kernel
 
 SUBLANE = 8
 ROW_MULTIPLE = 16  # read_block rule of the TPU kernels: bf16 sublane packing (16, 128)
@@ -57,21 +57,20 @@ def default_chip() -> TpuChip:
     return chip_for_device_kind(device.device_kind if device.platform == "tpu" else None)
 
 
-def check_tpu_sparse_mla_inputs(q, kv, indices, positions, **kwargs) -> SparseMlaProblem:
-    """The shared contract plus the TPU kernels' rules (dtypes, ``read_block % 16``)."""
-    problem = check_sparse_mla_inputs(q, kv, indices, positions, **kwargs)
-    for name, x in (("q", q), ("kv", kv)):
-        if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
-            raise TypeError(
-                f"{name}: got dtype {x.dtype}, the TPU kernels take float32 or bfloat16"
-            )
+def require_tpu_kernels(call: SparseMlaCall) -> SparseMlaProblem:
+    """The TPU kernels' limits on a validated call: float32 or bfloat16 cache (the query
+    takes its dtype) and ``read_block % 16 == 0``; returns the problem."""
+    problem = call.problem
+    require_kernel(
+        "kv", jnp.dtype(call.kv.dtype).name, [d.name for d in KERNEL_DTYPES], what="dtype",
+        kernels="TPU sparse-MLA",
+    )  # fmt: skip
     if problem.read_block % ROW_MULTIPLE:
-        raise ValueError(
+        raise NotImplementedError(
             f"read_block: got {problem.read_block}, the TPU kernels need a multiple of "
-            f"{ROW_MULTIPLE} (one unit is DMA'd as whole bf16 sublane tiles)"
+            f"{ROW_MULTIPLE} (one unit is DMA'd as whole bf16 sublane tiles); "
+            "attn_reference takes any"
         )
-    if problem.ragged and kv.shape[-1] != problem.dk_pad:  # also checked by the contract
-        raise ValueError(f"kv: got last dim {kv.shape[-1]}, expected Dk_pad = {problem.dk_pad}")
     return problem
 
 

@@ -34,8 +34,6 @@ dropped before the table is built, so no run can write outside the pool.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -45,11 +43,11 @@ from attn_common import (
     TOKEN_RUN,
     WORD_RUN,
     build_write_runs,
-    check_write_back_inputs,
     default_write_run_cap,
     keep_last_writes,
     write_then_attend,
 )
+from attn_common.spec import PrefillCall, WriteBackCall, prefill_call, public_op, write_back_call
 from attn_pallas_tpu._prep import resolve_interpret
 from attn_pallas_tpu.sparse_mla import sparse_mla_attention
 from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
@@ -157,40 +155,25 @@ def _scatter(cache, rows, loc):
     return flat.reshape(cache.shape)
 
 
-def paged_write_back(
-    cache: jax.Array,
-    rows: jax.Array,
-    loc: jax.Array,
-    *,
-    page_size: int,
-    r_cap: int | None = None,
-    interpret: bool | pltpu.InterpretParams = False,
-) -> jax.Array:
+@public_op(write_back_call)
+def paged_write_back(call: WriteBackCall) -> jax.Array:
     """``cache[loc[t]] = rows[t]`` for every valid ``loc[t]``, in place; returns the cache.
 
-    Args:
-      cache: paged cache ``[num_pages, page_size // pk, pk, D]`` (``pk`` =
-        ``attn_common.kv_packing(dtype)``); flat slot ``s`` is page ``s // page_size``,
-        row ``s % page_size``. Donate it (``jax.jit(..., donate_argnums=...)``) for a
-        true in-place update.
-      rows: ``[T, D]`` new rows, cast to the cache dtype.
-      loc: int ``[T]`` flat slot per row; negative or ``>= num_pages * page_size`` rows
-        are dropped. A slot listed more than once takes the last of its rows (largest
-        ``t``), as a sequential write would (``attn_common.keep_last_writes``).
-      r_cap: run-table size (static); default ``attn_common.default_write_run_cap``.
-        More contiguous runs than this fall back to the XLA scatter.
+    Donate the cache (``jax.jit(..., donate_argnums=...)``) for a true in-place update.
+    ``r_cap``: run-table size (static); default ``attn_common.default_write_run_cap``;
+    more contiguous runs than this fall back to the XLA scatter (bit-identical).
     """
-    num_pages, _, pk, feat = check_write_back_inputs(cache, rows, loc, page_size)
+    cache, rows, loc, page_size = call.cache, call.rows, call.loc, call.page_size
+    _, _, pk, feat = cache.shape
     num_tokens = rows.shape[0]
+    r_cap = call.r_cap
     if r_cap is None:
         r_cap = default_write_run_cap(num_tokens, page_size)
-    if isinstance(r_cap, bool) or not isinstance(r_cap, int) or r_cap < 1:
-        raise ValueError(f"r_cap: got {r_cap!r}, expected a positive int")
-    interpret = resolve_interpret(interpret)
+    interpret = resolve_interpret(call.interpret)
     if num_tokens == 0:
         return cache
 
-    slots = num_pages * page_size
+    slots = call.slots
     # Out-of-range slots dropped, a repeated slot kept only for its last row: the runs
     # never overlap, so DMA order cannot matter, and the result is the sequential write.
     loc = keep_last_writes(loc, slots)
@@ -215,118 +198,19 @@ def paged_write_back(
     return jax.lax.cond(runs.num_runs <= r_cap, kernel, scatter, cache)
 
 
-def _prefill(attend, *args, kv_lora_rank, page_size, sm_scale, interpret, **attend_kwargs):
-    write_back = functools.partial(paged_write_back, interpret=interpret)
-    return write_then_attend(
-        write_back, attend, *args, kv_lora_rank=kv_lora_rank, page_size=page_size,
-        sm_scale=sm_scale, interpret=interpret, **attend_kwargs,
-    )  # fmt: skip
-
-
-def prefill_write_and_attend_ragged(
-    ql: jax.Array,
-    qpe: jax.Array,
-    kvc: jax.Array,
-    kpe: jax.Array,
-    cache: jax.Array,
-    topk_pages: jax.Array,
-    positions: jax.Array,
-    loc: jax.Array,
-    seq_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    cu_kv_lens: jax.Array,
-    page_indices: jax.Array,
-    *,
-    kv_lora_rank: int,
-    page_size: int,
-    sm_scale: float,
-    interpret: bool | pltpu.InterpretParams = False,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    debug_checks: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+@public_op(prefill_call)
+def prefill_write_and_attend_ragged(call: PrefillCall) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (per-query kernel).
 
-    Args:
-      ql: ``[T, H, kv_lora_rank]`` absorbed latent query; qpe: ``[T, H, rope]``.
-      kvc: ``[T, kv_lora_rank]`` new latents; kpe: ``[T, rope]`` (or ``[T, 1, rope]``).
-      cache: ``[num_pages, page_size // pk, pk, Dk_pad]``, Dk_pad = kv_lora_rank + rope
-        rounded up to 128.
-      topk_pages: ``[T, K]`` request-local page ids (``-1`` = none).
-      positions: ``[T]`` request-local query positions. loc: ``[T]`` flat cache slot.
-      seq_lens / cu_q_lens / cu_kv_lens / page_indices: the packed ragged tables.
-      query_block / u_max: ignored here; accepted so the ``_qblock`` twin is a drop-in.
-      debug_checks: checkify the ragged tables and indices under jit.
-
-    Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
+    ``query_block`` / ``u_max`` are validated and ignored here; accepted so the
+    ``_qblock`` twin is a drop-in.
     """
-    del query_block, u_max
-    return _prefill(
-        sparse_mla_attention,
-        ql,
-        qpe,
-        kvc,
-        kpe,
-        cache,
-        topk_pages,
-        positions,
-        loc,
-        seq_lens,
-        cu_q_lens,
-        cu_kv_lens,
-        page_indices,
-        kv_lora_rank=kv_lora_rank,
-        page_size=page_size,
-        sm_scale=sm_scale,
-        interpret=interpret,
-        debug_checks=debug_checks,
-    )
+    return write_then_attend(paged_write_back.impl, sparse_mla_attention.impl, call)
 
 
-def prefill_write_and_attend_ragged_qblock(
-    ql: jax.Array,
-    qpe: jax.Array,
-    kvc: jax.Array,
-    kpe: jax.Array,
-    cache: jax.Array,
-    topk_pages: jax.Array,
-    positions: jax.Array,
-    loc: jax.Array,
-    seq_lens: jax.Array,
-    cu_q_lens: jax.Array,
-    cu_kv_lens: jax.Array,
-    page_indices: jax.Array,
-    *,
-    kv_lora_rank: int,
-    page_size: int,
-    sm_scale: float,
-    interpret: bool | pltpu.InterpretParams = False,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    debug_checks: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+@public_op(prefill_call)
+def prefill_write_and_attend_ragged_qblock(call: PrefillCall) -> tuple[jax.Array, jax.Array]:
     """Same as :func:`prefill_write_and_attend_ragged`, attending with the query-blocked
     kernel (``query_block`` queries per program and ``u_max`` union slots per chunk;
     ``None`` = the automatic tiling of :func:`sparse_mla_attention_qblock`)."""
-    return _prefill(
-        sparse_mla_attention_qblock,
-        ql,
-        qpe,
-        kvc,
-        kpe,
-        cache,
-        topk_pages,
-        positions,
-        loc,
-        seq_lens,
-        cu_q_lens,
-        cu_kv_lens,
-        page_indices,
-        kv_lora_rank=kv_lora_rank,
-        page_size=page_size,
-        sm_scale=sm_scale,
-        interpret=interpret,
-        query_block=query_block,
-        u_max=u_max,
-        debug_checks=debug_checks,
-    )
+    return write_then_attend(paged_write_back.impl, sparse_mla_attention_qblock.impl, call)

@@ -44,10 +44,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.sparse_mla import empty_result
+from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._prep import (
     SUBLANE,
-    check_tpu_sparse_mla_inputs,
     pad_features,
+    require_tpu_kernels,
     resolve_interpret,
     unit_space,
 )
@@ -200,72 +201,30 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
     )(meta, src8.reshape(n, 1, top_k), kb.reshape(n, 1, top_k), q, store)
 
 
-def sparse_mla_attention(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    interpret: bool | pltpu.InterpretParams = False,
-    debug_checks: bool = False,
-):
+@public_op(sparse_mla_call)
+def sparse_mla_attention(call: SparseMlaCall):
     """Sparse MLA attention, one TPU program per query (DeepSeek sparse attention prefill).
 
-    Flat mode: ``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]`` int unit ids
-    (a unit is ``read_block`` tokens; ``-1`` or out of range = none; duplicates count
-    once), ``positions [B, S]``. Ragged paged mode (``q_seq_id`` given): ``B == 1``,
-    ``kv`` the paged cache ``[num_pages, page_size // pk, pk, Dk_pad]``, ``indices``
-    request-local page ids, ``read_block == page_size``; the layout is defined in
-    ``attn_common.sparse_mla``. dtypes: float32 or bfloat16; ``read_block % 16 == 0``.
-
-    Returns ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse [B, S, H])`` with
-    ``return_lse=True`` (natural log; ``-inf`` and ``out == 0`` for a query with no
-    valid key; empty work, ``S``, ``K`` or ``T`` = 0, gives the same). ``interpret``:
-    ``True`` or a ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU).
-    The ragged tables are checked before launch when they are host values;
-    ``debug_checks=True`` checks them and the index range under jit through checkify
-    (``attn_common.metadata``). Cache rows no query attends may hold anything.
+    The kernel takes a float32 or bfloat16 cache (the query takes its dtype) and
+    ``read_block % 16 == 0``; the query-blocked knobs are validated and ignored here
+    (``sparse_mla_attention_qblock`` uses them). ``interpret``: ``True`` or a
+    ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU). Empty work
+    (``S``, ``K`` or ``T`` = 0) gives ``out == 0``, ``lse == -inf``. Cache rows no query
+    attends may hold anything.
     """
-    problem = check_tpu_sparse_mla_inputs(
-        q,
-        kv,
-        indices,
-        positions,
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=read_block,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        debug_checks=debug_checks,
-    )
-    interpret = resolve_interpret(interpret)
+    problem = require_tpu_kernels(call)
+    interpret = resolve_interpret(call.interpret)
     if problem.is_empty:
-        return empty_result(problem, return_lse)
+        return empty_result(problem, call.return_lse)
     return _per_query(
         problem,
-        q,
-        kv,
-        indices,
-        positions,
-        return_lse=return_lse,
+        call.q,
+        call.kv,
+        call.indices,
+        call.positions,
+        return_lse=call.return_lse,
         interpret=interpret,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
+        **call.ragged_kwargs(),
     )
 
 

@@ -76,7 +76,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_common.metadata import is_concrete
-from attn_common.sparse_mla import check_qblock_knobs, empty_result
+from attn_common.sparse_mla import empty_result
 from attn_common.sparse_mla_plan import (
     VMEM_USABLE_FRACTION,
     block_union_sizes,
@@ -87,11 +87,12 @@ from attn_common.sparse_mla_plan import (
     qblock_vmem_bytes,
     static_qblock_config,
 )
+from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._prep import (
     SUBLANE,
-    check_tpu_sparse_mla_inputs,
     default_chip,
     pad_features,
+    require_tpu_kernels,
     resolve_interpret,
     unit_source,
     unit_space,
@@ -330,34 +331,12 @@ def _qblock_call(
     )(unions, kb, src8, lim, member, q5, store)
 
 
-def sparse_mla_attention_qblock(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    head_block: int | None = None,
-    max_rows: int = MAX_ROWS,
-    interpret: bool | pltpu.InterpretParams = False,
-    debug_checks: bool = False,
-):
+@public_op(sparse_mla_call)
+def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS):
     """Sparse MLA attention, query-blocked: one program per (query block, head group).
 
-    Same arguments and results as :func:`attn_pallas_tpu.sparse_mla_attention` (flat
-    ``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]``, ``positions [B, S]``;
-    or ragged paged mode with ``q_seq_id`` etc.), returning ``out [B, S, H, Dv]`` float32
-    and optionally ``lse [B, S, H]``. None of the knobs changes the answer:
+    Same arguments and results as :func:`attn_pallas_tpu.sparse_mla_attention`. None of
+    the knobs changes the answer:
 
     query_block: queries per program (``QB``, a multiple of 8). ``None`` together with
       ``head_block=None`` (the default) plans the tiling automatically (below).
@@ -375,36 +354,18 @@ def sparse_mla_attention_qblock(
     (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel
     whenever the query-blocked one would move more KV bytes.
     """
-    problem = check_tpu_sparse_mla_inputs(
-        q,
-        kv,
-        indices,
-        positions,
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=read_block,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        debug_checks=debug_checks,
-    )
-    check_qblock_knobs(query_block, u_max, head_block)
+    problem = require_tpu_kernels(call)
+    q, kv, indices, positions = call.q, call.kv, call.indices, call.positions
+    query_block, u_max, head_block = call.query_block, call.u_max, call.head_block
+    return_lse = call.return_lse
     if query_block is not None and query_block % SUBLANE:
         raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
     if head_block is not None:
         _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
-    interpret = resolve_interpret(interpret)
+    interpret = resolve_interpret(call.interpret)
     if problem.is_empty:
         return empty_result(problem, return_lse)
-    ragged = dict(
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-    )
+    ragged = call.ragged_kwargs()
     space = unit_space(problem, kv, indices, positions, **ragged)
     per_query = functools.partial(
         _per_query, problem, q, kv, indices, positions, return_lse=return_lse,
@@ -412,7 +373,7 @@ def sparse_mla_attention_qblock(
     )  # fmt: skip
     qblock = functools.partial(
         _qblock, problem, q, kv, space, return_lse=return_lse, interpret=interpret,
-        page_size=page_size, page_indices=page_indices,
+        page_size=ragged["page_size"], page_indices=ragged["page_indices"],
     )  # fmt: skip
     shape_args = dict(
         heads=problem.heads,

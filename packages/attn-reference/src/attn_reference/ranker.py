@@ -15,22 +15,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from attn_common import (
-    CapParams,
-    KernelConfig,
-    SegmentBounds,
-    cap_forward,
-    check_bounds,
-    check_ranker_inputs,
-)
-from attn_common.packed import (
-    check_packed_bounds,
-    normalize_packed_bounds,
-    ranker_mask_packed,
-    validate_packed_bounds,
-)
+from attn_common import CapParams, cap_forward
+from attn_common.packed import normalize_packed_bounds, ranker_mask_packed
+from attn_common.spec import RankerCall, public_op, ranker_call
 
 # Largest score chunk [B, Hq, chunk, S] the reference materialises at once (elements).
 _CHUNK_ELEMENTS = 1 << 25
@@ -87,62 +75,22 @@ def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk
     return out.astype(q.dtype), lse.astype(lse_dtype)
 
 
-def ranker_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bounds,
-    *,
-    sm_scale: float | None = None,
-    cap: CapParams | None = None,
-    config: KernelConfig | None = None,
-    return_lse: bool = False,
-    debug_checks: bool = False,
-    interpret: object = None,
-):
-    """Ranker attention: history + isolated candidates, soft cap, GQA.
+@public_op(ranker_call)
+def ranker_attention(call: RankerCall):
+    """Ranker attention (reference): history + isolated candidates, soft cap, GQA.
 
-    Args:
-      q: ``[B, S, Hq, D]`` float. k, v: ``[B, S, Hkv, D]``, same dtype, ``Hq % Hkv == 0``.
-      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]`` = (history_lo,
-        history_hi, candidate_lo, candidate_hi); or packed ``[B, U, 4]`` / ``[1, U, 4]``:
-        ``U`` users per row, each with its own segments, a token attending only within
-        its own user (``attn_common.packed``; unused slots all-zero). Data, so it may be
-        traced. Values are clipped to ``[0, S]``. Overlapping users are refused: host
-        values raise ``ValueError``; traced ones are reported under ``debug_checks``.
-      sm_scale: logit scale, default ``1/sqrt(D)``.
-      cap: ``CapParams`` soft cap applied after scaling, or ``None``.
-      config: accepted for API parity with the kernels; the reference has no tiling.
-      return_lse: also return ``lse [B, Hq, S]`` float32 (natural log; ``-inf`` for rows
-        with no allowed key).
-      debug_checks: emit ``checkify`` checks that bounds are in range and, for packed
-        bounds, that users are disjoint (wrap the call in
-        ``jax.experimental.checkify.checkify`` to receive them).
-      interpret: accepted and ignored, so one call site serves every backend.
-
-    Returns:
-      ``out [B, S, Hq, D]`` in q's dtype, or ``(out, lse)``. Differentiable in q, k, v,
-      including through ``lse``.
+    Plain JAX, any float dtype and head dim; ``config`` and ``interpret`` are accepted
+    and ignored, so one call site serves every backend.
     """
-    del interpret
-    problem = check_ranker_inputs(q, k, v, sm_scale=sm_scale, cap=cap)
-    if config is not None and not isinstance(config, KernelConfig):
-        raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
-    packed = not isinstance(bounds, SegmentBounds) and len(np.shape(bounds)) == 3
-    if debug_checks:
-        if packed:
-            check_packed_bounds(bounds, seq_len=problem.seq_len)
-        else:
-            check_bounds(bounds, seq_len=problem.seq_len)
-    clipped = normalize_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
-    validate_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
+    p = call.problem
+    clipped = normalize_packed_bounds(call.bounds, batch=p.batch, seq_len=p.seq_len)
     out, lse = _ranker_reference(
-        q,
-        k,
-        v,
+        call.q,
+        call.k,
+        call.v,
         clipped,
-        sm_scale=problem.sm_scale,
-        cap=problem.cap,
-        chunk=_query_chunk(problem.batch, problem.q_heads, problem.seq_len),
+        sm_scale=p.sm_scale,
+        cap=p.cap,
+        chunk=_query_chunk(p.batch, p.q_heads, p.seq_len),
     )
-    return (out, lse) if return_lse else out
+    return (out, lse) if call.return_lse else out

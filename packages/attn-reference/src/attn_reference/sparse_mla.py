@@ -18,8 +18,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn_common import UnitRows, check_sparse_mla_inputs, sparse_mla_units
-from attn_common.sparse_mla import check_qblock_knobs, empty_result
+from attn_common import UnitRows, sparse_mla_units
+from attn_common.sparse_mla import empty_result
+from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 
 _CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
 
@@ -81,65 +82,25 @@ def _attend_units(q, store, units: UnitRows, *, sm_scale, dv, read_block, chunk)
     return out.reshape(-1, heads, dv)[:n], lse.reshape(-1, heads)[:n]
 
 
-def sparse_mla_attention(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    interpret: object = False,
-    debug_checks: bool = False,
-):
-    """Sparse MLA attention over selected KV units (DeepSeek sparse attention prefill).
+@public_op(sparse_mla_call)
+def sparse_mla_attention(call: SparseMlaCall):
+    """Sparse MLA attention over selected KV units (reference, plain JAX, any float).
 
-    Flat mode: ``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]`` int unit ids
-    (unit = ``read_block`` tokens; ``-1`` or out-of-range = none; duplicates count once),
-    ``positions [B, S]``. Ragged paged mode (``q_seq_id`` given): ``B == 1``, ``kv`` the
-    paged cache ``[num_pages, page_size // pk, pk, Dk_pad]``, ``indices`` request-local
-    page ids; see ``attn_common.sparse_mla`` for the layout.
-
-    Returns ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse [B, S, H])``.
+    The query-blocked knobs (``query_block``, ``u_max``, ``head_block``) tune the TPU
+    kernel and never change the answer: the reference validates them and computes the
+    exact result. ``interpret`` is accepted and ignored.
     """
-    del interpret
-    problem = check_sparse_mla_inputs(
-        q,
-        kv,
-        indices,
-        positions,
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=read_block,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        debug_checks=debug_checks,
-    )
+    problem = call.problem
     if problem.is_empty:
-        return empty_result(problem, return_lse)
+        return empty_result(problem, call.return_lse)
+    q = call.q
+    if isinstance(q, tuple):  # (latent, rope) parts from a write-then-attend wrapper
+        q = jnp.concatenate(q, axis=-1)
     batch, seq, heads, dk = q.shape
     units, store = sparse_mla_units(
-        problem,
-        kv,
-        indices,
-        positions,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
+        problem, call.kv, call.indices, call.positions, **call.ragged_kwargs()
     )
-    per_query = problem.top_k * read_block * dk
+    per_query = problem.top_k * problem.read_block * dk
     chunk = max(1, min(batch * seq, _CHUNK_ELEMENTS // max(1, per_query)))
     out, lse = _attend_units(
         q.reshape(batch * seq, heads, dk),
@@ -147,56 +108,13 @@ def sparse_mla_attention(
         units,
         sm_scale=problem.sm_scale,
         dv=problem.dv,
-        read_block=read_block,
+        read_block=problem.read_block,
         chunk=chunk,
     )
     out = out.reshape(batch, seq, heads, problem.dv)
     lse = lse.reshape(batch, seq, heads)
-    return (out, lse) if return_lse else out
+    return (out, lse) if call.return_lse else out
 
 
-def sparse_mla_attention_qblock(
-    q: jax.Array,
-    kv: jax.Array,
-    indices: jax.Array,
-    positions: jax.Array,
-    *,
-    sm_scale: float,
-    kv_lora_rank: int = 512,
-    read_block: int = 128,
-    return_lse: bool = False,
-    page_size: int | None = None,
-    q_seq_id: jax.Array | None = None,
-    seq_lens: jax.Array | None = None,
-    cu_kv_lens: jax.Array | None = None,
-    page_indices: jax.Array | None = None,
-    query_block: int | None = None,
-    u_max: int | None = None,
-    head_block: int | None = None,
-    interpret: object = False,
-    debug_checks: bool = False,
-):
-    """Same semantics and result as ``sparse_mla_attention``; the knobs are validated.
-
-    ``query_block``, ``u_max`` and ``head_block`` tune the TPU query-blocked kernel
-    (``None`` = chosen automatically); none of them changes the answer, so the reference
-    checks them and computes the exact result.
-    """
-    check_qblock_knobs(query_block, u_max, head_block)
-    return sparse_mla_attention(
-        q,
-        kv,
-        indices,
-        positions,
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        read_block=read_block,
-        return_lse=return_lse,
-        page_size=page_size,
-        q_seq_id=q_seq_id,
-        seq_lens=seq_lens,
-        cu_kv_lens=cu_kv_lens,
-        page_indices=page_indices,
-        interpret=interpret,
-        debug_checks=debug_checks,
-    )
+# One kernel under both names: every knob of the query-blocked variant is in the spec.
+sparse_mla_attention_qblock = sparse_mla_attention
