@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common.bench import device_ms
+from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.fastmath import ptx_unary_tile
 
 ROWS = 64

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common import ranker_case, ranker_flops
-from attn_common.bench import device_ms
 from attn_mosaic_gpu import ranker_fwd
+from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.ranker import resolve_tuning
 
 # The variants live in 71246cc's ranker_fwd.py (measured there, not kept).

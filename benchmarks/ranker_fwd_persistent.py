@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common import ranker_case, ranker_flops
-from attn_common.bench import device_ms, provenance
+from attn_common.cli_args import provenance
+from attn_mosaic_gpu.bench import device_ms
 
 
 def time_case(name: str, programs: list[int], iterations: int) -> list[dict]:

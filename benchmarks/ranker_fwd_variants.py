@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from attn_common import ranker_case, ranker_flops
-from attn_common.bench import device_ms, provenance
+from attn_common.cli_args import provenance
+from attn_mosaic_gpu.bench import device_ms
 
 
 def main() -> None:

@@ -32,8 +32,8 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common import ranker_case, ranker_flops
-from attn_common.bench import device_ms
 from attn_mosaic_gpu import _axes, ranker_bwd, ranker_bwd_pipelined, ranker_fwd
+from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.ranker import resolve_tuning
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd

@@ -32,8 +32,8 @@ import numpy as np
 
 import attn_reference
 from attn_common import ranker_case, ranker_flops
-from attn_common.bench import device_ms
 from attn_mosaic_gpu import fastmath, ranker_attention
+from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.ranker import resolve_tuning
 
 DEFAULT_TILE = fastmath.fast_reciprocal_tile

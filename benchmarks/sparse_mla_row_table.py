@@ -32,12 +32,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_common import selected_rows, sparse_mla_units
 from attn_common import sparse_mla_rows as rows_module
-from attn_common.bench import device_ms, provenance
-from attn_common.bench_sparse_mla import CASES
-from attn_common.sparse_mla_rows import ABSENT, row_table_width, sort_rows
+from attn_common.cli_args import provenance
+from attn_common.sparse_mla_rows import (
+    ABSENT,
+    row_table_width,
+    selected_rows,
+    sort_rows,
+    sparse_mla_units,
+)
 from attn_mosaic_gpu import row_sort
+from attn_mosaic_gpu.bench import device_ms
+from attn_mosaic_gpu.bench_sparse_mla import CASES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sparse_mla_variants import case_problem  # a sibling script

@@ -2,7 +2,7 @@
 
 ``prefill_write_and_attend_ragged`` on one paged benchmark case, jitted as one call
 (the cache not donated) and as 8 calls carrying the cache through a loop
-(``attn_common.bench_sparse_mla.carried_calls``): each kernel's count and summed time
+(``attn_mosaic_gpu.bench_sparse_mla.carried_calls``): each kernel's count and summed time
 per form, so a difference between the two shows which kernels it is in
 (docs/sparse_mla_gpu.md)::
 
@@ -16,7 +16,7 @@ import collections
 
 from jax.experimental.mosaic.gpu import profiler
 
-from attn_common import bench_sparse_mla as bench
+from attn_mosaic_gpu import bench_sparse_mla as bench
 
 CALLS = 8
 

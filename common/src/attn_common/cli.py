@@ -16,9 +16,9 @@
   selected units of 64 tokens per query) and ragged paged (3 requests packed into a
   cache with shuffled physical pages), same report.
 * ``attn bench`` (= ``attn bench ranker``): the ranker benchmark suite, see
-  ``attn_common.bench`` and docs/design.md, "Benchmarks". ``attn bench sparse-mla``:
+  ``attn_mosaic_gpu.bench`` and docs/design.md, "Benchmarks". ``attn bench sparse-mla``:
   the sparse MLA prefill benchmark (ours vs XLA gather + einsum), see
-  ``attn_common.bench_sparse_mla`` and docs/sparse_mla_gpu.md. Off a GPU both run a
+  ``attn_mosaic_gpu.bench_sparse_mla`` and docs/sparse_mla_gpu.md. Off a GPU both run a
   smoke run only (tiny shapes, not a measurement).
 
 ``--implementation NAME`` pins a backend (default: the dispatch choice, see
@@ -33,7 +33,6 @@ import json
 import math
 import os
 import sys
-import textwrap
 import time
 from importlib import metadata
 from pathlib import Path
@@ -42,10 +41,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_common import bench as _bench
-from attn_common import bench_sparse_mla as _bench_sparse_mla
 from attn_common.bounds import SegmentBounds
 from attn_common.cap import CapMethod, CapParams
+from attn_common.cli_args import (
+    MAX_SEED,
+    check_out_file,
+    implementation_choices,
+    iterations_int,
+    positive_int,
+    progress,
+    provenance,
+    seed_int,
+)
 from attn_common.dispatch import (
     KNOWN_BACKENDS,
     OPS,
@@ -78,12 +85,7 @@ RANKER_TOL = 2e-2
 SPARSE_TOL = 1e-2
 FWD_BWD_FLOP_FACTOR = 3.5  # as in `attn bench`: forward + backward counts 3.5x the forward
 
-_T0 = time.perf_counter()
-
-
-def _progress(message: str) -> None:
-    """A progress line on stderr (the long shapes take tens of seconds per step)."""
-    print(f"  [{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+_progress = progress
 
 
 def _times(fn, *args, repeats: int = 3) -> list[float]:
@@ -448,7 +450,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print_table(rows)
     if args.json is not None:
         doc = {
-            "provenance": _bench.provenance(getattr(args, "argv", None)),
+            "provenance": provenance(getattr(args, "argv", None)),
             "device": _describe_device(),
             "rows": rows,
         }
@@ -502,90 +504,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         except BackendUnavailableError:
             name = "none installed"
         print(f"  {op:<40} -> {name}")
-    return 0
-
-
-# --------------------------------------------------------------------------- attn bench
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``attn bench [ranker|sparse-mla]``: run the suite; 1 when a row failed."""
-    suite = _bench_sparse_mla if args.suite == "sparse-mla" else _bench
-    return 1 if suite.run(args)["failed"] else 0
-
-
-def _bench_suite_first(args: argparse.Namespace) -> str | None:
-    """``attn bench --iterations 5 sparse-mla`` would lose ``--iterations 5`` to the
-    suite's defaults: the suite's flags go after its name. The error, or None."""
-    if not getattr(args, "suite_named", False):
-        return None
-    argv = list(getattr(args, "argv", None) or [])
-    if "bench" not in argv:
-        return None
-    before = argv[argv.index("bench") + 1 :]
-    before = before[: before.index(args.suite)] if args.suite in before else []
-    if before:
-        return (
-            f"got {' '.join(before)} before the suite name {args.suite!r}; put the flags "
-            f"after it: attn bench {args.suite} {' '.join(before)} ..."
-        )
-    return None
-
-
-# --------------------------------------------------------------------------- attn tune
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    """Sweep the Hopper ranker kernels' knobs on this GPU and write the user's table."""
-    found = device_class()
-    if found != "hopper" and not args.allow_any_device:
-        print(
-            f"attn tune: error: needs a Hopper GPU (the default device is {found}); the "
-            "table it writes is per GPU kind",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        from attn_mosaic_gpu import tuning
-    except ImportError as e:
-        print(f"attn tune: error: the Hopper backend is not installed ({e})", file=sys.stderr)
-        return 2
-    from attn_common.suite import ranker_case
-
-    out = args.out if args.out is not None else tuning.user_table_path()
-    cases = [ranker_case(name) for name in args.cases]
-    if args.batch is not None:
-        cases = [case.scaled(args.batch) for case in cases]
-    print(f"attn tune: {len(cases)} case(s) on {jax.devices()[0].device_kind}; writing {out}")
-    provenance = _bench.provenance(args.argv)
-    entries: list = []
-    merged: dict = {"entries": []}
-    for case in cases:  # the table is written after every case: a cut-off sweep keeps them
-        table = tuning.tune(
-            [case], iterations=args.iterations, min_gain=args.min_gain, progress=_progress
-        )
-        table["provenance"] = provenance
-        entries += table["entries"]
-        old = None
-        if out.exists():
-            try:
-                old = json.loads(out.read_text())
-            except ValueError:
-                old = None
-        merged = tuning.merge_tables(old, table)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(merged, indent=1) + "\n")
-    table = {"entries": entries}
-    print(f"{'case':<10} {'forward config':<58} {'fwd ms':>8}  backward knobs (bwd ms)")
-    for e in table["entries"]:
-        fwd = ", ".join(f"{k}={v}" for k, v in e["forward"].items())
-        bwd = ", ".join(f"{k}={v}" for k, v in e["backward"].items()) or "-"
-        fms = f"{e['forward_ms']:.3f}" if e["forward_ms"] is not None else "-"
-        bms = f"{e['backward_ms']:.3f}" if e["backward_ms"] is not None else "-"
-        print(f"{e['case']:<10} {fwd:<58} {fms:>8}  {bwd} ({bms})")
-    print(
-        f"wrote {out} ({len(merged['entries'])} entries); ranker_attention(config=None) reads it first"
-    )
     return 0
 
 
@@ -668,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
         "op dispatches to on the default device, the devices and the JAX version.",
     )
     info.set_defaults(func=cmd_info)
-    impls = _bench.implementation_choices()
+    impls = implementation_choices()
     run = sub.add_parser(
         "run",
         help="the main job: an op at realistic shapes, checked, timed",
@@ -687,22 +605,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--batch",
-        type=_bench.positive_int,
+        type=positive_int,
         default=None,
-        help="ranker batch rows, >= 1 (default: 4, or 2 with --small); applies to the "
-        "ranker only (refused for sparse-mla, whose shapes are fixed)",
+        help="ranker batch rows, 1..1000000, and the inputs must fit in the device's "
+        "memory (default: 4, or 2 with --small); applies to the ranker only (refused for "
+        "sparse-mla, whose shapes are fixed)",
     )
     run.add_argument(
         "--seed",
-        type=_bench.seed_int,
+        type=seed_int,
         default=0,
-        help=f"input seed, 0 <= seed <= {_bench.MAX_SEED} (default: 0)",
+        help=f"input seed, 0..{MAX_SEED} (default: 0)",
     )
     run.add_argument(
         "--iterations",
-        type=_bench.positive_int,
+        type=iterations_int,
         default=3,
-        help="timed calls per mode after a warm-up, >= 1 (default: 3)",
+        help="timed calls per mode after a warm-up, 1..10000 (default: 3)",
     )
     run.add_argument("--small", action="store_true", help="small shapes (seconds on a CPU)")
     run.add_argument(
@@ -712,111 +631,23 @@ def build_parser() -> argparse.ArgumentParser:
         "pallas-tpu on a CPU; slow)",
     )
     run.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="also save the rows as JSON"
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also save the rows as JSON (a missing folder is created, as for `attn bench "
+        "--out`; an existing file is refused unless --overwrite)",
+    )
+    run.add_argument(
+        "--overwrite", action="store_true", help="allow --json to replace an existing file"
     )
     run.set_defaults(func=cmd_run)
 
-    ranker_description = (
-        "The ranker benchmark suite: our kernel against cuDNN and XLA with the dense mask "
-        "(and FA3 dense on Hopper), in the same run on the same inputs; see "
-        "docs/design.md, 'Benchmarks'. Exit status 1 when any row fails."
-    )
-    sparse_description = (
-        "The sparse MLA prefill benchmark: our kernel (the Hopper one on a Hopper GPU) "
-        "against XLA gather + einsum, flat and ragged paged, H 128/64, cache 8K/32K/128K, "
-        "on the same inputs; TFLOP/s, bytes against the copy ceiling, targets; see "
-        "docs/sparse_mla_gpu.md. Off a GPU: a smoke run with tiny shapes (not a "
-        "measurement) unless --full. Exit status 1 when any row fails."
-    )
-    b = sub.add_parser(
-        "bench",
-        usage="%(prog)s [ranker] [-h] [flags below]\n"
-        "       %(prog)s sparse-mla [-h] [flags: attn bench sparse-mla --help]",
-        help="benchmark suites against cuDNN/XLA (meant for a GPU): ranker (the default) "
-        "or sparse-mla",
-        description=textwrap.fill(
-            ranker_description.replace(
-                "The ranker benchmark suite",
-                "Benchmark suites. Without a suite name: the ranker suite (= attn bench "
-                "ranker); `attn bench sparse-mla --help` for the sparse MLA prefill "
-                "benchmark. The ranker suite",
-            ),
-            88,
-        ),
-        epilog=_bench.suite_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _bench.add_arguments(b)
-    suites = b.add_subparsers(
-        dest="suite",
-        metavar="{ranker,sparse-mla}",
-        prog="attn bench",
-        title="suites (optional; the flags of a named suite go after its name)",
-    )
-    ranker = suites.add_parser(
-        "ranker",
-        help="the ranker suite (the default; same flags as above)",
-        description=ranker_description,
-        epilog=_bench.suite_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _bench.add_arguments(ranker)
-    ranker.set_defaults(suite_named=True)
-    sparse = suites.add_parser(
-        "sparse-mla",
-        help="sparse MLA prefill, ours vs XLA gather + einsum (`attn bench sparse-mla --help`)",
-        description=textwrap.fill(sparse_description, 88),
-        epilog=_bench_sparse_mla.epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _bench_sparse_mla.add_arguments(sparse)
-    sparse.set_defaults(suite_named=True)
-    b.set_defaults(func=cmd_bench, suite="ranker", suite_named=False)
-
-    t = sub.add_parser(
-        "tune",
-        help="sweep the Hopper ranker kernels' configs on this GPU; write the user's table",
-        description="Time the Hopper ranker kernels over their tiling and schedule knobs "
-        "(forward: block_kv, ring depth, exp2 / soft_sign reciprocal split between the MUFU "
-        "and the FMA pipe; backward: the same split and ring depth) at the suite's shapes "
-        "and write the best per (GPU kind, dtype, head dim, cap, sequence bucket) to the "
-        "user's table, which ranker_attention(config=None) reads before the package's.",
-    )
-    from attn_common.suite import RANKER_SUITE
-
-    names = [c.name for c in RANKER_SUITE]
-    t.add_argument(
-        "--cases",
-        nargs="+",
-        choices=names,
-        default=["phoenix", "long", "small-d64"],
-        help="suite shapes to tune (default: phoenix long small-d64; ragged has phoenix's key)",
-    )
-    t.add_argument(
-        "--batch", type=_bench.positive_int, default=None, help="override the cases' batch rows"
-    )
-    t.add_argument(
-        "--iterations",
-        type=_bench.positive_int,
-        default=10,
-        help="timed calls per trial (CUPTI median; default: 10)",
-    )
-    t.add_argument(
-        "--min-gain",
-        type=float,
-        default=0.01,
-        help="keep a knob value only if it is this much faster (default: 0.01 = 1%%)",
-    )
-    t.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="table to write (default: $ATTN_TUNED_CONFIGS, else "
-        "$XDG_CONFIG_HOME/attn/hopper_ranker_tuned.json); existing entries with other "
-        "keys are kept",
-    )
-    t.add_argument("--allow-any-device", action="store_true", help=argparse.SUPPRESS)
-    t.set_defaults(func=cmd_tune)
+    for name, (backend, add) in backend_commands().items():
+        try:
+            add(sub)
+        except Exception as e:  # a broken backend must not take `attn info` down with it
+            print(f"attn: note: {backend}'s `attn {name}` is unavailable ({e})", file=sys.stderr)
     return parser
 
 
@@ -830,17 +661,32 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 "smaller ones)"
             )
         if args.json is not None:
-            return _check_json_path(args.json)
-    if args.command == "bench":
-        problem = _bench_suite_first(args)
-        if problem:
-            return problem
-        if args.suite == "sparse-mla":
-            return _bench_sparse_mla.check_args(args)
-        return _bench.check_args(args)
-    if args.command == "tune" and not 0.0 <= args.min_gain < 0.5:
-        return f"--min-gain: got {args.min_gain}, expected 0 <= value < 0.5"
-    return None
+            return check_out_file(args.json, overwrite=args.overwrite)
+        return None
+    check = getattr(args, "check", None)  # a backend's command
+    return check(args) if check is not None else None
+
+
+def backend_commands() -> dict:
+    """The subcommands installed backends add (``attn bench``, ``attn tune`` from the
+    Hopper backend): name -> (backend, function adding the subparser).
+
+    Each backend's ``attn.backends`` entry point module may define ``cli_commands()``;
+    it is loaded through the entry point (``dispatch.load_backend``), so attn-common
+    names no backend module. The first backend (in name order) to claim a name keeps it.
+    """
+    found: dict = {}
+    for backend in sorted(installed_backends()):
+        try:
+            module = load_backend(backend)
+        except BackendUnavailableError:
+            continue
+        commands = getattr(module, "cli_commands", None)
+        if commands is None:
+            continue
+        for name, add in commands().items():
+            found.setdefault(name, (backend, add))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -849,11 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = sys.argv[1:] if argv is None else list(argv)
     problem = _check_args(args)
     if problem:
-        sub = {"run": "attn run", "bench": "attn bench", "tune": "attn tune"}.get(
-            args.command, "attn"
-        )
-        if args.command == "bench" and args.suite == "sparse-mla":
-            sub = "attn bench sparse-mla"
+        sub = getattr(args, "error_prog", None) or f"attn {args.command}"
         print(f"{sub}: error: {problem}", file=sys.stderr)
         return 2
     try:

@@ -17,7 +17,8 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
-from attn_common import TOKEN_RUN, build_write_runs, kv_packing
+from attn_common import kv_packing
+from attn_common.tables import TOKEN_RUN, build_write_runs
 from attn_pallas_tpu import (
     paged_write_back,
     prefill_write_and_attend_ragged,

@@ -31,15 +31,15 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
-from attn_common.sparse_mla_plan import (
+from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
+from attn_pallas_tpu._prep import default_chip
+from attn_pallas_tpu.plan import (
     block_union_sizes,
     distinct_units_per_query,
     per_query_seconds,
     qblock_seconds,
     static_qblock_config,
 )
-from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
-from attn_pallas_tpu._prep import default_chip
 
 INTERPRET = pltpu.InterpretParams(
     detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"

@@ -21,14 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn_common import (
-    check_sparse_mla_inputs,
-    selected_rows,
-    sparse_mla_units,
-    write_back_by_scatter,
-    write_then_attend,
-)
+from attn_common import check_sparse_mla_inputs
+from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla import check_qblock_knobs, empty_result
+from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
 from attn_mosaic_gpu import row_sort
 from attn_mosaic_gpu.sparse_mla_kernel import (
     ROPE,

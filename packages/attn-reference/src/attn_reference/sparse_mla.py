@@ -18,8 +18,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn_common import UnitRows, check_sparse_mla_inputs, sparse_mla_units
+from attn_common import check_sparse_mla_inputs
 from attn_common.sparse_mla import check_qblock_knobs, empty_result
+from attn_common.sparse_mla_rows import UnitRows, sparse_mla_units
 
 _CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
 
