@@ -65,6 +65,12 @@ def test_version(capsys):
         (["run", "ranker", "--implementation", "cuda"], "invalid choice: 'cuda'"),
         (["run", "sparse-mla", "--batch", "2"], "does not apply to sparse-mla"),
         (["run", "phoenix"], "invalid choice: 'phoenix'"),
+        (["run", "ranker", "--batch", "9" * 20], "--batch: got 99999999999999999999, expected"),
+        (["run", "ranker", "--batch", "100000000"], "expected 1 <= value <= 1000000"),
+        (["run", "ranker", "--iterations", "9" * 20], "expected 1 <= value <= 10000"),
+        (["run", "ranker", "--batch", "1000000"], "need about"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        ([], "a command is required, one of: info, run"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
@@ -98,7 +104,7 @@ def test_run_times_fwd_bwd_once_not_plus_forward(monkeypatch):
     pytest.importorskip("attn_reference")
     timed = []
 
-    def fake_times(fn, *args, repeats=3):
+    def fake_times(fn, *args, repeats=3, keep=None):
         timed.append(fn)
         fn(*args)
         return [1.0, 2.0, 6.0]
@@ -181,3 +187,56 @@ def test_reference_demo_is_attn_run_all(monkeypatch):
     monkeypatch.setattr(demo, "_attn_main", lambda argv: seen.append(argv) or 0)
     assert demo.main(["--small"]) == 0
     assert seen == [["run", "all", "--implementation", "reference", "--small"]]
+
+
+def test_sizes_that_cannot_fit_are_refused_up_front(monkeypatch, capsys):
+    """The bytes are estimated from the shape and compared with the device's memory
+    before anything is allocated: the same batch is refused when memory is short."""
+    shape = cli.RANKER_SHAPES["full"]
+    need = cli.ranker_bytes(shape, 8, "reference")
+    # q, k, v, out and their gradients in bf16, plus the reference's f32 scores/probs
+    assert need == 2 * 8 * 1152 * (20 + 8 + 20) * 128 * 2 + 2 * 8 * 20 * 1152**2 * 4
+    assert cli.ranker_bytes(shape, 8, "mosaic-gpu") == 2 * 8 * 1152 * (20 + 8 + 20) * 128 * 2
+    monkeypatch.setattr(cli, "available_memory", lambda: (need - 1, "available host memory"))
+    argv = ["run", "ranker", "--batch", "8", "--implementation", "reference"]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert "--batch: got 8" in err and "more than the" in err and "Traceback" not in err
+    ran = []
+    monkeypatch.setattr(cli, "available_memory", lambda: (need, "available host memory"))
+    monkeypatch.setattr(cli, "cmd_run", lambda args: ran.append(args.batch) or 0)
+    assert _exit_code(argv) == 0 and ran == [8]
+
+
+def test_available_memory_is_known_here():
+    have = cli_args.available_memory()
+    assert have is not None and have[0] > 0
+
+
+def test_interpret_small_shapes_are_tinier():
+    for table in (cli.RANKER_SHAPES, cli.SPARSE_SHAPES):
+        tiny, small = table["small-interpret"], table["small"]
+        assert all(tiny[k] <= small[k] for k in tiny if isinstance(tiny[k], int))
+        assert tiny != small
+    assert cli._shape_name(True, True) == "small-interpret"
+    assert cli._shape_name(True, False) == "small" and cli._shape_name(False, True) == "full"
+
+
+def test_provenance_commit_from_the_working_directory(tmp_path, monkeypatch):
+    """The commit comes from the checkout the command runs in, not from where the
+    package is installed; outside any checkout it says so."""
+    monkeypatch.delenv("ATTN_PROVENANCE_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    monkeypatch.chdir(repo)
+    assert cli_args.provenance([])["commit"] == head
+    (repo / "f").write_text("y")
+    assert cli_args.provenance([])["commit"] == head + "+dirty"

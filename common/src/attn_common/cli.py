@@ -45,7 +45,9 @@ from attn_common.bounds import SegmentBounds
 from attn_common.cap import CapMethod, CapParams
 from attn_common.cli_args import (
     MAX_SEED,
+    available_memory,
     check_out_file,
+    gib,
     implementation_choices,
     iterations_int,
     positive_int,
@@ -75,10 +77,13 @@ from attn_common.tables import kv_packing
 RANKER_SHAPES = {
     "full": dict(batch=4, seq=1152, hq=20, hkv=4, d=128, n_cand=64, hist=(126, 1023)),
     "small": dict(batch=2, seq=256, hq=4, hkv=2, d=64, n_cand=32, hist=(30, 200)),
+    # --small --interpret: a kernel interpreted on a CPU runs each tile op by op
+    "small-interpret": dict(batch=1, seq=128, hq=2, hkv=1, d=64, n_cand=16, hist=(20, 100)),
 }
 SPARSE_SHAPES = {
     "full": dict(heads=16, top_k=16, rb=64, seq=256, ctx=8192, lens=(3000, 1900, 4100), new=(96, 64, 96)),
     "small": dict(heads=4, top_k=4, rb=64, seq=32, ctx=1024, lens=(300, 190, 410), new=(16, 8, 16)),
+    "small-interpret": dict(heads=2, top_k=2, rb=64, seq=8, ctx=256, lens=(130, 70, 100), new=(3, 2, 3)),
 }  # fmt: skip
 # Pass thresholds of the checks (inputs are bf16; the float64 check sees one row).
 RANKER_TOL = 2e-2
@@ -88,18 +93,35 @@ FWD_BWD_FLOP_FACTOR = 3.5  # as in `attn bench`: forward + backward counts 3.5x 
 _progress = progress
 
 
-def _times(fn, *args, repeats: int = 3) -> list[float]:
+def _shape_name(small: bool, interpret: bool) -> str:
+    """``full``, ``small``, or ``small-interpret`` (--small with --interpret: tinier)."""
+    if not small:
+        return "full"
+    return "small-interpret" if interpret else "small"
+
+
+def _times(fn, *args, repeats: int = 3, keep: list | None = None) -> list[float]:
     """Wall times of ``repeats`` calls of ``fn(*args)`` in seconds, after a compile +
-    warm-up call."""
+    warm-up call. ``keep``: a list that receives the last call's result (an interpreted
+    kernel takes seconds per call: the check reuses it rather than calling again)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: got {repeats!r}, expected a positive int")
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        result = jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
+    if keep is not None:
+        keep.append(result)
     return times
+
+
+def _timed(fn, *args, repeats: int) -> tuple[dict, object]:
+    """``(spread of the wall times, the result)`` of ``fn(*args)``."""
+    keep: list = []
+    spread = _spread(_times(fn, *args, repeats=repeats, keep=keep))
+    return spread, (keep[-1] if keep else fn(*args))
 
 
 def _spread(times: list[float]) -> dict:
@@ -186,7 +208,7 @@ def run_ranker(
     interpret: bool = False,
 ) -> dict:
     """Ranker attention at a phoenix-like shape on the selected backend."""
-    shape = RANKER_SHAPES["small" if small else "full"]
+    shape = RANKER_SHAPES[_shape_name(small, interpret)]
     seq, hq, hkv, d, n_cand = (shape[k] for k in ("seq", "hq", "hkv", "d", "n_cand"))
     batch = shape["batch"] if batch is None else batch
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -210,8 +232,7 @@ def run_ranker(
 
     fwd = jax.jit(attend)
     _progress(f"{name} on {backend}: forward, compile + {iterations} timed calls")
-    t_fwd = _spread(_times(fwd, q, k, v, bounds, repeats=iterations))
-    out = fwd(q, k, v, bounds)
+    t_fwd, out = _timed(fwd, q, k, v, bounds, repeats=iterations)
     # One jitted value_and_grad: it contains the forward, so its time is forward+backward.
     fwd_bwd = jax.jit(
         jax.value_and_grad(
@@ -221,8 +242,7 @@ def run_ranker(
     ok = True
     _progress(f"{name} on {backend}: forward+backward, compile + {iterations} timed calls")
     try:
-        t_fwd_bwd = _spread(_times(fwd_bwd, q, k, v, bounds, repeats=iterations))
-        _, grads = fwd_bwd(q, k, v, bounds)
+        t_fwd_bwd, (_, grads) = _timed(fwd_bwd, q, k, v, bounds, repeats=iterations)
         finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
         grad_note = f"grads finite: {finite}"
         ok &= finite
@@ -264,7 +284,7 @@ def run_sparse_mla(
 ) -> list[dict]:
     """Sparse MLA prefill, flat and ragged paged, on the selected backend (forward only)."""
     dv, rope = 512, 64
-    shape = SPARSE_SHAPES["small" if small else "full"]
+    shape = SPARSE_SHAPES[_shape_name(small, interpret)]
     heads, top_k, rb, seq, ctx = (shape[k] for k in ("heads", "top_k", "rb", "seq", "ctx"))
     lens, new = list(shape["lens"]), list(shape["new"])
     dk = dv + rope
@@ -287,8 +307,7 @@ def run_sparse_mla(
     flat = jax.jit(lambda q, kv, i, p: sparse_mla_attention(q, kv, i, p, **flat_kw, **extra))
     flat_name = f"sparse MLA flat S{seq} T{ctx} H{heads} K{top_k}x{rb}"
     _progress(f"{flat_name} on {backend}: forward, compile + {iterations} timed calls")
-    t_flat = _spread(_times(flat, q, kv, indices, positions, repeats=iterations))
-    out = flat(q, kv, indices, positions)
+    t_flat, out = _timed(flat, q, kv, indices, positions, repeats=iterations)
     # spot check one query against a dense float64 computation
     qi = 7
     t = np.concatenate([np.arange(u * rb, (u + 1) * rb) for u in np.unique(idx[qi])])
@@ -344,8 +363,7 @@ def run_sparse_mla(
     ragged = jax.jit(ragged_call(sparse_mla_attention, **extra))
     ragged_name = f"sparse MLA ragged {len(lens)} reqs T{total} H{heads} K{top_k}x{ps}"
     _progress(f"{ragged_name} on {backend}: forward, compile + {iterations} timed calls")
-    t_ragged = _spread(_times(ragged, *args, repeats=iterations))
-    out_r = ragged(*args)
+    t_ragged, out_r = _timed(ragged, *args, repeats=iterations)
     # dense check of one query: its request's selected pages, physical via the page table
     store = np.asarray(cache, np.float64).reshape(-1, cache.shape[-1])
     qi = total - 1
@@ -424,6 +442,8 @@ def _check_json_path(path: Path) -> str | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     print(_describe_device())
+    if args.iterations is None:  # an interpreted kernel takes seconds per call
+        args.iterations = 1 if args.interpret else 3
     kw = dict(implementation=args.implementation, iterations=args.iterations)
     kw["interpret"] = args.interpret
     rows = []
@@ -541,8 +561,8 @@ class _VersionAction(argparse.Action):
 
 
 def _run_epilog() -> str:
-    r, rs = RANKER_SHAPES["full"], RANKER_SHAPES["small"]
-    s, ss = SPARSE_SHAPES["full"], SPARSE_SHAPES["small"]
+    r, rs, ri = (RANKER_SHAPES[k] for k in ("full", "small", "small-interpret"))
+    s, ss, si = (SPARSE_SHAPES[k] for k in ("full", "small", "small-interpret"))
 
     def ranker(x):
         return (
@@ -562,8 +582,10 @@ def _run_epilog() -> str:
             "shapes (latent 512 + rope 64 for sparse MLA):",
             f"  ranker              {ranker(r)}",
             f"  ranker --small      {ranker(rs)}",
+            f"    with --interpret  {ranker(ri)}",
             f"  sparse-mla          {sparse(s)}",
             f"  sparse-mla --small  {sparse(ss)}",
+            f"    with --interpret  {sparse(si)}",
             f"checks: a sample row against float64 (tol ranker {RANKER_TOL:g}, sparse MLA "
             f"{SPARSE_TOL:g}) and against the reference when another backend ran;",
             "exit status 1 when a row fails or a check does not pass.",
@@ -571,14 +593,17 @@ def _run_epilog() -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, backend_commands_too: bool = True) -> argparse.ArgumentParser:
+    """The ``attn`` parser; ``backend_commands_too=False`` leaves the installed backends'
+    commands out (importing them takes seconds; ``attn run`` and ``attn info`` need
+    none)."""
     parser = argparse.ArgumentParser(
         prog="attn", description="Ranker attention and sparse MLA kernels for JAX."
     )
     parser.add_argument(
         "--version", action=_VersionAction, help="versions of attn-common and the backends"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser(
         "info",
         help="installed backends, devices, jax version",
@@ -620,10 +645,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--iterations",
         type=iterations_int,
-        default=3,
-        help="timed calls per mode after a warm-up, 1..10000 (default: 3)",
+        default=None,
+        help="timed calls per mode after a warm-up, 1..10000 (default: 3, or 1 with --interpret)",
     )
-    run.add_argument("--small", action="store_true", help="small shapes (seconds on a CPU)")
+    run.add_argument(
+        "--small",
+        action="store_true",
+        help="small shapes (seconds on a CPU; tinier still with --interpret)",
+    )
     run.add_argument(
         "--interpret",
         action="store_true",
@@ -643,12 +672,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
 
-    for name, (backend, add) in backend_commands().items():
+    for name, (backend, add) in (backend_commands() if backend_commands_too else {}).items():
         try:
             add(sub)
         except Exception as e:  # a broken backend must not take `attn info` down with it
             print(f"attn: note: {backend}'s `attn {name}` is unavailable ({e})", file=sys.stderr)
     return parser
+
+
+def ranker_bytes(shape: dict, batch: int, backend: str) -> int:
+    """Bytes ``attn run ranker`` holds at once, estimated from the shape before anything
+    is allocated: q, k, v, the output and their gradients (bf16), and, on the reference
+    (dense XLA), the float32 scores and probabilities [B, Hq, S, S]."""
+    seq, hq, hkv, d = (shape[k] for k in ("seq", "hq", "hkv", "d"))
+    inputs = batch * seq * (hq + 2 * hkv) * d * 2
+    out = batch * seq * hq * d * 2
+    need = 2 * (inputs + out)
+    if backend == "reference":
+        need += 2 * batch * hq * seq * seq * 4
+    return need
+
+
+def _check_memory(args: argparse.Namespace) -> str | None:
+    """Refuse a ``--batch`` whose tensors cannot fit in the device's memory."""
+    if args.op not in ("ranker", "all") or args.batch is None:
+        return None
+    shape = RANKER_SHAPES[_shape_name(args.small, args.interpret)]
+    try:
+        backend, _ = select_backend("ranker_attention", args.implementation)
+    except BackendUnavailableError:
+        return None  # cmd_run reports it
+    need = ranker_bytes(shape, args.batch, backend)
+    have = available_memory()
+    if have is None or need <= have[0]:
+        return None
+    return (
+        f"--batch: got {args.batch}, whose ranker tensors (S{shape['seq']} Hq{shape['hq']}/"
+        f"Hkv{shape['hkv']} D{shape['d']} bf16 on {backend}) need about {gib(need)}, more "
+        f"than the {gib(have[0])} {have[1]}; use a smaller --batch"
+    )
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -661,10 +723,23 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 "smaller ones)"
             )
         if args.json is not None:
-            return check_out_file(args.json, overwrite=args.overwrite)
-        return None
+            problem = check_out_file(args.json, overwrite=args.overwrite)
+            if problem:
+                return problem
+        return _check_memory(args)
     check = getattr(args, "check", None)  # a backend's command
     return check(args) if check is not None else None
+
+
+BUILT_IN_COMMANDS = ("info", "run")
+
+
+def sub_names(parser: argparse.ArgumentParser) -> list[str]:
+    """The commands ``parser`` knows (built in, and from the installed backends)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
 
 
 def backend_commands() -> dict:
@@ -690,9 +765,18 @@ def backend_commands() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(backend_commands_too=command not in BUILT_IN_COMMANDS)
+    # Unknown flags first: `attn --bogus` names --bogus (argparse would only say that a
+    # command is missing).
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is None:
+        choices = ", ".join(sub_names(parser))
+        parser.error(f"a command is required, one of: {choices} (attn COMMAND --help)")
+    args.argv = argv
     problem = _check_args(args)
     if problem:
         sub = getattr(args, "error_prog", None) or f"attn {args.command}"

@@ -161,3 +161,38 @@ _T0 = time.perf_counter()
 def progress(message: str) -> None:
     """A progress line on stderr, with the seconds since the command started."""
     print(f"  [{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def available_memory(device=None) -> tuple[int, str] | None:
+    """``(bytes, what)`` a new array may take on ``device`` (default: the first one), or
+    None when it cannot be told.
+
+    A GPU/TPU: its ``memory_stats()`` limit less what is in use. The CPU: the host's
+    available memory (``MemAvailable`` of /proc/meminfo, else ``sysconf``).
+    """
+    import jax
+
+    dev = device if device is not None else jax.devices()[0]
+    if dev.platform != "cpu":
+        try:
+            stats = dev.memory_stats() or {}
+        except Exception:  # a platform without memory stats
+            stats = {}
+        if "bytes_limit" in stats:
+            free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            return free, f"free on the {dev.device_kind}"
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "available host memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"

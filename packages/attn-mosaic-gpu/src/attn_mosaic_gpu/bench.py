@@ -61,6 +61,7 @@ from attn_common.suite import RANKER_SUITE, ranker_case
 _WALLCLOCK_NOTED = False
 CASE_NAMES = tuple(c.name for c in RANKER_SUITE)
 RESULT_FILES = ("ranker_gpu.json", "ranker_gpu.md", "ranker_gpu.png")
+SMOKE_LABEL = "Smoke run, not a measurement"
 
 
 # --------------------------------------------------------------------------- arguments
@@ -293,13 +294,27 @@ def write_reports(result: dict, out: Path, *, plot: bool = True) -> list[str]:
     ref_ms = {(r["case"], r["mode"]): r["ms"] for r in rows if r["impl"] == base and r.get("ms")}
     ceil = result["ceilings"]
     prov = result.get("provenance", {})
+    if ceil.get("matmul_bf16_tflops") and ceil.get("copy_tbps"):
+        ceiling = (
+            f"ceilings: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy "
+            f"{ceil['copy_tbps']:.2f} TB/s."
+        )
+    else:
+        ceiling = "ceilings: not measured."
     lines = [
         f"Commit: {prov.get('commit', 'unknown')}; command: `{prov.get('command', '?')}`; "
         f"date: {prov.get('date', '?')}.",
         "",
-        f"Device: {result['device']}; jax {result['jax']}; timing: {result['timing']}; "
-        f"ceilings: bf16 matmul {ceil.get('matmul_bf16_tflops', float('nan')):.0f} "
-        f"TFLOP/s, copy {ceil.get('copy_tbps', float('nan')):.2f} TB/s.",
+        *(
+            [
+                f"**{SMOKE_LABEL}**: tiny shapes off a GPU, wall clock; it checks that the "
+                "suite runs, its times say nothing about the kernels.",
+                "",
+            ]
+            if result.get("smoke")
+            else []
+        ),
+        f"Device: {result['device']}; jax {result['jax']}; timing: {result['timing']}; " + ceiling,
         "",
         f"| case | impl | mode | ms | effective TFLOP/s | speed-up vs {base_label} |",
         "|---|---|---|---|---|---|",
@@ -455,7 +470,8 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(check_args(args) or "--cases needs --full off a GPU")
         print(
             f"The ranker suite is meant for a GPU; the default device is {device_class()}. "
-            "Running a smoke subset only (small-d64 at batch 1, wall clock); "
+            "Running a smoke subset only (small-d64 at batch 1, wall clock): smoke run, not a "
+            "measurement; "
             "--full runs the whole suite anyway."
         )
         cases = [ranker_case("small-d64").scaled(1)]
