@@ -239,3 +239,30 @@ def test_moved_names_warn_and_still_work():
             from attn_common import pack_users  # noqa: F401  (still public: no warning)
     with pytest.raises(AttributeError, match="no_such_name"):
         attn_common.no_such_name  # noqa: B018
+
+
+def test_private_jax_names_are_fenced():
+    """Every private JAX name is imported in one module per package (``_compat.py``)
+    or, for the tests, in tests/helpers.py: a jax upgrade is a one-file job."""
+    import subprocess
+
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    allowed = {"tests/helpers.py"}
+    offenders = []
+    for name in files:
+        path = ROOT / name
+        if name in allowed or path.name == "_compat.py" or not path.exists():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.Attribute) and node.attr == "_mosaic_gpu_ext":
+                modules = ["_mosaic_gpu_ext"]
+            if any(m.startswith("jax._src") or m.endswith("_mosaic_gpu_ext") for m in modules):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders, f"private JAX names outside the _compat modules: {offenders}"

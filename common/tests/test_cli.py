@@ -104,7 +104,7 @@ def test_run_times_fwd_bwd_once_not_plus_forward(monkeypatch):
     pytest.importorskip("attn_reference")
     timed = []
 
-    def fake_times(fn, *args, repeats=3, keep=None):
+    def fake_times(fn, *args, repeats=3, keep=None, warmup=True):
         timed.append(fn)
         fn(*args)
         return [1.0, 2.0, 6.0]

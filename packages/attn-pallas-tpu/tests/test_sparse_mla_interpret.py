@@ -27,7 +27,7 @@ from helpers import (
     rng_for,
     sparse_mla_flat_case,
 )
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
+from helpers import assert_no_tpu_races as _no_races
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
@@ -49,11 +49,6 @@ DK = DV + ROPE  # 192 -> Dk_pad 256: the feature padding path is exercised
 SM_SCALE = 0.07
 TOL = {"float32": dict(rtol_l2=2e-5, atol=2e-4), "bfloat16": dict(rtol_l2=2e-2, atol=5e-2)}
 LSE_ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
-
-
-def _no_races():
-    races = _interp.races
-    assert races is None or not races.races_found, "interpret mode detected a data race"
 
 
 def _check(got, want, dtype):

@@ -57,6 +57,7 @@ from attn_common.cli_args import (
 from attn_common.dispatch import device_class, select_backend
 from attn_common.ranker import ranker_flops
 from attn_common.suite import RANKER_SUITE, ranker_case
+from attn_mosaic_gpu._compat import cupti_init, cupti_timings, mosaic_gpu_ext
 
 _WALLCLOCK_NOTED = False
 CASE_NAMES = tuple(c.name for c in RANKER_SUITE)
@@ -81,15 +82,13 @@ def cupti_call_ms(fn, args, iterations: int) -> list[float] | None:
     branch's kernel late, so the calls' kernels came in different orders, which
     ``measure`` refuses.
     """
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    mosaic_gpu_ext()  # ImportError without the Mosaic GPU bindings, before any call
     jax.block_until_ready(fn(*args))  # warm-up, outside the record
-    ext._cupti_init()
+    cupti_init()
     try:
         jax.block_until_ready([fn(*args) for _ in range(iterations)])
     finally:
-        records = ext._cupti_get_timings(True)
+        records = cupti_timings(True)
     if not records:
         return None
     if len(records) % iterations:

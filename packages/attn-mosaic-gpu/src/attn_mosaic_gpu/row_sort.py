@@ -100,9 +100,9 @@ def sort_plan(keys_per_query: int) -> tuple[SortStep, ...]:
 
 def _table_body(keys_per_query: int):
     """The inline Mosaic GPU body: row ``query`` of ``keys`` -> its table and count."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, nvvm, vector
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, llvm, nvvm, vector
 
     per_thread = keys_per_query // _THREADS
     plan = sort_plan(keys_per_query)

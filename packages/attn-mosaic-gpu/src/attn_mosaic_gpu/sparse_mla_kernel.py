@@ -251,9 +251,9 @@ def _gather_block(st: _Static, part: str | None = None):
     segments. Rows with id ``< 0`` copy 0 source bytes, which zero-fills the 16
     destination bytes.
     """
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
     block_k, dv, width = st.block_k, st.dv, st.width
     swizzle, tile = _smem_tiling(block_k)
@@ -347,7 +347,7 @@ def _gather_block_interpret(st: _Static, part: str | None = None):
 
 def _wait_copies(pending: int):
     """Wait until at most ``pending`` of this thread's cp.async groups are in flight."""
-    from jax._src.lib.mlir.dialects import nvvm
+    from jaxlib.mlir.dialects import nvvm
 
     @plgpu.inline_mgpu()
     def wait(ctx):
@@ -361,8 +361,8 @@ def _wait_copies(pending: int):
 # code, which ``cp.async.mbarrier.arrive`` needs, so these live in a plain shared-memory
 # buffer (two 32-bit words per barrier) and are waited on by parity (pair ``p``: ``p & 1``).
 def _mbarrier_ptr(ref, index: int):
-    from jax._src.lib.mlir import ir
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
 
     i64 = ir.IntegerType.get_signless(64)
     return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [index], i64)
@@ -371,9 +371,9 @@ def _mbarrier_ptr(ref, index: int):
 def _init_copy_barriers(bars, arrivals: int):
     """Initialise every barrier of ``bars`` for ``arrivals`` arrivals (one thread), then
     sync the whole CTA, so no thread uses one before it is initialised."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, nvvm
 
     count = bars.shape[0] // 2
 
@@ -395,7 +395,7 @@ def _init_copy_barriers(bars, arrivals: int):
 def _arrive_on_copies(bars, index: int):
     """Arrive on barrier ``index`` once this thread's cp.async copies so far have landed
     (``.noinc``: the arrival counts towards the barrier's initial count)."""
-    from jax._src.lib.mlir.dialects import nvvm
+    from jaxlib.mlir.dialects import nvvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def arrive(ctx, ref):
@@ -408,8 +408,8 @@ def _arrive_on_copies(bars, index: int):
 def _wait_copies_landed(bars, index: int, parity):
     """Wait for phase ``parity`` of barrier ``index``, then fence for the async proxy:
     the copies were written by the generic proxy, and wgmma reads through the async one."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, nvvm
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, nvvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
     def wait(ctx, ref, phase):

@@ -54,7 +54,7 @@ v6e   1.64 TB/s     918 TFLOP/s     256   6.1e12       1      128 MiB       96 M
 
 VPU rates are a rough assumption (4 VALU slots x 1024 lanes x the clock: 1.5 GHz on
 v5e and v6e, 1.75 GHz on v5p). Physical VMEM per TensorCore is taken from jax's own
-TPU table (``jax._src.tpu_info``, jax 0.11.2: v5e 128 MiB, v5p 64 MiB, v6e 128 MiB);
+TPU table (its private ``tpu_info`` module, jax 0.11.2: v5e 128 MiB, v5p 64 MiB, v6e 128 MiB);
 note 95 GB is v5p's *HBM* size, not its VMEM. A program may use
 ``VMEM_USABLE_FRACTION = 3/4`` of it (``TpuChip.vmem_bytes``), the rest is margin for
 Mosaic's internal scratch and layout padding that :func:`qblock_vmem_bytes` does not
