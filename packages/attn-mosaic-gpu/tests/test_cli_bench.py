@@ -136,6 +136,8 @@ def test_bench_smoke_off_gpu(tmp_path, capsys, monkeypatch):
     assert result["provenance"]["commit"]
     md = (folder / "ranker_gpu.md").read_text()
     assert md.startswith("Commit: ") and "| small-d64 | ours-reference | fwd |" in md
+    assert "Smoke run, not a measurement" in md and "smoke run, not a measurement" in out
+    assert "nan" not in md and "ceilings: not measured" in md
     assert not (folder / "ranker_gpu.png").exists()
     assert out.count("matplotlib not installed") == 1
     wrote = next(line for line in out.splitlines() if line.startswith("wrote "))
