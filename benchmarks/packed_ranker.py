@@ -1,6 +1,6 @@
 """Packed vs padded ranker rows: one transformer block and the attention alone (H200).
 
-The population (``attn_common.packing.simulate_ranker_users``, seeded): 10,000 users,
+The population (``attn_mosaic_gpu.bench.simulate_ranker_users``, seeded): 10,000 users,
 history lengths log-normal (median 200, sigma 1.0) rounded and clipped to [1, 1024], 64
 candidates each. Three layouts of the same users:
 
@@ -25,7 +25,7 @@ What is timed: every layout's rows are dealt into batches of the same token coun
 batch shape, so a batch may end in empty rows). Rows are dealt round-robin after sorting
 them by allowed pairs, so every batch holds the same mix of long and short users.
 ``--batches`` batches per layout, evenly spaced over the batches, are timed (default 8;
-``0`` times every batch), each with ``attn_common.bench.device_ms`` (CUPTI device time
+``0`` times every batch), each with ``attn_mosaic_gpu.bench.device_ms`` (CUPTI device time
 summed over the kernels of one call, median of ``--iterations`` calls, after a warm-up;
 wall clock off a GPU); the times of the timed batches are summed. Users/s = users in the
 timed batches / that time; the whole population's time is estimated as that time x
@@ -77,17 +77,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common import CapMethod, CapParams, KernelConfig, ranker_attention, ranker_flops
-from attn_common.bench import (
-    ceilings,
-    device_ms,
-    implementation_choices,
-    positive_int,
-    provenance,
-    seed_int,
-)
+from attn_common.cli_args import implementation_choices, positive_int, provenance, seed_int
 from attn_common.dispatch import BackendUnavailableError, device_class, select_backend
 from attn_common.packed import packed_runs_per_tile, packed_step_table
-from attn_common.packing import pack_users, simulate_ranker_users
+from attn_common.packing import pack_users
+from attn_mosaic_gpu.bench import ceilings, device_ms, simulate_ranker_users
 
 RESULT_JSON = "packed_ranker.json"
 RESULT_MD = "packed_ranker.md"
@@ -442,7 +436,7 @@ def make_fns(problem: Problem, attention: Callable) -> dict[tuple[str, str], Cal
         return attention(q, k, v, bounds)
 
     def attention_fwd_bwd(q, k, v, do, bounds):
-        # attn_common.bench.fwd_bwd with the bounds as an argument (one compile serves
+        # attn_mosaic_gpu.bench.fwd_bwd with the bounds as an argument (one compile serves
         # every batch; a closed-over bounds array would be a new function per batch).
         out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, bounds), q, k, v)
         return out, vjp(do)
@@ -867,7 +861,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}, device {dev.device_kind}, attention: {args.impl}")
-    on_gpu = device_class() in ("hopper", "gpu")  # as attn_common.bench.device_ms decides
+    on_gpu = device_class() in ("hopper", "gpu")  # as attn_mosaic_gpu.bench.device_ms decides
 
     layouts = build_layouts(problem, args.seed, args.max_users_per_row)
     attention = functools.partial(ranker_attention, cap=problem.cap, implementation=args.impl)
@@ -879,7 +873,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         f"each layout's rows dealt into batches of {problem.batch_tokens} tokens "
         f"(rows sorted by allowed pairs, dealt round-robin, so every batch holds the same mix); "
         + ("every batch" if batches == 0 else f"{batches} batches per layout, evenly spaced,")
-        + f" timed one call at a time by attn_common.bench.device_ms (median of {iterations} "
+        + f" timed one call at a time by attn_mosaic_gpu.bench.device_ms (median of {iterations} "
         "calls after a warm-up; CUPTI kernel time on a GPU, wall clock elsewhere), times "
         "summed over the timed batches; users/s = users in the timed batches / that time; "
         "population time estimated as that time x batches / timed batches. The block's input "

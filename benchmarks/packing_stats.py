@@ -1,6 +1,6 @@
 """Tokens per user, padded vs packed ranker rows (host only, no GPU).
 
-Simulates the issue's batch (``attn_common.packing.simulate_ranker_users``: 10,000
+Simulates the issue's batch (``attn_mosaic_gpu.bench.simulate_ranker_users``: 10,000
 users, history log-normal with median 200 and sigma 1.0 capped at 1024, 64 candidates)
 and reports, for the phoenix layout padded to S = 1152 and for first-fit-decreasing
 packing at S = 2048 and 4096 (with and without a cap on users per row): rows, tokens
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from attn_common.packing import pack_users, simulate_ranker_users
+from attn_common.packing import pack_users
+from attn_mosaic_gpu.bench import simulate_ranker_users
 
 
 def main(argv=None) -> None:

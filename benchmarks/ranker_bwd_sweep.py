@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_common import ranker_case, ranker_flops
-from attn_common.bench import provenance
+from attn_common.cli_args import provenance
 from attn_mosaic_gpu.ranker_bwd_pipelined import (
     DKV_KERNEL,
     DQ_KERNEL,

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common import KernelConfig, ranker_case, ranker_flops
-from attn_common.bench import device_ms
+from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.ranker import resolve_tuning
 from attn_mosaic_gpu.ranker_fwd import ranker_attention_fwd
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ranker_gpu import device_ms
 
 from attn_common import CapParams, KernelConfig, ranker_case, ranker_flops
-from attn_common.bench import provenance
+from attn_common.cli_args import provenance
 
 CONFIGS = {
     128: [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 192, 2)],

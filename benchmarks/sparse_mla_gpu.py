@@ -1,6 +1,6 @@
 """Sparse MLA prefill on a Hopper GPU, our kernel vs XLA (docs/sparse_mla_gpu.md): a thin wrapper.
 
-The benchmark lives in ``attn_common.bench_sparse_mla`` (also ``attn bench sparse-mla``,
+The benchmark lives in ``attn_mosaic_gpu.bench_sparse_mla`` (also ``attn bench sparse-mla``,
 which writes into a new ``attn-results/<timestamp>`` folder and runs a smoke run off a
 GPU). This script keeps its own defaults: ``--out docs/results``, ``--impl mosaic-gpu``,
 the full cases unless ``--smoke``::
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from attn_common import bench_sparse_mla
+from attn_mosaic_gpu import bench_sparse_mla
 
 ROOT = Path(__file__).resolve().parents[1]
 

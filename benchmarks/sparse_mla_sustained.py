@@ -19,8 +19,8 @@ import statistics
 
 import jax
 
-from attn_common import bench_sparse_mla as bench
-from attn_common.bench import cupti_call_ms
+from attn_mosaic_gpu import bench_sparse_mla as bench
+from attn_mosaic_gpu.bench import cupti_call_ms
 
 
 def main() -> None:

@@ -29,10 +29,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from attn_common import check_sparse_mla_inputs, selected_rows, sparse_mla_units
-from attn_common.bench import device_ms, provenance
-from attn_common.bench_sparse_mla import CASES, make_inputs, rel_l2
+from attn_common import check_sparse_mla_inputs
+from attn_common.cli_args import provenance
+from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
 from attn_mosaic_gpu import sparse_mla_kernel
+from attn_mosaic_gpu.bench import device_ms
+from attn_mosaic_gpu.bench_sparse_mla import CASES, make_inputs, rel_l2
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {"64-row split": {}}  # the kernel as it ships (SparseMlaKernelConfig())

@@ -293,3 +293,32 @@ def load_script(path: Path, name: str) -> Iterator[object]:
         yield module
     finally:
         sys.modules.pop(name, None)
+
+
+# --------------------------------------------------------------------------- JAX internals
+# The tests' one window on private JAX state (checked against jax 0.11.2): the Pallas
+# interpreters' race detectors. Each test reads it through these functions only.
+
+
+def get_races():
+    """The Mosaic GPU interpreter's race state (``.races_found``) since its last reset."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races as races
+
+    return races()
+
+
+def reset_gpu_interpret_mode_state() -> None:
+    """Reset the Mosaic GPU interpreter after a failed interpretation."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+        reset_gpu_interpret_mode_state as reset,
+    )
+
+    reset()
+
+
+def assert_no_tpu_races() -> None:
+    """The TPU (Mosaic) interpreter found no data race in what it last ran."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interp
+
+    races = interp.races
+    assert races is None or not races.races_found, "interpret mode detected a data race"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
+from jax.extend import core
 
 from attn_common import CapMethod, CapParams, KernelConfig
 from attn_mosaic_gpu import ranker_attention

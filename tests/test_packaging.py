@@ -9,6 +9,7 @@ from the git history and the working tree).
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import tomllib
 from pathlib import Path
@@ -139,3 +140,129 @@ def test_license_and_changelog(pkg):
     changelog = (pkg / "CHANGELOG.md").read_text()
     assert f"## {project['version']}" in changelog, f"{pkg.name}: no entry for its version"
     assert "SPEC" not in project["description"]
+
+
+PACKAGE_SOURCES = {
+    "attn_common": ROOT / "common" / "src" / "attn_common",
+    **{pkg.name.replace("-", "_"): pkg / "src" / pkg.name.replace("-", "_") for pkg in BACKENDS},
+}
+
+
+def _imports(path: Path, package: str, src: Path) -> set[str]:
+    """Modules ``path`` imports anywhere (top level or inside functions): dotted names,
+    ``from pkg import sub`` resolved to the submodule when ``sub`` is a module file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            if node.module == package:
+                found |= {
+                    f"{package}.{a.name}" for a in node.names if (src / f"{a.name}.py").exists()
+                }
+    return found
+
+
+def test_common_imports_no_backend():
+    """attn-common is the contract: no module of it imports a backend, even lazily (the
+    `attn` command finds backend commands through the entry points)."""
+    src = PACKAGE_SOURCES["attn_common"]
+    backends = {name for name in PACKAGE_SOURCES if name != "attn_common"}
+    for path in sorted(src.rglob("*.py")):
+        bad = {m for m in _imports(path, "attn_common", src) if m.split(".")[0] in backends}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_SOURCES))
+def test_no_import_cycle(package):
+    """No package's modules import each other in a circle (lazy imports count)."""
+    src = PACKAGE_SOURCES[package]
+    graph = {}
+    for path in src.glob("*.py"):
+        name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        graph[name] = {m for m in _imports(path, package, src) if m.split(".")[0] == package}
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == package or nxt not in graph:
+                continue  # the package's __init__ runs first anyway; not a circle
+            assert state.get(nxt) != 1, f"import circle: {' -> '.join([*stack, node, nxt])}"
+            if nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = 2
+
+    assert len(graph) > 1
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_public_names_are_few_and_documented():
+    """At most 50 public names, each listed in docs/design.md's "Public names"."""
+    assert len(attn_common.__all__) <= 50, len(attn_common.__all__)
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design.split("### Public names", 1)[1].split("Kernel-side helpers", 1)[0]
+    import re
+
+    listed = set(re.findall(r"`(\w+)`", section)) - {"__all__"}
+    assert listed == set(attn_common.__all__), (
+        f"undocumented {sorted(set(attn_common.__all__) - listed)}, "
+        f"documented but not exported {sorted(listed - set(attn_common.__all__))}"
+    )
+
+
+def test_moved_names_warn_and_still_work():
+    """0.1.x names that left the top level or the package keep working until 0.3.0, with
+    a DeprecationWarning naming the new home."""
+    import warnings
+
+    from attn_common import _moved
+
+    for name, module in sorted(_moved.DEMOTED.items()):
+        with pytest.warns(DeprecationWarning, match=f"attn_common.{module}.{name}"):
+            value = getattr(attn_common, name)
+        assert value is getattr(importlib.import_module(f"attn_common.{module}"), name)
+    installed = set(attn_common.installed_backends())
+    for name, (backend, module) in sorted(_moved.MOVED[""].items()):
+        if backend not in installed:
+            continue
+        with pytest.warns(DeprecationWarning, match=f"{module}.{name}"):
+            getattr(attn_common, name)
+    if "mosaic-gpu" in installed:
+        with pytest.warns(DeprecationWarning, match=r"attn_mosaic_gpu\.bench\.device_ms"):
+            from attn_common.bench import device_ms  # noqa: F401
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            from attn_common import pack_users  # noqa: F401  (still public: no warning)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        attn_common.no_such_name  # noqa: B018
+
+
+def test_private_jax_names_are_fenced():
+    """Every private JAX name is imported in one module per package (``_compat.py``)
+    or, for the tests, in tests/helpers.py: a jax upgrade is a one-file job."""
+    import subprocess
+
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    allowed = {"tests/helpers.py"}
+    offenders = []
+    for name in files:
+        path = ROOT / name
+        if name in allowed or path.name == "_compat.py" or not path.exists():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.Attribute) and node.attr == "_mosaic_gpu_ext":
+                modules = ["_mosaic_gpu_ext"]
+            if any(m.startswith("jax._src") or m.endswith("_mosaic_gpu_ext") for m in modules):
+                offenders.append(f"{name}:{node.lineno}")
+    assert not offenders, f"private JAX names outside the _compat modules: {offenders}"

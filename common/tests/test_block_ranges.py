@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attn_common import BlockRanges, normalize_bounds, ranker_kv_block_ranges, ranker_q_block_ranges
+from attn_common import normalize_bounds
+from attn_common.bounds import BlockRanges, ranker_kv_block_ranges, ranker_q_block_ranges
 
 BLOCKS = (16, 32, 64, 128)
 MAX_STEPS = 32  # > cdiv(300 + 128, 16): enough steps for every case below

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from attn_common import bench, bench_sparse_mla, cli, dispatch
+from attn_common import cli, cli_args, dispatch
 
 OFF_GPU = dispatch.device_class() not in ("gpu", "hopper")
 
@@ -56,28 +56,21 @@ def test_version(capsys):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["run", "ranker", "--batch", "0"], "--batch: got 0, expected a positive int"),
+        (["run", "ranker", "--batch", "0"], "--batch: got 0, expected 1 <= value <= 1000000"),
         (["run", "ranker", "--batch", "-1"], "--batch: got -1"),
         (["run", "ranker", "--batch", "two"], "--batch: got 'two'"),
         (["run", "ranker", "--iterations", "0"], "--iterations: got 0"),
-        (["run", "ranker", "--seed", "-1"], "--seed: got -1, expected 0 <= seed"),
+        (["run", "ranker", "--seed", "-1"], "--seed: got -1, expected 0 <= value"),
         (["run", "ranker", "--seed", str(2**70)], f"--seed: got {2**70}"),
         (["run", "ranker", "--implementation", "cuda"], "invalid choice: 'cuda'"),
         (["run", "sparse-mla", "--batch", "2"], "does not apply to sparse-mla"),
         (["run", "phoenix"], "invalid choice: 'phoenix'"),
-        (["bench", "--iterations", "-3"], "--iterations: got -3"),
-        (["bench", "--iterations", "0"], "--iterations: got 0"),
-        (["bench", "--seed", "-1"], "--seed: got -1"),
-        (["bench", "--seed", str(2**64)], "expected 0 <= seed"),
-        (["bench", "--cases", "nope"], "invalid choice: 'nope'"),
-        (["bench", "--implementation", "cuda"], "invalid choice: 'cuda'"),
-        (["bench", "ranker", "--iterations", "0"], "--iterations: got 0"),
-        (["bench", "nope"], "invalid choice: 'nope'"),
-        (["bench", "sparse-mla", "--iterations", "0"], "--iterations: got 0"),
-        (["bench", "sparse-mla", "--impl", "cuda"], "invalid choice: 'cuda'"),
-        (["bench", "sparse-mla", "--cases", "nope"], "--cases: ['nope'] match none of"),
-        (["bench", "sparse-mla", "--no-ours"], "unrecognized arguments: --no-ours"),
-        (["bench", "--iterations", "5", "sparse-mla"], "before the suite name 'sparse-mla'"),
+        (["run", "ranker", "--batch", "9" * 20], "--batch: got 99999999999999999999, expected"),
+        (["run", "ranker", "--batch", "100000000"], "expected 1 <= value <= 1000000"),
+        (["run", "ranker", "--iterations", "9" * 20], "expected 1 <= value <= 10000"),
+        (["run", "ranker", "--batch", "1000000"], "need about"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        ([], "a command is required, one of: info, run"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
@@ -86,143 +79,6 @@ def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
     assert needle in err
     assert "Traceback" not in err
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
-
-
-@pytest.mark.skipif(not OFF_GPU, reason="on a GPU the suite's cases run as asked")
-def test_bench_cases_off_gpu_are_refused_not_replaced(capsys, tmp_path):
-    assert _exit_code(["bench", "--cases", "phoenix", "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert "--cases: got phoenix" in err and "--full" in err
-    assert not (tmp_path / "o" / "ranker_gpu.json").exists()
-
-
-def test_bench_unwritable_out(tmp_path, capsys):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    assert _exit_code(["bench", "--out", str(blocker / "sub")]) == 2
-    err = capsys.readouterr().err
-    assert "--out: got" in err and "not writable" in err and "Traceback" not in err
-    assert _exit_code(["bench", "--out", str(blocker)]) == 2
-    assert "which is a file" in capsys.readouterr().err
-
-
-def test_bench_never_clobbers_results(tmp_path, capsys):
-    (tmp_path / "ranker_gpu.json").write_text("{}")
-    assert _exit_code(["bench", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "already holds ranker_gpu.json" in err and "--overwrite" in err
-    assert (tmp_path / "ranker_gpu.json").read_text() == "{}"
-
-
-def test_bench_default_out_is_a_new_folder(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    first, second = bench.default_out_dir(), None
-    first.mkdir(parents=True)
-    second = bench.default_out_dir()
-    assert first.parent == second.parent == tmp_path / "attn-results"
-    assert first != second and not second.exists()
-    parser = cli.build_parser()
-    assert parser.parse_args(["bench"]).out is None  # resolved at run time, never docs/results
-
-
-@pytest.mark.skipif(not OFF_GPU, reason="the smoke subset runs off a GPU only")
-def test_bench_smoke_off_gpu(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("attn_reference")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # no matplotlib: no PNG
-    assert cli.main(["bench", "--iterations", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "meant for a GPU" in out
-    (folder,) = (tmp_path / "attn-results").iterdir()
-    result = json.loads((folder / "ranker_gpu.json").read_text())
-    assert result["smoke"] and {r["impl"] for r in result["rows"]} == {
-        "ours-reference",
-        "xla-dense-mask",
-    }
-    assert all(r["ms"] > 0 for r in result["rows"]) and result["failed"] == 0
-    assert result["provenance"]["command"] == "attn bench --iterations 1"
-    assert result["provenance"]["commit"]
-    md = (folder / "ranker_gpu.md").read_text()
-    assert md.startswith("Commit: ") and "| small-d64 | ours-reference | fwd |" in md
-    assert not (folder / "ranker_gpu.png").exists()
-    assert out.count("matplotlib not installed") == 1
-    wrote = next(line for line in out.splitlines() if line.startswith("wrote "))
-    assert "ranker_gpu.json" in wrote and ".png" not in wrote
-
-
-def test_bench_suite_name_is_optional(tmp_path, monkeypatch):
-    """`attn bench [flags]` is `attn bench ranker [flags]`; `sparse-mla` runs the other."""
-    ran = []
-
-    def fake(name):
-        return lambda args: ran.append((name, args)) or {"failed": 0}
-
-    monkeypatch.setattr(bench, "run", fake("ranker"))
-    monkeypatch.setattr(bench_sparse_mla, "run", fake("sparse-mla"))
-    flags = ["--iterations", "3", "--seed", "7", "--no-ours"]
-    assert cli.main(["bench", *flags, "--out", str(tmp_path / "a")]) == 0
-    assert cli.main(["bench", "ranker", *flags, "--out", str(tmp_path / "b")]) == 0
-    assert cli.main(["bench", "sparse-mla", "--iterations", "3", "--out", str(tmp_path)]) == 0
-    assert [name for name, _ in ran] == ["ranker", "ranker", "sparse-mla"]
-    plain, named, sparse = (args for _, args in ran)
-    for args in (plain, named):
-        assert (args.suite, args.iterations, args.seed, args.no_ours) == ("ranker", 3, 7, True)
-    assert (plain.out, named.out) == (tmp_path / "a", tmp_path / "b")
-    assert sparse.suite == "sparse-mla" and sparse.iterations == 3 and sparse.impl is None
-    assert sparse.xla_chunks == [256, 512, 1024] and sparse.out == tmp_path
-
-
-@pytest.mark.skipif(not OFF_GPU, reason="the smoke run is chosen off a GPU only")
-def test_bench_sparse_mla_smoke_off_gpu(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("attn_reference")
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["bench", "sparse-mla", "--iterations", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "meant for a Hopper GPU" in out and "not a measurement" in out
-    (folder,) = (tmp_path / "attn-results").iterdir()
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "sparse_mla_gpu.json", "sparse_mla_gpu.md", "sparse_mla_gpu.svg"
-    ]  # fmt: skip
-    result = json.loads((folder / "sparse_mla_gpu.json").read_text())
-    assert result["smoke"] and result["impl"] == "reference" and result["failed"] == 0
-    assert [r["case"] for r in result["rows"]] == ["flat-smoke", "paged-smoke"]
-    for row in result["rows"]:
-        assert row["xla_ms"] > 0 and row["ours_ms"] > 0 and row["rel_l2_ours_vs_xla"] < 1e-2
-    assert result["provenance"]["command"] == "attn bench sparse-mla --iterations 1"
-    md = (folder / "sparse_mla_gpu.md").read_text()
-    assert "| flat-smoke |" in md and "| paged-smoke |" in md and "not a measurement" in md
-    # the same folder again: refused without --overwrite, like the ranker suite
-    assert _exit_code(["bench", "sparse-mla", "--out", str(folder)]) == 2
-    err = capsys.readouterr().err
-    assert "attn bench sparse-mla: error: --out" in err and "--overwrite" in err
-
-
-def test_bench_sparse_mla_failed_row_exits_non_zero(tmp_path, monkeypatch, capsys):
-    def unavailable(impl, config=None):
-        raise NotImplementedError(f"{impl}: not yet")
-
-    monkeypatch.setattr(bench_sparse_mla, "load_impl", unavailable)
-    argv = ["bench", "sparse-mla", "--smoke", "--cases", "flat-*", "--out", str(tmp_path)]
-    assert cli.main(argv) == 1
-    assert "1 of 1 rows failed" in capsys.readouterr().err
-    result = json.loads((tmp_path / "sparse_mla_gpu.json").read_text())
-    assert result["failed"] == 1 and "NotImplementedError" in result["rows"][0]["ours_error"]
-
-
-def test_bench_failed_row_exits_non_zero(tmp_path, monkeypatch, capsys):
-    def broken(case, bounds, mask, scale):
-        def fn(q, k, v):
-            raise RuntimeError("kernel exploded")
-
-        return fn
-
-    monkeypatch.setattr(bench, "implementations", lambda *a, **k: {"ours-broken": broken})
-    monkeypatch.setattr(bench, "_on_gpu", lambda: False)
-    assert cli.main(["bench", "--iterations", "1", "--out", str(tmp_path)]) == 1
-    captured = capsys.readouterr()
-    assert "kernel exploded" in captured.out and "rows failed" in captured.err
-    result = json.loads((tmp_path / "ranker_gpu.json").read_text())
-    assert result["failed"] == 2
 
 
 def test_run_ranker_small(tmp_path, capsys):
@@ -248,7 +104,7 @@ def test_run_times_fwd_bwd_once_not_plus_forward(monkeypatch):
     pytest.importorskip("attn_reference")
     timed = []
 
-    def fake_times(fn, *args, repeats=3):
+    def fake_times(fn, *args, repeats=3, keep=None, warmup=True):
         timed.append(fn)
         fn(*args)
         return [1.0, 2.0, 6.0]
@@ -270,10 +126,22 @@ def test_run_failed_check_exits_non_zero(monkeypatch, capsys):
 
 
 def test_run_json_path_checked_before_running(tmp_path, capsys):
-    assert _exit_code(["run", "ranker", "--json", str(tmp_path / "no" / "x.json")]) == 2
-    assert "--json: got" in capsys.readouterr().err
+    """--json follows --out's rule: a missing folder is created; an existing file is
+    refused without --overwrite; a folder is refused. Checked before anything runs."""
+    existing = tmp_path / "x.json"
+    existing.write_text("{}")
+    assert _exit_code(["run", "ranker", "--json", str(existing)]) == 2
+    assert "which exists; pass --overwrite" in capsys.readouterr().err
+    assert existing.read_text() == "{}"
     assert _exit_code(["run", "ranker", "--json", str(tmp_path)]) == 2
     assert "which is a folder" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert _exit_code(["run", "ranker", "--json", str(blocker / "x.json")]) == 2
+    assert "not writable" in capsys.readouterr().err
+    missing = tmp_path / "no" / "such" / "x.json"
+    assert cli_args.check_out_file(missing) is None and missing.parent.is_dir()
+    assert cli_args.check_out_file(existing, overwrite=True) is None
 
 
 @pytest.mark.slow  # ~7 s on 2 cores; test_run_ranker_small covers `attn run` quickly
@@ -309,24 +177,6 @@ def test_help_lists_shapes_choices_and_defaults(capsys):
     for name in dispatch.KNOWN_BACKENDS:
         assert name in out
     assert "default: 3" in out and "default: 0" in out and "default: 4" in out
-    assert _exit_code(["bench", "--help"]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    for case in bench.CASE_NAMES:
-        assert case in out
-    assert "B64 S1152" in out and "attn-results/<timestamp>" in out and "default: 20" in out
-    for name in dispatch.KNOWN_BACKENDS:
-        assert name in out
-    assert "sparse-mla" in out and "attn bench sparse-mla --help" in out
-    assert _exit_code(["bench", "sparse-mla", "--help"]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    assert out.startswith("usage: attn bench sparse-mla ")
-    for flag in ("--impl", "--xla-chunks", "--kernel-config", "--smoke", "--full", "--overwrite"):
-        assert flag in out
-    for case in (*bench_sparse_mla.CASES, *bench_sparse_mla.SMOKE_CASES):
-        assert case.name in out
-    assert "attn-results/<timestamp>" in out and "default: 20" in out
-    assert _exit_code(["bench", "ranker", "--help"]) == 0
-    assert "B64 S1152" in capsys.readouterr().out
     assert _exit_code(["--help"]) == 0
     assert "--version" in capsys.readouterr().out
 
@@ -337,3 +187,56 @@ def test_reference_demo_is_attn_run_all(monkeypatch):
     monkeypatch.setattr(demo, "_attn_main", lambda argv: seen.append(argv) or 0)
     assert demo.main(["--small"]) == 0
     assert seen == [["run", "all", "--implementation", "reference", "--small"]]
+
+
+def test_sizes_that_cannot_fit_are_refused_up_front(monkeypatch, capsys):
+    """The bytes are estimated from the shape and compared with the device's memory
+    before anything is allocated: the same batch is refused when memory is short."""
+    shape = cli.RANKER_SHAPES["full"]
+    need = cli.ranker_bytes(shape, 8, "reference")
+    # q, k, v, out and their gradients in bf16, plus the reference's f32 scores/probs
+    assert need == 2 * 8 * 1152 * (20 + 8 + 20) * 128 * 2 + 2 * 8 * 20 * 1152**2 * 4
+    assert cli.ranker_bytes(shape, 8, "mosaic-gpu") == 2 * 8 * 1152 * (20 + 8 + 20) * 128 * 2
+    monkeypatch.setattr(cli, "available_memory", lambda: (need - 1, "available host memory"))
+    argv = ["run", "ranker", "--batch", "8", "--implementation", "reference"]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert "--batch: got 8" in err and "more than the" in err and "Traceback" not in err
+    ran = []
+    monkeypatch.setattr(cli, "available_memory", lambda: (need, "available host memory"))
+    monkeypatch.setattr(cli, "cmd_run", lambda args: ran.append(args.batch) or 0)
+    assert _exit_code(argv) == 0 and ran == [8]
+
+
+def test_available_memory_is_known_here():
+    have = cli_args.available_memory()
+    assert have is not None and have[0] > 0
+
+
+def test_interpret_small_shapes_are_tinier():
+    for table in (cli.RANKER_SHAPES, cli.SPARSE_SHAPES):
+        tiny, small = table["small-interpret"], table["small"]
+        assert all(tiny[k] <= small[k] for k in tiny if isinstance(tiny[k], int))
+        assert tiny != small
+    assert cli._shape_name(True, True) == "small-interpret"
+    assert cli._shape_name(True, False) == "small" and cli._shape_name(False, True) == "full"
+
+
+def test_provenance_commit_from_the_working_directory(tmp_path, monkeypatch):
+    """The commit comes from the checkout the command runs in, not from where the
+    package is installed; outside any checkout it says so."""
+    monkeypatch.delenv("ATTN_PROVENANCE_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    monkeypatch.chdir(repo)
+    assert cli_args.provenance([])["commit"] == head
+    (repo / "f").write_text("y")
+    assert cli_args.provenance([])["commit"] == head + "+dirty"

@@ -13,11 +13,11 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from attn_common import (
+from attn_common import ranker_mask
+from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
     ranker_kv_block_ranges,
-    ranker_mask,
     ranker_q_block_ranges,
 )
 

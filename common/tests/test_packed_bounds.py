@@ -15,9 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental import checkify
 
-from attn_common import (
-    SegmentBounds,
-    normalize_bounds,
+from attn_common import SegmentBounds, normalize_bounds
+from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
     ranker_kv_block_ranges,

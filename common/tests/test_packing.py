@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_common.packed import validate_packed_bounds
-from attn_common.packing import PackedUsers, pack_users, simulate_ranker_users
+from attn_common.packing import PackedUsers, pack_users
 
 
 def check_packing(p: PackedUsers, hist, cand, seq_len, cap=None):
@@ -111,12 +111,3 @@ def test_ffd_packs_tightly():
 def test_pack_rejects(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         pack_users(**kwargs)
-
-
-def test_simulated_distribution():
-    hist, cand = simulate_ranker_users(2000, seed=3)
-    assert hist.min() >= 1 and hist.max() <= 1024 and (cand == 64).all()
-    assert 150 < np.median(hist) < 260
-    p = pack_users(hist, cand, seq_len=2048, max_users_per_row=16)
-    check_packing(p, hist, cand, 2048, 16)
-    assert p.efficiency > 0.95

@@ -20,17 +20,17 @@ from helpers import build_ragged_layout, randn, random_page_selection, rng_for, 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attn_common import (
+from attn_common import check_sparse_mla_inputs, sparse_mla_rows
+from attn_common.sparse_mla_rows import (
+    ABSENT,
     UnitRows,
-    check_sparse_mla_inputs,
     flat_units,
     ragged_units,
     row_table_width,
     selected_rows,
-    sparse_mla_rows,
+    sort_rows,
     sparse_mla_units,
 )
-from attn_common.sparse_mla_rows import ABSENT, sort_rows
 from attn_reference import sparse_mla_attention
 
 BLOCKS = (1, 8, 64)

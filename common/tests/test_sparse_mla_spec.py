@@ -13,11 +13,10 @@ from attn_common import (
     SparseMlaProblem,
     check_sparse_mla_inputs,
     kv_packing,
-    lift_ragged_indices,
     padded_dk,
-    ragged_query_info,
     seq_id_from_cu_q_lens,
 )
+from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 
 
 def sds(shape, dtype=jnp.bfloat16):

@@ -9,19 +9,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attn_common import (
+from attn_common import kv_packing
+from attn_common.tables import (
+    DEFAULT_U_MAX_CAP,
     TOKEN_RUN,
     WORD_RUN,
     build_block_unit_tables,
     build_write_runs,
     default_write_run_cap,
     keep_last_writes,
-    kv_packing,
     lossless_u_max,
     resolve_u_max,
     sanitize_unit_ids,
 )
-from attn_common.tables import DEFAULT_U_MAX_CAP
 
 _tables_jit = jax.jit(build_block_unit_tables, static_argnames=("query_block", "u_max"))
 _runs_jit = jax.jit(build_write_runs, static_argnames=("kv_packing", "r_cap"))

@@ -18,24 +18,12 @@ from attn_common.bounds import (
     SEGMENT_CANDIDATE,
     SEGMENT_HISTORY,
     SEGMENT_PADDING,
-    BlockRanges,
     SegmentBounds,
     check_bounds,
     normalize_bounds,
-    ranker_full_kv_steps,
-    ranker_full_q_steps,
-    ranker_kv_block_ranges,
     ranker_mask,
-    ranker_q_block_ranges,
 )
-from attn_common.cap import (
-    CapMethod,
-    CapParams,
-    cap_derivative,
-    cap_derivative_from_output,
-    cap_forward,
-    cap_scaled_with_derivative,
-)
+from attn_common.cap import CapMethod, CapParams, cap_forward
 from attn_common.config import KernelConfig
 from attn_common.dispatch import (
     BackendFallbackWarning,
@@ -53,26 +41,16 @@ from attn_common.dispatch import (
 )
 from attn_common.metadata import check_ragged_metadata, check_unit_indices
 from attn_common.packed import (
-    PackedBlockRanges,
     check_packed_bounds,
     normalize_packed_bounds,
-    packed_full_kv_steps,
-    packed_full_q_steps,
-    packed_kv_block_ranges,
-    packed_q_block_ranges,
-    packed_runs_per_tile,
     ranker_mask_packed,
-    validate_packed_bounds,
 )
-from attn_common.packing import PackedUsers, pack_users, simulate_ranker_users
+from attn_common.packing import PackedUsers, pack_users
 from attn_common.paged import (
     check_paged_cache,
     check_prefill_inputs,
     check_write_back_inputs,
     latent_rows,
-    scatter_write_back,
-    write_back_by_scatter,
-    write_then_attend,
 )
 from attn_common.ranker import RankerProblem, check_ranker_inputs, ranker_flops
 from attn_common.sharding import (
@@ -83,40 +61,11 @@ from attn_common.sharding import (
 from attn_common.sparse_mla import (
     SparseMlaProblem,
     check_sparse_mla_inputs,
-    lift_ragged_indices,
     padded_dk,
-    ragged_query_info,
     seq_id_from_cu_q_lens,
 )
-from attn_common.sparse_mla_plan import (
-    SparseMlaPlan,
-    block_union_sizes,
-    choose_plan,
-    sparse_mla_union_sizes,
-)
-from attn_common.sparse_mla_rows import (
-    UnitRows,
-    flat_units,
-    ragged_units,
-    row_table_width,
-    selected_rows,
-    sparse_mla_units,
-)
-from attn_common.suite import RANKER_SUITE, RankerCase, ranker_case
-from attn_common.tables import (
-    TOKEN_RUN,
-    WORD_RUN,
-    BlockUnitTables,
-    WriteRuns,
-    build_block_unit_tables,
-    build_write_runs,
-    default_write_run_cap,
-    keep_last_writes,
-    kv_packing,
-    lossless_u_max,
-    resolve_u_max,
-    sanitize_unit_ids,
-)
+from attn_common.suite import RANKER_SUITE, ranker_case
+from attn_common.tables import kv_packing
 
 try:
     __version__ = _metadata.version("attn-common")
@@ -128,32 +77,17 @@ __all__ = [
     "SEGMENT_CANDIDATE",
     "SEGMENT_HISTORY",
     "SEGMENT_PADDING",
-    "TOKEN_RUN",
-    "WORD_RUN",
     "BackendFallbackWarning",
     "BackendUnavailableError",
-    "BlockRanges",
-    "BlockUnitTables",
     "CapMethod",
     "CapParams",
     "KernelConfig",
-    "PackedBlockRanges",
     "PackedUsers",
-    "RankerCase",
     "RankerProblem",
     "SegmentBounds",
-    "SparseMlaPlan",
     "SparseMlaProblem",
-    "UnitRows",
     "UnsupportedInputError",
-    "WriteRuns",
-    "block_union_sizes",
-    "build_block_unit_tables",
-    "build_write_runs",
-    "cap_derivative",
-    "cap_derivative_from_output",
     "cap_forward",
-    "cap_scaled_with_derivative",
     "check_bounds",
     "check_packed_bounds",
     "check_paged_cache",
@@ -163,55 +97,35 @@ __all__ = [
     "check_sparse_mla_inputs",
     "check_unit_indices",
     "check_write_back_inputs",
-    "choose_plan",
-    "default_write_run_cap",
     "device_class",
-    "flat_units",
     "installed_backends",
-    "keep_last_writes",
     "kv_packing",
     "latent_rows",
-    "lift_ragged_indices",
-    "lossless_u_max",
     "normalize_bounds",
     "normalize_packed_bounds",
     "pack_users",
-    "packed_full_kv_steps",
-    "packed_full_q_steps",
-    "packed_kv_block_ranges",
-    "packed_q_block_ranges",
-    "packed_runs_per_tile",
     "padded_dk",
     "paged_write_back",
     "prefill_write_and_attend_ragged",
     "prefill_write_and_attend_ragged_qblock",
-    "ragged_query_info",
-    "ragged_units",
     "ranker_attention",
     "ranker_case",
     "ranker_flops",
-    "ranker_full_kv_steps",
-    "ranker_full_q_steps",
-    "ranker_kv_block_ranges",
     "ranker_mask",
     "ranker_mask_packed",
-    "ranker_q_block_ranges",
-    "resolve_u_max",
-    "row_table_width",
-    "sanitize_unit_ids",
-    "scatter_write_back",
     "select_backend",
-    "selected_rows",
     "seq_id_from_cu_q_lens",
     "shard_ranker_attention",
     "shard_sparse_mla_attention",
     "shard_sparse_mla_attention_ragged",
-    "simulate_ranker_users",
     "sparse_mla_attention",
     "sparse_mla_attention_qblock",
-    "sparse_mla_union_sizes",
-    "sparse_mla_units",
-    "validate_packed_bounds",
-    "write_back_by_scatter",
-    "write_then_attend",
 ]
+
+
+def __getattr__(name: str):
+    """Names that left the top level in 0.2.0 (``attn_common._moved``): a
+    DeprecationWarning, then the value from its new home."""
+    from attn_common import _moved
+
+    return _moved.resolve("", name)

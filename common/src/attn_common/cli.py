@@ -16,9 +16,9 @@
   selected units of 64 tokens per query) and ragged paged (3 requests packed into a
   cache with shuffled physical pages), same report.
 * ``attn bench`` (= ``attn bench ranker``): the ranker benchmark suite, see
-  ``attn_common.bench`` and docs/design.md, "Benchmarks". ``attn bench sparse-mla``:
+  ``attn_mosaic_gpu.bench`` and docs/design.md, "Benchmarks". ``attn bench sparse-mla``:
   the sparse MLA prefill benchmark (ours vs XLA gather + einsum), see
-  ``attn_common.bench_sparse_mla`` and docs/sparse_mla_gpu.md. Off a GPU both run a
+  ``attn_mosaic_gpu.bench_sparse_mla`` and docs/sparse_mla_gpu.md. Off a GPU both run a
   smoke run only (tiny shapes, not a measurement).
 
 ``--implementation NAME`` pins a backend (default: the dispatch choice, see
@@ -33,7 +33,6 @@ import json
 import math
 import os
 import sys
-import textwrap
 import time
 from importlib import metadata
 from pathlib import Path
@@ -42,10 +41,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_common import bench as _bench
-from attn_common import bench_sparse_mla as _bench_sparse_mla
 from attn_common.bounds import SegmentBounds
 from attn_common.cap import CapMethod, CapParams
+from attn_common.cli_args import (
+    MAX_SEED,
+    available_memory,
+    check_out_file,
+    gib,
+    implementation_choices,
+    iterations_int,
+    positive_int,
+    progress,
+    provenance,
+    seed_int,
+)
 from attn_common.dispatch import (
     KNOWN_BACKENDS,
     OPS,
@@ -68,36 +77,55 @@ from attn_common.tables import kv_packing
 RANKER_SHAPES = {
     "full": dict(batch=4, seq=1152, hq=20, hkv=4, d=128, n_cand=64, hist=(126, 1023)),
     "small": dict(batch=2, seq=256, hq=4, hkv=2, d=64, n_cand=32, hist=(30, 200)),
+    # --small --interpret: a kernel interpreted on a CPU runs each tile op by op
+    "small-interpret": dict(batch=1, seq=128, hq=2, hkv=1, d=64, n_cand=16, hist=(20, 100)),
 }
 SPARSE_SHAPES = {
     "full": dict(heads=16, top_k=16, rb=64, seq=256, ctx=8192, lens=(3000, 1900, 4100), new=(96, 64, 96)),
     "small": dict(heads=4, top_k=4, rb=64, seq=32, ctx=1024, lens=(300, 190, 410), new=(16, 8, 16)),
+    "small-interpret": dict(heads=2, top_k=2, rb=64, seq=4, ctx=256, lens=(130, 70, 100), new=(2, 1, 1)),
 }  # fmt: skip
 # Pass thresholds of the checks (inputs are bf16; the float64 check sees one row).
 RANKER_TOL = 2e-2
 SPARSE_TOL = 1e-2
 FWD_BWD_FLOP_FACTOR = 3.5  # as in `attn bench`: forward + backward counts 3.5x the forward
 
-_T0 = time.perf_counter()
+_progress = progress
 
 
-def _progress(message: str) -> None:
-    """A progress line on stderr (the long shapes take tens of seconds per step)."""
-    print(f"  [{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+def _shape_name(small: bool, interpret: bool) -> str:
+    """``full``, ``small``, or ``small-interpret`` (--small with --interpret: tinier)."""
+    if not small:
+        return "full"
+    return "small-interpret" if interpret else "small"
 
 
-def _times(fn, *args, repeats: int = 3) -> list[float]:
+def _times(
+    fn, *args, repeats: int = 3, keep: list | None = None, warmup: bool = True
+) -> list[float]:
     """Wall times of ``repeats`` calls of ``fn(*args)`` in seconds, after a compile +
-    warm-up call."""
+    warm-up call (none with ``warmup=False``: interpret mode, where a call takes seconds
+    and times say nothing about the kernel). ``keep``: a list that receives the last
+    call's result, which the check reuses rather than calling again."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: got {repeats!r}, expected a positive int")
-    jax.block_until_ready(fn(*args))
+    if warmup:
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        result = jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
+    if keep is not None:
+        keep.append(result)
     return times
+
+
+def _timed(fn, *args, repeats: int, interpret: bool = False) -> tuple[dict, object]:
+    """``(spread of the wall times, the result)`` of ``fn(*args)``."""
+    keep: list = []
+    spread = _spread(_times(fn, *args, repeats=repeats, keep=keep, warmup=not interpret))
+    return spread, (keep[-1] if keep else fn(*args))
 
 
 def _spread(times: list[float]) -> dict:
@@ -184,7 +212,7 @@ def run_ranker(
     interpret: bool = False,
 ) -> dict:
     """Ranker attention at a phoenix-like shape on the selected backend."""
-    shape = RANKER_SHAPES["small" if small else "full"]
+    shape = RANKER_SHAPES[_shape_name(small, interpret)]
     seq, hq, hkv, d, n_cand = (shape[k] for k in ("seq", "hq", "hkv", "d", "n_cand"))
     batch = shape["batch"] if batch is None else batch
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -208,8 +236,7 @@ def run_ranker(
 
     fwd = jax.jit(attend)
     _progress(f"{name} on {backend}: forward, compile + {iterations} timed calls")
-    t_fwd = _spread(_times(fwd, q, k, v, bounds, repeats=iterations))
-    out = fwd(q, k, v, bounds)
+    t_fwd, out = _timed(fwd, q, k, v, bounds, repeats=iterations, interpret=interpret)
     # One jitted value_and_grad: it contains the forward, so its time is forward+backward.
     fwd_bwd = jax.jit(
         jax.value_and_grad(
@@ -219,8 +246,9 @@ def run_ranker(
     ok = True
     _progress(f"{name} on {backend}: forward+backward, compile + {iterations} timed calls")
     try:
-        t_fwd_bwd = _spread(_times(fwd_bwd, q, k, v, bounds, repeats=iterations))
-        _, grads = fwd_bwd(q, k, v, bounds)
+        t_fwd_bwd, (_, grads) = _timed(
+            fwd_bwd, q, k, v, bounds, repeats=iterations, interpret=interpret
+        )
         finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
         grad_note = f"grads finite: {finite}"
         ok &= finite
@@ -262,7 +290,7 @@ def run_sparse_mla(
 ) -> list[dict]:
     """Sparse MLA prefill, flat and ragged paged, on the selected backend (forward only)."""
     dv, rope = 512, 64
-    shape = SPARSE_SHAPES["small" if small else "full"]
+    shape = SPARSE_SHAPES[_shape_name(small, interpret)]
     heads, top_k, rb, seq, ctx = (shape[k] for k in ("heads", "top_k", "rb", "seq", "ctx"))
     lens, new = list(shape["lens"]), list(shape["new"])
     dk = dv + rope
@@ -285,10 +313,9 @@ def run_sparse_mla(
     flat = jax.jit(lambda q, kv, i, p: sparse_mla_attention(q, kv, i, p, **flat_kw, **extra))
     flat_name = f"sparse MLA flat S{seq} T{ctx} H{heads} K{top_k}x{rb}"
     _progress(f"{flat_name} on {backend}: forward, compile + {iterations} timed calls")
-    t_flat = _spread(_times(flat, q, kv, indices, positions, repeats=iterations))
-    out = flat(q, kv, indices, positions)
+    t_flat, out = _timed(flat, q, kv, indices, positions, repeats=iterations, interpret=interpret)
     # spot check one query against a dense float64 computation
-    qi = 7
+    qi = min(7, seq - 1)
     t = np.concatenate([np.arange(u * rb, (u + 1) * rb) for u in np.unique(idx[qi])])
     t = t[t <= int(positions[0, qi])]
     kk = np.asarray(kv[0, t], np.float64)
@@ -342,8 +369,7 @@ def run_sparse_mla(
     ragged = jax.jit(ragged_call(sparse_mla_attention, **extra))
     ragged_name = f"sparse MLA ragged {len(lens)} reqs T{total} H{heads} K{top_k}x{ps}"
     _progress(f"{ragged_name} on {backend}: forward, compile + {iterations} timed calls")
-    t_ragged = _spread(_times(ragged, *args, repeats=iterations))
-    out_r = ragged(*args)
+    t_ragged, out_r = _timed(ragged, *args, repeats=iterations, interpret=interpret)
     # dense check of one query: its request's selected pages, physical via the page table
     store = np.asarray(cache, np.float64).reshape(-1, cache.shape[-1])
     qi = total - 1
@@ -422,6 +448,8 @@ def _check_json_path(path: Path) -> str | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     print(_describe_device())
+    if args.iterations is None:  # an interpreted kernel takes seconds per call
+        args.iterations = 1 if args.interpret else 3
     kw = dict(implementation=args.implementation, iterations=args.iterations)
     kw["interpret"] = args.interpret
     rows = []
@@ -439,16 +467,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise
         except Exception as e:
             rows.append(_failed_row("sparse MLA", args.implementation or "default", e))
+    if args.interpret:
+        print(
+            "interpret mode: the kernel ran in the Pallas interpreter (the first call, "
+            "compile included); the times are the interpreter's, not a measurement"
+        )
     print(
-        f"times: wall clock over {args.iterations} calls after a compile + warm-up call; "
-        "fwd = the jitted forward, fwd+bwd = one jitted value_and_grad (it contains the "
+        f"times: wall clock over {args.iterations} calls"
+        + ("" if args.interpret else " after a compile + warm-up call")
+        + "; fwd = the jitted forward, fwd+bwd = one jitted value_and_grad (it contains the "
         "forward);\nGFLOP/s: effective (allowed pairs only) at the median time, fwd+bwd "
         f"counting {FWD_BWD_FLOP_FACTOR}x the forward FLOPs\n"
     )
     print_table(rows)
     if args.json is not None:
         doc = {
-            "provenance": _bench.provenance(getattr(args, "argv", None)),
+            "provenance": provenance(getattr(args, "argv", None)),
             "device": _describe_device(),
             "rows": rows,
         }
@@ -505,90 +539,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- attn bench
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``attn bench [ranker|sparse-mla]``: run the suite; 1 when a row failed."""
-    suite = _bench_sparse_mla if args.suite == "sparse-mla" else _bench
-    return 1 if suite.run(args)["failed"] else 0
-
-
-def _bench_suite_first(args: argparse.Namespace) -> str | None:
-    """``attn bench --iterations 5 sparse-mla`` would lose ``--iterations 5`` to the
-    suite's defaults: the suite's flags go after its name. The error, or None."""
-    if not getattr(args, "suite_named", False):
-        return None
-    argv = list(getattr(args, "argv", None) or [])
-    if "bench" not in argv:
-        return None
-    before = argv[argv.index("bench") + 1 :]
-    before = before[: before.index(args.suite)] if args.suite in before else []
-    if before:
-        return (
-            f"got {' '.join(before)} before the suite name {args.suite!r}; put the flags "
-            f"after it: attn bench {args.suite} {' '.join(before)} ..."
-        )
-    return None
-
-
-# --------------------------------------------------------------------------- attn tune
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    """Sweep the Hopper ranker kernels' knobs on this GPU and write the user's table."""
-    found = device_class()
-    if found != "hopper" and not args.allow_any_device:
-        print(
-            f"attn tune: error: needs a Hopper GPU (the default device is {found}); the "
-            "table it writes is per GPU kind",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        from attn_mosaic_gpu import tuning
-    except ImportError as e:
-        print(f"attn tune: error: the Hopper backend is not installed ({e})", file=sys.stderr)
-        return 2
-    from attn_common.suite import ranker_case
-
-    out = args.out if args.out is not None else tuning.user_table_path()
-    cases = [ranker_case(name) for name in args.cases]
-    if args.batch is not None:
-        cases = [case.scaled(args.batch) for case in cases]
-    print(f"attn tune: {len(cases)} case(s) on {jax.devices()[0].device_kind}; writing {out}")
-    provenance = _bench.provenance(args.argv)
-    entries: list = []
-    merged: dict = {"entries": []}
-    for case in cases:  # the table is written after every case: a cut-off sweep keeps them
-        table = tuning.tune(
-            [case], iterations=args.iterations, min_gain=args.min_gain, progress=_progress
-        )
-        table["provenance"] = provenance
-        entries += table["entries"]
-        old = None
-        if out.exists():
-            try:
-                old = json.loads(out.read_text())
-            except ValueError:
-                old = None
-        merged = tuning.merge_tables(old, table)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(merged, indent=1) + "\n")
-    table = {"entries": entries}
-    print(f"{'case':<10} {'forward config':<58} {'fwd ms':>8}  backward knobs (bwd ms)")
-    for e in table["entries"]:
-        fwd = ", ".join(f"{k}={v}" for k, v in e["forward"].items())
-        bwd = ", ".join(f"{k}={v}" for k, v in e["backward"].items()) or "-"
-        fms = f"{e['forward_ms']:.3f}" if e["forward_ms"] is not None else "-"
-        bms = f"{e['backward_ms']:.3f}" if e["backward_ms"] is not None else "-"
-        print(f"{e['case']:<10} {fwd:<58} {fms:>8}  {bwd} ({bms})")
-    print(
-        f"wrote {out} ({len(merged['entries'])} entries); ranker_attention(config=None) reads it first"
-    )
-    return 0
-
-
 def versions_text() -> str:
     """``attn --version``: attn-common and each installed backend (from metadata only)."""
     lines = [f"attn-common {_dist_version('attn-common')}"]
@@ -623,8 +573,8 @@ class _VersionAction(argparse.Action):
 
 
 def _run_epilog() -> str:
-    r, rs = RANKER_SHAPES["full"], RANKER_SHAPES["small"]
-    s, ss = SPARSE_SHAPES["full"], SPARSE_SHAPES["small"]
+    r, rs, ri = (RANKER_SHAPES[k] for k in ("full", "small", "small-interpret"))
+    s, ss, si = (SPARSE_SHAPES[k] for k in ("full", "small", "small-interpret"))
 
     def ranker(x):
         return (
@@ -644,8 +594,10 @@ def _run_epilog() -> str:
             "shapes (latent 512 + rope 64 for sparse MLA):",
             f"  ranker              {ranker(r)}",
             f"  ranker --small      {ranker(rs)}",
+            f"    with --interpret  {ranker(ri)}",
             f"  sparse-mla          {sparse(s)}",
             f"  sparse-mla --small  {sparse(ss)}",
+            f"    with --interpret  {sparse(si)}",
             f"checks: a sample row against float64 (tol ranker {RANKER_TOL:g}, sparse MLA "
             f"{SPARSE_TOL:g}) and against the reference when another backend ran;",
             "exit status 1 when a row fails or a check does not pass.",
@@ -653,14 +605,17 @@ def _run_epilog() -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, backend_commands_too: bool = True) -> argparse.ArgumentParser:
+    """The ``attn`` parser; ``backend_commands_too=False`` leaves the installed backends'
+    commands out (importing them takes seconds; ``attn run`` and ``attn info`` need
+    none)."""
     parser = argparse.ArgumentParser(
         prog="attn", description="Ranker attention and sparse MLA kernels for JAX."
     )
     parser.add_argument(
         "--version", action=_VersionAction, help="versions of attn-common and the backends"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser(
         "info",
         help="installed backends, devices, jax version",
@@ -668,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
         "op dispatches to on the default device, the devices and the JAX version.",
     )
     info.set_defaults(func=cmd_info)
-    impls = _bench.implementation_choices()
+    impls = implementation_choices()
     run = sub.add_parser(
         "run",
         help="the main job: an op at realistic shapes, checked, timed",
@@ -687,24 +642,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--batch",
-        type=_bench.positive_int,
+        type=positive_int,
         default=None,
-        help="ranker batch rows, >= 1 (default: 4, or 2 with --small); applies to the "
-        "ranker only (refused for sparse-mla, whose shapes are fixed)",
+        help="ranker batch rows, 1..1000000, and the inputs must fit in the device's "
+        "memory (default: 4, or 2 with --small); applies to the ranker only (refused for "
+        "sparse-mla, whose shapes are fixed)",
     )
     run.add_argument(
         "--seed",
-        type=_bench.seed_int,
+        type=seed_int,
         default=0,
-        help=f"input seed, 0 <= seed <= {_bench.MAX_SEED} (default: 0)",
+        help=f"input seed, 0..{MAX_SEED} (default: 0)",
     )
     run.add_argument(
         "--iterations",
-        type=_bench.positive_int,
-        default=3,
-        help="timed calls per mode after a warm-up, >= 1 (default: 3)",
+        type=iterations_int,
+        default=None,
+        help="timed calls per mode after a warm-up, 1..10000 (default: 3, or 1 with --interpret)",
     )
-    run.add_argument("--small", action="store_true", help="small shapes (seconds on a CPU)")
+    run.add_argument(
+        "--small",
+        action="store_true",
+        help="small shapes (seconds on a CPU; tinier still with --interpret)",
+    )
     run.add_argument(
         "--interpret",
         action="store_true",
@@ -712,112 +672,57 @@ def build_parser() -> argparse.ArgumentParser:
         "pallas-tpu on a CPU; slow)",
     )
     run.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="also save the rows as JSON"
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also save the rows as JSON (a missing folder is created, as for `attn bench "
+        "--out`; an existing file is refused unless --overwrite)",
+    )
+    run.add_argument(
+        "--overwrite", action="store_true", help="allow --json to replace an existing file"
     )
     run.set_defaults(func=cmd_run)
 
-    ranker_description = (
-        "The ranker benchmark suite: our kernel against cuDNN and XLA with the dense mask "
-        "(and FA3 dense on Hopper), in the same run on the same inputs; see "
-        "docs/design.md, 'Benchmarks'. Exit status 1 when any row fails."
-    )
-    sparse_description = (
-        "The sparse MLA prefill benchmark: our kernel (the Hopper one on a Hopper GPU) "
-        "against XLA gather + einsum, flat and ragged paged, H 128/64, cache 8K/32K/128K, "
-        "on the same inputs; TFLOP/s, bytes against the copy ceiling, targets; see "
-        "docs/sparse_mla_gpu.md. Off a GPU: a smoke run with tiny shapes (not a "
-        "measurement) unless --full. Exit status 1 when any row fails."
-    )
-    b = sub.add_parser(
-        "bench",
-        usage="%(prog)s [ranker] [-h] [flags below]\n"
-        "       %(prog)s sparse-mla [-h] [flags: attn bench sparse-mla --help]",
-        help="benchmark suites against cuDNN/XLA (meant for a GPU): ranker (the default) "
-        "or sparse-mla",
-        description=textwrap.fill(
-            ranker_description.replace(
-                "The ranker benchmark suite",
-                "Benchmark suites. Without a suite name: the ranker suite (= attn bench "
-                "ranker); `attn bench sparse-mla --help` for the sparse MLA prefill "
-                "benchmark. The ranker suite",
-            ),
-            88,
-        ),
-        epilog=_bench.suite_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _bench.add_arguments(b)
-    suites = b.add_subparsers(
-        dest="suite",
-        metavar="{ranker,sparse-mla}",
-        prog="attn bench",
-        title="suites (optional; the flags of a named suite go after its name)",
-    )
-    ranker = suites.add_parser(
-        "ranker",
-        help="the ranker suite (the default; same flags as above)",
-        description=ranker_description,
-        epilog=_bench.suite_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _bench.add_arguments(ranker)
-    ranker.set_defaults(suite_named=True)
-    sparse = suites.add_parser(
-        "sparse-mla",
-        help="sparse MLA prefill, ours vs XLA gather + einsum (`attn bench sparse-mla --help`)",
-        description=textwrap.fill(sparse_description, 88),
-        epilog=_bench_sparse_mla.epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _bench_sparse_mla.add_arguments(sparse)
-    sparse.set_defaults(suite_named=True)
-    b.set_defaults(func=cmd_bench, suite="ranker", suite_named=False)
-
-    t = sub.add_parser(
-        "tune",
-        help="sweep the Hopper ranker kernels' configs on this GPU; write the user's table",
-        description="Time the Hopper ranker kernels over their tiling and schedule knobs "
-        "(forward: block_kv, ring depth, exp2 / soft_sign reciprocal split between the MUFU "
-        "and the FMA pipe; backward: the same split and ring depth) at the suite's shapes "
-        "and write the best per (GPU kind, dtype, head dim, cap, sequence bucket) to the "
-        "user's table, which ranker_attention(config=None) reads before the package's.",
-    )
-    from attn_common.suite import RANKER_SUITE
-
-    names = [c.name for c in RANKER_SUITE]
-    t.add_argument(
-        "--cases",
-        nargs="+",
-        choices=names,
-        default=["phoenix", "long", "small-d64"],
-        help="suite shapes to tune (default: phoenix long small-d64; ragged has phoenix's key)",
-    )
-    t.add_argument(
-        "--batch", type=_bench.positive_int, default=None, help="override the cases' batch rows"
-    )
-    t.add_argument(
-        "--iterations",
-        type=_bench.positive_int,
-        default=10,
-        help="timed calls per trial (CUPTI median; default: 10)",
-    )
-    t.add_argument(
-        "--min-gain",
-        type=float,
-        default=0.01,
-        help="keep a knob value only if it is this much faster (default: 0.01 = 1%%)",
-    )
-    t.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="table to write (default: $ATTN_TUNED_CONFIGS, else "
-        "$XDG_CONFIG_HOME/attn/hopper_ranker_tuned.json); existing entries with other "
-        "keys are kept",
-    )
-    t.add_argument("--allow-any-device", action="store_true", help=argparse.SUPPRESS)
-    t.set_defaults(func=cmd_tune)
+    for name, (backend, add) in (backend_commands() if backend_commands_too else {}).items():
+        try:
+            add(sub)
+        except Exception as e:  # a broken backend must not take `attn info` down with it
+            print(f"attn: note: {backend}'s `attn {name}` is unavailable ({e})", file=sys.stderr)
     return parser
+
+
+def ranker_bytes(shape: dict, batch: int, backend: str) -> int:
+    """Bytes ``attn run ranker`` holds at once, estimated from the shape before anything
+    is allocated: q, k, v, the output and their gradients (bf16), and, on the reference
+    (dense XLA), the float32 scores and probabilities [B, Hq, S, S]."""
+    seq, hq, hkv, d = (shape[k] for k in ("seq", "hq", "hkv", "d"))
+    inputs = batch * seq * (hq + 2 * hkv) * d * 2
+    out = batch * seq * hq * d * 2
+    need = 2 * (inputs + out)
+    if backend == "reference":
+        need += 2 * batch * hq * seq * seq * 4
+    return need
+
+
+def _check_memory(args: argparse.Namespace) -> str | None:
+    """Refuse a ``--batch`` whose tensors cannot fit in the device's memory."""
+    if args.op not in ("ranker", "all") or args.batch is None:
+        return None
+    shape = RANKER_SHAPES[_shape_name(args.small, args.interpret)]
+    try:
+        backend, _ = select_backend("ranker_attention", args.implementation)
+    except BackendUnavailableError:
+        return None  # cmd_run reports it
+    need = ranker_bytes(shape, args.batch, backend)
+    have = available_memory()
+    if have is None or need <= have[0]:
+        return None
+    return (
+        f"--batch: got {args.batch}, whose ranker tensors (S{shape['seq']} Hq{shape['hq']}/"
+        f"Hkv{shape['hkv']} D{shape['d']} bf16 on {backend}) need about {gib(need)}, more "
+        f"than the {gib(have[0])} {have[1]}; use a smaller --batch"
+    )
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -830,30 +735,63 @@ def _check_args(args: argparse.Namespace) -> str | None:
                 "smaller ones)"
             )
         if args.json is not None:
-            return _check_json_path(args.json)
-    if args.command == "bench":
-        problem = _bench_suite_first(args)
-        if problem:
-            return problem
-        if args.suite == "sparse-mla":
-            return _bench_sparse_mla.check_args(args)
-        return _bench.check_args(args)
-    if args.command == "tune" and not 0.0 <= args.min_gain < 0.5:
-        return f"--min-gain: got {args.min_gain}, expected 0 <= value < 0.5"
-    return None
+            problem = check_out_file(args.json, overwrite=args.overwrite)
+            if problem:
+                return problem
+        return _check_memory(args)
+    check = getattr(args, "check", None)  # a backend's command
+    return check(args) if check is not None else None
+
+
+BUILT_IN_COMMANDS = ("info", "run")
+
+
+def sub_names(parser: argparse.ArgumentParser) -> list[str]:
+    """The commands ``parser`` knows (built in, and from the installed backends)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+def backend_commands() -> dict:
+    """The subcommands installed backends add (``attn bench``, ``attn tune`` from the
+    Hopper backend): name -> (backend, function adding the subparser).
+
+    Each backend's ``attn.backends`` entry point module may define ``cli_commands()``;
+    it is loaded through the entry point (``dispatch.load_backend``), so attn-common
+    names no backend module. The first backend (in name order) to claim a name keeps it.
+    """
+    found: dict = {}
+    for backend in sorted(installed_backends()):
+        try:
+            module = load_backend(backend)
+        except BackendUnavailableError:
+            continue
+        commands = getattr(module, "cli_commands", None)
+        if commands is None:
+            continue
+        for name, add in commands().items():
+            found.setdefault(name, (backend, add))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(backend_commands_too=command not in BUILT_IN_COMMANDS)
+    # Unknown flags first: `attn --bogus` names --bogus (argparse would only say that a
+    # command is missing).
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is None:
+        choices = ", ".join(sub_names(parser))
+        parser.error(f"a command is required, one of: {choices} (attn COMMAND --help)")
+    args.argv = argv
     problem = _check_args(args)
     if problem:
-        sub = {"run": "attn run", "bench": "attn bench", "tune": "attn tune"}.get(
-            args.command, "attn"
-        )
-        if args.command == "bench" and args.suite == "sparse-mla":
-            sub = "attn bench sparse-mla"
+        sub = getattr(args, "error_prog", None) or f"attn {args.command}"
         print(f"{sub}: error: {problem}", file=sys.stderr)
         return 2
     try:

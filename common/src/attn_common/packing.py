@@ -30,7 +30,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["PackedUsers", "pack_users", "simulate_ranker_users"]
+__all__ = ["PackedUsers", "pack_users"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -220,19 +220,8 @@ def pack_users(
     )
 
 
-def simulate_ranker_users(
-    num_users: int = 10_000,
-    *,
-    median_history: float = 200.0,
-    sigma: float = 1.0,
-    max_history: int = 1024,
-    num_candidates: int = 64,
-    seed: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """A synthetic ranker batch: history lengths log-normal (median ``median_history``,
-    log-space ``sigma``) rounded and clipped to ``[1, max_history]``, and
-    ``num_candidates`` candidates per user. Returns ``(history_lens, num_candidates)``."""
-    rng = np.random.default_rng(seed)
-    hist = np.exp(rng.normal(np.log(median_history), sigma, size=num_users))
-    hist = np.clip(np.rint(hist), 1, max_history).astype(np.int64)
-    return hist, np.full(num_users, num_candidates, np.int64)
+def __getattr__(name: str):
+    """``simulate_ranker_users`` moved to the Hopper backend's ``bench`` (deprecated here)."""
+    from attn_common import _moved
+
+    return _moved.resolve("packing", name)

@@ -20,10 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-    get_races,
-    reset_gpu_interpret_mode_state,
-)
+from helpers import get_races, reset_gpu_interpret_mode_state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
@@ -587,7 +584,7 @@ def test_packed_rows_need_pipelined_head_dims():
 def _inline_mgpu_per_kernel(fn, *args) -> list[int]:
     """For each Mosaic GPU kernel in the jaxpr of ``fn(*args)`` (compiled path, traced
     on the CPU), how many inline Mosaic GPU blocks its body holds."""
-    from jax._src import core
+    from jax.extend import core
 
     def subjaxprs(eqn):
         for value in eqn.params.values():

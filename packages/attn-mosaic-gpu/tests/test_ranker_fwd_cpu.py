@@ -22,12 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-# Private in jax 0.11 (the race state and the reset after a failed interpretation).
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-    get_races,
-    reset_gpu_interpret_mode_state,
-)
+from helpers import get_races, reset_gpu_interpret_mode_state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds

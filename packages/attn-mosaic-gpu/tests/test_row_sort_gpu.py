@@ -25,8 +25,7 @@ import pytest
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
 
-from attn_common import selected_rows
-from attn_common.sparse_mla_rows import ABSENT, UnitRows, token_rows_by_sort
+from attn_common.sparse_mla_rows import ABSENT, UnitRows, selected_rows, token_rows_by_sort
 from attn_mosaic_gpu.row_sort import distinct_sorted_rows, token_rows
 
 BIG = np.iinfo(np.int32).max

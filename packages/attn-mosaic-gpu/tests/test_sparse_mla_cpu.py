@@ -31,17 +31,13 @@ from helpers import (
     attended_rows_flat,
     attended_rows_ragged,
     build_ragged_layout,
+    get_races,
     poison_rows,
     randn,
     random_page_selection,
+    reset_gpu_interpret_mode_state,
     rng_for,
     sparse_mla_flat_case,
-)
-
-# Private in jax 0.11 (the race state and the reset after a failed interpretation).
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-    get_races,
-    reset_gpu_interpret_mode_state,
 )
 from jax.experimental.pallas import mosaic_gpu as plgpu
 

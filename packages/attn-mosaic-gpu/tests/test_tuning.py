@@ -17,7 +17,7 @@ import pytest
 
 from attn_common import CapMethod, CapParams, KernelConfig, ranker_case
 from attn_common.cli import main as attn_main
-from attn_mosaic_gpu import tuning
+from attn_mosaic_gpu import tuner, tuning
 from attn_mosaic_gpu.ranker import resolve_tuning
 from attn_mosaic_gpu.ranker_fwd import default_config
 
@@ -163,7 +163,7 @@ def _cost_model(fn, args, *, stage, knobs):
 
 def test_tune_descends_to_the_modelled_best():
     case = ranker_case("phoenix").scaled(1)
-    table = tuning.tune([case], timer=_cost_model, progress=lambda _: None)
+    table = tuner.tune([case], timer=_cost_model, progress=lambda _: None)
     (entry,) = table["entries"]
     assert entry["forward"] == {
         "block_q": 64, "block_kv": 128, "num_stages": 2, "exp2_fma_cols": 64, "rcp_fma_cols": 64
@@ -188,14 +188,14 @@ def test_tune_keeps_a_faster_forward_knob(monkeypatch, knob, value, case_name):
     """On a device with an SM count the forward sweep tries programs = 0 or SMs after the
     tiling, and 240 registers per compute warpgroup last (the default 232 is written as
     0); it keeps a value that measures faster, and the table entry parses back to it."""
-    monkeypatch.setattr(tuning, "_sm_count", lambda: 132)
+    monkeypatch.setattr(tuner, "_sm_count", lambda: 132)
 
     def cost(fn, args, *, stage, knobs):
         ms = _cost_model(fn, args, stage=stage, knobs=knobs)
         return ms - (0.2 if stage == "forward" and knobs.get(knob) == value else 0.0)
 
     case = ranker_case(case_name).scaled(1)
-    (entry,) = tuning.tune([case], timer=cost, progress=lambda _: None)["entries"]
+    (entry,) = tuner.tune([case], timer=cost, progress=lambda _: None)["entries"]
     assert entry["forward"][knob] == value
     assert getattr(tuning._parse_entry(entry)[1].forward, knob) == value
 
@@ -250,7 +250,7 @@ def test_tune_sweeps_persistent_dq_before_the_ring_depth(monkeypatch):
     before the ring depth: a persistent dq that a deeper ring would not fit (the timer
     refuses 3 stages with it, as pipelined_bwd does at D=128) is still found, although
     3 stages beat 2 for the per-tile dq (so the other order would end at 3, per-tile)."""
-    monkeypatch.setattr(tuning, "_sm_count", lambda: 132)
+    monkeypatch.setattr(tuner, "_sm_count", lambda: 132)
 
     def cost(fn, args, *, stage, knobs):
         if stage == "forward":
@@ -262,7 +262,7 @@ def test_tune_sweeps_persistent_dq_before_the_ring_depth(monkeypatch):
         return 7.0 + abs(knobs["exp2_fma_cols"] - 32) / 50 - deeper - 0.3 * persistent
 
     case = ranker_case("phoenix").scaled(1)
-    (entry,) = tuning.tune([case], timer=cost, progress=lambda _: None)["entries"]
+    (entry,) = tuner.tune([case], timer=cost, progress=lambda _: None)["entries"]
     assert entry["backward"] == {
         "num_stages": 2, "exp2_fma_cols": 32, "rcp_fma_cols": 0, "dq_programs": 132
     }  # fmt: skip
@@ -277,7 +277,7 @@ def test_tune_keeps_the_incumbent_within_noise():
         return gain if stage == "forward" else 1.0 + 2.0 * gain  # fwd+bwd: fwd 1 ms
 
     case = ranker_case("small-d64").scaled(1)
-    (entry,) = tuning.tune([case], timer=flat, progress=lambda _: None)["entries"]
+    (entry,) = tuner.tune([case], timer=flat, progress=lambda _: None)["entries"]
     assert entry["forward"]["exp2_fma_cols"] == 0
     assert entry["backward"]["exp2_fma_cols"] == 0
 
@@ -349,12 +349,12 @@ def test_attn_tune_writes_and_merges_the_user_table(user_table, monkeypatch, cap
     case, keeps entries of other keys, and lookup then reads it."""
     _write(user_table, _entry(device="other GPU", bucket=512))
 
-    real_tune = tuning.tune
+    real_tune = tuner.tune
 
     def fake_tune(cases, **kw):
         return real_tune(cases, timer=_cost_model, progress=lambda _: None)
 
-    monkeypatch.setattr(tuning, "tune", fake_tune)
+    monkeypatch.setattr(tuner, "tune", fake_tune)
     assert attn_main(["tune", "--allow-any-device", "--cases", "phoenix", "--batch", "1"]) == 0
     data = json.loads(user_table.read_text())
     assert [e["device_kind"] for e in data["entries"]] == [

@@ -2,8 +2,8 @@
 
 No TPU is needed: for synthetic index families the script counts what each kernel
 would fetch (per query its distinct units; per query block the union, with
-``attn_common.sparse_mla_plan.block_union_sizes``) and feeds the counts to the cost
-model of ``attn_common.sparse_mla_plan`` (the one copy of the model; its docstring
+``attn_pallas_tpu.plan.block_union_sizes``) and feeds the counts to the cost
+model of ``attn_pallas_tpu.plan`` (the one copy of the model; its docstring
 lists every assumption). For each family, head count, context and unit size it
 reports the per-query kernel, the query-blocked kernel at a fixed ``QB = 256`` with
 the kernel's default head grouping, and the plan ``choose_plan`` picks per chip.
@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_common.sparse_mla_plan import (
+from attn_common.tables import resolve_u_max
+from attn_pallas_tpu.plan import (
     TPU_CHIPS,
     SparseMlaPlan,
     block_union_sizes,
@@ -47,7 +48,6 @@ from attn_common.sparse_mla_plan import (
     qblock_vmem_bytes,
     static_qblock_config,
 )
-from attn_common.tables import resolve_u_max
 
 DK_PAD, DV, ITEMSIZE = 640, 512, 2  # bf16 latent cache rows: 576 features padded to 640
 SELECTED_TOKENS = 2048

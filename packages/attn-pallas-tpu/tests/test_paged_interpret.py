@@ -16,11 +16,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import assert_close, randn, rng_for
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
+from helpers import assert_no_tpu_races as _no_races
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
-from attn_common import TOKEN_RUN, build_write_runs, kv_packing
+from attn_common import kv_packing
+from attn_common.tables import TOKEN_RUN, build_write_runs
 from attn_pallas_tpu import (
     paged_write_back,
     prefill_write_and_attend_ragged,
@@ -33,11 +34,6 @@ INTERPRET = pltpu.InterpretParams(
 )
 NUM_PAGES, PAGE, FEAT = 6, 16, 128
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "int8": np.int8}
-
-
-def _no_races():
-    races = _interp.races
-    assert races is None or not races.races_found, "interpret mode detected a data race"
 
 
 def _bits(x):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attn_common import RANKER_SUITE, ranker_case, ranker_mask
-from attn_common.sparse_mla_plan import TPU_CHIPS
+from attn_pallas_tpu.plan import TPU_CHIPS
 from attn_pallas_tpu.ranker_fwd import default_config
 from attn_pallas_tpu.ranker_model import format_table, predict, visit_counts
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, assert_exact_zero_rows, assert_lse_close, ranker_inputs
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
+from helpers import assert_no_tpu_races as _no_races
 from jax.experimental import checkify
 from jax.experimental.pallas import tpu as pltpu
 
@@ -36,11 +36,6 @@ PACKED = np.asarray(
     np.int32,
 )
 CAP = CapParams(CapMethod.SOFT_SIGN, 8.0)
-
-
-def _no_races():
-    races = _interp.races
-    assert races is None or not races.races_found, "interpret mode detected a data race"
 
 
 def _inputs(seed):

@@ -27,19 +27,19 @@ from helpers import (
     rng_for,
     sparse_mla_flat_case,
 )
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interp
+from helpers import assert_no_tpu_races as _no_races
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
-from attn_common.sparse_mla_plan import (
+from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
+from attn_pallas_tpu._prep import default_chip
+from attn_pallas_tpu.plan import (
     block_union_sizes,
     distinct_units_per_query,
     per_query_seconds,
     qblock_seconds,
     static_qblock_config,
 )
-from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
-from attn_pallas_tpu._prep import default_chip
 
 INTERPRET = pltpu.InterpretParams(
     detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
@@ -49,11 +49,6 @@ DK = DV + ROPE  # 192 -> Dk_pad 256: the feature padding path is exercised
 SM_SCALE = 0.07
 TOL = {"float32": dict(rtol_l2=2e-5, atol=2e-4), "bfloat16": dict(rtol_l2=2e-2, atol=5e-2)}
 LSE_ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
-
-
-def _no_races():
-    races = _interp.races
-    assert races is None or not races.races_found, "interpret mode detected a data race"
 
 
 def _check(got, want, dtype):

@@ -30,6 +30,16 @@ from attn_mosaic_gpu.sparse_mla import (
 )
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
+
+def cli_commands() -> dict:
+    """The ``attn`` subcommands this backend adds (``attn bench``, ``attn tune``): name
+    -> a function that adds the subparser. ``attn_common.cli`` calls this through the
+    ``attn.backends`` entry point; the benchmark code is imported only then."""
+    from attn_mosaic_gpu import cli
+
+    return dict(cli.COMMANDS)
+
+
 try:
     __version__: str = version("attn-mosaic-gpu")
 except PackageNotFoundError:  # imported from a source tree that was never installed
@@ -37,6 +47,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 __all__ = [
     "SparseMlaKernelConfig",
+    "cli_commands",
     "default_config",
     "paged_write_back",
     "prefill_write_and_attend_ragged",

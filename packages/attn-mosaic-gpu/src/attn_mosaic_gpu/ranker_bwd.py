@@ -66,15 +66,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import (
-    CapParams,
-    cap_derivative_from_output,
-    cap_forward,
-    check_ranker_inputs,
-    ranker_kv_block_ranges,
-    ranker_mask,
-    ranker_q_block_ranges,
-)
+from attn_common import CapParams, cap_forward, check_ranker_inputs, ranker_mask
+from attn_common.bounds import ranker_kv_block_ranges, ranker_q_block_ranges
+from attn_common.cap import cap_derivative_from_output
 from attn_common.packed import normalize_ranker_bounds, packed_users
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up, tile_transforms

@@ -73,18 +73,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import (
-    CapMethod,
-    CapParams,
-    cap_derivative_from_output,
-    cap_forward,
-    cap_scaled_with_derivative,
+from attn_common import CapMethod, CapParams, cap_forward, ranker_mask
+from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
     ranker_kv_block_ranges,
-    ranker_mask,
     ranker_q_block_ranges,
 )
+from attn_common.cap import cap_derivative_from_output, cap_scaled_with_derivative
 from attn_common.packed import (
     PACKED_KEY_FIELDS,
     PACKED_QUERY_FIELDS,

@@ -107,17 +107,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import (
-    CapMethod,
-    CapParams,
-    KernelConfig,
-    cap_scaled_with_derivative,
-    check_ranker_inputs,
-    ranker_full_kv_steps,
-    ranker_kv_block_ranges,
-    ranker_mask,
-)
-from attn_common.bounds import overlap_len
+from attn_common import CapMethod, CapParams, KernelConfig, check_ranker_inputs, ranker_mask
+from attn_common.bounds import overlap_len, ranker_full_kv_steps, ranker_kv_block_ranges
+from attn_common.cap import cap_scaled_with_derivative
 from attn_common.packed import (
     PACKED_QUERY_FIELDS,
     TileSteps,

@@ -103,8 +103,8 @@ class _Emitter:
     this thread's indices, 16-byte vector loads and stores of a thread's keys."""
 
     def __init__(self, per_thread: int):
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith
         from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
         self.per_thread = per_thread
@@ -116,20 +116,20 @@ class _Emitter:
         self.warp = arith.divui(self.thread, self.const(_WARP))
 
     def const(self, v, ty=None):
-        from jax._src.lib.mlir.dialects import arith
+        from jaxlib.mlir.dialects import arith
 
         return arith.constant(self.i32 if ty is None else ty, v)
 
     @staticmethod
     def global_ptr(ref):
-        from jax._src.lib.mlir.dialects import llvm
+        from jaxlib.mlir.dialects import llvm
         from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
         return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
 
     def vectors_at(self, ptr, first_key):
         """Pointers to the ``per_thread / 4`` vectors from key ``first_key`` on."""
-        from jax._src.lib.mlir.dialects import arith
+        from jaxlib.mlir.dialects import arith
         from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
         first = arith.divui(first_key, self.const(_VECTOR, first_key.type))
@@ -139,7 +139,7 @@ class _Emitter:
         ]
 
     def load(self, ptrs):
-        from jax._src.lib.mlir.dialects import llvm, vector
+        from jaxlib.mlir.dialects import llvm, vector
 
         regs = []
         for ptr in ptrs:
@@ -148,7 +148,7 @@ class _Emitter:
         return regs
 
     def store(self, ptrs, regs):
-        from jax._src.lib.mlir.dialects import llvm, vector
+        from jaxlib.mlir.dialects import llvm, vector
 
         for v, ptr in enumerate(ptrs):
             llvm.store(vector.from_elements(self.vec, regs[v * _VECTOR : (v + 1) * _VECTOR]), ptr)
@@ -159,7 +159,7 @@ class _Emitter:
         return mgpu_utils.getelementptr(ptr, [index], self.i32)
 
     def is_lower(self, top_bit: int):
-        from jax._src.lib.mlir.dialects import arith
+        from jaxlib.mlir.dialects import arith
 
         masked = arith.andi(self.thread, self.const(top_bit))
         return arith.cmpi(arith.CmpIPredicate.eq, masked, self.const(0))
@@ -169,7 +169,7 @@ def _sort(em: _Emitter, plan: tuple[SortStep, ...], regs: list, exchange_ptr, ke
     """1. The bitonic network ``plan`` over the thread's keys ``regs`` (see the module
     docstring): in registers, by shuffles, or through the two shared-memory buffers
     at ``exchange_ptr``."""
-    from jax._src.lib.mlir.dialects import arith, gpu
+    from jaxlib.mlir.dialects import arith, gpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     per_thread = em.per_thread
@@ -214,7 +214,7 @@ def _kept_keys(em: _Emitter, regs: list, table_ptr, scan_ptr, first_own):
     previous thread's last key comes through ``scan``). The table row starts as -1 (its
     spare slot past the end takes the keys not kept, see ``_compact``). Returns (kept
     flags, their count, whether this is thread 0)."""
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+    from jaxlib.mlir.dialects import arith, gpu, llvm
 
     em.store(em.vectors_at(table_ptr, first_own), [em.const(-1)] * em.per_thread)
     llvm.store(regs[-1], em.word(scan_ptr, em.thread))
@@ -240,7 +240,7 @@ def _compact(em: _Emitter, regs: list, kept: list, count, table_ptr, scan_ptr, k
     """3. Store the kept keys to their slots of the table row: each thread's first slot
     is an inclusive shuffle scan of the counts within the warp, plus the totals of the
     warps before (through shared memory). Returns the query's count."""
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, nvvm
+    from jaxlib.mlir.dialects import arith, gpu, llvm, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     inclusive = count
@@ -269,8 +269,9 @@ def _compact(em: _Emitter, regs: list, kept: list, count, table_ptr, scan_ptr, k
 
 def _table_body(keys_per_query: int):
     """The inline Mosaic GPU body: row ``query`` of ``keys`` -> its table and count."""
-    from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, llvm, nvvm, vector
 
     per_thread = keys_per_query // _THREADS
     plan = sort_plan(keys_per_query)

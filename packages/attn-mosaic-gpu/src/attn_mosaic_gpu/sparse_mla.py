@@ -23,13 +23,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attn_common import (
-    selected_rows,
-    sparse_mla_units,
-    write_back_by_scatter,
-    write_then_attend,
-)
+from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
 from attn_common.spec import (
     PrefillCall,
     SparseMlaCall,

@@ -323,9 +323,9 @@ def _gather_part(st: _SparseMlaStatics, half: str):
     i``, so a warp reads whole 128-byte segments. Rows with id ``< 0`` copy 0 source
     bytes, which zero-fills the 16 destination bytes.
     """
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
     dv, width, tile = st.dv, st.width, _TILE
     chunks = tile // _CHUNK  # threads per row
@@ -417,8 +417,9 @@ def _gather_part_interpret(st: _SparseMlaStatics, half: str):
 # buffer (two 32-bit words per barrier, one barrier per ``_Part``) and are waited on by
 # parity (pair ``p``: ``p & 1``).
 def _mbarrier_ptr(ref, part: _Part):
-    from jax._src.lib.mlir import ir
+    from jaxlib.mlir import ir
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
 
     i64 = ir.IntegerType.get_signless(64)
     return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [int(part)], i64)
@@ -427,9 +428,9 @@ def _mbarrier_ptr(ref, part: _Part):
 def _init_copy_barriers(bars, arrivals: int):
     """Initialise every barrier of ``bars`` for ``arrivals`` arrivals (one thread), then
     sync the whole CTA, so no thread uses one before it is initialised."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, nvvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def init(ctx, ref):
@@ -449,7 +450,7 @@ def _init_copy_barriers(bars, arrivals: int):
 def _arrive_on_copies(bars, part: _Part):
     """Arrive on ``part``'s copy barrier once this thread's cp.async copies so far have
     landed (``.noinc``: the arrival counts towards the barrier's initial count)."""
-    from jax._src.lib.mlir.dialects import nvvm
+    from jaxlib.mlir.dialects import nvvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def arrive(ctx, ref):
@@ -463,8 +464,8 @@ def _wait_copies_landed(bars, part: _Part, parity):
     """Wait for phase ``parity`` of ``part``'s copy barrier, then fence for the async
     proxy: the copies were written by the generic proxy, and wgmma reads through the
     async one."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, nvvm
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, nvvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
     def wait(ctx, ref, phase):

@@ -23,14 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import (
-    SparseMlaProblem,
-    lift_ragged_indices,
-    ragged_query_info,
-    sanitize_unit_ids,
-)
-from attn_common.sparse_mla_plan import TpuChip, chip_for_device_kind
+from attn_common import SparseMlaProblem
+from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.spec import SparseMlaCall, require_kernel
+from attn_common.tables import sanitize_unit_ids
+from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
 
 SUBLANE = 8
 ROW_MULTIPLE = 16  # read_block rule of the TPU kernels: bf16 sublane packing (16, 128)

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import cap_scaled_with_derivative
+from attn_common.cap import cap_scaled_with_derivative
 from attn_pallas_tpu._prep import resolve_interpret
 from attn_pallas_tpu.ranker_fwd import (
     VMEM_LIMIT_BYTES,

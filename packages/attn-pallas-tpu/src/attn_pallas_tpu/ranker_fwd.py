@@ -64,15 +64,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import (
-    CapParams,
-    KernelConfig,
-    cap_forward,
-    check_ranker_inputs,
+from attn_common import CapParams, KernelConfig, cap_forward, check_ranker_inputs, ranker_mask
+from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
     ranker_kv_block_ranges,
-    ranker_mask,
     ranker_q_block_ranges,
 )
 from attn_common.packed import (

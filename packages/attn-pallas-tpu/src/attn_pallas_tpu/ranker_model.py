@@ -3,7 +3,7 @@
 Everything is counted per **block visit** (one ``block_q x block_kv`` tile of one query
 head of one batch row) from the same block ranges the kernels use
 (``attn_common.ranker_kv_block_ranges`` / ``ranker_q_block_ranges`` and the full-block
-steps). Chip figures are ``attn_common.sparse_mla_plan.TPU_CHIPS`` (v5e, v5p, v6e). All
+steps). Chip figures are ``attn_pallas_tpu.plan.TPU_CHIPS`` (v5e, v5p, v6e). All
 numbers are assumptions of the model, not measurements (docs/tpu_ranker.md).
 
 Per visit, on one TensorCore (a chip's ``cores`` share the parallel grid axes):
@@ -42,18 +42,15 @@ import math
 
 import numpy as np
 
-from attn_common import (
-    RANKER_SUITE,
-    RankerCase,
-    normalize_bounds,
-    ranker_flops,
+from attn_common import RANKER_SUITE, normalize_bounds, ranker_flops, ranker_mask
+from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
     ranker_kv_block_ranges,
-    ranker_mask,
     ranker_q_block_ranges,
 )
-from attn_common.sparse_mla_plan import STEP_OVERHEAD_S, TPU_CHIPS, TpuChip
+from attn_common.suite import RankerCase
+from attn_pallas_tpu.plan import STEP_OVERHEAD_S, TPU_CHIPS, TpuChip
 
 __all__ = [
     "CAP_OPS",

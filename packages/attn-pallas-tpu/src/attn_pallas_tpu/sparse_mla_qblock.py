@@ -58,7 +58,7 @@ row may be attended by some queries of the block and not by others (page tails p
 query of the block. A query that attends such a row still has its non-finite score.
 
 Tiling. ``sparse_mla_attention_qblock`` picks ``(QB, Hb, u_max)`` itself unless told
-(``attn_common.sparse_mla_plan``: a DMA bytes / DMA count / VMEM model per chip) and
+(``attn_pallas_tpu.plan``: a DMA bytes / DMA count / VMEM model per chip) and
 runs the per-query kernel instead whenever that moves no more KV bytes.
 
 HBM traffic per layer: ``G * sum_blocks(union) * read_block * Dk_pad * itemsize``.
@@ -74,20 +74,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_common.metadata import is_concrete
 from attn_common.sparse_mla import empty_result
-from attn_common.sparse_mla_plan import (
-    VMEM_USABLE_FRACTION,
-    block_union_sizes,
-    choose_plan,
-    distinct_units_per_query,
-    per_query_seconds,
-    qblock_seconds,
-    qblock_vmem_bytes,
-    static_qblock_config,
-)
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
+from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_pallas_tpu._prep import (
     SUBLANE,
     default_chip,
@@ -96,6 +86,16 @@ from attn_pallas_tpu._prep import (
     resolve_interpret,
     unit_source,
     unit_space,
+)
+from attn_pallas_tpu.plan import (
+    VMEM_USABLE_FRACTION,
+    block_union_sizes,
+    choose_plan,
+    distinct_units_per_query,
+    per_query_seconds,
+    qblock_seconds,
+    qblock_vmem_bytes,
+    static_qblock_config,
 )
 from attn_pallas_tpu.sparse_mla import _per_query
 
@@ -348,7 +348,7 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
 
     Automatic tiling (``query_block`` and ``head_block`` both ``None``): with host-value
     inputs the true per-query unit counts and per-block union sizes are computed and
-    ``attn_common.sparse_mla_plan.choose_plan`` picks the fastest (kernel, QB, head
+    ``attn_pallas_tpu.plan.choose_plan`` picks the fastest (kernel, QB, head
     block, u_max) under the chip's VMEM in its DMA-bytes/DMA-count model, the per-query
     kernel whenever that moves no more bytes. Under jit the tiling comes from the shapes
     (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel

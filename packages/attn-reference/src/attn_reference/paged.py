@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from attn_common import write_back_by_scatter, write_then_attend
+from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.spec import PrefillCall, WriteBackCall, prefill_call, public_op, write_back_call
 from attn_reference.sparse_mla import sparse_mla_attention
 

@@ -18,8 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn_common import UnitRows, sparse_mla_units
 from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla_rows import UnitRows, sparse_mla_units
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 
 _CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk

@@ -1,4 +1,4 @@
-"""The sparse MLA benchmark (``attn_common.bench_sparse_mla``: ``attn bench sparse-mla``
+"""The sparse MLA benchmark (``attn_mosaic_gpu.bench_sparse_mla``: ``attn bench sparse-mla``
 and ``benchmarks/sparse_mla_gpu.py``) on CPU: the smoke run end to end (with the
 reference as "ours"), its input generators, the XLA baseline against the reference, and
 the script as a thin wrapper with its own defaults."""
@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from helpers import load_script
 
-from attn_common import bench_sparse_mla, check_sparse_mla_inputs, selected_rows, sparse_mla_units
+from attn_common import check_sparse_mla_inputs
+from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
+from attn_mosaic_gpu import bench_sparse_mla
 from attn_reference import sparse_mla_attention
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "sparse_mla_gpu.py"
 
 

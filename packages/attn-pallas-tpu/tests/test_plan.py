@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attn_common.sparse_mla_plan import (
+from attn_common.tables import build_block_unit_tables, lossless_u_max
+from attn_pallas_tpu.plan import (
     TPU_CHIPS,
     SparseMlaPlan,
     TpuChip,
@@ -24,7 +25,6 @@ from attn_common.sparse_mla_plan import (
     qblock_vmem_bytes,
     static_qblock_config,
 )
-from attn_common.tables import build_block_unit_tables, lossless_u_max
 
 _unions_jit = jax.jit(block_union_sizes, static_argnames=("query_block",))
 _distinct_jit = jax.jit(distinct_units_per_query)
@@ -391,7 +391,7 @@ def test_chip_table():
 def test_sparse_mla_union_sizes_from_op_arguments():
     """Flat: unit ids over T; ragged: request-local pages lifted to page-table slots (a
     block straddling two requests counts their pages apart)."""
-    from attn_common import sparse_mla_union_sizes
+    from attn_pallas_tpu.plan import sparse_mla_union_sizes
 
     idx = np.array([[[0, 1, -1], [1, 2, 9]], [[3, 3, 3], [-1, -1, -1]]], np.int32)
     got = np.asarray(sparse_mla_union_sizes(idx, query_block=2, read_block=16, kv_len=64))

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from helpers import load_script
 
-from attn_common import KernelConfig, pack_users, packed_kv_block_ranges, ranker_mask_packed
+from attn_common import KernelConfig, pack_users, ranker_mask_packed
+from attn_common.packed import packed_kv_block_ranges
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packed_ranker.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "packed_ranker.py"
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +133,18 @@ def test_smoke_run_writes_sane_reports(bench, tmp_path, monkeypatch):
     targets = result["targets"]
     assert len(targets) == 3 * (len(layouts) - 1)
     assert all(t["pass"] in (True, False) for t in targets)
+
+
+def test_simulated_population():
+    """``bench.simulate_ranker_users`` (the benchmark's users, moved from
+    attn_common.packing): log-normal histories, clipped, packing at >= 95 %."""
+    from attn_mosaic_gpu.bench import simulate_ranker_users
+
+    hist, cand = simulate_ranker_users(2000, seed=3)
+    assert hist.min() >= 1 and hist.max() <= 1024 and (cand == 64).all()
+    assert 150 < np.median(hist) < 260
+    p = pack_users(hist, cand, seq_len=2048, max_users_per_row=16)
+    assert (p.user_row >= 0).all()  # every user placed
+    assert p.efficiency > 0.95
+    again = simulate_ranker_users(2000, seed=3)
+    assert (again[0] == hist).all()

@@ -1,0 +1,198 @@
+"""What every ``attn`` command (and every backend's command) shares: argument types with
+documented ranges, the output-path rules, and a report's provenance.
+
+* ``bounded_int(lo, hi)``: an argparse type; a value outside ``[lo, hi]`` (or not an int)
+  is refused with one line naming the range, so the command exits 2 before it allocates.
+* ``check_out_dir`` (a results folder, ``--out``) and ``check_out_file`` (one file,
+  ``--json``) follow one rule: a missing folder is created; a file that exists is never
+  replaced without ``--overwrite``; an unwritable place is refused up front.
+* ``provenance``: the commit of the git checkout in the working directory (else of the
+  package's own source tree), ``+dirty`` with local changes, and the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from attn_common.dispatch import KNOWN_BACKENDS, installed_backends
+
+MAX_SEED = 2**32 - 1
+# Upper bounds of counts: far above any real use, low enough that a typo fails at once.
+MAX_ITERATIONS = 10_000
+MAX_BATCH = 1_000_000
+
+
+def bounded_int(lo: int, hi: int, what: str = "an int"):
+    """argparse type: an int in ``[lo, hi]`` (the message names the range; argparse adds
+    the flag and exits 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}, expected {what}") from None
+        if not lo <= value <= hi:
+            shown = text if len(text) <= 24 else text[:21] + "..."
+            raise argparse.ArgumentTypeError(f"got {shown}, expected {lo} <= value <= {hi}")
+        return value
+
+    parse.__name__ = f"int in [{lo}, {hi}]"
+    return parse
+
+
+positive_int = bounded_int(1, MAX_BATCH, "a positive int")
+iterations_int = bounded_int(1, MAX_ITERATIONS, "a positive int")
+seed_int = bounded_int(0, MAX_SEED, "an int")
+
+
+def implementation_choices() -> list[str]:
+    """Names ``--implementation`` accepts: the known backends and any installed one."""
+    return sorted(set(KNOWN_BACKENDS) | set(installed_backends()))
+
+
+def default_out_dir(base: Path | None = None) -> Path:
+    """A new folder ``attn-results/<timestamp>`` under ``base`` (default: the cwd)."""
+    root = (base or Path.cwd()) / "attn-results"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out, n = root / stamp, 1
+    while out.exists():
+        n += 1
+        out = root / f"{stamp}-{n}"
+    return out
+
+
+def _writable(folder: Path, flag: str) -> str | None:
+    """Create ``folder`` (with its parents) and probe it; the error, or None."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".attn-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"{flag}: got {str(folder)!r}, which is not writable ({e.strerror or e})"
+    return None
+
+
+def check_out_dir(
+    out: Path, *, overwrite: bool = False, result_files: tuple[str, ...], flag: str = "--out"
+) -> str | None:
+    """Why ``out`` cannot take the results (None when it can); creates the folder.
+
+    ``result_files``: the report names a run writes; any of them already in ``out`` is
+    refused unless ``overwrite``.
+    """
+    if out.exists() and not out.is_dir():
+        return f"{flag}: got {str(out)!r}, which is a file; expected a folder"
+    existing = [name for name in result_files if (out / name).exists()]
+    if existing and not overwrite:
+        return (
+            f"{flag}: got {str(out)!r}, which already holds {', '.join(existing)}; "
+            "pass --overwrite to replace them, or leave --out out for a new folder"
+        )
+    return _writable(out, flag)
+
+
+def check_out_file(path: Path, *, overwrite: bool = False, flag: str = "--json") -> str | None:
+    """Why ``path`` cannot take a report file (None when it can); creates its folder, as
+    ``check_out_dir`` does for ``--out``."""
+    if path.is_dir():
+        return f"{flag}: got {str(path)!r}, which is a folder; expected a file path"
+    if path.exists() and not overwrite:
+        return f"{flag}: got {str(path)!r}, which exists; pass --overwrite to replace it"
+    return _writable(path.parent if str(path.parent) else Path("."), flag)
+
+
+def _git_commit(where: Path) -> str | None:
+    """``HEAD`` of the checkout holding ``where`` (``+dirty`` with changes), or None."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None
+        commit = head.stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if dirty.returncode == 0 and dirty.stdout.strip():
+            commit += "+dirty"
+        return commit
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """The commit and the command of a report.
+
+    The commit: ``$ATTN_PROVENANCE_COMMIT`` when set (a copy of a checkout without its
+    git metadata), else the git checkout of the working directory, else the one holding
+    this package's source (an editable install), else ``unknown (not a git checkout)``.
+    """
+    commit = os.environ.get("ATTN_PROVENANCE_COMMIT") or None
+    for where in () if commit else (Path.cwd(), Path(__file__).resolve().parent):
+        commit = _git_commit(where)
+        if commit:
+            break
+    argv = sys.argv[1:] if argv is None else argv
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "attn"
+    if prog in ("cli.py", "__main__.py", "-c", "") or prog.startswith("pytest"):
+        prog = "attn"
+    return {
+        "commit": commit or "unknown (not a git checkout)",
+        "command": shlex.join([prog, *argv]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr, with the seconds since the command started."""
+    print(f"  [{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def available_memory(device=None) -> tuple[int, str] | None:
+    """``(bytes, what)`` a new array may take on ``device`` (default: the first one), or
+    None when it cannot be told.
+
+    A GPU/TPU: its ``memory_stats()`` limit less what is in use. The CPU: the host's
+    available memory (``MemAvailable`` of /proc/meminfo, else ``sysconf``).
+    """
+    import jax
+
+    dev = device if device is not None else jax.devices()[0]
+    if dev.platform != "cpu":
+        try:
+            stats = dev.memory_stats() or {}
+        except Exception:  # a platform without memory stats
+            stats = {}
+        if "bytes_limit" in stats:
+            free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            return free, f"free on the {dev.device_kind}"
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "available host memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"

@@ -1,0 +1,749 @@
+"""Per-shape choice between the two TPU sparse-MLA prefill kernels, from a cost model.
+
+The TPU backend has two sparse-MLA prefill kernels (``attn_pallas_tpu.sparse_mla`` and
+``attn_pallas_tpu.sparse_mla_qblock``; ``docs/tpu_sparse_mla.md``):
+
+* **per-query**: one program per query with all ``H`` heads as score rows; it DMAs
+  each of the query's distinct valid units (a unit is ``read_block`` KV rows of
+  ``Dk_pad`` features, ``read_block * Dk_pad * itemsize`` bytes) through a 4-slot VMEM
+  ring. KV bytes = ``sum_q distinct(q) * unit_bytes``; one DMA per (query, unit).
+* **query-blocked (qblock)**: one program per (block of ``QB`` queries, head group of
+  ``Hb`` heads; ``G = H / Hb`` groups) streams the block's union of units in chunks of
+  ``u_max`` union slots (grid ``(B, nQB, G, C)``, ``C = ceil(min(QB * K, num_units) /
+  u_max)``; chunks past a block's union fetch nothing). Score rows per program
+  ``Hb * QB``. KV bytes = ``G * sum_blocks union * unit_bytes``; one DMA per (block,
+  group, union unit).
+
+This module models both, picks the cheaper one per shape and is the one home of the
+model (``packages/attn-pallas-tpu/scripts/measure_dma.py`` imports it; the kernel
+wrapper imports :func:`qblock_vmem_bytes`, :func:`choose_plan` and
+:func:`static_qblock_config`).
+
+Model of one layer call (all numbers are assumptions of the model, not measurements)
+-----------------------------------------------------------------------------------
+
+* A grid step costs ``STEP_OVERHEAD_S = 0.35 us``.
+* A program (per-query: a query with at least one unit; qblock: each non-empty chunk)
+  pays one DMA latency ``DMA_LATENCY_S = 1.5 us`` as the prologue that fills the ring.
+* Each unit then costs the slowest of
+  (a) compute on one TensorCore: MXU flops ``2 * RB * rows * (Dk_pad + Dv)`` (scores
+  and ``P @ V``) at the core's share of the bf16 peak scaled by the MXU efficiency
+  ``min(1, rows / mxu_dim)``, plus ``VPU_OPS_PER_SCORE = 16`` float32 VPU ops per score
+  element (mask, select, max, sub, exp, sum, cast) at the core's VPU rate; the qblock
+  kernel computes every masked score of the block, so its compute is ``union *
+  Hb * QB`` scores per group, not the useful ``sum_q distinct(q) * H``;
+  (b) the unit's transfer at the chip's HBM bandwidth;
+  (c) the ring's issue rate: ``NBUF - 1 = 3`` copies in flight, so one unit per
+  ``1.5 us / 3 = 0.5 us`` when copies are latency-bound.
+* Programs (per-query: queries; qblock: (block, group) pairs, whose chunks run in
+  order on one core) are spread over the chip's TensorCores: time = ``max(sum / cores,
+  the longest program)``.
+* Floor: all HBM bytes (KV units, q, the float32 output and LSE, the qblock's
+  membership chunks and unit tables, the per-query unit lists) at the HBM bandwidth.
+
+Chips (:data:`TPU_CHIPS`; public peak numbers per chip, ``cores`` TensorCores share
+the ``parallel`` grid):
+
+====  ============  ==============  ====  ===========  =====  ============  ==========
+chip  HBM           bf16 MXU        MXU   VPU f32 op/s cores  VMEM / core   usable
+====  ============  ==============  ====  ===========  =====  ============  ==========
+v5e   819 GB/s      197 TFLOP/s     128   6.1e12       1      128 MiB       96 MiB
+v5p   2.765 TB/s    459 TFLOP/s     128   14.3e12      2      64 MiB        48 MiB
+v6e   1.64 TB/s     918 TFLOP/s     256   6.1e12       1      128 MiB       96 MiB
+====  ============  ==============  ====  ===========  =====  ============  ==========
+
+VPU rates are a rough assumption (4 VALU slots x 1024 lanes x the clock: 1.5 GHz on
+v5e and v6e, 1.75 GHz on v5p). Physical VMEM per TensorCore is taken from jax's own
+TPU table (its private ``tpu_info`` module, jax 0.11.2: v5e 128 MiB, v5p 64 MiB, v6e 128 MiB);
+note 95 GB is v5p's *HBM* size, not its VMEM. A program may use
+``VMEM_USABLE_FRACTION = 3/4`` of it (``TpuChip.vmem_bytes``), the rest is margin for
+Mosaic's internal scratch and layout padding that :func:`qblock_vmem_bytes` does not
+count. SMEM: 1 MiB per core (same jax table; an assumption for real parts), i.e.
+``smem_words = 262144`` int32 words; the qblock's two double-buffered unit tables
+(``4 * u_pad`` words) may use at most half of it.
+
+Not modelled: the ``jnp`` preprocessing (sorts that build the union and membership
+tables, ~1 ms per layer at 110K context), HBM bank/page effects of scattered 80 KiB
+reads, DMA and compute overlap imperfections other than the issue-rate bound, the
+pipeline's q/out block copies overlapping compute (they are in the HBM floor only),
+Mosaic layout padding (e.g. ``QB`` lanes padded to 128 in the membership), and load
+imbalance beyond the longest-program bound. The plan is a ranking device, not a
+promise of absolute time.
+
+How the plan is chosen
+----------------------
+
+:func:`choose_plan` gets the per-query distinct counts and, for each candidate ``QB``,
+the true union size of every block (:func:`block_union_sizes`, a sort per block). It
+enumerates ``Hb`` over the divisors of ``H`` with ``Hb * QB <= max_rows`` and ``u_max``
+over multiples of 32 up to the largest union seen, keeps the configs whose
+:func:`qblock_vmem_bytes` fits ``chip.vmem_bytes`` (and whose SMEM tables fit), drops
+those that move at least as many KV bytes as per-query, and returns the fastest if
+it beats the per-query prediction; otherwise per-query. So qblock is never chosen
+when it moves more KV bytes, and ties go to per-query.
+
+:func:`static_qblock_config` is the shape-only fallback for use under ``jax.jit``
+(unions unknown): all heads in one group (the union is fetched once) with the largest
+``QB`` (a multiple of 8, at most 256) such that ``H * QB <= max_rows`` and VMEM fits.
+That config maximizes the bytes saved, not the modelled speed: the qblock kernel is
+compute-bound on masked scores, and with poorly shared selections it can move fewer
+bytes than per-query yet be slower. :func:`per_query_seconds` and
+:func:`qblock_seconds` evaluate the same model as jit-able ``jnp`` scalars from
+:func:`distinct_units_per_query` / :func:`block_union_sizes`, for a runtime guard on
+modelled time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
+from attn_common.tables import lossless_u_max, sanitize_unit_ids
+
+__all__ = [
+    "DMA_LATENCY_S",
+    "NBUF",
+    "STATIC_U_MAX_CAP",
+    "STEP_OVERHEAD_S",
+    "TPU_CHIPS",
+    "VMEM_USABLE_FRACTION",
+    "VPU_OPS_PER_SCORE",
+    "SparseMlaPlan",
+    "TpuChip",
+    "block_union_sizes",
+    "chip_for_device_kind",
+    "choose_plan",
+    "describe_plan",
+    "distinct_units_per_query",
+    "per_query_seconds",
+    "predict_per_query",
+    "predict_qblock",
+    "qblock_seconds",
+    "qblock_vmem_bytes",
+    "sparse_mla_union_sizes",
+    "static_qblock_config",
+]
+
+DMA_LATENCY_S = 1.5e-6  # one DMA issue -> complete, latency-bound for a unit-sized copy
+STEP_OVERHEAD_S = 0.35e-6  # per grid step
+VPU_OPS_PER_SCORE = 16  # float32 VPU ops per score element
+NBUF = 4  # DMA ring depth of both kernels: NBUF - 1 copies in flight
+MEMBER_TILE = 32  # int8 sublane tile: u_max is padded to a multiple of this
+VMEM_USABLE_FRACTION = 0.75  # of the physical VMEM per TensorCore
+SMEM_TABLE_FRACTION = 0.5  # of SMEM the qblock's unit tables may use
+STATIC_U_MAX_CAP = 1024  # static_qblock_config's u_max cap (SMEM/VMEM-safe)
+MAX_STATIC_QUERY_BLOCK = 256
+U_MAX_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_SENTINEL = int(np.iinfo(np.int32).max)
+_MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+    """One TPU generation as the cost model sees it (whole-chip rates).
+
+    name: "v5e", "v5p" or "v6e".
+    hbm_bytes_per_s: HBM bandwidth of the chip.
+    mxu_flops: bf16 MXU peak of the chip (all TensorCores).
+    mxu_dim: systolic array edge; a matmul with fewer LHS rows runs at ``rows / mxu_dim``.
+    vpu_ops: float32 elementwise ops per second of the chip (all TensorCores).
+    cores: TensorCores sharing a ``parallel`` grid.
+    vmem_bytes: VMEM one program may use (``VMEM_USABLE_FRACTION`` of the physical
+      VMEM per TensorCore).
+    smem_words: int32 words of SMEM per TensorCore (1 MiB / 4, an assumption).
+    """
+
+    name: str
+    hbm_bytes_per_s: float
+    mxu_flops: float
+    mxu_dim: int
+    vpu_ops: float
+    cores: int
+    vmem_bytes: int
+    smem_words: int
+
+
+def _usable(physical_mib: int) -> int:
+    return int(physical_mib * _MIB * VMEM_USABLE_FRACTION)
+
+
+_SMEM_WORDS = (1 << 20) // 4
+
+TPU_CHIPS: dict[str, TpuChip] = {
+    "v5e": TpuChip("v5e", 819e9, 197e12, 128, 4 * 1024 * 1.5e9, 1, _usable(128), _SMEM_WORDS),
+    "v5p": TpuChip(
+        "v5p", 2.765e12, 459e12, 128, 2 * 4 * 1024 * 1.75e9, 2, _usable(64), _SMEM_WORDS
+    ),
+    "v6e": TpuChip("v6e", 1.640e12, 918e12, 256, 4 * 1024 * 1.5e9, 1, _usable(128), _SMEM_WORDS),
+}
+
+
+def chip_for_device_kind(kind: str | None) -> TpuChip:
+    """The :data:`TPU_CHIPS` entry for a jax ``device_kind`` string.
+
+    Case- and space-insensitive: "TPU v5 lite" / "TPU v5e" / "v5litepod" -> v5e;
+    "TPU v5p" / "TPU v5" -> v5p (jax reports v5p as "TPU v5"); "TPU v6 lite" /
+    "TPU v6e" / "TPU v6" -> v6e. Anything else (None, CPU/GPU kinds, "TPU v4",
+    "TPU7x", ...) -> the chip with the smallest usable VMEM (v5p), so a plan made for
+    an unknown chip is the most conservative about VMEM fit.
+    """
+    key = "".join(str(kind or "").lower().split()).removeprefix("tpu")
+    if key in ("v5e", "v5lite", "v5litepod"):
+        return TPU_CHIPS["v5e"]
+    if key in ("v5", "v5p"):
+        return TPU_CHIPS["v5p"]
+    if key in ("v6", "v6e", "v6lite"):
+        return TPU_CHIPS["v6e"]
+    return min(TPU_CHIPS.values(), key=lambda c: (c.vmem_bytes, c.name))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def qblock_vmem_bytes(
+    *,
+    rows: int,
+    query_block: int,
+    u_max: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+) -> int:
+    """VMEM estimate of one qblock program (``rows = Hb * QB`` score rows).
+
+    Double-buffered blocks: q ``[rows, Dk_pad]`` (itemsize), the float32 output
+    accumulator ``[rows, Dv]``, LSE ``[rows]`` f32, the int8 membership chunk
+    ``[u_pad, QB]`` (``u_pad = u_max`` rounded up to 32) and ``lim [QB]`` int32; plus the
+    DMA ring ``NBUF x [RB, Dk_pad]``, the score temporaries ``5 x [RB, rows]`` f32 (s, p,
+    masks) and ``2 x [rows, Dv]`` f32 (accumulator update), and the m/l scratch
+    ``2 x [rows]`` f32.
+    """
+    u_pad = _round_up(max(u_max, 1), MEMBER_TILE)
+    blocks = (
+        rows * dk_pad * itemsize  # q
+        + rows * dv * 4  # out (accumulator)
+        + rows * 4  # lse
+        + u_pad * query_block  # membership chunk, int8
+        + query_block * 4  # lim
+    )
+    ring = NBUF * read_block * dk_pad * itemsize
+    temps = 5 * read_block * rows * 4 + 2 * rows * dv * 4
+    scratch = 2 * rows * 4
+    return 2 * blocks + ring + temps + scratch
+
+
+def _smem_ok(u_max: int, chip: TpuChip) -> bool:
+    """Two int32 unit tables of ``u_pad`` entries, double-buffered."""
+    u_pad = _round_up(max(u_max, 1), MEMBER_TILE)
+    return 4 * u_pad <= chip.smem_words * SMEM_TABLE_FRACTION
+
+
+def block_union_sizes(keys: jax.Array, *, query_block: int) -> jax.Array:
+    """True union size per block of ``query_block`` consecutive queries.
+
+    Args:
+      keys: int ``[B, S, K]`` unit keys per query; negative (``-1``) = no selection;
+        duplicates count once. ``S`` need not be a multiple of ``query_block``: the tail
+        block is padded with empty queries.
+      query_block: queries per block (static).
+
+    Returns:
+      int32 ``[B, nQB]``, ``nQB = ceil(S / query_block)``; equals
+      ``build_block_unit_tables(keys[b], ...).counts``. Sort-based (no membership
+      table), jit-able with ``query_block`` static.
+    """
+    keys = jnp.asarray(keys).astype(jnp.int32)
+    batch, seq, top_k = keys.shape
+    n_blocks = -(-seq // query_block)
+    pad = n_blocks * query_block - seq
+    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
+    vals = jnp.where(keys < 0, _SENTINEL, keys).reshape(batch, n_blocks, query_block * top_k)
+    svals = jnp.sort(vals, axis=-1)
+    first = jnp.concatenate(
+        [jnp.ones((batch, n_blocks, 1), bool), svals[..., 1:] != svals[..., :-1]], axis=-1
+    )
+    return (first & (svals != _SENTINEL)).sum(axis=-1).astype(jnp.int32)
+
+
+def sparse_mla_union_sizes(
+    indices: jax.Array,
+    *,
+    query_block: int,
+    read_block: int,
+    kv_len: int | None = None,
+    page_size: int | None = None,
+    q_seq_id: jax.Array | None = None,
+    seq_lens: jax.Array | None = None,
+    cu_kv_lens: jax.Array | None = None,
+    page_indices: jax.Array | None = None,
+) -> jax.Array:
+    """True union size of every query block, from the op's own arguments: size ``u_max``.
+
+    The query-blocked kernel streams a block's union in chunks of ``u_max`` slots, so
+    ``u_max >= max(result)`` walks every block in one chunk; any smaller ``u_max`` gives
+    the same answer with more chunks.
+
+    Flat mode: ``indices [B, S, K]`` unit ids and ``kv_len`` (``T``). Ragged mode
+    (``q_seq_id`` given): ``indices [1, S, K]`` request-local page ids and the ragged
+    tables, keyed by global page-table slot as the kernel does (a block may straddle
+    requests). Invalid ids (``-1``, out of range) do not count.
+
+    Returns int32 ``[B, ceil(S / query_block)]``.
+    """
+    indices = jnp.asarray(indices)
+    if q_seq_id is None:
+        if kv_len is None:
+            raise ValueError("kv_len: missing; flat mode needs the key length T")
+        keys = sanitize_unit_ids(indices, -(-kv_len // read_block))
+    else:
+        if page_size is None or seq_lens is None or cu_kv_lens is None or page_indices is None:
+            raise ValueError("ragged mode needs page_size, seq_lens, cu_kv_lens and page_indices")
+        info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
+        keys = lift_ragged_indices(indices[0], info, jnp.shape(page_indices)[0])[None]
+    return block_union_sizes(keys, query_block=query_block)
+
+
+def distinct_units_per_query(keys: jax.Array) -> jax.Array:
+    """Number of distinct valid (``>= 0``) keys per query.
+
+    Args:
+      keys: int ``[B, S, K]`` unit keys (any leading shape works: ``[..., K]``).
+
+    Returns:
+      int32 ``[B, S]`` (the leading shape of ``keys``): the per-query kernel's DMA count
+      per query.
+    """
+    keys = jnp.asarray(keys).astype(jnp.int32)
+    s = jnp.sort(keys, axis=-1)
+    first = jnp.concatenate([jnp.ones((*s.shape[:-1], 1), bool), s[..., 1:] != s[..., :-1]], -1)
+    return (first & (s >= 0)).sum(axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMlaPlan:
+    """A kernel choice with its modelled cost.
+
+    kernel: "per_query" or "qblock".
+    query_block / head_block / u_max: the qblock configuration (``None`` for per-query);
+      ``u_max`` is the chunk width in union slots.
+    kv_bytes: KV bytes the kernel reads from HBM.
+    dma_count: unit DMAs it issues.
+    predicted_s: modelled seconds for the whole call.
+    chip: the :class:`TpuChip` name the prediction is for.
+    """
+
+    kernel: str
+    query_block: int | None
+    head_block: int | None
+    u_max: int | None
+    kv_bytes: int
+    dma_count: int
+    predicted_s: float
+    chip: str
+
+
+def _unit_seconds(
+    *, rows: int, read_block: int, dk_pad: int, dv: int, itemsize: int, chip: TpuChip
+) -> float:
+    """Seconds one unit costs inside a program: max(compute, transfer, ring issue rate)."""
+    mxu_eff = min(1.0, rows / chip.mxu_dim)
+    flops = 2 * read_block * rows * (dk_pad + dv)
+    t_mxu = flops / (chip.mxu_flops / chip.cores * mxu_eff)
+    t_vpu = VPU_OPS_PER_SCORE * read_block * rows / (chip.vpu_ops / chip.cores)
+    t_transfer = read_block * dk_pad * itemsize / chip.hbm_bytes_per_s
+    t_issue = DMA_LATENCY_S / (NBUF - 1)
+    return max(t_mxu + t_vpu, t_transfer, t_issue)
+
+
+def _spread(xp, chains, repeat: int, cores: int):
+    """Time of ``repeat`` copies of the independent programs ``chains`` on ``cores`` cores:
+    ``max(total / cores, the longest program)``."""
+    if chains.size == 0:
+        return xp.asarray(0.0, chains.dtype)
+    return xp.maximum(chains.sum() * (repeat / cores), chains.max())
+
+
+def _per_query_seconds(
+    xp,
+    d,
+    *,
+    heads: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    top_k: int,
+    chip: TpuChip,
+):
+    """The per-query model on a float array ``d`` of distinct units per query (``xp`` is
+    numpy or jax.numpy): seconds."""
+    n = d.size
+    kv = d.sum() * (read_block * dk_pad * itemsize)
+    other = n * heads * (dk_pad * itemsize + dv * 4 + 4) + n * (2 * top_k * 4 + 8)
+    t_unit = _unit_seconds(
+        rows=heads, read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize, chip=chip
+    )
+    chains = STEP_OVERHEAD_S + (d > 0) * DMA_LATENCY_S + d * t_unit
+    return xp.maximum(_spread(xp, chains, 1, chip.cores), (kv + other) / chip.hbm_bytes_per_s)
+
+
+def _qblock_seconds(
+    xp,
+    u,
+    *,
+    query_block: int,
+    head_block: int,
+    u_max: int,
+    heads: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    top_k: int,
+    num_units: int,
+    chip: TpuChip,
+):
+    """The query-blocked model on a float array ``u`` of union sizes per block: seconds."""
+    if heads % head_block:
+        raise ValueError(f"head_block {head_block} does not divide heads {heads}")
+    groups = heads // head_block
+    u_pad = _round_up(max(u_max, 1), MEMBER_TILE)  # the kernel's chunk width
+    n_chunks = max(1, -(-lossless_u_max(query_block, top_k, num_units) // u_pad))
+    busy = xp.ceil(u / u_pad)  # non-empty chunks per block
+    kv = u.sum() * groups * (read_block * dk_pad * itemsize)
+    padded_queries = u.size * query_block
+    other = padded_queries * heads * (dk_pad * itemsize + dv * 4 + 4) + groups * (
+        busy.sum() * (u_pad * query_block + 2 * u_pad * 4) + u.size * (query_block * 4 + 4)
+    )
+    t_unit = _unit_seconds(
+        rows=head_block * query_block,
+        read_block=read_block,
+        dk_pad=dk_pad,
+        dv=dv,
+        itemsize=itemsize,
+        chip=chip,
+    )
+    chains = n_chunks * STEP_OVERHEAD_S + busy * DMA_LATENCY_S + u * t_unit
+    compute = _spread(xp, chains, groups, chip.cores)
+    return xp.maximum(compute, (kv + other) / chip.hbm_bytes_per_s)
+
+
+def predict_per_query(
+    *,
+    distinct_per_query: np.ndarray,
+    heads: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    top_k: int,
+    chip: TpuChip,
+) -> SparseMlaPlan:
+    """Modelled cost of the per-query kernel.
+
+    Args:
+      distinct_per_query: int array, any shape (one entry per query): distinct valid
+        units per query (:func:`distinct_units_per_query`).
+      heads: ``H`` (score rows per program).
+      read_block / dk_pad / dv / itemsize: unit rows, padded key width, value width,
+        bytes per KV element.
+      top_k: ``K`` (size of the per-query unit lists in SMEM).
+      chip: the target chip.
+
+    Per query: one grid step, one DMA-latency prologue if it has any unit, and its
+    distinct units at ``rows = H`` score rows.
+    """
+    d = np.asarray(distinct_per_query, np.int64).ravel()
+    units = int(d.sum())
+    t = _per_query_seconds(
+        np,
+        d.astype(np.float64),
+        heads=heads,
+        read_block=read_block,
+        dk_pad=dk_pad,
+        dv=dv,
+        itemsize=itemsize,
+        top_k=top_k,
+        chip=chip,
+    )
+    kv = units * read_block * dk_pad * itemsize
+    return SparseMlaPlan("per_query", None, None, None, kv, units, float(t), chip.name)
+
+
+def predict_qblock(
+    *,
+    union_sizes: np.ndarray,
+    query_block: int,
+    head_block: int,
+    u_max: int,
+    heads: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    top_k: int,
+    num_units: int,
+    chip: TpuChip,
+) -> SparseMlaPlan:
+    """Modelled cost of the chunked query-blocked kernel for one configuration.
+
+    Args:
+      union_sizes: int array, any shape: the true union size of every block of
+        ``query_block`` queries (:func:`block_union_sizes`; padded tail blocks included).
+      query_block / head_block / u_max: ``QB``, ``Hb`` (a divisor of ``heads``) and the
+        chunk width in union slots (rounded up to 32, as the kernel does).
+      num_units: units per request (bounds the static chunk count ``C``).
+      Others as in :func:`predict_per_query`.
+
+    Per (block, group): ``C = ceil(min(QB * K, num_units) / u_pad)`` grid steps, one
+    DMA-latency prologue per non-empty chunk (``ceil(union / u_pad)``) and ``union``
+    units at ``rows = Hb * QB`` score rows.
+    """
+    u = np.asarray(union_sizes, np.int64).ravel()
+    t = _qblock_seconds(
+        np,
+        u.astype(np.float64),
+        query_block=query_block,
+        head_block=head_block,
+        u_max=u_max,
+        heads=heads,
+        read_block=read_block,
+        dk_pad=dk_pad,
+        dv=dv,
+        itemsize=itemsize,
+        top_k=top_k,
+        num_units=num_units,
+        chip=chip,
+    )
+    units = int(u.sum()) * (heads // head_block)
+    kv = units * read_block * dk_pad * itemsize
+    return SparseMlaPlan("qblock", query_block, head_block, u_max, kv, units, float(t), chip.name)
+
+
+def per_query_seconds(
+    distinct_per_query: jax.Array,
+    *,
+    heads: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    top_k: int,
+    chip: TpuChip,
+) -> jax.Array:
+    """:func:`predict_per_query`'s modelled seconds as a float32 jnp scalar (jit-able).
+
+    For a runtime comparison under ``jax.jit`` (e.g. a ``lax.cond`` between the two
+    kernels on modelled time rather than on bytes). ``distinct_per_query``: int, any
+    shape (:func:`distinct_units_per_query`).
+    """
+    d = jnp.asarray(distinct_per_query).astype(jnp.float32).ravel()
+    return _per_query_seconds(
+        jnp,
+        d,
+        heads=heads,
+        read_block=read_block,
+        dk_pad=dk_pad,
+        dv=dv,
+        itemsize=itemsize,
+        top_k=top_k,
+        chip=chip,
+    ).astype(jnp.float32)
+
+
+def qblock_seconds(
+    union_sizes: jax.Array,
+    *,
+    query_block: int,
+    head_block: int,
+    u_max: int,
+    heads: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    top_k: int,
+    num_units: int,
+    chip: TpuChip,
+) -> jax.Array:
+    """:func:`predict_qblock`'s modelled seconds as a float32 jnp scalar (jit-able).
+
+    ``union_sizes``: int, any shape, one entry per block (:func:`block_union_sizes`).
+    """
+    u = jnp.asarray(union_sizes).astype(jnp.float32).ravel()
+    return _qblock_seconds(
+        jnp,
+        u,
+        query_block=query_block,
+        head_block=head_block,
+        u_max=u_max,
+        heads=heads,
+        read_block=read_block,
+        dk_pad=dk_pad,
+        dv=dv,
+        itemsize=itemsize,
+        top_k=top_k,
+        num_units=num_units,
+        chip=chip,
+    ).astype(jnp.float32)
+
+
+def _u_max_widths(largest: int) -> list[int]:
+    """Multiples of 32 up to ``largest`` rounded up to 32: the powers of two below it
+    and the rounded-up value itself."""
+    top = _round_up(max(largest, 1), MEMBER_TILE)
+    return sorted({w for w in U_MAX_WIDTHS if w < top} | {top})
+
+
+def _check_query_block(query_block: int) -> None:
+    if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 8:
+        raise ValueError(f"query_block: got {query_block!r}, expected a multiple of 8")
+    if query_block % 8:
+        raise ValueError(f"query_block: got {query_block}, expected a multiple of 8")
+
+
+def choose_plan(
+    *,
+    distinct_per_query: np.ndarray,
+    union_sizes: Mapping[int, np.ndarray],
+    heads: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    top_k: int,
+    num_units: int,
+    chip: TpuChip,
+    max_rows: int = 4096,
+) -> SparseMlaPlan:
+    """The fastest modelled kernel configuration for these selections.
+
+    Args:
+      distinct_per_query: int array, any shape (summed): distinct valid units per query.
+      union_sizes: ``{query_block: int array of the true union size per block}`` for
+        each candidate ``QB`` (a multiple of 8), e.g. from :func:`block_union_sizes`.
+      heads, read_block, dk_pad, dv, itemsize, top_k, num_units: the problem shape.
+      chip: the target (:func:`chip_for_device_kind`).
+      max_rows: cap on ``head_block * query_block`` score rows per program.
+
+    Searches ``QB`` in ``union_sizes``, ``Hb`` over divisors of ``heads`` with
+    ``Hb * QB <= max_rows``, and ``u_max`` over multiples of 32 up to the largest union
+    seen for that ``QB``; keeps configs whose :func:`qblock_vmem_bytes` is at most
+    ``chip.vmem_bytes`` and whose SMEM tables fit; drops configs that move at least as
+    many KV bytes as per-query. Returns the fastest of them if it is predicted strictly
+    faster than per-query, else the per-query plan (also for empty inputs).
+    """
+    shape = dict(read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize)
+    per_query = predict_per_query(
+        distinct_per_query=distinct_per_query, heads=heads, top_k=top_k, chip=chip, **shape
+    )
+    if per_query.kv_bytes == 0:
+        return per_query
+    best: SparseMlaPlan | None = None
+    for query_block in sorted(union_sizes):
+        _check_query_block(query_block)
+        u = np.asarray(union_sizes[query_block], np.int64)
+        if u.size == 0 or u.max() <= 0:
+            continue
+        if int(u.sum()) * read_block * dk_pad * itemsize >= per_query.kv_bytes:
+            continue  # even one head group moves no fewer bytes
+        for head_block in (d for d in range(1, heads + 1) if heads % d == 0):
+            rows = head_block * query_block
+            if rows > max_rows:
+                break
+            for u_max in _u_max_widths(int(u.max())):
+                vmem = qblock_vmem_bytes(rows=rows, query_block=query_block, u_max=u_max, **shape)
+                if vmem > chip.vmem_bytes or not _smem_ok(u_max, chip):
+                    continue
+                plan = predict_qblock(
+                    union_sizes=u,
+                    query_block=query_block,
+                    head_block=head_block,
+                    u_max=u_max,
+                    heads=heads,
+                    top_k=top_k,
+                    num_units=num_units,
+                    chip=chip,
+                    **shape,
+                )
+                if plan.kv_bytes >= per_query.kv_bytes:
+                    continue
+                if best is None or (plan.predicted_s, plan.kv_bytes) < (
+                    best.predicted_s,
+                    best.kv_bytes,
+                ):
+                    best = plan
+    if best is not None and best.predicted_s < per_query.predicted_s:
+        return best
+    return per_query
+
+
+def static_qblock_config(
+    *,
+    heads: int,
+    top_k: int,
+    num_units: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    chip: TpuChip,
+    max_rows: int = 4096,
+) -> tuple[int, int, int]:
+    """``(query_block, head_block, u_max)`` from shapes only (unions unknown, under jit).
+
+    Heuristic: every head group re-fetches the block's union, so prefer one group
+    (``head_block = heads``) with the largest ``query_block`` (a multiple of 8, at most
+    256) such that ``heads * query_block <= max_rows`` and the VMEM estimate fits
+    ``chip.vmem_bytes``. If even ``query_block = 8`` does not fit with all heads, use
+    ``query_block = 8`` and the largest divisor of ``heads`` that fits. ``u_max`` is the
+    lossless bound ``min(QB * K, num_units)`` rounded up to 32, capped at
+    ``STATIC_U_MAX_CAP = 1024`` (the kernel streams larger unions in chunks) and lowered
+    further if VMEM or SMEM needs it. The wrapper is expected to compare the bytes of
+    this config against per-query at run time.
+
+    Raises:
+      ValueError: if no configuration fits (not even 8 queries x 1 head).
+    """
+    shape = dict(read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize)
+
+    def u_max_for(query_block: int, head_block: int) -> int | None:
+        lossless = _round_up(lossless_u_max(query_block, top_k, num_units), MEMBER_TILE)
+        u_max = min(lossless, STATIC_U_MAX_CAP)
+        rows = head_block * query_block
+        while u_max >= MEMBER_TILE:
+            vmem = qblock_vmem_bytes(rows=rows, query_block=query_block, u_max=u_max, **shape)
+            if vmem <= chip.vmem_bytes and _smem_ok(u_max, chip):
+                return u_max
+            u_max -= MEMBER_TILE
+        return None
+
+    top = min(MAX_STATIC_QUERY_BLOCK, (max_rows // max(heads, 1)) // 8 * 8)
+    for query_block in range(top, 7, -8):
+        u_max = u_max_for(query_block, heads)
+        if u_max is not None:
+            return query_block, heads, u_max
+    for head_block in sorted((d for d in range(1, heads + 1) if heads % d == 0), reverse=True):
+        if head_block * 8 > max_rows:
+            continue
+        u_max = u_max_for(8, head_block)
+        if u_max is not None:
+            return 8, head_block, u_max
+    raise ValueError(
+        f"no query-blocked configuration fits {chip.name} VMEM ({chip.vmem_bytes} bytes) "
+        f"for heads={heads}, read_block={read_block}, dk_pad={dk_pad}, dv={dv}"
+    )
+
+
+def describe_plan(plan: SparseMlaPlan) -> str:
+    """A short label: ``"per-query"`` or ``"qblock QB=.. Hb=.. u_max=.."``."""
+    if plan.kernel == "per_query":
+        return "per-query"
+    return f"qblock QB={plan.query_block} Hb={plan.head_block} u_max={plan.u_max}"
