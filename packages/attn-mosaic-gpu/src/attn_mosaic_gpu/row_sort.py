@@ -103,9 +103,9 @@ class _Emitter:
     this thread's indices, 16-byte vector loads and stores of a thread's keys."""
 
     def __init__(self, per_thread: int):
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
         from jaxlib.mlir import ir
         from jaxlib.mlir.dialects import arith
-        from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
         self.per_thread = per_thread
         self.i32 = ir.IntegerType.get_signless(32)
@@ -122,15 +122,15 @@ class _Emitter:
 
     @staticmethod
     def global_ptr(ref):
-        from jaxlib.mlir.dialects import llvm
         from jax.experimental.mosaic.gpu import utils as mgpu_utils
+        from jaxlib.mlir.dialects import llvm
 
         return llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(ref))
 
     def vectors_at(self, ptr, first_key):
         """Pointers to the ``per_thread / 4`` vectors from key ``first_key`` on."""
-        from jaxlib.mlir.dialects import arith
         from jax.experimental.mosaic.gpu import utils as mgpu_utils
+        from jaxlib.mlir.dialects import arith
 
         first = arith.divui(first_key, self.const(_VECTOR, first_key.type))
         return [
@@ -169,8 +169,8 @@ def _sort(em: _Emitter, plan: tuple[SortStep, ...], regs: list, exchange_ptr, ke
     """1. The bitonic network ``plan`` over the thread's keys ``regs`` (see the module
     docstring): in registers, by shuffles, or through the two shared-memory buffers
     at ``exchange_ptr``."""
-    from jaxlib.mlir.dialects import arith, gpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir.dialects import arith, gpu
 
     per_thread = em.per_thread
     buffer = 0
@@ -240,8 +240,8 @@ def _compact(em: _Emitter, regs: list, kept: list, count, table_ptr, scan_ptr, k
     """3. Store the kept keys to their slots of the table row: each thread's first slot
     is an inclusive shuffle scan of the counts within the warp, plus the totals of the
     warps before (through shared memory). Returns the query's count."""
-    from jaxlib.mlir.dialects import arith, gpu, llvm, nvvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir.dialects import arith, gpu, llvm, nvvm
 
     inclusive = count
     for d in (1, 2, 4, 8, 16):
@@ -270,8 +270,7 @@ def _compact(em: _Emitter, regs: list, kept: list, count, table_ptr, scan_ptr, k
 def _table_body(keys_per_query: int):
     """The inline Mosaic GPU body: row ``query`` of ``keys`` -> its table and count."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, gpu, llvm, nvvm, vector
+    from jaxlib.mlir.dialects import arith, llvm
 
     per_thread = keys_per_query // _THREADS
     plan = sort_plan(keys_per_query)

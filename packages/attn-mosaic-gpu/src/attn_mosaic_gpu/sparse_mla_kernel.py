@@ -417,7 +417,6 @@ def _gather_part_interpret(st: _SparseMlaStatics, half: str):
 # buffer (two 32-bit words per barrier, one barrier per ``_Part``) and are waited on by
 # parity (pair ``p``: ``p & 1``).
 def _mbarrier_ptr(ref, part: _Part):
-    from jaxlib.mlir import ir
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
 

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import check_write_back_inputs
 from attn_common.paged import write_then_attend
+from attn_common.spec import PrefillCall, WriteBackCall, prefill_call, public_op, write_back_call
 from attn_common.tables import (
     TOKEN_RUN,
     WORD_RUN,
@@ -48,7 +48,6 @@ from attn_common.tables import (
     default_write_run_cap,
     keep_last_writes,
 )
-from attn_common.spec import PrefillCall, WriteBackCall, prefill_call, public_op, write_back_call
 from attn_pallas_tpu._prep import resolve_interpret
 from attn_pallas_tpu.sparse_mla import sparse_mla_attention
 from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
