@@ -59,9 +59,11 @@ from attn_pallas_tpu.ranker_fwd import (
     RankerStatic,
     TileSteps,
     dot,
+    finite_or_zero,
     from_kernel_layout,
     kernel_shape,
     kv_step_table,
+    nan_where_attended,
     prepare,
     q_step_table,
     read_bounds,
@@ -81,11 +83,12 @@ def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
     """``p`` and ``ds`` (w.r.t. the raw ``q.k``, before ``sm_scale``) of one tile."""
     y, dcap = cap_scaled_with_derivative(raw, st.cap, st.sm_scale)
     p = jnp.exp(y - lse)
-    if allowed is not None:
-        p = jnp.where(allowed, p, 0.0)
     ds = p * (dp - delta)
     if dcap is not None:
         ds = ds * dcap
+    if allowed is not None:  # selects: a masked pair is 0 whatever its dp, lse or logit
+        p = jnp.where(allowed, p, 0.0)
+        ds = jnp.where(allowed, ds, 0.0)
     return p, ds
 
 
@@ -113,7 +116,11 @@ def _build_dq_kernel(st: RankerStatic):
             lse = row_to_col(lse_ref[...], bq)
             delta = row_to_col(delta_ref[...], bq)
             _, ds = _probs_and_dlogits(raw, lse, dp, delta, st, allowed)
-            acc[...] += dot(ds.astype(k.dtype), k)
+            poison = 0.0
+            if masked:  # isolation: no 0 * NaN from K rows a query does not attend
+                k, bad = finite_or_zero(k, bkv)
+                poison = nan_where_attended(allowed, bad)
+            acc[...] += dot(ds.astype(k.dtype), k) + poison
 
         active = j < steps.total
         full = steps.is_full(j)
@@ -156,8 +163,13 @@ def _build_dkv_kernel(st: RankerStatic):
                 q0 = steps.block_at(s) * bq
                 allowed = tile_mask(bounds, q0, t * bkv, (bkv, bq), q_axis=1)
             p, ds = _probs_and_dlogits(raw, lse_ref[...], dp, delta_ref[...], st, allowed)
-            dv_acc[...] += dot(p.astype(do.dtype), do)
-            dk_acc[...] += dot(ds.astype(q.dtype), q)
+            poison = 0.0
+            if masked:  # isolation: no 0 * NaN from Q / dO rows that do not attend a key
+                q, bad_q = finite_or_zero(q, bq)
+                do, bad_do = finite_or_zero(do, bq)
+                poison = nan_where_attended(allowed, jnp.maximum(bad_q, bad_do))
+            dv_acc[...] += dot(p.astype(do.dtype), do) + poison
+            dk_acc[...] += dot(ds.astype(q.dtype), q) + poison
 
         active = s < steps.total
         full = steps.is_full(s)

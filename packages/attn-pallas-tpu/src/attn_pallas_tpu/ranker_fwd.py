@@ -268,6 +268,24 @@ def col_to_row(col, rows: int):
     return jnp.broadcast_to(col, (rows, LANES)).T[:1, :]
 
 
+def finite_or_zero(x, rows: int):
+    """Isolation of a masked step (module docstring): ``x (rows, D)`` with every
+    non-finite element replaced by 0, and a ``(1, rows)`` f32 lane row that is 1 where the
+    row held a non-finite element (0 elsewhere)."""
+    ok = jnp.isfinite(x.astype(jnp.float32))
+    clean = jnp.where(ok, x, jnp.zeros_like(x))
+    bad = jnp.max(jnp.where(ok, 0.0, 1.0), axis=1, keepdims=True)  # (rows, 1)
+    return clean, col_to_row(bad, rows)
+
+
+def nan_where_attended(allowed, bad_row):
+    """``(n, 1)`` f32: NaN for a row whose ``allowed`` pairs (an ``(n, rows)`` mask) reach
+    a row flagged in ``bad_row`` (``(1, rows)``), else 0. Added to an f32 accumulator it
+    makes exactly the rows that attend a non-finite row NaN."""
+    hit = jnp.max(jnp.where(allowed, bad_row, 0.0), axis=1, keepdims=True)
+    return jnp.where(hit > 0.0, jnp.nan, 0.0)
+
+
 def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
     """MXU matmul with f32 accumulation (``Precision.HIGHEST`` for f32 operands)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
@@ -428,7 +446,11 @@ def _build_fwd_kernel(st: RankerStatic):
             p = jnp.exp(s - m_next[:, :1])
             l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
             v = v_ref[...]
-            acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v)
+            poison = 0.0
+            if masked:  # isolation: no 0 * NaN from V rows a query does not attend
+                v, bad = finite_or_zero(v, bkv)
+                poison = nan_where_attended(allowed, bad)
+            acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
             m_sc[...] = m_next
 
         active = j < steps.total
