@@ -37,9 +37,17 @@ Schedule
 
 Both kernels accumulate in a fixed order, so the gradients are deterministic (bitwise
 identical on repeated runs). Every program writes its whole output tile (zeros when it
-has no step), so padding rows and keys nobody attends get exactly 0. The cap
-derivative is taken from the raw logits of every entry, masked ones included, and
-multiplied by ``p = 0`` there: it is finite for every finite logit, so no ``0 * inf``.
+has no step), so padding rows and keys nobody attends get exactly 0.
+
+Isolation (docs/semantics.md; the forward's docstring has the argument). On masked
+steps ``p`` and ``ds`` of a masked pair are selected to 0 (not multiplied: ``dP = dO
+V^T`` of a pair is garbage when either row is, e.g. 1e30 * 1e30 = inf, and so may the
+cap derivative of a garbage logit be). The multiplied operand of each product over
+positions has its non-finite elements replaced by 0, and every row that attends a row
+holding one gets NaN added to its accumulator: K for ``dQ += dS K`` (queries that attend
+a non-finite key), Q and dO for ``dK += dS^T Q`` and ``dV += P^T dO`` (keys attended by a
+query whose q or dO is non-finite). Full steps are unchanged. Rows with no allowed key
+never see a full step, so their own q and dO never matter either.
 """
 
 from __future__ import annotations

@@ -35,6 +35,25 @@ time).
 * At the last KV step the program normalises and writes its whole O tile and its LSE
   row (also when it had no step), so every element of the outputs is written.
 
+Isolation (docs/semantics.md): rows a query does not attend may hold anything (NaN,
+Inf, 1e30). Scores are pair-local (``s_ij`` reads only ``q_i`` and ``k_j``) and the mask
+is a select, so garbage can only leak through a product over positions: ``P V`` sums
+``p_ij v_j`` over the block's keys, and ``0 * NaN = NaN`` for a key ``j`` that row ``i``
+does not attend. Zeroing the rows the tile does not attend is not enough (a tile can
+hold rows of two packed users, or a candidate whose key only it attends), so on a
+masked step (a boundary block; full steps keep the path above, every pair there being
+attended) the kernel
+
+* replaces the non-finite elements of the V block by 0 (a select on ``block_kv x D``
+  elements) and notes which key rows held one (a lane reduction, turned into a lane
+  row by the same transpose as the LSE);
+* adds NaN to the accumulator row of every query that attends such a key (a select and
+  a lane reduction over the step's mask), so attended garbage still gives NaN.
+
+Unattended pairs then contribute exactly ``0 * finite = 0``: a query's output equals the
+run with every row it does not attend zeroed, bitwise, and a poisoned row never reaches
+another user of a packed row. The backward kernels do the same for their operands.
+
 Empty rows stay NaN-free: the running max starts at a large finite negative number
 (``-1e30``), so a row that has seen no allowed key gives ``exp(-inf - m) = 0`` and
 ``exp(m - m) = 1``, never ``exp(-inf - -inf)``; at the end ``l == 0`` marks an empty row,

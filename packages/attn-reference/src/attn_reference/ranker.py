@@ -6,7 +6,20 @@ backward ever holds more than one chunk's ``[B, Hq, chunk, S]`` scores (the full
 ``[B, Hq, S, S]`` float32 score tensor of the ``phoenix`` shape would be 6.8 GB).
 Each chunk runs an exact softmax over all ``S`` keys; masked scores are ``-inf``, and
 the max, normaliser and log are guarded so a row with no allowed key gives ``out = 0``,
-``lse = -inf`` and zero gradients, never NaN.
+``lse = -inf`` and zero gradients.
+
+Isolation (docs/semantics.md): rows a query does not attend may hold anything (NaN,
+Inf, 1e30), in the inputs and in the cotangents. Each position belongs to the first
+user slot holding it (the only one, users being disjoint). Per user ``u`` the queries
+outside ``u`` and the keys outside ``u``'s history are selected to zero (``jnp.where``)
+before the score product and the ``P @ V`` product, and the rows of that product that
+are not ``u``'s are selected away, so no product over positions, nor its transpose in
+the backward (autodiff: the VJP of a select is a select), ever multiplies a row of
+another user, padding, or another candidate, even by 0. A candidate's score against
+itself is an elementwise product of its own ``q`` and ``k`` rows. So a query row's
+results depend only on its own rows and the rows it attends, and a poisoned run equals
+the run with those rows zeroed bitwise. Cost: ``U`` score and ``U`` ``P @ V`` products
+per chunk (``U`` users per row) and one softmax.
 """
 
 from __future__ import annotations
