@@ -102,18 +102,22 @@ def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk
     @jax.checkpoint
     def attend_chunk(args):
         q_blk, k_self, v_self, own, diag = args
+
         # Scores of each query against its own user's history: per user, the queries
         # and keys outside that user are selected to zero before the product, so the
         # products (and their transposes in the backward) never meet another user's rows.
-        s = jnp.full((batch, kv_heads, group, chunk, seq_len), -jnp.inf, compute)
-        for u in range(num_users):
+        # A loop (a scan: one traced body whatever U is) over the user slots.
+        def user_scores(u, s):
             rows = own == u  # [B, c]
             keys = hist[:, u]  # [B, S]
             q_u = jnp.where(rows[:, :, None, None, None], q_blk, 0.0)
             k_u = jnp.where(keys[:, :, None, None], kc, 0.0)
             s_u = jnp.einsum("bqhgd,bkhd->bhgqk", q_u, k_u, precision=HIGHEST)
             allowed = rows[:, None, None, :, None] & keys[:, None, None, None, :]
-            s = jnp.where(allowed, cap_forward(s_u * sm_scale, cap), s)
+            return jnp.where(allowed, cap_forward(s_u * sm_scale, cap), s)
+
+        s = jnp.full((batch, kv_heads, group, chunk, seq_len), -jnp.inf, compute)
+        s = jax.lax.fori_loop(0, num_users, user_scores, s)
         # A candidate's score against itself: an elementwise product of its own rows.
         q_d = jnp.where(diag[:, :, None, None, None], q_blk, 0.0)
         k_d = jnp.where(diag[:, :, None, None], k_self, 0.0)
@@ -129,13 +133,16 @@ def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk
         has_key = denom > 0
         safe = jnp.where(has_key, denom, 1.0)
         v_d = jnp.where(diag[:, :, None, None], v_self, 0.0)
-        o = 0.0
-        for u in range(num_users):
+
+        def user_values(u, o):
             rows = own == u
             v_u = jnp.where(hist[:, u][:, :, None, None], vc, 0.0)
             p_u = jnp.where(rows[:, None, None, :, None], p, 0.0)
             o_u = jnp.einsum("bhgqk,bkhd->bqhgd", p_u, v_u, precision=HIGHEST)
-            o = o + jnp.where(rows[:, :, None, None, None], o_u, 0.0)  # [B, c, Hkv, G, D]
+            return o + jnp.where(rows[:, :, None, None, None], o_u, 0.0)
+
+        o = jnp.zeros((batch, chunk, kv_heads, group, head_dim), compute)
+        o = jax.lax.fori_loop(0, num_users, user_values, o)
         # The self term last, so the result does not depend on which slot holds a user
         # (XLA may fuse this product and sum into one FMA).
         o = o + jnp.moveaxis(p_d, -1, 1)[..., None] * v_d[:, :, :, None]
