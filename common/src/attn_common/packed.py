@@ -21,8 +21,9 @@ non-empty segment of ``u`` is disjoint from every non-empty segment of ``w``. Em
 segments (so unused all-zero slots) are ignored; a user's own history and candidates
 may overlap, as in the one-user op. Slots may come in any order and gaps between users
 are padding. Overlapping users are refused by the checks; unchecked (traced bounds
-without ``debug_checks``), the reference and the TPU kernels compute the union of their
-masks and the Hopper kernels a subset of it (see the per-position tables below).
+without ``debug_checks``), the TPU kernels compute the union of their masks, and the
+reference and the Hopper kernels give each row to the first user slot holding it (see
+the per-position tables below).
 
 Block ranges (``packed_kv_block_ranges`` / ``packed_q_block_ranges``): the KV blocks a
 query tile must visit are the union over users of the one-user ranges, i.e. of at most

@@ -37,9 +37,17 @@ Schedule
 
 Both kernels accumulate in a fixed order, so the gradients are deterministic (bitwise
 identical on repeated runs). Every program writes its whole output tile (zeros when it
-has no step), so padding rows and keys nobody attends get exactly 0. The cap
-derivative is taken from the raw logits of every entry, masked ones included, and
-multiplied by ``p = 0`` there: it is finite for every finite logit, so no ``0 * inf``.
+has no step), so padding rows and keys nobody attends get exactly 0.
+
+Isolation (docs/semantics.md; the forward's docstring has the argument). On masked
+steps ``p`` and ``ds`` of a masked pair are selected to 0 (not multiplied: ``dP = dO
+V^T`` of a pair is garbage when either row is, e.g. 1e30 * 1e30 = inf, and so may the
+cap derivative of a garbage logit be). The multiplied operand of each product over
+positions has its non-finite elements replaced by 0, and every row that attends a row
+holding one gets NaN added to its accumulator: K for ``dQ += dS K`` (queries that attend
+a non-finite key), Q and dO for ``dK += dS^T Q`` and ``dV += P^T dO`` (keys attended by a
+query whose q or dO is non-finite). Full steps are unchanged. Rows with no allowed key
+never see a full step, so their own q and dO never matter either.
 """
 
 from __future__ import annotations
@@ -59,9 +67,11 @@ from attn_pallas_tpu.ranker_fwd import (
     RankerStatic,
     TileSteps,
     dot,
+    finite_or_zero,
     from_kernel_layout,
     kernel_shape,
     kv_step_table,
+    nan_where_attended,
     prepare,
     q_step_table,
     read_bounds,
@@ -81,11 +91,12 @@ def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
     """``p`` and ``ds`` (w.r.t. the raw ``q.k``, before ``sm_scale``) of one tile."""
     y, dcap = cap_scaled_with_derivative(raw, st.cap, st.sm_scale)
     p = jnp.exp(y - lse)
-    if allowed is not None:
-        p = jnp.where(allowed, p, 0.0)
     ds = p * (dp - delta)
     if dcap is not None:
         ds = ds * dcap
+    if allowed is not None:  # selects: a masked pair is 0 whatever its dp, lse or logit
+        p = jnp.where(allowed, p, 0.0)
+        ds = jnp.where(allowed, ds, 0.0)
     return p, ds
 
 
@@ -113,7 +124,11 @@ def _build_dq_kernel(st: RankerStatic):
             lse = row_to_col(lse_ref[...], bq)
             delta = row_to_col(delta_ref[...], bq)
             _, ds = _probs_and_dlogits(raw, lse, dp, delta, st, allowed)
-            acc[...] += dot(ds.astype(k.dtype), k)
+            poison = 0.0
+            if masked:  # isolation: no 0 * NaN from K rows a query does not attend
+                k, bad = finite_or_zero(k, bkv)
+                poison = nan_where_attended(allowed, bad)
+            acc[...] += dot(ds.astype(k.dtype), k) + poison
 
         active = j < steps.total
         full = steps.is_full(j)
@@ -156,8 +171,13 @@ def _build_dkv_kernel(st: RankerStatic):
                 q0 = steps.block_at(s) * bq
                 allowed = tile_mask(bounds, q0, t * bkv, (bkv, bq), q_axis=1)
             p, ds = _probs_and_dlogits(raw, lse_ref[...], dp, delta_ref[...], st, allowed)
-            dv_acc[...] += dot(p.astype(do.dtype), do)
-            dk_acc[...] += dot(ds.astype(q.dtype), q)
+            poison = 0.0
+            if masked:  # isolation: no 0 * NaN from Q / dO rows that do not attend a key
+                q, bad_q = finite_or_zero(q, bq)
+                do, bad_do = finite_or_zero(do, bq)
+                poison = nan_where_attended(allowed, jnp.maximum(bad_q, bad_do))
+            dv_acc[...] += dot(p.astype(do.dtype), do) + poison
+            dk_acc[...] += dot(ds.astype(q.dtype), q) + poison
 
         active = s < steps.total
         full = steps.is_full(s)

@@ -35,6 +35,25 @@ time).
 * At the last KV step the program normalises and writes its whole O tile and its LSE
   row (also when it had no step), so every element of the outputs is written.
 
+Isolation (docs/semantics.md): rows a query does not attend may hold anything (NaN,
+Inf, 1e30). Scores are pair-local (``s_ij`` reads only ``q_i`` and ``k_j``) and the mask
+is a select, so garbage can only leak through a product over positions: ``P V`` sums
+``p_ij v_j`` over the block's keys, and ``0 * NaN = NaN`` for a key ``j`` that row ``i``
+does not attend. Zeroing the rows the tile does not attend is not enough (a tile can
+hold rows of two packed users, or a candidate whose key only it attends), so on a
+masked step (a boundary block; full steps keep the path above, every pair there being
+attended) the kernel
+
+* replaces the non-finite elements of the V block by 0 (a select on ``block_kv x D``
+  elements) and notes which key rows held one (a lane reduction, turned into a lane
+  row by the same transpose as the LSE);
+* adds NaN to the accumulator row of every query that attends such a key (a select and
+  a lane reduction over the step's mask), so attended garbage still gives NaN.
+
+Unattended pairs then contribute exactly ``0 * finite = 0``: a query's output equals the
+run with every row it does not attend zeroed, bitwise, and a poisoned row never reaches
+another user of a packed row. The backward kernels do the same for their operands.
+
 Empty rows stay NaN-free: the running max starts at a large finite negative number
 (``-1e30``), so a row that has seen no allowed key gives ``exp(-inf - m) = 0`` and
 ``exp(m - m) = 1``, never ``exp(-inf - -inf)``; at the end ``l == 0`` marks an empty row,
@@ -264,6 +283,24 @@ def col_to_row(col, rows: int):
     return jnp.broadcast_to(col, (rows, LANES)).T[:1, :]
 
 
+def finite_or_zero(x, rows: int):
+    """Isolation of a masked step (module docstring): ``x (rows, D)`` with every
+    non-finite element replaced by 0, and a ``(1, rows)`` f32 lane row that is 1 where the
+    row held a non-finite element (0 elsewhere)."""
+    ok = jnp.isfinite(x.astype(jnp.float32))
+    clean = jnp.where(ok, x, jnp.zeros_like(x))
+    bad = jnp.max(jnp.where(ok, 0.0, 1.0), axis=1, keepdims=True)  # (rows, 1)
+    return clean, col_to_row(bad, rows)
+
+
+def nan_where_attended(allowed, bad_row):
+    """``(n, 1)`` f32: NaN for a row whose ``allowed`` pairs (an ``(n, rows)`` mask) reach
+    a row flagged in ``bad_row`` (``(1, rows)``), else 0. Added to an f32 accumulator it
+    makes exactly the rows that attend a non-finite row NaN."""
+    hit = jnp.max(jnp.where(allowed, bad_row, 0.0), axis=1, keepdims=True)
+    return jnp.where(hit > 0.0, jnp.nan, 0.0)
+
+
 def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
     """MXU matmul with f32 accumulation (``Precision.HIGHEST`` for f32 operands)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
@@ -424,7 +461,11 @@ def _build_fwd_kernel(st: RankerStatic):
             p = jnp.exp(s - m_next[:, :1])
             l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
             v = v_ref[...]
-            acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v)
+            poison = 0.0
+            if masked:  # isolation: no 0 * NaN from V rows a query does not attend
+                v, bad = finite_or_zero(v, bkv)
+                poison = nan_where_attended(allowed, bad)
+            acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
             m_sc[...] = m_next
 
         active = j < steps.total
