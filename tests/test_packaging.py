@@ -149,10 +149,14 @@ PACKAGE_SOURCES = {
 
 
 def _imports(path: Path, package: str, src: Path) -> set[str]:
-    """Modules ``path`` imports anywhere (top level or inside functions): dotted names,
+    """Modules ``path`` imports at run time (top level or inside functions): dotted names,
     ``from pkg import sub`` resolved to the submodule when ``sub`` is a module file."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for block in ast.walk(tree):  # ``if TYPE_CHECKING:`` imports never run: not edges
+        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING":
+            block.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

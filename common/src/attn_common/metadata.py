@@ -320,7 +320,13 @@ def ragged_batch(
         debug_checks=debug_checks,
     )
     if q_seq_id is None:
-        from attn_common.sparse_mla import seq_id_from_cu_q_lens
-
         q_seq_id = seq_id_from_cu_q_lens(jnp.asarray(cu_q_lens), num_tokens)
     return RaggedBatch(q_seq_id, seq_lens, cu_kv_lens, page_indices, page_size)
+
+
+def seq_id_from_cu_q_lens(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Request id of each packed query token, ``[num_tokens]`` int32 (clipped to a request)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = cu_q_lens.shape[0] - 1
+    sid = jnp.searchsorted(cu_q_lens[1:].astype(jnp.int32), t, side="right")
+    return jnp.clip(sid, 0, num_seqs - 1).astype(jnp.int32)

@@ -24,7 +24,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attn_common.metadata import RaggedBatch, check_unit_indices, ragged_batch
+from attn_common.metadata import (
+    RaggedBatch,
+    check_unit_indices,
+    ragged_batch,
+)
+from attn_common.metadata import (
+    seq_id_from_cu_q_lens as seq_id_from_cu_q_lens,  # re-exported: its old home
+)
 from attn_common.ranker import array_shape, resolve_sm_scale
 from attn_common.tables import kv_packing
 
@@ -225,14 +232,6 @@ def check_page_size(page_size) -> int:
     if page_size % 16:
         raise ValueError(f"page_size: got {page_size}, expected a multiple of 16")
     return page_size
-
-
-def seq_id_from_cu_q_lens(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """Request id of each packed query token, ``[num_tokens]`` int32 (clipped to a request)."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    num_seqs = cu_q_lens.shape[0] - 1
-    sid = jnp.searchsorted(cu_q_lens[1:].astype(jnp.int32), t, side="right")
-    return jnp.clip(sid, 0, num_seqs - 1).astype(jnp.int32)
 
 
 class RaggedQueryInfo(NamedTuple):
