@@ -213,10 +213,10 @@ def test_grad_lone_tiles(head_dim, cap):
     [
         (128, SS80, BackwardTuning(exp2_fma_cols=32, rcp_fma_cols=64)),
         (128, SS8, BackwardTuning(num_stages=3, exp2_fma_cols=64, rcp_fma_cols=16)),
-        (128, TANH5, BackwardTuning(exp2_fma_cols=48, overlap=False)),
+        (128, TANH5, BackwardTuning(exp2_fma_cols=48)),
         (64, NONE, BackwardTuning(exp2_fma_cols=16)),
     ],
-    ids=["d128-ss80-32-64", "d128-ss8-64-16-s3", "d128-tanh5-48-nooverlap", "d64-none-16"],
+    ids=["d128-ss80-32-64", "d128-ss8-64-16-s3", "d128-tanh5-48", "d64-none-16"],
 )
 def test_grad_fma_split_knobs(head_dim, cap, tuning):
     """exp2 / soft_sign reciprocal on the FMA pipe in the backward kernels (and the

@@ -17,12 +17,13 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   - dk/dv: ``S^T = K Q^T`` and ``dP^T = V dO^T``, cap, mask, ``P^T``, ``dS^T``, then
     ``dV += P^T dO`` and ``dK += dS^T Q`` in one wgmma scope, A operands from registers.
 
-  Within a step (knob ``overlap``, on by default): the mask predicate is built while S
-  is in flight, ``P`` is computed after ``wgmma.wait_group 1`` (S landed, dP still
-  running), and in dk/dv ``dS^T`` is formed while dV's wgmma runs. The cap and its
-  derivative come from ``attn_common.cap_scaled_with_derivative`` (knob ``fold``). The
-  ring has 2 slots for D=128 and 4 for D=64. ``benchmarks/ranker_bwd_sweep.py`` measures
-  the knobs (``docs/results/ranker_bwd_sweep.md``).
+  Within a step: the mask predicate is built while S is in flight, ``P`` is computed
+  after ``wgmma.wait_group 1`` (S landed, dP still running), and in dk/dv ``dS^T`` is
+  formed while dV's wgmma runs. The cap and its derivative come from
+  ``attn_common.cap_scaled_with_derivative`` (constants folded, the derivative from the
+  same terms). The ring has 2 slots for D=128 and 4 for D=64. The schedules without
+  this overlap and fold were measured slower (``docs/results/ranker_bwd_sweep.md``) and
+  left the kernel at da2ec0c.
 
   Knob ``dq_programs`` (0, one program per tile, unless the tuned table says otherwise):
   dq runs as that many persistent programs (one per SM), each walking the tiles
@@ -76,8 +77,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from attn_common import (
     CapMethod,
     CapParams,
-    cap_derivative_from_output,
-    cap_forward,
     cap_scaled_with_derivative,
     ranker_full_kv_steps,
     ranker_full_q_steps,
@@ -188,14 +187,6 @@ class _Static:
     sm_scale: float
     cap: CapParams
     num_stages: int
-    # Schedule knobs (benchmarks/ranker_bwd_sweep.py measures each; both on by default).
-    # fold: the cap with folded constants and its derivative from the same terms
-    #   (attn_common.cap_scaled_with_derivative) instead of cap_forward +
-    #   cap_derivative_from_output.
-    # overlap: compute P on the CUDA cores while dP's wgmma still runs (wait for S only),
-    #   and in dk/dv form dS while dV's wgmma runs.
-    fold: bool = True
-    overlap: bool = True
     # exp2_fma_cols / rcp_fma_cols: key (dq) or query (dk/dv) columns of each 64 x 64
     #   tile whose exp2 / soft_sign reciprocal run on the FMA pipe (attn_mosaic_gpu.
     #   fastmath), the rest on the MUFU; multiples of 8, 0..64.
@@ -213,7 +204,7 @@ class _Static:
     users: int = 0
 
 
-_KNOBS = ("num_stages", "fold", "overlap", "exp2_fma_cols", "rcp_fma_cols", "dq_programs")
+_KNOBS = ("num_stages", "exp2_fma_cols", "rcp_fma_cols", "dq_programs")
 
 
 def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
@@ -237,9 +228,6 @@ def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
             )
     if knobs.get("rcp_fma_cols", 0) and cap.method is not CapMethod.SOFT_SIGN:
         raise ValueError("backward tuning rcp_fma_cols: needs a soft_sign cap (else 0)")
-    for name in ("fold", "overlap"):
-        if not isinstance(knobs.get(name, False), bool):
-            raise ValueError(f"backward tuning {name}: got {knobs[name]!r}, expected a bool")
     programs = knobs.get("dq_programs", 0)
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
         raise ValueError(
@@ -259,16 +247,9 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
         on_mufu = mufu_reciprocal(compiled=not st.interpret)
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
-    if st.fold:
-        s2, dcap = cap_scaled_with_derivative(
-            raw, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
-        )
-    else:
-        s, dcap = raw * st.sm_scale, None
-        if st.cap.active:
-            s = cap_forward(s, st.cap, reciprocal=reciprocal)
-            dcap = cap_derivative_from_output(s, st.cap)
-        s2 = s * _LOG2E
+    s2, dcap = cap_scaled_with_derivative(
+        raw, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
+    )
     if allowed is not None:
         s2 = jnp.where(allowed, s2, -jnp.inf)
     on_fma = functools.partial(exp2_fma, xla_fold_guard=st.interpret)
@@ -280,9 +261,8 @@ def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int)
     """Issue ``S = A B^T`` and ``dP = C D^T`` (one wgmma scope); return ``P`` and
     ``(dP - delta') * cap'`` in f32, so that ``dS = P * factor``.
 
-    With ``st.overlap`` the softmax terms are computed once S has landed, while the dP
-    wgmma is still in flight (``wgmma.wait_group 1``); the mask predicate is built
-    while S is in flight.
+    The softmax terms are computed once S has landed, while the dP wgmma is still in
+    flight (``wgmma.wait_group 1``); the mask predicate is built while S is in flight.
     """
     a, b, c, d = operands
 
@@ -290,7 +270,7 @@ def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int)
         plgpu.wgmma(s_ref, a, b.transpose((1, 0)))
         plgpu.wgmma(dp_ref, c, d.transpose((1, 0)))
         allowed = None if mask_fn is None else mask_fn()
-        raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if st.overlap else 0)
+        raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
         p, dcap = _softmax_terms(raw, lse2, allowed, st, q_axis)
         factor = dp_ref[...] - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
         if dcap is not None:
@@ -331,10 +311,10 @@ def _accumulate(accs, lhs, rhs_smem, staging, in_place: bool):
 def _dkv_update(dk, dv, p_t, factor, q_slot, do_slot, staging, st: _Static, in_place, dtype):
     """``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS^T = P^T * factor``.
 
-    With ``st.overlap`` (GPU path) dV's wgmma is issued first and dS^T is formed on the
-    CUDA cores while it runs.
+    On the GPU dV's wgmma is issued first and dS^T is formed on the CUDA cores while it
+    runs.
     """
-    if in_place and st.overlap:
+    if in_place:
 
         def body(refs):
             dv_ref, dk_ref = refs
@@ -896,8 +876,8 @@ def pipelined_bwd(
     LSE with ``+inf`` on empty rows; ``delta'``), ``bounds [B,4]`` int32 clipped, or
     packed ``[B, U, 4]`` normalized with ``users = U >= 2``.
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
-    ``tuning``: overrides of the schedule knobs ``num_stages``, ``fold``, ``overlap``,
-    ``exp2_fma_cols``, ``rcp_fma_cols``, ``dq_programs`` (``BackwardTuning``; ``None``
+    ``tuning``: overrides of the schedule knobs ``num_stages``, ``exp2_fma_cols``,
+    ``rcp_fma_cols``, ``dq_programs`` (``BackwardTuning``; ``None``
     keeps the defaults).
     """
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}

@@ -300,8 +300,6 @@ class _Static:
     return_lse: bool
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
-    # The row max taken on the raw scores (see kv_step); False: on the capped logits.
-    max_on_raw: bool = True
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]).
     users: int = 0
     # 0: one program per tile; N: N persistent programs walking the tiles.
@@ -363,26 +361,18 @@ def _online_softmax_step(st: _Static, qk, allowed, m_i, *, compiled: bool):
     rescale ``alpha`` of the running sums and the new running max (base 2).
     ``allowed`` is ``None`` on steps whose block needs no mask."""
     masked = allowed is not None
-    if st.max_on_raw:
-        # Every cap is increasing, so a row's largest base-2 logit is the logit of
-        # its largest raw score: the max runs on the raw tile (beside the cap's
-        # reciprocals, not after them), and each exponent s2 - m is one FMA after the
-        # cap's last multiply.
-        raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
-        raw_max = raw.max(axis=1)
-        step_max = jnp.where(
-            raw_max > -jnp.inf, _scale_and_cap(st, raw_max, compiled=compiled), _M_INIT
-        )
-        m_new = jnp.maximum(m_i, step_max)
-        x = _scale_and_cap(st, qk, compiled=compiled) - lax.broadcast_in_dim(m_new, qk.shape, [0])
-        if masked:
-            x = jnp.where(allowed, x, -jnp.inf)
-    else:
-        s = _scale_and_cap(st, qk, compiled=compiled)
-        if masked:
-            s = jnp.where(allowed, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        x = s - lax.broadcast_in_dim(m_new, s.shape, [0])
+    # Every cap is increasing, so a row's largest base-2 logit is the logit of its
+    # largest raw score: the max runs on the raw tile (beside the cap's reciprocals, not
+    # after them), and each exponent s2 - m is one FMA after the cap's last multiply.
+    raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
+    raw_max = raw.max(axis=1)
+    step_max = jnp.where(
+        raw_max > -jnp.inf, _scale_and_cap(st, raw_max, compiled=compiled), _M_INIT
+    )
+    m_new = jnp.maximum(m_i, step_max)
+    x = _scale_and_cap(st, qk, compiled=compiled) - lax.broadcast_in_dim(m_new, qk.shape, [0])
+    if masked:
+        x = jnp.where(allowed, x, -jnp.inf)
     alpha = jnp.exp2(m_i - m_new)
     return _softmax_exp2(st, x, compiled=compiled), alpha, m_new
 

@@ -61,8 +61,6 @@ class BackwardTuning:
     ``ranker_bwd_pipelined``). ``num_stages=None`` is the per-D default ring depth."""
 
     num_stages: int | None = None
-    fold: bool = True
-    overlap: bool = True
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
     dq_programs: int = 0
