@@ -104,7 +104,14 @@ from attn_mosaic_gpu.fastmath import (
     reciprocal_fma,
     split_columns,
 )
-from attn_mosaic_gpu.ranker_fwd import packed_tile_mask, ranker_tile_mask
+from attn_mosaic_gpu.ranker_fwd import (
+    bad_scores,
+    isolation_plan,
+    packed_full_steps,
+    packed_tile_mask,
+    ranker_tile_mask,
+    sanitize_rows,
+)
 
 __all__ = [
     "PIPELINED_HEAD_DIMS",
@@ -162,8 +169,9 @@ def pipelined_smem_bytes(
         *[stages * tile] * 2,  # K, V ring
         staging,
         dq_table,
+        stages * BLOCK * 4,  # the K ring's bad-row flags (isolation)
     ]
-    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages)
+    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 4 * stages)
     dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
     dkv_buffers = [
         *[_COMPUTE_WGS * tile] * 2,  # K, V
@@ -172,8 +180,9 @@ def pipelined_smem_bytes(
         staging,
         staging,
         dkv_table,
+        2 * stages * BLOCK * 4,  # the Q and dO rings' bad-row flags (isolation)
     ]
-    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 5 * stages)
+    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 6 * stages)
     return {"dq": dq, "dkv": dkv}
 
 
@@ -257,9 +266,17 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
     return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2), dcap
 
 
-def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int):
+def _p_and_grad_factor(
+    operands, lse2, delta, mask_fn, st: _Static, q_axis: int, bad=None, select_p=False
+):
     """Issue ``S = A B^T`` and ``dP = C D^T`` (one wgmma scope); return ``P`` and
     ``(dP - delta') * cap'`` in f32, so that ``dS = P * factor``.
+
+    Masked steps (isolation): ``factor`` is selected to 0 on pairs the mask refuses, so
+    ``0 * NaN`` from a garbage dO, V, delta' or cap' of such a pair never reaches dS;
+    ``select_p`` selects ``P`` too (dk/dv, where ``lse2`` of a query that does not
+    attend the key may be NaN). ``bad`` (a tile of 0 / NaN, ``bad_scores``) is added to
+    the raw scores: pairs that attend a row whose non-finite values were zeroed get NaN.
 
     The softmax terms are computed once S has landed, while the dP wgmma is still in
     flight (``wgmma.wait_group 1``); the mask predicate is built while S is in flight.
@@ -271,10 +288,16 @@ def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int)
         plgpu.wgmma(dp_ref, c, d.transpose((1, 0)))
         allowed = None if mask_fn is None else mask_fn()
         raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        if bad is not None:
+            raw = raw + bad
         p, dcap = _softmax_terms(raw, lse2, allowed, st, q_axis)
+        if allowed is not None and select_p:
+            p = jnp.where(allowed, p, 0.0)
         factor = dp_ref[...] - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
         if dcap is not None:
             factor = factor * dcap
+        if allowed is not None:
+            factor = jnp.where(allowed, factor, 0.0)
         return p, factor
 
     acc = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
@@ -358,6 +381,34 @@ def _three_phase_loop(lo, hi, total, step, carry):
     return lax.fori_loop(hi, total, masked, carry)
 
 
+def _sanitize_streamed(operands, wg, san, clean, head_dim: int) -> None:
+    """Isolation, on a sanitized step: streamed operand ``n`` (a ``[64, D]`` ring slot
+    and its flag vector) is cleaned by compute WG ``n % 2`` (``sanitize_rows``), then
+    both WGs meet on ``clean`` (2 arrivals), after which every write is visible to both
+    WGs' wgmmas (``commit_smem`` before the arrive)."""
+
+    def run():
+        for n, (tile, bad) in enumerate(operands):
+            pl.when(wg == n % _COMPUTE_WGS)(
+                lambda tile=tile, bad=bad: sanitize_rows(tile, bad, head_dim)
+            )
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(clean)
+        plgpu.barrier_wait(clean)
+
+    pl.when(san)(run)
+
+
+def _bwd_isolation(st: _Static, wg, fulls):
+    """``isolation_plan`` for the backward: both compute WGs always walk every step
+    (``_COMPUTE_WGS`` active); packed rows use the unmasked range both WGs share."""
+    actives = (jnp.bool_(True),) * _COMPUTE_WGS
+    if st.users:
+        fulls = packed_full_steps(fulls, actives)
+    (lo, hi), sanitized, _ = isolation_plan(wg, fulls, actives)
+    return lo, hi, sanitized
+
+
 def _bounds(bounds_ref, batch):
     return tuple(bounds_ref[batch, i] for i in range(4))
 
@@ -420,6 +471,8 @@ class _DqRing(NamedTuple):
     k_ready: object
     v_ready: object
     consumed: object
+    bad: object  # [slots, 64] f32: the K rows' flags (isolation)
+    clean: object  # [slots] barriers, 2 arrivals: K sanitized (isolation)
 
 
 def _dq_tile(
@@ -436,17 +489,26 @@ def _dq_tile(
         hl, hu, cl, cu = one_user
     lse2 = plgpu.load(fixed.lse, layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(fixed.delta, layout=plgpu.Layout.WGMMA.reduce(1))
+    tile_start = row0 - wg * b
     if st.users:
-        full_lo, full_hi = ranges.full_steps(wg)
+        fulls = [ranges.full_steps(w) for w in range(_COMPUTE_WGS)]
     else:
-        full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
+        fulls = [
+            ranker_full_kv_steps(ranges, hl, hu, cl, cu, r0, r0 + b, b)
+            for r0 in (tile_start + w * b for w in range(_COMPUTE_WGS))
+        ]
+    full_lo, full_hi, sanitized = _bwd_isolation(st, wg, fulls)
 
     def step(i, dq, *, masked):
         slot = slot_of(i)
         plgpu.barrier_wait(ring.k_ready.at[slot])
         plgpu.barrier_wait(ring.v_ready.at[slot])
-        mask_fn = None
+        mask_fn = bad = None
         if masked:
+            san = sanitized(i)
+            ops = [(ring.k.at[slot], ring.bad.at[slot])]
+            _sanitize_streamed(ops, wg, san, ring.clean.at[slot], st.head_dim)
+            bad = bad_scores(ring.bad.at[slot], san, (b, b), 1)
 
             def mask_fn():
                 kv0 = ranges.block_at(i) * b
@@ -455,14 +517,17 @@ def _dq_tile(
                 return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
 
         operands = (fixed.q, ring.k.at[slot], fixed.do, ring.v.at[slot])
-        p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
+        p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0, bad)
         ds = p * factor
         (dq,) = _accumulate((dq,), (ds.astype(dtype),), (ring.k.at[slot],), staging, in_place)
         plgpu.barrier_arrive(ring.consumed.at[slot])
         return dq
 
     dq0 = plgpu.layout_cast(jnp.full((b, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    return _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+    dq = _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+    # A row with no allowed key (lse2 = +inf) gets exactly 0, whatever its steps met.
+    empty = lax.broadcast_in_dim(lse2 == jnp.inf, dq.shape, [0])
+    return jnp.where(empty, 0.0, dq)
 
 
 def _issue_kv(k_ref, v_ref, ring: _DqRing, batch, block, kv_head, slot):
@@ -477,8 +542,8 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
     packed rows' step list and query key table, dQ) and allocate the scratch that
     ``kernel(*operands, scoped)`` receives: the fixed buffers (``fixed_copies`` = 2: a
     leading axis of two, for the persistent kernel), the K/V ring, the interpret-mode dS
-    staging, and the barriers (one per fixed operand and buffer and WG; ready per slot for
-    K and V; consumed per slot)."""
+    staging, the K ring's bad-row flags, and the barriers (one per fixed operand and
+    buffer and WG; ready per slot for K and V; consumed and clean per slot)."""
     b = BLOCK
     lead = (fixed_copies,) if fixed_copies > 1 else ()
     fields = 5 if st.users else 4
@@ -495,13 +560,14 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
         keys = None
         if st.users:
             keys = plgpu.SMEM((*lead, _COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
+        bad = plgpu.SMEM((st.num_stages, b), jnp.float32)
         operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
         pl.run_scoped(
             lambda *args: kernel(*operands, keys_ref, dq_ref, args),
-            [own, own, own_vec, own_vec, ring, ring, staging, keys],
+            [own, own, own_vec, own_vec, ring, ring, staging, keys, bad],
             (plgpu.Barrier(num_barriers=fixed_copies * _COMPUTE_WGS),) * fields,
             (plgpu.Barrier(num_barriers=st.num_stages),) * 2,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),
+            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),) * 2,
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -517,8 +583,9 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
         scoped,
     ):  # fmt: skip
-        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs
+        bufs, fixed_ready, (k_ready, v_ready), (consumed, clean) = scoped
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs[:8]
+        bad_smem = bufs[8]
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
@@ -527,7 +594,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             st, bounds_ref, steps_ref, batch, _axes.Q_TILES, ranker_kv_block_ranges
         )
         total_steps = ranges.total_steps
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, bad_smem, clean)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -593,8 +660,9 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
         scoped,
     ):  # fmt: skip
-        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
-        q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs
+        bufs, fixed_ready, (k_ready, v_ready), (consumed, clean) = scoped
+        q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs[:8]
+        bad_smem = bufs[8]
         program = lax.axis_index(_axes.PROGRAMS)
         wg = lax.axis_index(_axes.WARPGROUP)
         my_tiles = program_tiles(program, programs, num_tiles)
@@ -609,7 +677,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
             )
             return q_head, batch, tile_start, ranges, one_user
 
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, bad_smem, clean)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -712,9 +780,9 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, queries_ref,
         dk_ref, dv_ref, scoped,
     ):  # fmt: skip
-        bufs, fixed_ready, ready, consumed = scoped
+        bufs, fixed_ready, ready, (consumed, clean) = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs[:8]
-        queries_smem2 = bufs[8]
+        queries_smem2, bad_smem = bufs[8:10]
         q_ready, do_ready, lse_ready, delta_ready = ready
         batch = lax.axis_index(_axes.BATCH)
         kv_head = lax.axis_index(_axes.HEADS)
@@ -745,9 +813,13 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             if st.users:
                 key_queries = _row_entries(queries_smem2.at[wg], PACKED_KEY_FIELDS)
             if st.users:
-                full_lo, full_hi = ranges.full_steps(wg)
+                fulls = [ranges.full_steps(w) for w in range(_COMPUTE_WGS)]
             else:
-                full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
+                fulls = [
+                    ranker_full_q_steps(ranges, hl, hu, cl, cu, k0, k0 + b, b)
+                    for k0 in (tile_start + w * b for w in range(_COMPUTE_WGS))
+                ]
+            full_lo, full_hi, sanitized = _bwd_isolation(st, wg, fulls)
             staging = None if in_place else (p_smem2.at[wg], ds_smem2.at[wg])
             layout = plgpu.Layout.WGMMA
             kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
@@ -759,8 +831,16 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                     plgpu.barrier_wait(bar.at[slot])
                 lse2 = plgpu.load(lse_smem.at[slot], layout=layout.reduce(0))
                 delta = plgpu.load(delta_smem.at[slot], layout=layout.reduce(0))
-                mask_fn = None
+                mask_fn = bad = None
                 if masked:
+                    san = sanitized(i)
+                    ops = [
+                        (q_smem.at[slot], bad_smem.at[0, slot]),
+                        (do_smem.at[slot], bad_smem.at[1, slot]),
+                    ]
+                    _sanitize_streamed(ops, wg, san, clean.at[slot], st.head_dim)
+                    bad = bad_scores(bad_smem.at[0, slot], san, (b, b), 1)
+                    bad = bad + bad_scores(bad_smem.at[1, slot], san, (b, b), 1)
 
                     def mask_fn():
                         q0 = ranges.block_at(i) * b
@@ -776,7 +856,9 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                     own = wg + lax.bitwise_and(i, opaque_zero)
                     k_fixed, v_fixed = k_smem2.at[own], v_smem2.at[own]
                 operands = (k_fixed, q_smem.at[slot], v_fixed, do_smem.at[slot])
-                p_t, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 1)
+                p_t, factor = _p_and_grad_factor(
+                    operands, lse2, delta, mask_fn, st, 1, bad, select_p=True
+                )
                 dk, dv = _dkv_update(
                     dk, dv, p_t, factor, q_smem.at[slot], do_smem.at[slot], staging, st,
                     in_place, dtype,
@@ -831,6 +913,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         queries = None
         if st.users:
             queries = plgpu.SMEM((_COMPUTE_WGS, PACKED_KEY_FIELDS, b), jnp.int32)
+        bad = plgpu.SMEM((2, num_slots, b), jnp.float32)  # Q, dO rows' flags (isolation)
         pl.run_scoped(
             lambda *args: kernel(
                 q_ref,
@@ -846,10 +929,10 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                 dv_ref,
                 args,
             ),
-            [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries],
+            [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries, bad],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (3 if st.users else 2),
             (plgpu.Barrier(num_barriers=num_slots),) * 4,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
             collective_axes=_axes.WARPGROUP,
         )
 
