@@ -140,8 +140,8 @@ def check_isolation(
 @pytest.mark.slow  # interpret mode
 @pytest.mark.parametrize(
     "head_dim,cap,dtype",
-    [(64, None, jnp.float16), (128, TANH, jnp.bfloat16)],
-    ids=["d64-none-fp16", "d128-tanh-bf16"],
+    [(64, None, jnp.float16), (128, TANH, jnp.bfloat16), (256, SOFT_SIGN, jnp.bfloat16)],
+    ids=["d64-none-fp16", "d128-tanh-bf16", "d256-softsign-bf16"],
 )
 def test_one_user_padding_gap_and_outside_bounds(head_dim, cap, dtype):
     """Row 0: history [0, 40), candidates [40, 56), padding after (a block that mixes

@@ -50,6 +50,14 @@ needed after writing P / dS to shared memory) precedes every reuse of a buffer t
 previous wgmma read. The interpret-mode path is the GPU path: no ``run_state``, no wgmma
 with a register A operand.
 
+Isolation (docs/ranker_gpu.md, "Isolation"): on every step, once its TMA loads have
+landed, the warpgroup zeroes the non-finite elements of the operand half that
+multiplies ``dS`` / ``P`` (dq: the K half; dk/dv: the Q and dO halves) and flags their
+rows (``ranker_fwd.sanitize_rows``); pairs that attend a flagged row get NaN scores
+(``bad_scores``), ``dS`` (and ``P`` in dk/dv) is selected to 0 on refused pairs, and
+dq rows with ``lse2 = +inf`` are selected to 0. The flags' row max stays within a
+warp, so the kernels reserve no reduction scratch.
+
 Any ``S``: inputs are zero-padded to a multiple of the block size and the gradients
 sliced; padded positions are never allowed because bounds are clipped to ``[0, S]``.
 """
@@ -419,6 +427,11 @@ def _build_dkv_kernel(st: _BwdStatic, dtype):
     return entry
 
 
+# The only reduction (the isolation flags' row max) stays within a warp: no
+# shared-memory reduction scratch.
+_PARAMS = plgpu.CompilerParams(reduction_scratch_bytes=0)
+
+
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _ranker_bwd_padded(q, k, v, do, lse2, delta, bounds, *, st: _BwdStatic, interpret):
     """Padded inputs; ``lse2`` base-2 LSE (``+inf`` on empty rows), ``delta`` = delta'."""
@@ -428,6 +441,7 @@ def _ranker_bwd_padded(q, k, v, do, lse2, delta, bounds, *, st: _BwdStatic, inte
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(st.q_heads, (st.seq_pad // b) * _d_split(st.head_dim), st.batch),
         grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
+        compiler_params=_PARAMS,
         interpret=interpret,
     )(q, k, v, do, lse2, delta, bounds)
     dk, dv = plgpu.kernel(
@@ -435,6 +449,7 @@ def _ranker_bwd_padded(q, k, v, do, lse2, delta, bounds, *, st: _BwdStatic, inte
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, (st.seq_pad // b) * _d_split(st.head_dim), st.batch),
         grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
+        compiler_params=_PARAMS,
         interpret=interpret,
     )(q, k, v, do, lse2, delta, bounds)
     return dq, dk, dv

@@ -52,6 +52,19 @@ and writes zeros), which keeps every barrier's arrival count static. Barriers:
 covers one copy), ``fixed[wg]`` (one per fixed operand and WG) and ``consumed[slot]``
 (2 arrivals, one per compute WG, after the step's last wgmma has completed).
 
+Isolation (docs/ranker_gpu.md, "Isolation"): on masked steps ``dS`` (and in dk/dv
+``P``) is selected to 0 on refused pairs, so a garbage dO, V, lse2, delta' or cap' of a
+pair the mask refuses never gives ``0 * NaN``; a non-finite raw score becomes NaN
+(``raw + raw * 0``) and in dk/dv a non-finite ``dP^T`` makes ``P`` NaN, so allowed pairs
+carry the garbage they attend. On a *sanitized* step (``ranker_fwd.isolation_plan``:
+masked, walked unmasked by neither WG; packed rows use the WGs' common unmasked range)
+the streamed operand that multiplies ``dS`` / ``P`` is cleaned in shared memory once
+both WGs' ``S`` and ``dP`` wgmmas have read it raw (``_sanitize_streamed``): both WGs
+meet on the ``clean`` barrier (2 arrivals), WG ``n % 2`` zeroes the non-finite
+elements of operand ``n`` (dq: K; dk/dv: Q and dO), ``commit_smem``, and both meet
+again before the product wgmmas. dq rows with ``lse2 = +inf`` (no allowed key) are
+selected to 0 at the end.
+
 dK/dV of a kv head are summed over its query heads in a fixed order inside one program:
 no atomics, no per-head copies, bitwise deterministic. Every program writes its whole
 output tile, so rows and keys with no allowed pair get exactly 0.
@@ -105,7 +118,6 @@ from attn_mosaic_gpu.fastmath import (
     split_columns,
 )
 from attn_mosaic_gpu.ranker_fwd import (
-    bad_scores,
     isolation_plan,
     packed_full_steps,
     packed_tile_mask,
@@ -169,9 +181,9 @@ def pipelined_smem_bytes(
         *[stages * tile] * 2,  # K, V ring
         staging,
         dq_table,
-        stages * BLOCK * 4,  # the K ring's bad-row flags (isolation)
     ]
-    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 4 * stages)
+    # + 1: the isolation rendezvous (``_sanitize_streamed``)
+    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages + 1)
     dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
     dkv_buffers = [
         *[_COMPUTE_WGS * tile] * 2,  # K, V
@@ -180,9 +192,8 @@ def pipelined_smem_bytes(
         staging,
         staging,
         dkv_table,
-        2 * stages * BLOCK * 4,  # the Q and dO rings' bad-row flags (isolation)
     ]
-    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 6 * stages)
+    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 5 * stages + 1)
     return {"dq": dq, "dkv": dkv}
 
 
@@ -267,16 +278,19 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
 
 
 def _p_and_grad_factor(
-    operands, lse2, delta, mask_fn, st: _Static, q_axis: int, bad=None, select_p=False
+    operands, lse2, delta, mask_fn, st: _Static, q_axis: int, *, flag_dp=False, select_p=False
 ):
     """Issue ``S = A B^T`` and ``dP = C D^T`` (one wgmma scope); return ``P`` and
     ``(dP - delta') * cap'`` in f32, so that ``dS = P * factor``.
 
-    Masked steps (isolation): ``factor`` is selected to 0 on pairs the mask refuses, so
-    ``0 * NaN`` from a garbage dO, V, delta' or cap' of such a pair never reaches dS;
-    ``select_p`` selects ``P`` too (dk/dv, where ``lse2`` of a query that does not
-    attend the key may be NaN). ``bad`` (a tile of 0 / NaN, ``bad_scores``) is added to
-    the raw scores: pairs that attend a row whose non-finite values were zeroed get NaN.
+    Masked steps (isolation): a non-finite raw score (a garbage row of the streamed K
+    or Q, seen before ``_sanitize_streamed`` zeroes it) becomes NaN (``raw + raw * 0``:
+    a cap would map +-inf to a finite logit), and with ``flag_dp`` (dk/dv) a non-finite
+    ``dP`` (a garbage dO row) makes ``P`` NaN: so an allowed pair still carries the
+    garbage it attends into dQ / dK / dV once the operand is zeroed. ``factor`` is
+    selected to 0 on pairs the mask refuses, so ``0 * NaN`` from a garbage dO, V,
+    delta' or cap' of such a pair never reaches dS; ``select_p`` selects ``P`` too
+    (dk/dv, where ``lse2`` of a query that does not attend the key may be NaN).
 
     The softmax terms are computed once S has landed, while the dP wgmma is still in
     flight (``wgmma.wait_group 1``); the mask predicate is built while S is in flight.
@@ -288,12 +302,15 @@ def _p_and_grad_factor(
         plgpu.wgmma(dp_ref, c, d.transpose((1, 0)))
         allowed = None if mask_fn is None else mask_fn()
         raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-        if bad is not None:
-            raw = raw + bad
+        if allowed is not None:
+            raw = raw + raw * 0.0
         p, dcap = _softmax_terms(raw, lse2, allowed, st, q_axis)
+        dp = dp_ref[...]
+        if allowed is not None and flag_dp:
+            p = p + dp * 0.0
         if allowed is not None and select_p:
             p = jnp.where(allowed, p, 0.0)
-        factor = dp_ref[...] - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
+        factor = dp - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
         if dcap is not None:
             factor = factor * dcap
         if allowed is not None:
@@ -382,19 +399,22 @@ def _three_phase_loop(lo, hi, total, step, carry):
 
 
 def _sanitize_streamed(operands, wg, san, clean, head_dim: int) -> None:
-    """Isolation, on a sanitized step: streamed operand ``n`` (a ``[64, D]`` ring slot
-    and its flag vector) is cleaned by compute WG ``n % 2`` (``sanitize_rows``), then
-    both WGs meet on ``clean`` (2 arrivals), after which every write is visible to both
-    WGs' wgmmas (``commit_smem`` before the arrive)."""
+    """Isolation, on a sanitized step, after both WGs' ``S`` and ``dP`` wgmmas read the
+    raw operands (``_p_and_grad_factor`` waited for them): both WGs meet on ``clean``
+    (2 arrivals), streamed operand ``n`` (a ``[64, D]`` ring slot) is cleaned by compute
+    WG ``n % 2`` (``sanitize_rows``), and both meet again, after which every write is
+    visible to both WGs' product wgmmas (``commit_smem`` before the arrive)."""
 
-    def run():
-        for n, (tile, bad) in enumerate(operands):
-            pl.when(wg == n % _COMPUTE_WGS)(
-                lambda tile=tile, bad=bad: sanitize_rows(tile, bad, head_dim)
-            )
-        plgpu.commit_smem()
+    def meet():
         plgpu.barrier_arrive(clean)
         plgpu.barrier_wait(clean)
+
+    def run():
+        meet()  # no WG still reads the raw operand
+        for n, tile in enumerate(operands):
+            pl.when(wg == n % _COMPUTE_WGS)(lambda tile=tile: sanitize_rows(tile, None, head_dim))
+        plgpu.commit_smem()
+        meet()
 
     pl.when(san)(run)
 
@@ -471,8 +491,7 @@ class _DqRing(NamedTuple):
     k_ready: object
     v_ready: object
     consumed: object
-    bad: object  # [slots, 64] f32: the K rows' flags (isolation)
-    clean: object  # [slots] barriers, 2 arrivals: K sanitized (isolation)
+    clean: object  # one barrier, 2 arrivals: the isolation rendezvous
 
 
 def _dq_tile(
@@ -503,12 +522,8 @@ def _dq_tile(
         slot = slot_of(i)
         plgpu.barrier_wait(ring.k_ready.at[slot])
         plgpu.barrier_wait(ring.v_ready.at[slot])
-        mask_fn = bad = None
+        mask_fn = None
         if masked:
-            san = sanitized(i)
-            ops = [(ring.k.at[slot], ring.bad.at[slot])]
-            _sanitize_streamed(ops, wg, san, ring.clean.at[slot], st.head_dim)
-            bad = bad_scores(ring.bad.at[slot], san, (b, b), 1)
 
             def mask_fn():
                 kv0 = ranges.block_at(i) * b
@@ -517,7 +532,9 @@ def _dq_tile(
                 return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
 
         operands = (fixed.q, ring.k.at[slot], fixed.do, ring.v.at[slot])
-        p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0, bad)
+        p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
+        if masked:  # isolation: zero the K block's garbage before dQ += dS K
+            _sanitize_streamed([ring.k.at[slot]], wg, sanitized(i), ring.clean, st.head_dim)
         ds = p * factor
         (dq,) = _accumulate((dq,), (ds.astype(dtype),), (ring.k.at[slot],), staging, in_place)
         plgpu.barrier_arrive(ring.consumed.at[slot])
@@ -542,8 +559,8 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
     packed rows' step list and query key table, dQ) and allocate the scratch that
     ``kernel(*operands, scoped)`` receives: the fixed buffers (``fixed_copies`` = 2: a
     leading axis of two, for the persistent kernel), the K/V ring, the interpret-mode dS
-    staging, the K ring's bad-row flags, and the barriers (one per fixed operand and
-    buffer and WG; ready per slot for K and V; consumed and clean per slot)."""
+    staging, and the barriers (one per fixed operand and buffer and WG; ready per slot
+    for K and V; consumed per slot; the isolation rendezvous)."""
     b = BLOCK
     lead = (fixed_copies,) if fixed_copies > 1 else ()
     fields = 5 if st.users else 4
@@ -560,14 +577,16 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
         keys = None
         if st.users:
             keys = plgpu.SMEM((*lead, _COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
-        bad = plgpu.SMEM((st.num_stages, b), jnp.float32)
         operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
         pl.run_scoped(
             lambda *args: kernel(*operands, keys_ref, dq_ref, args),
-            [own, own, own_vec, own_vec, ring, ring, staging, keys, bad],
+            [own, own, own_vec, own_vec, ring, ring, staging, keys],
             (plgpu.Barrier(num_barriers=fixed_copies * _COMPUTE_WGS),) * fields,
             (plgpu.Barrier(num_barriers=st.num_stages),) * 2,
-            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),) * 2,
+            (
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            ),
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -584,8 +603,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         scoped,
     ):  # fmt: skip
         bufs, fixed_ready, (k_ready, v_ready), (consumed, clean) = scoped
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs[:8]
-        bad_smem = bufs[8]
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
@@ -594,7 +612,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             st, bounds_ref, steps_ref, batch, _axes.Q_TILES, ranker_kv_block_ranges
         )
         total_steps = ranges.total_steps
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, bad_smem, clean)
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, clean)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -661,8 +679,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
         scoped,
     ):  # fmt: skip
         bufs, fixed_ready, (k_ready, v_ready), (consumed, clean) = scoped
-        q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs[:8]
-        bad_smem = bufs[8]
+        q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs
         program = lax.axis_index(_axes.PROGRAMS)
         wg = lax.axis_index(_axes.WARPGROUP)
         my_tiles = program_tiles(program, programs, num_tiles)
@@ -677,7 +694,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
             )
             return q_head, batch, tile_start, ranges, one_user
 
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, bad_smem, clean)
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, clean)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -782,7 +799,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     ):  # fmt: skip
         bufs, fixed_ready, ready, (consumed, clean) = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs[:8]
-        queries_smem2, bad_smem = bufs[8:10]
+        queries_smem2 = bufs[8]
         q_ready, do_ready, lse_ready, delta_ready = ready
         batch = lax.axis_index(_axes.BATCH)
         kv_head = lax.axis_index(_axes.HEADS)
@@ -831,16 +848,8 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                     plgpu.barrier_wait(bar.at[slot])
                 lse2 = plgpu.load(lse_smem.at[slot], layout=layout.reduce(0))
                 delta = plgpu.load(delta_smem.at[slot], layout=layout.reduce(0))
-                mask_fn = bad = None
+                mask_fn = None
                 if masked:
-                    san = sanitized(i)
-                    ops = [
-                        (q_smem.at[slot], bad_smem.at[0, slot]),
-                        (do_smem.at[slot], bad_smem.at[1, slot]),
-                    ]
-                    _sanitize_streamed(ops, wg, san, clean.at[slot], st.head_dim)
-                    bad = bad_scores(bad_smem.at[0, slot], san, (b, b), 1)
-                    bad = bad + bad_scores(bad_smem.at[1, slot], san, (b, b), 1)
 
                     def mask_fn():
                         q0 = ranges.block_at(i) * b
@@ -857,8 +866,11 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                     k_fixed, v_fixed = k_smem2.at[own], v_smem2.at[own]
                 operands = (k_fixed, q_smem.at[slot], v_fixed, do_smem.at[slot])
                 p_t, factor = _p_and_grad_factor(
-                    operands, lse2, delta, mask_fn, st, 1, bad, select_p=True
+                    operands, lse2, delta, mask_fn, st, 1, flag_dp=masked, select_p=masked
                 )
+                if masked:  # isolation: zero the Q and dO blocks' garbage before dK, dV
+                    ops = [q_smem.at[slot], do_smem.at[slot]]
+                    _sanitize_streamed(ops, wg, sanitized(i), clean, st.head_dim)
                 dk, dv = _dkv_update(
                     dk, dv, p_t, factor, q_smem.at[slot], do_smem.at[slot], staging, st,
                     in_place, dtype,
@@ -913,7 +925,6 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         queries = None
         if st.users:
             queries = plgpu.SMEM((_COMPUTE_WGS, PACKED_KEY_FIELDS, b), jnp.int32)
-        bad = plgpu.SMEM((2, num_slots, b), jnp.float32)  # Q, dO rows' flags (isolation)
         pl.run_scoped(
             lambda *args: kernel(
                 q_ref,
@@ -929,10 +940,13 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                 dv_ref,
                 args,
             ),
-            [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries, bad],
+            [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (3 if st.users else 2),
             (plgpu.Barrier(num_barriers=num_slots),) * 4,
-            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
+            (
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            ),
             collective_axes=_axes.WARPGROUP,
         )
 

@@ -81,6 +81,22 @@ the cap's last multiply. ``config.exp2_fma_cols`` / ``rcp_fma_cols`` key columns
 tile compute ``exp2`` / soft_sign's reciprocal on the FMA pipe instead
 (``attn_mosaic_gpu.fastmath``); the tuned tables choose them per problem.
 
+Isolation (docs/ranker_gpu.md, "Isolation"): garbage (NaN, +-Inf) in key/value rows a
+query does not attend never reaches it. Steps a compute WG walks unmasked are
+unchanged. A *sanitized* step (``isolation_plan``: masked, and walked unmasked by no
+active WG) has its V block cleaned in shared memory before any PV wgmma reads it:
+64-row chunk ``c`` by compute WG ``c % 2`` (every chunk by a tile's only active WG),
+which waits for ``v_ready`` at the start of the step (instead of before PV), zeroes
+the chunk's non-finite elements and writes one flag per row into ``bad`` (an f32 ring
+``[num_stages, block_kv]``), then ``commit_smem`` and arrives on ``v_clean[slot]``
+(2 arrivals). After its QK^T each WG waits on ``v_clean[slot]`` and adds NaN to the
+scores of the pairs that attend a flagged row (``bad_scores``), so attended garbage
+still propagates. The cleaning sits at the start of a WG's step, which waits only on
+the other WG's previous-step arrivals, so the ping-pong cannot deadlock. K needs
+nothing (the mask is a select on the scores). The epilogue selects ``out = 0`` for
+rows with ``l == 0`` (their accumulator may hold ``0 * NaN``). Packed rows: both WGs
+use the intersection of their unmasked ranges (``packed_full_steps``).
+
 Interpret mode (``interpret=True`` / ``plgpu.InterpretGPUParams``, CPU): jax 0.11.2's
 Mosaic GPU interpreter implements neither ``run_state`` nor a wgmma whose A operand is
 in registers, so the PV product is computed from a copy of P in shared memory into a
@@ -384,8 +400,9 @@ ISOLATION_CHUNK = 64  # rows of a V block one compute WG sanitizes at a time
 
 def sanitize_rows(tile, bad, head_dim: int) -> None:
     """Isolation: replace every non-finite element of the ``[64, head_dim]`` shared
-    tile ``tile`` by 0, in place, and write ``bad[i]`` (f32) = 1 where row ``i`` held
-    one, else 0 (``bad_scores`` turns it into NaN scores). Runs in 64-column slices (16 registers a thread each); ``x * 0 == 0``
+    tile ``tile`` by 0, in place, and (unless ``bad`` is ``None``) write ``bad[i]``
+    (f32) = 1 where row ``i`` held one, else 0 (``bad_scores`` turns it into NaN
+    scores). Runs in 64-column slices (16 registers a thread each); ``x * 0 == 0``
     holds exactly for finite ``x`` (no fast-math flag lets the compiler fold it)."""
     row_bad = None
     for c in range(0, head_dim, 64):
@@ -393,9 +410,11 @@ def sanitize_rows(tile, bad, head_dim: int) -> None:
         x = plgpu.load(part, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         finite = x * 0.0 == 0.0
         part[...] = jnp.where(finite, x, 0.0).astype(tile.dtype)
-        b = jnp.where(finite, 0.0, 1.0).max(axis=1)
-        row_bad = b if row_bad is None else jnp.maximum(row_bad, b)
-    bad[...] = row_bad
+        if bad is not None:
+            b = jnp.where(finite, 0.0, 1.0).max(axis=1)
+            row_bad = b if row_bad is None else jnp.maximum(row_bad, b)
+    if bad is not None:
+        bad[...] = row_bad
 
 
 def bad_scores(bad_smem, san, shape, axis: int):
