@@ -361,8 +361,7 @@ def test_backward_rejects_head_dim():
 
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_schedule_knobs_do_not_change_results():
-    """Ring depth and the overlap knob change the schedule only: bitwise-equal gradients
-    (interpret mode). The folded cap changes rounding only."""
+    """Ring depth changes the schedule only: bitwise-equal gradients (interpret mode)."""
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
 
     q, k, v = _inputs(6, 1, 384, 2, 1, 128, jnp.bfloat16)
@@ -386,12 +385,8 @@ def test_schedule_knobs_do_not_change_results():
         return [np.asarray(g.astype(jnp.float32)) for g in got]
 
     base = run(num_stages=2)
-    for tuning in ({"num_stages": 3}, {"num_stages": 2, "overlap": False}):
-        for name, a, b in zip(("dq", "dk", "dv"), base, run(**tuning), strict=True):
-            np.testing.assert_array_equal(a, b, err_msg=f"{name} {tuning}")
-    for name, a, b in zip(("dq", "dk", "dv"), base, run(num_stages=2, fold=False), strict=True):
-        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), name
-        assert np.abs(a).sum() > 0, name
+    for name, a, b in zip(("dq", "dk", "dv"), base, run(num_stages=3), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=f"{name} num_stages=3")
     # exp2 and the soft_sign reciprocal on the FMA pipe for some or all columns: the
     # polynomial exp2 (1e-4) and Newton reciprocal (3e-7) move only bf16 rounding.
     for tuning in (

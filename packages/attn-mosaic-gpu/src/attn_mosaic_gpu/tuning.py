@@ -60,15 +60,34 @@ class BackwardTuning:
     ``ranker_bwd_pipelined``). ``num_stages=None`` is the per-D default ring depth."""
 
     num_stages: int | None = None
-    fold: bool = True
-    overlap: bool = True
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
     dq_programs: int = 0
+    # Deprecated (0.2.0; removed in the next release): the kernels always fold the cap
+    # and overlap; True is accepted with a warning, False is refused.
+    fold: bool | None = None
+    overlap: bool | None = None
+
+    def __post_init__(self):
+        for name in ("fold", "overlap"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value is not True:
+                raise ValueError(
+                    f"BackwardTuning.{name}: got {value!r}; the schedule without it was "
+                    "removed (git da2ec0c has it); leave it unset"
+                )
+            warnings.warn(
+                f"BackwardTuning.{name} is deprecated and ignored: always on",
+                DeprecationWarning,
+                stacklevel=3,
+            )
 
     def knobs(self) -> dict:
         """The overrides ``ranker_bwd_pipelined.pipelined_bwd(tuning=...)`` takes."""
         knobs = dataclasses.asdict(self)
+        del knobs["fold"], knobs["overlap"]
         if knobs["num_stages"] is None:
             del knobs["num_stages"]
         return knobs
