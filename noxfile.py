@@ -141,14 +141,14 @@ def _tests(session: nox.Session, platform: str, options: tuple[str, ...] = ()) -
 def tests_cpu(session: nox.Session) -> None:
     """CPU, what CI runs: every package and the conformance tests, every shipped kernel in
     interpret mode at small shapes; the tests marked ``slow`` are left to tests-cpu-full."""
-    _tests(session, "cpu", ("-n", CPU_WORKERS, "-m", "not slow"))
+    _tests(session, "cpu", ("-n", CPU_WORKERS, "--dist", "worksteal", "-m", "not slow"))
 
 
 @nox.session(python=PYTHON, name="tests-cpu-full")
 def tests_cpu_full(session: nox.Session) -> None:
     """CPU, every test: tests-cpu plus the ``slow`` ones (larger interpret shapes, the
     schedule variants, more hypothesis examples)."""
-    _tests(session, "cpu", ("-n", CPU_WORKERS))
+    _tests(session, "cpu", ("-n", CPU_WORKERS, "--dist", "worksteal"))
 
 
 @nox.session(python=PYTHON, name="tests-cuda13", tags=["tests"])

@@ -277,6 +277,47 @@ def sparse_mla_flat_case(
     return q, kv, idx, pos
 
 
+# --------------------------------------------------------------------------------------
+# Interpret mode: the race detectors' verdict
+
+
+def races_detected() -> bool:
+    """Whether the last kernel run in Pallas interpret mode with ``detect_races=True``
+    reported a data race, in Mosaic GPU's or Mosaic TPU's interpreter (each keeps the
+    state of its last run). The one place that reads the interpreters' race state: it is
+    private in jax 0.11 (``jax._src``)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    return any(
+        state is not None and state.races_found
+        for state in (gpu_callbacks._races, tpu_interp.races)
+    )
+
+
+def assert_no_races() -> None:
+    assert not races_detected(), "interpret mode's race detector reported a data race"
+
+
+def run_interpret(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` to completion, then assert no race was detected. After a
+    failure the Mosaic GPU interpreter's global state is reset, so the next test starts
+    clean (it is left inconsistent otherwise)."""
+    import jax
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+        reset_gpu_interpret_mode_state,
+    )
+
+    try:
+        result = fn(*args, **kwargs)
+        jax.block_until_ready(result)
+    except Exception:
+        reset_gpu_interpret_mode_state()
+        raise
+    assert_no_races()
+    return result
+
+
 @contextlib.contextmanager
 def load_script(path: Path, name: str) -> Iterator[object]:
     """Import a script (``benchmarks/`` and ``tests/`` are not packages) as module
