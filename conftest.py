@@ -16,3 +16,12 @@ _MIN_XLA_CPU_THREADS = 16
 
 if int(os.environ.get("NPROC", "0") or 0) < _MIN_XLA_CPU_THREADS:
     os.environ["NPROC"] = str(_MIN_XLA_CPU_THREADS)
+
+
+def pytest_addoption(parser, pluginmanager):
+    """Without pytest-timeout (not needed to run the tests), declare the two ini options
+    pyproject.toml sets for it, so that pytest does not warn about unknown options; the
+    per-test time limit then does not apply."""
+    if not pluginmanager.has_plugin("timeout"):
+        parser.addini("timeout", "per-test limit in seconds (read by pytest-timeout)")
+        parser.addini("timeout_method", "signal or thread (read by pytest-timeout)")

@@ -1,6 +1,7 @@
 """Nox sessions for the attention-kernels monorepo.
 
     nox -s lint tests-cpu   # what CI runs (.ci/run); every developer, CPU only
+    nox -s tests-cpu-full   # the same plus the tests marked slow (larger interpret shapes)
     nox -s demo             # the main job: `attn run ranker` / `attn run sparse-mla` on CPU
     nox -s build            # the four wheels, each installed alone in a fresh venv
     nox -s tests-cuda13     # on a Hopper GPU machine (JAX with the CUDA 13 plugin)
@@ -27,7 +28,10 @@ nox.options.sessions = ["lint", "tests-cpu"]
 PYTHON = "3.12"
 JAX_VERSION = "0.11.2"
 RUFF_VERSION = "0.17.6"
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5")
+# pytest-xdist workers on the CPU sessions: the interpret-mode tests are single-threaded
+# Python for most of their time, so two workers keep both cores of a CI machine busy.
+CPU_WORKERS = "2"
 
 ROOT = Path(__file__).resolve().parent
 
@@ -110,7 +114,10 @@ def lint(session: nox.Session) -> None:
         session.error("failed: " + "; ".join(failed))
 
 
-def _tests(session: nox.Session, platform: str) -> None:
+def _tests(session: nox.Session, platform: str, options: tuple[str, ...] = ()) -> None:
+    """pytest over the platform's packages and the conformance tests. ``options`` come
+    first, so arguments after ``--`` (which replace the default test paths) can override
+    them: ``nox -s tests-cpu -- -m slow tests`` runs only the slow conformance tests."""
     spec = PLATFORMS[platform]
     editables = [arg for pkg in spec["packages"] for arg in ("-e", pkg)]
     # One resolver run, so that attn-common is satisfied by the local checkout.
@@ -120,6 +127,7 @@ def _tests(session: nox.Session, platform: str) -> None:
     # an empty run fails the session instead of passing silently.
     session.run(
         "pytest",
+        *options,
         *(session.posargs or paths),
         env={"JAX_PLATFORMS": spec["jax_platforms"]},
         success_codes=[0],
@@ -131,8 +139,16 @@ def _tests(session: nox.Session, platform: str) -> None:
 # "tests(cpu)" etc., not the names the README and CI use.
 @nox.session(python=PYTHON, name="tests-cpu", tags=["tests"])
 def tests_cpu(session: nox.Session) -> None:
-    """CPU: every package and the conformance tests (kernels in interpret mode)."""
-    _tests(session, "cpu")
+    """CPU, what CI runs: every package and the conformance tests, every shipped kernel in
+    interpret mode at small shapes; the tests marked ``slow`` are left to tests-cpu-full."""
+    _tests(session, "cpu", ("-n", CPU_WORKERS, "--dist", "worksteal", "-m", "not slow"))
+
+
+@nox.session(python=PYTHON, name="tests-cpu-full")
+def tests_cpu_full(session: nox.Session) -> None:
+    """CPU, every test: tests-cpu plus the ``slow`` ones (larger interpret shapes, the
+    schedule variants, more hypothesis examples)."""
+    _tests(session, "cpu", ("-n", CPU_WORKERS, "--dist", "worksteal"))
 
 
 @nox.session(python=PYTHON, name="tests-cuda13", tags=["tests"])

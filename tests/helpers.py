@@ -277,6 +277,47 @@ def sparse_mla_flat_case(
     return q, kv, idx, pos
 
 
+# --------------------------------------------------------------------------------------
+# Interpret mode: the race detectors' verdict
+
+
+def races_detected() -> bool:
+    """Whether the last kernel run in Pallas interpret mode with ``detect_races=True``
+    reported a data race, in Mosaic GPU's or Mosaic TPU's interpreter (each keeps the
+    state of its last run). The one place that reads the interpreters' race state: it is
+    private in jax 0.11 (``jax._src``)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    return any(
+        state is not None and state.races_found
+        for state in (gpu_callbacks._races, tpu_interp.races)
+    )
+
+
+def assert_no_races() -> None:
+    assert not races_detected(), "interpret mode's race detector reported a data race"
+
+
+def run_interpret(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` to completion, then assert no race was detected. After a
+    failure the Mosaic GPU interpreter's global state is reset, so the next test starts
+    clean (it is left inconsistent otherwise)."""
+    import jax
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+        reset_gpu_interpret_mode_state,
+    )
+
+    try:
+        result = fn(*args, **kwargs)
+        jax.block_until_ready(result)
+    except Exception:
+        reset_gpu_interpret_mode_state()
+        raise
+    assert_no_races()
+    return result
+
+
 @contextlib.contextmanager
 def load_script(path: Path, name: str) -> Iterator[object]:
     """Import a script (``benchmarks/`` and ``tests/`` are not packages) as module
@@ -293,32 +334,3 @@ def load_script(path: Path, name: str) -> Iterator[object]:
         yield module
     finally:
         sys.modules.pop(name, None)
-
-
-# --------------------------------------------------------------------------- JAX internals
-# The tests' one window on private JAX state (checked against jax 0.11.2): the Pallas
-# interpreters' race detectors. Each test reads it through these functions only.
-
-
-def get_races():
-    """The Mosaic GPU interpreter's race state (``.races_found``) since its last reset."""
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races as races
-
-    return races()
-
-
-def reset_gpu_interpret_mode_state() -> None:
-    """Reset the Mosaic GPU interpreter after a failed interpretation."""
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-        reset_gpu_interpret_mode_state as reset,
-    )
-
-    reset()
-
-
-def assert_no_tpu_races() -> None:
-    """The TPU (Mosaic) interpreter found no data race in what it last ran."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interp
-
-    races = interp.races
-    assert races is None or not races.races_found, "interpret mode detected a data race"

@@ -10,6 +10,10 @@ import jax.numpy as jnp
 import pytest
 from helpers import load_script
 
+pytest.importorskip(
+    "attn_mosaic_gpu",
+    reason="attn-mosaic-gpu is not installed (pip install ./packages/attn-mosaic-gpu)",
+)
 SCRIPT = Path(__file__).with_name("kernel_fingerprint.py")
 
 

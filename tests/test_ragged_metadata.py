@@ -14,8 +14,12 @@ import pytest
 from helpers import build_ragged_layout, randn, rng_for
 from jax.experimental import checkify
 
-import attn_pallas_tpu as tpu
 import attn_reference as ref
+
+tpu = pytest.importorskip(
+    "attn_pallas_tpu",
+    reason="attn-pallas-tpu is not installed (pip install ./packages/attn-pallas-tpu)",
+)
 
 PAGE = 16
 LAYOUT = build_ragged_layout(

@@ -163,7 +163,13 @@ def _cost_model(fn, args, *, stage, knobs):
 
 def test_tune_descends_to_the_modelled_best():
     case = ranker_case("phoenix").scaled(1)
-    table = tuner.tune([case], timer=_cost_model, progress=lambda _: None)
+    timed = []  # every point the tuner timed, in order
+
+    def timer(fn, args, *, stage, knobs):
+        timed.append((stage, dict(knobs)))
+        return _cost_model(fn, args, stage=stage, knobs=knobs)
+
+    table = tuner.tune([case], timer=timer, progress=lambda _: None)
     (entry,) = table["entries"]
     assert entry["forward"] == {
         "block_q": 64, "block_kv": 128, "num_stages": 2, "exp2_fma_cols": 64, "rcp_fma_cols": 64
@@ -172,7 +178,16 @@ def test_tune_descends_to_the_modelled_best():
     assert entry["seq_bucket"] == 2048 and entry["cap"] == "soft_sign"
     assert np.isclose(entry["forward_ms"], 2.0)
     assert np.isclose(entry["backward_ms"], 5.0)
-    assert len(table["trials"][0]["forward"]) >= 8  # every trial is recorded
+    # Every timed point is recorded once, with its time, in the order it was timed.
+    trials = table["trials"][0]
+    recorded = [("forward", t) for t in trials["forward"]]
+    recorded += [("fwd+bwd", t) for t in trials["backward"]]
+    assert [(stage, {k: v for k, v in t.items() if k != "ms"}) for stage, t in recorded] == [
+        (stage, knobs) for stage, knobs in timed
+    ]
+    assert len({tuple(sorted(k.items())) for s, k in timed if s == "forward"}) == len(
+        trials["forward"]
+    )
     tuning._parse_entry(entry)
 
     merged = tuning.merge_tables({"format": 1, "entries": [_entry(), _entry(bucket=512)]}, table)

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_close, randn, rng_for
-from helpers import assert_no_tpu_races as _no_races
+from helpers import assert_close, assert_no_races, randn, rng_for
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
@@ -61,7 +60,7 @@ def test_write_back_overlapping_runs_last_write_wins(dtype):
     loc = [*range(10, 30), *range(20, 36), 5, 5, -1, 5, *range(60, 70), 64, 33]
     cache, rows, loc = _case(8, dtype, loc)
     new = paged_write_back(cache, rows, loc, page_size=PAGE, interpret=INTERPRET)
-    _no_races()
+    assert_no_races()
     want = ref.paged_write_back(cache, rows, loc, page_size=PAGE)
     np.testing.assert_array_equal(_bits(new), _bits(want))
     flat = np.asarray(new).reshape(-1, FEAT)
@@ -86,7 +85,7 @@ def test_write_back_bit_identical(dtype):
     want = jax.jit(functools.partial(ref.paged_write_back, page_size=PAGE))(cache, rows, loc)
     write = functools.partial(paged_write_back, page_size=PAGE, interpret=INTERPRET)
     got = jax.jit(write)(cache, rows, loc)
-    _no_races()
+    assert_no_races()
     np.testing.assert_array_equal(_bits(got), _bits(want))
     assert not np.array_equal(_bits(got), _bits(cache))
 
@@ -111,7 +110,7 @@ def test_write_back_kernel_path_directly(dtype):
         runs.table.reshape(-1),
         interpret=INTERPRET,
     )
-    _no_races()
+    assert_no_races()
     want = jax.jit(functools.partial(ref.paged_write_back, page_size=PAGE))(cache, rows, loc)
     np.testing.assert_array_equal(_bits(out.reshape(cache.shape)), _bits(want))
 
@@ -205,7 +204,7 @@ def _prefill_case(seed, dtype, page_size=16):
 def test_prefill_write_and_attend_vs_reference(fn, dtype):
     args, kw = _prefill_case(5, dtype)
     out, cache = fn(*args, **kw, query_block=8, interpret=INTERPRET)
-    _no_races()
+    assert_no_races()
     want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
     np.testing.assert_array_equal(_bits(cache), _bits(want_cache))
     tol = dict(rtol_l2=2e-5, atol=2e-4) if dtype == "float32" else dict(rtol_l2=2e-2, atol=5e-2)

@@ -19,7 +19,9 @@ def _brute(bounds, seq, bq, bkv):
         union |= m
         per_row.append(m.reshape(seq // bq, bq, seq // bkv, bkv).any(axis=(1, 3)))
     per_row = np.stack(per_row)
-    return int(per_row.sum()), int(per_row.any(axis=0).sum())
+    visited = per_row.any(axis=0)  # splash visits a block iff some row allows a pair in it
+    full = union.reshape(seq // bq, bq, seq // bkv, bkv).all(axis=(1, 3))
+    return int(per_row.sum()), int(visited.sum()), int((visited & ~full).sum())
 
 
 @pytest.mark.parametrize("bq,bkv", [(128, 128), (256, 128)])
@@ -30,11 +32,12 @@ def test_visit_counts_match_brute_force(bq, bkv):
     b[0] = [0, 300, 300, 340]
     b[1] = [0, 0, 0, 0]
     c = visit_counts(b, seq_len=seq, q_heads=2, kv_heads=1, block_q=bq, block_kv=bkv)
-    fwd, union = _brute(b, seq, bq, bkv)
+    fwd, union, union_masked = _brute(b, seq, bq, bkv)
     assert c.fwd == 2 * fwd
     assert c.dkv == 2 * fwd  # the transpose visits the same (q block, kv block) pairs
     assert c.splash == 2 * union * len(b)
-    assert c.splash >= c.fwd and c.splash_masked >= 0 and c.fwd_masked <= c.fwd
+    assert c.splash_masked == 2 * union_masked * len(b)
+    assert c.splash >= c.fwd and c.fwd_masked <= c.fwd
 
 
 def test_splash_ratio_one_for_uniform_bounds_above_one_for_ragged():

@@ -10,8 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_exact_zero_rows, assert_lse_close, ranker_inputs
-from helpers import assert_no_tpu_races as _no_races
+from helpers import (
+    assert_close,
+    assert_no_races,
+    ranker_inputs,
+)
 from jax.experimental import checkify
 from jax.experimental.pallas import tpu as pltpu
 
@@ -42,20 +45,6 @@ def _inputs(seed):
     return [jnp.asarray(x) for x in ranker_inputs(seed, 2, SEQ, 2, 1, 128, "float32")]
 
 
-@pytest.mark.slow  # ~7 s in interpret mode
-def test_packed_forward_matches_reference():
-    q, k, v = _inputs(0)
-    out, lse = ranker_attention(
-        q, k, v, PACKED, cap=CAP, config=SMALL, return_lse=True, interpret=INTERPRET
-    )
-    jax.block_until_ready((out, lse))
-    _no_races()
-    want_out, want_lse = ref.ranker_attention(q, k, v, PACKED, cap=CAP, return_lse=True)
-    assert_close(out, want_out, rtol_l2=2e-5, atol=2e-4)
-    assert_lse_close(lse, want_lse, atol=1e-4)
-    assert_exact_zero_rows(np.moveaxis(np.asarray(out), 1, 2), lse)
-
-
 @pytest.mark.slow  # ~24 s in interpret mode
 def test_packed_grads_match_reference_deterministic():
     q, k, v = _inputs(1)
@@ -72,7 +61,7 @@ def test_packed_grads_match_reference_deterministic():
     kernel = jax.jit(jax.grad(loss(ranker_attention, config=SMALL, interpret=INTERPRET), (0, 1, 2)))
     got = kernel(q, k, v)
     again = kernel(q, k, v)
-    _no_races()
+    assert_no_races()
     want = jax.grad(loss(ref.ranker_attention), (0, 1, 2))(q, k, v)
     for name, g, g2, r in zip(("dq", "dk", "dv"), got, again, want, strict=True):
         assert np.all(np.isfinite(np.asarray(g))), name

@@ -1,0 +1,336 @@
+"""Ranker attention conformance: one suite, every backend (``conformance.RANKER``).
+
+Each backend runs as this machine can (natively on its accelerator, in Pallas interpret
+mode on the CPU) and is compared against ``attn_reference`` in float32 at HIGHEST
+precision on the upcast inputs: out (rel L2 and max-abs per dtype), LSE (``-inf``
+exactly on empty rows, out exactly 0 there), and the gradients of a loss whose LSE term
+moves dq and dk far beyond the tolerance (a dropped LSE cotangent fails), exactly 0
+where nothing is allowed. Interpret mode fills uninitialised memory with NaN and NaN
+never passes, so an unwritten output element fails.
+
+Hypothesis draws the bounds (unaligned, empty segments, padding, values outside
+``[0, S]``, candidates overlapping the history; packed rows of several users in every
+shape, unused slots) and fresh random inputs at fixed small shapes, so a kernel compiles
+once per test and each example only runs it. Each test runs an explicit example of the
+edge cases first; the forward tests then two derandomized examples (CI is reproducible;
+the first is hypothesis's simplest, all-empty bounds), the gradient tests none off the
+accelerator (a backward took 45-55 s per run in interpret mode on the shared 2-core
+machine) and 20 on it; the
+``slow`` cases add dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conformance import GRAD_TOL, LSE_ATOL, OUT_TOL, RANKER, examples, params, reference_f32
+from helpers import (
+    assert_close,
+    assert_lse_close,
+    randn,
+    rng_for,
+    run_interpret,
+    shaped_packed_bounds,
+)
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import attn_reference as ref
+from attn_common import CapMethod, CapParams
+from attn_common.packed import ranker_mask_packed
+
+CAPS = {
+    "none": None,
+    "tanh": CapParams(CapMethod.TANH, 5.0),
+    "soft_sign": CapParams(CapMethod.SOFT_SIGN, 8.0),
+}
+EXAMPLES = settings(
+    max_examples=3,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+# (dtype, head_dim, cap, batch, seq, q_heads, kv_heads): seq is no multiple of the
+# interpret tilings (64, 128), so the last block is partly padding.
+CASES = [
+    ("bfloat16", 64, "soft_sign", 2, 200, 2, 1),
+    ("float32", 128, "tanh", 2, 200, 2, 1),
+    ("float16", 64, "none", 2, 200, 2, 1),
+    ("bfloat16", 256, "tanh", 1, 136, 4, 1),
+    ("bfloat16", 128, "none", 2, 330, 4, 2),
+]
+
+
+def _cases(grad: bool = False, packed: bool = False):
+    """(backend, case) pairs the backend supports. The default tier runs the first
+    supported case of each backend and, for gradients of plain rows, the first case of
+    each head dim with a backward kernel of its own (Hopper: D=256 is not pipelined;
+    TPU: D=64 is transposed); the others are ``slow``."""
+    out = []
+    for backend in RANKER:
+        first = True
+        kernel_dims = set(backend.grad_kernel_head_dims if grad and not packed else ())
+        for case in CASES:
+            dtype, dim, cap, *_ = case
+            dims = backend.packed_grad_head_dims if grad and packed else None
+            ok = backend.takes(dtype=dtype, head_dim=dim, cap=cap)
+            ok = ok and (not packed or backend.packed) and (not grad or backend.grad)
+            ok = ok and (dims is None or dim in dims)
+            if not ok:
+                continue
+            default = first or dim in kernel_dims
+            marks = [] if default else [pytest.mark.slow]
+            first = False
+            kernel_dims.discard(dim)
+            out.append(
+                pytest.param(backend, case, id=f"{backend}-{dtype}-d{dim}-{cap}", marks=marks)
+            )
+    return out
+
+
+# ------------------------------------------------------------------------- strategies
+
+
+def edge_bounds(batch: int, seq: int) -> np.ndarray:
+    """The explicit example every plain-bounds test runs first (hypothesis's first
+    generated example is its simplest, all-zero bounds): a block shared by history and
+    candidates with trailing padding, leading padding, an empty history, candidates
+    overlapping the history up to the end."""
+    rows = [
+        [0, seq // 2, seq // 2, 3 * seq // 4],
+        [10, 37, 37, seq - 10],
+        [0, 0, 5, 2 * seq // 3],
+        [20, 3 * seq // 4, 64, seq],
+    ]
+    return np.asarray(rows[:batch], np.int32)
+
+
+def edge_packed_bounds(batch: int, seq: int) -> np.ndarray:
+    """The explicit packed example: three users per row in three shapes, unaligned, with
+    gaps and padding (``helpers.shaped_packed_bounds``)."""
+    return shaped_packed_bounds(0, batch, seq, users=3)
+
+
+def _bound(seq: int):
+    """A bound: anywhere in [-2, S+2] (clipped by the op), or a block edge / an end."""
+    return st.one_of(st.integers(-2, seq + 2), st.sampled_from([0, 64, 128, seq]))
+
+
+@st.composite
+def plain_bounds(draw, batch: int, seq: int):
+    """int32 ``[B, 4]``: any (hl, hu, cl, cu), inverted segments being empty."""
+    return np.asarray([[draw(_bound(seq)) for _ in range(4)] for _ in range(batch)], np.int32)
+
+
+@st.composite
+def packed_bounds(draw, batch: int, seq: int, slots: int = 3):
+    """int32 ``[B, slots, 4]``: per row 1..slots disjoint users at unaligned cut points,
+    each in one shape (history then candidates, a gap between them, candidates first,
+    candidates overlapping their history), unused slots all zero, slots shuffled."""
+    rows = []
+    for _ in range(batch):
+        users = draw(st.integers(1, slots))
+        cuts = sorted(
+            draw(st.lists(st.integers(0, seq), min_size=4 * users, max_size=4 * users, unique=True))
+        )
+        row = []
+        for u in range(users):
+            a, b, c, d = cuts[4 * u : 4 * u + 4]
+            shape = draw(st.integers(0, 3))
+            row.append([(a, c, c, d), (a, b, c, d), (c, d, a, b), (a, c, b, d)][shape])
+        row += [(0, 0, 0, 0)] * (slots - users)
+        rows.append(draw(st.permutations(row)))
+    return np.asarray(rows, np.int32)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _inputs(seed, case):
+    dtype, dim, _, batch, seq, hq, hkv = case
+    rng = rng_for(seed)
+    # q and k scaled up so that the soft caps bite.
+    q = randn(rng, (batch, seq, hq, dim), dtype, scale=2.0)
+    k = randn(rng, (batch, seq, hkv, dim), dtype, scale=2.0)
+    v = randn(rng, (batch, seq, hkv, dim), dtype)
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+
+
+def _kwargs(backend):
+    kw = backend.call_kwargs()
+    if backend.config is not None:
+        kw["config"] = backend.config
+    return kw
+
+
+@functools.cache
+def _forward(backend, cap: str):
+    """The backend's forward, jitted once per (backend, cap): bounds are an argument, so
+    every hypothesis example of a shape reuses one compilation."""
+    fn = backend.module().ranker_attention
+    kw = _kwargs(backend)
+    return jax.jit(lambda q, k, v, b: fn(q, k, v, b, cap=CAPS[cap], return_lse=True, **kw))
+
+
+def _loss(fn, w, cap, use_lse=True, **kw):
+    def loss(q, k, v, bounds):
+        out, lse = fn(q, k, v, bounds, cap=CAPS[cap], return_lse=True, **kw)
+        total = jnp.sum(out.astype(jnp.float32) * w)
+        if use_lse:
+            # A linear LSE term at the out term's gradient scale (sqrt(D)): a dropped LSE
+            # cotangent moves dq and dk far beyond the tolerance (checked).
+            wl = np.sqrt(q.shape[-1]) * jnp.moveaxis(w[..., 0], 1, 2)
+            total += jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * wl)
+        return total
+
+    return loss
+
+
+@functools.cache
+def _grad(backend, cap: str, shape: tuple):
+    w = jnp.asarray(np.random.default_rng(100).standard_normal(shape), jnp.float32)
+    loss = _loss(backend.module().ranker_attention, w, cap, **_kwargs(backend))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), w
+
+
+def _allowed(bounds, seq):
+    """bool ``[B, S, S]``: query i may attend key j (plain or packed bounds)."""
+    b = np.asarray(bounds)
+    if b.ndim == 2:
+        b = b[:, None]
+    pos = np.arange(seq)
+    return np.asarray(ranker_mask_packed(pos[None, :, None], pos[None, None, :], b[:, None, None]))
+
+
+def check_forward(backend, case, bounds, seed):
+    dtype, _, cap, *_ = case
+    q, k, v = _inputs(seed, case)
+    out, lse = run_interpret(_forward(backend, cap), q, k, v, jnp.asarray(bounds))
+    want_out, want_lse = reference_f32(
+        ref.ranker_attention, q, k, v, jnp.asarray(bounds), cap=CAPS[cap], return_lse=True
+    )
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    rtol, atol = OUT_TOL[dtype]
+    assert_close(out, want_out, rtol_l2=rtol, atol=atol)
+    assert_lse_close(lse, want_lse, atol=LSE_ATOL[dtype])
+    empty = np.moveaxis(np.isneginf(np.asarray(lse)), 1, 2)  # [B, S, Hq]
+    assert np.all(np.asarray(out, np.float32)[empty] == 0.0), "empty rows are not exactly 0"
+    dead = ~_allowed(bounds, q.shape[1]).any(axis=2)  # [B, S]: rows with no key
+    assert np.array_equal(empty, np.broadcast_to(dead[..., None], empty.shape))
+
+
+def check_grad(backend, case, bounds, seed):
+    dtype, _, cap, *_ = case
+    q, k, v = _inputs(seed, case)
+    grad, w = _grad(backend, cap, q.shape)
+    got = run_interpret(grad, q, k, v, jnp.asarray(bounds))
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(_loss(ref.ranker_attention, w, cap), argnums=(0, 1, 2))(*up, bounds)
+        without = jax.grad(_loss(ref.ranker_attention, w, cap, use_lse=False), argnums=(0, 1))(
+            *up, bounds
+        )
+    tol = GRAD_TOL[dtype]
+    allowed = _allowed(bounds, q.shape[1])
+    row_dead, key_dead = ~allowed.any(axis=2), ~allowed.any(axis=1)
+    for name, r, r0, dead in zip(
+        ("dq", "dk"), want[:2], without, (row_dead, key_dead), strict=True
+    ):
+        r, r0 = np.asarray(r, np.float64), np.asarray(r0, np.float64)
+        if np.linalg.norm(r) > 0 and not dead.all():
+            moved = np.linalg.norm(r - r0) / np.linalg.norm(r)
+            assert moved > 10 * tol, f"{name}: the LSE term moves it by only {moved:.3g}"
+    for name, g, r, dead in zip(
+        ("dq", "dk", "dv"), got, want, (row_dead, key_dead, key_dead), strict=True
+    ):
+        assert g.dtype == q.dtype and g.shape == r.shape, name
+        g = np.asarray(g.astype(jnp.float32), np.float64)
+        r = np.asarray(r, np.float64)
+        assert np.all(np.isfinite(g)), f"{name}: {np.sum(~np.isfinite(g))} non-finite values"
+        assert np.all(g[dead] == 0.0), f"{name}: nonzero gradient where nothing is allowed"
+        if not np.any(r):
+            assert not np.any(g), f"{name}: nonzero where the reference is all zero"
+            continue
+        err = np.linalg.norm(g - r) / np.linalg.norm(r)
+        assert err < tol, f"{name}: rel L2 {err:.3g} >= {tol:.3g}"
+        mx, bound = np.abs(g - r).max(), 5 * tol * np.abs(r).max()
+        assert mx <= bound, f"{name}: max-abs {mx:.3g} > {bound:.3g}"
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("backend", params(RANKER))
+def test_supports_flags_agree_with_the_backend(backend):
+    """The registry's flags say what the backend's own ``supports`` says."""
+    mod = backend.module()
+    if not hasattr(mod, "supports"):
+        return  # the reference takes every input; its flags list all of them
+    for dtype in ("float32", "bfloat16", "float16"):
+        for dim in (32, 64, 128, 256):
+            q = jax.ShapeDtypeStruct((1, 128, 2, dim), jnp.dtype(dtype))
+            k = jax.ShapeDtypeStruct((1, 128, 1, dim), jnp.dtype(dtype))
+            bounds = jnp.zeros((1, 4), jnp.int32)
+            why = mod.supports("ranker_attention", q, k, k, bounds)
+            expected = backend.takes(dtype=dtype, head_dim=dim)
+            assert (why is None) == expected, (backend.name, dtype, dim, why)
+
+
+@pytest.mark.parametrize(("backend", "case"), _cases())
+def test_forward(backend, case):
+    backend.require()
+
+    @settings(EXAMPLES, **examples(backend, 2))
+    @given(bounds=plain_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
+    @example(bounds=edge_bounds(case[3], case[4]), seed=0)
+    def check(bounds, seed):
+        check_forward(backend, case, bounds, seed)
+
+    check()
+
+
+@pytest.mark.parametrize(("backend", "case"), _cases(packed=True))
+def test_forward_packed(backend, case):
+    backend.require()
+
+    @settings(EXAMPLES, **examples(backend, 2))
+    @given(bounds=packed_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
+    @example(bounds=edge_packed_bounds(case[3], case[4]), seed=0)
+    def check(bounds, seed):
+        check_forward(backend, case, bounds, seed)
+
+    check()
+
+
+@pytest.mark.parametrize(("backend", "case"), _cases(grad=True))
+def test_grad(backend, case):
+    backend.require()
+
+    @settings(EXAMPLES, **examples(backend, 0))
+    @given(bounds=plain_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
+    @example(bounds=edge_bounds(case[3], case[4]), seed=0)
+    def check(bounds, seed):
+        check_grad(backend, case, bounds, seed)
+
+    check()
+
+
+@pytest.mark.parametrize(("backend", "case"), _cases(grad=True, packed=True))
+def test_grad_packed(backend, case):
+    backend.require()
+
+    @settings(EXAMPLES, **examples(backend, 0))
+    @given(bounds=packed_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
+    @example(bounds=edge_packed_bounds(case[3], case[4]), seed=0)
+    def check(bounds, seed):
+        check_grad(backend, case, bounds, seed)
+
+    check()
