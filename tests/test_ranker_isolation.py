@@ -63,7 +63,9 @@ BATCH = len(CASES)
 def _tpu():
     from jax.experimental.pallas import tpu as pltpu
 
-    import attn_pallas_tpu
+    attn_pallas_tpu = pytest.importorskip(
+        "attn_pallas_tpu", reason="not installed: pip install ./packages/attn-pallas-tpu"
+    )
 
     interpret = pltpu.InterpretParams(
         detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
@@ -75,7 +77,9 @@ def _tpu():
 def _gpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    import attn_mosaic_gpu
+    attn_mosaic_gpu = pytest.importorskip(
+        "attn_mosaic_gpu", reason="not installed: pip install ./packages/attn-mosaic-gpu"
+    )
 
     interpret = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
     config = KernelConfig(block_q=64, block_kv=64, num_stages=2)
