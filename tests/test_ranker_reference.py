@@ -373,3 +373,37 @@ def test_phoenix_memory_bound(which):
         f"{which}: temp {mem.temp_size_in_bytes / 2**30:.2f} GiB >= {MEMORY_LIMIT / 2**30:.0f} GiB"
     )
     assert seconds < 60, f"{which}: compile took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_query_chunks_with_padding_match_one_chunk(monkeypatch, packed):
+    """The reference bounds memory by running queries in chunks; when the chunk does not
+    divide S the last chunk is padded. Forced here (a tiny chunk budget: chunk 8 of S=45,
+    three padding rows) and compared with the one-chunk run, values and gradients."""
+    import attn_reference.ranker as ref_ranker
+
+    rng = np.random.default_rng(7)
+    b, s, hq, hkv, d = 2, 45, 4, 2, 16
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for h in (hq, hkv, hkv))
+    bounds = (
+        jnp.array([[[0, 10, 10, 14], [17, 30, 30, 41]], [[3, 20, 20, 25], [0, 0, 0, 0]]])
+        if packed
+        else jnp.array([[0, 30, 30, 41], [3, 20, 20, 25]])
+    )
+    cap = CapParams(CapMethod.TANH, 5.0)
+
+    def loss(q, k, v):
+        out, lse = ranker_attention(q, k, v, bounds, cap=cap, return_lse=True)
+        return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+
+    (_, (want_out, want_lse)), want_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
+        q, k, v
+    )
+    monkeypatch.setattr(ref_ranker, "_CHUNK_ELEMENTS", b * hq * s * 8)
+    assert ref_ranker._query_chunk(b, hq, s) == 8  # 6 chunks, the last one 3 rows short
+    (_, (got_out, got_lse)), got_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(want_lse))
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-6)
+    for got, want in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

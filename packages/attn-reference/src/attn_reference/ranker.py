@@ -61,7 +61,7 @@ def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk
     total = n_chunks * chunk
     pad = total - seq_len
 
-    pos = jnp.arange(total, dtype=jnp.int32)
+    pos = jnp.arange(seq_len, dtype=jnp.int32)
     hl, hu, cl, cu = (bounds[:, :, t, None] for t in range(4))  # [B, U, 1]
     in_h = (hl <= pos) & (pos < hu)  # [B, U, T]
     in_c = (cl <= pos) & (pos < cu)
@@ -73,8 +73,8 @@ def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk
     own_c = jnp.take_along_axis(in_c, jnp.maximum(owner, 0)[:, None], axis=1)[:, 0]
     self_key = (owner >= 0) & own_c & ~own_h  # a candidate outside its own history: [B, T]
 
-    def chunked(x):  # [B, S, ...] -> [n, B, c, ...], zero-padded
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    def chunked(x, fill=0):  # [B, S, ...] -> [n, B, c, ...], padded with ``fill``
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
         return x.reshape(batch, n_chunks, chunk, *x.shape[2:]).swapaxes(0, 1)
 
     qc = q.astype(compute).reshape(batch, seq_len, kv_heads, group, head_dim)
@@ -83,10 +83,10 @@ def _ranker_reference(q, k, v, bounds, *, sm_scale: float, cap: CapParams, chunk
         chunked(qc),  # [n, B, c, Hkv, G, D]
         chunked(kc),  # the chunk's own keys / values (the candidate self term)
         chunked(vc),
-        chunked(owner),  # [n, B, c]
-        chunked(self_key),
+        chunked(owner, -1),  # [n, B, c]; the padding rows belong to no user
+        chunked(self_key, False),
     )
-    hist = in_h[:, :, :seq_len]  # [B, U, S]: user u's history keys
+    hist = in_h  # [B, U, S]: user u's history keys
 
     @jax.checkpoint
     def attend_chunk(args):
