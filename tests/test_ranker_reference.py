@@ -396,9 +396,7 @@ def test_query_chunks_with_padding_match_one_chunk(monkeypatch, packed):
         out, lse = ranker_attention(q, k, v, bounds, cap=cap, return_lse=True)
         return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
 
-    (_, (want_out, want_lse)), want_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
-        q, k, v
-    )
+    (_, (want_out, want_lse)), want_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
     monkeypatch.setattr(ref_ranker, "_CHUNK_ELEMENTS", b * hq * s * 8)
     assert ref_ranker._query_chunk(b, hq, s) == 8  # 6 chunks, the last one 3 rows short
     (_, (got_out, got_lse)), got_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
