@@ -4,74 +4,35 @@
 warp-specialized, TMA-pipelined kernels of ``ranker_bwd_pipelined`` (two compute
 warpgroups and a memory warpgroup per program). For D = 256 the f32 dK and dV
 accumulators of two 64-row warpgroups do not fit the register file next to the
-pipeline's shared memory, so it runs the simple single-warpgroup kernels defined here
-(no prefetch, head dim of the outputs split in halves); they are correct but slower.
+pipeline's shared memory, so it runs the simple single-warpgroup kernels of
+``ranker_bwd_d256`` (no prefetch, head dim of the outputs split in halves); they are
+correct but slower. Rows with no allowed key have ``lse = -inf``; this entry passes
+``+inf`` to the kernels instead (``exp2(y - inf) = 0``, never ``-inf - -inf``) and zeroes
+their LSE cotangent, so their gradient is 0, never NaN.
 
 Math (per query head ``h``, kv head ``g = h // (Hq / Hkv)``, ``lse`` natural log from the
 forward): ``s = q.k * sm_scale``, ``y = cap(s)``, ``p = exp(y - lse)`` on allowed pairs
 (0 elsewhere), ``dp = dO . v``, ``delta' = sum_d dO * O - dlse`` (the LSE cotangent enters
 here), ``ds = p * (dp - delta') * cap'(y)``; ``dq = sum_j ds_ij k_j * sm_scale``,
 ``dk_j = sum_{h in group, i} ds_ij q_i * sm_scale``, ``dv_j = sum_{h in group, i} p_ij dO_i``.
-
-Schedule of the simple D = 256 kernels (one warpgroup per program, no warp
-specialization, no prefetch, fixed 64x64 blocks, every wgmma operand staged in shared
-memory):
-
-* ``dq`` kernel, grid ``(Hq, (S / block_q) * d_split, B)``: a program owns ``block_q``
-  query rows of one (batch row, query head) and, for ``D = 256``, one of ``d_split = 2``
-  halves of the head dim of dQ (``S`` and ``dP`` are recomputed per half; the half of K
-  that dQ needs is TMA-loaded separately). It TMA-loads Q, dO, lse and delta' once, then walks the
-  KV blocks of ``attn_common.ranker_kv_block_ranges`` (the forward's visit-once rule):
-  per step it TMA-loads K and V, computes ``S = Q K^T`` and ``dP = dO V^T`` by wgmma,
-  the cap, the mask (``attn_common.ranker_mask`` on the tile iotas, on every step), P and
-  dS, writes dS to shared memory and accumulates ``dQ += dS K`` (a fresh accumulator
-  added in registers).
-* ``dk/dv`` kernel, grid ``(Hkv, (S / block_kv) * d_split, B)``: a program owns
-  ``block_kv`` keys of one (batch row, kv head) and, for ``D = 256``, one of the
-  ``d_split = 2`` halves of the head dim of dK/dV (so the f32 accumulators and the
-  fresh wgmma results added to them fit the register file; ``S^T`` and ``dP^T`` are
-  recomputed per half). It loads K and V once,
-  loops over the group's query heads and, for each, over the query blocks of
-  ``attn_common.ranker_q_block_ranges``: ``S^T = K Q^T``, ``dP^T = V dO^T``, P^T and
-  dS^T to shared memory, ``dV += P^T dO``, ``dK += dS^T Q``. dK/dV accumulate in f32
-  registers across the group's heads and blocks in a fixed order: GQA gradients are per
-  kv head, with no per-query-head copies and no atomics, so the result is deterministic
-  (bitwise identical on repeated runs).
-
-Every program writes its whole output tile (zeros when it has no step), so padding rows
-and keys nobody attends get exactly 0. Rows with no allowed key have ``lse = -inf``; the
-wrapper passes ``+inf`` for them instead (``exp2(y - inf) = 0``, never ``-inf - -inf``)
-and zeroes their LSE cotangent, so their gradient is 0, never NaN. The cap derivative is
-taken from the unmasked capped logits, so masked entries never see ``0 * inf``.
-
-Synchronisation: each TMA load has its own barrier, waited right after it is issued (no
-prefetch ring); a warpgroup barrier (``commit_smem``, which is also the proxy fence
-needed after writing P / dS to shared memory) precedes every reuse of a buffer the
-previous wgmma read. The interpret-mode path is the GPU path: no ``run_state``, no wgmma
-with a register A operand.
-
-Any ``S``: inputs are zero-padded to a multiple of the block size and the gradients
-sliced; padded positions are never allowed because bounds are clipped to ``[0, S]``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import CapParams, cap_forward, check_ranker_inputs, ranker_mask
-from attn_common.bounds import ranker_kv_block_ranges, ranker_q_block_ranges
-from attn_common.cap import cap_derivative_from_output
+from attn_common import CapParams, check_ranker_inputs
 from attn_common.packed import normalize_ranker_bounds, packed_users
-from attn_mosaic_gpu import _axes
-from attn_mosaic_gpu._smem import SMEM_ALIGN, SMEM_LIMIT_BYTES, round_up, tile_transforms
+from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, round_up
+from attn_mosaic_gpu.ranker_bwd_d256 import (
+    BWD_BLOCK,
+    BwdStatic,
+    d256_bwd,
+    head_dim_parts,
+    simple_smem_bytes,
+)
 from attn_mosaic_gpu.ranker_bwd_pipelined import (
     PIPELINED_HEAD_DIMS,
     pipelined_bwd,
@@ -86,30 +47,9 @@ from attn_mosaic_gpu.ranker_fwd import (
 
 __all__ = ["BWD_BLOCK", "bwd_smem_bytes", "ranker_attention_bwd", "validate_bwd"]
 
-# Query and key block of both backward kernels: one wgmma M = 64 rows per warpgroup.
-BWD_BLOCK = 64
-_LOG2E = math.log2(math.e)
 # f32 accumulator registers per thread a single warpgroup may hold (of 255).
 _ACC_REGISTER_LIMIT = 192
-
-
-def _d_split(head_dim: int) -> int:
-    """Head-dim parts of the dQ and dK/dV outputs, one program each (for D=256: the f32
-    accumulator and the fresh wgmma result added to it must fit the registers)."""
-    return 2 if head_dim > 128 else 1
-
-
-def _simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
-    item = jnp.dtype(dtype).itemsize
-    b = BWD_BLOCK
-    tile = round_up(b * head_dim * item, SMEM_ALIGN)
-    sq = round_up(b * b * item, SMEM_ALIGN)
-    vec = 2 * b * 4
-    dh = head_dim // _d_split(head_dim)
-    half = round_up(b * dh * item, SMEM_ALIGN) if _d_split(head_dim) > 1 else 0
-    dq = 4 * tile + half + sq + vec + 8 * 7
-    dkv = 4 * tile + 2 * half + 2 * sq + vec + 8 * 8
-    return {"dq": dq, "dkv": dkv}
+_LOG2E = math.log2(math.e)
 
 
 def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
@@ -118,7 +58,7 @@ def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
     layout)."""
     if head_dim in PIPELINED_HEAD_DIMS:
         return pipelined_smem_bytes(head_dim, dtype, packed=True)
-    return _simple_smem_bytes(head_dim, dtype)
+    return simple_smem_bytes(head_dim, dtype)
 
 
 def validate_bwd(head_dim: int, dtype) -> None:
@@ -126,7 +66,7 @@ def validate_bwd(head_dim: int, dtype) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim: got {head_dim}, expected one of {SUPPORTED_HEAD_DIMS}")
     b = BWD_BLOCK
-    dh = head_dim // _d_split(head_dim)
+    dh = head_dim // head_dim_parts(head_dim)
     # per compute thread: dQ (or dK + dV) accumulators and the two 64x64 score tiles
     dq_regs = b * (dh + 2 * b) // 128
     dkv_regs = b * (2 * dh + 2 * b) // 128
@@ -143,272 +83,6 @@ def validate_bwd(head_dim: int, dtype) -> None:
                 f"D={head_dim}, more than the {SMEM_LIMIT_BYTES} bytes (227 KiB) available "
                 "per block on sm_90"
             )
-
-
-@dataclasses.dataclass(frozen=True)
-class _BwdStatic:
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
-
-
-def _logits(qk, st: _BwdStatic):
-    """Capped logits ``y`` (natural units) and ``cap'(y)`` (None without a cap)."""
-    s = qk * st.sm_scale
-    if not st.cap.active:
-        return s, None
-    y = cap_forward(s, st.cap)
-    return y, cap_derivative_from_output(y, st.cap)
-
-
-def _read_bounds(bounds_ref, batch):
-    return tuple(bounds_ref[batch, i] for i in range(4))
-
-
-def _build_dq_kernel(st: _BwdStatic, dtype):
-    bq = bkv = BWD_BLOCK
-    head_dim = st.head_dim
-    group = st.q_heads // st.kv_heads
-    d_split = _d_split(head_dim)
-    dh = head_dim // d_split
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
-        (q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, lse_smem, delta_smem), bars = scoped
-        batch = lax.axis_index(_axes.BATCH)
-        q_head = lax.axis_index(_axes.HEADS)
-        idx = lax.axis_index(_axes.Q_TILES)
-        q_tile = lax.div(idx, jnp.int32(d_split))
-        d0 = lax.rem(idx, jnp.int32(d_split)) * dh
-        kv_head = lax.div(q_head, jnp.int32(group))
-        hl, hu, cl, cu = _read_bounds(bounds_ref, batch)
-        row0 = q_tile * bq
-        ranges = ranker_kv_block_ranges(hl, hu, cl, cu, row0, row0 + bq, bkv)
-        steps = ranges.total_steps
-
-        rows = (batch, pl.ds(row0, bq), q_head)
-        vec = (batch, q_head, pl.ds(row0, bq))
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, bars.at[0])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, bars.at[1])
-        plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, bars.at[2])
-        plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, bars.at[3])
-        for i in range(4):
-            plgpu.barrier_wait(bars.at[i])
-        lse2 = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-        delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-
-        def step(i, dq_acc):
-            kv0 = ranges.block_at(i) * bkv
-            kv_rows = (batch, pl.ds(kv0, bkv), kv_head)
-            plgpu.commit_smem()  # every thread is done with the previous step's K/V/dS
-            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, bars.at[4])
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, bars.at[5])
-            if d_split > 1:
-                kv_half = (batch, pl.ds(kv0, bkv), kv_head, pl.ds(d0, dh))
-                plgpu.copy_gmem_to_smem(k_ref.at[kv_half], kh_smem, bars.at[6])
-                plgpu.barrier_wait(bars.at[6])
-            plgpu.barrier_wait(bars.at[4])
-            plgpu.barrier_wait(bars.at[5])
-
-            def qk_fn(acc):
-                plgpu.wgmma(acc, q_smem, k_smem.transpose((1, 0)))
-                return acc[...]
-
-            def dp_fn(acc):
-                plgpu.wgmma(acc, do_smem, v_smem.transpose((1, 0)))
-                return acc[...]
-
-            qk = pl.run_scoped(qk_fn, plgpu.ACC((bq, bkv), jnp.float32))
-            dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bkv), jnp.float32))
-            y, dcap = _logits(qk, st)
-            q_ids = row0 + plgpu.broadcasted_iota(
-                jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA
-            )
-            kv_ids = kv0 + plgpu.broadcasted_iota(
-                jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA
-            )
-            allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
-            y2 = jnp.where(allowed, y * _LOG2E, -jnp.inf)
-            p = jnp.exp2(y2 - lax.broadcast_in_dim(lse2, (bq, bkv), [0]))
-            ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
-            if dcap is not None:
-                ds = ds * dcap
-            ds_smem[...] = ds.astype(dtype)
-            plgpu.commit_smem()
-
-            k_b = kh_smem if d_split > 1 else k_smem
-
-            def dq_fn(acc):
-                plgpu.wgmma(acc, ds_smem, k_b)
-                return acc[...]
-
-            return dq_acc + pl.run_scoped(dq_fn, plgpu.ACC((bq, dh), jnp.float32))
-
-        dq0 = plgpu.layout_cast(jnp.full((bq, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, steps, step, dq0)
-        out_smem = kh_smem if d_split > 1 else q_smem
-        plgpu.commit_smem()  # every wgmma that read the staging buffer has completed
-        out_smem[...] = (dq * st.sm_scale).astype(dtype)
-        plgpu.commit_smem()
-        dst = (batch, pl.ds(row0, bq), q_head, pl.ds(d0, dh)) if d_split > 1 else rows
-        plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[dst])
-        plgpu.wait_smem_to_gmem(0)
-
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref):
-        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=tile_transforms())
-        half = plgpu.SMEM((bkv, dh), dtype, transforms=tile_transforms()) if d_split > 1 else None
-        sq = plgpu.SMEM((bq, bkv), dtype, transforms=tile_transforms())
-        vec = plgpu.SMEM((bq,), jnp.float32)
-        pl.run_scoped(
-            lambda *args: kernel(
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, args
-            ),
-            [tile, tile, tile, tile, half, sq, vec, vec],
-            plgpu.Barrier(num_barriers=7),
-        )
-
-    return entry
-
-
-def _build_dkv_kernel(st: _BwdStatic, dtype):
-    bq = bkv = BWD_BLOCK
-    head_dim = st.head_dim
-    group = st.q_heads // st.kv_heads
-    d_split = _d_split(head_dim)
-    dh = head_dim // d_split
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, scoped):
-        bufs, bars = scoped
-        k_smem, v_smem, q_smem, do_smem, qh_smem, doh_smem, p_smem, ds_smem = bufs[:8]
-        lse_smem, delta_smem = bufs[8:]
-        batch = lax.axis_index(_axes.BATCH)
-        kv_head = lax.axis_index(_axes.HEADS)
-        idx = lax.axis_index(_axes.KV_TILES)
-        kv_tile = lax.div(idx, jnp.int32(d_split))
-        part = lax.rem(idx, jnp.int32(d_split))
-        d0 = part * dh
-        hl, hu, cl, cu = _read_bounds(bounds_ref, batch)
-        kv0 = kv_tile * bkv
-        ranges = ranker_q_block_ranges(hl, hu, cl, cu, kv0, kv0 + bkv, bq)
-        steps = ranges.total_steps
-
-        kv_rows = (batch, pl.ds(kv0, bkv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, bars.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, bars.at[1])
-        plgpu.barrier_wait(bars.at[0])
-        plgpu.barrier_wait(bars.at[1])
-        kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
-
-        def q_step(i, carry, q_head):
-            dk_acc, dv_acc = carry
-            q0 = ranges.block_at(i) * bq
-            rows = (batch, pl.ds(q0, bq), q_head)
-            vec = (batch, q_head, pl.ds(q0, bq))
-            plgpu.commit_smem()  # every thread is done with the previous step's buffers
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, bars.at[2])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, bars.at[3])
-            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, bars.at[4])
-            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, bars.at[5])
-            if d_split > 1:
-                half = (batch, pl.ds(q0, bq), q_head, pl.ds(d0, dh))
-                plgpu.copy_gmem_to_smem(q_ref.at[half], qh_smem, bars.at[6])
-                plgpu.copy_gmem_to_smem(do_ref.at[half], doh_smem, bars.at[7])
-            for b in range(2, 8 if d_split > 1 else 6):
-                plgpu.barrier_wait(bars.at[b])
-            lse2 = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-            delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-
-            def st_fn(acc):
-                plgpu.wgmma(acc, k_smem, q_smem.transpose((1, 0)))
-                return acc[...]
-
-            def dpt_fn(acc):
-                plgpu.wgmma(acc, v_smem, do_smem.transpose((1, 0)))
-                return acc[...]
-
-            s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32))
-            dp_t = pl.run_scoped(dpt_fn, plgpu.ACC((bkv, bq), jnp.float32))
-            y, dcap = _logits(s_t, st)
-            q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
-            allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
-            y2 = jnp.where(allowed, y * _LOG2E, -jnp.inf)
-            p_t = jnp.exp2(y2 - lax.broadcast_in_dim(lse2, (bkv, bq), [1]))
-            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
-            if dcap is not None:
-                ds_t = ds_t * dcap
-            p_smem[...] = p_t.astype(dtype)
-            ds_smem[...] = ds_t.astype(dtype)
-            plgpu.commit_smem()
-            q_b = qh_smem if d_split > 1 else q_smem
-            do_b = doh_smem if d_split > 1 else do_smem
-
-            def dv_fn(acc):
-                plgpu.wgmma(acc, p_smem, do_b)
-                return acc[...]
-
-            def dk_fn(acc):
-                plgpu.wgmma(acc, ds_smem, q_b)
-                return acc[...]
-
-            dv_acc = dv_acc + pl.run_scoped(dv_fn, plgpu.ACC((bkv, dh), jnp.float32))
-            dk_acc = dk_acc + pl.run_scoped(dk_fn, plgpu.ACC((bkv, dh), jnp.float32))
-            return dk_acc, dv_acc
-
-        def head_loop(hh, carry):
-            q_head = kv_head * group + hh
-            return lax.fori_loop(0, steps, functools.partial(q_step, q_head=q_head), carry)
-
-        zeros = plgpu.layout_cast(jnp.full((bkv, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
-        out_k = qh_smem if d_split > 1 else q_smem
-        out_v = doh_smem if d_split > 1 else do_smem
-        plgpu.commit_smem()  # every wgmma that read the staging buffers has completed
-        out_k[...] = (dk * st.sm_scale).astype(dtype)
-        out_v[...] = dv.astype(dtype)
-        plgpu.commit_smem()
-        dst = (batch, pl.ds(kv0, bkv), kv_head, pl.ds(d0, dh)) if d_split > 1 else kv_rows
-        plgpu.copy_smem_to_gmem(out_k, dk_ref.at[dst])
-        plgpu.copy_smem_to_gmem(out_v, dv_ref.at[dst])
-        plgpu.wait_smem_to_gmem(0)
-
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref):
-        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=tile_transforms())
-        half = plgpu.SMEM((bq, dh), dtype, transforms=tile_transforms()) if d_split > 1 else None
-        sq = plgpu.SMEM((bkv, bq), dtype, transforms=tile_transforms())
-        vec = plgpu.SMEM((bq,), jnp.float32)
-        pl.run_scoped(
-            lambda *args: kernel(
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, args
-            ),
-            [tile, tile, tile, tile, half, half, sq, sq, vec, vec],
-            plgpu.Barrier(num_barriers=8),
-        )
-
-    return entry
-
-
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _ranker_bwd_padded(q, k, v, do, lse2, delta, bounds, *, st: _BwdStatic, interpret):
-    """Padded inputs; ``lse2`` base-2 LSE (``+inf`` on empty rows), ``delta`` = delta'."""
-    b = BWD_BLOCK
-    dq = plgpu.kernel(
-        _build_dq_kernel(st, q.dtype),
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(st.q_heads, (st.seq_pad // b) * _d_split(st.head_dim), st.batch),
-        grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
-        interpret=interpret,
-    )(q, k, v, do, lse2, delta, bounds)
-    dk, dv = plgpu.kernel(
-        _build_dkv_kernel(st, q.dtype),
-        out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        grid=(st.kv_heads, (st.seq_pad // b) * _d_split(st.head_dim), st.batch),
-        grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
-        interpret=interpret,
-    )(q, k, v, do, lse2, delta, bounds)
-    return dq, dk, dv
 
 
 def ranker_attention_bwd(
@@ -501,8 +175,8 @@ def ranker_attention_bwd(
             tuning=knobs, users=users,
         )  # fmt: skip
     else:
-        dq, dk, dv = _ranker_bwd_padded(
-            q, k, v, dout, lse2, delta, bounds, st=_BwdStatic(**fields), interpret=interpret
+        dq, dk, dv = d256_bwd(
+            q, k, v, dout, lse2, delta, bounds, st=BwdStatic(**fields), interpret=interpret
         )
     if seq_pad != seq:
         dq, dk, dv = dq[:, :seq], dk[:, :seq], dv[:, :seq]

@@ -199,7 +199,7 @@ class _Static:
     interpret: bool = False
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
     # step lists built outside (attn_common.packed.packed_step_list).
-    users: int = 0
+    packed_users: int = 0
 
 
 _KNOBS = ("num_stages", "exp2_fma_cols", "rcp_fma_cols", "dq_programs")
@@ -372,7 +372,7 @@ def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile, one_user_ranges
     bounds = None
     # ``tile``: a grid axis name (read where needed) or the tile index itself
     tile_index = (lambda: lax.axis_index(tile)) if isinstance(tile, str) else (lambda: tile)
-    if st.users:
+    if st.packed_users:
         row = tile_index()
         ranges = TileSteps(lambda i: steps_ref[batch, row, i], _COMPUTE_WGS)
     else:
@@ -428,13 +428,13 @@ def _dq_tile(
     ``total_steps`` steps of ``ranges`` (step ``i`` reads ring slot ``slot_of(i)``),
     masked where needed."""
     b = BLOCK
-    if st.users:
+    if st.packed_users:
         row_keys = _row_entries(fixed.keys, PACKED_QUERY_FIELDS)
     else:
         hl, hu, cl, cu = one_user
     lse2 = plgpu.load(fixed.lse, layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(fixed.delta, layout=plgpu.Layout.WGMMA.reduce(1))
-    if st.users:
+    if st.packed_users:
         full_lo, full_hi = ranges.full_steps(wg)
     else:
         full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
@@ -448,7 +448,7 @@ def _dq_tile(
 
             def mask_fn():
                 kv0 = ranges.block_at(i) * b
-                if st.users:
+                if st.packed_users:
                     return packed_tile_mask(ranker_mask_from_query_table, row_keys, kv0, (b, b))
                 return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
 
@@ -479,11 +479,11 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
     K and V; consumed per slot)."""
     b = BLOCK
     lead = (fixed_copies,) if fixed_copies > 1 else ()
-    fields = 5 if st.users else 4
+    fields = 5 if st.packed_users else 4
 
     def entry(*refs):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref, keys_ref = refs[7:9] if st.users else (None, None)
+        steps_ref, keys_ref = refs[7:9] if st.packed_users else (None, None)
         dq_ref = refs[-1]
         t = tile_transforms()
         own = plgpu.SMEM((*lead, _COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
@@ -491,7 +491,7 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
         ring = plgpu.SMEM((st.num_stages, b, st.head_dim), dtype, transforms=t)
         staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
         keys = None
-        if st.users:
+        if st.packed_users:
             keys = plgpu.SMEM((*lead, _COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
         operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
         pl.run_scoped(
@@ -536,12 +536,12 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             vec = (batch, q_head, pl.ds(row0, b))
             srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
             dsts = [q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg]]
-            if st.users:  # the rows' packed_query_table entries
+            if st.packed_users:  # the rows' packed_query_table entries
                 srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
                 dsts.append(keys_smem2.at[wg])
             _load_fixed(srcs, dsts, fixed_ready, wg)
             fixed = _DqFixed(q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
-            if st.users:
+            if st.packed_users:
                 fixed = fixed._replace(keys=keys_smem2.at[wg])
             staging = None if in_place else (ds_smem2.at[wg],)
             dq = _dq_tile(
@@ -585,7 +585,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
     programs = st.dq_programs
     tiles = st.seq_pad // (_COMPUTE_WGS * b)
     num_tiles = st.q_heads * tiles * st.batch
-    fields = 5 if st.users else 4
+    fields = 5 if st.packed_users else 4
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
@@ -623,13 +623,13 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
                     q_smem3.at[buf, wg], do_smem3.at[buf, wg], lse_smem3.at[buf, wg],
                     delta_smem3.at[buf, wg],
                 )  # fmt: skip
-                return fixed._replace(keys=keys_smem3.at[buf, wg]) if st.users else fixed
+                return fixed._replace(keys=keys_smem3.at[buf, wg]) if st.packed_users else fixed
 
             def issue_fixed(j, buf):
                 q_head, batch, tile_start, _, _ = tile_of(j)
                 row0, rows, vec = rows_of(q_head, batch, tile_start)
                 srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
-                if st.users:
+                if st.packed_users:
                     srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
                 for src, dst, bar in zip(srcs, fixed_of(buf)[:fields], fixed_ready, strict=True):
                     plgpu.copy_gmem_to_smem(src, dst, bar.at[buf * _COMPUTE_WGS + wg])
@@ -690,20 +690,52 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
     return _dq_entry(kernel, st, dtype, in_place=in_place, fixed_copies=2)
 
 
+def _dkv_per_step_kv(st: _Static) -> bool:
+    """Whether the dk/dv kernel addresses its fixed K and V anew each step (D > 64).
+
+    D=128: the accumulators dK, dV (2 x 64 of a thread's registers) and S^T, dP^T
+    (2 x 32) leave too little room for the 16 wgmma descriptors of the fixed K and V,
+    which the compiler hoists out of the step loops because their addresses are
+    loop-invariant; ptxas then spilled (880 bytes, 55 local loads/stores per unmasked
+    step). Addressing K and V anew each step (through a zero the compiler cannot
+    see) keeps the descriptors in the loop, and 240 registers (the memory WG keeps
+    24, setmaxnreg's floor) leave 128 bytes of spills, all outside the unmasked loop:
+    dk/dv 18-27 % faster on phoenix and ragged (docs/ranker_gpu.md). D=64 measured
+    no gain and keeps the plain addresses and 232/40."""
+    return st.head_dim > 64
+
+
+def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, compute_registers):
+    """The dk/dv kernel's memory WG: the ring of query-side blocks (Q, LSE, dO, delta')
+    over the group's query heads: ``steps = (head_steps, total_steps)``."""
+    q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
+    bufs, _, ready, consumed = scoped
+    q_smem, do_smem, lse_smem, delta_smem = bufs[2:6]
+    q_ready, do_ready, lse_ready, delta_ready = ready
+    b, group = BLOCK, st.q_heads // st.kv_heads
+    head_steps, total_steps = steps
+    plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
+
+    def issue(step, slot):
+        head = lax.div(step, jnp.maximum(head_steps, 1))
+        i = step - head * head_steps
+        q_head = kv_head * group + head
+        q0 = ranges.block_at(i) * b
+        rows = (batch, pl.ds(q0, b), q_head)
+        vec = (batch, q_head, pl.ds(q0, b))
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
+
+    _ring_loads(st.num_stages, total_steps, issue, consumed)
+
+
 def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
     group = st.q_heads // st.kv_heads
-    # D=128: the accumulators dK, dV (2 x 64 of a thread's registers) and S^T, dP^T
-    # (2 x 32) leave too little room for the 16 wgmma descriptors of the fixed K and V,
-    # which the compiler hoists out of the step loops because their addresses are
-    # loop-invariant; ptxas then spilled (880 bytes, 55 local loads/stores per unmasked
-    # step). Addressing K and V anew each step (through a zero the compiler cannot
-    # see) keeps the descriptors in the loop, and 240 registers (the memory WG keeps
-    # 24, setmaxnreg's floor) leave 128 bytes of spills, all outside the unmasked loop:
-    # dk/dv 18-27 % faster on phoenix and ragged (docs/ranker_gpu.md). D=64 measured
-    # no gain and keeps the plain addresses and 232/40.
-    per_step_kv = st.head_dim > 64
+    per_step_kv = _dkv_per_step_kv(st)
     compute_registers = _DKV_COMPUTE_REGISTERS if per_step_kv else _COMPUTE_REGISTERS
 
     def kernel(
@@ -731,18 +763,18 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             if per_step_kv:
                 # 0 at run time (bounds are clipped to [0, S]), unknown to the compiler.
-                raw = bounds_ref[batch, 0] if not st.users else bounds_ref[batch, 0, 0]
+                raw = bounds_ref[batch, 0] if not st.packed_users else bounds_ref[batch, 0, 0]
                 opaque_zero = lax.shift_right_logical(raw, 31)
             kv0 = tile_start + wg * b
             kv_rows = (batch, pl.ds(kv0, b), kv_head)
             srcs, dsts = [k_ref.at[kv_rows], v_ref.at[kv_rows]], [k_smem, v_smem]
-            if st.users:  # the keys' packed_key_table entries
+            if st.packed_users:  # the keys' packed_key_table entries
                 srcs.append(queries_ref.at[batch, :, pl.ds(kv0, b)])
                 dsts.append(queries_smem2.at[wg])
             _load_fixed(srcs, dsts, fixed_ready, wg)
-            if st.users:
+            if st.packed_users:
                 key_queries = _row_entries(queries_smem2.at[wg], PACKED_KEY_FIELDS)
-            if st.users:
+            if st.packed_users:
                 full_lo, full_hi = ranges.full_steps(wg)
             else:
                 full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
@@ -762,7 +794,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
                     def mask_fn():
                         q0 = ranges.block_at(i) * b
-                        if st.users:
+                        if st.packed_users:
                             return packed_tile_mask(
                                 ranker_mask_from_key_table, key_queries, q0, (b, b)
                             )
@@ -795,31 +827,18 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[kv_rows])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _COMPUTE_WGS)
-        def _memory_wg():
-            plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
-
-            def issue(step, slot):
-                head = lax.div(step, jnp.maximum(head_steps, 1))
-                i = step - head * head_steps
-                q_head = kv_head * group + head
-                q0 = ranges.block_at(i) * b
-                rows = (batch, pl.ds(q0, b), q_head)
-                vec = (batch, q_head, pl.ds(q0, b))
-                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(
-                    delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot]
-                )
-
-            _ring_loads(num_slots, total_steps, issue, consumed)
+        pl.when(wg == _COMPUTE_WGS)(
+            lambda: _dkv_memory_wg(
+                st, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), scoped, batch, kv_head,
+                ranges, (head_steps, total_steps), compute_registers,
+            )
+        )  # fmt: skip
 
     def entry(*refs):
         # Inputs q, k, v, dO, lse2, delta', bounds (+ the step list and the key query
         # table for packed rows), then dK, dV.
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref, queries_ref = refs[7:9] if st.users else (None, None)
+        steps_ref, queries_ref = refs[7:9] if st.packed_users else (None, None)
         dk_ref, dv_ref = refs[-2:]
         t = tile_transforms()
         own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
@@ -827,25 +846,13 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         ring_vec = plgpu.SMEM((num_slots, b), jnp.float32)
         staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
         queries = None
-        if st.users:
+        if st.packed_users:
             queries = plgpu.SMEM((_COMPUTE_WGS, PACKED_KEY_FIELDS, b), jnp.int32)
+        operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref)
         pl.run_scoped(
-            lambda *args: kernel(
-                q_ref,
-                k_ref,
-                v_ref,
-                do_ref,
-                lse_ref,
-                delta_ref,
-                bounds_ref,
-                steps_ref,
-                queries_ref,
-                dk_ref,
-                dv_ref,
-                args,
-            ),
+            lambda *args: kernel(*operands, steps_ref, queries_ref, dk_ref, dv_ref, args),
             [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries],
-            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (3 if st.users else 2),
+            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (3 if st.packed_users else 2),
             (plgpu.Barrier(num_barriers=num_slots),) * 4,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
             collective_axes=_axes.WARPGROUP,
@@ -891,7 +898,7 @@ def pipelined_bwd(
                 f"backward tuning {knobs}: the {kernel} kernel needs {size} bytes of shared "
                 f"memory, more than the {SMEM_LIMIT_BYTES} available per block on sm_90"
             )
-    st = _Static(**st_fields, **knobs, interpret=interpret is not None, users=users)
+    st = _Static(**st_fields, **knobs, interpret=interpret is not None, packed_users=users)
     return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
 
 
@@ -907,7 +914,7 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
     )
     dq_in = [q, k, v, do, lse2, delta, bounds]
     dkv_in = list(dq_in)
-    if st.users:  # packed rows: the visit-once runs and unmasked steps, per tile
+    if st.packed_users:  # packed rows: the visit-once runs and unmasked steps, per tile
         table = functools.partial(
             packed_step_list, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
             sub_tiles=_COMPUTE_WGS,

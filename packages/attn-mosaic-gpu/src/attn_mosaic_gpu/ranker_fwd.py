@@ -100,6 +100,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -296,7 +297,7 @@ class _Static:
     exp2_fma_cols: int = 0
     rcp_fma_cols: int = 0
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]).
-    users: int = 0
+    packed_users: int = 0
     # 0: one program per tile; N: N persistent programs walking the tiles.
     programs: int = 0
     # setmaxnreg of each compute WG; the memory WG keeps the rest of the pool.
@@ -375,10 +376,12 @@ def _online_softmax_step(st: _Static, qk, allowed, m_i, *, compiled: bool):
 def _tile_info(st: _Static, bounds_ref, steps_ref, batch, q_tile):
     """A tile's first row, its KV steps and its bounds: ``users`` (packed rows) or
     ``(hl, hu, cl, cu)``."""
-    if st.users:
+    if st.packed_users:
         # Packed rows: the tile's runs and each WG's unmasked steps come from the
         # step list built outside (attn_common.packed.packed_step_list).
-        users = tuple(tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.users))
+        users = tuple(
+            tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.packed_users)
+        )
         tile_start = q_tile * (2 * st.block_q)
         ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], _COMPUTE_WGS)
         return tile_start, ranges, users
@@ -397,7 +400,7 @@ def _wg_rows(st: _Static, wg, tile_start, bnds):
     """Compute WG ``wg``'s rows ``[row0, row1)`` of the tile and whether one is live."""
     row0 = tile_start + wg * st.block_q
     row1 = row0 + st.block_q
-    if st.users:
+    if st.packed_users:
         rows_seen = sum(
             overlap_len(row0, row1, u_hl, u_hu) + overlap_len(row0, row1, u_cl, u_cu)
             for u_hl, u_hu, u_cl, u_cu in bnds
@@ -427,7 +430,7 @@ def _compute_tile(
         plgpu.barrier_wait(schedule)
 
     row0, row1, active = _wg_rows(st, wg, tile_start, bnds)
-    if st.users:
+    if st.packed_users:
         unmasked_lo, unmasked_hi = ranges.full_steps(wg)
     else:
         hl, hu, cl, cu = bnds
@@ -438,7 +441,7 @@ def _compute_tile(
     wg_steps = jnp.where(active, total_steps, 0)
     pl.when(active)(lambda: load_q(row0))
 
-    if st.users:
+    if st.packed_users:
         # The rows' packed_query_table entries (key_lo, key_hi, self_key), one
         # value per row: the mask is then three compares per score for any U.
         # An inactive WG never reads them (it has no masked step).
@@ -473,7 +476,7 @@ def _compute_tile(
 
         if masked:
             kv0 = ranges.block_at(step) * block_kv
-            if st.users:
+            if st.packed_users:
                 allowed = packed_tile_mask(
                     ranker_mask_from_query_table, row_keys, kv0, (block_q, block_kv)
                 )
@@ -580,208 +583,259 @@ def _store_output(
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
 
 
+class _Refs(NamedTuple):
+    """The kernel's operands in HBM: q, k, v, bounds (+ the packed rows' step list and
+    query key table, else ``None``), out (+ lse, else ``None``)."""
+
+    q: Any
+    k: Any
+    v: Any
+    bounds: Any
+    steps: Any
+    keys: Any
+    out: Any
+    lse: Any
+
+
+def _ring_slot(num_slots: int, step):
+    """The K/V ring slot of step ``step`` of a one-tile program."""
+    return step % num_slots if isinstance(step, int) else lax.rem(step, jnp.int32(num_slots))
+
+
+def _tile_compute_wg(st: _Static, dtype, refs: _Refs, scoped, tile, *, compiled: bool):
+    """A compute WG of the one-tile kernel: its Q (and packed rows' key entries), then
+    ``_compute_tile``; the output store is waited for before the program ends."""
+    bufs, ready, consumed, schedule = scoped
+    qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
+    k_ready, v_ready, q_ready, *keys_ready = ready
+    k_consumed, v_consumed = consumed
+    batch, q_head, wg, tile_start, ranges, total_steps, bnds = tile
+    block_q = st.block_q
+    plgpu.set_max_registers(st.compute_registers, action="increase")
+    qo_smem = qo_smem2.at[wg]
+
+    def load_q(row0):
+        plgpu.copy_gmem_to_smem(
+            refs.q.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_ready.at[wg]
+        )
+        if st.packed_users:
+            plgpu.copy_gmem_to_smem(
+                refs.keys.at[batch, :, pl.ds(row0, block_q)],
+                keys_smem2.at[wg],
+                keys_ready[0].at[wg],
+            )
+            plgpu.barrier_wait(keys_ready[0].at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+    lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
+    _compute_tile(
+        st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
+        (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
+        (k_ready, v_ready, schedule, k_consumed, v_consumed), (refs.out, refs.lse),
+        load_q=load_q, slot_of=functools.partial(_ring_slot, st.num_stages),
+        idle_waits=False, compiled=compiled,
+    )  # fmt: skip
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _tile_memory_wg(st: _Static, refs: _Refs, scoped, batch, kv_head, ranges, total_steps):
+    """The memory WG of the one-tile kernel: fill the K/V ring (prologue), refill a slot
+    once both compute WGs consumed it (steady), then observe the last consumptions
+    (drain)."""
+    bufs, ready, consumed, _ = scoped
+    _, k_smem, v_smem, *_ = bufs
+    k_ready, v_ready, *_ = ready
+    k_consumed, v_consumed = consumed
+    block_kv, num_slots = st.block_kv, st.num_stages
+    plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
+
+    def kv_rows(step):
+        return (batch, pl.ds(ranges.block_at(step) * block_kv, block_kv), kv_head)
+
+    for i in range(num_slots):
+
+        @pl.when(i < total_steps)
+        def _prologue(i=i):
+            rows = kv_rows(jnp.int32(i))
+            plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[i], k_ready.at[i])
+            plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[i], v_ready.at[i])
+
+    @pl.loop(num_slots, jnp.maximum(total_steps, num_slots))
+    def _steady(step):
+        slot = lax.rem(step, jnp.int32(num_slots))
+        rows = kv_rows(step)
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], k_ready.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+    # Drain: observe the consumption of the last num_slots steps, so that every
+    # completed phase of the consumed barriers is waited on before they are
+    # freed (interpret mode checks this; on the GPU it costs an idle warpgroup
+    # a few waits).
+    @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
+    def _drain(step):
+        slot = lax.rem(step, jnp.int32(num_slots))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+
+def _tile_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
+    """One program per (head, tile, batch) grid cell: two compute WGs and one memory WG."""
+    batch = lax.axis_index(_axes.BATCH)
+    q_head = lax.axis_index(_axes.HEADS)
+    q_tile = lax.axis_index(_axes.Q_TILES)
+    wg = lax.axis_index(_axes.WARPGROUP)
+    kv_head = lax.div(q_head, jnp.int32(st.q_heads // st.kv_heads))
+    tile_start, ranges, bnds = _tile_info(st, refs.bounds, refs.steps, batch, q_tile)
+    total_steps = ranges.total_steps
+    tile = (batch, q_head, wg, tile_start, ranges, total_steps, bnds)
+    pl.when(wg < _COMPUTE_WGS)(
+        lambda: _tile_compute_wg(st, dtype, refs, scoped, tile, compiled=compiled)
+    )
+    pl.when(wg == _COMPUTE_WGS)(
+        lambda: _tile_memory_wg(st, refs, scoped, batch, kv_head, ranges, total_steps)
+    )
+
+
+def _persistent_tile_of(st: _Static, refs: _Refs, program, j):
+    """Program-local tile ``j`` of a persistent program: its query head, batch row,
+    first row, steps and bounds."""
+    tiles = st.seq_pad // (2 * st.block_q)
+    q_head, q_tile, batch = tile_coords(
+        program, j, programs=st.programs, heads=st.q_heads, tiles=tiles
+    )
+    return (q_head, batch, *_tile_info(st, refs.bounds, None, batch, q_tile))
+
+
+def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_tiles, wg,
+                           *, compiled: bool):  # fmt: skip
+    """A compute WG of a persistent program: tile ``j + 1``'s Q is issued into the other
+    Q/O buffer when tile ``j`` starts (after tile ``j - 1``'s stores read it)."""
+    bufs, ready, consumed, schedule = scoped
+    qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _ = bufs
+    k_ready, v_ready, q_ready = ready
+    k_consumed, v_consumed = consumed
+    block_q, num_slots = st.block_q, st.num_stages
+    plgpu.set_max_registers(st.compute_registers, action="increase")
+
+    def issue_q(j, buf):
+        q_head, batch, tile_start, _, bnds = _persistent_tile_of(st, refs, program, j)
+        row0, _, active = _wg_rows(st, wg, tile_start, bnds)
+
+        @pl.when(active)
+        def _issue():
+            plgpu.copy_gmem_to_smem(
+                refs.q.at[batch, pl.ds(row0, block_q), q_head],
+                qo_smem3.at[buf, wg],
+                q_ready.at[buf * _COMPUTE_WGS + wg],
+            )
+
+    @pl.when(my_tiles > 0)
+    def _first():
+        issue_q(jnp.int32(0), 0)
+
+    def walk(j, base):
+        buf = lax.rem(j, 2)
+        q_head, batch, tile_start, ranges, bnds = _persistent_tile_of(st, refs, program, j)
+
+        @pl.when(j + 1 < my_tiles)
+        def _prefetch():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile j-1's stores
+            issue_q(j + 1, 1 - buf)
+
+        lse_smem = None if lse_smem3 is None else lse_smem3.at[buf, wg]
+        total_steps = ranges.total_steps
+        _compute_tile(
+            st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
+            (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
+            (k_ready, v_ready, schedule, k_consumed, v_consumed), (refs.out, refs.lse),
+            load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
+            slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
+            idle_waits=True, compiled=compiled,
+        )  # fmt: skip
+        return base + total_steps
+
+    lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _persistent_memory_wg(st: _Static, refs: _Refs, scoped, program, my_tiles):
+    """The memory WG of a persistent program: one K/V ring across its tiles
+    (``_persistent.ring_walk``), then the drain of the last ``num_stages`` steps."""
+    bufs, ready, consumed, _ = scoped
+    _, k_smem, v_smem, *_ = bufs
+    k_ready, v_ready, _ = ready
+    k_consumed, v_consumed = consumed
+    block_kv, num_slots = st.block_kv, st.num_stages
+    plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
+
+    def tile_steps(j):
+        q_head, batch, _, ranges, _ = _persistent_tile_of(st, refs, program, j)
+        kv_head = lax.div(q_head, jnp.int32(st.q_heads // st.kv_heads))
+
+        def issue(i, step, slot):
+            rows = (batch, pl.ds(ranges.block_at(i) * block_kv, block_kv), kv_head)
+
+            @pl.when(step >= num_slots)
+            def _k_free():
+                plgpu.barrier_wait(k_consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+            @pl.when(step >= num_slots)
+            def _v_free():
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        return ranges.total_steps, issue
+
+    total = ring_walk(my_tiles, num_slots, tile_steps)
+
+    @pl.loop(jnp.maximum(total - num_slots, 0), total)
+    def _drain(step):
+        slot = lax.rem(step, jnp.int32(num_slots))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+
+def _persistent_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
+    """``st.programs`` programs, each walking the tiles ``p, p + P, ...`` of the
+    (head, tile, batch) grid, head fastest (``_persistent.tile_coords``). Q/O and LSE
+    are double-buffered: a compute WG issues tile ``j + 1``'s Q load when it starts
+    tile ``j`` (once tile ``j - 1``'s output store has read that buffer), and tile
+    ``j``'s stores are waited for only then. The K/V ring runs on across tiles: step
+    ``i`` of a tile whose program walked ``base`` steps before it uses slot
+    ``(base + i) % num_stages``, so the memory WG loads the next tile's first blocks
+    while the current tile's last ones are consumed. A tile computes exactly as in
+    the per-tile kernel (the same steps, in the same order). One user per row only
+    (``validate_config``)."""
+    tiles = st.seq_pad // (2 * st.block_q)
+    program = lax.axis_index(_axes.PROGRAMS)
+    wg = lax.axis_index(_axes.WARPGROUP)
+    my_tiles = program_tiles(program, st.programs, st.q_heads * tiles * st.batch)
+    pl.when(wg < _COMPUTE_WGS)(
+        lambda: _persistent_compute_wg(
+            st, dtype, refs, scoped, program, my_tiles, wg, compiled=compiled
+        )
+    )
+    pl.when(wg == _COMPUTE_WGS)(lambda: _persistent_memory_wg(st, refs, scoped, program, my_tiles))
+
+
 def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
-    """The kernel body; ``accumulate_in_place=False`` avoids run_state (interpret mode)."""
+    """The kernel entry: the shared-memory buffers and barriers, then the one-tile or the
+    persistent body. ``accumulate_in_place=False`` avoids run_state (interpret mode)."""
     block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
     num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
-
-    def ring_slot(step):
-        """The K/V ring slot of step ``step`` of a one-tile program."""
-        return step % num_slots if isinstance(step, int) else lax.rem(step, jnp.int32(num_slots))
-
-    def kernel(q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped):
-        bufs, ready, consumed, schedule = scoped
-        qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
-        k_ready, v_ready, q_ready, *keys_ready = ready
-        k_consumed, v_consumed = consumed
-
-        batch = lax.axis_index(_axes.BATCH)
-        q_head = lax.axis_index(_axes.HEADS)
-        q_tile = lax.axis_index(_axes.Q_TILES)
-        wg = lax.axis_index(_axes.WARPGROUP)
-        kv_head = lax.div(q_head, jnp.int32(group))
-        tile_start, ranges, bnds = _tile_info(st, bounds_ref, steps_ref, batch, q_tile)
-        total_steps = ranges.total_steps
-
-        @pl.when(wg < _COMPUTE_WGS)
-        def _compute_wg():
-            plgpu.set_max_registers(st.compute_registers, action="increase")
-            qo_smem = qo_smem2.at[wg]
-
-            def load_q(row0):
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_ready.at[wg]
-                )
-                if st.users:
-                    plgpu.copy_gmem_to_smem(
-                        keys_ref.at[batch, :, pl.ds(row0, block_q)],
-                        keys_smem2.at[wg],
-                        keys_ready[0].at[wg],
-                    )
-                    plgpu.barrier_wait(keys_ready[0].at[wg])
-                plgpu.barrier_wait(q_ready.at[wg])
-
-            lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
-            _compute_tile(
-                st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-                (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
-                (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
-                load_q=load_q, slot_of=ring_slot, idle_waits=False,
-                compiled=accumulate_in_place,
-            )  # fmt: skip
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == _COMPUTE_WGS)
-        def _memory_wg():
-            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
-
-            def kv_rows(step):
-                return (batch, pl.ds(ranges.block_at(step) * block_kv, block_kv), kv_head)
-
-            for i in range(num_slots):
-
-                @pl.when(i < total_steps)
-                def _prologue(i=i):
-                    rows = kv_rows(jnp.int32(i))
-                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[i], k_ready.at[i])
-                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[i], v_ready.at[i])
-
-            @pl.loop(num_slots, jnp.maximum(total_steps, num_slots))
-            def _steady(step):
-                slot = lax.rem(step, jnp.int32(num_slots))
-                rows = kv_rows(step)
-                plgpu.barrier_wait(k_consumed.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
-
-            # Drain: observe the consumption of the last num_slots steps, so that every
-            # completed phase of the consumed barriers is waited on before they are
-            # freed (interpret mode checks this; on the GPU it costs an idle warpgroup
-            # a few waits).
-            @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
-            def _drain(step):
-                slot = lax.rem(step, jnp.int32(num_slots))
-                plgpu.barrier_wait(k_consumed.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
-
-    def persistent_kernel(
-        q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, scoped
-    ):
-        """``st.programs`` programs, each walking the tiles ``p, p + P, ...`` of the
-        (head, tile, batch) grid, head fastest (``_persistent.tile_coords``). Q/O and LSE
-        are double-buffered: a compute WG issues tile ``j + 1``'s Q load when it starts
-        tile ``j`` (once tile ``j - 1``'s output store has read that buffer), and tile
-        ``j``'s stores are waited for only then. The K/V ring runs on across tiles: step
-        ``i`` of a tile whose program walked ``base`` steps before it uses slot
-        ``(base + i) % num_stages``, so the memory WG loads the next tile's first blocks
-        while the current tile's last ones are consumed. A tile computes exactly as in
-        the per-tile kernel (the same steps, in the same order)."""
-        del steps_ref, keys_ref  # one user per row only (validate_config)
-        bufs, ready, consumed, schedule = scoped
-        qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _ = bufs
-        k_ready, v_ready, q_ready = ready
-        k_consumed, v_consumed = consumed
-        programs = st.programs
-        tiles = st.seq_pad // (2 * block_q)
-        num_tiles = st.q_heads * tiles * st.batch
-        program = lax.axis_index(_axes.PROGRAMS)
-        wg = lax.axis_index(_axes.WARPGROUP)
-        my_tiles = program_tiles(program, programs, num_tiles)
-
-        def tile_of(j):
-            """Program-local tile ``j``: its query head, batch row, first row, steps and
-            bounds."""
-            q_head, q_tile, batch = tile_coords(
-                program, j, programs=programs, heads=st.q_heads, tiles=tiles
-            )
-            return (q_head, batch, *_tile_info(st, bounds_ref, None, batch, q_tile))
-
-        @pl.when(wg < _COMPUTE_WGS)
-        def _compute_wg():
-            plgpu.set_max_registers(st.compute_registers, action="increase")
-
-            def issue_q(j, buf):
-                q_head, batch, tile_start, _, bnds = tile_of(j)
-                row0, _, active = _wg_rows(st, wg, tile_start, bnds)
-
-                @pl.when(active)
-                def _issue():
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[batch, pl.ds(row0, block_q), q_head],
-                        qo_smem3.at[buf, wg],
-                        q_ready.at[buf * _COMPUTE_WGS + wg],
-                    )
-
-            @pl.when(my_tiles > 0)
-            def _first():
-                issue_q(jnp.int32(0), 0)
-
-            def walk(j, base):
-                buf = lax.rem(j, 2)
-                q_head, batch, tile_start, ranges, bnds = tile_of(j)
-
-                @pl.when(j + 1 < my_tiles)
-                def _prefetch():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile j-1's stores
-                    issue_q(j + 1, 1 - buf)
-
-                lse_smem = None if lse_smem3 is None else lse_smem3.at[buf, wg]
-                total_steps = ranges.total_steps
-                _compute_tile(
-                    st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-                    (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
-                    (k_ready, v_ready, schedule, k_consumed, v_consumed), (out_ref, lse_ref),
-                    load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
-                    slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
-                    idle_waits=True, compiled=accumulate_in_place,
-                )  # fmt: skip
-                return base + total_steps
-
-            lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == _COMPUTE_WGS)
-        def _memory_wg():
-            plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
-
-            def tile_steps(j):
-                q_head, batch, _, ranges, _ = tile_of(j)
-                kv_head = lax.div(q_head, jnp.int32(group))
-
-                def issue(i, step, slot):
-                    rows = (batch, pl.ds(ranges.block_at(i) * block_kv, block_kv), kv_head)
-
-                    @pl.when(step >= num_slots)
-                    def _k_free():
-                        plgpu.barrier_wait(k_consumed.at[slot])
-
-                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-
-                    @pl.when(step >= num_slots)
-                    def _v_free():
-                        plgpu.barrier_wait(v_consumed.at[slot])
-
-                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
-
-                return ranges.total_steps, issue
-
-            total = ring_walk(my_tiles, num_slots, tile_steps)
-
-            @pl.loop(jnp.maximum(total - num_slots, 0), total)
-            def _drain(step):
-                slot = lax.rem(step, jnp.int32(num_slots))
-                plgpu.barrier_wait(k_consumed.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
 
     def entry(*refs):
         # Inputs q, k, v, bounds (+ the step list and the query key table for packed
         # rows), then out (+ lse).
-        num_in = 6 if st.users else 4
-        q_ref, k_ref, v_ref, bounds_ref = refs[:4]
-        steps_ref, keys_ref = refs[4:6] if st.users else (None, None)
-        out_ref, lse_ref = (*refs[num_in:], None)[:2]
+        num_in = 6 if st.packed_users else 4
+        steps_keys = refs[4:6] if st.packed_users else (None, None)
+        outs = (*refs[num_in:], None)[:2]
+        hbm = _Refs(*refs[:4], *steps_keys, *outs)
         copies = (2,) if st.programs else ()  # persistent: Q/O and LSE double-buffered
         transforms = tile_transforms()
         qo = plgpu.SMEM((*copies, _COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
@@ -794,15 +848,13 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         if not accumulate_in_place:
             p_buf = plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
         keys_buf, keys_ready = None, ()
-        if st.users:
+        if st.packed_users:
             keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
             keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
-        body = persistent_kernel if st.programs else kernel
+        body = _persistent_kernel if st.programs else _tile_kernel
 
         pl.run_scoped(
-            lambda *args: body(
-                q_ref, k_ref, v_ref, bounds_ref, steps_ref, keys_ref, out_ref, lse_ref, args
-            ),
+            lambda *scoped: body(st, dtype, hbm, scoped, compiled=accumulate_in_place),
             [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf],
             (
                 plgpu.Barrier(num_barriers=num_slots),
@@ -821,10 +873,10 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
     """q/k/v already padded to ``st.seq_pad``; bounds clipped int32 ``[B, 4]``, or packed
-    ``[B, U, 4]`` (``st.users = U``), whose step list and query key table are built
+    ``[B, U, 4]`` (``st.packed_users = U``), whose step list and query key table are built
     here."""
     inputs = [q, k, v, bounds]
-    if st.users:
+    if st.packed_users:
         inputs.append(
             packed_step_list(
                 bounds,
@@ -938,7 +990,7 @@ def ranker_attention_fwd(
         return_lse=bool(return_lse),
         exp2_fma_cols=config.exp2_fma_cols,
         rcp_fma_cols=config.rcp_fma_cols,
-        users=users,
+        packed_users=users,
         programs=config.programs,
         compute_registers=config.compute_registers or _DEFAULT_COMPUTE_REGISTERS,
     )
