@@ -5,8 +5,9 @@ Per token, a latent row ``[c_kv (512) | k_rope (64)]`` is stored as:
 * ``latent``: the 512 ``c_kv`` values in ``float8_e4m3fn``, each 128-group divided by
   its scale;
 * ``scale``: one ``float32`` per 128-group (4), ``max |x| / 448`` over the group (448
-  is e4m3fn's largest finite value), or 1 where that is 0 in float32 (an all-zero
-  group, or one whose largest magnitude is below ``448 * 2**-149``);
+  is e4m3fn's largest finite value; computed as ``max |x| * float32(1 / 448)``, within
+  one ulp, the same bits on every platform), or 1 where that is 0 in float32 (an
+  all-zero group, or one whose largest magnitude underflows);
 * ``rope``: the 64 ``k_rope`` values in ``bfloat16``, kept as they are.
 
 The value read back is ``latent * scale`` (in float32) followed by the rope: 656 bytes
@@ -33,6 +34,10 @@ ROPE = 64  # rope values per token
 GROUP = 128  # latent values per scale
 GROUPS = LATENT // GROUP
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# The scale is max |x| times float32(1 / 448): XLA turns a division by a constant into
+# this multiplication on some platforms (CPU: 1 ulp apart), so the rule is written as
+# the product that every platform computes to the same bits.
+_INV_FP8_MAX = np.float32(1.0 / FP8_MAX)
 PACKED_BYTES = LATENT + 4 * GROUPS + 2 * ROPE  # 656
 LATENT_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 SCALE_DTYPE = jnp.dtype(jnp.float32)
@@ -186,8 +191,8 @@ def cache_compute_dtype(cache) -> jnp.dtype:
 def quantize_latent_cache(kv: jax.Array) -> Fp8LatentCache:
     """A latent cache ``[..., 576]`` (bfloat16 or float32) in FP8 (:class:`Fp8LatentCache`).
 
-    Per token and 128-group of the first 512 values: ``scale = max |x| / 448`` (1 where
-    that is 0), ``latent = x / scale`` rounded to nearest-even ``float8_e4m3fn``; the last
+    Per token and 128-group of the first 512 values: ``scale = max |x| / 448`` (as
+    ``max |x| * float32(1 / 448)``; 1 where that is 0), ``latent = x / scale`` rounded to nearest-even ``float8_e4m3fn``; the last
     64 values are kept as bfloat16.
     """
     shape, dtype = _array_field(kv, "kv")
@@ -202,7 +207,7 @@ def quantize_latent_cache(kv: jax.Array) -> Fp8LatentCache:
     x = jnp.asarray(kv).astype(jnp.float32)
     groups = x[..., :LATENT].reshape(*lead, GROUPS, GROUP)
     amax = jnp.max(jnp.abs(groups), axis=-1)
-    scale = amax / FP8_MAX
+    scale = amax * _INV_FP8_MAX
     scale = jnp.where(scale == 0, 1.0, scale)  # NaN stays NaN: the group reads back NaN
     # Clipping only catches f32 rounding of amax / scale a hair above 448 (no e4m3fn
     # value above it: it would turn to NaN); NaN passes through jnp.clip.
