@@ -20,6 +20,7 @@ from attn_common import (
     SegmentBounds,
     kv_packing,
     padded_dk,
+    quantize_latent_cache,
     ranker_attention,
     shard_ranker_attention,
     shard_sparse_mla_attention,
@@ -94,6 +95,37 @@ def check_sparse_mla_ragged(mesh, **kw):
     np.testing.assert_allclose(np.asarray(got_lse)[finite], np.asarray(want_lse)[finite], 1e-5)
 
 
+def check_sparse_mla_fp8(mesh):
+    """An Fp8LatentCache (a pytree of three arrays): flat with batch and heads sharded,
+    ragged paged (replicated cache) with heads sharded."""
+    b, s, h, t, rb = 4, 6, 4, 128, 32
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(keys[0], (b, s, h, 576), jnp.bfloat16)
+    cache = quantize_latent_cache(jax.random.normal(keys[1], (b, t, 576)))
+    indices = jax.random.randint(keys[2], (b, s, 3), -1, t // rb)
+    positions = jnp.full((b, s), t - 1, jnp.int32)
+    args = dict(sm_scale=0.05, read_block=rb, return_lse=True)
+    want = sparse_mla_attention(q, cache, indices, positions, **args)
+    got = shard_sparse_mla_attention(mesh, **args)(q, cache, indices, positions)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    ps, pages = 16, 6
+    paged = quantize_latent_cache(jax.random.normal(keys[1], (pages, ps, 576)))
+    sid = jnp.asarray([0, 0, 1, 1, 1], jnp.int32)
+    ragged = (q[:1, :5], paged, indices[:1, :5] % 3, jnp.asarray([[40, 47, 30, 31, 32]]), sid,
+              jnp.asarray([48, 33], jnp.int32), jnp.asarray([0, 48, 96], jnp.int32),
+              jnp.asarray([5, 0, 3, 1, 4, 2], jnp.int32))  # fmt: skip
+    opts = dict(sm_scale=0.05, page_size=ps, return_lse=True)
+    q_, cache_, idx_, pos_, sid_, sl_, cu_, pi_ = ragged
+    want = sparse_mla_attention(
+        q_, cache_, idx_, pos_, read_block=ps, q_seq_id=sid_, seq_lens=sl_, cu_kv_lens=cu_,
+        page_indices=pi_, **opts,
+    )  # fmt: skip
+    got = shard_sparse_mla_attention_ragged(mesh, head_axis="model", **opts)(*ragged)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+
+
 def main() -> None:
     assert len(jax.devices()) == 8, (jax.devices(), os.environ.get("XLA_FLAGS"))
     mesh = jax.make_mesh((4, 2), ("data", "model"))
@@ -107,6 +139,7 @@ def main() -> None:
     check_sparse_mla(auto)
     check_sparse_mla_ragged(jax.make_mesh((8,), ("model",)))
     check_sparse_mla_ragged(mesh, head_axis="model")
+    check_sparse_mla_fp8(mesh)
     print("OK")
 
 

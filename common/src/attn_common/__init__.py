@@ -2,7 +2,7 @@
 
 One definition each of the config, the segment bounds and mask predicate, the soft cap
 and its derivative, the block ranges kernels visit, the sparse-MLA and paged-write
-tables, and the input contracts. The reference and every kernel import these.
+tables, the FP8 latent cache format, and the input contracts. The reference and every kernel import these.
 
 It is also the front door for users: ``ranker_attention``, ``sparse_mla_attention``,
 ``sparse_mla_attention_qblock``, ``paged_write_back`` and
@@ -38,6 +38,11 @@ from attn_common.dispatch import (
     select_backend,
     sparse_mla_attention,
     sparse_mla_attention_qblock,
+)
+from attn_common.fp8_cache import (
+    Fp8LatentCache,
+    dequantize_latent_cache,
+    quantize_latent_cache,
 )
 from attn_common.metadata import check_ragged_metadata, check_unit_indices
 from attn_common.packed import (
@@ -81,6 +86,7 @@ __all__ = [
     "BackendUnavailableError",
     "CapMethod",
     "CapParams",
+    "Fp8LatentCache",
     "KernelConfig",
     "PackedUsers",
     "RankerProblem",
@@ -97,6 +103,7 @@ __all__ = [
     "check_sparse_mla_inputs",
     "check_unit_indices",
     "check_write_back_inputs",
+    "dequantize_latent_cache",
     "device_class",
     "installed_backends",
     "kv_packing",
@@ -108,6 +115,7 @@ __all__ = [
     "paged_write_back",
     "prefill_write_and_attend_ragged",
     "prefill_write_and_attend_ragged_qblock",
+    "quantize_latent_cache",
     "ranker_attention",
     "ranker_case",
     "ranker_flops",

@@ -22,6 +22,14 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from attn_common.fp8_cache import (
+    LATENT,
+    ROPE,
+    Fp8LatentCache,
+    check_fp8_cache,
+    check_fp8_widths,
+    quantize_latent_cache,
+)
 from attn_common.ranker import array_shape
 from attn_common.sparse_mla import _check_positive_int, padded_dk
 from attn_common.tables import keep_last_writes, kv_packing
@@ -48,8 +56,11 @@ def scatter_write_back(cache: jax.Array, rows: jax.Array, loc: jax.Array) -> jax
     ``loc`` must already hold one row per slot (``keep_last_writes``: a repeated slot
     keeps its last row, the others ``-1``); negative or out-of-range slots are dropped.
     The reference ``paged_write_back`` is this scatter, and every backend's write-back
-    must equal it bit for bit.
+    must equal it bit for bit. An ``Fp8LatentCache`` and its ``Fp8LatentCache`` rows are
+    scattered field by field.
     """
+    if isinstance(cache, Fp8LatentCache):
+        return jax.tree.map(lambda c, r: scatter_write_back(c, r, loc), cache, rows)
     flat = cache.reshape(-1, cache.shape[-1])
     flat = flat.at[loc.astype(jnp.int32)].set(
         rows.astype(cache.dtype), mode="drop", wrap_negative_indices=False
@@ -61,8 +72,14 @@ def write_back_by_scatter(call: WriteBackCall) -> jax.Array:
     """The whole write-back as the reference defines it, on a validated call
     (``attn_common.spec.write_back_call``): keep the last row of a repeated slot
     (``keep_last_writes``) and scatter (``scatter_write_back``). Backends whose write-back
-    is this XLA scatter use it; a kernel write-back must equal it bit for bit."""
-    return scatter_write_back(call.cache, call.rows, keep_last_writes(call.loc, call.slots))
+    is this XLA scatter use it; a kernel write-back must equal it bit for bit.
+
+    An ``Fp8LatentCache`` takes floating rows quantized (``quantize_latent_cache``: only
+    the new rows, the cache is neither read nor converted) or ``Fp8LatentCache`` rows."""
+    rows = call.rows
+    if isinstance(call.cache, Fp8LatentCache) and not isinstance(rows, Fp8LatentCache):
+        rows = quantize_latent_cache(rows.astype(jnp.float32))
+    return scatter_write_back(call.cache, rows, keep_last_writes(call.loc, call.slots))
 
 
 def check_paged_cache(cache, page_size) -> tuple[int, ...]:
@@ -101,8 +118,12 @@ def _check_float_array(x, name: str) -> tuple[int, ...]:
 def check_write_back_inputs(cache, rows, loc, page_size) -> tuple[int, ...]:
     """Validate ``paged_write_back`` inputs; return the cache shape.
 
-    ``cache`` a paged cache (:func:`check_paged_cache`), ``rows [T, D]``, ``loc`` int ``[T]``.
+    ``cache`` a paged cache (:func:`check_paged_cache`), ``rows [T, D]``, ``loc`` int ``[T]``;
+    or ``cache`` an ``Fp8LatentCache`` ``[num_pages, page_size]`` and ``rows`` floating
+    ``[T, 576]`` or an ``Fp8LatentCache`` ``[T]`` (returns the token grid).
     """
+    if isinstance(cache, Fp8LatentCache):
+        return _check_fp8_write_back(cache, rows, loc, page_size)
     shape = check_paged_cache(cache, page_size)
     feat = shape[3]
     rows_shape = array_shape(rows, "rows")
@@ -119,6 +140,34 @@ def check_write_back_inputs(cache, rows, loc, page_size) -> tuple[int, ...]:
         raise ValueError(f"rows: got shape {rows_shape}, expected [T, D={feat}]")
     _check_int_array(loc, "loc", rows_shape[:1], f"[T={rows_shape[0]}]")
     return shape
+
+
+def _check_fp8_paged(cache, page_size, name: str = "cache") -> tuple[int, ...]:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size: got {page_size!r}, expected a positive int")
+    hint = f"[num_pages, page_size={page_size}]"
+    return check_fp8_cache(cache, name, (None, page_size), hint)
+
+
+def _check_fp8_write_back(cache, rows, loc, page_size) -> tuple[int, ...]:
+    grid = _check_fp8_paged(cache, page_size)
+    if isinstance(rows, Fp8LatentCache):
+        (num_tokens,) = check_fp8_cache(rows, "rows", (None,), "[T]")
+    else:
+        rows_shape = array_shape(rows, "rows")
+        if not jnp.issubdtype(rows.dtype, jnp.floating):
+            raise TypeError(
+                f"rows: got dtype {jnp.dtype(rows.dtype).name} for an Fp8LatentCache, expected "
+                "a floating dtype (quantized as written) or an Fp8LatentCache"
+            )
+        if len(rows_shape) != 2 or rows_shape[1] != LATENT + ROPE:
+            raise ValueError(
+                f"rows: got shape {rows_shape}, expected [T, {LATENT + ROPE}] for an "
+                "Fp8LatentCache (512 latent values, then 64 rope values)"
+            )
+        num_tokens = rows_shape[0]
+    _check_int_array(loc, "loc", (num_tokens,), f"[T={num_tokens}]")
+    return grid
 
 
 def check_prefill_inputs(
@@ -179,6 +228,10 @@ def check_prefill_inputs(
     for name, x in (("cu_q_lens", cu_q_lens), ("cu_kv_lens", cu_kv_lens)):
         _check_int_array(x, name, (num_seqs + 1,), f"[num_seqs + 1 = {num_seqs + 1}]")
     _check_int_array(page_indices, "page_indices", (None,), "[total_pages]")
+    if isinstance(cache, Fp8LatentCache):
+        _check_fp8_paged(cache, page_size)
+        check_fp8_widths(dv + rope, kv_lora_rank, q_name="ql + qpe")
+        return
     check_paged_cache(cache, page_size)
     _check_float_array(cache, "cache")
     dk_pad = padded_dk(dv + rope)
@@ -202,7 +255,10 @@ def write_then_attend(
     ``PrefillCall.attend``). Returns ``(out [T, H, kv_lora_rank] float32, new_cache)``.
     """
     cache = call.cache
-    rows = latent_rows(call.kvc, call.kpe, width=cache.shape[-1], dtype=cache.dtype)
+    if isinstance(cache, Fp8LatentCache):  # quantized as written (write_back_by_scatter)
+        rows = latent_rows(call.kvc, call.kpe, width=LATENT + ROPE, dtype=jnp.float32)
+    else:
+        rows = latent_rows(call.kvc, call.kpe, width=cache.shape[-1], dtype=cache.dtype)
     new_cache = write_back(call.write(rows))
     out = attend(call.attend(new_cache, split_q=split_q))
     return out[0], new_cache

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache, check_fp8_widths
 from attn_common.metadata import (
     RaggedBatch,
     check_unit_indices,
@@ -140,9 +141,13 @@ def validate_sparse_mla(
     batch, num_queries, heads, dk = q_shape
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q: got dtype {q.dtype}, expected a floating dtype")
-    kv_shape = array_shape(kv, "kv")
-    if not jnp.issubdtype(kv.dtype, jnp.floating):
-        raise TypeError(f"kv: got dtype {kv.dtype}, expected a floating dtype")
+    fp8 = isinstance(kv, Fp8LatentCache)
+    if fp8:  # the token grid is checked below, per mode
+        kv_shape = check_fp8_cache(kv, "kv")
+    else:
+        kv_shape = array_shape(kv, "kv")
+        if not jnp.issubdtype(kv.dtype, jnp.floating):
+            raise TypeError(f"kv: got dtype {kv.dtype}, expected a floating dtype")
     idx_shape = _check_int_array(indices, "indices", 3, "[B, S, K]")
     if idx_shape[:2] != (batch, num_queries):
         raise ValueError(
@@ -155,6 +160,8 @@ def validate_sparse_mla(
     kv_lora_rank = _check_positive_int(kv_lora_rank, "kv_lora_rank")
     if kv_lora_rank > dk:
         raise ValueError(f"kv_lora_rank: got {kv_lora_rank}, expected <= Dk = {dk} (q's last dim)")
+    if fp8:
+        check_fp8_widths(dk, kv_lora_rank, q_name="q")
     scale = resolve_sm_scale(sm_scale, dk, required=True)
     top_k = idx_shape[2]
 
@@ -171,7 +178,9 @@ def validate_sparse_mla(
             given.append("page_size")
         if given:
             raise ValueError(f"{given[0]}: given without q_seq_id; ragged mode needs q_seq_id")
-        if len(kv_shape) != 3 or kv_shape[0] != batch or kv_shape[2] != dk:
+        if fp8:
+            check_fp8_cache(kv, "kv", (batch, None), f"[B={batch}, T]")
+        elif len(kv_shape) != 3 or kv_shape[0] != batch or kv_shape[2] != dk:
             raise ValueError(f"kv: got shape {kv_shape}, expected [B={batch}, T, Dk={dk}]")
         kv_len = kv_shape[1]  # T = 0 is empty work: every query gets out 0, LSE -inf
         num_units = -(-kv_len // read_block)
@@ -187,14 +196,17 @@ def validate_sparse_mla(
                 f"read_block: got {read_block}, ragged mode needs read_block == page_size "
                 f"({page_size}): a unit is one page"
             )
-        pk = kv_packing(kv.dtype)
-        want = (page_size // pk, pk, padded_dk(dk))
-        if len(kv_shape) != 4 or kv_shape[1:] != want:
-            raise ValueError(
-                f"kv: got shape {kv_shape}, ragged mode expects the paged cache "
-                f"[num_pages, page_size // {pk}, {pk}, Dk_pad = {padded_dk(dk)}] = "
-                f"[num_pages, {', '.join(map(str, want))}] for dtype {kv.dtype}"
-            )
+        if fp8:
+            check_fp8_cache(kv, "kv", (None, page_size), f"[num_pages, page_size={page_size}]")
+        else:
+            pk = kv_packing(kv.dtype)
+            want = (page_size // pk, pk, padded_dk(dk))
+            if len(kv_shape) != 4 or kv_shape[1:] != want:
+                raise ValueError(
+                    f"kv: got shape {kv_shape}, ragged mode expects the paged cache "
+                    f"[num_pages, page_size // {pk}, {pk}, Dk_pad = {padded_dk(dk)}] = "
+                    f"[num_pages, {', '.join(map(str, want))}] for dtype {kv.dtype}"
+                )
         kv_len = kv_shape[0] * page_size
         ragged = ragged_batch(
             q_seq_id=q_seq_id,

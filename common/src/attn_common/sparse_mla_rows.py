@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attn_common.fp8_cache import Fp8LatentCache
 from attn_common.sparse_mla import SparseMlaProblem, lift_ragged_indices, ragged_query_info
 from attn_common.tables import sanitize_unit_ids
 
@@ -114,8 +115,10 @@ def sparse_mla_units(
 
     ``problem`` is ``check_sparse_mla_inputs``'s answer for the same arguments. Flat:
     store ``kv.reshape(B * T, Dk)``; ragged: ``kv.reshape(num_pages * page_size,
-    Dk_pad)`` (keys are its first ``Dk`` features).
+    Dk_pad)`` (keys are its first ``Dk`` features). An ``Fp8LatentCache`` gives an
+    ``Fp8LatentCache`` store on the token grid ``[R]``.
     """
+    fp8 = isinstance(kv, Fp8LatentCache)
     if problem.ragged:
         units = ragged_units(
             indices,
@@ -127,7 +130,7 @@ def sparse_mla_units(
             page_size=page_size,
             num_pages=kv.shape[0],
         )
-        return units, kv.reshape(-1, kv.shape[-1])
+        return units, kv.reshape(-1) if fp8 else kv.reshape(-1, kv.shape[-1])
     units = flat_units(
         indices,
         positions,
@@ -135,7 +138,7 @@ def sparse_mla_units(
         read_block=problem.read_block,
         num_units=problem.num_units,
     )
-    return units, kv.reshape(-1, problem.dk)
+    return units, kv.reshape(-1) if fp8 else kv.reshape(-1, problem.dk)
 
 
 def row_table_width(top_k: int, read_block: int, block: int = 64) -> int:

@@ -45,6 +45,7 @@ from jax.experimental import checkify
 from attn_common.bounds import SegmentBounds, check_bounds
 from attn_common.cap import CapParams
 from attn_common.config import KernelConfig
+from attn_common.fp8_cache import cache_compute_dtype
 from attn_common.metadata import RaggedBatch, is_concrete, ragged_batch
 from attn_common.packed import _packed_array, check_packed_bounds, validate_packed_bounds
 from attn_common.paged import check_prefill_inputs, check_write_back_inputs
@@ -237,10 +238,14 @@ def sparse_mla_call(
     Args:
       q: flat mode ``[B, S, H, Dk]`` (Dk = kv_lora_rank + rope, e.g. 512 + 64); ragged
         paged mode ``[1, T, H, Dk]`` (all requests packed into one row). Floating; cast
-        to kv's dtype (the cache's dtype is the compute dtype on every backend).
+        to kv's dtype (the cache's dtype is the compute dtype on every backend; bfloat16
+        for an ``Fp8LatentCache``).
       kv: flat mode the latent cache ``[B, T_kv, Dk]``; ragged paged mode the paged cache
         ``[num_pages, page_size // pk, pk, Dk_pad]`` (``pk = kv_packing(dtype)``,
-        ``Dk_pad = padded_dk(Dk)``).
+        ``Dk_pad = padded_dk(Dk)``). Or, in either mode, an ``Fp8LatentCache``
+        (``attn_common.fp8_cache``; Dk = 512 + 64, ``kv_lora_rank = 512``) on the token
+        grid ``[B, T_kv]`` (flat) or ``[num_pages, page_size]`` (paged): the result is
+        the op's on ``dequantize_latent_cache(kv)``.
       indices: int ``[B, S, K]`` selected units per query: flat mode unit ids (a unit is
         ``read_block`` tokens), ragged mode request-local page ids; ``-1`` or out of
         range = none; duplicates count once.
@@ -286,7 +291,7 @@ def sparse_mla_call(
     check_qblock_knobs(query_block, u_max, head_block)
     return SparseMlaCall(
         problem,
-        q.astype(kv.dtype),  # the dtype policy: the query takes the cache's dtype
+        q.astype(cache_compute_dtype(kv)),  # the query takes the cache's dtype (FP8: bf16)
         kv,
         indices,
         positions,
@@ -360,9 +365,12 @@ def write_back_call(
 
     Args:
       cache: paged cache ``[num_pages, page_size // pk, pk, D]``, floating; flat slot
-        ``s`` is page ``s // page_size``, row ``s % page_size``.
+        ``s`` is page ``s // page_size``, row ``s % page_size``. Or an
+        ``Fp8LatentCache`` on the token grid ``[num_pages, page_size]``.
       rows: ``[T, D]`` new rows, floating, cast to the cache dtype (the cache's dtype is
-        the storage format).
+        the storage format). For an ``Fp8LatentCache``: ``[T, 576]`` floating, quantized
+        as they are written (``quantize_latent_cache``), or an ``Fp8LatentCache`` ``[T]``
+        written as it is.
       loc: int ``[T]`` flat slot per row; a negative slot writes nothing. A slot at or
         past ``num_pages * page_size`` is refused (host values; traced ones under
         ``debug_checks``). A slot listed more than once keeps its last row, as a
@@ -418,7 +426,8 @@ class PrefillCall:
         """The attend step over ``new_cache``: its query is ``[1, T, H, Dk]``, ``ql`` and
         ``qpe`` joined (a copy of all of Q), or with ``split_q`` the pair
         ``(ql[None], qpe[None])`` for a backend that reads the two where they are."""
-        ql, qpe = self.ql.astype(new_cache.dtype), self.qpe.astype(new_cache.dtype)
+        dtype = cache_compute_dtype(new_cache)
+        ql, qpe = self.ql.astype(dtype), self.qpe.astype(dtype)
         q = (ql[None], qpe[None]) if split_q else jnp.concatenate([ql, qpe], axis=-1)[None]
         return SparseMlaCall(
             self.attention, q, new_cache, self.topk_pages[None], self.positions[None],
@@ -455,8 +464,9 @@ def prefill_call(
       ql: ``[T, H, kv_lora_rank]`` absorbed latent query; qpe: ``[T, H, rope]``.
       kvc: ``[T, kv_lora_rank]`` new latents; kpe: ``[T, rope]`` (or ``[T, 1, rope]``).
         All four floating, cast to the cache's dtype (as in ``sparse_mla_attention``
-        and ``paged_write_back``).
-      cache: the paged cache ``[num_pages, page_size // pk, pk, Dk_pad]``.
+        and ``paged_write_back``; an ``Fp8LatentCache`` quantizes the new rows).
+      cache: the paged cache ``[num_pages, page_size // pk, pk, Dk_pad]``, or an
+        ``Fp8LatentCache`` on the token grid ``[num_pages, page_size]``.
       topk_pages: ``[T, K]`` request-local page ids (``-1`` = none).
       positions: ``[T]`` request-local query positions.
       loc: ``[T]`` flat cache slots (negative: no write; past the cache: refused).
@@ -494,7 +504,7 @@ def prefill_call(
     joined = jax.ShapeDtypeStruct((1, num_tokens, heads, ql.shape[2] + qpe.shape[2]), ql.dtype)
     attention, _ = validate_sparse_mla(
         joined,
-        jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache),
         jax.ShapeDtypeStruct((1, *topk_pages.shape), topk_pages.dtype),
         jax.ShapeDtypeStruct((1, num_tokens), positions.dtype),
         sm_scale=sm_scale,

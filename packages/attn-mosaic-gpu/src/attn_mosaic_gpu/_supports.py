@@ -8,6 +8,7 @@ options), never array values.
 
 from __future__ import annotations
 
+from attn_common.fp8_cache import fp8_unsupported
 from attn_mosaic_gpu.ranker import supports as ranker_supports
 from attn_mosaic_gpu.sparse_mla import sparse_mla_unsupported
 
@@ -40,6 +41,9 @@ def supports(op: str, *args, **kwargs) -> str | None:
         q, kv = _arg(args, kwargs, 0, "ql"), _arg(args, kwargs, 4, "cache")
         ql_dim, qpe_dim = _last_dim(q), _last_dim(_arg(args, kwargs, 1, "qpe"))
         dk = None if ql_dim is None or qpe_dim is None else ql_dim + qpe_dim
-    else:  # paged_write_back: the XLA scatter takes every cache
+    else:  # paged_write_back: the XLA scatter takes every cache, FP8 too
         return None
+    fp8 = fp8_unsupported(kv, names[1], kernels="Hopper sparse-MLA")
+    if fp8 is not None:
+        return fp8
     return sparse_mla_unsupported(None, getattr(kv, "dtype", None), dk, dv, names=names)

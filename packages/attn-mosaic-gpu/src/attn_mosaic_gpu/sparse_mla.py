@@ -23,6 +23,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from attn_common.fp8_cache import fp8_unsupported
 from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla import empty_result
 from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
@@ -103,6 +104,9 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
     if isinstance(q, tuple):  # (latent, rope): the write-then-attend wrappers' query
         q, q_rope = q
     names = ("qpe", "cache") if q_rope is not None else ("q", "kv")
+    fp8 = fp8_unsupported(call.kv, names[1], kernels="Hopper sparse-MLA")
+    if fp8 is not None:  # never dequantize the whole cache: twice a bf16 cache's bytes
+        raise NotImplementedError(fp8)
     reason = sparse_mla_unsupported(None, call.kv.dtype, problem.dk, problem.dv, names=names)
     if reason is not None:
         error = TypeError if "dtype" in reason else NotImplementedError
@@ -178,7 +182,8 @@ sparse_mla_attention_qblock.impl = sparse_mla_attention.impl  # the front door's
 def paged_write_back(call: WriteBackCall) -> jax.Array:
     """``cache[loc[t]] = rows[t]`` for every ``loc[t] >= 0``, as an XLA scatter on the GPU.
 
-    Bit-identical to ``attn_reference.paged_write_back`` (the same scatter). ``r_cap``
+    Bit-identical to ``attn_reference.paged_write_back`` (the same scatter; an
+    ``Fp8LatentCache`` gets its new rows quantized and scattered field by field). ``r_cap``
     and ``interpret`` are accepted for API parity.
     """
     return write_back_by_scatter(call)

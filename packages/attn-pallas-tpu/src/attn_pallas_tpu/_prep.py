@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import SparseMlaProblem
+from attn_common.fp8_cache import fp8_unsupported
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.spec import SparseMlaCall, require_kernel
 from attn_common.tables import sanitize_unit_ids
@@ -58,6 +59,9 @@ def require_tpu_kernels(call: SparseMlaCall) -> SparseMlaProblem:
     """The TPU kernels' limits on a validated call: float32 or bfloat16 cache (the query
     takes its dtype) and ``read_block % 16 == 0``; returns the problem."""
     problem = call.problem
+    fp8 = fp8_unsupported(call.kv, "kv", kernels="TPU sparse-MLA")
+    if fp8 is not None:  # never dequantize the whole cache: twice a bf16 cache's bytes
+        raise NotImplementedError(fp8)
     require_kernel(
         "kv", jnp.dtype(call.kv.dtype).name, [d.name for d in KERNEL_DTYPES], what="dtype",
         kernels="TPU sparse-MLA",

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common.paged import write_then_attend
+from attn_common.fp8_cache import Fp8LatentCache, fp8_unsupported
+from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.spec import PrefillCall, WriteBackCall, prefill_call, public_op, write_back_call
 from attn_common.tables import (
     TOKEN_RUN,
@@ -161,8 +162,12 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
 
     Donate the cache (``jax.jit(..., donate_argnums=...)``) for a true in-place update.
     ``r_cap``: run-table size (static); default ``attn_common.default_write_run_cap``;
-    more contiguous runs than this fall back to the XLA scatter (bit-identical).
+    more contiguous runs than this fall back to the XLA scatter (bit-identical). An
+    ``Fp8LatentCache`` is written by the XLA scatter (``write_back_by_scatter``: the new
+    rows quantized, nothing else read).
     """
+    if isinstance(call.cache, Fp8LatentCache):  # the new rows quantized, then scattered
+        return write_back_by_scatter(call)
     cache, rows, loc, page_size = call.cache, call.rows, call.loc, call.page_size
     _, _, pk, feat = cache.shape
     num_tokens = rows.shape[0]
@@ -198,6 +203,12 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
     return jax.lax.cond(runs.num_runs <= r_cap, kernel, scatter, cache)
 
 
+def _refuse_fp8(call: PrefillCall) -> None:
+    reason = fp8_unsupported(call.cache, "cache", kernels="TPU sparse-MLA")
+    if reason is not None:  # before the write: never dequantize the whole cache
+        raise NotImplementedError(reason)
+
+
 @public_op(prefill_call)
 def prefill_write_and_attend_ragged(call: PrefillCall) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (per-query kernel).
@@ -205,6 +216,7 @@ def prefill_write_and_attend_ragged(call: PrefillCall) -> tuple[jax.Array, jax.A
     ``query_block`` / ``u_max`` are validated and ignored here; accepted so the
     ``_qblock`` twin is a drop-in.
     """
+    _refuse_fp8(call)
     return write_then_attend(paged_write_back.impl, sparse_mla_attention.impl, call)
 
 
@@ -213,4 +225,5 @@ def prefill_write_and_attend_ragged_qblock(call: PrefillCall) -> tuple[jax.Array
     """Same as :func:`prefill_write_and_attend_ragged`, attending with the query-blocked
     kernel (``query_block`` queries per program and ``u_max`` union slots per chunk;
     ``None`` = the automatic tiling of :func:`sparse_mla_attention_qblock`)."""
+    _refuse_fp8(call)
     return write_then_attend(paged_write_back.impl, sparse_mla_attention_qblock.impl, call)

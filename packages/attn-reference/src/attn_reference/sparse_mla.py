@@ -8,7 +8,10 @@ valid (a real selection, first occurrence of its unit, ``position >= t``, ``t <
 kv_len``), and runs an exact masked softmax. Values of rows a query does not attend are
 zeroed before the value product, so whatever those rows hold (NaN, Inf) never reaches
 its output. Queries are processed in chunks so memory
-stays bounded by one chunk's gathered keys.
+stays bounded by one chunk's gathered keys. An ``Fp8LatentCache`` is read the same way:
+the gathered rows are dequantized to float32 (``latent * scale``, then the rope), so the
+result is the op's on ``dequantize_latent_cache(kv)``; a NaN scale of an unattended row
+is masked like any other value there.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from attn_common.fp8_cache import Fp8LatentCache, dequantize_latent_cache
 from attn_common.sparse_mla import empty_result
 from attn_common.sparse_mla_rows import UnitRows, sparse_mla_units
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
@@ -32,6 +36,14 @@ def _dedupe(first_row: jax.Array) -> jax.Array:
     earlier = jnp.tril(jnp.ones((k, k), bool), k=-1)[None]
     repeated = jnp.any(same & earlier, axis=2)
     return jnp.where(repeated, -1, first_row)
+
+
+def _gather_keys(store, rows, dk: int) -> jax.Array:
+    """Store rows ``rows`` as float32 keys ``[..., Dk]``; an ``Fp8LatentCache`` store's
+    rows are dequantized here, after the gather (never the whole cache)."""
+    if isinstance(store, Fp8LatentCache):
+        return dequantize_latent_cache(store.take_rows(rows))
+    return store[rows, :dk].astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "chunk"))
@@ -63,7 +75,7 @@ def _attend_units(q, store, units: UnitRows, *, sm_scale, dv, read_block, chunk)
         tpos = (pos0[:, :, None] + r).reshape(chunk, -1)
         selected = jnp.repeat(row0 >= 0, read_block, axis=1)
         valid = selected & (tpos <= qpos[:, None]) & (tpos < kv_len[:, None])
-        keys = store[jnp.clip(rows, 0, rows_total - 1), :dk].astype(jnp.float32)
+        keys = _gather_keys(store, jnp.clip(rows, 0, rows_total - 1), dk)
         s = jnp.einsum("chd,ctd->cht", q_c, keys, precision=jax.lax.Precision.HIGHEST)
         s = jnp.where(valid[:, None, :], s * sm_scale, -jnp.inf)
         # Rows the query does not attend may hold anything (page tails, unwritten slots):
@@ -84,7 +96,8 @@ def _attend_units(q, store, units: UnitRows, *, sm_scale, dv, read_block, chunk)
 
 @public_op(sparse_mla_call)
 def sparse_mla_attention(call: SparseMlaCall):
-    """Sparse MLA attention over selected KV units (reference, plain JAX, any float).
+    """Sparse MLA attention over selected KV units (reference, plain JAX, any float cache
+    or an ``Fp8LatentCache``).
 
     The query-blocked knobs (``query_block``, ``u_max``, ``head_block``) tune the TPU
     kernel and never change the answer: the reference validates them and computes the
