@@ -168,6 +168,51 @@ def random_page_selection(rng: np.random.Generator, layout, top_k: int, page_siz
     return sel.astype(np.int32)
 
 
+def sparse_mla_ragged_case(
+    seed: int, *, seq_lens, new_lens, extra_pages, page_size: int, heads: int, top_k: int,
+    dk: int, dk_pad: int, dtype: str,
+):  # fmt: skip
+    """Ragged paged sparse-MLA inputs ``(layout, cache, q, indices, positions)``: a
+    random cache (junk in the feature padding, spare pages and past seq_len), selections
+    from ``random_page_selection``, query 3 with nothing selected, and queries 5 and the
+    last with positions 40 past their request's kv length (``seq_lens`` then binds)."""
+    rng = rng_for(seed)
+    layout = build_ragged_layout(
+        rng, seq_lens=seq_lens, new_lens=new_lens, extra_pages=extra_pages, page_size=page_size
+    )
+    pk = 2 if dtype == "bfloat16" else 1
+    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, dk_pad), dtype)
+    num_q = int(sum(new_lens))
+    q = randn(rng, (1, num_q, heads, dk), dtype)
+    idx = random_page_selection(rng, layout, top_k, page_size)
+    idx[3] = -1  # a query with nothing selected
+    positions = layout["positions"].copy()
+    positions[[5, num_q - 1]] += 40  # kv_len (seq_lens) is then the binding bound
+    return layout, cache, q, idx, positions
+
+
+def sparse_mla_ragged_call(fn, case, page_size: int, *, sm_scale: float, dv: int, **kw):
+    """``fn`` (a ``sparse_mla_attention``) on a ``sparse_mla_ragged_case`` in ragged paged
+    mode, one unit per page, returning ``(out, lse)``."""
+    layout, cache, q, idx, positions = case
+    return fn(
+        q,
+        cache,
+        idx[None],
+        positions[None],
+        sm_scale=sm_scale,
+        kv_lora_rank=dv,
+        read_block=page_size,
+        page_size=page_size,
+        q_seq_id=layout["q_seq_id"],
+        seq_lens=layout["seq_lens"],
+        cu_kv_lens=layout["cu_kv_lens"],
+        page_indices=layout["page_indices"],
+        return_lse=True,
+        **kw,
+    )
+
+
 # --------------------------------------------------------------------------------------
 # Dirty caches: garbage in every row no query attends
 

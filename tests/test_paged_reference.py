@@ -14,11 +14,11 @@ from helpers import (
     assert_exact_zero_rows,
     assert_lse_close,
     attended_rows_ragged,
-    build_ragged_layout,
     poison_rows,
     randn,
-    random_page_selection,
     rng_for,
+    sparse_mla_ragged_call,
+    sparse_mla_ragged_case,
     upcast,
 )
 from jax.experimental import checkify
@@ -54,38 +54,15 @@ def _pk(dtype: str) -> int:
 def make_case(seed: int, page_size: int, dtype: str):
     """Layout, random cache (junk in the feature padding, spare pages and past seq_len),
     q and selections; two queries get positions past their request's kv length."""
-    rng = rng_for(seed)
-    layout = build_ragged_layout(
-        rng, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES, page_size=page_size
-    )
-    pk = _pk(dtype)
-    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, DK_PAD), dtype)
-    num_q = int(sum(NEW_LENS))
-    q = randn(rng, (1, num_q, HEADS, DK), dtype)
-    idx = random_page_selection(rng, layout, TOP_K, page_size)
-    idx[3] = -1  # a query with nothing selected
-    positions = layout["positions"].copy()
-    positions[[5, num_q - 1]] += 40  # kv_len (seq_lens) is then the binding bound
-    return layout, cache, q, idx, positions
+    return sparse_mla_ragged_case(
+        seed, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES,
+        page_size=page_size, heads=HEADS, top_k=TOP_K, dk=DK, dk_pad=DK_PAD, dtype=dtype,
+    )  # fmt: skip
 
 
 def _ragged_call(fn, layout, cache, q, idx, positions, page_size, **kw):
-    return fn(
-        q,
-        cache,
-        idx[None],
-        positions[None],
-        sm_scale=SM_SCALE,
-        kv_lora_rank=DV,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=layout["q_seq_id"],
-        seq_lens=layout["seq_lens"],
-        cu_kv_lens=layout["cu_kv_lens"],
-        page_indices=layout["page_indices"],
-        return_lse=True,
-        **kw,
-    )
+    case = (layout, cache, q, idx, positions)
+    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
 def _ragged_oracle(layout, cache, q, idx, positions, page_size):

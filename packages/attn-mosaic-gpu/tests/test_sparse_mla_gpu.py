@@ -38,6 +38,7 @@ from helpers import (
     randn,
     random_page_selection,
     rng_for,
+    sparse_mla_ragged_call,
 )
 
 import attn_mosaic_gpu as gpu
@@ -131,13 +132,7 @@ def _ragged_case(seed, page_size=64, heads=128, top_k=32):
 
 
 def _ragged(fn, case, page_size=64, **kw):
-    layout, cache, q, idx, positions = case
-    return fn(
-        q, cache, idx[None], positions[None], sm_scale=SM_SCALE, read_block=page_size,
-        page_size=page_size, q_seq_id=layout["q_seq_id"], seq_lens=layout["seq_lens"],
-        cu_kv_lens=layout["cu_kv_lens"], page_indices=layout["page_indices"],
-        return_lse=True, **kw,
-    )  # fmt: skip
+    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
 def test_ragged_paged_dirty_cache():

@@ -21,12 +21,12 @@ from helpers import (
     assert_no_races,
     attended_rows_flat,
     attended_rows_ragged,
-    build_ragged_layout,
     poison_rows,
     randn,
-    random_page_selection,
     rng_for,
     sparse_mla_flat_case,
+    sparse_mla_ragged_call,
+    sparse_mla_ragged_case,
 )
 from jax.experimental.pallas import tpu as pltpu
 
@@ -168,39 +168,14 @@ TOP_K = 5
 def ragged_case(seed, page_size, dtype):
     """Shuffled physical pages, junk in the cache padding, -1/duplicate/out-of-extent ids,
     a query with nothing selected and queries whose kv_len binds."""
-    rng = rng_for(seed)
-    layout = build_ragged_layout(
-        rng, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES, page_size=page_size
-    )
-    pk = 2 if dtype == "bfloat16" else 1
-    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, 256), dtype)
-    num_q = int(sum(NEW_LENS))
-    q = randn(rng, (1, num_q, HEADS, DK), dtype)
-    idx = random_page_selection(rng, layout, TOP_K, page_size)
-    idx[3] = -1
-    positions = layout["positions"].copy()
-    positions[[5, num_q - 1]] += 40
-    return layout, cache, q, idx, positions
+    return sparse_mla_ragged_case(
+        seed, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES,
+        page_size=page_size, heads=HEADS, top_k=TOP_K, dk=DK, dk_pad=256, dtype=dtype,
+    )  # fmt: skip
 
 
 def _ragged_call(fn, case, page_size, **kw):
-    layout, cache, q, idx, positions = case
-    return fn(
-        q,
-        cache,
-        idx[None],
-        positions[None],
-        sm_scale=SM_SCALE,
-        kv_lora_rank=DV,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=layout["q_seq_id"],
-        seq_lens=layout["seq_lens"],
-        cu_kv_lens=layout["cu_kv_lens"],
-        page_indices=layout["page_indices"],
-        return_lse=True,
-        **kw,
-    )
+    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
 # Page size 16 of the default kernels: the conformance suite. Here 32-token pages (with
