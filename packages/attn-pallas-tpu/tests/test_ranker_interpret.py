@@ -19,6 +19,7 @@ few seconds and a grid step costs ~35 ms on the CPU). Tests over ~5 s are ``slow
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import jax
@@ -36,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
+from attn_common.spec import ranker_call
 from attn_pallas_tpu import ranker_attention, supports
 from attn_pallas_tpu.ranker_fwd import (
     TileSteps,
@@ -44,6 +46,7 @@ from attn_pallas_tpu.ranker_fwd import (
     make_static,
     prepare,
     q_step_table,
+    ranker_attention_fwd,
 )
 
 INTERPRET = pltpu.InterpretParams(
@@ -115,6 +118,24 @@ def test_forward_d64_out_only_broadcast_bounds_bf16():
     assert_close(out, want, **dict(zip(("rtol_l2", "atol"), TOL["bfloat16"], strict=True)))
     got = np.asarray(out, np.float32)
     assert np.all(got[:, :3] == 0.0) and np.all(got[:, 121:] == 0.0)
+
+
+def test_forward_entry_takes_the_spec():
+    """``ranker_fwd.ranker_attention_fwd`` is built on the spec: ``ranker_call``'s
+    signature, its refusals, and the public op's forward bit for bit."""
+    spec = inspect.signature(ranker_call).parameters
+    assert list(inspect.signature(ranker_attention_fwd).parameters) == list(spec)
+    q, k, v = _inputs(2, 1, 150, 2, 1, 64, "float32")
+    bounds = jnp.array([0, 90, 90, 140], jnp.int32)
+    kw = dict(config=SMALL, return_lse=True, interpret=INTERPRET)
+    got = ranker_attention_fwd(q, k, v, bounds, **kw)
+    want = ranker_attention(q, k, v, bounds, **kw)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(TypeError, match="q: got dtype float16, the TPU ranker kernels take"):
+        ranker_attention_fwd(*(x.astype(jnp.float16) for x in (q, k, v)), bounds)
+    with pytest.raises(TypeError, match="cap: got str"):
+        ranker_attention_fwd(q, k, v, bounds, cap="tanh")
 
 
 @pytest.mark.slow

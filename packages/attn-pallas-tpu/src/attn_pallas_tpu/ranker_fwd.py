@@ -97,12 +97,14 @@ from attn_common.packed import (
     packed_step_table,
     ranker_mask_users,
 )
+from attn_common.spec import RankerCall, public_op, ranker_call
 from attn_pallas_tpu._prep import resolve_interpret
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "default_config",
+    "kernel_forward",
     "kv_step_table",
     "q_step_table",
     "ranker_attention_fwd",
@@ -548,36 +550,9 @@ def prepare(q, k, v, bounds, *, sm_scale, cap, config):
     return problem, make_static(problem, config, users=users), clipped
 
 
-def ranker_attention_fwd(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bounds,
-    *,
-    sm_scale: float | None = None,
-    cap: CapParams | None = None,
-    config: KernelConfig | None = None,
-    return_lse: bool = False,
-    interpret=False,
-):
-    """Ranker attention forward on TPU (see the module docstring for the schedule).
-
-    Args:
-      q: ``[B, S, Hq, D]`` bf16 or fp32; k, v: ``[B, S, Hkv, D]`` same dtype,
-        ``Hq % Hkv == 0``; D in {64, 128, 256}. Any ``S``.
-      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]``, or packed ``[B, U, 4]``
-        (``U`` users per row, ``attn_common.packed``); traced data, clipped to ``[0, S]``.
-      sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
-      cap: ``CapParams`` (none, tanh, soft_sign) or ``None``.
-      config: ``KernelConfig``; ``block_q`` and ``block_kv`` must be multiples of 128
-        (``num_stages`` is not used: the Pallas TPU pipeline double-buffers). Default
-        ``default_config(S, D)``.
-      return_lse: also return ``lse [B, Hq, S]`` float32.
-      interpret: ``True`` or a ``pltpu.InterpretParams`` runs the kernel on the CPU.
-
-    Returns ``out [B, S, Hq, D]`` in q's dtype, or ``(out, lse)``. Not differentiable on
-    its own: ``attn_pallas_tpu.ranker_attention`` is the differentiable entry.
-    """
+def kernel_forward(q, k, v, bounds, *, sm_scale, cap, config, interpret, return_lse=True):
+    """The forward kernel on inputs ``ranker_call`` checked (the ``kernel_vjp`` forward):
+    ``(out, lse)``, or ``out`` alone without ``return_lse``."""
     problem, st, clipped = prepare(q, k, v, bounds, sm_scale=sm_scale, cap=cap, config=config)
     out, lse = _fwd_padded(
         to_kernel_layout(q, st),
@@ -590,3 +565,22 @@ def ranker_attention_fwd(
     out = from_kernel_layout(out, st, problem.q_heads, problem.seq_len)
     lse = lse[:, :, 0, : problem.seq_len]
     return (out, lse) if return_lse else out
+
+
+@public_op(ranker_call)
+def ranker_attention_fwd(call: RankerCall):
+    """Ranker attention forward on TPU (see the module docstring for the schedule).
+
+    The kernel takes bf16 or fp32 and D in {64, 128, 256}, any ``S``. ``config``:
+    ``block_q`` and ``block_kv`` must be multiples of 128 (``num_stages`` is not used:
+    the Pallas TPU pipeline double-buffers); default ``default_config(S, D)``.
+    ``interpret``: ``True`` or a ``pltpu.InterpretParams`` runs the kernel on the CPU.
+    Not differentiable on its own: ``attn_pallas_tpu.ranker_attention`` is the
+    differentiable entry.
+    """
+    call.require(dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS, kernels="TPU ranker")
+    p = call.problem
+    return kernel_forward(
+        call.q, call.k, call.v, call.bounds, sm_scale=p.sm_scale, cap=p.cap,
+        config=call.config, interpret=call.interpret, return_lse=call.return_lse,
+    )  # fmt: skip
