@@ -268,6 +268,19 @@ def poison_rows(rows: np.ndarray, keep: np.ndarray, *, seed: int = 0) -> np.ndar
     return out
 
 
+def poison_ragged_case(case, page_size: int, *, dk: int, seed: int):
+    """A ``sparse_mla_ragged_case`` whose cache holds garbage (NaN, +-Inf) in every row
+    no query attends (page tails past ``seq_lens``, spare and unselected pages) and in
+    every row's feature padding past ``dk``."""
+    layout, cache, q, idx, positions = case
+    num_pages = cache.shape[0]
+    keep = attended_rows_ragged(layout, idx, positions, page_size=page_size, num_pages=num_pages)
+    assert (~keep).any() and keep.any()
+    rows = poison_rows(cache.reshape(num_pages * page_size, -1), keep, seed=seed)
+    rows[:, dk:] = np.nan
+    return layout, rows.reshape(cache.shape), q, idx, positions
+
+
 def huge_keys(k, *, seed: int, max_exp: float) -> np.ndarray:
     """Float32 copy of ``k`` ([B, S, H, D]) with each key scaled by ``10^u``, ``u``
     uniform in ``[0, max_exp]``, so that scores reach ~``10^max_exp`` (a soft cap must

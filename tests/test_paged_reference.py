@@ -13,8 +13,7 @@ from helpers import (
     assert_close,
     assert_exact_zero_rows,
     assert_lse_close,
-    attended_rows_ragged,
-    poison_rows,
+    poison_ragged_case,
     randn,
     rng_for,
     sparse_mla_ragged_call,
@@ -156,13 +155,9 @@ def test_ragged_qblock_equals_plain(query_block, u_max):
 def test_ragged_unattended_rows_may_hold_nan_and_inf(page_size, dtype):
     """NaN / +-Inf in page tails past seq_len, spare and unselected pages and the feature
     padding: the result equals the oracle on the clean cache."""
-    layout, cache, q, idx, positions = make_case(64, page_size, dtype)
-    num_pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=page_size, num_pages=num_pages)
-    assert (~keep).any()
-    rows = poison_rows(cache.reshape(num_pages * page_size, -1), keep, seed=64)
-    rows[:, DK:] = np.nan
-    dirty = rows.reshape(cache.shape)
+    case = make_case(64, page_size, dtype)
+    layout, cache, q, idx, positions = case
+    dirty = poison_ragged_case(case, page_size, dk=DK, seed=64)[1]
     out, lse = _ragged_call(sparse_mla_attention, layout, dirty, q, idx, positions, page_size)
     clean = _ragged_call(sparse_mla_attention, layout, cache, q, idx, positions, page_size)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(clean[0]))
@@ -310,20 +305,7 @@ def test_prefill_write_and_attend(page_size, dtype, kpe_rank):
     _assert_bit_identical(new_cache, want_cache)
 
     q = np.concatenate([upcast(ql), upcast(qpe)], axis=-1)[None]
-    q_seq_id = np.repeat(np.arange(len(SEQ_LENS)), NEW_LENS)
-    want_out, want_lse = sparse_mla_oracle_ragged(
-        q,
-        upcast(want_cache),
-        idx,
-        positions,
-        q_seq_id,
-        layout["seq_lens"],
-        layout["cu_kv_lens"],
-        layout["page_indices"],
-        page_size=page_size,
-        sm_scale=SM_SCALE,
-        dv=DV,
-    )
+    want_out, want_lse = _ragged_oracle(layout, want_cache, q, idx, positions, page_size)
     assert_close(np.asarray(out), want_out[0], rtol_l2=1e-5, atol=1e-5)
     empty = np.isneginf(want_lse[0])
     assert np.all(np.asarray(out)[empty] == 0.0)

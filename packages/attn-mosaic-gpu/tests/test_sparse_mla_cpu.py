@@ -28,8 +28,7 @@ from helpers import (
     assert_close,
     assert_exact_zero_rows,
     assert_lse_close,
-    attended_rows_ragged,
-    poison_rows,
+    poison_ragged_case,
     randn,
     rng_for,
     run_interpret,
@@ -145,15 +144,10 @@ def _ragged(fn, case, page_size=16, **kw):
 def test_ragged_poisoned_vs_reference():
     """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
     the feature padding of every row."""
-    layout, cache, q, idx, positions = ragged_case(10)
-    want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
+    case = ragged_case(10)
+    want = _ragged(ref.sparse_mla_attention, case)
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
-    num_pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=16, num_pages=num_pages)
-    assert (~keep).any() and keep.any()
-    rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=10)
-    rows[:, DK:] = np.nan  # the feature padding past Dk
-    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
+    dirty = poison_ragged_case(case, 16, dk=DK, seed=10)
     got = _run(_ragged, gpu.sparse_mla_attention, dirty)
     _check(got, want)
 

@@ -32,8 +32,8 @@ from helpers import (
     assert_exact_zero_rows,
     assert_lse_close,
     attended_rows_flat,
-    attended_rows_ragged,
     build_ragged_layout,
+    poison_ragged_case,
     poison_rows,
     randn,
     random_page_selection,
@@ -136,13 +136,9 @@ def _ragged(fn, case, page_size=64, **kw):
 
 
 def test_ragged_paged_dirty_cache():
-    layout, cache, q, idx, positions = _ragged_case(11)
-    want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
-    pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=64, num_pages=pages)
-    rows = poison_rows(cache.reshape(pages * 64, -1), keep, seed=11)
-    rows[:, DK:] = np.nan  # the feature padding past Dk
-    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
+    case = _ragged_case(11)
+    want = _ragged(ref.sparse_mla_attention, case)
+    dirty = poison_ragged_case(case, 64, dk=DK, seed=11)
     got = _ragged(gpu.sparse_mla_attention, dirty)
     _check(got, want)
 

@@ -20,7 +20,7 @@ from helpers import (
     assert_lse_close,
     assert_no_races,
     attended_rows_flat,
-    attended_rows_ragged,
+    poison_ragged_case,
     poison_rows,
     randn,
     rng_for,
@@ -305,8 +305,17 @@ def test_auto_tiling_under_jit_takes_both_branches():
 # Dirty caches: outputs depend only on the rows a query attends
 
 
-def _all_fns():
-    return {**KERNELS, "qblock_auto": AUTO, "reference": ref.sparse_mla_attention}
+def _check_every_kernel(run, want, dtype):
+    """``run(fn)`` for every kernel, the automatic query-blocked one and the reference,
+    each against ``want``; a failure names the kernel."""
+    fns = {**KERNELS, "qblock_auto": AUTO, "reference": ref.sparse_mla_attention}
+    for name, fn in fns.items():
+        got = run(fn)
+        assert_no_races()
+        try:
+            _check(got, want, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from e
 
 
 @pytest.mark.slow
@@ -317,13 +326,7 @@ def test_flat_poisoned_unattended_rows(dtype):
     keep = attended_rows_flat(idx, pos, kv_len=kv.shape[1], read_block=16)
     assert (~keep).any() and keep.any()
     dirty = poison_rows(kv, keep, seed=30)
-    for name, fn in _all_fns().items():
-        got = _flat_call(fn, (q, dirty, idx, pos))
-        assert_no_races()
-        try:
-            _check(got, want, dtype)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from e
+    _check_every_kernel(lambda fn: _flat_call(fn, (q, dirty, idx, pos)), want, dtype)
 
 
 @pytest.mark.slow
@@ -331,22 +334,10 @@ def test_flat_poisoned_unattended_rows(dtype):
 def test_ragged_poisoned_unattended_rows(dtype):
     """NaN / +-Inf in page tails past seq_len, unreferenced pages, unselected pages and in
     the feature padding of every row."""
-    layout, cache, q, idx, positions = ragged_case(31, 16, dtype)
-    case = (layout, cache, q, idx, positions)
+    case = ragged_case(31, 16, dtype)
     want = _ragged_call(ref.sparse_mla_attention, case, 16)
-    num_pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=16, num_pages=num_pages)
-    assert (~keep).any() and keep.any()
-    rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=31)
-    rows[:, DK:] = np.nan  # the lane padding past Dk
-    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
-    for name, fn in _all_fns().items():
-        got = _ragged_call(fn, dirty, 16)
-        assert_no_races()
-        try:
-            _check(got, want, dtype)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from e
+    dirty = poison_ragged_case(case, 16, dk=DK, seed=31)
+    _check_every_kernel(lambda fn: _ragged_call(fn, dirty, 16), want, dtype)
 
 
 @pytest.mark.slow
