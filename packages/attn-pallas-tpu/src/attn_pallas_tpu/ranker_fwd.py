@@ -106,8 +106,10 @@ __all__ = [
     "default_config",
     "kernel_forward",
     "kv_step_table",
+    "program_tile",
     "q_step_table",
     "ranker_attention_fwd",
+    "run_step",
     "validate_config",
 ]
 
@@ -333,38 +335,40 @@ def table_words(runs: int) -> int:
     return 2 * runs + 2 if runs else TABLE_WORDS
 
 
+def _step_table(bounds, st: RankerStatic, *, keys: bool) -> jax.Array:
+    """Per (b, tile) step-table rows: query tiles over KV blocks, or with ``keys`` KV
+    tiles over query blocks."""
+    if keys:
+        tile, num_tiles, block = st.block_kv, st.kv_tiles, st.block_q
+        block_ranges, full_steps = ranker_q_block_ranges, ranker_full_q_steps
+    else:
+        tile, num_tiles, block = st.block_q, st.q_tiles, st.block_kv
+        block_ranges, full_steps = ranker_kv_block_ranges, ranker_full_kv_steps
+    if st.users:
+        table = packed_step_table(bounds, tile=tile, num_tiles=num_tiles, block=block, keys=keys)
+        return table.reshape(-1)
+    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
+    t0 = jnp.arange(num_tiles, dtype=jnp.int32)[None] * tile
+    t1 = t0 + tile
+    ranges = block_ranges(hl, hu, cl, cu, t0, t1, block)
+    lo, hi = full_steps(ranges, hl, hu, cl, cu, t0, t1, block)
+    return _pack(ranges, lo, hi)
+
+
 def kv_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * q_tiles * 8]``: per (b, q tile) ``first_start, first_steps,
     second_start, second_steps, full_lo, full_hi, 0, 0`` of its KV block ranges.
     Packed bounds ``[B, U, 4]`` (``st.users``): ``[B * q_tiles * (4U + 2)]`` in the
     ``attn_common.packed.packed_step_table`` layout (``starts[R], ends[R], full_lo,
     full_hi``)."""
-    if st.users:
-        table = packed_step_table(bounds, tile=st.block_q, num_tiles=st.q_tiles, block=st.block_kv)
-        return table.reshape(-1)
-    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
-    q0 = jnp.arange(st.q_tiles, dtype=jnp.int32)[None] * st.block_q
-    q1 = q0 + st.block_q
-    ranges = ranker_kv_block_ranges(hl, hu, cl, cu, q0, q1, st.block_kv)
-    lo, hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, q0, q1, st.block_kv)
-    return _pack(ranges, lo, hi)
+    return _step_table(bounds, st, keys=False)
 
 
 def q_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * kv_tiles * 8]``: the same fields for the query block ranges of each
     (b, kv tile) (``ranker_q_block_ranges`` / ``ranker_full_q_steps``), for dK/dV;
     packed bounds as in ``kv_step_table``."""
-    if st.users:
-        table = packed_step_table(
-            bounds, tile=st.block_kv, num_tiles=st.kv_tiles, block=st.block_q, keys=True
-        )
-        return table.reshape(-1)
-    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
-    k0 = jnp.arange(st.kv_tiles, dtype=jnp.int32)[None] * st.block_kv
-    k1 = k0 + st.block_kv
-    ranges = ranker_q_block_ranges(hl, hu, cl, cu, k0, k1, st.block_q)
-    lo, hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, k0, k1, st.block_q)
-    return _pack(ranges, lo, hi)
+    return _step_table(bounds, st, keys=True)
 
 
 class TileSteps:
@@ -410,6 +414,23 @@ class TileSteps:
         return (step >= self.full_lo) & (step < self.full_hi)
 
 
+def program_tile(st: RankerStatic, tab_ref, bounds_ref, *, tiles: int):
+    """This program's ``(tile, j)`` (grid axes 2 and 3), its tile's ``TileSteps``
+    (``tiles`` tiles per batch row) and its batch row's (axis 0) bounds."""
+    b, t, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    steps = TileSteps(tab_ref, b * tiles + t, st.runs)
+    return t, j, steps, read_bounds(bounds_ref, b, st.users)
+
+
+def run_step(steps: TileSteps, j, step) -> None:
+    """``step(masked)`` at grid step ``j``: unmasked on the tile's full steps, masked on
+    its other visited steps, nothing past them."""
+    active = j < steps.total
+    full = steps.is_full(j)
+    pl.when(active & full)(functools.partial(step, False))
+    pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+
+
 def read_bounds(bounds_ref, b, users: int = 0):
     """Row ``b``'s bounds from SMEM: 4 scalars, or (packed) ``U`` tuples of 4."""
     if users:
@@ -441,9 +462,7 @@ def _build_fwd_kernel(st: RankerStatic):
     n_steps = st.kv_tiles
 
     def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
-        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
-        bounds = read_bounds(bounds_ref, b, st.users)
+        i, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.q_tiles)
 
         @pl.when(j == 0)
         def _init():
@@ -470,10 +489,7 @@ def _build_fwd_kernel(st: RankerStatic):
             acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
             m_sc[...] = m_next
 
-        active = j < steps.total
-        full = steps.is_full(j)
-        pl.when(active & full)(functools.partial(step, False))
-        pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+        run_step(steps, j, step)
 
         @pl.when(j == n_steps - 1)
         def _finish():
