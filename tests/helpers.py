@@ -86,8 +86,27 @@ def assert_exact_zero_rows(out, lse, *, out_axes_last: int = 1) -> None:
     assert np.all(out[empty] == 0.0), "rows with no valid key are not exactly 0"
 
 
+def assert_sparse_mla_close(got, want, *, rtol_l2: float, atol: float, lse_atol: float):
+    """Sparse-MLA ``(out, lse)`` against ``want``: both float32, ``out`` by
+    ``assert_close``, ``lse`` by ``assert_lse_close``, rows with no key exactly 0."""
+    out, lse = (np.asarray(x) for x in got)
+    want_out, want_lse = want
+    assert out.dtype == np.float32 and lse.dtype == np.float32, (out.dtype, lse.dtype)
+    assert_close(out, want_out, rtol_l2=rtol_l2, atol=atol)
+    assert_lse_close(lse, want_lse, atol=lse_atol)
+    assert_exact_zero_rows(out, lse)
+
+
 # --------------------------------------------------------------------------------------
 # Ranker inputs
+
+
+def oracle_cap_args(cap) -> dict:
+    """The ranker oracles' cap keywords (``cap_method``, ``cap_value``) for a
+    ``CapParams`` or ``None``."""
+    if cap is None:
+        return {"cap_method": "none", "cap_value": None}
+    return {"cap_method": cap.method, "cap_value": cap.value}
 
 
 def ranker_inputs(

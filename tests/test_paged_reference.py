@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
+    assert_sparse_mla_close,
     poison_ragged_case,
     randn,
     rng_for,
@@ -81,11 +80,9 @@ def _ragged_oracle(layout, cache, q, idx, positions, page_size):
 
 
 def _check(out, lse, want_out, want_lse):
-    out, lse = np.asarray(out), np.asarray(lse)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close(out, want_out, rtol_l2=1e-5, atol=1e-5)
-    assert_lse_close(lse, want_lse, atol=1e-4)
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(
+        (out, lse), (want_out, want_lse), rtol_l2=1e-5, atol=1e-5, lse_atol=1e-4
+    )
 
 
 @pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)

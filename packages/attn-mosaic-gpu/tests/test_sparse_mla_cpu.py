@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
+    assert_sparse_mla_close,
     poison_ragged_case,
     randn,
     rng_for,
@@ -57,13 +56,7 @@ def _run(fn, *args, **kwargs):
 
 
 def _check(got, want):
-    out, lse = (np.asarray(x) for x in got)
-    want_out, want_lse = (np.asarray(x) for x in want)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert out.shape == want_out.shape and lse.shape == want_lse.shape
-    assert_close(out, want_out, **TOL)
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL)
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(got, want, **TOL, lse_atol=LSE_ATOL)
 
 
 # ------------------------------------------------------------------------------------

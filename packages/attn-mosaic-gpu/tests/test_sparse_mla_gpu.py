@@ -29,8 +29,7 @@ if jax.default_backend() != "gpu":
 
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
+    assert_sparse_mla_close,
     attended_rows_flat,
     build_ragged_layout,
     poison_ragged_case,
@@ -57,12 +56,7 @@ def _poison(nbytes):
 
 
 def _check(got, want):
-    out, lse = (np.asarray(x) for x in got)
-    want_out, want_lse = (np.asarray(x) for x in want)
-    assert out.dtype == np.float32 and out.shape == want_out.shape
-    assert_close(out, want_out, **TOL)
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL)
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(got, want, **TOL, lse_atol=LSE_ATOL)
 
 
 def _token_case(seed, *, seq, heads, kv_len, top_k):

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
     assert_no_races,
+    assert_sparse_mla_close,
     attended_rows_flat,
     poison_ragged_case,
     poison_rows,
@@ -52,12 +51,7 @@ LSE_ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 def _check(got, want, dtype):
-    out, lse = (np.asarray(x) for x in got)
-    want_out, want_lse = (np.asarray(x) for x in want)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close(out, want_out, **TOL[dtype])
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL[dtype])
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(got, want, **TOL[dtype], lse_atol=LSE_ATOL[dtype])
 
 
 # ------------------------------------------------------------------------------------
