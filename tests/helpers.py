@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 BF16 = ml_dtypes.bfloat16
 
@@ -99,6 +100,19 @@ def assert_sparse_mla_close(got, want, *, rtol_l2: float, atol: float, lse_atol:
 
 # --------------------------------------------------------------------------------------
 # Ranker inputs
+
+
+@st.composite
+def segment_bounds(draw, seq_len: int) -> tuple[int, int, int, int]:
+    """Ranker bounds ``(hl, hu, cl, cu)`` anywhere in ``[0, seq_len]``: half the draws
+    keep each segment ordered (lo <= hi), the rest may be inverted (an empty segment);
+    history and candidates may overlap, touch, or come in either order."""
+    pos = st.integers(0, seq_len)
+    hl, hu, cl, cu = (draw(pos) for _ in range(4))
+    if draw(st.booleans()):
+        hl, hu = min(hl, hu), max(hl, hu)
+        cl, cu = min(cl, cu), max(cl, cu)
+    return hl, hu, cl, cu
 
 
 def oracle_cap_args(cap) -> dict:
