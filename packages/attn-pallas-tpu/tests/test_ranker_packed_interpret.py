@@ -74,7 +74,7 @@ def test_packed_step_tables_visit_once_one_dma_per_block():
     q = jnp.zeros((2, SEQ, 1, 128), jnp.float32)
     for config in (SMALL, KernelConfig(block_q=256, block_kv=128)):
         _, st, clipped = prepare(q, q, q, PACKED, sm_scale=None, cap=None, config=config)
-        assert st.users == 4 and st.runs == 8
+        assert st.packed_users == 4 and st.runs == 8
         clipped = np.asarray(clipped)
         pos = np.arange(st.seq_pad)
         for tab, tiles, block, other, q_side in (

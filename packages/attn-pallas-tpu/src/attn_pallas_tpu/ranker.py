@@ -73,5 +73,4 @@ def supports(op: str, *args, **kwargs) -> str | None:
         dtypes=SUPPORTED_DTYPES,
         head_dims=SUPPORTED_HEAD_DIMS,
         kernels="TPU ranker",
-        packed=True,
     )

@@ -182,13 +182,13 @@ class RankerStatic:
     cap: CapParams
     block_q: int
     block_kv: int
-    users: int = 0  # 0: one user per row, bounds [B, 4]; U >= 1: packed [B, U, 4]
+    packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
 
     @property
     def runs(self) -> int:
         """Block runs per tile in the step tables: 0 (the two-run one-user layout) or
         ``2U`` (packed, ``attn_common.packed``)."""
-        return packed_runs_per_tile(self.users) if self.users else 0
+        return packed_runs_per_tile(self.packed_users) if self.packed_users else 0
 
     @property
     def group(self) -> int:
@@ -208,7 +208,7 @@ class RankerStatic:
         return self.head_dim % LANES == 0
 
 
-def make_static(problem, config: KernelConfig, users: int = 0) -> RankerStatic:
+def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerStatic:
     lcm = math.lcm(config.block_q, config.block_kv)
     return RankerStatic(
         batch=problem.batch,
@@ -220,7 +220,7 @@ def make_static(problem, config: KernelConfig, users: int = 0) -> RankerStatic:
         cap=problem.cap,
         block_q=config.block_q,
         block_kv=config.block_kv,
-        users=users,
+        packed_users=packed_users,
     )
 
 
@@ -344,7 +344,7 @@ def _step_table(bounds, st: RankerStatic, *, keys: bool) -> jax.Array:
     else:
         tile, num_tiles, block = st.block_q, st.q_tiles, st.block_kv
         block_ranges, full_steps = ranker_kv_block_ranges, ranker_full_kv_steps
-    if st.users:
+    if st.packed_users:
         table = packed_step_table(bounds, tile=tile, num_tiles=num_tiles, block=block, keys=keys)
         return table.reshape(-1)
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
@@ -358,7 +358,7 @@ def _step_table(bounds, st: RankerStatic, *, keys: bool) -> jax.Array:
 def kv_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * q_tiles * 8]``: per (b, q tile) ``first_start, first_steps,
     second_start, second_steps, full_lo, full_hi, 0, 0`` of its KV block ranges.
-    Packed bounds ``[B, U, 4]`` (``st.users``): ``[B * q_tiles * (4U + 2)]`` in the
+    Packed bounds ``[B, U, 4]`` (``st.packed_users``): ``[B * q_tiles * (4U + 2)]`` in the
     ``attn_common.packed.packed_step_table`` layout (``starts[R], ends[R], full_lo,
     full_hi``)."""
     return _step_table(bounds, st, keys=False)
@@ -419,7 +419,7 @@ def program_tile(st: RankerStatic, tab_ref, bounds_ref, *, tiles: int):
     (``tiles`` tiles per batch row) and its batch row's (axis 0) bounds."""
     b, t, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     steps = TileSteps(tab_ref, b * tiles + t, st.runs)
-    return t, j, steps, read_bounds(bounds_ref, b, st.users)
+    return t, j, steps, read_bounds(bounds_ref, b, st.packed_users)
 
 
 def run_step(steps: TileSteps, j, step) -> None:
@@ -431,11 +431,12 @@ def run_step(steps: TileSteps, j, step) -> None:
     pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
 
 
-def read_bounds(bounds_ref, b, users: int = 0):
+def read_bounds(bounds_ref, b, packed_users: int = 0):
     """Row ``b``'s bounds from SMEM: 4 scalars, or (packed) ``U`` tuples of 4."""
-    if users:
+    if packed_users:
         return tuple(
-            tuple(bounds_ref[(b * users + u) * 4 + t] for t in range(4)) for u in range(users)
+            tuple(bounds_ref[(b * packed_users + u) * 4 + t] for t in range(4))
+            for u in range(packed_users)
         )
     return tuple(bounds_ref[b * 4 + t] for t in range(4))
 
@@ -560,10 +561,10 @@ def prepare(q, k, v, bounds, *, sm_scale, cap, config):
         config = default_config(problem.seq_len, problem.head_dim)
     validate_config(config)
     # Every [B, U, 4] (U = 1 too) takes the packed step tables on TPU.
-    clipped, users = normalize_ranker_bounds(
+    clipped, packed_users = normalize_ranker_bounds(
         bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=1
     )
-    return problem, make_static(problem, config, users=users), clipped
+    return problem, make_static(problem, config, packed_users=packed_users), clipped
 
 
 def kernel_forward(q, k, v, bounds, *, sm_scale, cap, config, interpret, return_lse=True):
