@@ -372,6 +372,35 @@ def sparse_mla_flat_case(
 # Interpret mode: the race detectors' verdict
 
 
+def cli_exit_code(argv) -> int:
+    """``attn_common.cli.main(argv)``'s status, also when argparse exits through
+    ``SystemExit``."""
+    from attn_common import cli
+
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def tpu_interpret():
+    """Strict Pallas TPU interpret mode: race detection on, out-of-bounds reads raise,
+    uninitialised memory (outputs included) is NaN."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(
+        detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
+    )
+
+
+def gpu_interpret():
+    """Strict Mosaic GPU interpret mode: race detection on, uninitialised shared memory
+    is NaN."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+
+
 def races_detected() -> bool:
     """Whether the last kernel run in Pallas interpret mode with ``detect_races=True``
     reported a data race, in Mosaic GPU's or Mosaic TPU's interpreter (each keeps the

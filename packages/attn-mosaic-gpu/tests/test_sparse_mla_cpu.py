@@ -27,6 +27,7 @@ import pytest
 from helpers import (
     assert_close,
     assert_sparse_mla_close,
+    gpu_interpret,
     poison_ragged_case,
     randn,
     rng_for,
@@ -35,14 +36,13 @@ from helpers import (
     sparse_mla_ragged_call,
     sparse_mla_ragged_case,
 )
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
 from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+INTERPRET = gpu_interpret()
 DV, ROPE = 128, 64
 DK = DV + ROPE  # 192 -> Dk_pad 256 in the paged cache: the feature padding is exercised
 SM_SCALE = 0.07

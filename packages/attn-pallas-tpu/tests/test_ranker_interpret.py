@@ -32,8 +32,8 @@ from helpers import (
     assert_lse_close,
     assert_no_races,
     ranker_inputs,
+    tpu_interpret,
 )
-from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
@@ -49,9 +49,7 @@ from attn_pallas_tpu.ranker_fwd import (
     ranker_attention_fwd,
 )
 
-INTERPRET = pltpu.InterpretParams(
-    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-)
+INTERPRET = tpu_interpret()
 SMALL = KernelConfig(block_q=128, block_kv=128)
 CAPS = {
     "none": None,

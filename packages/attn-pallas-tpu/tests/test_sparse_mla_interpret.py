@@ -26,8 +26,8 @@ from helpers import (
     sparse_mla_flat_case,
     sparse_mla_ragged_call,
     sparse_mla_ragged_case,
+    tpu_interpret,
 )
-from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
 from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
@@ -40,9 +40,7 @@ from attn_pallas_tpu.plan import (
     static_qblock_config,
 )
 
-INTERPRET = pltpu.InterpretParams(
-    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-)
+INTERPRET = tpu_interpret()
 DV, ROPE = 128, 64
 DK = DV + ROPE  # 192 -> Dk_pad 256: the feature padding path is exercised
 SM_SCALE = 0.07
