@@ -383,6 +383,16 @@ def cli_exit_code(argv) -> int:
         return e.code
 
 
+def assert_cli_usage_error(argv, needle: str, capsys) -> None:
+    """``attn <argv>`` exits with status 2 and one ``error:`` line holding ``needle``,
+    no traceback."""
+    assert cli_exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
 def tpu_interpret():
     """Strict Pallas TPU interpret mode: race detection on, out-of-bounds reads raise,
     uninitialised memory (outputs included) is NaN."""

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import cli_exit_code
+from helpers import assert_cli_usage_error, cli_exit_code
 
 from attn_common import cli, cli_args, dispatch
 
@@ -67,11 +67,7 @@ def test_version(capsys):
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
-    assert cli_exit_code(argv) == 2
-    err = capsys.readouterr().err
-    assert needle in err
-    assert "Traceback" not in err
-    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert_cli_usage_error(argv, needle, capsys)
 
 
 def test_run_ranker_small(tmp_path, capsys):

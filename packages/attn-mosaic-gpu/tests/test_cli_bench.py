@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from helpers import cli_exit_code
+from helpers import assert_cli_usage_error, cli_exit_code
 
 from attn_common import cli, dispatch
 from attn_mosaic_gpu import bench, bench_sparse_mla
@@ -38,11 +38,7 @@ def test_the_commands_come_from_the_entry_point():
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
-    assert cli_exit_code(argv) == 2
-    err = capsys.readouterr().err
-    assert needle in err
-    assert "Traceback" not in err
-    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert_cli_usage_error(argv, needle, capsys)
 
 
 def test_help_lists_cases_and_defaults(capsys):
