@@ -87,6 +87,20 @@ def assert_exact_zero_rows(out, lse, *, out_axes_last: int = 1) -> None:
     assert np.all(out[empty] == 0.0), "rows with no valid key are not exactly 0"
 
 
+def assert_ranker_close(q, got, want, *, rtol_l2: float, atol: float, lse_atol: float):
+    """Ranker ``(out, lse)`` for the query ``q`` against ``want``: ``out`` in q's shape
+    and dtype, ``lse [B, Hq, S]`` float32, the values by ``assert_close`` /
+    ``assert_lse_close``, rows with no allowed key exactly 0."""
+    out, lse = (np.asarray(x) for x in got)
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]), lse.shape
+    assert lse.dtype == np.float32, lse.dtype
+    want_out, want_lse = want
+    assert_close(out, want_out, rtol_l2=rtol_l2, atol=atol)
+    assert_lse_close(lse, want_lse, atol=lse_atol)
+    assert_exact_zero_rows(np.moveaxis(out, 2, 1), lse)
+
+
 def assert_sparse_mla_close(got, want, *, rtol_l2: float, atol: float, lse_atol: float):
     """Sparse-MLA ``(out, lse)`` against ``want``: both float32, ``out`` by
     ``assert_close``, ``lse`` by ``assert_lse_close``, rows with no key exactly 0."""
