@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import gpu_interpret, tpu_interpret
-from hypothesis import Phase
+from hypothesis import HealthCheck, Phase, settings
 
 from attn_common import KernelConfig
 
@@ -144,6 +144,14 @@ SPARSE_MLA = (
 
 # Hypothesis examples per test where a kernel runs natively on its accelerator (cheap).
 NATIVE_EXAMPLES = 20
+# Every conformance property test's settings, with ``examples(backend, n)`` on top:
+# reproducible (derandomized, no example database) and no deadline (interpret mode).
+EXAMPLES = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def examples(backend, small: int) -> dict:

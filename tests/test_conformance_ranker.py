@@ -27,7 +27,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import GRAD_TOL, LSE_ATOL, OUT_TOL, RANKER, examples, params, reference_f32
+from conformance import (
+    EXAMPLES,
+    GRAD_TOL,
+    LSE_ATOL,
+    OUT_TOL,
+    RANKER,
+    examples,
+    params,
+    reference_f32,
+)
 from helpers import (
     assert_ranker_close,
     randn,
@@ -35,7 +44,7 @@ from helpers import (
     run_interpret,
     shaped_packed_bounds,
 )
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attn_reference as ref
@@ -47,13 +56,6 @@ CAPS = {
     "tanh": CapParams(CapMethod.TANH, 5.0),
     "soft_sign": CapParams(CapMethod.SOFT_SIGN, 8.0),
 }
-EXAMPLES = settings(
-    max_examples=3,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 # (dtype, head_dim, cap, batch, seq, q_heads, kv_heads): seq is no multiple of the

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import OUT_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
+from conformance import EXAMPLES, OUT_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
 from helpers import (
     assert_sparse_mla_close,
     attended_rows_flat,
@@ -31,19 +31,12 @@ from helpers import (
     run_interpret,
     sparse_mla_flat_case,
 )
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attn_reference as ref
 
 SM_SCALE = 0.07
-EXAMPLES = settings(
-    max_examples=2,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 FNS = ("sparse_mla_attention", "sparse_mla_attention_qblock")
 
 # Flat shapes: (batch, seq, heads, kv_len, top_k) per read_block; read_block=1 selects
