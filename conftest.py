@@ -8,9 +8,17 @@ pool smaller than the number of programs that must run at once, a program that a
 one waits for never gets a thread: the test hangs. On a two-core CI machine that happened
 depending on the schedule; pinned to one core (``taskset -c 0``) it hangs every time. A
 pool of at least 16 threads is more than any kernel here interprets at once.
+
+The backend packages' tests need their package installed; without it each test file under
+``packages/<dist>/tests`` is skipped with the install command as the reason (README,
+Install: install only the backends you need), instead of failing to import at collection.
 """
 
+import importlib.util
 import os
+from pathlib import Path
+
+import pytest
 
 _MIN_XLA_CPU_THREADS = 16
 
@@ -25,3 +33,30 @@ def pytest_addoption(parser, pluginmanager):
     if not pluginmanager.has_plugin("timeout"):
         parser.addini("timeout", "per-test limit in seconds (read by pytest-timeout)")
         parser.addini("timeout_method", "signal or thread (read by pytest-timeout)")
+
+
+_PACKAGES = Path(__file__).resolve().parent / "packages"
+# Backend distribution directory -> the import name its tests need.
+_BACKENDS = {"attn-mosaic-gpu": "attn_mosaic_gpu", "attn-pallas-tpu": "attn_pallas_tpu"}
+
+
+class _NotInstalled(pytest.Module):
+    """A test file whose backend is not installed: collected as one skip."""
+
+    reason = ""
+
+    def collect(self):
+        pytest.skip(self.reason)
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    path = Path(module_path).resolve()
+    for dist, name in _BACKENDS.items():
+        if (
+            path.is_relative_to(_PACKAGES / dist / "tests")
+            and importlib.util.find_spec(name) is None
+        ):
+            module = _NotInstalled.from_parent(parent, path=module_path)
+            module.reason = f"{dist} is not installed (pip install ./packages/{dist})"
+            return module
+    return None

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import Phase
+from helpers import gpu_interpret, tpu_interpret
+from hypothesis import HealthCheck, Phase, settings
 
 from attn_common import KernelConfig
 
@@ -33,20 +34,6 @@ LSE_ATOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 SPARSE_LSE_ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
 # dtype name -> rel L2 of a gradient; max-abs <= 5 x this x max|reference gradient|.
 GRAD_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
-
-
-def _gpu_interpret():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
-
-
-def _tpu_interpret():
-    from jax.experimental.pallas import tpu as pltpu
-
-    return pltpu.InterpretParams(
-        detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +114,13 @@ RANKER = (
         dtypes=("float32", "bfloat16", "float16"),
     ),
     Backend(
-        "mosaic-gpu", "attn_mosaic_gpu", MOSAIC_GPU_INSTALL, "gpu", _gpu_interpret,
+        "mosaic-gpu", "attn_mosaic_gpu", MOSAIC_GPU_INSTALL, "gpu", gpu_interpret,
         dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256),
         packed_grad_head_dims=(64, 128), grad_kernel_head_dims=(64, 256),
         config=KernelConfig(block_q=64, block_kv=64, num_stages=2),
     ),
     Backend(
-        "pallas-tpu", "attn_pallas_tpu", PALLAS_TPU_INSTALL, "tpu", _tpu_interpret,
+        "pallas-tpu", "attn_pallas_tpu", PALLAS_TPU_INSTALL, "tpu", tpu_interpret,
         dtypes=("float32", "bfloat16"), head_dims=(64, 128, 256), grad_kernel_head_dims=(64, 128),
         config=KernelConfig(block_q=128, block_kv=128),
     ),
@@ -145,11 +132,11 @@ SPARSE_MLA = (
         dtypes=("float32", "bfloat16"),
     ),
     Backend(
-        "mosaic-gpu", "attn_mosaic_gpu", MOSAIC_GPU_INSTALL, "gpu", _gpu_interpret,
+        "mosaic-gpu", "attn_mosaic_gpu", MOSAIC_GPU_INSTALL, "gpu", gpu_interpret,
         dtypes=("bfloat16",), sparse_examples=0,
     ),
     Backend(
-        "pallas-tpu", "attn_pallas_tpu", PALLAS_TPU_INSTALL, "tpu", _tpu_interpret,
+        "pallas-tpu", "attn_pallas_tpu", PALLAS_TPU_INSTALL, "tpu", tpu_interpret,
         dtypes=("float32", "bfloat16"), read_block_1=False, sparse_row_multiple=8,
     ),
 )  # fmt: skip
@@ -157,6 +144,14 @@ SPARSE_MLA = (
 
 # Hypothesis examples per test where a kernel runs natively on its accelerator (cheap).
 NATIVE_EXAMPLES = 20
+# Every conformance property test's settings, with ``examples(backend, n)`` on top:
+# reproducible (derandomized, no example database) and no deadline (interpret mode).
+EXAMPLES = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def examples(backend, small: int) -> dict:

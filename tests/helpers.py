@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 BF16 = ml_dtypes.bfloat16
 
@@ -86,8 +87,54 @@ def assert_exact_zero_rows(out, lse, *, out_axes_last: int = 1) -> None:
     assert np.all(out[empty] == 0.0), "rows with no valid key are not exactly 0"
 
 
+def assert_ranker_close(q, got, want, *, rtol_l2: float, atol: float, lse_atol: float):
+    """Ranker ``(out, lse)`` for the query ``q`` against ``want``: ``out`` in q's shape
+    and dtype, ``lse [B, Hq, S]`` float32, the values by ``assert_close`` /
+    ``assert_lse_close``, rows with no allowed key exactly 0."""
+    out, lse = (np.asarray(x) for x in got)
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]), lse.shape
+    assert lse.dtype == np.float32, lse.dtype
+    want_out, want_lse = want
+    assert_close(out, want_out, rtol_l2=rtol_l2, atol=atol)
+    assert_lse_close(lse, want_lse, atol=lse_atol)
+    assert_exact_zero_rows(np.moveaxis(out, 2, 1), lse)
+
+
+def assert_sparse_mla_close(got, want, *, rtol_l2: float, atol: float, lse_atol: float):
+    """Sparse-MLA ``(out, lse)`` against ``want``: both float32, ``out`` by
+    ``assert_close``, ``lse`` by ``assert_lse_close``, rows with no key exactly 0."""
+    out, lse = (np.asarray(x) for x in got)
+    want_out, want_lse = want
+    assert out.dtype == np.float32 and lse.dtype == np.float32, (out.dtype, lse.dtype)
+    assert_close(out, want_out, rtol_l2=rtol_l2, atol=atol)
+    assert_lse_close(lse, want_lse, atol=lse_atol)
+    assert_exact_zero_rows(out, lse)
+
+
 # --------------------------------------------------------------------------------------
 # Ranker inputs
+
+
+@st.composite
+def segment_bounds(draw, seq_len: int) -> tuple[int, int, int, int]:
+    """Ranker bounds ``(hl, hu, cl, cu)`` anywhere in ``[0, seq_len]``: half the draws
+    keep each segment ordered (lo <= hi), the rest may be inverted (an empty segment);
+    history and candidates may overlap, touch, or come in either order."""
+    pos = st.integers(0, seq_len)
+    hl, hu, cl, cu = (draw(pos) for _ in range(4))
+    if draw(st.booleans()):
+        hl, hu = min(hl, hu), max(hl, hu)
+        cl, cu = min(cl, cu), max(cl, cu)
+    return hl, hu, cl, cu
+
+
+def oracle_cap_args(cap) -> dict:
+    """The ranker oracles' cap keywords (``cap_method``, ``cap_value``) for a
+    ``CapParams`` or ``None``."""
+    if cap is None:
+        return {"cap_method": "none", "cap_value": None}
+    return {"cap_method": cap.method, "cap_value": cap.value}
 
 
 def ranker_inputs(
@@ -168,6 +215,51 @@ def random_page_selection(rng: np.random.Generator, layout, top_k: int, page_siz
     return sel.astype(np.int32)
 
 
+def sparse_mla_ragged_case(
+    seed: int, *, seq_lens, new_lens, extra_pages, page_size: int, heads: int, top_k: int,
+    dk: int, dk_pad: int, dtype: str,
+):  # fmt: skip
+    """Ragged paged sparse-MLA inputs ``(layout, cache, q, indices, positions)``: a
+    random cache (junk in the feature padding, spare pages and past seq_len), selections
+    from ``random_page_selection``, query 3 with nothing selected, and queries 5 and the
+    last with positions 40 past their request's kv length (``seq_lens`` then binds)."""
+    rng = rng_for(seed)
+    layout = build_ragged_layout(
+        rng, seq_lens=seq_lens, new_lens=new_lens, extra_pages=extra_pages, page_size=page_size
+    )
+    pk = 2 if dtype == "bfloat16" else 1
+    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, dk_pad), dtype)
+    num_q = int(sum(new_lens))
+    q = randn(rng, (1, num_q, heads, dk), dtype)
+    idx = random_page_selection(rng, layout, top_k, page_size)
+    idx[3] = -1  # a query with nothing selected
+    positions = layout["positions"].copy()
+    positions[[5, num_q - 1]] += 40  # kv_len (seq_lens) is then the binding bound
+    return layout, cache, q, idx, positions
+
+
+def sparse_mla_ragged_call(fn, case, page_size: int, *, sm_scale: float, dv: int, **kw):
+    """``fn`` (a ``sparse_mla_attention``) on a ``sparse_mla_ragged_case`` in ragged paged
+    mode, one unit per page, returning ``(out, lse)``."""
+    layout, cache, q, idx, positions = case
+    return fn(
+        q,
+        cache,
+        idx[None],
+        positions[None],
+        sm_scale=sm_scale,
+        kv_lora_rank=dv,
+        read_block=page_size,
+        page_size=page_size,
+        q_seq_id=layout["q_seq_id"],
+        seq_lens=layout["seq_lens"],
+        cu_kv_lens=layout["cu_kv_lens"],
+        page_indices=layout["page_indices"],
+        return_lse=True,
+        **kw,
+    )
+
+
 # --------------------------------------------------------------------------------------
 # Dirty caches: garbage in every row no query attends
 
@@ -221,6 +313,19 @@ def poison_rows(rows: np.ndarray, keep: np.ndarray, *, seed: int = 0) -> np.ndar
     junk = rng.choice(np.asarray(POISON, np.float32), size=out.shape).astype(out.dtype)
     out[bad] = junk[bad]
     return out
+
+
+def poison_ragged_case(case, page_size: int, *, dk: int, seed: int):
+    """A ``sparse_mla_ragged_case`` whose cache holds garbage (NaN, +-Inf) in every row
+    no query attends (page tails past ``seq_lens``, spare and unselected pages) and in
+    every row's feature padding past ``dk``."""
+    layout, cache, q, idx, positions = case
+    num_pages = cache.shape[0]
+    keep = attended_rows_ragged(layout, idx, positions, page_size=page_size, num_pages=num_pages)
+    assert (~keep).any() and keep.any()
+    rows = poison_rows(cache.reshape(num_pages * page_size, -1), keep, seed=seed)
+    rows[:, dk:] = np.nan
+    return layout, rows.reshape(cache.shape), q, idx, positions
 
 
 def huge_keys(k, *, seed: int, max_exp: float) -> np.ndarray:
@@ -279,6 +384,45 @@ def sparse_mla_flat_case(
 
 # --------------------------------------------------------------------------------------
 # Interpret mode: the race detectors' verdict
+
+
+def cli_exit_code(argv) -> int:
+    """``attn_common.cli.main(argv)``'s status, also when argparse exits through
+    ``SystemExit``."""
+    from attn_common import cli
+
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def assert_cli_usage_error(argv, needle: str, capsys) -> None:
+    """``attn <argv>`` exits with status 2 and one ``error:`` line holding ``needle``,
+    no traceback."""
+    assert cli_exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+def tpu_interpret():
+    """Strict Pallas TPU interpret mode: race detection on, out-of-bounds reads raise,
+    uninitialised memory (outputs included) is NaN."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(
+        detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
+    )
+
+
+def gpu_interpret():
+    """Strict Mosaic GPU interpret mode: race detection on, uninitialised shared memory
+    is NaN."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
 
 def races_detected() -> bool:

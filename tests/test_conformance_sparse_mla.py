@@ -19,11 +19,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import OUT_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
+from conformance import EXAMPLES, OUT_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
 from helpers import (
-    assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
+    assert_sparse_mla_close,
     attended_rows_flat,
     attended_rows_ragged,
     poison_rows,
@@ -33,19 +31,12 @@ from helpers import (
     run_interpret,
     sparse_mla_flat_case,
 )
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attn_reference as ref
 
 SM_SCALE = 0.07
-EXAMPLES = settings(
-    max_examples=2,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 FNS = ("sparse_mla_attention", "sparse_mla_attention_qblock")
 
 # Flat shapes: (batch, seq, heads, kv_len, top_k) per read_block; read_block=1 selects
@@ -88,13 +79,8 @@ def _call(backend, fn_name: str, dv: int, **static):
 
 
 def _check(got, want, dtype):
-    out, lse = (np.asarray(x) for x in got)
-    want_out, want_lse = (np.asarray(x) for x in want)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
     rtol, atol = OUT_TOL[dtype]
-    assert_close(out, want_out, rtol_l2=rtol, atol=atol)
-    assert_lse_close(lse, want_lse, atol=SPARSE_LSE_ATOL[dtype])
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(got, want, rtol_l2=rtol, atol=atol, lse_atol=SPARSE_LSE_ATOL[dtype])
 
 
 def _run(backend, fn, dtype, args, tables, **static):

@@ -11,14 +11,12 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
-    attended_rows_ragged,
-    build_ragged_layout,
-    poison_rows,
+    assert_sparse_mla_close,
+    poison_ragged_case,
     randn,
-    random_page_selection,
     rng_for,
+    sparse_mla_ragged_call,
+    sparse_mla_ragged_case,
     upcast,
 )
 from jax.experimental import checkify
@@ -54,38 +52,15 @@ def _pk(dtype: str) -> int:
 def make_case(seed: int, page_size: int, dtype: str):
     """Layout, random cache (junk in the feature padding, spare pages and past seq_len),
     q and selections; two queries get positions past their request's kv length."""
-    rng = rng_for(seed)
-    layout = build_ragged_layout(
-        rng, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES, page_size=page_size
-    )
-    pk = _pk(dtype)
-    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, DK_PAD), dtype)
-    num_q = int(sum(NEW_LENS))
-    q = randn(rng, (1, num_q, HEADS, DK), dtype)
-    idx = random_page_selection(rng, layout, TOP_K, page_size)
-    idx[3] = -1  # a query with nothing selected
-    positions = layout["positions"].copy()
-    positions[[5, num_q - 1]] += 40  # kv_len (seq_lens) is then the binding bound
-    return layout, cache, q, idx, positions
+    return sparse_mla_ragged_case(
+        seed, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES,
+        page_size=page_size, heads=HEADS, top_k=TOP_K, dk=DK, dk_pad=DK_PAD, dtype=dtype,
+    )  # fmt: skip
 
 
 def _ragged_call(fn, layout, cache, q, idx, positions, page_size, **kw):
-    return fn(
-        q,
-        cache,
-        idx[None],
-        positions[None],
-        sm_scale=SM_SCALE,
-        kv_lora_rank=DV,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=layout["q_seq_id"],
-        seq_lens=layout["seq_lens"],
-        cu_kv_lens=layout["cu_kv_lens"],
-        page_indices=layout["page_indices"],
-        return_lse=True,
-        **kw,
-    )
+    case = (layout, cache, q, idx, positions)
+    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
 def _ragged_oracle(layout, cache, q, idx, positions, page_size):
@@ -105,11 +80,9 @@ def _ragged_oracle(layout, cache, q, idx, positions, page_size):
 
 
 def _check(out, lse, want_out, want_lse):
-    out, lse = np.asarray(out), np.asarray(lse)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close(out, want_out, rtol_l2=1e-5, atol=1e-5)
-    assert_lse_close(lse, want_lse, atol=1e-4)
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(
+        (out, lse), (want_out, want_lse), rtol_l2=1e-5, atol=1e-5, lse_atol=1e-4
+    )
 
 
 @pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)
@@ -179,13 +152,9 @@ def test_ragged_qblock_equals_plain(query_block, u_max):
 def test_ragged_unattended_rows_may_hold_nan_and_inf(page_size, dtype):
     """NaN / +-Inf in page tails past seq_len, spare and unselected pages and the feature
     padding: the result equals the oracle on the clean cache."""
-    layout, cache, q, idx, positions = make_case(64, page_size, dtype)
-    num_pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=page_size, num_pages=num_pages)
-    assert (~keep).any()
-    rows = poison_rows(cache.reshape(num_pages * page_size, -1), keep, seed=64)
-    rows[:, DK:] = np.nan
-    dirty = rows.reshape(cache.shape)
+    case = make_case(64, page_size, dtype)
+    layout, cache, q, idx, positions = case
+    dirty = poison_ragged_case(case, page_size, dk=DK, seed=64)[1]
     out, lse = _ragged_call(sparse_mla_attention, layout, dirty, q, idx, positions, page_size)
     clean = _ragged_call(sparse_mla_attention, layout, cache, q, idx, positions, page_size)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(clean[0]))
@@ -333,20 +302,7 @@ def test_prefill_write_and_attend(page_size, dtype, kpe_rank):
     _assert_bit_identical(new_cache, want_cache)
 
     q = np.concatenate([upcast(ql), upcast(qpe)], axis=-1)[None]
-    q_seq_id = np.repeat(np.arange(len(SEQ_LENS)), NEW_LENS)
-    want_out, want_lse = sparse_mla_oracle_ragged(
-        q,
-        upcast(want_cache),
-        idx,
-        positions,
-        q_seq_id,
-        layout["seq_lens"],
-        layout["cu_kv_lens"],
-        layout["page_indices"],
-        page_size=page_size,
-        sm_scale=SM_SCALE,
-        dv=DV,
-    )
+    want_out, want_lse = _ragged_oracle(layout, want_cache, q, idx, positions, page_size)
     assert_close(np.asarray(out), want_out[0], rtol_l2=1e-5, atol=1e-5)
     empty = np.isneginf(want_lse[0])
     assert np.all(np.asarray(out)[empty] == 0.0)

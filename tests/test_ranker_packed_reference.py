@@ -15,8 +15,9 @@ import pytest
 from helpers import (
     RANKER_TOL,
     assert_close,
-    assert_exact_zero_rows,
     assert_lse_close,
+    assert_ranker_close,
+    oracle_cap_args,
     ranker_inputs,
     rng_for,
     upcast,
@@ -60,23 +61,15 @@ CAPS = {
 }
 
 
-def _cap_args(cap):
-    if cap is None:
-        return {"cap_method": "none", "cap_value": None}
-    return {"cap_method": cap.method, "cap_value": cap.value}
-
-
 def _check(q, k, v, bounds, *, cap=None, sm_scale=None, dtype="float32"):
     out, lse = ranker_attention(q, k, v, bounds, cap=cap, sm_scale=sm_scale, return_lse=True)
     out, lse = np.asarray(out), np.asarray(lse)
-    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == np.float32
-    want_out, want_lse = ranker_oracle_packed(
-        upcast(q), upcast(k), upcast(v), bounds, sm_scale=sm_scale, **_cap_args(cap)
+    want = ranker_oracle_packed(
+        upcast(q), upcast(k), upcast(v), bounds, sm_scale=sm_scale, **oracle_cap_args(cap)
     )
     rtol, atol = RANKER_TOL[dtype]
-    assert_close(out, want_out, rtol_l2=rtol, atol=atol)
-    assert_lse_close(lse, want_lse, atol=1e-4 if dtype == "float32" else 1e-3)
-    assert_exact_zero_rows(np.moveaxis(out, 2, 1), lse)
+    lse_atol = 1e-4 if dtype == "float32" else 1e-3
+    assert_ranker_close(q, (out, lse), want, rtol_l2=rtol, atol=atol, lse_atol=lse_atol)
     return out, lse
 
 
@@ -205,7 +198,7 @@ def test_grads_float64_vs_packed_oracle_deterministic():
         args = tuple(jnp.asarray(x) for x in (qn, kn, vn))
         grads = jax.grad(loss, argnums=(0, 1, 2))(*args)
         again = jax.grad(loss, argnums=(0, 1, 2))(*args)
-        want = ranker_oracle_packed_grad(qn, kn, vn, bounds, w_out, w_lse, **_cap_args(cap))
+        want = ranker_oracle_packed_grad(qn, kn, vn, bounds, w_out, w_lse, **oracle_cap_args(cap))
         for name, g, g2, w in zip("qkv", grads, again, want, strict=True):
             g = np.asarray(g)
             assert g.dtype == np.float64 and np.all(np.isfinite(g))

@@ -11,8 +11,9 @@ import pytest
 from helpers import (
     RANKER_TOL,
     assert_close,
-    assert_exact_zero_rows,
     assert_lse_close,
+    assert_ranker_close,
+    oracle_cap_args,
     ranker_inputs,
     rng_for,
     upcast,
@@ -31,12 +32,6 @@ CAPS = {
     "tanh2": CapParams(CapMethod.TANH, 2.0),
     "soft_sign2": CapParams(CapMethod.SOFT_SIGN, 2.0),
 }
-
-
-def _cap_args(cap):
-    if cap is None:
-        return {"cap_method": "none", "cap_value": None}
-    return {"cap_method": cap.method, "cap_value": cap.value}
 
 
 # Bounds for B = 4 rows of S = 37 (nothing is a multiple of a block size).
@@ -62,20 +57,19 @@ def _check_against_oracle(
     q, k, v, bounds, *, cap=None, sm_scale=None, dtype="float32", ref_bounds=None, **kw
 ):
     out, lse = _run(q, k, v, bounds, cap=cap, sm_scale=sm_scale, **kw)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == np.float32
     want_out, want_lse = ranker_oracle(
         upcast(q),
         upcast(k),
         upcast(v),
         bounds if ref_bounds is None else ref_bounds,
         sm_scale=sm_scale,
-        **_cap_args(cap),
+        **oracle_cap_args(cap),
     )
     rtol, atol = RANKER_TOL[dtype]
-    assert_close(out, want_out, rtol_l2=rtol, atol=atol)
-    assert_lse_close(lse, want_lse, atol=1e-4 if dtype == "float32" else 1e-3)
-    assert_exact_zero_rows(np.moveaxis(out, 2, 1), lse)
+    lse_atol = 1e-4 if dtype == "float32" else 1e-3
+    assert_ranker_close(
+        q, (out, lse), (want_out, want_lse), rtol_l2=rtol, atol=atol, lse_atol=lse_atol
+    )
     return out, lse, want_out, want_lse
 
 
@@ -288,7 +282,7 @@ def test_grads_vs_analytic_oracle_float64(cap_name):
         w_lse = rng.standard_normal((qn.shape[0], qn.shape[2], qn.shape[1]))
         loss = _loss_fn(jnp.asarray(GRAD_BOUNDS), cap, jnp.asarray(w_out), jnp.asarray(w_lse))
         grads = jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x) for x in (qn, kn, vn)))
-        want = ranker_oracle_grad(qn, kn, vn, GRAD_BOUNDS, w_out, w_lse, **_cap_args(cap))
+        want = ranker_oracle_grad(qn, kn, vn, GRAD_BOUNDS, w_out, w_lse, **oracle_cap_args(cap))
         for name, g, w in zip("qkv", grads, want, strict=True):
             assert g.dtype == jnp.float64
             assert_close(np.asarray(g), w, rtol_l2=1e-10, atol=1e-10, name=f"d{name}")
@@ -305,7 +299,7 @@ def test_grads_float32_vs_oracle_gqa5():
     w_lse = rng.standard_normal((4, 10, S37)).astype(np.float32)
     loss = _loss_fn(bounds, cap, w_out, w_lse)
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    want = ranker_oracle_grad(q, k, v, bounds, w_out, w_lse, **_cap_args(cap))
+    want = ranker_oracle_grad(q, k, v, bounds, w_out, w_lse, **oracle_cap_args(cap))
     for name, g, w in zip("qkv", grads, want, strict=True):
         assert_close(np.asarray(g), w, rtol_l2=1e-5, atol=1e-4, name=f"d{name}")
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
     assert_lse_close,
+    assert_sparse_mla_close,
     attended_rows_flat,
     poison_rows,
     randn,
@@ -57,11 +57,7 @@ def _oracle(q, kv, idx, pos, *, sm_scale, dv, read_block):
 
 
 def _check(out, lse, want_out, want_lse, *, tol=F32_TOL):
-    out, lse = np.asarray(out), np.asarray(lse)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close(out, want_out, **tol)
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL)
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close((out, lse), (want_out, want_lse), **tol, lse_atol=LSE_ATOL)
 
 
 SMALL = {"batch": 2, "seq": 19, "dk": 40, "num_tokens": 45, "top_k": 4, "read_block": 16}

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import segment_bounds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -72,18 +73,11 @@ def check_fields(ranges: BlockRanges):
 
 @st.composite
 def problems(draw):
-    """(S, block, bounds, tile_start, tile_end) with bounds anywhere in [0, S].
-
-    Half the draws keep each segment ordered (lo <= hi); the rest may be inverted
-    (an empty segment). H and C may overlap, touch, or come in either order.
-    """
+    """(S, block, bounds, tile_start, tile_end) with ``segment_bounds`` anywhere in
+    [0, S]."""
     seq_len = draw(st.integers(1, 300))
     block = draw(st.sampled_from(BLOCKS))
-    pos = st.integers(0, seq_len)
-    hl, hu, cl, cu = (draw(pos) for _ in range(4))
-    if draw(st.booleans()):
-        hl, hu = min(hl, hu), max(hl, hu)
-        cl, cu = min(cl, cu), max(cl, cu)
+    hl, hu, cl, cu = draw(segment_bounds(seq_len))
     if draw(st.booleans()):
         # a block-aligned tile, possibly running past S (as kernels tile it)
         tile_block = draw(st.sampled_from(BLOCKS))
@@ -99,22 +93,19 @@ def problems(draw):
 # scalar (Python int) arguments
 
 
+@pytest.mark.parametrize(
+    ("ranges", "expected"),
+    [(ranker_kv_block_ranges, expected_kv_blocks), (ranker_q_block_ranges, expected_q_blocks)],
+    ids=["kv", "q"],
+)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
-def test_kv_block_ranges_match_brute_force(p):
-    seq_len, block, bounds, qs, qe = p
-    r = ranker_kv_block_ranges(*bounds, qs, qe, block)
+def test_block_ranges_match_brute_force(ranges, expected, p):
+    """KV blocks of a query tile, or query blocks of a KV tile."""
+    seq_len, block, bounds, start, end = p
+    r = ranges(*bounds, start, end, block)
     check_fields(r)
-    check_visit(seq_len, block, visited(r), expected_kv_blocks(seq_len, bounds, qs, qe, block))
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_q_block_ranges_match_brute_force(p):
-    seq_len, block, bounds, ks, ke = p
-    r = ranker_q_block_ranges(*bounds, ks, ke, block)
-    check_fields(r)
-    check_visit(seq_len, block, visited(r), expected_q_blocks(seq_len, bounds, ks, ke, block))
+    check_visit(seq_len, block, visited(r), expected(seq_len, bounds, start, end, block))
 
 
 @settings(max_examples=100, deadline=None)

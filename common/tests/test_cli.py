@@ -8,18 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers import assert_cli_usage_error, cli_exit_code
 
 from attn_common import cli, cli_args, dispatch
 
 OFF_GPU = dispatch.device_class() not in ("gpu", "hopper")
-
-
-def _exit_code(argv) -> int:
-    """``cli.main(argv)``'s status, also when argparse exits through SystemExit."""
-    try:
-        return cli.main(argv)
-    except SystemExit as e:
-        return e.code
 
 
 def test_info(capsys):
@@ -45,7 +38,7 @@ def test_info_as_a_command():
 
 
 def test_version(capsys):
-    assert _exit_code(["--version"]) == 0
+    assert cli_exit_code(["--version"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("attn-common ")
     for name in dispatch.KNOWN_BACKENDS:
@@ -74,11 +67,7 @@ def test_version(capsys):
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
-    assert _exit_code(argv) == 2
-    err = capsys.readouterr().err
-    assert needle in err
-    assert "Traceback" not in err
-    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert_cli_usage_error(argv, needle, capsys)
 
 
 def test_run_ranker_small(tmp_path, capsys):
@@ -130,14 +119,14 @@ def test_run_json_path_checked_before_running(tmp_path, capsys):
     refused without --overwrite; a folder is refused. Checked before anything runs."""
     existing = tmp_path / "x.json"
     existing.write_text("{}")
-    assert _exit_code(["run", "ranker", "--json", str(existing)]) == 2
+    assert cli_exit_code(["run", "ranker", "--json", str(existing)]) == 2
     assert "which exists; pass --overwrite" in capsys.readouterr().err
     assert existing.read_text() == "{}"
-    assert _exit_code(["run", "ranker", "--json", str(tmp_path)]) == 2
+    assert cli_exit_code(["run", "ranker", "--json", str(tmp_path)]) == 2
     assert "which is a folder" in capsys.readouterr().err
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert _exit_code(["run", "ranker", "--json", str(blocker / "x.json")]) == 2
+    assert cli_exit_code(["run", "ranker", "--json", str(blocker / "x.json")]) == 2
     assert "not writable" in capsys.readouterr().err
     missing = tmp_path / "no" / "such" / "x.json"
     assert cli_args.check_out_file(missing) is None and missing.parent.is_dir()
@@ -171,13 +160,13 @@ def test_wrong_device_error_names_the_cli_flag(capsys):
 
 
 def test_help_lists_shapes_choices_and_defaults(capsys):
-    assert _exit_code(["run", "--help"]) == 0
+    assert cli_exit_code(["run", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # help wraps lines
     assert "B4 S1152 Hq20/Hkv4 D128" in out and "B2 S256" in out and "flat S256 T8192" in out
     for name in dispatch.KNOWN_BACKENDS:
         assert name in out
     assert "default: 3" in out and "default: 0" in out and "default: 4" in out
-    assert _exit_code(["--help"]) == 0
+    assert cli_exit_code(["--help"]) == 0
     assert "--version" in capsys.readouterr().out
 
 
@@ -199,13 +188,13 @@ def test_sizes_that_cannot_fit_are_refused_up_front(monkeypatch, capsys):
     assert cli.ranker_bytes(shape, 8, "mosaic-gpu") == 2 * 8 * 1152 * (20 + 8 + 20) * 128 * 2
     monkeypatch.setattr(cli, "available_memory", lambda: (need - 1, "available host memory"))
     argv = ["run", "ranker", "--batch", "8", "--implementation", "reference"]
-    assert _exit_code(argv) == 2
+    assert cli_exit_code(argv) == 2
     err = capsys.readouterr().err
     assert "--batch: got 8" in err and "more than the" in err and "Traceback" not in err
     ran = []
     monkeypatch.setattr(cli, "available_memory", lambda: (need, "available host memory"))
     monkeypatch.setattr(cli, "cmd_run", lambda args: ran.append(args.batch) or 0)
-    assert _exit_code(argv) == 0 and ran == [8]
+    assert cli_exit_code(argv) == 0 and ran == [8]
 
 
 def test_available_memory_is_known_here():

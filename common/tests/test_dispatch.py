@@ -353,17 +353,29 @@ def test_front_doors_have_full_signatures_and_argument_docs(op):
     assert set(ref_params) <= set(params)
 
 
-@pytest.mark.parametrize("op", [op for op in dispatch.OPS if op != "paged_write_back"])
-def test_every_installed_backend_accepts_debug_checks(op):
-    assert "debug_checks" in inspect.signature(getattr(dispatch, op)).parameters
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_every_installed_backend_takes_the_spec(op):
+    """Each installed backend's public op has the spec's signature (the front door's
+    without ``implementation``: names, kinds, defaults), then keyword-only extras only;
+    so no backend restates or drifts from an op's arguments."""
+    door = inspect.signature(getattr(dispatch, op)).parameters.values()
+    spec = [p for p in door if p.name != "implementation"]
+    assert "debug_checks" in [p.name for p in spec]
+    checked = 0
     for name in dispatch.installed_backends():
         try:
             module = dispatch.load_backend(name)
         except BackendUnavailableError:
             continue
         fn = getattr(module, op, None)
-        if fn is not None:
-            assert "debug_checks" in inspect.signature(fn).parameters, (name, op)
+        if fn is None:
+            continue
+        params = list(inspect.signature(fn).parameters.values())
+        assert params[: len(spec)] == spec, (name, op, params)
+        extras = params[len(spec) :]
+        assert all(p.kind is p.KEYWORD_ONLY for p in extras), (name, op, extras)
+        checked += 1
+    assert checked or not dispatch.installed_backends()
 
 
 def test_real_fp32_ranker_falls_back_to_reference_on_hopper(monkeypatch):

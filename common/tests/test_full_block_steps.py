@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import segment_bounds
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -33,11 +34,7 @@ def problems(draw):
     """(S, block, bounds, tile, sub-tile): the sub-tile is a warpgroup's part of a tile."""
     seq_len = draw(st.integers(2, 300))
     block = draw(st.sampled_from(BLOCKS))
-    pos = st.integers(0, seq_len)
-    hl, hu, cl, cu = (draw(pos) for _ in range(4))
-    if draw(st.booleans()):
-        hl, hu = min(hl, hu), max(hl, hu)
-        cl, cu = min(cl, cu), max(cl, cu)
+    hl, hu, cl, cu = draw(segment_bounds(seq_len))
     if draw(st.booleans()):
         # the ranker layout: candidates right after the history
         cl, cu = hu, draw(st.integers(hu, seq_len))

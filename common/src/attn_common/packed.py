@@ -1,5 +1,9 @@
 """Packed ranker rows: several users per sequence row (varlen), ``bounds [B, U, 4]``.
 
+This module holds what the op and the kernels need of packed bounds (the mask, the
+checks, the block ranges and step tables); ``attn_common.packing`` is the host-side
+packer (``pack_users``) that builds such rows from per-user lengths.
+
 A packed row holds up to ``U`` users; slot ``u`` of row ``b`` is ``bounds[b, u] =
 (history_lo, history_hi, candidate_lo, candidate_hi)`` of one user, with history
 ``H_u = [hl, hu)`` and candidates ``C_u = [cl, cu)``. Query ``i`` may attend key ``j``

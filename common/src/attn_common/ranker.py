@@ -120,8 +120,6 @@ def ranker_flops(bounds_array, q_heads: int, head_dim: int, *, backward: bool = 
 
     ``bounds_array`` is a concrete, clipped ``[B, 4]`` array.
     """
-    import numpy as np
-
     b = np.asarray(bounds_array, dtype=np.int64)
     hist = b[:, 1] - b[:, 0]
     cand = b[:, 3] - b[:, 2]
@@ -164,27 +162,16 @@ def kernel_vjp(forward: Callable, backward: Callable) -> Callable:
 
 
 def unsupported_ranker_inputs(
-    args: tuple, kwargs: dict, *, dtypes, head_dims, kernels: str, packed: bool
+    args: tuple, kwargs: dict, *, dtypes, head_dims, kernels: str
 ) -> str | None:
     """The reason a backend's ranker kernels cannot take a call (``None``: they can).
 
     Static facts only, for a backend's ``supports`` hook (``attn_common.dispatch``): q's
-    dtype and head dim, and, unless the kernels take packed rows (``packed``), bounds of
-    shape ``[B, U, 4]`` with ``U > 1``. Inputs too malformed to judge give ``None``, so
-    the kernel's own validation names what is wrong. ``args``/``kwargs`` are those of
-    ``ranker_attention(q, k, v, bounds, ...)``; ``kernels`` names them in the message.
+    dtype and head dim (every backend's kernels take packed bounds ``[B, U, 4]``).
+    Inputs too malformed to judge give ``None``, so the kernel's own validation names
+    what is wrong. ``args``/``kwargs`` are those of ``ranker_attention(q, k, v, bounds,
+    ...)``; ``kernels`` names them in the message.
     """
-    if not packed:
-        bounds = args[3] if len(args) > 3 else kwargs.get("bounds")
-        try:
-            b_shape = np.shape(bounds) if bounds is not None else ()
-        except ValueError:  # ragged nested lists
-            b_shape = ()
-        if len(b_shape) == 3 and b_shape[1] > 1:
-            return (
-                f"bounds: got shape {tuple(b_shape)}, i.e. U = {b_shape[1]} users per row; "
-                f"the {kernels} kernels take one user per row ([B, 4]) so far"
-            )
     q = args[0] if args else kwargs.get("q")
     dtype, shape = getattr(q, "dtype", None), getattr(q, "shape", None)
     if dtype is None or shape is None or len(shape) != 4:

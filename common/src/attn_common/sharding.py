@@ -71,6 +71,16 @@ def _shard_map(fn, mesh, in_specs, out_specs, check_vma):
     return jax.jit(placed)
 
 
+def _op_or_front_door(fn, op: str, implementation: str | None) -> Callable[..., Any]:
+    """``fn``, or when ``None`` the dispatching front door of ``op`` on
+    ``implementation``."""
+    if fn is not None:
+        return fn
+    from attn_common import dispatch
+
+    return functools.partial(getattr(dispatch, op), implementation=implementation)
+
+
 def shard_ranker_attention(
     mesh: Mesh,
     fn: Callable[..., Any] | None = None,
@@ -88,10 +98,7 @@ def shard_ranker_attention(
     ``check_vma=False`` by default because Pallas kernels do not declare how their
     outputs vary across the mesh; every output here is fully sharded anyway.
     """
-    if fn is None:
-        from attn_common.dispatch import ranker_attention
-
-        fn = functools.partial(ranker_attention, implementation=implementation)
+    fn = _op_or_front_door(fn, "ranker_attention", implementation)
     nb, nh = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
     return_lse = bool(kwargs.get("return_lse", False))
     qkv = PartitionSpec(batch_axis, None, head_axis, None)
@@ -139,10 +146,7 @@ def shard_sparse_mla_attention(
     """
     if "q_seq_id" in kwargs or "page_size" in kwargs:
         raise ValueError("shard_sparse_mla_attention shards the flat mode only")
-    if fn is None:
-        from attn_common.dispatch import sparse_mla_attention
-
-        fn = functools.partial(sparse_mla_attention, implementation=implementation)
+    fn = _op_or_front_door(fn, "sparse_mla_attention", implementation)
     nb, nh = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
     return_lse = bool(kwargs.get("return_lse", False))
     q_spec = PartitionSpec(batch_axis, None, head_axis, None)
@@ -184,10 +188,7 @@ def shard_sparse_mla_attention_ragged(
     if "page_size" not in kwargs:
         raise ValueError("page_size: missing; ragged mode needs the cache page size")
     kwargs.setdefault("read_block", kwargs["page_size"])
-    if fn is None:
-        from attn_common.dispatch import sparse_mla_attention
-
-        fn = functools.partial(sparse_mla_attention, implementation=implementation)
+    fn = _op_or_front_door(fn, "sparse_mla_attention", implementation)
     nh = _axis_size(mesh, head_axis)
     return_lse = bool(kwargs.get("return_lse", False))
     q_spec = PartitionSpec(None, None, head_axis, None)

@@ -96,7 +96,7 @@ class RankerCall:
     k: jax.Array
     v: jax.Array
     bounds: Any  # SegmentBounds or int [4] / [B, 4] / [B, U, 4], form-checked
-    users: int  # U of packed [B, U, 4] bounds, 0 for [4] / [B, 4] / SegmentBounds
+    packed_users: int  # U of packed [B, U, 4] bounds; 0: not packed ([4], [B, 4], SegmentBounds)
     config: KernelConfig | None
     return_lse: bool
     debug_checks: bool
@@ -157,7 +157,7 @@ def ranker_call(
     return_lse = _check_flag(return_lse, "return_lse")
     debug_checks = _check_flag(debug_checks, "debug_checks")
     if isinstance(bounds, SegmentBounds):
-        users = 0
+        packed_users = 0
     else:
         shape = np.shape(bounds) if not hasattr(bounds, "shape") else tuple(bounds.shape)
         arr = _packed_array(bounds)  # dtype and form: [4], [B, 4] or [B, U >= 1, 4]
@@ -165,13 +165,13 @@ def ranker_call(
             raise ValueError(
                 f"bounds: got {arr.shape[0]} rows, expected {problem.batch} (the batch size) or 1"
             )
-        users = int(shape[1]) if len(shape) == 3 else 0
+        packed_users = int(shape[1]) if len(shape) == 3 else 0
         validate_packed_bounds(bounds, batch=problem.batch, seq_len=problem.seq_len)
     if debug_checks:
-        check = check_packed_bounds if users else check_bounds
+        check = check_packed_bounds if packed_users else check_bounds
         check(bounds, seq_len=problem.seq_len)
     return RankerCall(
-        problem, q, k, v, bounds, users, config, return_lse, debug_checks, interpret
+        problem, q, k, v, bounds, packed_users, config, return_lse, debug_checks, interpret
     )  # fmt: skip
 
 

@@ -6,19 +6,12 @@ import json
 import sys
 
 import pytest
+from helpers import assert_cli_usage_error, cli_exit_code
 
 from attn_common import cli, dispatch
 from attn_mosaic_gpu import bench, bench_sparse_mla
 
 OFF_GPU = dispatch.device_class() not in ("gpu", "hopper")
-
-
-def _exit_code(argv) -> int:
-    """``cli.main(argv)``'s status, also when argparse exits through SystemExit."""
-    try:
-        return cli.main(argv)
-    except SystemExit as e:
-        return e.code
 
 
 def test_the_commands_come_from_the_entry_point():
@@ -45,15 +38,11 @@ def test_the_commands_come_from_the_entry_point():
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
-    assert _exit_code(argv) == 2
-    err = capsys.readouterr().err
-    assert needle in err
-    assert "Traceback" not in err
-    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert_cli_usage_error(argv, needle, capsys)
 
 
 def test_help_lists_cases_and_defaults(capsys):
-    assert _exit_code(["bench", "--help"]) == 0
+    assert cli_exit_code(["bench", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     for case in bench.CASE_NAMES:
         assert case in out
@@ -61,7 +50,7 @@ def test_help_lists_cases_and_defaults(capsys):
     for name in dispatch.KNOWN_BACKENDS:
         assert name in out
     assert "sparse-mla" in out and "attn bench sparse-mla --help" in out
-    assert _exit_code(["bench", "sparse-mla", "--help"]) == 0
+    assert cli_exit_code(["bench", "sparse-mla", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert out.startswith("usage: attn bench sparse-mla ")
     for flag in (
@@ -76,13 +65,13 @@ def test_help_lists_cases_and_defaults(capsys):
     for case in (*bench_sparse_mla.CASES, *bench_sparse_mla.SMOKE_CASES):
         assert case.name in out
     assert "attn-results/<timestamp>" in out and "default: 20" in out
-    assert _exit_code(["bench", "ranker", "--help"]) == 0
+    assert cli_exit_code(["bench", "ranker", "--help"]) == 0
     assert "B64 S1152" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not OFF_GPU, reason="on a GPU the suite's cases run as asked")
 def test_bench_cases_off_gpu_are_refused_not_replaced(capsys, tmp_path):
-    assert _exit_code(["bench", "--cases", "phoenix", "--out", str(tmp_path / "o")]) == 2
+    assert cli_exit_code(["bench", "--cases", "phoenix", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "--cases: got phoenix" in err and "--full" in err
     assert not (tmp_path / "o" / "ranker_gpu.json").exists()
@@ -91,16 +80,16 @@ def test_bench_cases_off_gpu_are_refused_not_replaced(capsys, tmp_path):
 def test_bench_unwritable_out(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert _exit_code(["bench", "--out", str(blocker / "sub")]) == 2
+    assert cli_exit_code(["bench", "--out", str(blocker / "sub")]) == 2
     err = capsys.readouterr().err
     assert "--out: got" in err and "not writable" in err and "Traceback" not in err
-    assert _exit_code(["bench", "--out", str(blocker)]) == 2
+    assert cli_exit_code(["bench", "--out", str(blocker)]) == 2
     assert "which is a file" in capsys.readouterr().err
 
 
 def test_bench_never_clobbers_results(tmp_path, capsys):
     (tmp_path / "ranker_gpu.json").write_text("{}")
-    assert _exit_code(["bench", "--out", str(tmp_path)]) == 2
+    assert cli_exit_code(["bench", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "already holds ranker_gpu.json" in err and "--overwrite" in err
     assert (tmp_path / "ranker_gpu.json").read_text() == "{}"
@@ -186,7 +175,7 @@ def test_bench_sparse_mla_smoke_off_gpu(tmp_path, capsys, monkeypatch):
     md = (folder / "sparse_mla_gpu.md").read_text()
     assert "| flat-smoke |" in md and "| paged-smoke |" in md and "not a measurement" in md
     # the same folder again: refused without --overwrite, like the ranker suite
-    assert _exit_code(["bench", "sparse-mla", "--out", str(folder)]) == 2
+    assert cli_exit_code(["bench", "sparse-mla", "--out", str(folder)]) == 2
     err = capsys.readouterr().err
     assert "attn bench sparse-mla: error: --out" in err and "--overwrite" in err
 

@@ -26,25 +26,23 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
-    attended_rows_ragged,
-    build_ragged_layout,
-    poison_rows,
+    assert_sparse_mla_close,
+    gpu_interpret,
+    poison_ragged_case,
     randn,
-    random_page_selection,
     rng_for,
     run_interpret,
     sparse_mla_flat_case,
+    sparse_mla_ragged_call,
+    sparse_mla_ragged_case,
 )
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
 from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+INTERPRET = gpu_interpret()
 DV, ROPE = 128, 64
 DK = DV + ROPE  # 192 -> Dk_pad 256 in the paged cache: the feature padding is exercised
 SM_SCALE = 0.07
@@ -58,13 +56,7 @@ def _run(fn, *args, **kwargs):
 
 
 def _check(got, want):
-    out, lse = (np.asarray(x) for x in got)
-    want_out, want_lse = (np.asarray(x) for x in want)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert out.shape == want_out.shape and lse.shape == want_lse.shape
-    assert_close(out, want_out, **TOL)
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL)
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(got, want, **TOL, lse_atol=LSE_ATOL)
 
 
 # ------------------------------------------------------------------------------------
@@ -132,52 +124,23 @@ EXTRA_PAGES = [1, 0, 2]
 
 
 def ragged_case(seed, page_size=16, heads=2, top_k=4):
-    rng = rng_for(seed)
-    layout = build_ragged_layout(
-        rng, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES, page_size=page_size
-    )
-    cache = randn(rng, (layout["num_pages"], page_size // 2, 2, 256), "bfloat16")
-    num_q = int(sum(NEW_LENS))
-    q = randn(rng, (1, num_q, heads, DK), "bfloat16")
-    idx = random_page_selection(rng, layout, top_k, page_size)
-    idx[3] = -1
-    positions = layout["positions"].copy()
-    positions[[5, num_q - 1]] += 40
-    return layout, cache, q, idx, positions
+    return sparse_mla_ragged_case(
+        seed, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES,
+        page_size=page_size, heads=heads, top_k=top_k, dk=DK, dk_pad=256, dtype="bfloat16",
+    )  # fmt: skip
 
 
 def _ragged(fn, case, page_size=16, **kw):
-    layout, cache, q, idx, positions = case
-    return fn(
-        q,
-        cache,
-        idx[None],
-        positions[None],
-        sm_scale=SM_SCALE,
-        kv_lora_rank=DV,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=layout["q_seq_id"],
-        seq_lens=layout["seq_lens"],
-        cu_kv_lens=layout["cu_kv_lens"],
-        page_indices=layout["page_indices"],
-        return_lse=True,
-        **kw,
-    )
+    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
 def test_ragged_poisoned_vs_reference():
     """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
     the feature padding of every row."""
-    layout, cache, q, idx, positions = ragged_case(10)
-    want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
+    case = ragged_case(10)
+    want = _ragged(ref.sparse_mla_attention, case)
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
-    num_pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=16, num_pages=num_pages)
-    assert (~keep).any() and keep.any()
-    rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=10)
-    rows[:, DK:] = np.nan  # the feature padding past Dk
-    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
+    dirty = poison_ragged_case(case, 16, dk=DK, seed=10)
     got = _run(_ragged, gpu.sparse_mla_attention, dirty)
     _check(got, want)
 
@@ -239,6 +202,28 @@ def test_lagged_launch_order(lag, groups, tokens):
         assert i == chunk * lag * groups + g * size + t - chunk * lag
 
 
+def _rows_vs_float64(q, store, rows, counts):
+    """``sparse_mla_rows_attention`` in interpret mode against float64 math on the same
+    bf16 inputs, token by token; returns each token's scores ``[heads, count]``."""
+    out, lse = _run(
+        sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
+        sm_scale=SM_SCALE, dv=DV,
+    )  # fmt: skip
+    qf = np.asarray(q.astype(jnp.float32), np.float64)
+    sf = np.asarray(store.astype(jnp.float32), np.float64)
+    scores = []
+    for n, c in enumerate(counts):
+        keys = sf[rows[n, :c], :DK]
+        s = qf[n] @ keys.T * SM_SCALE
+        m = s.max(1, keepdims=True)
+        p = np.exp(s - m)
+        want = p @ keys[:, :DV] / p.sum(1, keepdims=True)
+        assert_close(np.asarray(out[n]), want, **TOL)
+        np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
+        scores.append(s)
+    return scores
+
+
 def test_kernel_two_head_groups_and_partial_pairs():
     """128 heads (two programs per token), counts that end inside a block and a pair
     (race detection on: the one-way exchange reuses its P and max buffers every pair)."""
@@ -252,20 +237,7 @@ def test_kernel_two_head_groups_and_partial_pairs():
     store = rng.standard_normal((store_rows, 200)).astype(np.float32)
     store[:, DK:] = np.nan  # row padding past Dk is never read
     store = jnp.asarray(store, jnp.bfloat16)
-    out, lse = _run(
-        sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
-        sm_scale=SM_SCALE, dv=DV,
-    )  # fmt: skip
-    qf = np.asarray(q.astype(jnp.float32), np.float64)
-    sf = np.asarray(store.astype(jnp.float32), np.float64)
-    for n, c in enumerate(counts):
-        keys = sf[rows[n, :c], :DK]
-        s = qf[n] @ keys.T * SM_SCALE
-        m = s.max(1, keepdims=True)
-        p = np.exp(s - m)
-        want = p @ keys[:, :DV] / p.sum(1, keepdims=True)
-        assert_close(np.asarray(out[n]), want, **TOL)
-        np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
+    _rows_vs_float64(q, store, rows, counts)
 
 
 def test_kernel_reads_q_rope_apart():
@@ -317,27 +289,14 @@ def test_kernel_running_max_moves(order):
     store = rng.standard_normal((store_rows, DK)) * key_scale[:, None]
     store = jnp.asarray(store, jnp.bfloat16)
     counts = np.full((tokens,), count, np.int32)
-    out, lse = _run(
-        sparse_mla_rows_attention, q, store, jnp.asarray(rows), jnp.asarray(counts),
-        sm_scale=SM_SCALE, dv=DV,
-    )  # fmt: skip
-    qf = np.asarray(q.astype(jnp.float32), np.float64)
-    sf = np.asarray(store.astype(jnp.float32), np.float64)
-    for n in range(tokens):
-        keys = sf[rows[n, :count], :DK]
-        s = qf[n] @ keys.T * SM_SCALE
-        m = s.max(1, keepdims=True)
-        p = np.exp(s - m)
-        want = p @ keys[:, :DV] / p.sum(1, keepdims=True)
-        assert_close(np.asarray(out[n]), want, **TOL)
-        np.testing.assert_allclose(np.asarray(lse[n]), m[:, 0] + np.log(p.sum(1)), atol=LSE_ATOL)
-        if n == 0:  # token 0's selection is ordered by key scale: the max moves as meant
-            block_max = s[:, : 13 * 32].reshape(heads, 13, 32).max(2) * np.log2(np.e)
-            steps = np.diff(np.maximum.accumulate(block_max, 1), axis=1)
-            if order == "rising":
-                assert ((steps > 0) & (steps < _LARGE_MAX_STEP)).any()
-            if order == "jump":
-                assert (steps > _LARGE_MAX_STEP).any()
+    s = _rows_vs_float64(q, store, rows, counts)[0]
+    # Token 0's selection is ordered by key scale: the max moves as meant.
+    block_max = s[:, : 13 * 32].reshape(heads, 13, 32).max(2) * np.log2(np.e)
+    steps = np.diff(np.maximum.accumulate(block_max, 1), axis=1)
+    if order == "rising":
+        assert ((steps > 0) & (steps < _LARGE_MAX_STEP)).any()
+    if order == "jump":
+        assert (steps > _LARGE_MAX_STEP).any()
 
 
 # ------------------------------------------------------------------------------------

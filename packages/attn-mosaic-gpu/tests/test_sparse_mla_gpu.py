@@ -29,15 +29,15 @@ if jax.default_backend() != "gpu":
 
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
+    assert_sparse_mla_close,
     attended_rows_flat,
-    attended_rows_ragged,
     build_ragged_layout,
+    poison_ragged_case,
     poison_rows,
     randn,
     random_page_selection,
     rng_for,
+    sparse_mla_ragged_call,
 )
 
 import attn_mosaic_gpu as gpu
@@ -56,12 +56,7 @@ def _poison(nbytes):
 
 
 def _check(got, want):
-    out, lse = (np.asarray(x) for x in got)
-    want_out, want_lse = (np.asarray(x) for x in want)
-    assert out.dtype == np.float32 and out.shape == want_out.shape
-    assert_close(out, want_out, **TOL)
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL)
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(got, want, **TOL, lse_atol=LSE_ATOL)
 
 
 def _token_case(seed, *, seq, heads, kv_len, top_k):
@@ -131,23 +126,13 @@ def _ragged_case(seed, page_size=64, heads=128, top_k=32):
 
 
 def _ragged(fn, case, page_size=64, **kw):
-    layout, cache, q, idx, positions = case
-    return fn(
-        q, cache, idx[None], positions[None], sm_scale=SM_SCALE, read_block=page_size,
-        page_size=page_size, q_seq_id=layout["q_seq_id"], seq_lens=layout["seq_lens"],
-        cu_kv_lens=layout["cu_kv_lens"], page_indices=layout["page_indices"],
-        return_lse=True, **kw,
-    )  # fmt: skip
+    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
 def test_ragged_paged_dirty_cache():
-    layout, cache, q, idx, positions = _ragged_case(11)
-    want = _ragged(ref.sparse_mla_attention, (layout, cache, q, idx, positions))
-    pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=64, num_pages=pages)
-    rows = poison_rows(cache.reshape(pages * 64, -1), keep, seed=11)
-    rows[:, DK:] = np.nan  # the feature padding past Dk
-    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
+    case = _ragged_case(11)
+    want = _ragged(ref.sparse_mla_attention, case)
+    dirty = poison_ragged_case(case, 64, dk=DK, seed=11)
     got = _ragged(gpu.sparse_mla_attention, dirty)
     _check(got, want)
 

@@ -6,6 +6,8 @@ not run Mosaic's TPU compiler passes (layouts, VMEM limits), which need a TPU.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -50,11 +52,13 @@ QBLOCK = {
 VARIANTS = {"per_query": (sparse_mla_attention, {}, 1)} | {
     f"qblock_{k}": (sparse_mla_attention_qblock, kw, n) for k, (kw, n) in QBLOCK.items()
 }
+# Every variant, 64- and 128-token units, 16 and 128 heads.
+EXPORT_CASES = pytest.mark.parametrize(
+    ("kernel", "unit", "heads"), list(itertools.product(VARIANTS, (64, 128), (16, 128)))
+)
 
 
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("unit", [64, 128])
-@pytest.mark.parametrize("kernel", list(VARIANTS))
+@EXPORT_CASES
 def test_export_flat(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
     top_k = SELECTED // unit
@@ -72,9 +76,7 @@ def test_export_flat(kernel, unit, heads):
     _assert_tpu_kernel(exported, count)
 
 
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("unit", [64, 128])
-@pytest.mark.parametrize("kernel", list(VARIANTS))
+@EXPORT_CASES
 def test_export_ragged(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
     top_k = SELECTED // unit

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import assert_close, assert_no_races, randn, rng_for
-from jax.experimental.pallas import tpu as pltpu
+from helpers import assert_close, assert_no_races, randn, rng_for, tpu_interpret
 
 import attn_reference as ref
 from attn_common import kv_packing
@@ -28,9 +27,7 @@ from attn_pallas_tpu import (
 )
 from attn_pallas_tpu.paged import _write_back_call
 
-INTERPRET = pltpu.InterpretParams(
-    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-)
+INTERPRET = tpu_interpret()
 NUM_PAGES, PAGE, FEAT = 6, 16, 128
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "int8": np.int8}
 

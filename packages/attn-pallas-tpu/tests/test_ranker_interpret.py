@@ -19,6 +19,7 @@ few seconds and a grid step costs ~35 ms on the CPU). Tests over ~5 s are ``slow
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import jax
@@ -27,15 +28,15 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
     assert_no_races,
+    assert_ranker_close,
     ranker_inputs,
+    tpu_interpret,
 )
-from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
+from attn_common.spec import ranker_call
 from attn_pallas_tpu import ranker_attention, supports
 from attn_pallas_tpu.ranker_fwd import (
     TileSteps,
@@ -44,11 +45,10 @@ from attn_pallas_tpu.ranker_fwd import (
     make_static,
     prepare,
     q_step_table,
+    ranker_attention_fwd,
 )
 
-INTERPRET = pltpu.InterpretParams(
-    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-)
+INTERPRET = tpu_interpret()
 SMALL = KernelConfig(block_q=128, block_kv=128)
 CAPS = {
     "none": None,
@@ -90,15 +90,9 @@ def _check_forward(q, k, v, bounds, *, cap, config=SMALL, **kw):
     )
     jax.block_until_ready((out, lse))
     assert_no_races()
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    want_out, want_lse = ref.ranker_attention(
-        *_f32((q, k, v)), bounds, cap=cap, return_lse=True, **kw
-    )
+    want = ref.ranker_attention(*_f32((q, k, v)), bounds, cap=cap, return_lse=True, **kw)
     rtol, atol = TOL[dtype]
-    assert_close(out, want_out, rtol_l2=rtol, atol=atol)
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL[dtype])
-    assert_exact_zero_rows(np.moveaxis(np.asarray(out, np.float32), 1, 2), lse)
+    assert_ranker_close(q, (out, lse), want, rtol_l2=rtol, atol=atol, lse_atol=LSE_ATOL[dtype])
     return out, lse
 
 
@@ -115,6 +109,24 @@ def test_forward_d64_out_only_broadcast_bounds_bf16():
     assert_close(out, want, **dict(zip(("rtol_l2", "atol"), TOL["bfloat16"], strict=True)))
     got = np.asarray(out, np.float32)
     assert np.all(got[:, :3] == 0.0) and np.all(got[:, 121:] == 0.0)
+
+
+def test_forward_entry_takes_the_spec():
+    """``ranker_fwd.ranker_attention_fwd`` is built on the spec: ``ranker_call``'s
+    signature, its refusals, and the public op's forward bit for bit."""
+    spec = inspect.signature(ranker_call).parameters
+    assert list(inspect.signature(ranker_attention_fwd).parameters) == list(spec)
+    q, k, v = _inputs(2, 1, 150, 2, 1, 64, "float32")
+    bounds = jnp.array([0, 90, 90, 140], jnp.int32)
+    kw = dict(config=SMALL, return_lse=True, interpret=INTERPRET)
+    got = ranker_attention_fwd(q, k, v, bounds, **kw)
+    want = ranker_attention(q, k, v, bounds, **kw)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(TypeError, match="q: got dtype float16, the TPU ranker kernels take"):
+        ranker_attention_fwd(*(x.astype(jnp.float16) for x in (q, k, v)), bounds)
+    with pytest.raises(TypeError, match="cap: got str"):
+        ranker_attention_fwd(q, k, v, bounds, cap="tanh")
 
 
 @pytest.mark.slow

@@ -14,9 +14,9 @@ from helpers import (
     assert_close,
     assert_no_races,
     ranker_inputs,
+    tpu_interpret,
 )
 from jax.experimental import checkify
-from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
 from attn_common import CapMethod, CapParams, KernelConfig
@@ -24,9 +24,7 @@ from attn_common.packed import ranker_mask_packed
 from attn_pallas_tpu import ranker_attention, supports
 from attn_pallas_tpu.ranker_fwd import TileSteps, kv_step_table, prepare, q_step_table
 
-INTERPRET = pltpu.InterpretParams(
-    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-)
+INTERPRET = tpu_interpret()
 SMALL = KernelConfig(block_q=128, block_kv=128)
 SEQ = 300  # three 128-blocks, the last partly padding
 # Per row U = 4 slots: users back to back sharing blocks, gaps, a user with a gap
@@ -74,7 +72,7 @@ def test_packed_step_tables_visit_once_one_dma_per_block():
     q = jnp.zeros((2, SEQ, 1, 128), jnp.float32)
     for config in (SMALL, KernelConfig(block_q=256, block_kv=128)):
         _, st, clipped = prepare(q, q, q, PACKED, sm_scale=None, cap=None, config=config)
-        assert st.users == 4 and st.runs == 8
+        assert st.packed_users == 4 and st.runs == 8
         clipped = np.asarray(clipped)
         pos = np.arange(st.seq_pad)
         for tab, tiles, block, other, q_side in (

@@ -16,19 +16,18 @@ import numpy as np
 import pytest
 from helpers import (
     assert_close,
-    assert_exact_zero_rows,
-    assert_lse_close,
     assert_no_races,
+    assert_sparse_mla_close,
     attended_rows_flat,
-    attended_rows_ragged,
-    build_ragged_layout,
+    poison_ragged_case,
     poison_rows,
     randn,
-    random_page_selection,
     rng_for,
     sparse_mla_flat_case,
+    sparse_mla_ragged_call,
+    sparse_mla_ragged_case,
+    tpu_interpret,
 )
-from jax.experimental.pallas import tpu as pltpu
 
 import attn_reference as ref
 from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
@@ -41,9 +40,7 @@ from attn_pallas_tpu.plan import (
     static_qblock_config,
 )
 
-INTERPRET = pltpu.InterpretParams(
-    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-)
+INTERPRET = tpu_interpret()
 DV, ROPE = 128, 64
 DK = DV + ROPE  # 192 -> Dk_pad 256: the feature padding path is exercised
 SM_SCALE = 0.07
@@ -52,12 +49,7 @@ LSE_ATOL = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 def _check(got, want, dtype):
-    out, lse = (np.asarray(x) for x in got)
-    want_out, want_lse = (np.asarray(x) for x in want)
-    assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close(out, want_out, **TOL[dtype])
-    assert_lse_close(lse, want_lse, atol=LSE_ATOL[dtype])
-    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(got, want, **TOL[dtype], lse_atol=LSE_ATOL[dtype])
 
 
 # ------------------------------------------------------------------------------------
@@ -168,39 +160,14 @@ TOP_K = 5
 def ragged_case(seed, page_size, dtype):
     """Shuffled physical pages, junk in the cache padding, -1/duplicate/out-of-extent ids,
     a query with nothing selected and queries whose kv_len binds."""
-    rng = rng_for(seed)
-    layout = build_ragged_layout(
-        rng, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES, page_size=page_size
-    )
-    pk = 2 if dtype == "bfloat16" else 1
-    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, 256), dtype)
-    num_q = int(sum(NEW_LENS))
-    q = randn(rng, (1, num_q, HEADS, DK), dtype)
-    idx = random_page_selection(rng, layout, TOP_K, page_size)
-    idx[3] = -1
-    positions = layout["positions"].copy()
-    positions[[5, num_q - 1]] += 40
-    return layout, cache, q, idx, positions
+    return sparse_mla_ragged_case(
+        seed, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES,
+        page_size=page_size, heads=HEADS, top_k=TOP_K, dk=DK, dk_pad=256, dtype=dtype,
+    )  # fmt: skip
 
 
 def _ragged_call(fn, case, page_size, **kw):
-    layout, cache, q, idx, positions = case
-    return fn(
-        q,
-        cache,
-        idx[None],
-        positions[None],
-        sm_scale=SM_SCALE,
-        kv_lora_rank=DV,
-        read_block=page_size,
-        page_size=page_size,
-        q_seq_id=layout["q_seq_id"],
-        seq_lens=layout["seq_lens"],
-        cu_kv_lens=layout["cu_kv_lens"],
-        page_indices=layout["page_indices"],
-        return_lse=True,
-        **kw,
-    )
+    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
 # Page size 16 of the default kernels: the conformance suite. Here 32-token pages (with
@@ -330,8 +297,17 @@ def test_auto_tiling_under_jit_takes_both_branches():
 # Dirty caches: outputs depend only on the rows a query attends
 
 
-def _all_fns():
-    return {**KERNELS, "qblock_auto": AUTO, "reference": ref.sparse_mla_attention}
+def _check_every_kernel(run, want, dtype):
+    """``run(fn)`` for every kernel, the automatic query-blocked one and the reference,
+    each against ``want``; a failure names the kernel."""
+    fns = {**KERNELS, "qblock_auto": AUTO, "reference": ref.sparse_mla_attention}
+    for name, fn in fns.items():
+        got = run(fn)
+        assert_no_races()
+        try:
+            _check(got, want, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from e
 
 
 @pytest.mark.slow
@@ -342,13 +318,7 @@ def test_flat_poisoned_unattended_rows(dtype):
     keep = attended_rows_flat(idx, pos, kv_len=kv.shape[1], read_block=16)
     assert (~keep).any() and keep.any()
     dirty = poison_rows(kv, keep, seed=30)
-    for name, fn in _all_fns().items():
-        got = _flat_call(fn, (q, dirty, idx, pos))
-        assert_no_races()
-        try:
-            _check(got, want, dtype)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from e
+    _check_every_kernel(lambda fn: _flat_call(fn, (q, dirty, idx, pos)), want, dtype)
 
 
 @pytest.mark.slow
@@ -356,22 +326,10 @@ def test_flat_poisoned_unattended_rows(dtype):
 def test_ragged_poisoned_unattended_rows(dtype):
     """NaN / +-Inf in page tails past seq_len, unreferenced pages, unselected pages and in
     the feature padding of every row."""
-    layout, cache, q, idx, positions = ragged_case(31, 16, dtype)
-    case = (layout, cache, q, idx, positions)
+    case = ragged_case(31, 16, dtype)
     want = _ragged_call(ref.sparse_mla_attention, case, 16)
-    num_pages = cache.shape[0]
-    keep = attended_rows_ragged(layout, idx, positions, page_size=16, num_pages=num_pages)
-    assert (~keep).any() and keep.any()
-    rows = poison_rows(cache.reshape(num_pages * 16, -1), keep, seed=31)
-    rows[:, DK:] = np.nan  # the lane padding past Dk
-    dirty = (layout, rows.reshape(cache.shape), q, idx, positions)
-    for name, fn in _all_fns().items():
-        got = _ragged_call(fn, dirty, 16)
-        assert_no_races()
-        try:
-            _check(got, want, dtype)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from e
+    dirty = poison_ragged_case(case, 16, dk=DK, seed=31)
+    _check_every_kernel(lambda fn: _ragged_call(fn, dirty, 16), want, dtype)
 
 
 @pytest.mark.slow

@@ -6,27 +6,16 @@ from importlib import metadata
 import pytest
 
 import attn_reference
+from attn_common import spec
 
-# docs/design.md#public-api: parameters every backend's public functions must accept.
+# docs/design.md#public-api: the ops every backend exports, and each one's spec.
 SHARED_API = {
-    "ranker_attention": ("q k v bounds sm_scale cap config return_lse",),
-    "sparse_mla_attention": (
-        "q kv indices positions sm_scale kv_lora_rank read_block return_lse page_size "
-        "q_seq_id seq_lens cu_kv_lens page_indices interpret",
-    ),
-    "sparse_mla_attention_qblock": (
-        "q kv indices positions sm_scale kv_lora_rank read_block return_lse page_size "
-        "q_seq_id seq_lens cu_kv_lens page_indices interpret query_block u_max",
-    ),
-    "paged_write_back": ("cache rows loc page_size r_cap interpret",),
-    "prefill_write_and_attend_ragged": (
-        "ql qpe kvc kpe cache topk_pages positions loc seq_lens cu_q_lens cu_kv_lens "
-        "page_indices kv_lora_rank page_size sm_scale interpret",
-    ),
-    "prefill_write_and_attend_ragged_qblock": (
-        "ql qpe kvc kpe cache topk_pages positions loc seq_lens cu_q_lens cu_kv_lens "
-        "page_indices kv_lora_rank page_size sm_scale interpret query_block",
-    ),
+    "ranker_attention": spec.ranker_call,
+    "sparse_mla_attention": spec.sparse_mla_call,
+    "sparse_mla_attention_qblock": spec.sparse_mla_call,
+    "paged_write_back": spec.write_back_call,
+    "prefill_write_and_attend_ragged": spec.prefill_call,
+    "prefill_write_and_attend_ragged_qblock": spec.prefill_call,
 }
 
 
@@ -36,9 +25,8 @@ def test_version_matches_metadata():
 
 @pytest.mark.parametrize("name", sorted(SHARED_API))
 def test_shared_signature(name):
+    """The op's signature is its ``attn_common.spec`` builder's: names, kinds, defaults."""
     fn = getattr(attn_reference, name)
     assert name in attn_reference.__all__
-    params = inspect.signature(fn).parameters
-    (names,) = SHARED_API[name]
-    missing = [p for p in names.split() if p not in params]
-    assert not missing, f"{name} lacks shared parameters {missing}"
+    want = list(inspect.signature(SHARED_API[name]).parameters.values())
+    assert list(inspect.signature(fn).parameters.values()) == want

@@ -93,10 +93,10 @@ def ranker_attention(call: RankerCall, *, backward_tuning: BackwardTuning | None
             "or None"
         )
     q, p = call.q, call.problem
-    packed = call.users >= MIN_PACKED_USERS
+    packed = call.packed_users >= MIN_PACKED_USERS
     if packed and p.head_dim not in PIPELINED_HEAD_DIMS:
         raise ValueError(
-            f"bounds: got {call.users} users per row with head dim D = {p.head_dim}; the "
+            f"bounds: got {call.packed_users} users per row with head dim D = {p.head_dim}; the "
             f"Hopper kernels take packed rows [B, U, 4] for D in {PIPELINED_HEAD_DIMS}; "
             "attn_reference takes any"
         )
@@ -131,7 +131,6 @@ def supports(op: str, *args, **kwargs) -> str | None:
         dtypes=SUPPORTED_DTYPES,
         head_dims=SUPPORTED_HEAD_DIMS,
         kernels="Hopper",
-        packed=True,
     )
     if reason is not None:
         return reason

@@ -1,7 +1,7 @@
 """Public ranker attention for TPU: forward and backward kernels behind the shared API name.
 
 ``ranker_attention`` is a ``jax.custom_vjp`` of the function returning ``(out, lse)``:
-the forward runs ``ranker_fwd.ranker_attention_fwd`` (always computing the LSE, which the
+the forward runs ``ranker_fwd.kernel_forward`` (always computing the LSE, which the
 backward needs) and the backward runs the dq and dk/dv kernels of ``ranker_bwd``. The
 residuals are ``q, k, v, bounds, out, lse``. With ``return_lse=True`` the LSE is
 differentiable: its cotangent enters the backward through ``delta' = rowsum(dO * O) -
@@ -21,14 +21,14 @@ from attn_pallas_tpu.ranker_bwd import ranker_attention_bwd
 from attn_pallas_tpu.ranker_fwd import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    kernel_forward,
     prepare,
-    ranker_attention_fwd,
 )
 
 __all__ = ["ranker_attention", "supports"]
 
 
-_attention = kernel_vjp(ranker_attention_fwd, ranker_attention_bwd)
+_attention = kernel_vjp(kernel_forward, ranker_attention_bwd)
 
 
 @public_op(ranker_call)
@@ -73,5 +73,4 @@ def supports(op: str, *args, **kwargs) -> str | None:
         dtypes=SUPPORTED_DTYPES,
         head_dims=SUPPORTED_HEAD_DIMS,
         kernels="TPU ranker",
-        packed=True,
     )

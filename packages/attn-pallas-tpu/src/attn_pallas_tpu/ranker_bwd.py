@@ -73,10 +73,11 @@ from attn_pallas_tpu.ranker_fwd import (
     kv_step_table,
     nan_where_attended,
     prepare,
+    program_tile,
     q_step_table,
-    read_bounds,
     row_block_spec,
     row_to_col,
+    run_step,
     stat_block_spec,
     tile_mask,
     to_kernel_layout,
@@ -105,9 +106,7 @@ def _build_dq_kernel(st: RankerStatic):
     n_steps = st.kv_tiles
 
     def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc):
-        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
-        bounds = read_bounds(bounds_ref, b, st.users)
+        i, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.q_tiles)
 
         @pl.when(j == 0)
         def _init():
@@ -130,10 +129,7 @@ def _build_dq_kernel(st: RankerStatic):
                 poison = nan_where_attended(allowed, bad)
             acc[...] += dot(ds.astype(k.dtype), k) + poison
 
-        active = j < steps.total
-        full = steps.is_full(j)
-        pl.when(active & full)(functools.partial(step, False))
-        pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+        run_step(steps, j, step)
 
         @pl.when(j == n_steps - 1)
         def _finish():
@@ -151,9 +147,7 @@ def _build_dkv_kernel(st: RankerStatic):
         bounds_ref, tab_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
         dk_ref, dv_ref, dk_acc, dv_acc,
     ):  # fmt: skip
-        b, t, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-        steps = TileSteps(tab_ref, b * st.kv_tiles + t, st.runs)
-        bounds = read_bounds(bounds_ref, b, st.users)
+        t, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.kv_tiles)
         s = lax.rem(j, q_steps)
 
         @pl.when(j == 0)
@@ -179,10 +173,7 @@ def _build_dkv_kernel(st: RankerStatic):
             dv_acc[...] += dot(p.astype(do.dtype), do) + poison
             dk_acc[...] += dot(ds.astype(q.dtype), q) + poison
 
-        active = s < steps.total
-        full = steps.is_full(s)
-        pl.when(active & full)(functools.partial(step, False))
-        pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+        run_step(steps, s, step)
 
         @pl.when(j == n_steps - 1)
         def _finish():

@@ -97,15 +97,19 @@ from attn_common.packed import (
     packed_step_table,
     ranker_mask_users,
 )
+from attn_common.spec import RankerCall, public_op, ranker_call
 from attn_pallas_tpu._prep import resolve_interpret
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "default_config",
+    "kernel_forward",
     "kv_step_table",
+    "program_tile",
     "q_step_table",
     "ranker_attention_fwd",
+    "run_step",
     "validate_config",
 ]
 
@@ -178,13 +182,13 @@ class RankerStatic:
     cap: CapParams
     block_q: int
     block_kv: int
-    users: int = 0  # 0: one user per row, bounds [B, 4]; U >= 1: packed [B, U, 4]
+    packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
 
     @property
     def runs(self) -> int:
         """Block runs per tile in the step tables: 0 (the two-run one-user layout) or
         ``2U`` (packed, ``attn_common.packed``)."""
-        return packed_runs_per_tile(self.users) if self.users else 0
+        return packed_runs_per_tile(self.packed_users) if self.packed_users else 0
 
     @property
     def group(self) -> int:
@@ -204,7 +208,7 @@ class RankerStatic:
         return self.head_dim % LANES == 0
 
 
-def make_static(problem, config: KernelConfig, users: int = 0) -> RankerStatic:
+def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerStatic:
     lcm = math.lcm(config.block_q, config.block_kv)
     return RankerStatic(
         batch=problem.batch,
@@ -216,7 +220,7 @@ def make_static(problem, config: KernelConfig, users: int = 0) -> RankerStatic:
         cap=problem.cap,
         block_q=config.block_q,
         block_kv=config.block_kv,
-        users=users,
+        packed_users=packed_users,
     )
 
 
@@ -331,38 +335,40 @@ def table_words(runs: int) -> int:
     return 2 * runs + 2 if runs else TABLE_WORDS
 
 
+def _step_table(bounds, st: RankerStatic, *, keys: bool) -> jax.Array:
+    """Per (b, tile) step-table rows: query tiles over KV blocks, or with ``keys`` KV
+    tiles over query blocks."""
+    if keys:
+        tile, num_tiles, block = st.block_kv, st.kv_tiles, st.block_q
+        block_ranges, full_steps = ranker_q_block_ranges, ranker_full_q_steps
+    else:
+        tile, num_tiles, block = st.block_q, st.q_tiles, st.block_kv
+        block_ranges, full_steps = ranker_kv_block_ranges, ranker_full_kv_steps
+    if st.packed_users:
+        table = packed_step_table(bounds, tile=tile, num_tiles=num_tiles, block=block, keys=keys)
+        return table.reshape(-1)
+    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
+    t0 = jnp.arange(num_tiles, dtype=jnp.int32)[None] * tile
+    t1 = t0 + tile
+    ranges = block_ranges(hl, hu, cl, cu, t0, t1, block)
+    lo, hi = full_steps(ranges, hl, hu, cl, cu, t0, t1, block)
+    return _pack(ranges, lo, hi)
+
+
 def kv_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * q_tiles * 8]``: per (b, q tile) ``first_start, first_steps,
     second_start, second_steps, full_lo, full_hi, 0, 0`` of its KV block ranges.
-    Packed bounds ``[B, U, 4]`` (``st.users``): ``[B * q_tiles * (4U + 2)]`` in the
+    Packed bounds ``[B, U, 4]`` (``st.packed_users``): ``[B * q_tiles * (4U + 2)]`` in the
     ``attn_common.packed.packed_step_table`` layout (``starts[R], ends[R], full_lo,
     full_hi``)."""
-    if st.users:
-        table = packed_step_table(bounds, tile=st.block_q, num_tiles=st.q_tiles, block=st.block_kv)
-        return table.reshape(-1)
-    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
-    q0 = jnp.arange(st.q_tiles, dtype=jnp.int32)[None] * st.block_q
-    q1 = q0 + st.block_q
-    ranges = ranker_kv_block_ranges(hl, hu, cl, cu, q0, q1, st.block_kv)
-    lo, hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, q0, q1, st.block_kv)
-    return _pack(ranges, lo, hi)
+    return _step_table(bounds, st, keys=False)
 
 
 def q_step_table(bounds, st: RankerStatic) -> jax.Array:
     """int32 ``[B * kv_tiles * 8]``: the same fields for the query block ranges of each
     (b, kv tile) (``ranker_q_block_ranges`` / ``ranker_full_q_steps``), for dK/dV;
     packed bounds as in ``kv_step_table``."""
-    if st.users:
-        table = packed_step_table(
-            bounds, tile=st.block_kv, num_tiles=st.kv_tiles, block=st.block_q, keys=True
-        )
-        return table.reshape(-1)
-    hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
-    k0 = jnp.arange(st.kv_tiles, dtype=jnp.int32)[None] * st.block_kv
-    k1 = k0 + st.block_kv
-    ranges = ranker_q_block_ranges(hl, hu, cl, cu, k0, k1, st.block_q)
-    lo, hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, k0, k1, st.block_q)
-    return _pack(ranges, lo, hi)
+    return _step_table(bounds, st, keys=True)
 
 
 class TileSteps:
@@ -408,11 +414,29 @@ class TileSteps:
         return (step >= self.full_lo) & (step < self.full_hi)
 
 
-def read_bounds(bounds_ref, b, users: int = 0):
+def program_tile(st: RankerStatic, tab_ref, bounds_ref, *, tiles: int):
+    """This program's ``(tile, j)`` (grid axes 2 and 3), its tile's ``TileSteps``
+    (``tiles`` tiles per batch row) and its batch row's (axis 0) bounds."""
+    b, t, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    steps = TileSteps(tab_ref, b * tiles + t, st.runs)
+    return t, j, steps, read_bounds(bounds_ref, b, st.packed_users)
+
+
+def run_step(steps: TileSteps, j, step) -> None:
+    """``step(masked)`` at grid step ``j``: unmasked on the tile's full steps, masked on
+    its other visited steps, nothing past them."""
+    active = j < steps.total
+    full = steps.is_full(j)
+    pl.when(active & full)(functools.partial(step, False))
+    pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+
+
+def read_bounds(bounds_ref, b, packed_users: int = 0):
     """Row ``b``'s bounds from SMEM: 4 scalars, or (packed) ``U`` tuples of 4."""
-    if users:
+    if packed_users:
         return tuple(
-            tuple(bounds_ref[(b * users + u) * 4 + t] for t in range(4)) for u in range(users)
+            tuple(bounds_ref[(b * packed_users + u) * 4 + t] for t in range(4))
+            for u in range(packed_users)
         )
     return tuple(bounds_ref[b * 4 + t] for t in range(4))
 
@@ -439,9 +463,7 @@ def _build_fwd_kernel(st: RankerStatic):
     n_steps = st.kv_tiles
 
     def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
-        b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
-        bounds = read_bounds(bounds_ref, b, st.users)
+        i, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.q_tiles)
 
         @pl.when(j == 0)
         def _init():
@@ -468,10 +490,7 @@ def _build_fwd_kernel(st: RankerStatic):
             acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
             m_sc[...] = m_next
 
-        active = j < steps.total
-        full = steps.is_full(j)
-        pl.when(active & full)(functools.partial(step, False))
-        pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
+        run_step(steps, j, step)
 
         @pl.when(j == n_steps - 1)
         def _finish():
@@ -542,42 +561,15 @@ def prepare(q, k, v, bounds, *, sm_scale, cap, config):
         config = default_config(problem.seq_len, problem.head_dim)
     validate_config(config)
     # Every [B, U, 4] (U = 1 too) takes the packed step tables on TPU.
-    clipped, users = normalize_ranker_bounds(
+    clipped, packed_users = normalize_ranker_bounds(
         bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=1
     )
-    return problem, make_static(problem, config, users=users), clipped
+    return problem, make_static(problem, config, packed_users=packed_users), clipped
 
 
-def ranker_attention_fwd(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    bounds,
-    *,
-    sm_scale: float | None = None,
-    cap: CapParams | None = None,
-    config: KernelConfig | None = None,
-    return_lse: bool = False,
-    interpret=False,
-):
-    """Ranker attention forward on TPU (see the module docstring for the schedule).
-
-    Args:
-      q: ``[B, S, Hq, D]`` bf16 or fp32; k, v: ``[B, S, Hkv, D]`` same dtype,
-        ``Hq % Hkv == 0``; D in {64, 128, 256}. Any ``S``.
-      bounds: ``SegmentBounds`` or int array ``[B, 4]`` / ``[4]``, or packed ``[B, U, 4]``
-        (``U`` users per row, ``attn_common.packed``); traced data, clipped to ``[0, S]``.
-      sm_scale: logit scale, default ``1/sqrt(D)``; applied before the cap.
-      cap: ``CapParams`` (none, tanh, soft_sign) or ``None``.
-      config: ``KernelConfig``; ``block_q`` and ``block_kv`` must be multiples of 128
-        (``num_stages`` is not used: the Pallas TPU pipeline double-buffers). Default
-        ``default_config(S, D)``.
-      return_lse: also return ``lse [B, Hq, S]`` float32.
-      interpret: ``True`` or a ``pltpu.InterpretParams`` runs the kernel on the CPU.
-
-    Returns ``out [B, S, Hq, D]`` in q's dtype, or ``(out, lse)``. Not differentiable on
-    its own: ``attn_pallas_tpu.ranker_attention`` is the differentiable entry.
-    """
+def kernel_forward(q, k, v, bounds, *, sm_scale, cap, config, interpret, return_lse=True):
+    """The forward kernel on inputs ``ranker_call`` checked (the ``kernel_vjp`` forward):
+    ``(out, lse)``, or ``out`` alone without ``return_lse``."""
     problem, st, clipped = prepare(q, k, v, bounds, sm_scale=sm_scale, cap=cap, config=config)
     out, lse = _fwd_padded(
         to_kernel_layout(q, st),
@@ -590,3 +582,22 @@ def ranker_attention_fwd(
     out = from_kernel_layout(out, st, problem.q_heads, problem.seq_len)
     lse = lse[:, :, 0, : problem.seq_len]
     return (out, lse) if return_lse else out
+
+
+@public_op(ranker_call)
+def ranker_attention_fwd(call: RankerCall):
+    """Ranker attention forward on TPU (see the module docstring for the schedule).
+
+    The kernel takes bf16 or fp32 and D in {64, 128, 256}, any ``S``. ``config``:
+    ``block_q`` and ``block_kv`` must be multiples of 128 (``num_stages`` is not used:
+    the Pallas TPU pipeline double-buffers); default ``default_config(S, D)``.
+    ``interpret``: ``True`` or a ``pltpu.InterpretParams`` runs the kernel on the CPU.
+    Not differentiable on its own: ``attn_pallas_tpu.ranker_attention`` is the
+    differentiable entry.
+    """
+    call.require(dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS, kernels="TPU ranker")
+    p = call.problem
+    return kernel_forward(
+        call.q, call.k, call.v, call.bounds, sm_scale=p.sm_scale, cap=p.cap,
+        config=call.config, interpret=call.interpret, return_lse=call.return_lse,
+    )  # fmt: skip
