@@ -43,11 +43,17 @@ CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
 
 
 def _dedupe(first_row: jax.Array) -> jax.Array:
-    """Drop repeated selections of a unit (selections are sets): later copies -> -1."""
-    k = first_row.shape[-1]
-    same = first_row[:, :, None] == first_row[:, None, :]
-    earlier = jnp.tril(jnp.ones((k, k), bool), k=-1)[None]
-    repeated = jnp.any(same & earlier, axis=2)
+    """Drop repeated selections of a unit (selections are sets): later copies -> -1.
+
+    Two stable sorts of ``[N, K]`` (by row, then back by slot), not a ``K x K``
+    comparison: ``K = 2048`` token selections would compare 4M pairs per query."""
+    n, k = first_row.shape
+    if k < 2:
+        return first_row
+    slot = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (n, k))
+    rows, slots = jax.lax.sort((first_row, slot), dimension=1, num_keys=2)  # copies by slot
+    repeat = jnp.concatenate([jnp.zeros((n, 1), bool), rows[:, 1:] == rows[:, :-1]], axis=1)
+    _, repeated = jax.lax.sort((slots, repeat), dimension=1, num_keys=1)
     return jnp.where(repeated, -1, first_row)
 
 
