@@ -154,3 +154,22 @@ def test_grad_cross_lowers_for_tpu(kernel):
     assert dq.shape == structs[0].shape and dq.dtype == jnp.bfloat16
     assert dkv.shape == structs[1].shape and dkv.dtype == jnp.bfloat16
     assert mass.shape == (1, tokens, top_k) and mass.dtype == jnp.float32
+
+
+def test_integer_inputs_get_float0_cotangents():
+    """``jax.vjp`` over every positional input of the kernel path: ``float0`` for the
+    indices and positions (the custom_vjp gives the integer tables no cotangent)."""
+    q, kv, idx, pos = sparse_mla_flat_case(
+        9, dk=DV + ROPE, batch=1, seq=8, heads=2, kv_len=64, rb=16, top_k=3, dtype="bfloat16"
+    )
+
+    def f(q, kv, idx, pos):
+        return tpu.sparse_mla_attention(
+            q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, read_block=16,
+            interpret=INTERPRET,
+        )  # fmt: skip
+
+    out, vjp = run_interpret(jax.vjp, f, q, kv, jnp.asarray(idx), jnp.asarray(pos))
+    dq, dkv, didx, dpos = vjp(jnp.ones_like(out))
+    assert dq.dtype == jnp.bfloat16 and dkv.dtype == jnp.bfloat16
+    assert didx.dtype == jax.dtypes.float0 and dpos.dtype == jax.dtypes.float0
