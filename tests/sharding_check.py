@@ -58,11 +58,30 @@ def check_sparse_mla(mesh, **kw):
     )
     indices = jnp.asarray(idx, jnp.int32)
     positions = jnp.asarray(rng.integers(0, t, size=(b, s)), jnp.int32)
-    args = dict(sm_scale=1 / math.sqrt(dk), kv_lora_rank=dv, read_block=rb, return_lse=True)
-    want, want_lse = sparse_mla_attention(q, kv, indices, positions, **args)
-    got, got_lse = shard_sparse_mla_attention(mesh, **args, **kw)(q, kv, indices, positions)
+    args = dict(
+        sm_scale=1 / math.sqrt(dk), kv_lora_rank=dv, read_block=rb, return_lse=True,
+        return_attn_mass=True,
+    )  # fmt: skip
+    want, want_lse, want_mass = sparse_mla_attention(q, kv, indices, positions, **args)
+    sharded = shard_sparse_mla_attention(mesh, **args, **kw)
+    got, got_lse, got_mass = sharded(q, kv, indices, positions)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_mass, want_mass, rtol=1e-5, atol=1e-6)  # over all heads
+
+    # Gradients: the cache is replicated over the head shards, its cotangent summed.
+    def loss(attend):
+        def f(q, kv):
+            out, lse, _ = attend(q, kv)
+            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return jax.grad(f, argnums=(0, 1))
+
+    want_g = loss(lambda q, kv: sparse_mla_attention(q, kv, indices, positions, **args))(q, kv)
+    with jax.set_mesh(mesh):  # the scalar loss over sharded values needs the mesh
+        got_g = loss(lambda q, kv: sharded(q, kv, indices, positions))(q, kv)
+    for g, w in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 def check_sparse_mla_ragged(mesh, **kw):

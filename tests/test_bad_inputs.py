@@ -121,6 +121,8 @@ BAD = {
                        "got 0"),
     "sm_scale_missing": ("sparse_mla_attention", {"sm_scale": None}, ValueError, "sm_scale",
                          "required"),
+    "return_attn_mass_type": ("sparse_mla_attention", {"return_attn_mass": 1}, TypeError,
+                              "return_attn_mass", "got 1"),
     "sparse_q_list": ("sparse_mla_attention", {"q": SQ.tolist()}, TypeError, "q", "got list"),
     "sparse_q_int": ("sparse_mla_attention", {"q": SQ.astype(I32)}, TypeError, "q",
                      "dtype int32"),

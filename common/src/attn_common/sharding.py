@@ -127,6 +127,22 @@ def shard_ranker_attention(
     return call
 
 
+def _sparse_out_specs(out_spec, lse_spec, mass_spec, kwargs):
+    """``out``, then ``lse`` (``return_lse``), then the mass (``return_attn_mass``)."""
+    extra = (lse_spec,) if kwargs.get("return_lse", False) else ()
+    extra += (mass_spec,) if kwargs.get("return_attn_mass", False) else ()
+    return (out_spec, *extra) if extra else out_spec
+
+
+def _mass_over_heads(result, head_axis, kwargs):
+    """A shard's attention mass averages its own heads: the mean over the head shards
+    (equal head counts) is the mass over all heads, the same on every head shard."""
+    if not kwargs.get("return_attn_mass", False) or head_axis is None:
+        return result
+    *rest, mass = result
+    return (*rest, jax.lax.pmean(mass, head_axis))
+
+
 def shard_sparse_mla_attention(
     mesh: Mesh,
     fn: Callable[..., Any] | None = None,
@@ -137,10 +153,11 @@ def shard_sparse_mla_attention(
     check_vma: bool = False,
     **kwargs: Any,
 ) -> Callable[..., Any]:
-    """A jitted flat-mode ``(q, kv, indices, positions) -> out`` (or ``(out, lse)``).
+    """A jitted flat-mode ``(q, kv, indices, positions) -> out`` (or the tuple with
+    ``lse`` and the attention mass; the mass is averaged over the head shards).
 
     ``kwargs`` (``sm_scale`` is required; ``kv_lora_rank``, ``read_block``,
-    ``return_lse``, ``interpret``, ...) go to ``fn`` (default: the dispatching
+    ``return_lse``, ``return_attn_mass``, ``interpret``, ...) go to ``fn`` (default: the dispatching
     ``attn_common.sparse_mla_attention``; pass e.g. ``sparse_mla_attention_qblock`` of a
     backend to shard that one).
     """
@@ -148,15 +165,14 @@ def shard_sparse_mla_attention(
         raise ValueError("shard_sparse_mla_attention shards the flat mode only")
     fn = _op_or_front_door(fn, "sparse_mla_attention", implementation)
     nb, nh = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
-    return_lse = bool(kwargs.get("return_lse", False))
     q_spec = PartitionSpec(batch_axis, None, head_axis, None)
     kv_spec = PartitionSpec(batch_axis, None, None)
     row_spec = PartitionSpec(batch_axis, None)
     lse_spec = PartitionSpec(batch_axis, None, head_axis)  # lse [B, S, H]
-    out_specs = (q_spec, lse_spec) if return_lse else q_spec
+    out_specs = _sparse_out_specs(q_spec, lse_spec, PartitionSpec(batch_axis, None, None), kwargs)
 
     def local(q, kv, indices, positions):
-        return fn(q, kv, indices, positions, **kwargs)
+        return _mass_over_heads(fn(q, kv, indices, positions, **kwargs), head_axis, kwargs)
 
     sharded = _shard_map(local, mesh, (q_spec, kv_spec, kv_spec, row_spec), out_specs, check_vma)
 
@@ -190,17 +206,17 @@ def shard_sparse_mla_attention_ragged(
     kwargs.setdefault("read_block", kwargs["page_size"])
     fn = _op_or_front_door(fn, "sparse_mla_attention", implementation)
     nh = _axis_size(mesh, head_axis)
-    return_lse = bool(kwargs.get("return_lse", False))
     q_spec = PartitionSpec(None, None, head_axis, None)
     lse_spec = PartitionSpec(None, None, head_axis)  # lse [1, S, H]
-    out_specs = (q_spec, lse_spec) if return_lse else q_spec
     replicated = PartitionSpec()
+    out_specs = _sparse_out_specs(q_spec, lse_spec, replicated, kwargs)
 
     def local(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices):
-        return fn(
+        result = fn(
             q, cache, indices, positions, q_seq_id=q_seq_id, seq_lens=seq_lens,
             cu_kv_lens=cu_kv_lens, page_indices=page_indices, **kwargs,
         )  # fmt: skip
+        return _mass_over_heads(result, head_axis, kwargs)
 
     sharded = _shard_map(local, mesh, (q_spec,) + (replicated,) * 7, out_specs, check_vma)
 

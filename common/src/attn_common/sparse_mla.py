@@ -70,11 +70,14 @@ class SparseMlaProblem:
         return 0 in (self.batch, self.num_queries, self.heads, self.top_k, self.kv_len)
 
 
-def empty_result(problem: SparseMlaProblem, return_lse: bool):
-    """The answer to empty work: ``out`` zeros ``[B, S, H, Dv]``, ``lse`` ``-inf`` ``[B, S, H]``."""
+def empty_result(problem: SparseMlaProblem, return_lse: bool, return_attn_mass: bool = False):
+    """The answer to empty work: ``out`` zeros ``[B, S, H, Dv]``, ``lse`` ``-inf`` ``[B, S, H]``,
+    attention mass zeros ``[B, S, K]`` (as ``SparseMlaCall.result`` orders them)."""
     b, s, h = problem.batch, problem.num_queries, problem.heads
     out = jnp.zeros((b, s, h, problem.dv), jnp.float32)
-    return (out, jnp.full((b, s, h), -jnp.inf, jnp.float32)) if return_lse else out
+    extra = (jnp.full((b, s, h), -jnp.inf, jnp.float32),) if return_lse else ()
+    extra += (jnp.zeros((b, s, problem.top_k), jnp.float32),) if return_attn_mass else ()
+    return (out, *extra) if extra else out
 
 
 def _check_int_array(x, name: str, ndim: int, shape_hint: str) -> tuple[int, ...]:

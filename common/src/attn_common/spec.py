@@ -199,6 +199,14 @@ class SparseMlaCall:
     head_block: int | None
     debug_checks: bool
     interpret: Any
+    return_attn_mass: bool = False
+
+    def result(self, out, lse, attn_mass=None):
+        """The op's return value: ``out``, then ``lse`` if ``return_lse``, then the
+        attention mass if ``return_attn_mass`` (a tuple when either is asked for)."""
+        extra = (lse,) if self.return_lse else ()
+        extra += (attn_mass,) if self.return_attn_mass else ()
+        return (out, *extra) if extra else out
 
     def ragged_kwargs(self) -> dict:
         """``page_size`` and the ragged tables as keywords (all ``None`` in flat mode)."""
@@ -221,6 +229,7 @@ def sparse_mla_call(
     kv_lora_rank: int = 512,
     read_block: int = 128,
     return_lse: bool = False,
+    return_attn_mass: bool = False,
     page_size: int | None = None,
     q_seq_id: jax.Array | None = None,
     seq_lens: jax.Array | None = None,
@@ -253,7 +262,13 @@ def sparse_mla_call(
       sm_scale: logit scale (required; e.g. ``1/sqrt(192)`` for DeepSeek V3).
       kv_lora_rank: the value width: values are the first ``kv_lora_rank`` features.
       read_block: tokens per selected unit (flat mode; ragged mode: ``page_size``).
-      return_lse: also return ``lse [B, S, H]`` float32.
+      return_lse: also return ``lse [B, S, H]`` float32 (natural log, ``-inf`` for a
+        query with no valid key; differentiable).
+      return_attn_mass: also return the indexer's target ``[B, S, K]`` float32: per
+        query and selection slot, the attention probability of the slot's tokens summed
+        over them and over heads, divided by ``H`` (``0`` for ``-1``, out-of-range and
+        duplicate slots and for a query with no valid key). ``stop_gradient``: a loss on
+        it sends no gradient into q or the cache (docs/semantics.md).
       page_size, q_seq_id, seq_lens, cu_kv_lens, page_indices: ragged paged mode
         (``q_seq_id`` given): tokens per page, request of each query ``[T]``, request
         lengths, cumulative page-table offsets in tokens and the page table; see
@@ -270,7 +285,9 @@ def sparse_mla_call(
         ignores it.
 
     Returns:
-      ``out [B, S, H, kv_lora_rank]`` float32, or ``(out, lse)``.
+      ``out [B, S, H, kv_lora_rank]`` float32, or the tuple ``(out, lse)``, ``(out,
+      attn_mass)`` or ``(out, lse, attn_mass)``. Differentiable in ``q`` and ``kv``
+      (through ``out`` and ``lse``); the integer inputs are not differentiable.
     """
     debug_checks = _check_flag(debug_checks, "debug_checks")
     problem, ragged = validate_sparse_mla(
@@ -302,6 +319,7 @@ def sparse_mla_call(
         head_block,
         debug_checks,
         interpret,
+        return_attn_mass=_check_flag(return_attn_mass, "return_attn_mass"),
     )
 
 

@@ -27,6 +27,7 @@ from attn_common.fp8_cache import fp8_unsupported
 from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla import empty_result
 from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
+from attn_common.sparse_mla_xla import attn_mass_from_lse, with_xla_backward
 from attn_common.spec import (
     PrefillCall,
     SparseMlaCall,
@@ -97,13 +98,18 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
     change nothing (each program gathers its own token's rows). ``config``: the kernel's
     ``SparseMlaKernelConfig``. ``interpret=True`` runs the kernel in Mosaic GPU
     interpret mode on the CPU.
+
+    Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the forward is the
+    kernel, the backward is the reference's XLA path (the VJP of
+    ``attn_common.sparse_mla_xla.xla_sparse_mla``, recomputed from ``q`` and the cache)
+    until the backward kernels land; the reference's gradient semantics hold.
+    ``return_attn_mass=True``: the mass is computed on XLA from the kernel's LSE
+    (``attn_mass_from_lse``: the gather and ``Q K^T`` again, no softmax pass, no value
+    product).
     """
     problem = call.problem
-    q_rope = None
-    q = call.q
-    if isinstance(q, tuple):  # (latent, rope): the write-then-attend wrappers' query
-        q, q_rope = q
-    names = ("qpe", "cache") if q_rope is not None else ("q", "kv")
+    # (latent, rope): the write-then-attend wrappers' query, read apart by the kernel.
+    names = ("qpe", "cache") if isinstance(call.q, tuple) else ("q", "kv")
     fp8 = fp8_unsupported(call.kv, names[1], kernels="Hopper sparse-MLA")
     if fp8 is not None:  # never dequantize the whole cache: twice a bf16 cache's bytes
         raise NotImplementedError(fp8)
@@ -118,7 +124,17 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
     config = config or SparseMlaKernelConfig()
     interpret = resolve_interpret(call.interpret)
     if problem.is_empty:
-        return empty_result(problem, call.return_lse)
+        return empty_result(problem, call.return_lse, call.return_attn_mass)
+    forward = functools.partial(_kernel_forward, config=config, interpret=interpret)
+    out, lse = with_xla_backward(forward)(call)
+    mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
+    return call.result(out, lse, mass)
+
+
+def _kernel_forward(call: SparseMlaCall, *, config, interpret):
+    """The kernel's ``(out [B, S, H, Dv], lse [B, S, H])`` (the LSE always)."""
+    problem = call.problem
+    q, q_rope = call.q if isinstance(call.q, tuple) else (call.q, None)
     units, store = sparse_mla_units(
         problem, call.kv, call.indices, call.positions, **call.ragged_kwargs()
     )
@@ -136,8 +152,7 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
         interpret=interpret,
     )
     shape = (problem.batch, problem.num_queries, problem.heads)
-    out = out.reshape(*shape, problem.dv)
-    return (out, lse.reshape(shape)) if call.return_lse else out
+    return out.reshape(*shape, problem.dv), lse.reshape(shape)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "config", "interpret"))

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla_xla import attn_mass_from_lse, with_xla_backward
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._prep import (
     SUBLANE,
@@ -211,21 +212,27 @@ def sparse_mla_attention(call: SparseMlaCall):
     ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU). Empty work
     (``S``, ``K`` or ``T`` = 0) gives ``out == 0``, ``lse == -inf``. Cache rows no query
     attends may hold anything.
+
+    Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the forward is the
+    kernel, the backward the reference's XLA path (the VJP of
+    ``attn_common.sparse_mla_xla.xla_sparse_mla``, recomputed from ``q`` and the cache)
+    until a backward kernel lands. ``return_attn_mass=True``: computed on XLA from the
+    kernel's LSE (``attn_mass_from_lse``).
     """
     problem = require_tpu_kernels(call)
     interpret = resolve_interpret(call.interpret)
     if problem.is_empty:
-        return empty_result(problem, call.return_lse)
-    return _per_query(
-        problem,
-        call.q,
-        call.kv,
-        call.indices,
-        call.positions,
-        return_lse=call.return_lse,
-        interpret=interpret,
-        **call.ragged_kwargs(),
-    )
+        return empty_result(problem, call.return_lse, call.return_attn_mass)
+
+    def forward(c: SparseMlaCall):
+        return _per_query(
+            problem, c.q, c.kv, c.indices, c.positions, return_lse=True, interpret=interpret,
+            **c.ragged_kwargs(),
+        )  # fmt: skip
+
+    out, lse = with_xla_backward(forward)(call)
+    mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
+    return call.result(out, lse, mass)
 
 
 def _per_query(problem, q, kv, indices, positions, *, return_lse, interpret, **ragged):

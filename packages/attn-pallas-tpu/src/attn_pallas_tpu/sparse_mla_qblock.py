@@ -76,6 +76,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.metadata import is_concrete
 from attn_common.sparse_mla import empty_result
+from attn_common.sparse_mla_xla import attn_mass_from_lse, with_xla_backward
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_pallas_tpu._prep import (
@@ -353,18 +354,31 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
     kernel whenever that moves no more bytes. Under jit the tiling comes from the shapes
     (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel
     whenever the query-blocked one would move more KV bytes.
+
+    Differentiable in ``q`` and ``kv`` with the backward on the reference's XLA path,
+    and ``return_attn_mass`` from the kernel's LSE, as the per-query function.
     """
     problem = require_tpu_kernels(call)
-    q, kv, indices, positions = call.q, call.kv, call.indices, call.positions
-    query_block, u_max, head_block = call.query_block, call.u_max, call.head_block
-    return_lse = call.return_lse
+    query_block, head_block = call.query_block, call.head_block
     if query_block is not None and query_block % SUBLANE:
         raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
     if head_block is not None:
         _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
     interpret = resolve_interpret(call.interpret)
     if problem.is_empty:
-        return empty_result(problem, return_lse)
+        return empty_result(problem, call.return_lse, call.return_attn_mass)
+    forward = functools.partial(_forward, max_rows=max_rows, interpret=interpret)
+    out, lse = with_xla_backward(forward)(call)
+    mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
+    return call.result(out, lse, mass)
+
+
+def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
+    """The planned kernel's ``(out, lse)`` (the LSE always) for a validated call."""
+    problem = call.problem
+    q, kv, indices, positions = call.q, call.kv, call.indices, call.positions
+    query_block, u_max, head_block = call.query_block, call.u_max, call.head_block
+    return_lse = True
     ragged = call.ragged_kwargs()
     space = unit_space(problem, kv, indices, positions, **ragged)
     per_query = functools.partial(

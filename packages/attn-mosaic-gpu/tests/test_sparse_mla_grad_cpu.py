@@ -1,0 +1,212 @@
+"""Sparse MLA training on the Hopper backend, checked on the CPU (no GPU needed).
+
+The forward is the kernel (Mosaic GPU interpret mode here: race detection on, shared
+memory starts as NaN); the backward is the reference's XLA path
+(``attn_common.sparse_mla_xla.with_xla_backward``) until the backward kernels land. So:
+
+* the gradients through the kernel equal the reference's on the same bf16 inputs (the
+  same code computes them: equal to float32 rounding), through ``out`` and ``lse``,
+  with NaN/Inf in every cache row no query attends (their gradient exactly 0), flat
+  unit- and token-level and ragged paged, and through the write-then-attend wrapper's
+  split query;
+* ``return_attn_mass`` (on XLA from the kernel's LSE) matches the reference's within
+  bf16 tolerance, is ``stop_gradient``, and the tuple order is ``(out, lse, mass)``;
+* ``jax.export(..., platforms=["cuda"])`` lowers ``jax.grad`` at the benchmark shape
+  (4096 tokens, top-2048 tokens, 128 heads): the forward kernel and the XLA backward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    attended_rows_flat,
+    attended_rows_ragged,
+    build_ragged_layout,
+    poison_rows,
+    randn,
+    random_page_selection,
+    rng_for,
+    run_interpret,
+    sparse_mla_flat_case,
+)
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import attn_mosaic_gpu as gpu
+import attn_reference as ref
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+DV, ROPE = 128, 64
+SM_SCALE = 0.07
+GRAD_TOL = dict(rtol=1e-5, atol=1e-6)  # same XLA backward; only its cotangent inputs differ
+MASS_ATOL = 1e-4  # exp(s - lse) with the kernel's LSE (float32 sums of the bf16 inputs)
+
+
+def _losses(fn, idx, pos, w_out, w_lse, **kw):
+    def loss(q, kv):
+        out, lse, mass = fn(
+            q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, return_lse=True,
+            return_attn_mass=True, **kw,
+        )  # fmt: skip
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(w_out * out) + jnp.sum(w_lse * finite), (out, lse, mass)
+
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+def _compare(q, kv, idx, pos, keep_rows, **kw):
+    rng = rng_for(1)
+    w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], DV)), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    (_, (_, lse, mass)), (dq, dkv) = run_interpret(
+        _losses(gpu.sparse_mla_attention, idx, pos, w_out, w_lse, interpret=INTERPRET, **kw),
+        q,
+        kv,
+    )
+    with jax.default_matmul_precision("highest"):
+        (_, (_, ref_lse, ref_mass)), (ref_dq, ref_dkv) = _losses(
+            ref.sparse_mla_attention, idx, pos, w_out, w_lse, **kw
+        )(q, kv)
+    assert dq.dtype == jnp.bfloat16 and dkv.dtype == jnp.bfloat16
+    dq, dkv = np.asarray(dq, np.float32), np.asarray(dkv, np.float32)
+    assert np.isfinite(dq).all() and np.isfinite(dkv).all()
+    np.testing.assert_allclose(dq, np.asarray(ref_dq, np.float32), **GRAD_TOL)
+    np.testing.assert_allclose(dkv, np.asarray(ref_dkv, np.float32), **GRAD_TOL)
+    rows = dkv.reshape(-1, dkv.shape[-1])
+    assert np.all(rows[~keep_rows.reshape(-1)] == 0.0) and (~keep_rows).any()
+    assert mass.shape == idx.shape and mass.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=MASS_ATOL)
+    assert np.all(np.asarray(mass)[np.asarray(ref_mass) == 0.0] == 0.0)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    return dq, dkv
+
+
+@pytest.mark.parametrize("rb", [16, 1], ids=["units", "tokens"])
+def test_flat_gradients_through_the_kernel(rb):
+    """Flat mode, dirty cache: gradients equal the reference's, unattended rows get 0."""
+    if rb > 1:
+        q, kv, idx, pos = sparse_mla_flat_case(
+            2, dk=DV + ROPE, batch=1, seq=8, heads=2, kv_len=64, rb=16, top_k=3,
+            dtype="bfloat16",
+        )  # fmt: skip
+    else:
+        rng = rng_for(3)
+        q = randn(rng, (1, 4, 2, DV + ROPE), "bfloat16")
+        kv = randn(rng, (1, 80, DV + ROPE), "bfloat16")
+        idx = rng.integers(-1, 84, size=(1, 4, 24)).astype(np.int32)
+        idx[0, 0, 1] = idx[0, 0, 0]  # a duplicate token
+        idx[0, 2] = -1  # nothing selected
+        pos = np.asarray([[79, 40, 60, 5]], np.int32)
+    keep = attended_rows_flat(idx, pos, kv_len=kv.shape[1], read_block=rb)
+    dirty = poison_rows(kv, keep, seed=4)
+    _compare(q, dirty, idx, pos, keep, read_block=rb)
+
+
+@pytest.mark.slow  # 14-22 s in interpret mode on the shared CPU
+def test_ragged_gradients_through_the_kernel():
+    rng = rng_for(5)
+    page = 16
+    layout = build_ragged_layout(
+        rng, seq_lens=[37, 20], new_lens=[4, 3], extra_pages=[1, 0], page_size=page
+    )
+    num_pages = layout["num_pages"]
+    cache = randn(rng, (num_pages, page // 2, 2, 256), "bfloat16")
+    q = randn(rng, (1, 7, 2, DV + ROPE), "bfloat16")
+    idx = random_page_selection(rng, layout, 3, page)
+    keep = attended_rows_ragged(
+        layout, idx, layout["positions"], page_size=page, num_pages=num_pages
+    )
+    rows = poison_rows(cache.reshape(num_pages * page, -1), keep, seed=6)
+    rows[:, DV + ROPE :] = np.nan  # the feature padding
+    tables = {k: layout[k] for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")}
+    _, dcache = _compare(
+        q, rows.reshape(cache.shape), idx[None], layout["positions"][None], keep,
+        read_block=page, page_size=page, **tables,
+    )  # fmt: skip
+    assert np.all(dcache.reshape(num_pages * page, -1)[:, DV + ROPE :] == 0.0)
+
+
+@pytest.mark.slow  # 14-22 s in interpret mode on the shared CPU
+def test_mass_alone_is_stop_gradient_and_tuple_order():
+    q, kv, idx, pos = sparse_mla_flat_case(
+        7, dk=DV + ROPE, batch=1, seq=8, heads=2, kv_len=64, rb=16, top_k=3, dtype="bfloat16"
+    )
+
+    def mass_loss(q, kv):
+        out, mass = gpu.sparse_mla_attention(
+            q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, read_block=16,
+            return_attn_mass=True, interpret=INTERPRET,
+        )  # fmt: skip
+        assert out.shape == (*q.shape[:3], DV) and mass.shape == idx.shape
+        return jnp.sum(mass**2)
+
+    dq, dkv = run_interpret(jax.grad(mass_loss, argnums=(0, 1)), q, kv)
+    assert not np.asarray(dq, np.float32).any() and not np.asarray(dkv, np.float32).any()
+
+
+@pytest.mark.slow  # 14-22 s in interpret mode on the shared CPU
+def test_prefill_wrapper_gradient_reaches_the_split_query():
+    """The wrapper's kernel reads ``ql`` and ``qpe`` apart (a tuple query): the backward
+    gives each its own cotangent, equal to the reference wrapper's."""
+    rng = rng_for(8)
+    page = 16
+    layout = build_ragged_layout(
+        rng, seq_lens=[20, 9], new_lens=[3, 2], extra_pages=[0, 1], page_size=page
+    )
+    num_pages, t = layout["num_pages"], 5
+    cache = randn(rng, (num_pages, page // 2, 2, 256), "bfloat16")
+    ql, qpe = randn(rng, (t, 2, DV), "bfloat16"), randn(rng, (t, 2, ROPE), "bfloat16")
+    kvc, kpe = randn(rng, (t, DV), "bfloat16"), randn(rng, (t, ROPE), "bfloat16")
+    idx = random_page_selection(rng, layout, 2, page)
+    pos = layout["positions"]
+    slot = layout["cu_kv_lens"][layout["q_seq_id"]] // page + pos // page
+    loc = (layout["page_indices"][slot] * page + pos % page).astype(np.int32)  # own row
+    args = (kvc, kpe, cache, idx, layout["positions"], loc, layout["seq_lens"],
+            layout["cu_q_lens"], layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
+
+    def grads(fn, **kw):
+        def loss(ql, qpe):
+            out, _ = fn(ql, qpe, *args, kv_lora_rank=DV, page_size=page, sm_scale=SM_SCALE, **kw)
+            return jnp.sum(out)
+
+        return jax.grad(loss, argnums=(0, 1))(ql, qpe)
+
+    got = run_interpret(lambda: grads(gpu.prefill_write_and_attend_ragged, interpret=INTERPRET))
+    with jax.default_matmul_precision("highest"):
+        want = grads(ref.prefill_write_and_attend_ragged)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.bfloat16 and np.abs(np.asarray(w, np.float32)).max() > 0
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **GRAD_TOL)
+
+
+@pytest.mark.parametrize("heads", [128, 64])
+def test_grad_cross_lowers_for_cuda(heads):
+    """``jax.grad`` (through out and lse) plus the attention mass, at the benchmark
+    shape: 4096 tokens, top-2048 tokens of a 32K flat cache, Dk 576 / Dv 512."""
+    tokens, top_k, cache = 4096, 2048, 32768
+
+    def fn(q, kv, idx, pos):
+        def loss(q, kv):
+            out, lse, mass = gpu.sparse_mla_attention(
+                q, kv, idx, pos, sm_scale=0.0721, read_block=1, return_lse=True,
+                return_attn_mass=True,
+            )  # fmt: skip
+            return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), mass
+
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(q, kv)
+
+    structs = [
+        jax.ShapeDtypeStruct((1, tokens, heads, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, cache, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, tokens, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((1, tokens), jnp.int32),
+    ]
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs)
+    text = exported.mlir_module()
+    assert text.count("mosaic_gpu") >= 1
+    (dq, dkv), mass = exported.out_avals[:2], exported.out_avals[2]
+    assert dq.shape == structs[0].shape and dq.dtype == jnp.bfloat16
+    assert dkv.shape == structs[1].shape and dkv.dtype == jnp.bfloat16
+    assert mass.shape == (1, tokens, top_k) and mass.dtype == jnp.float32

@@ -1,0 +1,167 @@
+"""Sparse MLA training conformance: one suite, every backend (``conformance.SPARSE_MLA``).
+
+For each backend (natively, or in Pallas interpret mode on the CPU) and each selection
+hypothesis draws (``test_conformance_sparse_mla``'s strategies: -1, duplicate and
+out-of-range ids, a query with nothing selected, positions anywhere; ragged layouts with
+shuffled pages), on a cache whose unattended rows hold NaN/Inf (and NaN feature padding):
+
+* ``jax.grad`` of a loss on ``out`` and the finite ``lse`` w.r.t. ``q`` and the cache
+  against the reference's in float32 at HIGHEST precision on the upcast inputs
+  (``GRAD_TOL``: rel L2, and max-abs within 5x that of the largest reference entry);
+* the cache gradient exactly 0 on every row no query attends;
+* ``return_attn_mass`` against the reference's (max-abs within the LSE tolerance, since
+  a kernel's mass is ``exp(s - lse)`` with its own LSE), 0 wherever the reference's is.
+
+The reference's own gradient is checked against float64 finite differences in
+``test_sparse_mla_grad.py``. Kernel cases other than TPU's per-query kernel are ``slow``
+(the Hopper interpreter, and the package tests cover them in the default tier).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conformance import GRAD_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
+from helpers import (
+    attended_rows_flat,
+    attended_rows_ragged,
+    poison_rows,
+    randn,
+    random_page_selection,
+    rng_for,
+    run_interpret,
+)
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from test_conformance_sparse_mla import (
+    EXAMPLES,
+    FLAT,
+    NUM_Q,
+    PAGE,
+    RAGGED_HEADS,
+    RAGGED_TOP_K,
+    _flat_edges,
+    flat_selection,
+    layout_dict,
+    ragged_layout,
+)
+
+import attn_reference as ref
+
+SM_SCALE = 0.07
+
+
+def _cases(mode: str):
+    out = []
+    for backend in SPARSE_MLA:
+        for rb in [16] if mode == "ragged" else [16, 1]:
+            if rb == 1 and not backend.read_block_1:
+                continue
+            dtype = backend.dtypes[-1]  # bf16 where the backend takes it (the kernels' case)
+            slow = backend.name == "mosaic-gpu" or (backend.name == "pallas-tpu" and rb == 1)
+            marks = [pytest.mark.slow] if slow else []
+            ident = f"{backend}-{dtype}-rb{rb}"
+            out.append(pytest.param(backend, dtype, rb, id=ident, marks=marks))
+    return out
+
+
+def _grads(fn, idx, pos, w_out, w_lse, dv, **kw):
+    def loss(q, kv):
+        out, lse, mass = fn(
+            q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=dv, return_lse=True,
+            return_attn_mass=True, **kw,
+        )  # fmt: skip
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(w_out * out) + jnp.sum(w_lse * finite), mass
+
+    return jax.grad(loss, argnums=(0, 1), has_aux=True)
+
+
+def _check(backend, dtype, q, kv, idx, pos, keep_rows, **kw):
+    dv = backend.sparse_dims[0]
+    rng = rng_for(7)
+    w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], dv)), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    fn = backend.module().sparse_mla_attention
+    (dq, dkv), mass = run_interpret(
+        _grads(fn, idx, pos, w_out, w_lse, dv, **kw, **backend.call_kwargs()), q, kv
+    )
+    kv32 = np.asarray(kv, np.float32)
+    if kv.ndim == 4:  # the paged cache: a float32 one holds one token per packed row
+        kv32 = kv32.reshape(kv.shape[0], -1, 1, kv.shape[-1])
+    (want_dq, want_dkv), want_mass = reference_f32(
+        lambda q, kv: _grads(ref.sparse_mla_attention, idx, pos, w_out, w_lse, dv, **kw)(q, kv),
+        q,
+        kv32,
+    )
+    want_dkv = np.asarray(want_dkv).reshape(kv.shape)  # same row order
+    tol = GRAD_TOL[dtype]
+    for name, got, want in (("dq", dq, want_dq), ("dkv", dkv, want_dkv)):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isfinite(got).all(), f"{name}: non-finite gradient"
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+        assert err < tol, f"{name}: rel L2 {err:.3g} >= {tol}"
+        assert np.abs(got - want).max() <= 5 * tol * max(np.abs(want).max(), 1e-30), name
+    rows = np.asarray(dkv, np.float32).reshape(keep_rows.size, -1)
+    assert np.all(rows[~keep_rows.reshape(-1)] == 0.0), "an unattended row got a gradient"
+    mass, want_mass = np.asarray(mass), np.asarray(want_mass)
+    assert mass.shape == idx.shape and mass.dtype == np.float32
+    np.testing.assert_allclose(mass, want_mass, atol=SPARSE_LSE_ATOL[dtype])
+    assert np.all(mass[want_mass == 0.0] == 0.0)
+
+
+@pytest.mark.parametrize(("backend", "dtype", "rb"), _cases("flat"))
+def test_flat_grad(backend, dtype, rb):
+    backend.require()
+    batch, seq, heads, kv_len, top_k = FLAT[rb]
+    dv, rope = backend.sparse_dims
+
+    @settings(EXAMPLES, **examples(backend, backend.sparse_examples))
+    @given(
+        sel=flat_selection(batch=batch, seq=seq, kv_len=kv_len, rb=rb, top_k=top_k),
+        seed=st.integers(0, 2**31 - 1),
+    )
+    def check(sel, seed):
+        idx, pos = sel
+        rng = rng_for(seed)
+        q = randn(rng, (batch, seq, heads, dv + rope), dtype)
+        kv = randn(rng, (batch, kv_len, dv + rope), dtype)
+        keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=rb)
+        dirty = poison_rows(kv, keep, seed=seed)
+        _check(backend, dtype, q, dirty, idx, pos, keep, read_block=rb)
+
+    example(sel=_flat_edges(rb), seed=1)(check)()
+
+
+@pytest.mark.parametrize(("backend", "dtype", "rb"), _cases("ragged"))
+def test_ragged_grad(backend, dtype, rb):
+    backend.require()
+    dv, rope = backend.sparse_dims
+
+    @settings(EXAMPLES, **examples(backend, backend.sparse_examples))
+    @given(layout=ragged_layout(), seed=st.integers(0, 2**31 - 1))
+    @example(layout=layout_dict([5, 0, 7], [40, 3, 7], [10, 3, 7, 0, 8, 1, 5, 9, 2, 4, 6]), seed=1)
+    def check(layout, seed):
+        rng = rng_for(seed)
+        pk = 2 if dtype == "bfloat16" else 1
+        num_pages = layout["num_pages"]
+        dk_pad = -(-(dv + rope) // 128) * 128
+        cache = randn(rng, (num_pages, PAGE // pk, pk, dk_pad), dtype)
+        q = randn(rng, (1, NUM_Q, RAGGED_HEADS, dv + rope), dtype)
+        idx = random_page_selection(rng, layout, RAGGED_TOP_K, PAGE)
+        positions = layout["positions"]
+        keep = attended_rows_ragged(layout, idx, positions, page_size=PAGE, num_pages=num_pages)
+        rows = poison_rows(cache.reshape(num_pages * PAGE, -1), keep, seed=seed)
+        rows[:, dv + rope :] = np.nan  # the feature padding
+        tables = {
+            k: jnp.asarray(layout[k])
+            for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
+        }
+        _check(
+            backend, dtype, q, rows.reshape(cache.shape), idx[None], positions[None], keep,
+            read_block=PAGE, page_size=PAGE, **tables,
+        )  # fmt: skip
+
+    check()
