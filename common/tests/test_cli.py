@@ -240,3 +240,23 @@ def test_provenance_commit_from_the_working_directory(tmp_path, monkeypatch):
     assert cli_args.provenance([])["commit"] == head
     (repo / "f").write_text("y")
     assert cli_args.provenance([])["commit"] == head + "+dirty"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no os.sched_getaffinity here")
+def test_interpret_sparse_mla_on_one_cpu_is_refused(monkeypatch, capsys):
+    """The Hopper sparse MLA kernel hangs in the interpreter on one CPU (cli docstring):
+    refused with exit 2 and one line; the ranker, another backend and two CPUs pass."""
+    pytest.importorskip("attn_mosaic_gpu", reason="pip install ./packages/attn-mosaic-gpu")
+    ran = []
+    monkeypatch.setattr(cli, "cmd_run", lambda args: ran.append(args.op) or 0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    base = ["run", "--interpret", "--small", "--implementation"]
+    for op in ("sparse-mla", "all"):
+        assert _exit_code([*base, "mosaic-gpu", op]) == 2
+        err = capsys.readouterr().err
+        assert "--interpret: 1 schedulable CPU" in err and len(err.strip().splitlines()) <= 2
+    assert _exit_code([*base, "mosaic-gpu", "ranker"]) == 0
+    assert _exit_code([*base, "reference", "sparse-mla"]) == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert _exit_code([*base, "mosaic-gpu", "sparse-mla"]) == 0
+    assert ran == ["ranker", "sparse-mla", "sparse-mla"]

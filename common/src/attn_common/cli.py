@@ -83,7 +83,10 @@ RANKER_SHAPES = {
 SPARSE_SHAPES = {
     "full": dict(heads=16, top_k=16, rb=64, seq=256, ctx=8192, lens=(3000, 1900, 4100), new=(96, 64, 96)),
     "small": dict(heads=4, top_k=4, rb=64, seq=32, ctx=1024, lens=(300, 190, 410), new=(16, 8, 16)),
-    "small-interpret": dict(heads=2, top_k=2, rb=64, seq=4, ctx=256, lens=(130, 70, 100), new=(2, 1, 1)),
+    # --small --interpret: the Mosaic GPU interpreter runs one program per query token
+    # (about 1 s each on a CPU core: every gathered cache row is a host callback), so as
+    # few tokens as the checks need: 2 flat queries, one new token per packed request.
+    "small-interpret": dict(heads=2, top_k=2, rb=64, seq=2, ctx=256, lens=(130, 70, 100), new=(1, 1, 1)),
 }  # fmt: skip
 # Pass thresholds of the checks (inputs are bf16; the float64 check sees one row).
 RANKER_TOL = 2e-2
@@ -725,9 +728,39 @@ def _check_memory(args: argparse.Namespace) -> str | None:
     )
 
 
+def _check_interpret_cpus(args: argparse.Namespace) -> str | None:
+    """Refuse the Hopper sparse MLA kernel's interpreter on fewer than two schedulable CPUs.
+
+    jax 0.11.2's Mosaic GPU interpreter runs the kernel's three warpgroups as threads whose
+    host callbacks wait on each other's barriers inside XLA's CPU thread pool, which has one
+    thread per schedulable CPU: with one (``taskset -c 0``, a one-core container) the first
+    barrier wait holds the only thread and the run hangs for ever (seen: no progress in
+    13 min at 0 % CPU; with two CPUs the same run takes 12 s). ``attn run ranker
+    --implementation mosaic-gpu --interpret --small`` finishes on one CPU (38 s).
+    """
+    if not args.interpret or args.op == "ranker":
+        return None
+    try:
+        backend, _ = select_backend("sparse_mla_attention", args.implementation, interpret=True)
+    except BackendUnavailableError:
+        return None  # cmd_run reports it
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if backend != "mosaic-gpu" or cpus is None or cpus >= 2:
+        return None
+    return (
+        f"--interpret: {cpus} schedulable CPU, and the Hopper sparse MLA kernel needs at "
+        "least 2 in the interpreter (its warpgroup threads wait on each other inside XLA's "
+        "CPU thread pool, one thread per CPU, and with one it never finishes); run it on 2 "
+        "or more CPUs"
+    )
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
     """Checks argparse cannot express; the one-line error, or None."""
     if args.command == "run":
+        problem = _check_interpret_cpus(args)
+        if problem:
+            return problem
         if args.batch is not None and args.op == "sparse-mla":
             return (
                 f"--batch: got {args.batch}; it sets the ranker's batch rows and does not "
