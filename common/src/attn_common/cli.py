@@ -728,39 +728,9 @@ def _check_memory(args: argparse.Namespace) -> str | None:
     )
 
 
-def _check_interpret_cpus(args: argparse.Namespace) -> str | None:
-    """Refuse the Hopper sparse MLA kernel's interpreter on fewer than two schedulable CPUs.
-
-    jax 0.11.2's Mosaic GPU interpreter runs the kernel's three warpgroups as threads whose
-    host callbacks wait on each other's barriers inside XLA's CPU thread pool, which has one
-    thread per schedulable CPU: with one (``taskset -c 0``, a one-core container) the first
-    barrier wait holds the only thread and the run hangs for ever (seen: no progress in
-    13 min at 0 % CPU; with two CPUs the same run takes 12 s). ``attn run ranker
-    --implementation mosaic-gpu --interpret --small`` finishes on one CPU (38 s).
-    """
-    if not args.interpret or args.op == "ranker":
-        return None
-    try:
-        backend, _ = select_backend("sparse_mla_attention", args.implementation, interpret=True)
-    except BackendUnavailableError:
-        return None  # cmd_run reports it
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if backend != "mosaic-gpu" or cpus is None or cpus >= 2:
-        return None
-    return (
-        f"--interpret: {cpus} schedulable CPU, and the Hopper sparse MLA kernel needs at "
-        "least 2 in the interpreter (its warpgroup threads wait on each other inside XLA's "
-        "CPU thread pool, one thread per CPU, and with one it never finishes); run it on 2 "
-        "or more CPUs"
-    )
-
-
 def _check_args(args: argparse.Namespace) -> str | None:
     """Checks argparse cannot express; the one-line error, or None."""
     if args.command == "run":
-        problem = _check_interpret_cpus(args)
-        if problem:
-            return problem
         if args.batch is not None and args.op == "sparse-mla":
             return (
                 f"--batch: got {args.batch}; it sets the ranker's batch rows and does not "
@@ -809,7 +779,24 @@ def backend_commands() -> dict:
     return found
 
 
+# XLA's CPU client runs programs on an intra-op pool of NPROC threads (else one per usable
+# core). The Mosaic GPU interpreter runs each warpgroup of a kernel as its own program on
+# its own thread, blocking on the others at barriers: with fewer threads than programs
+# one never runs. `attn run sparse-mla --implementation mosaic-gpu --interpret --small`
+# (3 warpgroups) hung for ever pinned to one core (0 % CPU for 13 min under taskset -c 0;
+# 38 s with NPROC=16). The repository's conftest.py sets the same floor for the tests.
+MIN_XLA_CPU_THREADS = 16
+
+
+def _enough_xla_cpu_threads() -> None:
+    """Raise NPROC to ``MIN_XLA_CPU_THREADS`` before JAX creates its CPU client (no effect
+    once a JAX backend exists in this process)."""
+    if int(os.environ.get("NPROC", "0") or 0) < MIN_XLA_CPU_THREADS:
+        os.environ["NPROC"] = str(MIN_XLA_CPU_THREADS)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _enough_xla_cpu_threads()
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(backend_commands_too=command not in BUILT_IN_COMMANDS)
