@@ -84,6 +84,11 @@ class Backend:
     # edge-case example (0: that one only; an interpret-mode run of the Hopper kernel at
     # these shapes took 20-60 s on the shared 2-core machine, 2 + 2 per test: too long).
     sparse_examples: int = 2
+    # Generated examples of the drawn ranker gradient test off the accelerator, besides
+    # its explicit edge-case example (an interpret-mode backward at B1 S96 D64 took about
+    # 10 s per run for the Hopper kernels and 1 s for the TPU ones, plus one compile of
+    # 15-25 s, on the shared 2-core machine at load 5).
+    grad_examples: int = 4
 
     def __str__(self) -> str:
         return self.name
@@ -124,13 +129,13 @@ PALLAS_TPU_INSTALL = "pip install ./packages/attn-pallas-tpu"
 RANKER = (
     Backend(
         "reference", "attn_reference", REFERENCE_INSTALL, None, None,
-        dtypes=("float32", "bfloat16", "float16"),
+        dtypes=("float32", "bfloat16", "float16"), grad_examples=2,
     ),
     Backend(
         "mosaic-gpu", "attn_mosaic_gpu", MOSAIC_GPU_INSTALL, "gpu", _gpu_interpret,
         dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256),
         packed_grad_head_dims=(64, 128), grad_kernel_head_dims=(64, 256),
-        config=KernelConfig(block_q=64, block_kv=64, num_stages=2),
+        config=KernelConfig(block_q=64, block_kv=64, num_stages=2), grad_examples=2,
     ),
     Backend(
         "pallas-tpu", "attn_pallas_tpu", PALLAS_TPU_INSTALL, "tpu", _tpu_interpret,
