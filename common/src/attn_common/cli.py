@@ -437,18 +437,6 @@ def _describe_device() -> str:
     )
 
 
-def _check_json_path(path: Path) -> str | None:
-    """Why ``--json`` cannot be written (None when it can)."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        return f"--json: got {str(path)!r}, which is a folder; expected a file path"
-    if not parent.is_dir():
-        return f"--json: got {str(path)!r}, whose folder {str(parent)!r} does not exist"
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return f"--json: got {str(path)!r}, which is not writable"
-    return None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     print(_describe_device())
     if args.iterations is None:  # an interpreted kernel takes seconds per call
