@@ -11,7 +11,8 @@
 # files. PARTS=suite runs the whole GPU test suite instead, in one pytest call sized for
 # one 600 s device call on one H200 (16 cores): every packages/attn-mosaic-gpu/tests/
 # *_gpu.py file and the conformance, isolation and bad-input tests of tests/, with
-# -n ${XDIST:-14} workers, -v (a killed run still shows which tests passed), --durations=25
+# -n ${XDIST:-14} workers (worksteal: an idle worker takes queued tests from a busy one),
+# -v (a killed run still shows which tests passed), --durations=25
 # and SUITE_LIMIT (default 560 s) on the whole call; log h200_gpu_suite.log.
 # On one H200 the test files take about 8 minutes in one pytest process each, so split
 # them over calls where a call is time-limited, or set XDIST=N to run each file in N
@@ -60,7 +61,8 @@ suite_tests() {  # the whole GPU suite, one pytest call, XDIST (default 14) work
   want suite || return 0
   local log=$OUT/h200_gpu_suite.log; header "$log"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_LIMIT:-560}" python3 -m pytest -v \
-    -p no:cacheprovider --timeout "${TEST_TIMEOUT:-240}" -n "${XDIST:-14}" --durations=25 \
+    -p no:cacheprovider --timeout "${TEST_TIMEOUT:-240}" -n "${XDIST:-14}" --dist worksteal \
+    --durations=25 \
     "$tests"/*_gpu.py "$root/tests/test_conformance_ranker.py" \
     "$root/tests/test_conformance_sparse_mla.py" "$root/tests/test_ranker_isolation.py" \
     "$root/tests/test_bad_inputs.py" >>"$log" 2>&1
