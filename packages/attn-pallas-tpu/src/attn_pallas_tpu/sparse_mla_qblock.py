@@ -432,9 +432,7 @@ def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
     qblock_dmas = (problem.heads // hb) * jnp.sum(unions)
     per_query_dmas = jnp.sum(distinct)
     qblock_s = qblock_seconds(unions, query_block=qb, head_block=hb, u_max=plan_u_max, **shape_args)
-    per_query_s = per_query_seconds(
-        distinct, **{k: v for k, v in shape_args.items() if k != "num_units"}
-    )
+    per_query_s = per_query_seconds(distinct, **shape_args)
     return jax.lax.cond(
         (qblock_dmas < per_query_dmas) & (qblock_s < per_query_s),
         lambda: qblock(query_block=qb, head_block=hb, u_max=plan_u_max),
