@@ -36,6 +36,30 @@ class RankerProblem:
         """Query heads per kv head (GQA)."""
         return self.q_heads // self.kv_heads
 
+    def padded(self, seq_pad: int) -> dict:
+        """The fields of :class:`RankerKernelStatic` for this problem with the sequence
+        padded to ``seq_pad`` rows (a multiple of the kernel's tiles)."""
+        if seq_pad < self.seq_len:
+            raise ValueError(f"seq_pad: got {seq_pad}, expected at least seq_len {self.seq_len}")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["seq_len"]
+        return {**fields, "seq_pad": seq_pad}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerKernelStatic:
+    """The facts of a ranker problem every kernel is specialised on, the sequence padded
+    to ``seq_pad`` rows: the base of the backends' (hashable, jit-static) kernel statics,
+    which add their tiling and schedule fields. Built by ``RankerProblem.padded``."""
+
+    batch: int
+    seq_pad: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sm_scale: float
+    cap: CapParams
+
 
 def array_shape(x, name: str) -> tuple[int, ...]:
     shape = getattr(x, "shape", None)

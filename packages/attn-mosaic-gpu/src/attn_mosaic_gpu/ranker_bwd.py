@@ -159,15 +159,7 @@ def ranker_attention_bwd(
         pad_vec = ((0, 0), (0, 0), (0, seq_pad - seq))
         lse2 = jnp.pad(lse2, pad_vec, constant_values=jnp.inf)
         delta = jnp.pad(delta, pad_vec)
-    fields = dict(
-        batch=problem.batch,
-        seq_pad=seq_pad,
-        q_heads=problem.q_heads,
-        kv_heads=problem.kv_heads,
-        head_dim=problem.head_dim,
-        sm_scale=problem.sm_scale,
-        cap=problem.cap,
-    )
+    fields = problem.padded(seq_pad)
     bounds = clipped.astype(jnp.int32)
     if pipelined:
         dq, dk, dv = pipelined_bwd(

@@ -58,9 +58,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import CapParams, cap_forward, ranker_mask
+from attn_common import cap_forward, ranker_mask
 from attn_common.bounds import ranker_kv_block_ranges, ranker_q_block_ranges
 from attn_common.cap import cap_derivative_from_output
+from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._smem import SMEM_ALIGN, round_up, tile_transforms
 
@@ -89,14 +90,8 @@ def simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BwdStatic:
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
+class BwdStatic(RankerKernelStatic):
+    """The D=256 kernels' static facts: the padded problem (no tiling knobs)."""
 
 
 def _logits(qk, st: BwdStatic):

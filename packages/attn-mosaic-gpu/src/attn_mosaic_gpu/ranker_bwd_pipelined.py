@@ -92,6 +92,7 @@ from attn_common.packed import (
     ranker_mask_from_key_table,
     ranker_mask_from_query_table,
 )
+from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import memory_registers
@@ -176,14 +177,7 @@ def pipelined_smem_bytes(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
+class _Static(RankerKernelStatic):
     num_stages: int
     # exp2_fma_cols / rcp_fma_cols: key (dq) or query (dk/dv) columns of each 64 x 64
     #   tile whose exp2 / soft_sign reciprocal run on the FMA pipe (attn_mosaic_gpu.

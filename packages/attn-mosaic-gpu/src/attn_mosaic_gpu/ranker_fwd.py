@@ -119,6 +119,7 @@ from attn_common.packed import (
     packed_step_list,
     ranker_mask_from_query_table,
 )
+from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import (
@@ -280,16 +281,10 @@ def _resolve_interpret(interpret):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """Static facts the kernel is specialised on (hashable: a jit static argument)."""
+class _Static(RankerKernelStatic):
+    """Static facts the kernel is specialised on (hashable: a jit static argument): the
+    padded problem plus the tiling and schedule."""
 
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
     block_q: int
     block_kv: int
     num_stages: int
@@ -977,13 +972,7 @@ def ranker_attention_fwd(
         pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
     st = _Static(
-        batch=problem.batch,
-        seq_pad=seq_pad,
-        q_heads=problem.q_heads,
-        kv_heads=problem.kv_heads,
-        head_dim=problem.head_dim,
-        sm_scale=problem.sm_scale,
-        cap=problem.cap,
+        **problem.padded(seq_pad),
         block_q=config.block_q,
         block_kv=config.block_kv,
         num_stages=config.num_stages,
