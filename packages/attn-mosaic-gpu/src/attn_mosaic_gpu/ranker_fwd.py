@@ -121,6 +121,7 @@ from attn_common.packed import (
 )
 from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import (
     LAUNCH_REGISTERS,
@@ -265,19 +266,6 @@ def validate_config(
             f"{jnp.dtype(dtype).name}), more than the {SMEM_LIMIT_BYTES} bytes (227 KiB) "
             "available per block on sm_90; lower num_stages or block_kv"
         )
-
-
-def _resolve_interpret(interpret):
-    if interpret is None or interpret is False:
-        return None
-    if interpret is True:
-        return plgpu.InterpretGPUParams()
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    raise TypeError(
-        f"interpret: got {type(interpret).__name__}, expected a bool or "
-        "jax.experimental.pallas.mosaic_gpu.InterpretGPUParams"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -963,7 +951,7 @@ def ranker_attention_fwd(
         cap=problem.cap,
         packed=bool(users),
     )
-    interpret = _resolve_interpret(interpret)
+    interpret = resolve_interpret(interpret)
 
     seq = problem.seq_len
     tile = math.lcm(2 * config.block_q, config.block_kv)
