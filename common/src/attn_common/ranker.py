@@ -19,8 +19,17 @@ import numpy as np
 from attn_common.cap import CapParams, normalize_cap
 
 
+class _GroupedHeads:
+    """``group_size`` of a class with ``q_heads`` and ``kv_heads`` fields."""
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (GQA)."""
+        return self.q_heads // self.kv_heads
+
+
 @dataclasses.dataclass(frozen=True)
-class RankerProblem:
+class RankerProblem(_GroupedHeads):
     """Static facts about one ranker call, after validation."""
 
     batch: int
@@ -30,11 +39,6 @@ class RankerProblem:
     head_dim: int
     sm_scale: float
     cap: CapParams
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head (GQA)."""
-        return self.q_heads // self.kv_heads
 
     def padded(self, seq_pad: int) -> dict:
         """The fields of :class:`RankerKernelStatic` for this problem with the sequence
@@ -47,7 +51,7 @@ class RankerProblem:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankerKernelStatic:
+class RankerKernelStatic(_GroupedHeads):
     """The facts of a ranker problem every kernel is specialised on, the sequence padded
     to ``seq_pad`` rows: the base of the backends' (hashable, jit-static) kernel statics,
     which add their tiling and schedule fields. Built by ``RankerProblem.padded``."""

@@ -93,6 +93,16 @@ def simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
 class BwdStatic(RankerKernelStatic):
     """The D=256 kernels' static facts: the padded problem (no tiling knobs)."""
 
+    @property
+    def d_split(self) -> int:
+        """Parts the head dimension is split into for the dq / dk, dv accumulators."""
+        return head_dim_parts(self.head_dim)
+
+    @property
+    def dh(self) -> int:
+        """Columns of one part: ``head_dim // d_split``."""
+        return self.head_dim // self.d_split
+
 
 def _probs_and_dlogits(y, dcap, dp, allowed, lse2, delta, *, row_axis: int):
     """``P`` and ``dS`` of a score tile from its capped logits ``y``, ``cap'(y)``
@@ -132,10 +142,7 @@ def _read_bounds(bounds_ref, batch):
 
 def _build_dq_kernel(st: BwdStatic, dtype):
     bq = bkv = BWD_BLOCK
-    head_dim = st.head_dim
-    group = st.q_heads // st.kv_heads
-    d_split = head_dim_parts(head_dim)
-    dh = head_dim // d_split
+    head_dim, group, d_split, dh = st.head_dim, st.group_size, st.d_split, st.dh
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
         (q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, lse_smem, delta_smem), bars = scoped
@@ -220,10 +227,7 @@ def _build_dq_kernel(st: BwdStatic, dtype):
 
 def _build_dkv_kernel(st: BwdStatic, dtype):
     bq = bkv = BWD_BLOCK
-    head_dim = st.head_dim
-    group = st.q_heads // st.kv_heads
-    d_split = head_dim_parts(head_dim)
-    dh = head_dim // d_split
+    head_dim, group, d_split, dh = st.head_dim, st.group_size, st.d_split, st.dh
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, scoped):
         bufs, bars = scoped

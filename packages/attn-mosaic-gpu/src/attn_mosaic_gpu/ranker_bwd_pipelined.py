@@ -503,7 +503,7 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
 def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
+    group = st.group_size
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
@@ -575,7 +575,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
     """
     b = BLOCK
     num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
+    group = st.group_size
     programs = st.dq_programs
     tiles = st.seq_pad // (_COMPUTE_WGS * b)
     num_tiles = st.q_heads * tiles * st.batch
@@ -706,7 +706,7 @@ def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, com
     bufs, _, ready, consumed = scoped
     q_smem, do_smem, lse_smem, delta_smem = bufs[2:6]
     q_ready, do_ready, lse_ready, delta_ready = ready
-    b, group = BLOCK, st.q_heads // st.kv_heads
+    b, group = BLOCK, st.group_size
     head_steps, total_steps = steps
     plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
 
@@ -728,7 +728,7 @@ def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, com
 def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
+    group = st.group_size
     per_step_kv = _dkv_per_step_kv(st)
     compute_registers = _DKV_COMPUTE_REGISTERS if per_step_kv else _COMPUTE_REGISTERS
 

@@ -669,7 +669,7 @@ def _tile_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
     q_head = lax.axis_index(_axes.HEADS)
     q_tile = lax.axis_index(_axes.Q_TILES)
     wg = lax.axis_index(_axes.WARPGROUP)
-    kv_head = lax.div(q_head, jnp.int32(st.q_heads // st.kv_heads))
+    kv_head = lax.div(q_head, jnp.int32(st.group_size))
     tile_start, ranges, bnds = _tile_info(st, refs.bounds, refs.steps, batch, q_tile)
     total_steps = ranges.total_steps
     tile = (batch, q_head, wg, tile_start, ranges, total_steps, bnds)
@@ -755,7 +755,7 @@ def _persistent_memory_wg(st: _Static, refs: _Refs, scoped, program, my_tiles):
 
     def tile_steps(j):
         q_head, batch, _, ranges, _ = _persistent_tile_of(st, refs, program, j)
-        kv_head = lax.div(q_head, jnp.int32(st.q_heads // st.kv_heads))
+        kv_head = lax.div(q_head, jnp.int32(st.group_size))
 
         def issue(i, step, slot):
             rows = (batch, pl.ds(ranges.block_at(i) * block_kv, block_kv), kv_head)

@@ -186,10 +186,6 @@ class RankerStatic(RankerKernelStatic):
         return packed_runs_per_tile(self.packed_users) if self.packed_users else 0
 
     @property
-    def group(self) -> int:
-        return self.q_heads // self.kv_heads
-
-    @property
     def q_tiles(self) -> int:
         return self.seq_pad // self.block_q
 
@@ -497,7 +493,7 @@ def _build_fwd_kernel(st: RankerStatic):
 def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
     """q/k/v in kernel layout; bounds clipped int32 ``[B, 4]`` (or ``[B, U, 4]``).
     Returns (out, lse)."""
-    group = st.group
+    group = st.group_size
     tab = kv_step_table(bounds, st)
 
     def q_index(b, h, i, j, bounds_ref, tab_ref):
