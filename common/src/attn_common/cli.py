@@ -283,6 +283,22 @@ def _sparse_pairs(sel_tokens_ok: np.ndarray) -> int:
     return int(sel_tokens_ok.sum())
 
 
+def _sparse_check(out, qi: int, q_row, kk, *, scale: float, dv: int, reference):
+    """``(line, ok)``: query ``qi`` of ``out [1, S, H, Dv]`` against a dense float64
+    softmax over its keys ``kk [n, Dk]`` (``q_row [H, Dk]``), and all of ``out`` against
+    ``reference()`` where there is one (not None), each within ``SPARSE_TOL``."""
+    s = kk @ np.asarray(q_row, np.float64).T * scale
+    p = np.exp(s - s.max(0))
+    err = _rel_err(out[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
+    ok = err <= SPARSE_TOL
+    check = f"dense f64 rel err {err:.1e}"
+    if reference is not None:
+        err = _rel_err(out, reference())
+        ok &= err <= SPARSE_TOL
+        check += f", vs reference {err:.1e}"
+    return f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}", ok
+
+
 def run_sparse_mla(
     seed: int = 0,
     *,
@@ -322,16 +338,8 @@ def run_sparse_mla(
     t = np.concatenate([np.arange(u * rb, (u + 1) * rb) for u in np.unique(idx[qi])])
     t = t[t <= int(positions[0, qi])]
     kk = np.asarray(kv[0, t], np.float64)
-    s = kk @ np.asarray(q[0, qi], np.float64).T * scale
-    p = np.exp(s - s.max(0))
-    err = _rel_err(out[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
-    ok = err <= SPARSE_TOL
-    check = f"dense f64 rel err {err:.1e}"
-    if ref is not None:
-        err = _rel_err(out, ref(q, kv, indices, positions, **flat_kw))
-        ok &= err <= SPARSE_TOL
-        check += f", vs reference {err:.1e}"
-    check = f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}"
+    flat_ref = None if ref is None else (lambda: ref(q, kv, indices, positions, **flat_kw))
+    check, ok = _sparse_check(out, qi, q[0, qi], kk, scale=scale, dv=dv, reference=flat_ref)
     tok = (idx[:, :, None] * rb + np.arange(rb)).reshape(seq, -1)
     valid_pairs = _sparse_pairs(tok <= np.asarray(positions[0])[:, None])
     flops = 2 * heads * (dk + dv) * valid_pairs
@@ -387,17 +395,10 @@ def run_sparse_mla(
             loc = loc[ok]
             phys = perm[cu_kv[r] // ps + loc // ps]
             rows = phys * ps + loc % ps
-    kk = store[rows, :dk]
-    s = kk @ np.asarray(qr[0, qi], np.float64).T * scale
-    p = np.exp(s - s.max(0))
-    err = _rel_err(out_r[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
-    ok = err <= SPARSE_TOL
-    check = f"dense f64 rel err {err:.1e}"
-    if ref is not None:
-        err = _rel_err(out_r, jax.jit(ragged_call(ref))(*args))
-        ok &= err <= SPARSE_TOL
-        check += f", vs reference {err:.1e}"
-    check = f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}"
+    ragged_ref = None if ref is None else (lambda: jax.jit(ragged_call(ref))(*args))
+    check, ok = _sparse_check(
+        out_r, qi, qr[0, qi], store[rows, :dk], scale=scale, dv=dv, reference=ragged_ref
+    )
     flops = 2 * heads * (dk + dv) * valid
     results.append(_row(ragged_name, backend, flops, t_ragged, None, check, ok))
     return results
