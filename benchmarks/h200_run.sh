@@ -64,7 +64,8 @@ suite_tests() {  # the whole GPU suite, one pytest call, XDIST (default 14) work
     -p no:cacheprovider --timeout "${TEST_TIMEOUT:-240}" -n "${XDIST:-14}" --dist worksteal \
     --durations=25 \
     "$tests"/*_gpu.py "$root/tests/test_conformance_ranker.py" \
-    "$root/tests/test_conformance_sparse_mla.py" "$root/tests/test_ranker_isolation.py" \
+    "$root/tests/test_conformance_sparse_mla.py" "$root/tests/test_conformance_sparse_mla_grad.py" \
+    "$root/tests/test_ranker_isolation.py" \
     "$root/tests/test_bad_inputs.py" >>"$log" 2>&1
   local rc=$?; echo "rc=$rc" >>"$log"; echo "h200_gpu_suite rc=$rc"
 }
