@@ -55,7 +55,7 @@ class Backend:
     dtypes: tuple[str, ...]
     head_dims: tuple[int, ...] | None = None  # None: any
     packed: bool = True
-    packed_grad_head_dims: tuple[int, ...] | None = None  # None: as head_dims
+    packed_head_dims: tuple[int, ...] | None = None  # packed rows [B, U, 4]; None: as head_dims
     caps: tuple[str, ...] = ("none", "tanh", "soft_sign")
     return_lse: bool = True
     grad: bool = True
@@ -121,7 +121,7 @@ RANKER = (
     Backend(
         "mosaic-gpu", "attn_mosaic_gpu", MOSAIC_GPU_INSTALL, "gpu", gpu_interpret,
         dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256),
-        packed_grad_head_dims=(64, 128), grad_kernel_head_dims=(64, 256),
+        packed_head_dims=(64, 128), grad_kernel_head_dims=(64, 256),
         config=KernelConfig(block_q=64, block_kv=64, num_stages=2), grad_examples=2,
     ),
     Backend(

@@ -86,7 +86,7 @@ def _cases(grad: bool = False, packed: bool = False):
         kernel_dims = set(backend.grad_kernel_head_dims if grad and not packed else ())
         for case in CASES:
             dtype, dim, cap, *_ = case
-            dims = backend.packed_grad_head_dims if grad and packed else None
+            dims = backend.packed_head_dims if packed else None
             ok = backend.takes(dtype=dtype, head_dim=dim, cap=cap)
             ok = ok and (not packed or backend.packed) and (not grad or backend.grad)
             ok = ok and (dims is None or dim in dims)
@@ -375,7 +375,7 @@ def _drawn_grad_cases():
             continue  # test_grad / test_grad_packed draw their bounds there (docstring)
         for layout, cap, case, marks in DRAWN_GRAD:
             dtype, dim = case[:2]
-            dims = backend.packed_grad_head_dims if layout == "packed" else None
+            dims = backend.packed_head_dims if layout == "packed" else None
             if not (backend.grad and backend.takes(dtype=dtype, head_dim=dim, cap=cap)):
                 continue
             if layout == "packed" and not (backend.packed and (dims is None or dim in dims)):
