@@ -95,15 +95,7 @@ def _reference():
 BACKENDS = {
     "reference": (_reference, ()),
     "pallas-tpu": (_tpu, ()),
-    "mosaic-gpu": (
-        _gpu,
-        (
-            pytest.mark.xfail(
-                strict=True,
-                reason="issue 39: the Hopper kernels do not isolate yet (0 * NaN in P V, dS K)",
-            ),
-        ),
-    ),
+    "mosaic-gpu": (_gpu, ()),
 }
 CAP_DIMS = [("none", 64), ("tanh", 128), ("soft_sign", 64)]
 # Interpret mode costs ~20 s (TPU) and ~35 s (Mosaic GPU) of one core per call: the

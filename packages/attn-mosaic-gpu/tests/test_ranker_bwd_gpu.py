@@ -338,3 +338,47 @@ def test_grad_deterministic(head_dim):
         again = [np.asarray(x) for x in grad(q, k, v, bounds, w)]
         for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"{name} differs"
+
+
+# name, B, S, Hq, Hkv, D, cap, dtype, bounds [B, 4] or [B, U, 4]
+ISOLATION_CASES = [
+    ("phoenix-ragged", 4, 1152, 20, 4, 128, SS80, jnp.bfloat16, None),
+    ("small-d64-gap", 4, 640, 8, 8, 64, NONE, jnp.float16, [[0, 300, 330, 400]] * 4),
+    ("long-tanh", 1, 5120, 16, 16, 128, TANH30, jnp.bfloat16, [[100, 4000, 4000, 4500]]),
+    ("d256", 2, 1000, 16, 4, 256, TANH5, jnp.bfloat16, [[0, 700, 700, 760], [30, 500, 600, 640]]),
+    (
+        "packed-d128",
+        2,
+        1152,
+        20,
+        4,
+        128,
+        SS80,
+        jnp.bfloat16,
+        [[[0, 300, 300, 340], [340, 800, 800, 864]], [[0, 100, 100, 164], [164, 1000, 1000, 1100]]],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name,batch,seq,q_heads,kv_heads,head_dim,cap,dtype,bounds",
+    ISOLATION_CASES,
+    ids=[c[0] for c in ISOLATION_CASES],
+)
+def test_isolation_poisoned_rows(name, batch, seq, q_heads, kv_heads, head_dim, cap, dtype, bounds):
+    """Isolation at real sizes with the tuned configs (docs/ranker_gpu.md, "Isolation"):
+    every row outside the checked users' segments holds NaN / +-Inf / 1e30 in q, k, v,
+    dO and the LSE cotangent; out, lse, dq, dk, dv of the checked rows match the
+    reference on the zeroed inputs, NaN-free (``test_ranker_isolation_cpu.check_isolation``).
+    Packed: user 1 of each row is poisoned as a whole and user 0 checked."""
+    from test_ranker_isolation_cpu import _segments, check_isolation
+
+    if bounds is None:
+        bounds = np.asarray(_suite_bounds("ragged", batch, seq, seed=3))
+    bounds = np.asarray(bounds, np.int32)
+    segs = _segments(bounds, seq)  # [B, U, S]
+    checked = segs[:, 0] if bounds.ndim == 3 else segs.any(axis=1)
+    check_isolation(
+        jnp.asarray(bounds), checked, ~checked, head_dim=head_dim, cap=cap, dtype=dtype,
+        q_heads=q_heads, kv_heads=kv_heads, interpret=False, config=None,
+    )  # fmt: skip

@@ -429,16 +429,19 @@ def test_smem_bytes_is_what_mosaic_allocates(monkeypatch, head_dim, config, retu
 
 
 def test_rejects_config_mosaic_would_refuse():
-    """192-key blocks at D=128 with packed bounds and the LSE need 104 bytes more than the
-    227 KiB: refused by validation (naming shared memory), not by Mosaic at compile time;
-    without the LSE, or with one user per row, they fit."""
+    """192-key blocks at D=128 with two stages fit the 227 KiB only with one user per row
+    and no LSE (920 bytes to spare, the V ring's isolation flags included): with the LSE
+    (104 bytes over) or packed rows (1144 over) validation refuses them, naming shared
+    memory, instead of Mosaic at compile time."""
     q, k, v, _ = _bad(head_dim=128)
     packed_bounds = jnp.array([[[0, 16, 16, 24], [32, 48, 48, 56]]], jnp.int32)
     config = KernelConfig(block_q=64, block_kv=192, num_stages=2)
     with pytest.raises(ValueError, match="shared memory"):
-        ranker_attention_fwd(q, k, v, packed_bounds, config=config, return_lse=True)
-    validate_config(config, 128, jnp.bfloat16, return_lse=False, packed=True)
-    validate_config(config, 128, jnp.bfloat16, return_lse=True)
+        ranker_attention_fwd(q, k, v, packed_bounds, config=config, return_lse=False)
+    for return_lse, packed in ((True, False), (True, True)):
+        with pytest.raises(ValueError, match="shared memory"):
+            validate_config(config, 128, jnp.bfloat16, return_lse=return_lse, packed=packed)
+    validate_config(config, 128, jnp.bfloat16, return_lse=False)
 
 
 def _bad(dtype=jnp.bfloat16, head_dim=64, q_heads=2, kv_heads=1):

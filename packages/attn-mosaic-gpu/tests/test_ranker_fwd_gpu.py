@@ -387,3 +387,55 @@ def test_default_configs_compile():
         q, k, v = _inputs(8, 1, 512, 2, 1, d, jnp.bfloat16)
         bounds = jnp.asarray([0, 384, 384, 512], jnp.int32)
         _check(q, k, v, bounds, config=cfg)
+
+
+@pytest.mark.parametrize(
+    "head_dim,cap,config",
+    [
+        (128, CapParams(CapMethod.SOFT_SIGN, 80.0), None),
+        (128, CapParams(CapMethod.SOFT_SIGN, 80.0), KernelConfig(64, 128, 2, programs=132)),
+        (64, None, KernelConfig(64, 128, 4, programs=132)),
+        (256, CapParams(CapMethod.TANH, 30.0), None),
+    ],
+    ids=["d128-ss80", "d128-persistent", "d64-persistent", "d256-tanh"],
+)
+def test_isolation_poisoned_rows_bitwise(head_dim, cap, config):
+    """Isolation of the forward (docs/ranker_gpu.md, "Isolation"): NaN / +-Inf / 1e30 in
+    q, k, v of every row outside the bounds (padding, a gap, rows before the history)
+    leave out and lse of every row bitwise what the kernel gives with those rows zeroed;
+    NaN in one attended V row reaches exactly the rows that attend it."""
+    from test_ranker_isolation_cpu import _poison, _segments
+
+    batch, seq, q_heads, kv_heads = 4, 1152, 8, 2
+    bounds = np.array(
+        [[0, 1024, 1024, 1088], [0, 300, 300, 364], [50, 600, 700, 760], [0, 0, 0, 64]],
+        np.int32,
+    )
+    dead = ~_segments(bounds, seq).any(axis=1)
+    rng = np.random.default_rng(5)
+    xs = [
+        rng.standard_normal((batch, seq, h, head_dim)).astype(np.float32)
+        for h in (q_heads, kv_heads, kv_heads)
+    ]
+
+    def run(q, k, v):
+        fn = jax.jit(
+            lambda q, k, v: ranker_attention_fwd(
+                q, k, v, jnp.asarray(bounds), cap=cap, config=config, return_lse=True
+            )
+        )
+        return [np.asarray(jnp.asarray(x, jnp.float32)) for x in fn(q, k, v)]
+
+    clean = [jnp.asarray(np.where(dead[:, :, None, None], 0.0, x), jnp.bfloat16) for x in xs]
+    dirty = [jnp.asarray(_poison(x, dead, i), jnp.bfloat16) for i, x in enumerate(xs)]
+    want, got = run(*clean), run(*dirty)
+    for name, g, w in zip(("out", "lse"), got, want, strict=True):
+        assert np.array_equal(g, w, equal_nan=True), f"{name} differs from the zeroed run"
+    assert not np.isnan(got[0]).any() and not np.isnan(got[1]).any()
+    # Attended garbage propagates: V row 10 of batch row 0 (its history) reaches its
+    # 1088 history and candidate rows and nothing else.
+    v = clean[2].at[0, 10].set(jnp.nan)
+    out = run(clean[0], clean[1], v)[0]
+    nan_rows = np.isnan(out[0]).any(axis=(1, 2))
+    np.testing.assert_array_equal(nan_rows, np.arange(seq) < 1088)
+    assert not np.isnan(out[1:]).any()

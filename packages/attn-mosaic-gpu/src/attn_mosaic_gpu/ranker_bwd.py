@@ -140,7 +140,9 @@ def ranker_attention_bwd(
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
     if dlse is not None:
         delta = delta - jnp.where(finite, dlse.astype(jnp.float32), 0.0)
-    lse2 = jnp.where(finite, lse.astype(jnp.float32) * _LOG2E, jnp.inf)
+    # +inf only for rows with no allowed key (lse = -inf): a NaN LSE (a row that attends
+    # garbage) stays NaN, so its gradients carry the NaN instead of reading as empty.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * _LOG2E)
 
     seq = problem.seq_len
     pipelined = problem.head_dim in PIPELINED_HEAD_DIMS

@@ -42,6 +42,14 @@ needed after writing P / dS to shared memory) precedes every reuse of a buffer t
 previous wgmma read. The interpret-mode path is the GPU path: no ``run_state``, no wgmma
 with a register A operand.
 
+Isolation (docs/ranker_gpu.md, "Isolation"): on every step, once its TMA loads have
+landed, the warpgroup zeroes the non-finite elements of the operand half that
+multiplies ``dS`` / ``P`` (dq: the K half; dk/dv: the Q and dO halves) and flags their
+rows (``ranker_fwd.sanitize_rows``); pairs that attend a flagged row get NaN scores
+(``bad_scores``), ``dS`` (and ``P`` in dk/dv) is selected to 0 on refused pairs, and
+dq rows with ``lse2 = +inf`` are selected to 0. The flags' row max stays within a
+warp, so the kernels reserve no reduction scratch.
+
 Any ``S``: inputs are zero-padded to a multiple of the block size and the gradients
 sliced; padded positions are never allowed because bounds are clipped to ``[0, S]``.
 """
@@ -63,6 +71,7 @@ from attn_common.bounds import ranker_kv_block_ranges, ranker_q_block_ranges
 from attn_common.cap import cap_derivative_from_output
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._smem import SMEM_ALIGN, round_up, tile_transforms
+from attn_mosaic_gpu.ranker_fwd import bad_scores, sanitize_rows
 
 # Query and key block of both backward kernels: one wgmma M = 64 rows per warpgroup.
 BWD_BLOCK = 64
@@ -83,8 +92,9 @@ def simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
     vec = 2 * b * 4
     dh = head_dim // head_dim_parts(head_dim)
     half = round_up(b * dh * item, SMEM_ALIGN) if head_dim_parts(head_dim) > 1 else 0
-    dq = 4 * tile + half + sq + vec + 8 * 7
-    dkv = 4 * tile + 2 * half + 2 * sq + vec + 8 * 8
+    flags = b * 4  # a streamed operand's bad-row flags (isolation)
+    dq = 4 * tile + half + sq + vec + flags + 8 * 7
+    dkv = 4 * tile + 2 * half + 2 * sq + vec + 2 * flags + 8 * 8
     return {"dq": dq, "dkv": dkv}
 
 
@@ -120,7 +130,10 @@ def _build_dq_kernel(st: BwdStatic, dtype):
     dh = head_dim // d_split
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
-        (q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, lse_smem, delta_smem), bars = scoped
+        (
+            (q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, lse_smem, delta_smem, bad_smem),
+            bars,
+        ) = scoped
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
         idx = lax.axis_index(_axes.Q_TILES)
@@ -155,6 +168,12 @@ def _build_dq_kernel(st: BwdStatic, dtype):
                 plgpu.barrier_wait(bars.at[6])
             plgpu.barrier_wait(bars.at[4])
             plgpu.barrier_wait(bars.at[5])
+            k_b = kh_smem if d_split > 1 else k_smem
+            # Isolation: the K (half) that dQ reads, non-finite elements zeroed; rows
+            # that held one turn the scores of the queries attending them into NaN.
+            sanitize_rows(k_b, bad_smem, dh)
+            plgpu.commit_smem()
+            bad = bad_scores(bad_smem, jnp.bool_(True), (bq, bkv), 1)
 
             def qk_fn(acc):
                 plgpu.wgmma(acc, q_smem, k_smem.transpose((1, 0)))
@@ -164,7 +183,7 @@ def _build_dq_kernel(st: BwdStatic, dtype):
                 plgpu.wgmma(acc, do_smem, v_smem.transpose((1, 0)))
                 return acc[...]
 
-            qk = pl.run_scoped(qk_fn, plgpu.ACC((bq, bkv), jnp.float32))
+            qk = pl.run_scoped(qk_fn, plgpu.ACC((bq, bkv), jnp.float32)) + bad
             dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bkv), jnp.float32))
             y, dcap = _logits(qk, st)
             q_ids = row0 + plgpu.broadcasted_iota(
@@ -179,10 +198,9 @@ def _build_dq_kernel(st: BwdStatic, dtype):
             ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
             if dcap is not None:
                 ds = ds * dcap
+            ds = jnp.where(allowed, ds, 0.0)  # no 0 * NaN from a refused pair
             ds_smem[...] = ds.astype(dtype)
             plgpu.commit_smem()
-
-            k_b = kh_smem if d_split > 1 else k_smem
 
             def dq_fn(acc):
                 plgpu.wgmma(acc, ds_smem, k_b)
@@ -192,6 +210,7 @@ def _build_dq_kernel(st: BwdStatic, dtype):
 
         dq0 = plgpu.layout_cast(jnp.full((bq, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         dq = lax.fori_loop(0, steps, step, dq0)
+        dq = jnp.where(lax.broadcast_in_dim(lse2 == jnp.inf, dq.shape, [0]), 0.0, dq)
         out_smem = kh_smem if d_split > 1 else q_smem
         plgpu.commit_smem()  # every wgmma that read the staging buffer has completed
         out_smem[...] = (dq * st.sm_scale).astype(dtype)
@@ -209,7 +228,7 @@ def _build_dq_kernel(st: BwdStatic, dtype):
             lambda *args: kernel(
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, args
             ),
-            [tile, tile, tile, tile, half, sq, vec, vec],
+            [tile, tile, tile, tile, half, sq, vec, vec, vec],
             plgpu.Barrier(num_barriers=7),
         )
 
@@ -226,7 +245,7 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, scoped):
         bufs, bars = scoped
         k_smem, v_smem, q_smem, do_smem, qh_smem, doh_smem, p_smem, ds_smem = bufs[:8]
-        lse_smem, delta_smem = bufs[8:]
+        lse_smem, delta_smem, bad_q_smem, bad_do_smem = bufs[8:]
         batch = lax.axis_index(_axes.BATCH)
         kv_head = lax.axis_index(_axes.HEADS)
         idx = lax.axis_index(_axes.KV_TILES)
@@ -263,6 +282,15 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
                 plgpu.barrier_wait(bars.at[b])
             lse2 = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(0))
             delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+            q_b = qh_smem if d_split > 1 else q_smem
+            do_b = doh_smem if d_split > 1 else do_smem
+            # Isolation: the Q and dO (halves) that dK and dV read, non-finite elements
+            # zeroed; their rows' flags turn the attending pairs' scores into NaN.
+            sanitize_rows(q_b, bad_q_smem, dh)
+            sanitize_rows(do_b, bad_do_smem, dh)
+            plgpu.commit_smem()
+            bad = bad_scores(bad_q_smem, jnp.bool_(True), (bkv, bq), 1)
+            bad = bad + bad_scores(bad_do_smem, jnp.bool_(True), (bkv, bq), 1)
 
             def st_fn(acc):
                 plgpu.wgmma(acc, k_smem, q_smem.transpose((1, 0)))
@@ -272,7 +300,7 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
                 plgpu.wgmma(acc, v_smem, do_smem.transpose((1, 0)))
                 return acc[...]
 
-            s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32))
+            s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32)) + bad
             dp_t = pl.run_scoped(dpt_fn, plgpu.ACC((bkv, bq), jnp.float32))
             y, dcap = _logits(s_t, st)
             q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
@@ -282,11 +310,13 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
             ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
             if dcap is not None:
                 ds_t = ds_t * dcap
+            # No 0 * NaN from a refused pair (lse2, delta' or dP^T of a query that does
+            # not attend the key may be garbage).
+            p_t = jnp.where(allowed, p_t, 0.0)
+            ds_t = jnp.where(allowed, ds_t, 0.0)
             p_smem[...] = p_t.astype(dtype)
             ds_smem[...] = ds_t.astype(dtype)
             plgpu.commit_smem()
-            q_b = qh_smem if d_split > 1 else q_smem
-            do_b = doh_smem if d_split > 1 else do_smem
 
             def dv_fn(acc):
                 plgpu.wgmma(acc, p_smem, do_b)
@@ -326,11 +356,16 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
             lambda *args: kernel(
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, args
             ),
-            [tile, tile, tile, tile, half, half, sq, sq, vec, vec],
+            [tile, tile, tile, tile, half, half, sq, sq, vec, vec, vec, vec],
             plgpu.Barrier(num_barriers=8),
         )
 
     return entry
+
+
+# The only reduction (the isolation flags' row max) stays within a warp: no
+# shared-memory reduction scratch.
+_PARAMS = plgpu.CompilerParams(reduction_scratch_bytes=0)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
@@ -342,6 +377,7 @@ def d256_bwd(q, k, v, do, lse2, delta, bounds, *, st: BwdStatic, interpret):
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(st.q_heads, (st.seq_pad // b) * head_dim_parts(st.head_dim), st.batch),
         grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
+        compiler_params=_PARAMS,
         interpret=interpret,
     )(q, k, v, do, lse2, delta, bounds)
     dk, dv = plgpu.kernel(
@@ -349,6 +385,7 @@ def d256_bwd(q, k, v, do, lse2, delta, bounds, *, st: BwdStatic, interpret):
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, (st.seq_pad // b) * head_dim_parts(st.head_dim), st.batch),
         grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
+        compiler_params=_PARAMS,
         interpret=interpret,
     )(q, k, v, do, lse2, delta, bounds)
     return dq, dk, dv

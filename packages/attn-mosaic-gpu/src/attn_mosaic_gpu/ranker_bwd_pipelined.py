@@ -52,6 +52,19 @@ and writes zeros), which keeps every barrier's arrival count static. Barriers:
 covers one copy), ``fixed[wg]`` (one per fixed operand and WG) and ``consumed[slot]``
 (2 arrivals, one per compute WG, after the step's last wgmma has completed).
 
+Isolation (docs/ranker_gpu.md, "Isolation"): on masked steps ``dS`` (and in dk/dv
+``P``) is selected to 0 on refused pairs, so a garbage dO, V, lse2, delta' or cap' of a
+pair the mask refuses never gives ``0 * NaN``; a non-finite raw score becomes NaN
+(``raw + raw * 0``) and in dk/dv a non-finite ``dP^T`` makes ``P`` NaN, so allowed pairs
+carry the garbage they attend. On a *sanitized* step (``ranker_fwd.isolation_plan``:
+masked, walked unmasked by neither WG; packed rows use the WGs' common unmasked range)
+the streamed operand that multiplies ``dS`` / ``P`` is cleaned in shared memory once
+both WGs' ``S`` and ``dP`` wgmmas have read it raw (``_sanitize_streamed``): both WGs
+meet on the ``clean`` barrier (2 arrivals), WG ``n % 2`` zeroes the non-finite
+elements of operand ``n`` (dq: K; dk/dv: Q and dO), ``commit_smem``, and both meet
+again before the product wgmmas. dq rows with ``lse2 = +inf`` (no allowed key) are
+selected to 0 at the end.
+
 dK/dV of a kv head are summed over its query heads in a fixed order inside one program:
 no atomics, no per-head copies, bitwise deterministic. Every program writes its whole
 output tile, so rows and keys with no allowed pair get exactly 0.
@@ -102,7 +115,13 @@ from attn_mosaic_gpu.fastmath import (
     reciprocal_fma,
     split_columns,
 )
-from attn_mosaic_gpu.ranker_fwd import packed_tile_mask, ranker_tile_mask
+from attn_mosaic_gpu.ranker_fwd import (
+    isolation_plan,
+    packed_full_steps,
+    packed_tile_mask,
+    ranker_tile_mask,
+    sanitize_rows,
+)
 
 __all__ = [
     "PIPELINED_HEAD_DIMS",
@@ -161,7 +180,8 @@ def pipelined_smem_bytes(
         staging,
         dq_table,
     ]
-    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages)
+    # + 1: the isolation rendezvous (``_sanitize_streamed``)
+    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages + 1)
     dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
     dkv_buffers = [
         *[_COMPUTE_WGS * tile] * 2,  # K, V
@@ -171,7 +191,7 @@ def pipelined_smem_bytes(
         staging,
         dkv_table,
     ]
-    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 5 * stages)
+    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 5 * stages + 1)
     return {"dq": dq, "dkv": dkv}
 
 
@@ -255,9 +275,20 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
     return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2), dcap
 
 
-def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int):
+def _p_and_grad_factor(
+    operands, lse2, delta, mask_fn, st: _Static, q_axis: int, *, flag_dp=False, select_p=False
+):
     """Issue ``S = A B^T`` and ``dP = C D^T`` (one wgmma scope); return ``P`` and
     ``(dP - delta') * cap'`` in f32, so that ``dS = P * factor``.
+
+    Masked steps (isolation): a non-finite raw score (a garbage row of the streamed K
+    or Q, seen before ``_sanitize_streamed`` zeroes it) becomes NaN (``raw + raw * 0``:
+    a cap would map +-inf to a finite logit), and with ``flag_dp`` (dk/dv) a non-finite
+    ``dP`` (a garbage dO row) makes ``P`` NaN: so an allowed pair still carries the
+    garbage it attends into dQ / dK / dV once the operand is zeroed. ``factor`` is
+    selected to 0 on pairs the mask refuses, so ``0 * NaN`` from a garbage dO, V,
+    delta' or cap' of such a pair never reaches dS; ``select_p`` selects ``P`` too
+    (dk/dv, where ``lse2`` of a query that does not attend the key may be NaN).
 
     The softmax terms are computed once S has landed, while the dP wgmma is still in
     flight (``wgmma.wait_group 1``); the mask predicate is built while S is in flight.
@@ -269,10 +300,19 @@ def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int)
         plgpu.wgmma(dp_ref, c, d.transpose((1, 0)))
         allowed = None if mask_fn is None else mask_fn()
         raw = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        if allowed is not None:
+            raw = raw + raw * 0.0
         p, dcap = _softmax_terms(raw, lse2, allowed, st, q_axis)
-        factor = dp_ref[...] - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
+        dp = dp_ref[...]
+        if allowed is not None and flag_dp:
+            p = p + dp * 0.0
+        if allowed is not None and select_p:
+            p = jnp.where(allowed, p, 0.0)
+        factor = dp - lax.broadcast_in_dim(delta, raw.shape, [q_axis])
         if dcap is not None:
             factor = factor * dcap
+        if allowed is not None:
+            factor = jnp.where(allowed, factor, 0.0)
         return p, factor
 
     acc = plgpu.ACC((BLOCK, BLOCK), jnp.float32)
@@ -356,6 +396,37 @@ def _three_phase_loop(lo, hi, total, step, carry):
     return lax.fori_loop(hi, total, masked, carry)
 
 
+def _sanitize_streamed(operands, wg, san, clean, head_dim: int) -> None:
+    """Isolation, on a sanitized step, after both WGs' ``S`` and ``dP`` wgmmas read the
+    raw operands (``_p_and_grad_factor`` waited for them): both WGs meet on ``clean``
+    (2 arrivals), streamed operand ``n`` (a ``[64, D]`` ring slot) is cleaned by compute
+    WG ``n % 2`` (``sanitize_rows``), and both meet again, after which every write is
+    visible to both WGs' product wgmmas (``commit_smem`` before the arrive)."""
+
+    def meet():
+        plgpu.barrier_arrive(clean)
+        plgpu.barrier_wait(clean)
+
+    def run():
+        meet()  # no WG still reads the raw operand
+        for n, tile in enumerate(operands):
+            pl.when(wg == n % _COMPUTE_WGS)(lambda tile=tile: sanitize_rows(tile, None, head_dim))
+        plgpu.commit_smem()
+        meet()
+
+    pl.when(san)(run)
+
+
+def _bwd_isolation(st: _Static, wg, fulls):
+    """``isolation_plan`` for the backward: both compute WGs always walk every step
+    (``_COMPUTE_WGS`` active); packed rows use the unmasked range both WGs share."""
+    actives = (jnp.bool_(True),) * _COMPUTE_WGS
+    if st.packed_users:
+        fulls = packed_full_steps(fulls, actives)
+    (lo, hi), sanitized, _ = isolation_plan(wg, fulls, actives)
+    return lo, hi, sanitized
+
+
 def _bounds(bounds_ref, batch):
     return tuple(bounds_ref[batch, i] for i in range(4))
 
@@ -418,6 +489,7 @@ class _DqRing(NamedTuple):
     k_ready: object
     v_ready: object
     consumed: object
+    clean: object  # one barrier, 2 arrivals: the isolation rendezvous
 
 
 def _dq_tile(
@@ -434,10 +506,15 @@ def _dq_tile(
         hl, hu, cl, cu = one_user
     lse2 = plgpu.load(fixed.lse, layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(fixed.delta, layout=plgpu.Layout.WGMMA.reduce(1))
+    tile_start = row0 - wg * b
     if st.packed_users:
-        full_lo, full_hi = ranges.full_steps(wg)
+        fulls = [ranges.full_steps(w) for w in range(_COMPUTE_WGS)]
     else:
-        full_lo, full_hi = ranker_full_kv_steps(ranges, hl, hu, cl, cu, row0, row0 + b, b)
+        fulls = [
+            ranker_full_kv_steps(ranges, hl, hu, cl, cu, r0, r0 + b, b)
+            for r0 in (tile_start + w * b for w in range(_COMPUTE_WGS))
+        ]
+    full_lo, full_hi, sanitized = _bwd_isolation(st, wg, fulls)
 
     def step(i, dq, *, masked):
         slot = slot_of(i)
@@ -454,13 +531,18 @@ def _dq_tile(
 
         operands = (fixed.q, ring.k.at[slot], fixed.do, ring.v.at[slot])
         p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
+        if masked:  # isolation: zero the K block's garbage before dQ += dS K
+            _sanitize_streamed([ring.k.at[slot]], wg, sanitized(i), ring.clean, st.head_dim)
         ds = p * factor
         (dq,) = _accumulate((dq,), (ds.astype(dtype),), (ring.k.at[slot],), staging, in_place)
         plgpu.barrier_arrive(ring.consumed.at[slot])
         return dq
 
     dq0 = plgpu.layout_cast(jnp.full((b, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    return _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+    dq = _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
+    # A row with no allowed key (lse2 = +inf) gets exactly 0, whatever its steps met.
+    empty = lax.broadcast_in_dim(lse2 == jnp.inf, dq.shape, [0])
+    return jnp.where(empty, 0.0, dq)
 
 
 def _issue_kv(k_ref, v_ref, ring: _DqRing, batch, block, kv_head, slot):
@@ -475,8 +557,8 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
     packed rows' step list and query key table, dQ) and allocate the scratch that
     ``kernel(*operands, scoped)`` receives: the fixed buffers (``fixed_copies`` = 2: a
     leading axis of two, for the persistent kernel), the K/V ring, the interpret-mode dS
-    staging, and the barriers (one per fixed operand and buffer and WG; ready per slot for
-    K and V; consumed per slot)."""
+    staging, and the barriers (one per fixed operand and buffer and WG; ready per slot
+    for K and V; consumed per slot; the isolation rendezvous)."""
     b = BLOCK
     lead = (fixed_copies,) if fixed_copies > 1 else ()
     fields = 5 if st.packed_users else 4
@@ -499,7 +581,10 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
             [own, own, own_vec, own_vec, ring, ring, staging, keys],
             (plgpu.Barrier(num_barriers=fixed_copies * _COMPUTE_WGS),) * fields,
             (plgpu.Barrier(num_barriers=st.num_stages),) * 2,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),
+            (
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            ),
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -515,7 +600,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
         scoped,
     ):  # fmt: skip
-        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
+        bufs, fixed_ready, (k_ready, v_ready), (consumed, clean) = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
@@ -525,7 +610,7 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             st, bounds_ref, steps_ref, batch, _axes.Q_TILES, ranker_kv_block_ranges
         )
         total_steps = ranges.total_steps
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, clean)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -591,7 +676,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
         scoped,
     ):  # fmt: skip
-        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
+        bufs, fixed_ready, (k_ready, v_ready), (consumed, clean) = scoped
         q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs
         program = lax.axis_index(_axes.PROGRAMS)
         wg = lax.axis_index(_axes.WARPGROUP)
@@ -607,7 +692,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
             )
             return q_head, batch, tile_start, ranges, one_user
 
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
+        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed, clean)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_wg():
@@ -709,7 +794,7 @@ def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, com
     """The dk/dv kernel's memory WG: the ring of query-side blocks (Q, LSE, dO, delta')
     over the group's query heads: ``steps = (head_steps, total_steps)``."""
     q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
-    bufs, _, ready, consumed = scoped
+    bufs, _, ready, (consumed, _) = scoped
     q_smem, do_smem, lse_smem, delta_smem = bufs[2:6]
     q_ready, do_ready, lse_ready, delta_ready = ready
     b, group = BLOCK, st.q_heads // st.kv_heads
@@ -742,7 +827,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, queries_ref,
         dk_ref, dv_ref, scoped,
     ):  # fmt: skip
-        bufs, fixed_ready, ready, consumed = scoped
+        bufs, fixed_ready, ready, (consumed, clean) = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs[:8]
         queries_smem2 = bufs[8]
         q_ready, do_ready, lse_ready, delta_ready = ready
@@ -775,9 +860,13 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             if st.packed_users:
                 key_queries = _row_entries(queries_smem2.at[wg], PACKED_KEY_FIELDS)
             if st.packed_users:
-                full_lo, full_hi = ranges.full_steps(wg)
+                fulls = [ranges.full_steps(w) for w in range(_COMPUTE_WGS)]
             else:
-                full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
+                fulls = [
+                    ranker_full_q_steps(ranges, hl, hu, cl, cu, k0, k0 + b, b)
+                    for k0 in (tile_start + w * b for w in range(_COMPUTE_WGS))
+                ]
+            full_lo, full_hi, sanitized = _bwd_isolation(st, wg, fulls)
             staging = None if in_place else (p_smem2.at[wg], ds_smem2.at[wg])
             layout = plgpu.Layout.WGMMA
             kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
@@ -806,7 +895,12 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                     own = wg + lax.bitwise_and(i, opaque_zero)
                     k_fixed, v_fixed = k_smem2.at[own], v_smem2.at[own]
                 operands = (k_fixed, q_smem.at[slot], v_fixed, do_smem.at[slot])
-                p_t, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 1)
+                p_t, factor = _p_and_grad_factor(
+                    operands, lse2, delta, mask_fn, st, 1, flag_dp=masked, select_p=masked
+                )
+                if masked:  # isolation: zero the Q and dO blocks' garbage before dK, dV
+                    ops = [q_smem.at[slot], do_smem.at[slot]]
+                    _sanitize_streamed(ops, wg, sanitized(i), clean, st.head_dim)
                 dk, dv = _dkv_update(
                     dk, dv, p_t, factor, q_smem.at[slot], do_smem.at[slot], staging, st,
                     in_place, dtype,
@@ -854,7 +948,10 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries],
             (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (3 if st.packed_users else 2),
             (plgpu.Barrier(num_barriers=num_slots),) * 4,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+            (
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+                plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            ),
             collective_axes=_axes.WARPGROUP,
         )
 

@@ -84,6 +84,22 @@ the cap's last multiply. ``config.exp2_fma_cols`` / ``rcp_fma_cols`` key columns
 tile compute ``exp2`` / soft_sign's reciprocal on the FMA pipe instead
 (``attn_mosaic_gpu.fastmath``); the tuned tables choose them per problem.
 
+Isolation (docs/ranker_gpu.md, "Isolation"): garbage (NaN, +-Inf) in key/value rows a
+query does not attend never reaches it. Steps a compute WG walks unmasked are
+unchanged. A *sanitized* step (``isolation_plan``: masked, and walked unmasked by no
+active WG) has its V block cleaned in shared memory before any PV wgmma reads it:
+64-row chunk ``c`` by compute WG ``c % 2`` (every chunk by a tile's only active WG),
+which waits for ``v_ready`` at the start of the step (instead of before PV), zeroes
+the chunk's non-finite elements and writes one flag per row into ``bad`` (an f32 ring
+``[num_stages, block_kv]``), then ``commit_smem`` and arrives on ``v_clean[slot]``
+(2 arrivals). After its QK^T each WG waits on ``v_clean[slot]`` and adds NaN to the
+scores of the pairs that attend a flagged row (``bad_scores``), so attended garbage
+still propagates. The cleaning sits at the start of a WG's step, which waits only on
+the other WG's previous-step arrivals, so the ping-pong cannot deadlock. K needs
+nothing (the mask is a select on the scores). The epilogue selects ``out = 0`` for
+rows with ``l == 0`` (their accumulator may hold ``0 * NaN``). Packed rows: both WGs
+use the intersection of their unmasked ranges (``packed_full_steps``).
+
 Interpret mode (``interpret=True`` / ``plgpu.InterpretGPUParams``, CPU): jax 0.11.2's
 Mosaic GPU interpreter implements neither ``run_state`` nor a wgmma whose A operand is
 in registers, so the PV product is computed from a copy of P in shared memory into a
@@ -184,8 +200,9 @@ def smem_bytes(
     """Shared memory the kernel allocates for ``config``, in bytes: what Mosaic GPU
     counts against the 227 KiB (``tests/test_ranker_fwd_cpu.py`` checks it exactly).
 
-    Q/O tiles of both compute WGs, the K ring, the V ring, the LSE staging buffer and
-    (packed rows) the rows' key table, each 1024-byte aligned, and 8 bytes per barrier
+    Q/O tiles of both compute WGs, the K ring, the V ring, the LSE staging buffer,
+    (packed rows) the rows' key table and the V ring's bad-row flags, each 1024-byte
+    aligned, and 8 bytes per barrier
     (no reduction scratch: ``CompilerParams(reduction_scratch_bytes=0)``).
     """
     itemsize = jnp.dtype(dtype).itemsize
@@ -197,8 +214,9 @@ def smem_bytes(
         ring,  # V
         copies * _COMPUTE_WGS * config.block_q * 4 if return_lse else 0,
         _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4 if packed else 0,
+        config.num_stages * config.block_kv * 4,  # the V ring's bad-row flags (isolation)
     ]
-    barriers = 4 * config.num_stages + copies * _COMPUTE_WGS + 1 + (_COMPUTE_WGS if packed else 0)
+    barriers = 5 * config.num_stages + copies * _COMPUTE_WGS + 1 + (_COMPUTE_WGS if packed else 0)
     return allocated_bytes(buffers, barriers)
 
 
@@ -373,6 +391,71 @@ def _online_softmax_step(st: _Static, qk, allowed, m_i, *, compiled: bool):
     return _softmax_exp2(st, x, compiled=compiled), alpha, m_new
 
 
+ISOLATION_CHUNK = 64  # rows of a V block one compute WG sanitizes at a time
+
+
+def sanitize_rows(tile, bad, head_dim: int) -> None:
+    """Isolation: replace every non-finite element of the ``[64, head_dim]`` shared
+    tile ``tile`` by 0, in place, and (unless ``bad`` is ``None``) write ``bad[i]``
+    (f32) = 1 where row ``i`` held one, else 0 (``bad_scores`` turns it into NaN
+    scores). Runs in 64-column slices (16 registers a thread each); ``x * 0 == 0``
+    holds exactly for finite ``x`` (no fast-math flag lets the compiler fold it)."""
+    row_bad = None
+    for c in range(0, head_dim, 64):
+        part = tile.at[:, pl.ds(c, 64)]
+        x = plgpu.load(part, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        finite = x * 0.0 == 0.0
+        part[...] = jnp.where(finite, x, 0.0).astype(tile.dtype)
+        if bad is not None:
+            b = jnp.where(finite, 0.0, 1.0).max(axis=1)
+            row_bad = b if row_bad is None else jnp.maximum(row_bad, b)
+    if bad is not None:
+        bad[...] = row_bad
+
+
+def bad_scores(bad_smem, san, shape, axis: int):
+    """The ``shape`` tile to add to the raw scores of a step: NaN on the key (or
+    query) rows along ``axis`` that ``sanitize_rows`` flagged, when this step was
+    sanitized (``san``), else 0. The flags are 0/1 so that the traced scalar ``san``
+    gates them by a multiply (no scalar broadcast in a select)."""
+    layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+    bad = plgpu.load(bad_smem, layout=layout) * san.astype(jnp.float32)
+    return lax.broadcast_in_dim(jnp.where(bad > 0.0, jnp.nan, 0.0), shape, [axis])
+
+
+def isolation_plan(wg, fulls, actives):
+    """The isolation plan of a tile (forward and dq): from each compute WG's unmasked
+    step range ``fulls[w] = (lo, hi)`` and whether it has a live row, return
+    ``(my_full, sanitized, both_active)``: this WG's unmasked range (unchanged) and the
+    predicate ``sanitized(step)``: a step no active WG walks unmasked. Such a block
+    may hold a key row that a live row of the tile does not attend; a block some WG
+    walks unmasked holds only keys that every row of that WG attends (history keys of
+    one user, which that user's other rows attend as well), so it needs nothing."""
+    (lo0, hi0), (lo1, hi1) = fulls
+    a0, a1 = actives
+
+    def sanitized(step):
+        in0 = a0 & (step >= lo0) & (step < hi0)
+        in1 = a1 & (step >= lo1) & (step < hi1)
+        return ~(in0 | in1)
+
+    mine = (jnp.where(wg == 0, lo0, lo1), jnp.where(wg == 0, hi0, hi1))
+    return mine, sanitized, a0 & a1
+
+
+def packed_full_steps(fulls, actives):
+    """Packed rows: the unmasked range every active WG shares (the intersection), used
+    by both WGs so that no block one WG walks unmasked holds keys of another user that
+    the other WG's rows could meet as 0 * NaN (see ``isolation_plan``)."""
+    big = jnp.int32(1 << 30)
+    lo = jnp.maximum(jnp.where(actives[0], fulls[0][0], 0), jnp.where(actives[1], fulls[1][0], 0))
+    hi = jnp.minimum(
+        jnp.where(actives[0], fulls[0][1], big), jnp.where(actives[1], fulls[1][1], big)
+    )
+    hi = jnp.maximum(hi, lo)
+    return ((lo, hi),) * _COMPUTE_WGS
+
+
 def _tile_info(st: _Static, bounds_ref, steps_ref, batch, q_tile):
     """A tile's first row, its KV steps and its bounds: ``users`` (packed rows) or
     ``(hl, hu, cl, cu)``."""
@@ -421,24 +504,31 @@ def _compute_tile(
     that its barrier phases stay in step across the tiles of a persistent program.
     ``compiled=False`` (interpret mode) stages P through shared memory for ``P V``."""
     block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
-    qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
-    k_ready, v_ready, schedule, k_consumed, v_consumed = barriers
+    qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2, bad_smem = bufs
+    k_ready, v_ready, schedule, k_consumed, v_consumed, v_clean = barriers
     out_ref, lse_ref = out_refs
 
     def schedule_sync():
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    row0, row1, active = _wg_rows(st, wg, tile_start, bnds)
+    row0, _, active = _wg_rows(st, wg, tile_start, bnds)
+    wg_rows = [_wg_rows(st, w, tile_start, bnds) for w in range(_COMPUTE_WGS)]
+    actives = [r[2] for r in wg_rows]
     if st.packed_users:
-        unmasked_lo, unmasked_hi = ranges.full_steps(wg)
+        fulls = packed_full_steps([ranges.full_steps(w) for w in range(_COMPUTE_WGS)], actives)
     else:
         hl, hu, cl, cu = bnds
-        # Steps whose block every row of this WG attends in full need no mask.
-        unmasked_lo, unmasked_hi = ranker_full_kv_steps(
-            ranges, hl, hu, cl, cu, row0, row1, block_kv
-        )
+        # Steps whose block every row of a WG attends in full need no mask.
+        fulls = [
+            ranker_full_kv_steps(ranges, hl, hu, cl, cu, r0, r1, block_kv) for r0, r1, _ in wg_rows
+        ]
+    (unmasked_lo, unmasked_hi), sanitized, both_active = isolation_plan(wg, fulls, actives)
     wg_steps = jnp.where(active, total_steps, 0)
+    # A WG with no live row walks no step: the packed rows' shared range (the other WG's)
+    # must not send it through steps of its own.
+    unmasked_lo = jnp.minimum(unmasked_lo, wg_steps)
+    unmasked_hi = jnp.minimum(unmasked_hi, wg_steps)
     pl.when(active)(lambda: load_q(row0))
 
     if st.packed_users:
@@ -462,9 +552,29 @@ def _compute_tile(
 
     pl.when(wg == 1)(schedule_sync)
 
+    def sanitize(slot):
+        """Isolation (masked steps that ``sanitized`` picks): V landed, this WG zeroes
+        the non-finite elements of its 64-row chunks of the block (both, when it is the
+        tile's only active WG) and flags their rows in ``bad_smem``, then arrives on
+        ``v_clean`` for the other WG."""
+        plgpu.barrier_wait(v_ready.at[slot])
+        for c in range(block_kv // ISOLATION_CHUNK):
+            rows = pl.ds(c * ISOLATION_CHUNK, ISOLATION_CHUNK)
+            mine = jnp.logical_or(~both_active, wg == c % _COMPUTE_WGS)
+            pl.when(mine)(
+                lambda rows=rows: sanitize_rows(
+                    v_smem.at[slot, rows], bad_smem.at[slot, rows], head_dim
+                )
+            )
+        plgpu.commit_smem()  # generic-proxy writes visible to the other WG's wgmma
+        pl.when(both_active)(lambda: plgpu.barrier_arrive(v_clean.at[slot]))
+
     def kv_step(step, carry, *, masked: bool):
         acc, m_i, l_i = carry
         slot = slot_of(step)
+        san = sanitized(step) if masked else None
+        if masked:
+            pl.when(san)(lambda: sanitize(slot))
 
         def compute_qk(acc_ref):
             plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -482,6 +592,10 @@ def _compute_tile(
                 )
             else:
                 allowed = ranker_tile_mask(row0, kv0, (block_q, block_kv), hl, hu, cl, cu)
+            # A query that attends a row whose non-finite V was zeroed gets NaN (the
+            # garbage it attends propagates): bad columns add NaN to its raw scores.
+            pl.when(san & both_active)(lambda: plgpu.barrier_wait(v_clean.at[slot]))
+            qk = qk + bad_scores(bad_smem.at[slot], san, qk.shape, 1)
         else:
             allowed = None
 
@@ -492,7 +606,10 @@ def _compute_tile(
 
         def end_softmax():
             plgpu.barrier_arrive(schedule)  # softmax done
-            plgpu.barrier_wait(v_ready.at[slot])
+            if masked:  # a sanitized step waited for V already
+                pl.when(~san)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
+            else:
+                plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(schedule)  # tensor cores are ours
 
         if head_dim <= 128:
@@ -568,11 +685,14 @@ def _store_output(
 ):  # fmt: skip
     """A compute WG's epilogue: ``O = acc / l`` into its Q/O tile (Q is dead by then) and
     the LSE (natural log) into its staging buffer, both TMA-stored and not waited for. A
-    row with no allowed key (``l == 0``) gets ``O = 0`` and ``LSE = -inf``."""
+    row with no allowed key (``l == 0``) gets ``O = 0`` (selected: its accumulator may
+    hold 0 * NaN from a block it shares with other rows) and ``LSE = -inf``; a row whose
+    ``l`` is NaN (it attends garbage) gets NaN."""
     block_q = st.block_q
-    has_key = l_i > 0.0
+    has_key = l_i != 0.0
     inv_l = 1.0 / jnp.where(has_key, l_i, 1.0)
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    out = jnp.where(lax.broadcast_in_dim(has_key, acc.shape, [0]), out, 0.0)
     qo_smem[...] = out.astype(dtype)
     if lse_smem is not None:
         lse = jnp.where(has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf)
@@ -606,9 +726,9 @@ def _tile_compute_wg(st: _Static, dtype, refs: _Refs, scoped, tile, *, compiled:
     """A compute WG of the one-tile kernel: its Q (and packed rows' key entries), then
     ``_compute_tile``; the output store is waited for before the program ends."""
     bufs, ready, consumed, schedule = scoped
-    qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
+    qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2, bad_smem = bufs
     k_ready, v_ready, q_ready, *keys_ready = ready
-    k_consumed, v_consumed = consumed
+    k_consumed, v_consumed, v_clean = consumed
     batch, q_head, wg, tile_start, ranges, total_steps, bnds = tile
     block_q = st.block_q
     plgpu.set_max_registers(st.compute_registers, action="increase")
@@ -630,8 +750,8 @@ def _tile_compute_wg(st: _Static, dtype, refs: _Refs, scoped, tile, *, compiled:
     lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
     _compute_tile(
         st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-        (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
-        (k_ready, v_ready, schedule, k_consumed, v_consumed), (refs.out, refs.lse),
+        (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2, bad_smem),
+        (k_ready, v_ready, schedule, k_consumed, v_consumed, v_clean), (refs.out, refs.lse),
         load_q=load_q, slot_of=functools.partial(_ring_slot, st.num_stages),
         idle_waits=False, compiled=compiled,
     )  # fmt: skip
@@ -645,7 +765,7 @@ def _tile_memory_wg(st: _Static, refs: _Refs, scoped, batch, kv_head, ranges, to
     bufs, ready, consumed, _ = scoped
     _, k_smem, v_smem, *_ = bufs
     k_ready, v_ready, *_ = ready
-    k_consumed, v_consumed = consumed
+    k_consumed, v_consumed, _ = consumed
     block_kv, num_slots = st.block_kv, st.num_stages
     plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
@@ -713,9 +833,9 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
     """A compute WG of a persistent program: tile ``j + 1``'s Q is issued into the other
     Q/O buffer when tile ``j`` starts (after tile ``j - 1``'s stores read it)."""
     bufs, ready, consumed, schedule = scoped
-    qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _ = bufs
+    qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _, bad_smem = bufs
     k_ready, v_ready, q_ready = ready
-    k_consumed, v_consumed = consumed
+    k_consumed, v_consumed, v_clean = consumed
     block_q, num_slots = st.block_q, st.num_stages
     plgpu.set_max_registers(st.compute_registers, action="increase")
 
@@ -748,8 +868,8 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
         total_steps = ranges.total_steps
         _compute_tile(
             st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-            (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
-            (k_ready, v_ready, schedule, k_consumed, v_consumed), (refs.out, refs.lse),
+            (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None, bad_smem),
+            (k_ready, v_ready, schedule, k_consumed, v_consumed, v_clean), (refs.out, refs.lse),
             load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
             slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
             idle_waits=True, compiled=compiled,
@@ -766,7 +886,7 @@ def _persistent_memory_wg(st: _Static, refs: _Refs, scoped, program, my_tiles):
     bufs, ready, consumed, _ = scoped
     _, k_smem, v_smem, *_ = bufs
     k_ready, v_ready, _ = ready
-    k_consumed, v_consumed = consumed
+    k_consumed, v_consumed, _ = consumed
     block_kv, num_slots = st.block_kv, st.num_stages
     plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
@@ -851,18 +971,19 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         if st.packed_users:
             keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
             keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
+        bad_buf = plgpu.SMEM((num_slots, block_kv), jnp.float32)  # V rows' isolation flags
         body = _persistent_kernel if st.programs else _tile_kernel
 
         pl.run_scoped(
             lambda *scoped: body(st, dtype, hbm, scoped, compiled=accumulate_in_place),
-            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf],
+            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf, bad_buf],
             (
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=_COMPUTE_WGS * (2 if st.programs else 1)),
                 *keys_ready,
             ),
-            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
+            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 3,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
             collective_axes=_axes.WARPGROUP,
         )
