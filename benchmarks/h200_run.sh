@@ -6,8 +6,14 @@
 #   PARTS="bwd fwd sparse" XDIST=4 COMMIT=$(git rev-parse --short HEAD) bash benchmarks/h200_run.sh
 #
 # PARTS picks what runs, in this order on one GPU (default: "bwd bench sweep fwd
-# sparse"; "variants" on request): the backward test file, `attn bench`, the backward
-# knob sweep, the sparse-MLA kernel variants, the forward and the sparse-MLA test files.
+# sparse"; "variants" and "suite" on request): the backward test file, `attn bench`, the
+# backward knob sweep, the sparse-MLA kernel variants, the forward and the sparse-MLA test
+# files. PARTS=suite runs the whole GPU test suite instead, in one pytest call sized for
+# one 600 s device call on one H200 (16 cores): every packages/attn-mosaic-gpu/tests/
+# *_gpu.py file and the conformance, isolation and bad-input tests of tests/, with
+# -n ${XDIST:-14} workers (worksteal: an idle worker takes queued tests from a busy one),
+# -v (a killed run still shows which tests passed), --durations=25
+# and SUITE_LIMIT (default 560 s) on the whole call; log h200_gpu_suite.log.
 # On one H200 the test files take about 8 minutes in one pytest process each, so split
 # them over calls where a call is time-limited, or set XDIST=N to run each file in N
 # pytest-xdist processes (GPU memory is then allocated on demand; -n 4 ran the backward
@@ -51,6 +57,17 @@ fwd_tests() { want fwd && [ "${RUN_FWD:-1}" = 1 ] && pytest_log "$OUT/h200_ranke
   "${FWD_LIMIT:-600}" "$tests/test_ranker_fwd_gpu.py" ${FWD_SELECT:+-k "$FWD_SELECT"}; }
 sparse_tests() { want sparse && pytest_log "$OUT/h200_sparse_mla_tests.log" "${SPARSE_LIMIT:-200}" \
   "$tests/test_sparse_mla_gpu.py" "$tests/test_sparse_mla_kernel_gpu.py" "$tests/test_row_sort_gpu.py"; }
+suite_tests() {  # the whole GPU suite, one pytest call, XDIST (default 14) workers
+  want suite || return 0
+  local log=$OUT/h200_gpu_suite.log; header "$log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_LIMIT:-560}" python3 -m pytest -v \
+    -p no:cacheprovider --timeout "${TEST_TIMEOUT:-240}" -n "${XDIST:-14}" --dist worksteal \
+    --durations=25 \
+    "$tests"/*_gpu.py "$root/tests/test_conformance_ranker.py" \
+    "$root/tests/test_conformance_sparse_mla.py" "$root/tests/test_ranker_isolation.py" \
+    "$root/tests/test_bad_inputs.py" >>"$log" 2>&1
+  local rc=$?; echo "rc=$rc" >>"$log"; echo "h200_gpu_suite rc=$rc"
+}
 bench() { want bench || return 0; header "$OUT/bench.log"; timeout "${BENCH_LIMIT:-330}" \
   python3 -m attn_common.cli bench --out "$OUT" --iterations "${ITERATIONS:-10}" --overwrite \
   >>"$OUT/bench.log" 2>&1; echo "bench rc=$?"; }
@@ -62,7 +79,7 @@ variants() { want variants || return 0; header "$OUT/variants.log"; timeout "${V
   echo "variants rc=$?"; }
 
 if [ "$gpus" -ge 2 ]; then
-  (export CUDA_VISIBLE_DEVICES=0; bwd_tests; fwd_tests; sparse_tests) &
+  (export CUDA_VISIBLE_DEVICES=0; suite_tests; bwd_tests; fwd_tests; sparse_tests) &
   (export CUDA_VISIBLE_DEVICES=1; bench; sweep; variants) &
   wait
   if want sharding || [ "$PARTS" = "bwd bench sweep fwd sparse" ]; then
@@ -70,6 +87,6 @@ if [ "$gpus" -ge 2 ]; then
       >"$OUT/sharding_gpu.log" 2>&1; echo "sharding rc=$?"
   fi
 else
-  bwd_tests; bench; sweep; variants; fwd_tests; sparse_tests
+  suite_tests; bwd_tests; bench; sweep; variants; fwd_tests; sparse_tests
 fi
 for f in "$OUT"/*.log; do echo "== $f"; tail -n 3 "$f"; done

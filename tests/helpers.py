@@ -383,6 +383,123 @@ def sparse_mla_flat_case(
 
 
 # --------------------------------------------------------------------------------------
+# Sparse-MLA gradients through a kernel (its forward, the XLA backward)
+
+
+def dirty_ragged_grad_case(
+    seed: int, *, seq_lens, new_lens, extra_pages, page_size: int, heads: int, top_k: int,
+    dk: int, dtype: str,
+):  # fmt: skip
+    """Ragged paged inputs for a gradient test: ``(q, cache, indices [1, S, K], positions
+    [1, S], keep, tables)``. ``cache [num_pages, page_size // pk, pk, 256]`` (``pk`` 2 for
+    bfloat16, else 1) holds NaN/Inf in every row no query attends (``keep`` False, some
+    are) and NaN in the feature padding past ``dk``; ``tables`` are the keywords of ragged
+    mode (read_block = page_size, one unit per page)."""
+    rng = rng_for(seed)
+    layout = build_ragged_layout(
+        rng, seq_lens=seq_lens, new_lens=new_lens, extra_pages=extra_pages, page_size=page_size
+    )
+    num_pages, pk = layout["num_pages"], 2 if dtype == "bfloat16" else 1
+    cache = randn(rng, (num_pages, page_size // pk, pk, 256), dtype)
+    q = randn(rng, (1, int(sum(new_lens)), heads, dk), dtype)
+    idx = random_page_selection(rng, layout, top_k, page_size)
+    pos = layout["positions"]
+    keep = attended_rows_ragged(layout, idx, pos, page_size=page_size, num_pages=num_pages)
+    rows = poison_rows(cache.reshape(num_pages * page_size, -1), keep, seed=seed + 1)
+    rows[:, dk:] = np.nan  # the feature padding
+    tables = {k: layout[k] for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")}
+    tables.update(read_block=page_size, page_size=page_size)
+    return q, rows.reshape(cache.shape), idx[None], pos[None], keep, tables
+
+
+def sparse_mla_loss_grad(fn, idx, pos, w_out, w_lse, *, sm_scale: float, dv: int, **kw):
+    """``jax.grad`` w.r.t. ``(q, kv)`` of ``sum(w_out * out) + sum(w_lse * lse)`` (the
+    finite LSE) of the sparse-MLA ``fn``, with ``(out, lse, mass)`` as aux."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(q, kv):
+        out, lse, mass = fn(
+            q, kv, idx, pos, sm_scale=sm_scale, kv_lora_rank=dv, return_lse=True,
+            return_attn_mass=True, **kw,
+        )  # fmt: skip
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(w_out * out) + jnp.sum(w_lse * finite), (out, lse, mass)
+
+    return jax.grad(loss, argnums=(0, 1), has_aux=True)
+
+
+def compare_sparse_mla_grads(
+    fn, q, kv, idx, pos, keep_rows, *, kernel_kw: dict, sm_scale: float, dv: int,
+    grad_tol: dict, mass_atol: float, **kw,
+):  # fmt: skip
+    """The kernel ``fn``'s gradients (called with ``kernel_kw`` and ``kw``, run to the
+    end by ``run_interpret``) against ``attn_reference``'s on the same inputs (called with
+    ``kw``), both through :func:`sparse_mla_loss_grad`: ``dq`` and ``dkv`` in the inputs' dtypes, finite,
+    equal within ``grad_tol`` (``assert_allclose`` keywords), ``dkv`` exactly 0 on every
+    row where ``keep_rows`` is False (some are); the attention mass ``[B, S, K]`` float32
+    within ``mass_atol`` and 0 wherever the reference's is; ``-inf`` LSE on the same
+    queries. Returns float32 ``(dq, dkv)``."""
+    import jax
+    import jax.numpy as jnp
+
+    import attn_reference as ref
+
+    rng = rng_for(1)
+    w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], dv)), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+    call = dict(sm_scale=sm_scale, dv=dv)
+    (dq, dkv), (_, lse, mass) = run_interpret(
+        sparse_mla_loss_grad(fn, idx, pos, w_out, w_lse, **call, **kernel_kw, **kw), q, kv
+    )
+    with jax.default_matmul_precision("highest"):
+        (ref_dq, ref_dkv), (_, ref_lse, ref_mass) = sparse_mla_loss_grad(
+            ref.sparse_mla_attention, idx, pos, w_out, w_lse, **call, **kw
+        )(q, kv)
+    assert dq.dtype == q.dtype and dkv.dtype == kv.dtype, (dq.dtype, dkv.dtype)
+    dq, dkv = np.asarray(dq, np.float32), np.asarray(dkv, np.float32)
+    assert np.isfinite(dq).all() and np.isfinite(dkv).all()
+    np.testing.assert_allclose(dq, np.asarray(ref_dq, np.float32), **grad_tol)
+    np.testing.assert_allclose(dkv, np.asarray(ref_dkv, np.float32), **grad_tol)
+    rows = dkv.reshape(-1, dkv.shape[-1])
+    assert np.all(rows[~keep_rows.reshape(-1)] == 0.0) and (~keep_rows).any()
+    assert mass.shape == idx.shape and mass.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=mass_atol)
+    assert np.all(np.asarray(mass)[np.asarray(ref_mass) == 0.0] == 0.0)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    return dq, dkv
+
+
+def export_sparse_mla_grad(fn, platform: str, *, tokens, heads, cache, top_k, **kw) -> str:
+    """``jax.export`` for ``platform`` of ``jax.grad`` (through ``out`` and the finite
+    ``lse``, w.r.t. ``q`` and the flat bf16 cache ``[1, cache, 576]``) plus the attention
+    mass of the sparse-MLA ``fn`` (called with ``kw``): asserts the shapes and dtypes of
+    ``dq``, ``dkv`` and the mass; returns the lowered module's text."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(q, kv, idx, pos):
+        def loss(q, kv):
+            out, lse, mass = fn(q, kv, idx, pos, return_lse=True, return_attn_mass=True, **kw)
+            return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), mass
+
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(q, kv)
+
+    structs = [
+        jax.ShapeDtypeStruct((1, tokens, heads, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, cache, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, tokens, top_k), jnp.int32),
+        jax.ShapeDtypeStruct((1, tokens), jnp.int32),
+    ]
+    exported = jax.export.export(jax.jit(f), platforms=[platform])(*structs)
+    dq, dkv, mass = exported.out_avals
+    assert dq.shape == structs[0].shape and dq.dtype == jnp.bfloat16
+    assert dkv.shape == structs[1].shape and dkv.dtype == jnp.bfloat16
+    assert mass.shape == (1, tokens, top_k) and mass.dtype == jnp.float32
+    return exported.mlir_module()
+
+
+# --------------------------------------------------------------------------------------
 # Interpret mode: the race detectors' verdict
 
 
@@ -405,6 +522,149 @@ def assert_cli_usage_error(argv, needle: str, capsys) -> None:
     assert needle in err, err
     assert "Traceback" not in err
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+# --------------------------------------------------------------------------------------
+# Hopper ranker kernel tests (packages/attn-mosaic-gpu/tests, interpret mode and GPU)
+
+RANKER_GRAD_MAX_ABS_FACTOR = 5  # max-abs error <= 5 x tol x max|reference|
+
+
+def ranker_kernel_inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype):
+    """jnp ``q [B, S, Hq, D]``, ``k, v [B, S, Hkv, D]`` in ``dtype`` from standard
+    normals; q and k scaled by 2 so that the soft caps actually bite."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+
+    def draw(heads, scale=1.0):
+        x = rng.standard_normal((batch, seq, heads, head_dim)).astype(np.float32) * scale
+        return jnp.asarray(x).astype(dtype)
+
+    return draw(q_heads, 2.0), draw(kv_heads, 2.0), draw(kv_heads)
+
+
+def ranker_reference_f32(q, k, v, bounds, *, cap=None, sm_scale=None):
+    """``attn_reference.ranker_attention`` on the float32 upcast inputs: ``(out, lse)``."""
+    import jax.numpy as jnp
+
+    from attn_reference.ranker import ranker_attention
+
+    up = (x.astype(jnp.float32) for x in (q, k, v))
+    return ranker_attention(*up, bounds, cap=cap, sm_scale=sm_scale, return_lse=True)
+
+
+def ranker_grad_loss(fn, q, k, v, bounds, w, *, cap, use_lse, **kw):
+    """``sum(out * w)`` of the ranker ``fn``, plus (``use_lse``) a linear LSE term."""
+    import jax.numpy as jnp
+
+    if use_lse:
+        out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
+        # A linear LSE term with a random per-row weight of the out term's gradient scale
+        # (sqrt(D)): a dropped LSE cotangent moves dq and dk far beyond the tolerance
+        # (check_ranker_grads checks that), which a 1e-3 weight on lse**2 hid.
+        wl = np.sqrt(q.shape[-1]) * jnp.moveaxis(w[..., 0], 1, 2)  # [B, Hq, S]
+        z = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * wl)
+        return jnp.sum(out.astype(jnp.float32) * w) + z
+    return jnp.sum(fn(q, k, v, bounds, cap=cap, **kw).astype(jnp.float32) * w)
+
+
+def ranker_reference_grads(q, k, v, bounds, w, *, cap, use_lse):
+    """``(dq, dk, dv)`` of :func:`ranker_grad_loss` through the reference, on the float32
+    upcast inputs (jitted)."""
+    import jax
+    import jax.numpy as jnp
+
+    from attn_reference.ranker import ranker_attention
+
+    def loss(q, k, v):
+        return ranker_grad_loss(ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))
+
+
+def ranker_dead(bounds, batch: int, seq: int):
+    """``(rows, keys)`` bool ``[B, S]`` each: the query rows and the keys with nothing
+    allowed, for ``SegmentBounds``, ``[B, 4]`` (or broadcast ``[4]``) bounds or packed
+    ``[B, U, 4]`` rows."""
+    from attn_common import SegmentBounds, ranker_mask
+    from attn_common.packed import ranker_mask_packed
+
+    if isinstance(bounds, SegmentBounds):
+        bounds = bounds.as_array()
+    pos = np.arange(seq)
+    bounds = np.asarray(bounds)
+    if bounds.ndim == 3:
+        mask = ranker_mask_packed(pos[None, :, None], pos[None, None, :], bounds[:, None, None])
+    else:
+        arr = np.broadcast_to(np.clip(bounds, 0, seq), (batch, 4))
+        segs = (arr[:, i, None, None] for i in range(4))
+        mask = ranker_mask(pos[None, :, None], pos[None, None, :], *segs)
+    allowed = np.asarray(mask)
+    return ~allowed.any(axis=2), ~allowed.any(axis=1)
+
+
+def assert_ranker_grads(got, want, dead, *, dtype, tol: float) -> None:
+    """Kernel ``(dq, dk, dv)`` against the reference's: ``dtype`` and shape, finite,
+    exactly 0 where ``dead`` (rows for dq, keys for dk and dv: :func:`ranker_dead`), rel
+    L2 < ``tol`` and max-abs <= ``RANKER_GRAD_MAX_ABS_FACTOR x tol x max|reference|``
+    (a few bad elements cannot hide in the norm)."""
+    row_dead, key_dead = dead
+    for name, g, r, d in zip(
+        ("dq", "dk", "dv"), got, want, (row_dead, key_dead, key_dead), strict=True
+    ):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        g = np.asarray(np.asarray(g, np.float32), np.float64)
+        r = np.asarray(r, np.float64)
+        assert not np.isnan(g).any(), f"{name}: NaN"
+        assert np.isfinite(g).all(), f"{name}: non-finite"
+        assert np.all(g[d] == 0.0), f"{name}: nonzero gradient where nothing is allowed"
+        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+        assert err < tol, f"{name}: rel L2 {err:.3g}"
+        mx = np.abs(g - r).max(initial=0.0)
+        bound = RANKER_GRAD_MAX_ABS_FACTOR * tol * max(np.abs(r).max(initial=0.0), 1e-30)
+        assert mx <= bound, (
+            f"{name}: max-abs {mx:.3g} > {bound:.3g} "
+            f"({RANKER_GRAD_MAX_ABS_FACTOR} x tol x max|ref|)"
+        )
+
+
+def check_ranker_grads(got, q, k, v, bounds, w, *, cap, use_lse: bool, tol: float) -> None:
+    """The kernel's ``(dq, dk, dv)`` of :func:`ranker_grad_loss` (weights ``w``) against
+    the reference's (:func:`assert_ranker_grads`). With ``use_lse`` the LSE term must
+    also move the reference's dq and dk by more than ``10 x tol``, so that a kernel
+    dropping the LSE cotangent fails (dv does not depend on it)."""
+    args = dict(cap=cap, use_lse=use_lse)
+    want = ranker_reference_grads(q, k, v, bounds, w, **args)
+    if use_lse:
+        without = ranker_reference_grads(q, k, v, bounds, w, cap=cap, use_lse=False)
+        for name, r, r0 in zip(("dq", "dk"), want[:2], without[:2], strict=True):
+            r, r0 = np.asarray(r, np.float64), np.asarray(r0, np.float64)
+            moved = np.linalg.norm(r - r0) / max(np.linalg.norm(r), 1e-30)
+            assert moved > 10 * tol, f"{name}: the LSE term moves it by only {moved:.3g}"
+    dead = ranker_dead(bounds, q.shape[0], q.shape[1])
+    assert_ranker_grads(got, want, dead, dtype=q.dtype, tol=tol)
+
+
+def packed_user_bounds(seed, rows, seq, max_users=8, *, empty_history=False):
+    """jnp int32 ``[rows, U, 4]``: users with log-normal histories packed first-fit
+    decreasing into ``rows`` rows of ``seq`` (``attn_common.pack_users``): unaligned
+    boundaries, users sharing blocks, padding at the ends, an unused slot; with
+    ``empty_history`` the last row's first user has an empty history."""
+    import jax.numpy as jnp
+
+    from attn_common.packing import pack_users
+
+    rng = np.random.default_rng(seed)
+    hist = np.minimum(rng.lognormal(np.log(60), 1.0, size=6 * rows).astype(int), seq // 2)
+    cand = rng.integers(1, 20, size=hist.size)
+    packed = pack_users(hist, cand, seq_len=seq, max_users_per_row=max_users)
+    bounds = np.asarray(packed.bounds)[:rows]
+    bounds[0, -1] = 0  # an unused slot
+    if empty_history:
+        b = bounds[-1, 0]
+        bounds[-1, 0] = [b[0], b[0], b[2], b[3]]
+    return jnp.asarray(bounds, jnp.int32)
 
 
 def tpu_interpret():

@@ -13,10 +13,15 @@ Hypothesis draws the bounds (unaligned, empty segments, padding, values outside
 shape, unused slots) and fresh random inputs at fixed small shapes, so a kernel compiles
 once per test and each example only runs it. Each test runs an explicit example of the
 edge cases first; the forward tests then two derandomized examples (CI is reproducible;
-the first is hypothesis's simplest, all-empty bounds), the gradient tests none off the
-accelerator (a backward took 45-55 s per run in interpret mode on the shared 2-core
-machine) and 20 on it; the
-``slow`` cases add dtypes and shapes.
+the first is hypothesis's simplest, all-empty bounds), the fixed-case gradient tests none
+off the accelerator (a backward took 45-55 s per run in interpret mode on the shared
+2-core machine) and ``NATIVE_EXAMPLES`` on it; the ``slow`` cases add dtypes and shapes. The drawn gradient tests (``test_grad_drawn``) run
+the backward at a smaller shape (B1 S96, two tiles of 64 with one partly padding, or one
+of 128 mostly padding) with hypothesis-drawn packed or plain bounds and inputs:
+``Backend.grad_examples`` generated examples off the accelerator. Where the kernel runs
+natively they are not generated: there ``test_grad`` and ``test_grad_packed`` already draw
+``NATIVE_EXAMPLES`` bounds per case from the same strategies, so the drawn test would only
+add compiles to the GPU suite.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from conformance import (
     examples,
     params,
     reference_f32,
+    runs_natively,
 )
 from helpers import (
     assert_ranker_close,
@@ -320,13 +326,77 @@ def test_grad(backend, case):
     check()
 
 
-@pytest.mark.parametrize(("backend", "case"), _cases(grad=True, packed=True))
+def _grad_packed_cases():
+    """As ``_cases(grad=True, packed=True)``, all ``slow``: the default tier checks packed
+    gradients in ``test_grad_drawn`` (smaller shape, drawn bounds)."""
+    return [
+        pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
+        for p in _cases(grad=True, packed=True)
+    ]
+
+
+@pytest.mark.parametrize(("backend", "case"), _grad_packed_cases())
 def test_grad_packed(backend, case):
     backend.require()
 
     @settings(EXAMPLES, **examples(backend, 0))
     @given(bounds=packed_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
     @example(bounds=edge_packed_bounds(case[3], case[4]), seed=0)
+    def check(bounds, seed):
+        check_grad(backend, case, bounds, seed)
+
+    check()
+
+
+# Drawn gradients: (layout, cap, case). The default tier runs packed rows with the soft
+# cap (several users per row, unaligned, gaps, padding, unused slots); ``slow`` adds plain
+# bounds, the other caps and a larger shape (GQA 2:1, D 128, three tiles of 64).
+# Tolerances are GRAD_TOL's: bf16 inputs against the float32 reference on the same
+# (upcast) inputs. The gradients come back in bf16, whose rounding alone (2^-9 relative
+# per element) gives a rel L2 error of about 2.5e-3; measured with the edge-case and
+# shaped packed bounds at B1 S96: 2.5e-3 to 3.1e-3 for dq/dk/dv of both kernels in
+# interpret mode. 3e-2 leaves a 10x margin for the kernels' bf16 P and dS, while a wrong
+# mask, a dropped row, a missing GQA reduction or a dropped LSE cotangent (checked to move
+# dq/dk by more than 10x the tolerance) each give errors of order 1; max-abs is bounded at
+# 5x the tolerance times the largest reference gradient.
+DRAWN_GRAD = [
+    ("packed", "soft_sign", ("bfloat16", 64, "soft_sign", 1, 96, 2, 1), []),
+    ("plain", "soft_sign", ("bfloat16", 64, "soft_sign", 1, 96, 2, 1), [pytest.mark.slow]),
+    ("packed", "tanh", ("bfloat16", 64, "tanh", 1, 96, 2, 1), [pytest.mark.slow]),
+    ("packed", "none", ("bfloat16", 64, "none", 1, 96, 2, 1), [pytest.mark.slow]),
+    ("packed", "tanh", ("bfloat16", 128, "tanh", 2, 200, 4, 2), [pytest.mark.slow]),
+]
+
+
+def _drawn_grad_cases():
+    out = []
+    for backend in RANKER:
+        if runs_natively(backend):
+            continue  # test_grad / test_grad_packed draw their bounds there (docstring)
+        for layout, cap, case, marks in DRAWN_GRAD:
+            dtype, dim = case[:2]
+            dims = backend.packed_grad_head_dims if layout == "packed" else None
+            if not (backend.grad and backend.takes(dtype=dtype, head_dim=dim, cap=cap)):
+                continue
+            if layout == "packed" and not (backend.packed and (dims is None or dim in dims)):
+                continue
+            name = f"{backend}-{layout}-{cap}-d{dim}-s{case[4]}"
+            out.append(pytest.param(backend, layout, case, id=name, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("backend", "layout", "case"), _drawn_grad_cases())
+def test_grad_drawn(backend, layout, case):
+    """dq, dk, dv of each backend against the reference, hypothesis drawing the bounds
+    (packed users or plain segments, out-of-range values, padding) and the inputs."""
+    backend.require()
+    batch, seq = case[3], case[4]
+    strategy = packed_bounds(batch, seq) if layout == "packed" else plain_bounds(batch, seq)
+    edge = edge_packed_bounds if layout == "packed" else edge_bounds
+
+    @settings(EXAMPLES, **examples(backend, backend.grad_examples))
+    @given(bounds=strategy, seed=st.integers(0, 2**31 - 1))
+    @example(bounds=edge(batch, seq), seed=0)
     def check(bounds, seed):
         check_grad(backend, case, bounds, seed)
 

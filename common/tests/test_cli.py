@@ -229,3 +229,26 @@ def test_provenance_commit_from_the_working_directory(tmp_path, monkeypatch):
     assert cli_args.provenance([])["commit"] == head
     (repo / "f").write_text("y")
     assert cli_args.provenance([])["commit"] == head + "+dirty"
+
+
+def test_attn_gives_xla_enough_cpu_threads_for_the_interpreter(tmp_path):
+    """`attn` raises NPROC (XLA's CPU pool size) to 16 before JAX starts: the Mosaic GPU
+    interpreter's warpgroup programs block on each other, and a pool of one thread (one
+    core) hung `attn run sparse-mla --implementation mosaic-gpu --interpret --small`.
+    A larger NPROC is kept. In a fresh process (this one's JAX has started)."""
+    code = (
+        "import os, sys\n"
+        "from attn_common import cli\n"
+        "cli.cmd_run = lambda args: print(os.environ['NPROC']) or 0\n"
+        "for given in (None, '1', '32'):\n"
+        "    os.environ.pop('NPROC', None)\n"
+        "    if given is not None:\n"
+        "        os.environ['NPROC'] = given\n"
+        "    assert cli.main(['run', 'ranker', '--implementation', 'reference']) == 0\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NPROC"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-3:] == ["16", "16", "32"]

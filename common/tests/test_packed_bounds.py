@@ -155,25 +155,19 @@ def problems(draw):
 # block runs against brute force
 
 
+@pytest.mark.parametrize("steps, axis", [(_kv, 0), (_q, 1)], ids=["kv", "q"])
 @SETTINGS
 @given(problems())
-def test_kv_runs_match_brute_force(p):
-    seq_len, block, users, qs, qe = p
-    r = _kv(np.asarray(users, np.int32), qs, qe, block)
+def test_runs_match_brute_force(steps, axis, p):
+    """kv: the key blocks a query range ``[s, e)`` visits; q: the query blocks a key
+    range visits; each against the dense mask."""
+    seq_len, block, users, s, e = p
+    r = steps(np.asarray(users, np.int32), s, e, block)
     check_runs(r, len(users))
-    allowed = allowed_np(seq_len, users)[qs : min(qe, seq_len)]
-    expected = set((np.nonzero(allowed.any(axis=0))[0] // block).tolist())
-    check_visit(visited(r), expected, _cdiv(seq_len, block))
-
-
-@SETTINGS
-@given(problems())
-def test_q_runs_match_brute_force(p):
-    seq_len, block, users, ks, ke = p
-    r = _q(np.asarray(users, np.int32), ks, ke, block)
-    check_runs(r, len(users))
-    allowed = allowed_np(seq_len, users)[:, ks : min(ke, seq_len)]
-    expected = set((np.nonzero(allowed.any(axis=1))[0] // block).tolist())
+    allowed = allowed_np(seq_len, users)
+    span = slice(s, min(e, seq_len))
+    sub = allowed[span] if axis == 0 else allowed[:, span]
+    expected = set((np.nonzero(sub.any(axis=axis))[0] // block).tolist())
     check_visit(visited(r), expected, _cdiv(seq_len, block))
 
 
@@ -205,15 +199,22 @@ def full_problems(draw):
     return seq_len, block, users, (start, end), sub
 
 
+def _full_steps(p, steps, full):
+    """``(allowed, r, lo, hi)`` for a ``full_problems`` draw: the dense mask, the tile's
+    steps ``steps(bounds, start, end, block)`` and the fully allowed ones of the sub-range
+    ``full(r, bounds, lo, hi, block)``."""
+    seq_len, block, users, (ts, te), (s0, s1) = p
+    n = max(te, _cdiv(seq_len, block) * block) + block
+    b = np.asarray(users, np.int32)
+    r = steps(b, ts, te, block)
+    return allowed_np(n, users), r, *full(r, b, s0, s1, block)
+
+
 @SETTINGS
 @given(full_problems())
 def test_full_kv_steps_sound_and_complete(p):
-    seq_len, block, users, (ts, te), (rs, re) = p
-    n = max(te, _cdiv(seq_len, block) * block) + block
-    allowed = allowed_np(n, users)
-    b = np.asarray(users, np.int32)
-    r = _kv(b, ts, te, block)
-    lo, hi = _full_kv(r, b, rs, re, block)
+    _, block, users, _, (rs, re) = p
+    allowed, r, lo, hi = _full_steps(p, _kv, _full_kv)
     _check_full(
         r, lo, hi, lambda k: allowed[rs:re, k * block : (k + 1) * block].all(),
         complete=disjoint(users) and re - rs >= 2,
@@ -223,12 +224,8 @@ def test_full_kv_steps_sound_and_complete(p):
 @SETTINGS
 @given(full_problems())
 def test_full_q_steps_sound_and_complete(p):
-    seq_len, block, users, (ts, te), (ks, ke) = p
-    n = max(te, _cdiv(seq_len, block) * block) + block
-    allowed = allowed_np(n, users)
-    b = np.asarray(users, np.int32)
-    r = _q(b, ts, te, block)
-    lo, hi = _full_q(r, b, ks, ke, block)
+    _, block, users, _, (ks, ke) = p
+    allowed, r, lo, hi = _full_steps(p, _q, _full_q)
     # complete (as for one user) when each user's segments touch or it has no candidates
     layouts = all(cl >= cu or (cl <= hu and hl <= cu) for hl, hu, cl, cu in users)
     _check_full(

@@ -18,6 +18,7 @@ from attn_common import (
     normalize_bounds,
     ranker_flops,
 )
+from attn_common.ranker import RankerKernelStatic
 
 
 def sds(shape, dtype=jnp.bfloat16):
@@ -71,6 +72,16 @@ def test_restrictions_accept_supported():
     )
     assert p.head_dim == 128
     check_ranker_inputs(*qkv(dtype=jnp.float16), dtypes=("float16",))
+
+
+def test_padded_gives_the_kernel_static_fields():
+    p = check_ranker_inputs(*qkv(s=100), cap=CapParams("tanh", 30))
+    st = RankerKernelStatic(**p.padded(128))
+    assert (st.batch, st.seq_pad, st.q_heads, st.kv_heads, st.head_dim) == (2, 128, 4, 2, 64)
+    assert (st.sm_scale, st.cap) == (p.sm_scale, p.cap)
+    assert p.padded(100)["seq_pad"] == 100
+    with pytest.raises(ValueError, match="seq_pad: got 99, expected at least seq_len 100"):
+        p.padded(99)
 
 
 def test_mha_and_mqa():

@@ -83,7 +83,10 @@ RANKER_SHAPES = {
 SPARSE_SHAPES = {
     "full": dict(heads=16, top_k=16, rb=64, seq=256, ctx=8192, lens=(3000, 1900, 4100), new=(96, 64, 96)),
     "small": dict(heads=4, top_k=4, rb=64, seq=32, ctx=1024, lens=(300, 190, 410), new=(16, 8, 16)),
-    "small-interpret": dict(heads=2, top_k=2, rb=64, seq=4, ctx=256, lens=(130, 70, 100), new=(2, 1, 1)),
+    # --small --interpret: the Mosaic GPU interpreter runs one program per query token
+    # (about 1 s each on a CPU core: every gathered cache row is a host callback), so as
+    # few tokens as the checks need: 2 flat queries, one new token per packed request.
+    "small-interpret": dict(heads=2, top_k=2, rb=64, seq=2, ctx=256, lens=(130, 70, 100), new=(1, 1, 1)),
 }  # fmt: skip
 # Pass thresholds of the checks (inputs are bf16; the float64 check sees one row).
 RANKER_TOL = 2e-2
@@ -280,6 +283,22 @@ def _sparse_pairs(sel_tokens_ok: np.ndarray) -> int:
     return int(sel_tokens_ok.sum())
 
 
+def _sparse_check(out, qi: int, q_row, kk, *, scale: float, dv: int, reference):
+    """``(line, ok)``: query ``qi`` of ``out [1, S, H, Dv]`` against a dense float64
+    softmax over its keys ``kk [n, Dk]`` (``q_row [H, Dk]``), and all of ``out`` against
+    ``reference()`` where there is one (not None), each within ``SPARSE_TOL``."""
+    s = kk @ np.asarray(q_row, np.float64).T * scale
+    p = np.exp(s - s.max(0))
+    err = _rel_err(out[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
+    ok = err <= SPARSE_TOL
+    check = f"dense f64 rel err {err:.1e}"
+    if reference is not None:
+        err = _rel_err(out, reference())
+        ok &= err <= SPARSE_TOL
+        check += f", vs reference {err:.1e}"
+    return f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}", ok
+
+
 def run_sparse_mla(
     seed: int = 0,
     *,
@@ -319,16 +338,8 @@ def run_sparse_mla(
     t = np.concatenate([np.arange(u * rb, (u + 1) * rb) for u in np.unique(idx[qi])])
     t = t[t <= int(positions[0, qi])]
     kk = np.asarray(kv[0, t], np.float64)
-    s = kk @ np.asarray(q[0, qi], np.float64).T * scale
-    p = np.exp(s - s.max(0))
-    err = _rel_err(out[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
-    ok = err <= SPARSE_TOL
-    check = f"dense f64 rel err {err:.1e}"
-    if ref is not None:
-        err = _rel_err(out, ref(q, kv, indices, positions, **flat_kw))
-        ok &= err <= SPARSE_TOL
-        check += f", vs reference {err:.1e}"
-    check = f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}"
+    flat_ref = None if ref is None else (lambda: ref(q, kv, indices, positions, **flat_kw))
+    check, ok = _sparse_check(out, qi, q[0, qi], kk, scale=scale, dv=dv, reference=flat_ref)
     tok = (idx[:, :, None] * rb + np.arange(rb)).reshape(seq, -1)
     valid_pairs = _sparse_pairs(tok <= np.asarray(positions[0])[:, None])
     flops = 2 * heads * (dk + dv) * valid_pairs
@@ -384,17 +395,10 @@ def run_sparse_mla(
             loc = loc[ok]
             phys = perm[cu_kv[r] // ps + loc // ps]
             rows = phys * ps + loc % ps
-    kk = store[rows, :dk]
-    s = kk @ np.asarray(qr[0, qi], np.float64).T * scale
-    p = np.exp(s - s.max(0))
-    err = _rel_err(out_r[0, qi], (p / p.sum(0)).T @ kk[:, :dv])
-    ok = err <= SPARSE_TOL
-    check = f"dense f64 rel err {err:.1e}"
-    if ref is not None:
-        err = _rel_err(out_r, jax.jit(ragged_call(ref))(*args))
-        ok &= err <= SPARSE_TOL
-        check += f", vs reference {err:.1e}"
-    check = f"{'ok' if ok else 'FAIL'} (tol {SPARSE_TOL:g}): {check}"
+    ragged_ref = None if ref is None else (lambda: jax.jit(ragged_call(ref))(*args))
+    check, ok = _sparse_check(
+        out_r, qi, qr[0, qi], store[rows, :dk], scale=scale, dv=dv, reference=ragged_ref
+    )
     flops = 2 * heads * (dk + dv) * valid
     results.append(_row(ragged_name, backend, flops, t_ragged, None, check, ok))
     return results
@@ -432,18 +436,6 @@ def _describe_device() -> str:
     return (
         f"jax {jax.__version__} on {jax.default_backend()} ({dev.device_kind}, {device_class(dev)})"
     )
-
-
-def _check_json_path(path: Path) -> str | None:
-    """Why ``--json`` cannot be written (None when it can)."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        return f"--json: got {str(path)!r}, which is a folder; expected a file path"
-    if not parent.is_dir():
-        return f"--json: got {str(path)!r}, whose folder {str(parent)!r} does not exist"
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return f"--json: got {str(path)!r}, which is not writable"
-    return None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -776,7 +768,24 @@ def backend_commands() -> dict:
     return found
 
 
+# XLA's CPU client runs programs on an intra-op pool of NPROC threads (else one per usable
+# core). The Mosaic GPU interpreter runs each warpgroup of a kernel as its own program on
+# its own thread, blocking on the others at barriers: with fewer threads than programs
+# one never runs. `attn run sparse-mla --implementation mosaic-gpu --interpret --small`
+# (3 warpgroups) hung for ever pinned to one core (0 % CPU for 13 min under taskset -c 0;
+# 38 s with NPROC=16). The repository's conftest.py sets the same floor for the tests.
+MIN_XLA_CPU_THREADS = 16
+
+
+def _enough_xla_cpu_threads() -> None:
+    """Raise NPROC to ``MIN_XLA_CPU_THREADS`` before JAX creates its CPU client (no effect
+    once a JAX backend exists in this process)."""
+    if int(os.environ.get("NPROC", "0") or 0) < MIN_XLA_CPU_THREADS:
+        os.environ["NPROC"] = str(MIN_XLA_CPU_THREADS)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _enough_xla_cpu_threads()
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(backend_commands_too=command not in BUILT_IN_COMMANDS)

@@ -19,8 +19,17 @@ import numpy as np
 from attn_common.cap import CapParams, normalize_cap
 
 
+class _GroupedHeads:
+    """``group_size`` of a class with ``q_heads`` and ``kv_heads`` fields."""
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (GQA)."""
+        return self.q_heads // self.kv_heads
+
+
 @dataclasses.dataclass(frozen=True)
-class RankerProblem:
+class RankerProblem(_GroupedHeads):
     """Static facts about one ranker call, after validation."""
 
     batch: int
@@ -31,10 +40,29 @@ class RankerProblem:
     sm_scale: float
     cap: CapParams
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head (GQA)."""
-        return self.q_heads // self.kv_heads
+    def padded(self, seq_pad: int) -> dict:
+        """The fields of :class:`RankerKernelStatic` for this problem with the sequence
+        padded to ``seq_pad`` rows (a multiple of the kernel's tiles)."""
+        if seq_pad < self.seq_len:
+            raise ValueError(f"seq_pad: got {seq_pad}, expected at least seq_len {self.seq_len}")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["seq_len"]
+        return {**fields, "seq_pad": seq_pad}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerKernelStatic(_GroupedHeads):
+    """The facts of a ranker problem every kernel is specialised on, the sequence padded
+    to ``seq_pad`` rows: the base of the backends' (hashable, jit-static) kernel statics,
+    which add their tiling and schedule fields. Built by ``RankerProblem.padded``."""
+
+    batch: int
+    seq_pad: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    sm_scale: float
+    cap: CapParams
 
 
 def array_shape(x, name: str) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_common.fp8_cache import Fp8LatentCache, dequantize_latent_cache
+from attn_common.sparse_mla import empty_result
 from attn_common.sparse_mla_rows import UnitRows, sparse_mla_units
 from attn_common.spec import SparseMlaCall
 
@@ -276,9 +277,22 @@ def with_xla_backward(
     return lambda call: attention(*split(call))
 
 
+def kernel_result(call: SparseMlaCall, forward: Callable[[SparseMlaCall], tuple]):
+    """The op's result (``call.result``) for a kernel ``forward(call) -> (out, lse)``
+    (the LSE always): the empty result for an empty problem; else the kernel's ``out``
+    and ``lse`` made differentiable by :func:`with_xla_backward`, plus the attention mass
+    from its LSE (:func:`attn_mass_from_lse`) where the call asks for it."""
+    if call.problem.is_empty:
+        return empty_result(call.problem, call.return_lse, call.return_attn_mass)
+    out, lse = with_xla_backward(forward)(call)
+    mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
+    return call.result(out, lse, mass)
+
+
 __all__ = [
     "CHUNK_ELEMENTS",
     "attn_mass_from_lse",
+    "kernel_result",
     "with_xla_backward",
     "xla_sparse_mla",
 ]

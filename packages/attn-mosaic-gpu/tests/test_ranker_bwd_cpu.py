@@ -20,10 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import races_detected, run_interpret
+from helpers import (
+    assert_ranker_grads,
+    check_ranker_grads,
+    races_detected,
+    ranker_dead,
+    ranker_grad_loss,
+    ranker_kernel_inputs,
+    ranker_reference_grads,
+    run_interpret,
+)
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds, ranker_mask
+from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds
 from attn_mosaic_gpu import ranker_attention
 from attn_mosaic_gpu.ranker_bwd import SMEM_LIMIT_BYTES, bwd_smem_bytes, validate_bwd
 from attn_mosaic_gpu.tuning import BackwardTuning
@@ -32,32 +41,8 @@ from attn_reference.ranker import ranker_attention as reference
 INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 SMALL = KernelConfig(block_q=64, block_kv=64, num_stages=2)
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
-MAX_ABS_FACTOR = 5  # max-abs error <= 5 x TOL x max|reference|
 TANH = CapParams(CapMethod.TANH, 5.0)
 SOFT_SIGN = CapParams(CapMethod.SOFT_SIGN, 8.0)
-
-
-def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype):
-    rng = np.random.default_rng(seed)
-
-    def draw(heads, scale=1.0):
-        x = rng.standard_normal((batch, seq, heads, head_dim)).astype(np.float32) * scale
-        return jnp.asarray(x).astype(dtype)
-
-    return draw(q_heads, 2.0), draw(kv_heads, 2.0), draw(kv_heads)
-
-
-def _loss(fn, q, k, v, bounds, w, *, cap, use_lse, **kw):
-    if use_lse:
-        out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
-        # A linear LSE term with a random per-row weight of the out term's gradient scale
-        # (sqrt(D)): a dropped LSE cotangent moves dq and dk far beyond the tolerance
-        # (_check_grads checks that), which a 1e-3 weight on lse**2 hid.
-        wl = np.sqrt(q.shape[-1]) * jnp.moveaxis(w[..., 0], 1, 2)  # [B, Hq, S]
-        z = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * wl)
-        return jnp.sum(out.astype(jnp.float32) * w) + z
-    out = fn(q, k, v, bounds, cap=cap, **kw)
-    return jnp.sum(out.astype(jnp.float32) * w)
 
 
 def _mosaic_gpu_calls(mlir_text: str) -> int:
@@ -65,78 +50,24 @@ def _mosaic_gpu_calls(mlir_text: str) -> int:
     return len(re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(", mlir_text))
 
 
-def _check_lse_term_matters(want, want_without_lse, tol):
-    """The LSE term must move dq and dk by far more than the tolerance, so that a kernel
-    dropping the LSE cotangent fails (dv does not depend on it)."""
-    for name, r, r0 in zip(("dq", "dk"), want[:2], want_without_lse[:2], strict=True):
-        r, r0 = np.asarray(r, np.float64), np.asarray(r0, np.float64)
-        moved = np.linalg.norm(r - r0) / max(np.linalg.norm(r), 1e-30)
-        assert moved > 10 * tol, f"{name}: the LSE term moves it by only {moved:.3g}"
-
-
-def _check_max_abs(name, g, r, tol):
-    """Max-abs error bound next to rel L2: a few bad elements cannot hide in the norm."""
-    mx = np.abs(g - r).max(initial=0.0)
-    bound = MAX_ABS_FACTOR * tol * max(np.abs(r).max(initial=0.0), 1e-30)
-    assert mx <= bound, (
-        f"{name}: max-abs {mx:.3g} > {bound:.3g} ({MAX_ABS_FACTOR} x tol x max|ref|)"
-    )
-
-
 def _check_grads(q, k, v, bounds, *, cap=None, use_lse=True, seed=0):
     w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
 
     def kernel_loss(q, k, v):
-        return _loss(
+        return ranker_grad_loss(
             ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse,
             config=SMALL, interpret=INTERPRET,
         )  # fmt: skip
 
     got = run_interpret(jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2))), q, k, v)
-
-    def ref_loss(q, k, v):
-        return _loss(reference, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
-
-    up = [x.astype(jnp.float32) for x in (q, k, v)]
-    want = jax.grad(ref_loss, argnums=(0, 1, 2))(*up)
-    if use_lse:
-
-        def ref_loss_without_lse(q, k, v):
-            return _loss(reference, q, k, v, bounds, w, cap=cap, use_lse=False)
-
-        _check_lse_term_matters(
-            want, jax.grad(ref_loss_without_lse, argnums=(0, 1, 2))(*up), TOL[q.dtype.type]
-        )
-
-    # Rows with no allowed key and keys nobody attends must get exactly 0.
-    arr = bounds.as_array() if isinstance(bounds, SegmentBounds) else jnp.asarray(bounds)
-    arr = np.broadcast_to(np.clip(np.asarray(arr), 0, q.shape[1]), (q.shape[0], 4))
-    pos = np.arange(q.shape[1])
-    allowed = np.asarray(
-        ranker_mask(pos[None, :, None], pos[None, None, :], *(arr[:, i, None, None] for i in range(4)))
-    )  # fmt: skip
-    row_dead = ~allowed.any(axis=2)  # [B, S]
-    key_dead = ~allowed.any(axis=1)  # [B, S]
-
-    for name, g, r, dead in zip(
-        ("dq", "dk", "dv"), got, want, (row_dead, key_dead, key_dead), strict=True
-    ):
-        assert g.dtype == q.dtype and g.shape == r.shape, name
-        g = np.asarray(g.astype(jnp.float32), np.float64)
-        r = np.asarray(r, np.float64)
-        assert not np.isnan(g).any(), f"{name}: NaN"
-        assert np.isfinite(g).all(), f"{name}: non-finite"
-        assert np.all(g[dead] == 0.0), f"{name}: nonzero gradient where nothing is allowed"
-        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
-        assert err < TOL[q.dtype.type], f"{name}: rel L2 {err:.3g}"
-        _check_max_abs(name, g, r, TOL[q.dtype.type])
+    check_ranker_grads(got, q, k, v, bounds, w, cap=cap, use_lse=use_lse, tol=TOL[q.dtype.type])
 
 
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_grad_soft_sign_empty_history_overlap_fp16():
     """fp16, soft_sign 8; empty history (candidates attend only themselves); candidates
     overlapping the history; SegmentBounds input."""
-    q, k, v = _inputs(1, 2, 160, 2, 2, 64, jnp.float16)
+    q, k, v = ranker_kernel_inputs(1, 2, 160, 2, 2, 64, jnp.float16)
     bounds = SegmentBounds.from_array(jnp.array([[0, 0, 5, 133], [0, 100, 40, 150]]))
     _check_grads(q, k, v, bounds, cap=SOFT_SIGN, seed=1)
 
@@ -145,7 +76,7 @@ def test_grad_soft_sign_empty_history_overlap_fp16():
 def test_grad_no_cap_empty_candidates_padding_row_out_only():
     """No cap, out-only loss (return_lse=False); S=260 unaligned; empty candidates and an
     all-padding batch row (every gradient of that row is exactly 0)."""
-    q, k, v = _inputs(2, 2, 260, 2, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(2, 2, 260, 2, 2, 64, jnp.bfloat16)
     bounds = jnp.array([[20, 150, 150, 150], [0, 0, 0, 0]], jnp.int32)
     _check_grads(q, k, v, bounds, use_lse=False, seed=2)
 
@@ -156,7 +87,7 @@ def test_grad_ring_wraps_d128_gqa_unmasked_steps():
     key tile 3 heads x 10 query steps, so the rings wrap many times; history rows take the
     unmasked path on full history blocks; GQA 3:1 sums dK/dV over a head loop; a second
     row with a gap between history and candidates (separate block runs)."""
-    q, k, v = _inputs(4, 2, 700, 3, 1, 128, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(4, 2, 700, 3, 1, 128, jnp.bfloat16)
     bounds = jnp.array([[0, 600, 600, 690], [64, 300, 450, 520]], jnp.int32)
     _check_grads(q, k, v, bounds, cap=SOFT_SIGN, seed=4)
 
@@ -168,7 +99,7 @@ def test_grad_soft_sign_80_huge_scores():
     the float32 reference: the bf16 backward's limit at such scores.)"""
     from helpers import huge_keys
 
-    q, k, v = _inputs(9, 2, 200, 4, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(9, 2, 200, 4, 2, 64, jnp.bfloat16)
     k = jnp.asarray(huge_keys(k.astype(jnp.float32), seed=10, max_exp=16)).astype(jnp.bfloat16)
     bounds = jnp.array([[0, 100, 100, 150], [0, 128, 128, 190]], jnp.int32)
     _check_grads(q, k, v, bounds, cap=CapParams(CapMethod.SOFT_SIGN, 80.0), seed=9)
@@ -177,7 +108,7 @@ def test_grad_soft_sign_80_huge_scores():
 @pytest.mark.slow  # interpret mode, > 15 s on 2 cores
 def test_grad_ring_wraps_d64_tanh():
     """D=64 (4-slot ring) with 9 history blocks: the ring wraps; tanh cap."""
-    q, k, v = _inputs(5, 1, 640, 2, 1, 64, jnp.float16)
+    q, k, v = ranker_kernel_inputs(5, 1, 640, 2, 1, 64, jnp.float16)
     bounds = jnp.array([[0, 576, 576, 640]], jnp.int32)
     _check_grads(q, k, v, bounds, cap=TANH, seed=5)
 
@@ -187,7 +118,7 @@ def test_grad_lone_tiles_owner_wg1_single_step():
     """Query tiles with one live half, the second (WG1's) with a single KV step, and
     candidates only; the padding rows' dQ is exactly 0. D=64 (4-slot ring), GQA 2:1,
     tanh."""
-    q, k, v = _inputs(8, 2, 260, 4, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(8, 2, 260, 4, 2, 64, jnp.bfloat16)
     bounds = jnp.array([[70, 120, 120, 127], [0, 0, 200, 230]], jnp.int32)
     _check_grads(q, k, v, bounds, cap=TANH, seed=8)
 
@@ -226,7 +157,7 @@ def test_cross_lowering_persistent_dq_cuda(name, bounds_shape):
 @pytest.mark.slow  # interpret mode, ~18 s on 2 cores
 def test_grad_d256_gqa_soft_sign_fp16():
     """D=256 (the dk/dv kernel splits the head dim in two programs), GQA 2:1."""
-    q, k, v = _inputs(3, 1, 100, 2, 1, 256, jnp.float16)
+    q, k, v = ranker_kernel_inputs(3, 1, 100, 2, 1, 256, jnp.float16)
     bounds = jnp.array([[3, 70, 70, 95]], jnp.int32)
     _check_grads(q, k, v, bounds, cap=SOFT_SIGN, seed=3)
 
@@ -262,7 +193,7 @@ def test_cross_lowering_grad_cuda(
     name, batch, seq, q_heads, kv_heads, head_dim, cap, dtype, use_lse
 ):
     def loss(q, k, v, bounds, w):
-        return _loss(ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
+        return ranker_grad_loss(ranker_attention, q, k, v, bounds, w, cap=cap, use_lse=use_lse)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     exported = jax.export.export(grad, platforms=["cuda"])(
@@ -349,8 +280,8 @@ def test_schedule_knobs_do_not_change_results():
     """Ring depth changes the schedule only: bitwise-equal gradients (interpret mode)."""
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
 
-    q, k, v = _inputs(6, 1, 384, 2, 1, 128, jnp.bfloat16)
-    do = _inputs(7, 1, 384, 2, 1, 128, jnp.bfloat16)[0]
+    q, k, v = ranker_kernel_inputs(6, 1, 384, 2, 1, 128, jnp.bfloat16)
+    do = ranker_kernel_inputs(7, 1, 384, 2, 1, 128, jnp.bfloat16)[0]
     bounds = jnp.array([[0, 300, 300, 380]], jnp.int32)
     out, lse = reference(
         *(x.astype(jnp.float32) for x in (q, k, v)), bounds, cap=SOFT_SIGN, return_lse=True
@@ -393,8 +324,8 @@ def test_persistent_dq_matches_per_tile(head_dim):
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
 
     batch, seq = 3, 384
-    q, k, v = _inputs(11, batch, seq, 2, 1, head_dim, jnp.bfloat16)
-    do = _inputs(12, batch, seq, 2, 1, head_dim, jnp.bfloat16)[0]
+    q, k, v = ranker_kernel_inputs(11, batch, seq, 2, 1, head_dim, jnp.bfloat16)
+    do = ranker_kernel_inputs(12, batch, seq, 2, 1, head_dim, jnp.bfloat16)[0]
     bounds = jnp.array([[0, 300, 300, 380], [0, 0, 0, 0], [10, 70, 70, 75]], jnp.int32)
     out, lse = reference(
         *(x.astype(jnp.float32) for x in (q, k, v)), bounds, cap=SOFT_SIGN, return_lse=True
@@ -512,35 +443,19 @@ def test_grad_packed_users(head_dim, cap, tuning):
     padding at the end; GQA 2:1; LSE z-loss. Gradients against the reference's
     autodiff, exact zeros where nothing is allowed. Also with persistent dq programs
     (``dq_programs``: the packed step lists and key tables read per walked tile)."""
-    from attn_common.packed import ranker_mask_packed
-
-    q, k, v = _inputs(8, 2, 256, 4, 2, head_dim, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(8, 2, 256, 4, 2, head_dim, jnp.bfloat16)
     w = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape), jnp.float32)
 
     def kernel_loss(q, k, v):
-        return _loss(
+        return ranker_grad_loss(
             ranker_attention, q, k, v, PACKED, w, cap=cap, use_lse=True, interpret=INTERPRET,
             backward_tuning=tuning,
         )  # fmt: skip
 
     got = run_interpret(jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2))), q, k, v)
-
-    def ref_loss(q, k, v):
-        return _loss(reference, q, k, v, PACKED, w, cap=cap, use_lse=True)
-
-    want = jax.grad(ref_loss, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
-    pos = np.arange(q.shape[1])
-    packed = np.asarray(PACKED)[:, None, None]
-    allowed = np.asarray(ranker_mask_packed(pos[None, :, None], pos[None, None, :], packed))
-    dead = (~allowed.any(axis=2), ~allowed.any(axis=1), ~allowed.any(axis=1))
-    for name, g, r, d in zip(("dq", "dk", "dv"), got, want, dead, strict=True):
-        g = np.asarray(g.astype(jnp.float32), np.float64)
-        r = np.asarray(r, np.float64)
-        assert np.isfinite(g).all(), f"{name}: non-finite"
-        assert np.all(g[d] == 0.0), f"{name}: nonzero gradient where nothing is allowed"
-        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
-        assert err < TOL[q.dtype.type], f"{name}: rel L2 {err:.3g}"
-        _check_max_abs(name, g, r, TOL[q.dtype.type])
+    want = ranker_reference_grads(q, k, v, PACKED, w, cap=cap, use_lse=True)
+    dead = ranker_dead(PACKED, q.shape[0], q.shape[1])
+    assert_ranker_grads(got, want, dead, dtype=q.dtype, tol=TOL[q.dtype.type])
 
 
 def test_packed_rows_need_pipelined_head_dims():

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_interpret
+from helpers import ranker_kernel_inputs, ranker_reference_f32, run_interpret
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds
@@ -48,17 +48,6 @@ PHOENIX_CAP = CapParams(CapMethod.SOFT_SIGN, 80.0)
 # ----------------------------------------------------------------------------- helpers
 
 
-def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype):
-    rng = np.random.default_rng(seed)
-
-    def draw(heads, scale=1.0):
-        x = rng.standard_normal((batch, seq, heads, head_dim)).astype(np.float32) * scale
-        return jnp.asarray(x).astype(dtype)
-
-    # q scaled up so that the soft caps actually bite.
-    return draw(q_heads, 2.0), draw(kv_heads, 2.0), draw(kv_heads)
-
-
 def _f32(x):
     return np.asarray(jnp.asarray(x, jnp.float32), dtype=np.float64)
 
@@ -71,15 +60,7 @@ def _check(q, k, v, bounds, *, cap=None, sm_scale=None, config=SMALL):
     out, lse = _run_interpret(
         q, k, v, bounds, cap=cap, sm_scale=sm_scale, config=config, return_lse=True
     )
-    want_out, want_lse = ranker_attention(
-        q.astype(jnp.float32),
-        k.astype(jnp.float32),
-        v.astype(jnp.float32),
-        bounds,
-        cap=cap,
-        sm_scale=sm_scale,
-        return_lse=True,
-    )
+    want_out, want_lse = ranker_reference_f32(q, k, v, bounds, cap=cap, sm_scale=sm_scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == jnp.float32
     got, want = _f32(out), _f32(want_out)
@@ -114,7 +95,7 @@ def _check(q, k, v, bounds, *, cap=None, sm_scale=None, config=SMALL):
 def test_interpret_tanh_empty_candidates_and_gap():
     """tanh cap, explicit sm_scale; empty candidates; a padding gap between H and C that
     leaves a whole compute warpgroup idle (rows 64..127 of row 1)."""
-    q, k, v = _inputs(1, 2, 200, 2, 1, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(1, 2, 200, 2, 1, 64, jnp.bfloat16)
     bounds = SegmentBounds.from_array(jnp.array([[0, 170, 170, 170], [20, 60, 130, 200]]))
     _check(q, k, v, bounds, cap=TANH, sm_scale=0.2)
 
@@ -124,7 +105,7 @@ def test_interpret_no_cap_empty_row_aligned_and_overlap_fp16():
     """fp16, no cap; an all-padding row (zero-step programs), block-aligned history
     (the unmasked fast path), and candidates overlapping the history; default config
     for D=64 (block_kv=128, 4 stages)."""
-    q, k, v = _inputs(2, 3, 200, 2, 2, 64, jnp.float16)
+    q, k, v = ranker_kernel_inputs(2, 3, 200, 2, 2, 64, jnp.float16)
     bounds = jnp.array([[0, 0, 0, 0], [0, 128, 128, 200], [0, 128, 64, 180]], jnp.int32)
     _check(q, k, v, bounds, config=default_config(64, jnp.float16))
 
@@ -143,7 +124,7 @@ def test_interpret_fma_pipe_split(cap, config):
     """exp2 / soft_sign reciprocal on the FMA pipe for part or all of the columns:
     same results as the reference, empty rows still exactly 0 and -inf (the polynomial
     exp2 maps a masked -inf to exactly 0), gaps, padding, GQA."""
-    q, k, v = _inputs(4, 2, 200, 4, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(4, 2, 200, 4, 2, 64, jnp.bfloat16)
     bounds = jnp.array([[0, 100, 100, 150], [20, 60, 130, 190]], jnp.int32)
     _check(q, k, v, bounds, cap=cap, config=config)
 
@@ -156,7 +137,7 @@ def test_interpret_soft_sign_huge_scores_dirty_padding_keys(config):
     reach no other score."""
     from helpers import huge_keys, poison_rows
 
-    q, k, v = _inputs(11, 2, 200, 4, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(11, 2, 200, 4, 2, 64, jnp.bfloat16)
     attended = (np.arange(200) < 190)[None, :, None]  # no row attends keys 190..199
     k = poison_rows(huge_keys(k.astype(jnp.float32), seed=12, max_exp=35), attended)
     k = jnp.asarray(k).astype(jnp.bfloat16)
@@ -170,7 +151,7 @@ def test_interpret_packed_users(cap):
     """Packed rows [B, U, 4]: users sharing a block, unaligned boundaries, an empty
     user, a gap, padding at the end, unused all-zero slots, users in any slot order;
     GQA 2:1. Rows that attend nothing stay exactly 0 with -inf LSE."""
-    q, k, v = _inputs(6, 2, 300, 4, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(6, 2, 300, 4, 2, 64, jnp.bfloat16)
     bounds = jnp.array(
         [
             [[0, 40, 40, 50], [50, 120, 120, 140], [150, 150, 150, 160], [0, 0, 0, 0]],
@@ -190,7 +171,7 @@ def test_interpret_lone_tiles(config):
     tile 1), second with a single step (rows 1 and 2, candidates only in row 2); the
     idle warpgroup keeps the barrier protocol and its padding rows stay exactly 0 /
     -inf. GQA 2:1, soft_sign."""
-    q, k, v = _inputs(8, 3, 300, 4, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(8, 3, 300, 4, 2, 64, jnp.bfloat16)
     bounds = jnp.array([[0, 150, 150, 170], [70, 120, 120, 127], [0, 0, 200, 230]], jnp.int32)
     _check(q, k, v, bounds, cap=SOFT_SIGN, config=config)
 
@@ -207,7 +188,7 @@ def test_interpret_persistent_matches_per_tile(config):
     ring running on across tiles): out and LSE bitwise the per-tile kernel's, with tiles
     that have one live half, an empty tile (row 2's history ends early), zero-step tiles
     and more programs than tiles (40 > 24); race detection on."""
-    q, k, v = _inputs(11, 3, 300, 4, 2, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(11, 3, 300, 4, 2, 64, jnp.bfloat16)
     bounds = jnp.array([[0, 150, 150, 170], [70, 120, 120, 127], [0, 0, 200, 230]], jnp.int32)
     got = _check(q, k, v, bounds, cap=SOFT_SIGN, config=config)
     want = _run_interpret(
@@ -218,21 +199,21 @@ def test_interpret_persistent_matches_per_tile(config):
 
 
 def test_persistent_programs_refuse_packed_bounds():
-    q, k, v = _inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
     packed = jnp.array([[[0, 30, 30, 40], [40, 90, 90, 100]]], jnp.int32)
     with pytest.raises(ValueError, match="programs"):
         ranker_attention_fwd(q, k, v, packed, config=SMALL.replace(programs=2))
 
 
 def test_packed_users_must_not_overlap():
-    q, k, v = _inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(7, 1, 128, 2, 1, 64, jnp.bfloat16)
     bounds = jnp.array([[[0, 50, 50, 60], [40, 80, 80, 90]]], jnp.int32)
     with pytest.raises(ValueError, match="overlap"):
         ranker_attention_fwd(q, k, v, bounds, config=SMALL)
 
 
 def test_rcp_fma_cols_needs_soft_sign():
-    q, k, v = _inputs(5, 1, 64, 2, 1, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(5, 1, 64, 2, 1, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="rcp_fma_cols"):
         ranker_attention_fwd(
             q, k, v, jnp.array([0, 32, 32, 64]), cap=TANH, config=SMALL.replace(rcp_fma_cols=8)
@@ -241,7 +222,7 @@ def test_rcp_fma_cols_needs_soft_sign():
 
 def test_interpret_out_only_broadcast_bounds():
     """return_lse=False returns only out; [4] bounds broadcast to every row."""
-    q, k, v = _inputs(3, 2, 130, 2, 1, 64, jnp.bfloat16)
+    q, k, v = ranker_kernel_inputs(3, 2, 130, 2, 1, 64, jnp.bfloat16)
     bounds = jnp.array([3, 90, 90, 121], jnp.int32)
     out = _run_interpret(q, k, v, bounds, config=SMALL)
     assert isinstance(out, jax.Array) and out.shape == q.shape

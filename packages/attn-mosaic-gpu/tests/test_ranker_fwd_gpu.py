@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import packed_user_bounds, ranker_reference_f32
 
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
@@ -83,15 +84,7 @@ def _check(q, k, v, bounds, *, cap=None, config=None, sm_scale=None, return_lse=
     got = ranker_attention_fwd(
         q, k, v, bounds, cap=cap, config=config, sm_scale=sm_scale, return_lse=return_lse
     )
-    want_out, want_lse = ranker_attention(
-        q.astype(jnp.float32),
-        k.astype(jnp.float32),
-        v.astype(jnp.float32),
-        bounds,
-        cap=cap,
-        sm_scale=sm_scale,
-        return_lse=True,
-    )
+    want_out, want_lse = ranker_reference_f32(q, k, v, bounds, cap=cap, sm_scale=sm_scale)
     out, lse = got if return_lse else (got, None)
     assert out.shape == q.shape and out.dtype == q.dtype
     o = np.asarray(out.astype(jnp.float32), np.float64)
@@ -243,22 +236,6 @@ def test_fma_split_no_less_accurate(case):
         assert mx <= 1.25 * base_max, f"{label}: max-abs {mx:.4g} vs {base_max:.4g} all-MUFU"
 
 
-def _packed_bounds(seed, rows, seq, max_users=8):
-    """Users with log-normal histories packed first-fit decreasing into ``rows`` rows of
-    ``seq`` (attn_common.pack_users): unaligned boundaries, users sharing blocks,
-    padding at the ends, unused slots."""
-    from attn_common.packing import pack_users
-
-    rng = np.random.default_rng(seed)
-    hist = np.minimum(rng.lognormal(np.log(60), 1.0, size=6 * rows).astype(int), seq // 2)
-    cand = rng.integers(1, 20, size=hist.size)
-    packed = pack_users(hist, cand, seq_len=seq, max_users_per_row=max_users)
-    bounds = np.asarray(packed.bounds)[:rows]
-    bounds[0, -1] = 0  # an unused slot
-    bounds[-1, 0] = [bounds[-1, 0, 0], bounds[-1, 0, 0], bounds[-1, 0, 2], bounds[-1, 0, 3]]
-    return jnp.asarray(bounds, jnp.int32)  # ^ a user with an empty history
-
-
 # Tiles with one live half: the live rows first with an odd step count, second with a
 # single step, candidates only, and a tile with both halves live, at S=1152.
 LONE_BOUNDS = [[0, 300, 300, 320], [70, 120, 120, 127], [0, 0, 200, 230], [0, 1090, 1090, 1100]]
@@ -332,7 +309,7 @@ def test_compute_registers(case, registers):
 def test_packed_users(head_dim, cap):
     """Packed rows [B, U, 4] (several users per row) at S=1152, GQA 5:1."""
     seq = 1152
-    bounds = _packed_bounds(12, 4, seq)
+    bounds = packed_user_bounds(12, 4, seq, empty_history=True)
     q, k, v = _inputs(12, 4, seq, 10, 2, head_dim, jnp.bfloat16, scale=1.5)
     _check(q, k, v, bounds, cap=CAPS[cap])
 

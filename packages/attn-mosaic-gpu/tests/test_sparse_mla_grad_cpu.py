@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 from helpers import (
     attended_rows_flat,
-    attended_rows_ragged,
     build_ragged_layout,
+    compare_sparse_mla_grads,
+    dirty_ragged_grad_case,
+    export_sparse_mla_grad,
     poison_rows,
     randn,
     random_page_selection,
@@ -44,43 +46,11 @@ GRAD_TOL = dict(rtol=1e-5, atol=1e-6)  # same XLA backward; only its cotangent i
 MASS_ATOL = 1e-4  # exp(s - lse) with the kernel's LSE (float32 sums of the bf16 inputs)
 
 
-def _losses(fn, idx, pos, w_out, w_lse, **kw):
-    def loss(q, kv):
-        out, lse, mass = fn(
-            q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, return_lse=True,
-            return_attn_mass=True, **kw,
-        )  # fmt: skip
-        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        return jnp.sum(w_out * out) + jnp.sum(w_lse * finite), (out, lse, mass)
-
-    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-
-
 def _compare(q, kv, idx, pos, keep_rows, **kw):
-    rng = rng_for(1)
-    w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], DV)), jnp.float32)
-    w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-    (_, (_, lse, mass)), (dq, dkv) = run_interpret(
-        _losses(gpu.sparse_mla_attention, idx, pos, w_out, w_lse, interpret=INTERPRET, **kw),
-        q,
-        kv,
-    )
-    with jax.default_matmul_precision("highest"):
-        (_, (_, ref_lse, ref_mass)), (ref_dq, ref_dkv) = _losses(
-            ref.sparse_mla_attention, idx, pos, w_out, w_lse, **kw
-        )(q, kv)
-    assert dq.dtype == jnp.bfloat16 and dkv.dtype == jnp.bfloat16
-    dq, dkv = np.asarray(dq, np.float32), np.asarray(dkv, np.float32)
-    assert np.isfinite(dq).all() and np.isfinite(dkv).all()
-    np.testing.assert_allclose(dq, np.asarray(ref_dq, np.float32), **GRAD_TOL)
-    np.testing.assert_allclose(dkv, np.asarray(ref_dkv, np.float32), **GRAD_TOL)
-    rows = dkv.reshape(-1, dkv.shape[-1])
-    assert np.all(rows[~keep_rows.reshape(-1)] == 0.0) and (~keep_rows).any()
-    assert mass.shape == idx.shape and mass.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=MASS_ATOL)
-    assert np.all(np.asarray(mass)[np.asarray(ref_mass) == 0.0] == 0.0)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-    return dq, dkv
+    return compare_sparse_mla_grads(
+        gpu.sparse_mla_attention, q, kv, idx, pos, keep_rows, kernel_kw=dict(interpret=INTERPRET),
+        sm_scale=SM_SCALE, dv=DV, grad_tol=GRAD_TOL, mass_atol=MASS_ATOL, **kw,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("rb", [16, 1], ids=["units", "tokens"])
@@ -106,26 +76,12 @@ def test_flat_gradients_through_the_kernel(rb):
 
 @pytest.mark.slow  # 14-22 s in interpret mode on the shared CPU
 def test_ragged_gradients_through_the_kernel():
-    rng = rng_for(5)
-    page = 16
-    layout = build_ragged_layout(
-        rng, seq_lens=[37, 20], new_lens=[4, 3], extra_pages=[1, 0], page_size=page
-    )
-    num_pages = layout["num_pages"]
-    cache = randn(rng, (num_pages, page // 2, 2, 256), "bfloat16")
-    q = randn(rng, (1, 7, 2, DV + ROPE), "bfloat16")
-    idx = random_page_selection(rng, layout, 3, page)
-    keep = attended_rows_ragged(
-        layout, idx, layout["positions"], page_size=page, num_pages=num_pages
-    )
-    rows = poison_rows(cache.reshape(num_pages * page, -1), keep, seed=6)
-    rows[:, DV + ROPE :] = np.nan  # the feature padding
-    tables = {k: layout[k] for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")}
-    _, dcache = _compare(
-        q, rows.reshape(cache.shape), idx[None], layout["positions"][None], keep,
-        read_block=page, page_size=page, **tables,
+    q, cache, idx, pos, keep, tables = dirty_ragged_grad_case(
+        5, seq_lens=[37, 20], new_lens=[4, 3], extra_pages=[1, 0], page_size=16, heads=2,
+        top_k=3, dk=DV + ROPE, dtype="bfloat16",
     )  # fmt: skip
-    assert np.all(dcache.reshape(num_pages * page, -1)[:, DV + ROPE :] == 0.0)
+    _, dcache = _compare(q, cache, idx, pos, keep, **tables)
+    assert np.all(dcache.reshape(keep.size, -1)[:, DV + ROPE :] == 0.0)
 
 
 @pytest.mark.slow  # 14-22 s in interpret mode on the shared CPU
@@ -185,28 +141,8 @@ def test_prefill_wrapper_gradient_reaches_the_split_query():
 def test_grad_cross_lowers_for_cuda(heads):
     """``jax.grad`` (through out and lse) plus the attention mass, at the benchmark
     shape: 4096 tokens, top-2048 tokens of a 32K flat cache, Dk 576 / Dv 512."""
-    tokens, top_k, cache = 4096, 2048, 32768
-
-    def fn(q, kv, idx, pos):
-        def loss(q, kv):
-            out, lse, mass = gpu.sparse_mla_attention(
-                q, kv, idx, pos, sm_scale=0.0721, read_block=1, return_lse=True,
-                return_attn_mass=True,
-            )  # fmt: skip
-            return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), mass
-
-        return jax.grad(loss, argnums=(0, 1), has_aux=True)(q, kv)
-
-    structs = [
-        jax.ShapeDtypeStruct((1, tokens, heads, 576), jnp.bfloat16),
-        jax.ShapeDtypeStruct((1, cache, 576), jnp.bfloat16),
-        jax.ShapeDtypeStruct((1, tokens, top_k), jnp.int32),
-        jax.ShapeDtypeStruct((1, tokens), jnp.int32),
-    ]
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs)
-    text = exported.mlir_module()
+    text = export_sparse_mla_grad(
+        gpu.sparse_mla_attention, "cuda", tokens=4096, heads=heads, cache=32768, top_k=2048,
+        sm_scale=0.0721, read_block=1,
+    )  # fmt: skip
     assert text.count("mosaic_gpu") >= 1
-    (dq, dkv), mass = exported.out_avals[:2], exported.out_avals[2]
-    assert dq.shape == structs[0].shape and dq.dtype == jnp.bfloat16
-    assert dkv.shape == structs[1].shape and dkv.dtype == jnp.bfloat16
-    assert mass.shape == (1, tokens, top_k) and mass.dtype == jnp.float32

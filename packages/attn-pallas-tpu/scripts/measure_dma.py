@@ -39,13 +39,13 @@ import numpy as np
 from attn_common.tables import resolve_u_max
 from attn_pallas_tpu.plan import (
     TPU_CHIPS,
+    PlanShape,
     SparseMlaPlan,
     block_union_sizes,
     choose_plan,
     distinct_units_per_query,
     predict_per_query,
     predict_qblock,
-    qblock_vmem_bytes,
     static_qblock_config,
 )
 
@@ -270,9 +270,7 @@ def measure_case(family: str, context: int, unit: int) -> list[Row]:
         for name in CHIP_NAMES:
             chip = TPU_CHIPS[name]
             qblock_args = dict(heads=heads, num_units=num_units, chip=chip, **shape)
-            per_query[name] = predict_per_query(
-                distinct_per_query=distinct, heads=heads, chip=chip, **shape
-            )
+            per_query[name] = predict_per_query(distinct_per_query=distinct, **qblock_args)
             fixed[name] = predict_qblock(
                 union_sizes=fixed_u,
                 query_block=FIXED_QUERY_BLOCK,
@@ -280,14 +278,8 @@ def measure_case(family: str, context: int, unit: int) -> list[Row]:
                 u_max=fixed_u_max,
                 **qblock_args,
             )
-            vmem = qblock_vmem_bytes(
-                rows=hb * FIXED_QUERY_BLOCK,
-                query_block=FIXED_QUERY_BLOCK,
-                u_max=fixed_u_max,
-                read_block=unit,
-                dk_pad=DK_PAD,
-                dv=DV,
-                itemsize=ITEMSIZE,
+            vmem = PlanShape(**qblock_args).vmem_bytes(
+                rows=hb * FIXED_QUERY_BLOCK, query_block=FIXED_QUERY_BLOCK, u_max=fixed_u_max
             )
             fits[name] = vmem <= chip.vmem_bytes
             auto[name] = choose_plan(

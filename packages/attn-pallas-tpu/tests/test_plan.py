@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from attn_common.tables import build_block_unit_tables, lossless_u_max
 from attn_pallas_tpu.plan import (
     TPU_CHIPS,
+    PlanShape,
     SparseMlaPlan,
     TpuChip,
     block_union_sizes,
@@ -125,14 +126,10 @@ def check_plan(plan: SparseMlaPlan, keys, heads, read_block, num_units, chip: Tp
     distinct, unions = plan_inputs(keys)
     top_k = keys.shape[-1]
     unit_bytes = read_block * SHAPE["dk_pad"] * SHAPE["itemsize"]
-    per_query = predict_per_query(
-        distinct_per_query=distinct,
-        heads=heads,
-        read_block=read_block,
-        top_k=top_k,
-        chip=chip,
-        **SHAPE,
+    shape = PlanShape(
+        heads=heads, read_block=read_block, top_k=top_k, num_units=num_units, chip=chip, **SHAPE
     )
+    per_query = predict_per_query(distinct_per_query=distinct, **vars(shape))
     assert per_query.kv_bytes == distinct.sum() * unit_bytes
     assert per_query.dma_count == distinct.sum()
     assert plan.chip == chip.name
@@ -149,18 +146,8 @@ def check_plan(plan: SparseMlaPlan, keys, heads, read_block, num_units, chip: Tp
     assert plan.dma_count == groups * unions[plan.query_block].sum()
     assert plan.kv_bytes == plan.dma_count * unit_bytes
     assert plan_vmem(plan, read_block) <= chip.vmem_bytes
-    again = predict_qblock(
-        union_sizes=unions[plan.query_block],
-        query_block=plan.query_block,
-        head_block=plan.head_block,
-        u_max=plan.u_max,
-        heads=heads,
-        read_block=read_block,
-        top_k=top_k,
-        num_units=num_units,
-        chip=chip,
-        **SHAPE,
-    )
+    config = dict(query_block=plan.query_block, head_block=plan.head_block, u_max=plan.u_max)
+    again = predict_qblock(union_sizes=unions[plan.query_block], **config, **vars(shape))
     assert again == plan
 
 

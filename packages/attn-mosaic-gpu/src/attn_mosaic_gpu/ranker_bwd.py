@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from attn_common import CapParams, check_ranker_inputs
 from attn_common.packed import normalize_ranker_bounds, packed_users
+from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, round_up
 from attn_mosaic_gpu.ranker_bwd_d256 import (
     BWD_BLOCK,
@@ -42,7 +43,6 @@ from attn_mosaic_gpu.ranker_fwd import (
     MIN_PACKED_USERS,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
-    _resolve_interpret,
 )
 
 __all__ = ["BWD_BLOCK", "bwd_smem_bytes", "ranker_attention_bwd", "validate_bwd"]
@@ -134,7 +134,7 @@ def ranker_attention_bwd(
     clipped, users = normalize_ranker_bounds(
         bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=MIN_PACKED_USERS
     )
-    interpret = _resolve_interpret(interpret)
+    interpret = resolve_interpret(interpret)
 
     finite = jnp.isfinite(lse)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
@@ -161,15 +161,7 @@ def ranker_attention_bwd(
         pad_vec = ((0, 0), (0, 0), (0, seq_pad - seq))
         lse2 = jnp.pad(lse2, pad_vec, constant_values=jnp.inf)
         delta = jnp.pad(delta, pad_vec)
-    fields = dict(
-        batch=problem.batch,
-        seq_pad=seq_pad,
-        q_heads=problem.q_heads,
-        kv_heads=problem.kv_heads,
-        head_dim=problem.head_dim,
-        sm_scale=problem.sm_scale,
-        cap=problem.cap,
-    )
+    fields = problem.padded(seq_pad)
     bounds = clipped.astype(jnp.int32)
     if pipelined:
         dq, dk, dv = pipelined_bwd(

@@ -66,9 +66,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import CapParams, cap_forward, ranker_mask
+from attn_common import cap_forward, ranker_mask
 from attn_common.bounds import ranker_kv_block_ranges, ranker_q_block_ranges
 from attn_common.cap import cap_derivative_from_output
+from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._smem import SMEM_ALIGN, round_up, tile_transforms
 from attn_mosaic_gpu.ranker_fwd import bad_scores, sanitize_rows
@@ -99,14 +100,41 @@ def simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BwdStatic:
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
+class BwdStatic(RankerKernelStatic):
+    """The D=256 kernels' static facts: the padded problem (no tiling knobs)."""
+
+    @property
+    def d_split(self) -> int:
+        """Parts the head dimension is split into for the dq / dk, dv accumulators."""
+        return head_dim_parts(self.head_dim)
+
+    @property
+    def dh(self) -> int:
+        """Columns of one part: ``head_dim // d_split``."""
+        return self.head_dim // self.d_split
+
+
+def _probs_and_dlogits(y, dcap, dp, allowed, lse2, delta, *, row_axis: int):
+    """``P`` and ``dS`` of a score tile from its capped logits ``y``, ``cap'(y)``
+    (``dcap``, None without a cap), ``dP`` and the mask; ``lse2`` (base-2 LSE) and
+    ``delta`` are per query row, the tile's axis ``row_axis`` (1 for a transposed tile)."""
+    y2 = jnp.where(allowed, y * _LOG2E, -jnp.inf)
+    p = jnp.exp2(y2 - lax.broadcast_in_dim(lse2, y.shape, [row_axis]))
+    ds = p * (dp - lax.broadcast_in_dim(delta, y.shape, [row_axis]))
+    if dcap is not None:
+        ds = ds * dcap
+    return p, ds
+
+
+def _wgmma(a, b, shape):
+    """``a @ b`` (shared-memory operands; a transposed view is fine) into a fresh float32
+    WGMMA accumulator of ``shape``, returned as a value."""
+
+    def fn(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
 def _logits(qk, st: BwdStatic):
@@ -124,10 +152,7 @@ def _read_bounds(bounds_ref, batch):
 
 def _build_dq_kernel(st: BwdStatic, dtype):
     bq = bkv = BWD_BLOCK
-    head_dim = st.head_dim
-    group = st.q_heads // st.kv_heads
-    d_split = head_dim_parts(head_dim)
-    dh = head_dim // d_split
+    head_dim, group, d_split, dh = st.head_dim, st.group_size, st.d_split, st.dh
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
         (
@@ -175,16 +200,8 @@ def _build_dq_kernel(st: BwdStatic, dtype):
             plgpu.commit_smem()
             bad = bad_scores(bad_smem, jnp.bool_(True), (bq, bkv), 1)
 
-            def qk_fn(acc):
-                plgpu.wgmma(acc, q_smem, k_smem.transpose((1, 0)))
-                return acc[...]
-
-            def dp_fn(acc):
-                plgpu.wgmma(acc, do_smem, v_smem.transpose((1, 0)))
-                return acc[...]
-
-            qk = pl.run_scoped(qk_fn, plgpu.ACC((bq, bkv), jnp.float32)) + bad
-            dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bkv), jnp.float32))
+            qk = _wgmma(q_smem, k_smem.transpose((1, 0)), (bq, bkv)) + bad
+            dp = _wgmma(do_smem, v_smem.transpose((1, 0)), (bq, bkv))
             y, dcap = _logits(qk, st)
             q_ids = row0 + plgpu.broadcasted_iota(
                 jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA
@@ -193,20 +210,12 @@ def _build_dq_kernel(st: BwdStatic, dtype):
                 jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA
             )
             allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
-            y2 = jnp.where(allowed, y * _LOG2E, -jnp.inf)
-            p = jnp.exp2(y2 - lax.broadcast_in_dim(lse2, (bq, bkv), [0]))
-            ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
-            if dcap is not None:
-                ds = ds * dcap
+            _, ds = _probs_and_dlogits(y, dcap, dp, allowed, lse2, delta, row_axis=0)
             ds = jnp.where(allowed, ds, 0.0)  # no 0 * NaN from a refused pair
             ds_smem[...] = ds.astype(dtype)
             plgpu.commit_smem()
 
-            def dq_fn(acc):
-                plgpu.wgmma(acc, ds_smem, k_b)
-                return acc[...]
-
-            return dq_acc + pl.run_scoped(dq_fn, plgpu.ACC((bq, dh), jnp.float32))
+            return dq_acc + _wgmma(ds_smem, k_b, (bq, dh))
 
         dq0 = plgpu.layout_cast(jnp.full((bq, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         dq = lax.fori_loop(0, steps, step, dq0)
@@ -237,10 +246,7 @@ def _build_dq_kernel(st: BwdStatic, dtype):
 
 def _build_dkv_kernel(st: BwdStatic, dtype):
     bq = bkv = BWD_BLOCK
-    head_dim = st.head_dim
-    group = st.q_heads // st.kv_heads
-    d_split = head_dim_parts(head_dim)
-    dh = head_dim // d_split
+    head_dim, group, d_split, dh = st.head_dim, st.group_size, st.d_split, st.dh
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, scoped):
         bufs, bars = scoped
@@ -292,24 +298,12 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
             bad = bad_scores(bad_q_smem, jnp.bool_(True), (bkv, bq), 1)
             bad = bad + bad_scores(bad_do_smem, jnp.bool_(True), (bkv, bq), 1)
 
-            def st_fn(acc):
-                plgpu.wgmma(acc, k_smem, q_smem.transpose((1, 0)))
-                return acc[...]
-
-            def dpt_fn(acc):
-                plgpu.wgmma(acc, v_smem, do_smem.transpose((1, 0)))
-                return acc[...]
-
-            s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32)) + bad
-            dp_t = pl.run_scoped(dpt_fn, plgpu.ACC((bkv, bq), jnp.float32))
+            s_t = _wgmma(k_smem, q_smem.transpose((1, 0)), (bkv, bq)) + bad
+            dp_t = _wgmma(v_smem, do_smem.transpose((1, 0)), (bkv, bq))
             y, dcap = _logits(s_t, st)
             q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
             allowed = ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
-            y2 = jnp.where(allowed, y * _LOG2E, -jnp.inf)
-            p_t = jnp.exp2(y2 - lax.broadcast_in_dim(lse2, (bkv, bq), [1]))
-            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
-            if dcap is not None:
-                ds_t = ds_t * dcap
+            p_t, ds_t = _probs_and_dlogits(y, dcap, dp_t, allowed, lse2, delta, row_axis=1)
             # No 0 * NaN from a refused pair (lse2, delta' or dP^T of a query that does
             # not attend the key may be garbage).
             p_t = jnp.where(allowed, p_t, 0.0)
@@ -318,16 +312,8 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
             ds_smem[...] = ds_t.astype(dtype)
             plgpu.commit_smem()
 
-            def dv_fn(acc):
-                plgpu.wgmma(acc, p_smem, do_b)
-                return acc[...]
-
-            def dk_fn(acc):
-                plgpu.wgmma(acc, ds_smem, q_b)
-                return acc[...]
-
-            dv_acc = dv_acc + pl.run_scoped(dv_fn, plgpu.ACC((bkv, dh), jnp.float32))
-            dk_acc = dk_acc + pl.run_scoped(dk_fn, plgpu.ACC((bkv, dh), jnp.float32))
+            dv_acc = dv_acc + _wgmma(p_smem, do_b, (bkv, dh))
+            dk_acc = dk_acc + _wgmma(ds_smem, q_b, (bkv, dh))
             return dk_acc, dv_acc
 
         def head_loop(hh, carry):

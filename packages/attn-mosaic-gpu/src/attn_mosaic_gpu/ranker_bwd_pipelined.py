@@ -105,6 +105,7 @@ from attn_common.packed import (
     ranker_mask_from_key_table,
     ranker_mask_from_query_table,
 )
+from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import memory_registers
@@ -196,14 +197,7 @@ def pipelined_smem_bytes(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
+class _Static(RankerKernelStatic):
     num_stages: int
     # exp2_fma_cols / rcp_fma_cols: key (dq) or query (dk/dv) columns of each 64 x 64
     #   tile whose exp2 / soft_sign reciprocal run on the FMA pipe (attn_mosaic_gpu.
@@ -594,7 +588,7 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
 def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
+    group = st.group_size
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
@@ -666,7 +660,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
     """
     b = BLOCK
     num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
+    group = st.group_size
     programs = st.dq_programs
     tiles = st.seq_pad // (_COMPUTE_WGS * b)
     num_tiles = st.q_heads * tiles * st.batch
@@ -797,7 +791,7 @@ def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, com
     bufs, _, ready, (consumed, _) = scoped
     q_smem, do_smem, lse_smem, delta_smem = bufs[2:6]
     q_ready, do_ready, lse_ready, delta_ready = ready
-    b, group = BLOCK, st.q_heads // st.kv_heads
+    b, group = BLOCK, st.group_size
     head_steps, total_steps = steps
     plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
 
@@ -819,7 +813,7 @@ def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, com
 def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     b = BLOCK
     num_slots = st.num_stages
-    group = st.q_heads // st.kv_heads
+    group = st.group_size
     per_step_kv = _dkv_per_step_kv(st)
     compute_registers = _DKV_COMPUTE_REGISTERS if per_step_kv else _COMPUTE_REGISTERS
 

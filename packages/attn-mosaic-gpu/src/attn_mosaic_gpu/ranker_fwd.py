@@ -135,7 +135,9 @@ from attn_common.packed import (
     packed_step_list,
     ranker_mask_from_query_table,
 )
+from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import (
     LAUNCH_REGISTERS,
@@ -284,30 +286,11 @@ def validate_config(
         )
 
 
-def _resolve_interpret(interpret):
-    if interpret is None or interpret is False:
-        return None
-    if interpret is True:
-        return plgpu.InterpretGPUParams()
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    raise TypeError(
-        f"interpret: got {type(interpret).__name__}, expected a bool or "
-        "jax.experimental.pallas.mosaic_gpu.InterpretGPUParams"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """Static facts the kernel is specialised on (hashable: a jit static argument)."""
+class _Static(RankerKernelStatic):
+    """Static facts the kernel is specialised on (hashable: a jit static argument): the
+    padded problem plus the tiling and schedule."""
 
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
     block_q: int
     block_kv: int
     num_stages: int
@@ -806,7 +789,7 @@ def _tile_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
     q_head = lax.axis_index(_axes.HEADS)
     q_tile = lax.axis_index(_axes.Q_TILES)
     wg = lax.axis_index(_axes.WARPGROUP)
-    kv_head = lax.div(q_head, jnp.int32(st.q_heads // st.kv_heads))
+    kv_head = lax.div(q_head, jnp.int32(st.group_size))
     tile_start, ranges, bnds = _tile_info(st, refs.bounds, refs.steps, batch, q_tile)
     total_steps = ranges.total_steps
     tile = (batch, q_head, wg, tile_start, ranges, total_steps, bnds)
@@ -892,7 +875,7 @@ def _persistent_memory_wg(st: _Static, refs: _Refs, scoped, program, my_tiles):
 
     def tile_steps(j):
         q_head, batch, _, ranges, _ = _persistent_tile_of(st, refs, program, j)
-        kv_head = lax.div(q_head, jnp.int32(st.q_heads // st.kv_heads))
+        kv_head = lax.div(q_head, jnp.int32(st.group_size))
 
         def issue(i, step, slot):
             rows = (batch, pl.ds(ranges.block_at(i) * block_kv, block_kv), kv_head)
@@ -1089,7 +1072,7 @@ def ranker_attention_fwd(
         cap=problem.cap,
         packed=bool(users),
     )
-    interpret = _resolve_interpret(interpret)
+    interpret = resolve_interpret(interpret)
 
     seq = problem.seq_len
     tile = math.lcm(2 * config.block_q, config.block_kv)
@@ -1098,13 +1081,7 @@ def ranker_attention_fwd(
         pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
     st = _Static(
-        batch=problem.batch,
-        seq_pad=seq_pad,
-        q_heads=problem.q_heads,
-        kv_heads=problem.kv_heads,
-        head_dim=problem.head_dim,
-        sm_scale=problem.sm_scale,
-        cap=problem.cap,
+        **problem.padded(seq_pad),
         block_q=config.block_q,
         block_kv=config.block_kv,
         num_stages=config.num_stages,

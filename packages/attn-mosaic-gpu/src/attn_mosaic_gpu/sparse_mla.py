@@ -25,9 +25,8 @@ import jax.numpy as jnp
 
 from attn_common.fp8_cache import fp8_unsupported
 from attn_common.paged import write_back_by_scatter, write_then_attend
-from attn_common.sparse_mla import empty_result
 from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
-from attn_common.sparse_mla_xla import attn_mass_from_lse, with_xla_backward
+from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import (
     PrefillCall,
     SparseMlaCall,
@@ -123,12 +122,8 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
         )
     config = config or SparseMlaKernelConfig()
     interpret = resolve_interpret(call.interpret)
-    if problem.is_empty:
-        return empty_result(problem, call.return_lse, call.return_attn_mass)
     forward = functools.partial(_kernel_forward, config=config, interpret=interpret)
-    out, lse = with_xla_backward(forward)(call)
-    mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
-    return call.result(out, lse, mass)
+    return kernel_result(call, forward)
 
 
 def _kernel_forward(call: SparseMlaCall, *, config, interpret):

@@ -109,6 +109,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 
 __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
@@ -823,20 +824,6 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
         )
 
     return entry
-
-
-def resolve_interpret(interpret):
-    """``False``/``None`` -> ``None`` (compile for the GPU); ``True`` -> default params."""
-    if interpret is None or interpret is False:
-        return None
-    if interpret is True:
-        return plgpu.InterpretGPUParams()
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    raise TypeError(
-        f"interpret: got {type(interpret).__name__}, expected a bool or "
-        "jax.experimental.pallas.mosaic_gpu.InterpretGPUParams"
-    )
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))

@@ -113,6 +113,7 @@ __all__ = [
     "TPU_CHIPS",
     "VMEM_USABLE_FRACTION",
     "VPU_OPS_PER_SCORE",
+    "PlanShape",
     "SparseMlaPlan",
     "TpuChip",
     "block_union_sizes",
@@ -349,15 +350,60 @@ class SparseMlaPlan:
     chip: str
 
 
-def _unit_seconds(
-    *, rows: int, read_block: int, dk_pad: int, dv: int, itemsize: int, chip: TpuChip
-) -> float:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanShape:
+    """The problem shape the model prices: the keywords every planner function takes.
+
+    heads: ``H`` (score rows per query).
+    read_block / dk_pad / dv / itemsize: unit rows, padded key width, value width, bytes
+      per KV element.
+    top_k: ``K`` (size of the per-query unit lists in SMEM).
+    chip: the target chip (:func:`chip_for_device_kind`).
+    num_units: units per request (bounds the qblock's static chunk count ``C``); only
+      the query-blocked model needs it.
+    """
+
+    heads: int
+    read_block: int
+    dk_pad: int
+    dv: int
+    itemsize: int
+    top_k: int
+    chip: TpuChip
+    num_units: int | None = None
+
+    @property
+    def unit_bytes(self) -> int:
+        """HBM bytes of one unit (``read_block`` KV rows of ``Dk_pad`` features)."""
+        return self.read_block * self.dk_pad * self.itemsize
+
+    def vmem_bytes(self, *, rows: int, query_block: int, u_max: int) -> int:
+        """:func:`qblock_vmem_bytes` of one qblock program at this shape."""
+        return qblock_vmem_bytes(
+            rows=rows,
+            query_block=query_block,
+            u_max=u_max,
+            read_block=self.read_block,
+            dk_pad=self.dk_pad,
+            dv=self.dv,
+            itemsize=self.itemsize,
+        )
+
+    def units_per_request(self) -> int:
+        """``num_units``, which the query-blocked model needs."""
+        if self.num_units is None:
+            raise ValueError("num_units: missing; the query-blocked model needs it")
+        return self.num_units
+
+
+def _unit_seconds(s: PlanShape, rows: int) -> float:
     """Seconds one unit costs inside a program: max(compute, transfer, ring issue rate)."""
+    chip = s.chip
     mxu_eff = min(1.0, rows / chip.mxu_dim)
-    flops = 2 * read_block * rows * (dk_pad + dv)
+    flops = 2 * s.read_block * rows * (s.dk_pad + s.dv)
     t_mxu = flops / (chip.mxu_flops / chip.cores * mxu_eff)
-    t_vpu = VPU_OPS_PER_SCORE * read_block * rows / (chip.vpu_ops / chip.cores)
-    t_transfer = read_block * dk_pad * itemsize / chip.hbm_bytes_per_s
+    t_vpu = VPU_OPS_PER_SCORE * s.read_block * rows / (chip.vpu_ops / chip.cores)
+    t_transfer = s.unit_bytes / chip.hbm_bytes_per_s
     t_issue = DMA_LATENCY_S / (NBUF - 1)
     return max(t_mxu + t_vpu, t_transfer, t_issue)
 
@@ -370,127 +416,59 @@ def _spread(xp, chains, repeat: int, cores: int):
     return xp.maximum(chains.sum() * (repeat / cores), chains.max())
 
 
-def _per_query_seconds(
-    xp,
-    d,
-    *,
-    heads: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    top_k: int,
-    chip: TpuChip,
-):
+def _per_query_seconds(xp, d, s: PlanShape):
     """The per-query model on a float array ``d`` of distinct units per query (``xp`` is
     numpy or jax.numpy): seconds."""
     n = d.size
-    kv = d.sum() * (read_block * dk_pad * itemsize)
-    other = n * heads * (dk_pad * itemsize + dv * 4 + 4) + n * (2 * top_k * 4 + 8)
-    t_unit = _unit_seconds(
-        rows=heads, read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize, chip=chip
-    )
-    chains = STEP_OVERHEAD_S + (d > 0) * DMA_LATENCY_S + d * t_unit
-    return xp.maximum(_spread(xp, chains, 1, chip.cores), (kv + other) / chip.hbm_bytes_per_s)
+    kv = d.sum() * s.unit_bytes
+    other = n * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4) + n * (2 * s.top_k * 4 + 8)
+    chains = STEP_OVERHEAD_S + (d > 0) * DMA_LATENCY_S + d * _unit_seconds(s, s.heads)
+    return xp.maximum(_spread(xp, chains, 1, s.chip.cores), (kv + other) / s.chip.hbm_bytes_per_s)
 
 
-def _qblock_seconds(
-    xp,
-    u,
-    *,
-    query_block: int,
-    head_block: int,
-    u_max: int,
-    heads: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    top_k: int,
-    num_units: int,
-    chip: TpuChip,
-):
+def _qblock_seconds(xp, u, s: PlanShape, *, query_block: int, head_block: int, u_max: int):
     """The query-blocked model on a float array ``u`` of union sizes per block: seconds."""
-    if heads % head_block:
-        raise ValueError(f"head_block {head_block} does not divide heads {heads}")
-    groups = heads // head_block
+    if s.heads % head_block:
+        raise ValueError(f"head_block {head_block} does not divide heads {s.heads}")
+    groups = s.heads // head_block
     u_pad = _round_up(max(u_max, 1), MEMBER_TILE)  # the kernel's chunk width
-    n_chunks = max(1, -(-lossless_u_max(query_block, top_k, num_units) // u_pad))
+    lossless = lossless_u_max(query_block, s.top_k, s.units_per_request())
+    n_chunks = max(1, -(-lossless // u_pad))
     busy = xp.ceil(u / u_pad)  # non-empty chunks per block
-    kv = u.sum() * groups * (read_block * dk_pad * itemsize)
+    kv = u.sum() * groups * s.unit_bytes
     padded_queries = u.size * query_block
-    other = padded_queries * heads * (dk_pad * itemsize + dv * 4 + 4) + groups * (
+    other = padded_queries * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4) + groups * (
         busy.sum() * (u_pad * query_block + 2 * u_pad * 4) + u.size * (query_block * 4 + 4)
     )
-    t_unit = _unit_seconds(
-        rows=head_block * query_block,
-        read_block=read_block,
-        dk_pad=dk_pad,
-        dv=dv,
-        itemsize=itemsize,
-        chip=chip,
-    )
+    t_unit = _unit_seconds(s, head_block * query_block)
     chains = n_chunks * STEP_OVERHEAD_S + busy * DMA_LATENCY_S + u * t_unit
-    compute = _spread(xp, chains, groups, chip.cores)
-    return xp.maximum(compute, (kv + other) / chip.hbm_bytes_per_s)
+    compute = _spread(xp, chains, groups, s.chip.cores)
+    return xp.maximum(compute, (kv + other) / s.chip.hbm_bytes_per_s)
 
 
-def predict_per_query(
-    *,
-    distinct_per_query: np.ndarray,
-    heads: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    top_k: int,
-    chip: TpuChip,
-) -> SparseMlaPlan:
+def predict_per_query(*, distinct_per_query: np.ndarray, **shape) -> SparseMlaPlan:
     """Modelled cost of the per-query kernel.
 
     Args:
       distinct_per_query: int array, any shape (one entry per query): distinct valid
         units per query (:func:`distinct_units_per_query`).
-      heads: ``H`` (score rows per program).
-      read_block / dk_pad / dv / itemsize: unit rows, padded key width, value width,
-        bytes per KV element.
-      top_k: ``K`` (size of the per-query unit lists in SMEM).
-      chip: the target chip.
+      **shape: the problem shape, the fields of :class:`PlanShape` (``num_units`` may
+        be left out).
 
     Per query: one grid step, one DMA-latency prologue if it has any unit, and its
     distinct units at ``rows = H`` score rows.
     """
+    s = PlanShape(**shape)
     d = np.asarray(distinct_per_query, np.int64).ravel()
     units = int(d.sum())
-    t = _per_query_seconds(
-        np,
-        d.astype(np.float64),
-        heads=heads,
-        read_block=read_block,
-        dk_pad=dk_pad,
-        dv=dv,
-        itemsize=itemsize,
-        top_k=top_k,
-        chip=chip,
+    t = _per_query_seconds(np, d.astype(np.float64), s)
+    return SparseMlaPlan(
+        "per_query", None, None, None, units * s.unit_bytes, units, float(t), s.chip.name
     )
-    kv = units * read_block * dk_pad * itemsize
-    return SparseMlaPlan("per_query", None, None, None, kv, units, float(t), chip.name)
 
 
 def predict_qblock(
-    *,
-    union_sizes: np.ndarray,
-    query_block: int,
-    head_block: int,
-    u_max: int,
-    heads: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    top_k: int,
-    num_units: int,
-    chip: TpuChip,
+    *, union_sizes: np.ndarray, query_block: int, head_block: int, u_max: int, **shape
 ) -> SparseMlaPlan:
     """Modelled cost of the chunked query-blocked kernel for one configuration.
 
@@ -499,100 +477,48 @@ def predict_qblock(
         ``query_block`` queries (:func:`block_union_sizes`; padded tail blocks included).
       query_block / head_block / u_max: ``QB``, ``Hb`` (a divisor of ``heads``) and the
         chunk width in union slots (rounded up to 32, as the kernel does).
-      num_units: units per request (bounds the static chunk count ``C``).
-      Others as in :func:`predict_per_query`.
+      **shape: the problem shape, the fields of :class:`PlanShape` (``num_units``
+        included: it bounds the static chunk count ``C``).
 
     Per (block, group): ``C = ceil(min(QB * K, num_units) / u_pad)`` grid steps, one
     DMA-latency prologue per non-empty chunk (``ceil(union / u_pad)``) and ``union``
     units at ``rows = Hb * QB`` score rows.
     """
+    return _predict_qblock(union_sizes, PlanShape(**shape), query_block, head_block, u_max)
+
+
+def _predict_qblock(union_sizes, s: PlanShape, query_block: int, head_block: int, u_max: int):
     u = np.asarray(union_sizes, np.int64).ravel()
-    t = _qblock_seconds(
-        np,
-        u.astype(np.float64),
-        query_block=query_block,
-        head_block=head_block,
-        u_max=u_max,
-        heads=heads,
-        read_block=read_block,
-        dk_pad=dk_pad,
-        dv=dv,
-        itemsize=itemsize,
-        top_k=top_k,
-        num_units=num_units,
-        chip=chip,
+    cfg = dict(query_block=query_block, head_block=head_block, u_max=u_max)
+    t = _qblock_seconds(np, u.astype(np.float64), s, **cfg)
+    units = int(u.sum()) * (s.heads // head_block)
+    return SparseMlaPlan(
+        "qblock", query_block, head_block, u_max, units * s.unit_bytes, units, float(t), s.chip.name
     )
-    units = int(u.sum()) * (heads // head_block)
-    kv = units * read_block * dk_pad * itemsize
-    return SparseMlaPlan("qblock", query_block, head_block, u_max, kv, units, float(t), chip.name)
 
 
-def per_query_seconds(
-    distinct_per_query: jax.Array,
-    *,
-    heads: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    top_k: int,
-    chip: TpuChip,
-) -> jax.Array:
+def per_query_seconds(distinct_per_query: jax.Array, **shape) -> jax.Array:
     """:func:`predict_per_query`'s modelled seconds as a float32 jnp scalar (jit-able).
 
     For a runtime comparison under ``jax.jit`` (e.g. a ``lax.cond`` between the two
     kernels on modelled time rather than on bytes). ``distinct_per_query``: int, any
-    shape (:func:`distinct_units_per_query`).
+    shape (:func:`distinct_units_per_query`); ``**shape``: as in :func:`predict_per_query`.
     """
     d = jnp.asarray(distinct_per_query).astype(jnp.float32).ravel()
-    return _per_query_seconds(
-        jnp,
-        d,
-        heads=heads,
-        read_block=read_block,
-        dk_pad=dk_pad,
-        dv=dv,
-        itemsize=itemsize,
-        top_k=top_k,
-        chip=chip,
-    ).astype(jnp.float32)
+    return _per_query_seconds(jnp, d, PlanShape(**shape)).astype(jnp.float32)
 
 
 def qblock_seconds(
-    union_sizes: jax.Array,
-    *,
-    query_block: int,
-    head_block: int,
-    u_max: int,
-    heads: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    top_k: int,
-    num_units: int,
-    chip: TpuChip,
+    union_sizes: jax.Array, *, query_block: int, head_block: int, u_max: int, **shape
 ) -> jax.Array:
     """:func:`predict_qblock`'s modelled seconds as a float32 jnp scalar (jit-able).
 
-    ``union_sizes``: int, any shape, one entry per block (:func:`block_union_sizes`).
+    ``union_sizes``: int, any shape, one entry per block (:func:`block_union_sizes`);
+    the keywords as in :func:`predict_qblock`.
     """
     u = jnp.asarray(union_sizes).astype(jnp.float32).ravel()
-    return _qblock_seconds(
-        jnp,
-        u,
-        query_block=query_block,
-        head_block=head_block,
-        u_max=u_max,
-        heads=heads,
-        read_block=read_block,
-        dk_pad=dk_pad,
-        dv=dv,
-        itemsize=itemsize,
-        top_k=top_k,
-        num_units=num_units,
-        chip=chip,
-    ).astype(jnp.float32)
+    cfg = dict(query_block=query_block, head_block=head_block, u_max=u_max)
+    return _qblock_seconds(jnp, u, PlanShape(**shape), **cfg).astype(jnp.float32)
 
 
 def _u_max_widths(largest: int) -> list[int]:
@@ -613,15 +539,8 @@ def choose_plan(
     *,
     distinct_per_query: np.ndarray,
     union_sizes: Mapping[int, np.ndarray],
-    heads: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    top_k: int,
-    num_units: int,
-    chip: TpuChip,
     max_rows: int = 4096,
+    **shape,
 ) -> SparseMlaPlan:
     """The fastest modelled kernel configuration for these selections.
 
@@ -629,9 +548,9 @@ def choose_plan(
       distinct_per_query: int array, any shape (summed): distinct valid units per query.
       union_sizes: ``{query_block: int array of the true union size per block}`` for
         each candidate ``QB`` (a multiple of 8), e.g. from :func:`block_union_sizes`.
-      heads, read_block, dk_pad, dv, itemsize, top_k, num_units: the problem shape.
-      chip: the target (:func:`chip_for_device_kind`).
       max_rows: cap on ``head_block * query_block`` score rows per program.
+      **shape: the problem shape, the fields of :class:`PlanShape` (``num_units``
+        included; ``chip`` from :func:`chip_for_device_kind`).
 
     Searches ``QB`` in ``union_sizes``, ``Hb`` over divisors of ``heads`` with
     ``Hb * QB <= max_rows``, and ``u_max`` over multiples of 32 up to the largest union
@@ -640,10 +559,9 @@ def choose_plan(
     many KV bytes as per-query. Returns the fastest of them if it is predicted strictly
     faster than per-query, else the per-query plan (also for empty inputs).
     """
-    shape = dict(read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize)
-    per_query = predict_per_query(
-        distinct_per_query=distinct_per_query, heads=heads, top_k=top_k, chip=chip, **shape
-    )
+    s = PlanShape(**shape)
+    chip = s.chip
+    per_query = predict_per_query(distinct_per_query=distinct_per_query, **shape)
     if per_query.kv_bytes == 0:
         return per_query
     best: SparseMlaPlan | None = None
@@ -652,27 +570,17 @@ def choose_plan(
         u = np.asarray(union_sizes[query_block], np.int64)
         if u.size == 0 or u.max() <= 0:
             continue
-        if int(u.sum()) * read_block * dk_pad * itemsize >= per_query.kv_bytes:
+        if int(u.sum()) * s.unit_bytes >= per_query.kv_bytes:
             continue  # even one head group moves no fewer bytes
-        for head_block in (d for d in range(1, heads + 1) if heads % d == 0):
+        for head_block in (d for d in range(1, s.heads + 1) if s.heads % d == 0):
             rows = head_block * query_block
             if rows > max_rows:
                 break
             for u_max in _u_max_widths(int(u.max())):
-                vmem = qblock_vmem_bytes(rows=rows, query_block=query_block, u_max=u_max, **shape)
+                vmem = s.vmem_bytes(rows=rows, query_block=query_block, u_max=u_max)
                 if vmem > chip.vmem_bytes or not _smem_ok(u_max, chip):
                     continue
-                plan = predict_qblock(
-                    union_sizes=u,
-                    query_block=query_block,
-                    head_block=head_block,
-                    u_max=u_max,
-                    heads=heads,
-                    top_k=top_k,
-                    num_units=num_units,
-                    chip=chip,
-                    **shape,
-                )
+                plan = _predict_qblock(u, s, query_block, head_block, u_max)
                 if plan.kv_bytes >= per_query.kv_bytes:
                     continue
                 if best is None or (plan.predicted_s, plan.kv_bytes) < (
@@ -685,19 +593,11 @@ def choose_plan(
     return per_query
 
 
-def static_qblock_config(
-    *,
-    heads: int,
-    top_k: int,
-    num_units: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    chip: TpuChip,
-    max_rows: int = 4096,
-) -> tuple[int, int, int]:
+def static_qblock_config(*, max_rows: int = 4096, **shape) -> tuple[int, int, int]:
     """``(query_block, head_block, u_max)`` from shapes only (unions unknown, under jit).
+
+    ``**shape``: the problem shape, the fields of :class:`PlanShape` (``num_units``
+    included).
 
     Heuristic: every head group re-fetches the block's union, so prefer one group
     (``head_block = heads``) with the largest ``query_block`` (a multiple of 8, at most
@@ -712,14 +612,15 @@ def static_qblock_config(
     Raises:
       ValueError: if no configuration fits (not even 8 queries x 1 head).
     """
-    shape = dict(read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize)
+    s = PlanShape(**shape)
+    chip, heads = s.chip, s.heads
 
     def u_max_for(query_block: int, head_block: int) -> int | None:
-        lossless = _round_up(lossless_u_max(query_block, top_k, num_units), MEMBER_TILE)
-        u_max = min(lossless, STATIC_U_MAX_CAP)
+        lossless = lossless_u_max(query_block, s.top_k, s.units_per_request())
+        u_max = min(_round_up(lossless, MEMBER_TILE), STATIC_U_MAX_CAP)
         rows = head_block * query_block
         while u_max >= MEMBER_TILE:
-            vmem = qblock_vmem_bytes(rows=rows, query_block=query_block, u_max=u_max, **shape)
+            vmem = s.vmem_bytes(rows=rows, query_block=query_block, u_max=u_max)
             if vmem <= chip.vmem_bytes and _smem_ok(u_max, chip):
                 return u_max
             u_max -= MEMBER_TILE
@@ -738,7 +639,7 @@ def static_qblock_config(
             return 8, head_block, u_max
     raise ValueError(
         f"no query-blocked configuration fits {chip.name} VMEM ({chip.vmem_bytes} bytes) "
-        f"for heads={heads}, read_block={read_block}, dk_pad={dk_pad}, dv={dv}"
+        f"for heads={heads}, read_block={s.read_block}, dk_pad={s.dk_pad}, dv={s.dv}"
     )
 
 

@@ -141,7 +141,7 @@ def _build_dq_kernel(st: RankerStatic):
 def _build_dkv_kernel(st: RankerStatic):
     bq, bkv = st.block_q, st.block_kv
     q_steps = st.q_tiles
-    n_steps = st.group * q_steps
+    n_steps = st.group_size * q_steps
 
     def kernel(
         bounds_ref, tab_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
@@ -186,7 +186,7 @@ def _build_dkv_kernel(st: RankerStatic):
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret):
     """Kernel-layout q/k/v/dO; lse, delta' ``[B, Hq, 1, S_pad]``; clipped bounds."""
-    group, q_steps = st.group, st.q_tiles
+    group, q_steps = st.group_size, st.q_tiles
     flat_bounds = bounds.reshape(-1)
     params = pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=VMEM_LIMIT_BYTES)
 

@@ -83,7 +83,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import CapParams, KernelConfig, cap_forward, check_ranker_inputs, ranker_mask
+from attn_common import KernelConfig, cap_forward, check_ranker_inputs, ranker_mask
 from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
@@ -97,6 +97,7 @@ from attn_common.packed import (
     packed_step_table,
     ranker_mask_users,
 )
+from attn_common.ranker import RankerKernelStatic
 from attn_common.spec import RankerCall, public_op, ranker_call
 from attn_pallas_tpu._prep import resolve_interpret
 
@@ -170,16 +171,10 @@ def validate_config(config: KernelConfig) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankerStatic:
-    """Static facts the kernels are specialised on (hashable: a jit static argument)."""
+class RankerStatic(RankerKernelStatic):
+    """Static facts the kernels are specialised on (hashable: a jit static argument): the
+    padded problem plus the tiles."""
 
-    batch: int
-    seq_pad: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    sm_scale: float
-    cap: CapParams
     block_q: int
     block_kv: int
     packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
@@ -189,10 +184,6 @@ class RankerStatic:
         """Block runs per tile in the step tables: 0 (the two-run one-user layout) or
         ``2U`` (packed, ``attn_common.packed``)."""
         return packed_runs_per_tile(self.packed_users) if self.packed_users else 0
-
-    @property
-    def group(self) -> int:
-        return self.q_heads // self.kv_heads
 
     @property
     def q_tiles(self) -> int:
@@ -211,13 +202,7 @@ class RankerStatic:
 def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerStatic:
     lcm = math.lcm(config.block_q, config.block_kv)
     return RankerStatic(
-        batch=problem.batch,
-        seq_pad=round_up(problem.seq_len, lcm),
-        q_heads=problem.q_heads,
-        kv_heads=problem.kv_heads,
-        head_dim=problem.head_dim,
-        sm_scale=problem.sm_scale,
-        cap=problem.cap,
+        **problem.padded(round_up(problem.seq_len, lcm)),
         block_q=config.block_q,
         block_kv=config.block_kv,
         packed_users=packed_users,
@@ -508,7 +493,7 @@ def _build_fwd_kernel(st: RankerStatic):
 def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
     """q/k/v in kernel layout; bounds clipped int32 ``[B, 4]`` (or ``[B, U, 4]``).
     Returns (out, lse)."""
-    group = st.group
+    group = st.group_size
     tab = kv_step_table(bounds, st)
 
     def q_index(b, h, i, j, bounds_ref, tab_ref):

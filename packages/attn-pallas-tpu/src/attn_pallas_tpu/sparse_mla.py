@@ -43,8 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common.sparse_mla import empty_result
-from attn_common.sparse_mla_xla import attn_mass_from_lse, with_xla_backward
+from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._prep import (
     SUBLANE,
@@ -221,8 +220,6 @@ def sparse_mla_attention(call: SparseMlaCall):
     """
     problem = require_tpu_kernels(call)
     interpret = resolve_interpret(call.interpret)
-    if problem.is_empty:
-        return empty_result(problem, call.return_lse, call.return_attn_mass)
 
     def forward(c: SparseMlaCall):
         return _per_query(
@@ -230,9 +227,7 @@ def sparse_mla_attention(call: SparseMlaCall):
             **c.ragged_kwargs(),
         )  # fmt: skip
 
-    out, lse = with_xla_backward(forward)(call)
-    mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
-    return call.result(out, lse, mass)
+    return kernel_result(call, forward)
 
 
 def _per_query(problem, q, kv, indices, positions, *, return_lse, interpret, **ragged):

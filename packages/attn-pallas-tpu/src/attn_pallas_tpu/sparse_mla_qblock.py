@@ -75,8 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.metadata import is_concrete
-from attn_common.sparse_mla import empty_result
-from attn_common.sparse_mla_xla import attn_mass_from_lse, with_xla_backward
+from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_pallas_tpu._prep import (
@@ -365,12 +364,8 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
     if head_block is not None:
         _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
     interpret = resolve_interpret(call.interpret)
-    if problem.is_empty:
-        return empty_result(problem, call.return_lse, call.return_attn_mass)
     forward = functools.partial(_forward, max_rows=max_rows, interpret=interpret)
-    out, lse = with_xla_backward(forward)(call)
-    mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
-    return call.result(out, lse, mass)
+    return kernel_result(call, forward)
 
 
 def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
@@ -432,9 +427,7 @@ def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
     qblock_dmas = (problem.heads // hb) * jnp.sum(unions)
     per_query_dmas = jnp.sum(distinct)
     qblock_s = qblock_seconds(unions, query_block=qb, head_block=hb, u_max=plan_u_max, **shape_args)
-    per_query_s = per_query_seconds(
-        distinct, **{k: v for k, v in shape_args.items() if k != "num_units"}
-    )
+    per_query_s = per_query_seconds(distinct, **shape_args)
     return jax.lax.cond(
         (qblock_dmas < per_query_dmas) & (qblock_s < per_query_s),
         lambda: qblock(query_block=qb, head_block=hb, u_max=plan_u_max),
