@@ -621,6 +621,19 @@ def _tile_compute_wg(st: _Static, dtype, refs: _Refs, scoped, tile, *, compiled:
     plgpu.wait_smem_to_gmem(0)
 
 
+def _drain_ring(k_consumed, v_consumed, num_slots: int, total_steps):
+    """The memory WG's last waits: observe the consumption of the last ``num_slots`` of
+    ``total_steps`` ring steps, so that every completed phase of the consumed barriers is
+    waited on before they are freed (interpret mode checks this; on the GPU it costs an
+    idle warpgroup a few waits)."""
+
+    @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
+    def _drain(step):
+        slot = lax.rem(step, jnp.int32(num_slots))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+
 def _tile_memory_wg(st: _Static, refs: _Refs, scoped, batch, kv_head, ranges, total_steps):
     """The memory WG of the one-tile kernel: fill the K/V ring (prologue), refill a slot
     once both compute WGs consumed it (steady), then observe the last consumptions
@@ -652,15 +665,7 @@ def _tile_memory_wg(st: _Static, refs: _Refs, scoped, batch, kv_head, ranges, to
         plgpu.barrier_wait(v_consumed.at[slot])
         plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-    # Drain: observe the consumption of the last num_slots steps, so that every
-    # completed phase of the consumed barriers is waited on before they are
-    # freed (interpret mode checks this; on the GPU it costs an idle warpgroup
-    # a few waits).
-    @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
-    def _drain(step):
-        slot = lax.rem(step, jnp.int32(num_slots))
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
+    _drain_ring(k_consumed, v_consumed, num_slots, total_steps)
 
 
 def _tile_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
@@ -776,11 +781,7 @@ def _persistent_memory_wg(st: _Static, refs: _Refs, scoped, program, my_tiles):
 
     total = ring_walk(my_tiles, num_slots, tile_steps)
 
-    @pl.loop(jnp.maximum(total - num_slots, 0), total)
-    def _drain(step):
-        slot = lax.rem(step, jnp.int32(num_slots))
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
+    _drain_ring(k_consumed, v_consumed, num_slots, total)
 
 
 def _persistent_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
