@@ -168,10 +168,6 @@ class Layout:
         return self.bounds.shape[0]
 
     @property
-    def users_per_row(self) -> int:
-        return self.bounds.shape[1]
-
-    @property
     def tokens(self) -> int:
         return self.rows * self.seq_len
 
@@ -215,7 +211,7 @@ def build_layouts(problem: Problem, seed: int, max_users_per_row: int | None) ->
         p = pack_users(hist, cand, seq_len=seq_len, max_users_per_row=max_users_per_row)
         cap = "" if max_users_per_row is None else f", U<={max_users_per_row}"
         print(
-            f"  packed S={seq_len}{cap}: {p.rows} rows, U={p.users_per_row}, "
+            f"  packed S={seq_len}{cap}: {p.rows} rows, U={p.bounds.shape[1]}, "
             f"{time.perf_counter() - start:.2f} s"
         )
         layouts.append(Layout(f"packed S={seq_len}{cap}", seq_len, True, p.bounds, real))
@@ -933,7 +929,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "packed": layout.packed,
             "rows": layout.rows,
             "users": layout.users_in(np.arange(layout.rows)),
-            "users_per_row": layout.users_per_row,
+            "users_per_row": layout.bounds.shape[1],
             "tokens": layout.tokens,
             "real_tokens": layout.real_tokens,
             "tokens_per_user": layout.tokens / problem.users,
@@ -943,7 +939,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         row["visited_blocks"] = visited_blocks(layout.bounds, layout.seq_len, config)
         vb = row["visited_blocks"]
         print(
-            f"{layout.name}: {layout.rows} rows, U={layout.users_per_row}, "
+            f"{layout.name}: {layout.rows} rows, U={layout.bounds.shape[1]}, "
             f"{row['tokens_per_user']:.1f} tokens/user; visited blocks useful "
             f"{vb['useful_fraction']:.3f} ({time.perf_counter() - start:.1f} s; "
             f"{time.perf_counter() - t_start:.0f} s since start)",

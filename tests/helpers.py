@@ -685,6 +685,14 @@ def gpu_interpret():
     return plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
 
+def hopper_small_config():
+    """The smallest Hopper ranker tiles (64 x 64, two stages): the interpret-mode tests'
+    config, so a short sequence still spans several blocks."""
+    from attn_common import KernelConfig
+
+    return KernelConfig(block_q=64, block_kv=64, num_stages=2)
+
+
 def races_detected() -> bool:
     """Whether the last kernel run in Pallas interpret mode with ``detect_races=True``
     reported a data race, in Mosaic GPU's or Mosaic TPU's interpreter (each keeps the

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rng_for
+from helpers import gpu_interpret, hopper_small_config, rng_for
 
 from attn_common import CapMethod, CapParams, KernelConfig
 
@@ -75,14 +75,13 @@ def _tpu():
 
 
 def _gpu():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     attn_mosaic_gpu = pytest.importorskip(
         "attn_mosaic_gpu", reason="not installed: pip install ./packages/attn-mosaic-gpu"
     )
 
-    interpret = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
-    config = KernelConfig(block_q=64, block_kv=64, num_stages=2)
+    interpret = gpu_interpret()
+    config = hopper_small_config()
     return functools.partial(attn_mosaic_gpu.ranker_attention, config=config, interpret=interpret)
 
 

@@ -23,6 +23,8 @@ import pytest
 from helpers import (
     assert_ranker_grads,
     check_ranker_grads,
+    gpu_interpret,
+    hopper_small_config,
     races_detected,
     ranker_dead,
     ranker_grad_loss,
@@ -30,7 +32,6 @@ from helpers import (
     ranker_reference_grads,
     run_interpret,
 )
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds
 from attn_mosaic_gpu import ranker_attention
@@ -38,8 +39,8 @@ from attn_mosaic_gpu.ranker_bwd import SMEM_LIMIT_BYTES, bwd_smem_bytes, validat
 from attn_mosaic_gpu.tuning import BackwardTuning
 from attn_reference.ranker import ranker_attention as reference
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
-SMALL = KernelConfig(block_q=64, block_kv=64, num_stages=2)
+INTERPRET = gpu_interpret()
+SMALL = hopper_small_config()
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
 TANH = CapParams(CapMethod.TANH, 5.0)
 SOFT_SIGN = CapParams(CapMethod.SOFT_SIGN, 8.0)

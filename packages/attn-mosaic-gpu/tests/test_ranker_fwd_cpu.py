@@ -22,8 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ranker_kernel_inputs, ranker_reference_f32, run_interpret
-from jax.experimental.pallas import mosaic_gpu as plgpu
+from helpers import (
+    gpu_interpret,
+    hopper_small_config,
+    ranker_kernel_inputs,
+    ranker_reference_f32,
+    run_interpret,
+)
 
 from attn_common import CapMethod, CapParams, KernelConfig, SegmentBounds
 from attn_mosaic_gpu.ranker_fwd import (
@@ -35,8 +40,8 @@ from attn_mosaic_gpu.ranker_fwd import (
 )
 from attn_reference.ranker import ranker_attention
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
-SMALL = KernelConfig(block_q=64, block_kv=64, num_stages=2)
+INTERPRET = gpu_interpret()
+SMALL = hopper_small_config()
 TOL = {jnp.bfloat16: (2e-2, 3e-2), jnp.float16: (5e-3, 5e-3)}
 LSE_ATOL = 2e-3
 

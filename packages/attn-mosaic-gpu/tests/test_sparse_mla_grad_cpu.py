@@ -27,6 +27,7 @@ from helpers import (
     compare_sparse_mla_grads,
     dirty_ragged_grad_case,
     export_sparse_mla_grad,
+    gpu_interpret,
     poison_rows,
     randn,
     random_page_selection,
@@ -34,12 +35,11 @@ from helpers import (
     run_interpret,
     sparse_mla_flat_case,
 )
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+INTERPRET = gpu_interpret()
 DV, ROPE = 128, 64
 SM_SCALE = 0.07
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)  # same XLA backward; only its cotangent inputs differ
