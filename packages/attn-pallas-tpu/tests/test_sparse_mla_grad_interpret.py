@@ -23,10 +23,13 @@ import numpy as np
 import pytest
 from helpers import (
     attended_rows_flat,
+    build_ragged_layout,
     compare_sparse_mla_grads,
     dirty_ragged_grad_case,
     export_sparse_mla_grad,
     poison_rows,
+    randn,
+    random_page_selection,
     rng_for,
     run_interpret,
     sparse_mla_flat_case,
@@ -37,6 +40,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import attn_pallas_tpu as tpu
+import attn_reference as ref
 from attn_pallas_tpu import sparse_mla_bwd
 from attn_pallas_tpu.sparse_mla_bwd import invert_selection
 
@@ -231,3 +235,63 @@ def test_grad_cross_lowers_at_the_production_shape(heads):
         sm_scale=0.04, read_block=16,
     )  # fmt: skip
     assert text.count("tpu_custom_call") == 1 + BACKWARD_KERNELS
+
+
+@pytest.mark.slow  # the write-back, forward and both backward kernels interpreted
+def test_prefill_wrapper_gradient_reaches_the_query_parts():
+    """``prefill_write_and_attend_ragged``: ``ql`` and ``qpe`` get the reference
+    wrapper's gradients through the backward kernels (the paged write-back kernel has no
+    JVP, so not the new rows)."""
+    rng = rng_for(8)
+    page = 16
+    layout = build_ragged_layout(
+        rng, seq_lens=[20, 9], new_lens=[3, 2], extra_pages=[0, 1], page_size=page
+    )
+    num_pages, t = layout["num_pages"], 5
+    cache = randn(rng, (num_pages, page // 2, 2, 256), "bfloat16")
+    ql, qpe = randn(rng, (t, 2, DV), "bfloat16"), randn(rng, (t, 2, ROPE), "bfloat16")
+    kvc, kpe = randn(rng, (t, DV), "bfloat16"), randn(rng, (t, ROPE), "bfloat16")
+    idx = random_page_selection(rng, layout, 2, page)
+    pos = layout["positions"]
+    slot = layout["cu_kv_lens"][layout["q_seq_id"]] // page + pos // page
+    loc = (layout["page_indices"][slot] * page + pos % page).astype(np.int32)  # own row
+    args = (kvc, kpe, cache, idx, pos, loc, layout["seq_lens"], layout["cu_q_lens"],
+            layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
+
+    def grads(fn, **kw):
+        def loss(ql, qpe):
+            out, _ = fn(ql, qpe, *args, kv_lora_rank=DV, page_size=page, sm_scale=SM_SCALE, **kw)
+            return jnp.sum(out)
+
+        return jax.grad(loss, argnums=(0, 1))(ql, qpe)
+
+    got = run_interpret(lambda: grads(tpu.prefill_write_and_attend_ragged, interpret=INTERPRET))
+    with jax.default_matmul_precision("highest"):
+        want = grads(ref.prefill_write_and_attend_ragged)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.bfloat16 and np.abs(np.asarray(w, np.float32)).max() > 0
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(w, np.float32), **GRAD_TOL["bfloat16"]
+        )
+
+
+def test_backward_cost_counts():
+    """The cost model's counts at issue 40's shape (unit 16, H 128): the dKV walk moves
+    ``H (Dk_pad + Dv) / (RB Dk_pad)`` times the dq walk's bytes, one DMA per unit (dq) and
+    three per pair (dKV), and the FLOPs of the products it names."""
+    from attn_pallas_tpu.plan import TPU_CHIPS
+
+    n, h, k, rb, dk_pad, dv = 4096, 128, 128, 16, 640, 512
+    cost = sparse_mla_bwd.backward_cost(
+        TPU_CHIPS["v5e"], queries=n, heads=h, units=k, read_block=rb, cache_rows=32768,
+        dk_pad=dk_pad, dv=dv,
+    )  # fmt: skip
+    dq, dkv = cost["dq"], cost["dkv"]
+    assert dq["kv_bytes"] == n * k * rb * dk_pad * 2 and dq["dmas"] == n * k
+    assert dkv["kv_bytes"] == n * k * h * ((dk_pad + dv) * 2 + 8) and dkv["dmas"] == 3 * n * k
+    assert dkv["kv_bytes"] / dq["kv_bytes"] == pytest.approx(
+        h * (dk_pad + dv) / (rb * dk_pad), rel=1e-2
+    )
+    assert dq["flops"] == 2 * n * k * rb * h * (2 * dk_pad + dv)
+    assert dkv["flops"] == 4 * n * k * rb * h * (dk_pad + dv)
+    assert dq["seconds"] > 0 and dkv["seconds"] >= dkv["bytes"] / TPU_CHIPS["v5e"].hbm_bytes_per_s

@@ -193,11 +193,10 @@ def sparse_mla_attention(call: SparseMlaCall):
     (``S``, ``K`` or ``T`` = 0) gives ``out == 0``, ``lse == -inf``. Cache rows no query
     attends may hold anything.
 
-    Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the forward is the
-    kernel, the backward the reference's XLA path (the VJP of
-    ``attn_common.sparse_mla_xla.xla_sparse_mla``, recomputed from ``q`` and the cache)
-    until a backward kernel lands. ``return_attn_mass=True``: computed on XLA from the
-    kernel's LSE (``attn_mass_from_lse``).
+    Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the backward is two
+    Pallas kernels (``attn_pallas_tpu.sparse_mla_bwd``: dq per query, the cache gradient
+    over the inverted selection; deterministic). ``return_attn_mass=True``: computed on
+    XLA from the kernel's LSE (``attn_mass_from_lse``).
     """
     problem = require_tpu_kernels(call)
     interpret = resolve_interpret(call.interpret)

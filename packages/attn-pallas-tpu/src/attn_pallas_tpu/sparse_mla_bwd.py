@@ -499,4 +499,66 @@ def sparse_mla_result(call: SparseMlaCall, forward, *, interpret):
     return call.result(out, lse, mass)
 
 
-__all__ = ["PAIR_CHUNK", "invert_selection", "sparse_mla_result", "with_kernel_backward"]
+# -------------------------------------------------------------------------- cost model
+
+
+def backward_cost(chip, *, queries, heads, units, read_block, cache_rows, dk_pad, dv, itemsize=2):
+    """Counted bytes, FLOPs and DMAs of the two kernels for ``queries`` queries that each
+    attend ``units`` whole units of ``read_block`` rows (every pair valid: the end of a
+    prefill), over a cache of ``cache_rows`` rows, and the time ``attn_pallas_tpu.plan``'s
+    assumptions give on ``chip`` (a ``plan.TpuChip``): per unit / pair the slowest of its
+    MXU work (at ``rows / mxu_dim`` efficiency: ``H`` rows for dq, ``read_block`` for the
+    key-major dKV), its transfer at HBM bandwidth and the ring's issue rate
+    (``DMA_LATENCY_S / (NBUF - 1)``, the three copies of a pair counted as one), spread
+    over the TensorCores (dq; dKV runs on one: its grid is sequential), floored by all
+    bytes at HBM bandwidth. Returns ``{"dq": {...}, "dkv": {...}}`` with ``bytes``,
+    ``kv_bytes`` (the key-row or query-row traffic of the walk), ``flops``, ``dmas``,
+    ``seconds``."""
+    from attn_pallas_tpu.plan import DMA_LATENCY_S, STEP_OVERHEAD_S
+
+    h, rb, n = heads, read_block, queries
+    pairs = n * units
+    issue = DMA_LATENCY_S / (NBUF - 1)
+    core_flops = chip.mxu_flops / chip.cores
+
+    def unit_time(flops, rows, nbytes):
+        mxu = flops / (core_flops * min(1.0, rows / chip.mxu_dim))
+        return max(mxu, nbytes / chip.hbm_bytes_per_s, issue)
+
+    # dq: per query its units' rows; q, dO, (lse, delta) in, dq (float32) out.
+    dq_walk = pairs * rb * dk_pad * itemsize
+    dq_rows = n * h * (dk_pad * itemsize + dv * itemsize + 2 * 4 + dk_pad * 4)
+    dq_unit_flops = 2 * rb * h * (2 * dk_pad + dv)
+    per_query = (
+        STEP_OVERHEAD_S
+        + DMA_LATENCY_S
+        + units * unit_time(dq_unit_flops, h, rb * dk_pad * itemsize)
+    )
+    dq_bytes = dq_walk + dq_rows
+    dq_s = max(n * per_query / chip.cores, dq_bytes / chip.hbm_bytes_per_s)
+    # dKV: per pair the query's q, dO, (lse, delta); each store block read and written once.
+    pair_bytes = h * (dk_pad * itemsize + dv * itemsize + 2 * 4)
+    dkv_walk = pairs * pair_bytes
+    dkv_rows = 2 * cache_rows * dk_pad * itemsize
+    dkv_pair_flops = 2 * rb * h * 2 * (dk_pad + dv)
+    chunks = -(-pairs // PAIR_CHUNK) + cache_rows // rb
+    dkv_chain = chunks * (STEP_OVERHEAD_S + DMA_LATENCY_S) + pairs * unit_time(
+        dkv_pair_flops, rb, pair_bytes
+    )
+    dkv_bytes = dkv_walk + dkv_rows
+    dkv_s = max(dkv_chain, dkv_bytes / chip.hbm_bytes_per_s)
+    return {
+        "dq": dict(bytes=dq_bytes, kv_bytes=dq_walk, flops=n * units * dq_unit_flops,
+                   dmas=pairs, seconds=dq_s),
+        "dkv": dict(bytes=dkv_bytes, kv_bytes=dkv_walk, flops=pairs * dkv_pair_flops,
+                    dmas=3 * pairs, seconds=dkv_s),
+    }  # fmt: skip
+
+
+__all__ = [
+    "PAIR_CHUNK",
+    "backward_cost",
+    "invert_selection",
+    "sparse_mla_result",
+    "with_kernel_backward",
+]

@@ -354,8 +354,9 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
     (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel
     whenever the query-blocked one would move more KV bytes.
 
-    Differentiable in ``q`` and ``kv`` with the backward on the reference's XLA path,
-    and ``return_attn_mass`` from the kernel's LSE, as the per-query function.
+    Differentiable in ``q`` and ``kv`` with the backward kernels of
+    ``attn_pallas_tpu.sparse_mla_bwd``, and ``return_attn_mass`` from the kernel's LSE,
+    as the per-query function.
     """
     problem = require_tpu_kernels(call)
     query_block, head_block = call.query_block, call.head_block
