@@ -307,3 +307,32 @@ def test_backward_cost_counts():
     assert dq["flops"] == 2 * n * k * rb * h * (2 * dk_pad + dv)
     assert dkv["flops"] == 4 * n * k * rb * h * (dk_pad + dv)
     assert dq["seconds"] > 0 and dkv["seconds"] >= dkv["bytes"] / TPU_CHIPS["v5e"].hbm_bytes_per_s
+
+
+@pytest.mark.parametrize(("page", "heads"), [(16, 64), (64, 128)])
+def test_ragged_grad_cross_lowers_at_the_production_shape(page, heads):
+    """``jax.grad`` w.r.t. ``q`` and the paged bf16 cache ``[P, page / 2, 2, 640]`` (32K
+    rows) through ``out`` and the LSE: 4096 queries of 3 requests, 2048 selected tokens
+    each as ``2048 / page`` pages; three Mosaic kernels; the gradients keep the shapes."""
+    sd, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    n, pages, seqs = 4096, 32768 // page, 3
+
+    def f(q, cache, idx, pos, sid, seq_lens, cu_kv, table):
+        def loss(q, cache):
+            out, lse = tpu.sparse_mla_attention(
+                q, cache, idx, pos, sm_scale=0.04, read_block=page, page_size=page,
+                q_seq_id=sid, seq_lens=seq_lens, cu_kv_lens=cu_kv, page_indices=table,
+                return_lse=True,
+            )  # fmt: skip
+            return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return jax.grad(loss, argnums=(0, 1))(q, cache)
+
+    avals = (
+        sd((1, n, heads, 576), bf16), sd((pages, page // 2, 2, 640), bf16),
+        sd((1, n, 2048 // page), i32), sd((1, n), i32), sd((n,), i32), sd((seqs,), i32),
+        sd((seqs + 1,), i32), sd((pages,), i32),
+    )  # fmt: skip
+    exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*avals)
+    assert [a.shape for a in exported.out_avals] == [avals[0].shape, avals[1].shape]
+    assert exported.mlir_module().count("tpu_custom_call") == 1 + BACKWARD_KERNELS
