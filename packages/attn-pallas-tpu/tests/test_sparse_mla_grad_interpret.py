@@ -12,10 +12,14 @@ exactly 0) and NaN in the paged cache's feature padding; ``return_attn_mass`` ma
 The inverted selection is checked against a brute force (hypothesis); the gradients are
 equal bit for bit across runs and across pair chunkings (which change the dKV grid).
 ``jax.export(..., platforms=["tpu"])`` lowers ``jax.grad`` (the forward and both backward
-kernels) plus the mass, at the production shape too.
+kernels) plus the mass, at the production shape too (flat and paged). A cache the
+kernels do not take (FP8) gets the XLA VJP; the prefill wrapper's ``ql`` / ``qpe``
+gradients equal the reference wrapper's; the cost model counts what it says.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +45,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import attn_pallas_tpu as tpu
 import attn_reference as ref
+from attn_common.fp8_cache import quantize_latent_cache
+from attn_common.sparse_mla_xla import xla_sparse_mla
+from attn_common.spec import sparse_mla_call
 from attn_pallas_tpu import sparse_mla_bwd
 from attn_pallas_tpu.sparse_mla_bwd import invert_selection
 
@@ -336,3 +343,39 @@ def test_ragged_grad_cross_lowers_at_the_production_shape(page, heads):
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*avals)
     assert [a.shape for a in exported.out_avals] == [avals[0].shape, avals[1].shape]
     assert exported.mlir_module().count("tpu_custom_call") == 1 + BACKWARD_KERNELS
+
+
+def _fp8_case():
+    q, kv, idx, pos = sparse_mla_flat_case(
+        6, dk=576, batch=1, seq=8, heads=2, kv_len=64, rb=16, top_k=3, dtype="bfloat16"
+    )
+    kw = dict(sm_scale=SM_SCALE, kv_lora_rank=512, read_block=16, return_lse=True)
+    return q, kv, quantize_latent_cache(jnp.asarray(kv)), idx, pos, kw
+
+
+def test_kernel_covers_plain_caches_only():
+    """``kernel_covers``: float32 / bfloat16 caches run the backward kernels, an
+    ``Fp8LatentCache`` (which no TPU forward kernel takes today) the XLA VJP."""
+    q, kv, fp8, idx, pos, kw = _fp8_case()
+    for cache, covered in ((kv, True), (np.asarray(kv, np.float32), True), (fp8, False)):
+        assert sparse_mla_bwd.kernel_covers(sparse_mla_call(q, cache, idx, pos, **kw)) is covered
+
+
+@pytest.mark.slow  # XLA compiles of the FP8 path, ~7 s
+def test_caches_the_kernels_do_not_take_fall_back_to_the_xla_vjp():
+    """Through ``sparse_mla_result`` with the XLA forward, an ``Fp8LatentCache`` call's
+    ``q`` gradient is the reference's (the XLA VJP), bit for bit."""
+    q, _, fp8, idx, pos, kw = _fp8_case()
+
+    def loss(fn, q):
+        out, lse = fn(sparse_mla_call(q, fp8, idx, pos, **kw))
+        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    def through_result(call):
+        forward = lambda c: xla_sparse_mla(c, attn_mass=False)[:2]  # noqa: E731
+        return sparse_mla_bwd.sparse_mla_result(call, forward, interpret=False)
+
+    got = jax.grad(functools.partial(loss, through_result))(jnp.asarray(q))
+    want = jax.grad(functools.partial(loss, lambda c: xla_sparse_mla(c)[:2]))(jnp.asarray(q))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.any(np.asarray(got, np.float32) != 0.0)
