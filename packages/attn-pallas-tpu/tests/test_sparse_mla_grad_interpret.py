@@ -189,7 +189,7 @@ def test_invert_selection_matches_brute_force(tables, chunk):
     chunks past the real ones are empty, unflagged and point at the last block."""
     src8, kb, count, lim, rb, num_blocks = tables
     inv = _invert(src8, kb, count, lim, rb=rb, num_blocks=num_blocks, chunk=chunk)
-    table = np.asarray(inv.chunks).reshape(-1, 4)
+    table = np.concatenate([np.asarray(inv.block)[:, None], np.asarray(inv.meta)[:, 0]], axis=1)
     qid, nvalid = np.asarray(inv.qid)[:, 0], np.asarray(inv.nvalid)[:, 0]
     want = {b: [] for b in range(num_blocks)}
     for i in range(len(count)):

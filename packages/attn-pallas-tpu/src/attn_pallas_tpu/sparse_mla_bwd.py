@@ -27,12 +27,13 @@ order. A query's selection is already a set, so a unit a query listed twice is o
 Each block's run of pairs is cut into chunks of ``PAIR_CHUNK`` (at least one chunk per
 block, so a block no query attends is still visited and written: exactly 0, whatever the
 cache holds there). The grid is one program per chunk (``arbitrary``: sequential), with
-the chunk table ``(block, pairs, first, last)`` scalar-prefetched; the store block
-``[RB, Dk_pad]`` and the output block are indexed by the chunk's block, so consecutive
-chunks of one block keep both resident (the pipeline neither re-reads nor writes back
-until the block changes) and the float32 sums live in VMEM scratch from the block's
-first chunk to its last. Per chunk the pairs' query ids and valid-row counts come in
-SMEM; per pair the query's ``q [H, Dk_pad]``, ``dO [H, Dv]`` and ``(lse, delta) [2, H]``
+each chunk's store block scalar-prefetched (one int32 per chunk: the only table that
+grows with the cache, ~4 bytes per ``RB`` cache rows of SMEM); the store block ``[RB,
+Dk_pad]`` and the output block are indexed by it, so consecutive chunks of one block
+keep both resident (the pipeline neither re-reads nor writes back until the block
+changes) and the float32 sums live in VMEM scratch from the block's first chunk to its
+last. Per chunk ``(pairs, first, last)`` and the pairs' query ids and valid-row counts
+come in SMEM blocks; per pair the query's ``q [H, Dk_pad]``, ``dO [H, Dv]`` and ``(lse, delta) [2, H]``
 are DMA'd from HBM through a ring like the forward's. Compute per pair is key-major (keys
 on sublanes, heads on lanes: no transpose): ``s^T = k q^T [RB, H]``, the valid rows are a
 prefix ``r < nvalid`` (causal and ``kv_len`` bounds cut a unit at one row),
@@ -80,7 +81,6 @@ from attn_pallas_tpu._prep import (
 
 NBUF = 4  # DMA ring depth (both kernels): NBUF - 1 copies in flight behind the compute
 PAIR_CHUNK = 128  # (block, query) pairs per dKV program
-_FIELDS = 4  # chunk table: (block, pairs, first, last)
 
 
 # ------------------------------------------------------------------ the inverted selection
@@ -89,15 +89,19 @@ _FIELDS = 4  # chunk table: (block, pairs, first, last)
 class InvertedSelection(NamedTuple):
     """The dKV kernel's tables (all int32).
 
-    chunks: ``[NC * 4]`` per chunk ``(block, pairs, first, last)``; ``NC`` is the static
-      bound ``ceil(N K / PAIR_CHUNK) + num_blocks``; chunks past the real ones point at
-      the last block with 0 pairs and both flags 0 (the kernel skips them).
+    block:  ``[NC]`` the store block of each chunk (scalar-prefetched: the index maps
+      read it; only this table scales with the cache); ``NC`` is the static bound
+      ``ceil(N K / PAIR_CHUNK) + num_blocks``; chunks past the real ones point at the
+      last block, with 0 pairs and both flags 0 (the kernel skips them).
+    meta:   ``[NC, 1, 3]`` per chunk ``(pairs, first, last)``: its pair count and
+      whether it is its block's first / last chunk.
     qid:    ``[NC, 1, PAIR_CHUNK]`` query of each pair (0 past ``pairs``).
     nvalid: ``[NC, 1, PAIR_CHUNK]`` valid rows of the block for that query: rows
       ``r < nvalid`` (0 past ``pairs``).
     """
 
-    chunks: jax.Array
+    block: jax.Array
+    meta: jax.Array
     qid: jax.Array
     nvalid: jax.Array
 
@@ -136,8 +140,8 @@ def invert_selection(src8, kb, count, lim, *, rb: int, num_blocks: int, chunk: i
     used = lane < cnt[:, None]
     qid = jnp.where(used, query[idx], 0).reshape(n_chunks, 1, chunk)
     nval = jnp.where(used, nvalid[idx], 0).reshape(n_chunks, 1, chunk)
-    table = jnp.stack([blk, cnt, first.astype(jnp.int32), last.astype(jnp.int32)], axis=-1)
-    return InvertedSelection(table.reshape(-1).astype(jnp.int32), qid, nval)
+    meta = jnp.stack([cnt, first.astype(jnp.int32), last.astype(jnp.int32)], axis=-1)
+    return InvertedSelection(blk, meta.reshape(n_chunks, 1, 3).astype(jnp.int32), qid, nval)
 
 
 # --------------------------------------------------------------------------- dq kernel
@@ -310,7 +314,8 @@ def _dkv_walk(count, qid_ref, nval_ref, kv, q_hbm, do_hbm, st_hbm, rings, sems, 
 
 
 def _dkv_kernel(
-    chunks_ref,  # scalar prefetch SMEM [NC * 4]: (block, pairs, first, last) per chunk
+    block_ref,  # scalar prefetch SMEM [NC]: the store block of each chunk (index maps)
+    meta_ref,  # SMEM [1, 1, 3]: (pairs, first, last) of this chunk
     qid_ref,  # SMEM [1, 1, PC]: query of each pair
     nval_ref,  # SMEM [1, 1, PC]: valid rows (a prefix) of the block for that query
     kv_ref,  # VMEM [1, RB, Dk_pad]: the chunk's store block
@@ -329,10 +334,10 @@ def _dkv_kernel(
     dk: int,
     dv: int,
 ):
-    c = pl.program_id(0)
-    count = chunks_ref[c * _FIELDS + 1]
+    del block_ref  # read by the index maps only
+    count = meta_ref[0, 0, 0]
 
-    @pl.when(chunks_ref[c * _FIELDS + 2] == 1)  # the block's first chunk
+    @pl.when(meta_ref[0, 0, 1] == 1)  # the block's first chunk
     def _():
         acc_k[...] = jnp.zeros_like(acc_k)
         acc_v[...] = jnp.zeros_like(acc_v)
@@ -347,7 +352,7 @@ def _dkv_kernel(
         acc_k[...] = dk_acc
         acc_v[...] = dv_acc
 
-    @pl.when(chunks_ref[c * _FIELDS + 3] == 1)  # the block's last chunk: write it once
+    @pl.when(meta_ref[0, 0, 2] == 1)  # the block's last chunk: write it once
     def _():
         dkv_ref[0, :, :dv] = (acc_k[:, :dv] * sm_scale + acc_v[...]).astype(dkv_ref.dtype)
         if dv < acc_k.shape[1]:
@@ -362,15 +367,16 @@ def _dkv_call(inv: InvertedSelection, store_blocks, q, do, stats_t, *, sm_scale,
     itemsize = jnp.dtype(store_blocks.dtype).itemsize
     smem, hbm = pltpu.SMEM, pltpu.HBM
 
-    def block_of(c, chunks):
-        return (chunks[c * _FIELDS], 0, 0)
+    def block_of(c, blocks):
+        return (blocks[c], 0, 0)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(n_chunks,),
         in_specs=[
-            pl.BlockSpec((1, 1, chunk), lambda c, chunks: (c, 0, 0), memory_space=smem),
-            pl.BlockSpec((1, 1, chunk), lambda c, chunks: (c, 0, 0), memory_space=smem),
+            pl.BlockSpec((1, 1, 3), lambda c, blocks: (c, 0, 0), memory_space=smem),
+            pl.BlockSpec((1, 1, chunk), lambda c, blocks: (c, 0, 0), memory_space=smem),
+            pl.BlockSpec((1, 1, chunk), lambda c, blocks: (c, 0, 0), memory_space=smem),
             pl.BlockSpec((1, rb, dk_pad), block_of),
             pl.BlockSpec(memory_space=hbm),
             pl.BlockSpec(memory_space=hbm),
@@ -400,7 +406,7 @@ def _dkv_call(inv: InvertedSelection, store_blocks, q, do, stats_t, *, sm_scale,
             ),
         ),
         interpret=interpret,
-    )(inv.chunks, inv.qid, inv.nvalid, store_blocks, q, do, stats_t)
+    )(inv.block, inv.meta, inv.qid, inv.nvalid, store_blocks, q, do, stats_t)
 
 
 # ----------------------------------------------------------------------------- wrapper
