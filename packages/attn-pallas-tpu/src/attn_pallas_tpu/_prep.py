@@ -33,6 +33,7 @@ from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
 SUBLANE = 8
 ROW_MULTIPLE = 16  # read_block rule of the TPU kernels: bf16 sublane packing (16, 128)
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_SENTINEL = jnp.iinfo(jnp.int32).max
 
 
 def resolve_interpret(interpret) -> pltpu.InterpretParams | bool:
@@ -172,3 +173,26 @@ def unit_space(
 def pad_features(q, dk_pad: int):
     """Zero-pad the last axis of ``q`` to ``dk_pad`` (zeros meet the store's zero pad)."""
     return jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, dk_pad - q.shape[-1])])
+
+
+def compact_units(src8, kb, ok):
+    """Per query: distinct units (by store row) first, ascending; returns count too.
+
+    Duplicates (same store row) are kept once, so selections are sets; the forward
+    and the backward kernels walk the same compacted lists."""
+    key = jnp.where(ok, src8, _SENTINEL)
+    key, kb = jax.lax.sort((key, kb), dimension=-1, num_keys=1)
+    dup = jnp.concatenate(
+        [jnp.zeros_like(key[..., :1], bool), key[..., 1:] == key[..., :-1]], axis=-1
+    )
+    key = jnp.where(dup, _SENTINEL, key)
+    key, kb = jax.lax.sort((key, kb), dimension=-1, num_keys=1)
+    live = key != _SENTINEL
+    count = live.sum(axis=-1).astype(jnp.int32)
+    return jnp.where(live, key, 0), jnp.where(live, kb, 0), count
+
+
+def vmem_limit(*nbytes: int) -> int:
+    """Scoped VMEM request: the buffers, doubled for pipelining slack, within [16, 100] MiB."""
+    need = 2 * sum(nbytes)
+    return int(min(max(need, 16 << 20), 100 << 20))

@@ -43,18 +43,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._prep import (
     SUBLANE,
+    compact_units,
     pad_features,
     require_tpu_kernels,
     resolve_interpret,
     unit_space,
+    vmem_limit,
 )
+from attn_pallas_tpu.sparse_mla_bwd import sparse_mla_result
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
-_SENTINEL = jnp.iinfo(jnp.int32).max
 
 
 def _per_query_kernel(
@@ -138,26 +139,6 @@ def _per_query_kernel(
     lse_ref[0] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)))
 
 
-def _compact_units(src8, kb, ok):
-    """Per query: distinct units (by store row) first, ascending; returns count too."""
-    key = jnp.where(ok, src8, _SENTINEL)
-    key, kb = jax.lax.sort((key, kb), dimension=-1, num_keys=1)
-    dup = jnp.concatenate(
-        [jnp.zeros_like(key[..., :1], bool), key[..., 1:] == key[..., :-1]], axis=-1
-    )
-    key = jnp.where(dup, _SENTINEL, key)
-    key, kb = jax.lax.sort((key, kb), dimension=-1, num_keys=1)
-    live = key != _SENTINEL
-    count = live.sum(axis=-1).astype(jnp.int32)
-    return jnp.where(live, key, 0), jnp.where(live, kb, 0), count
-
-
-def _vmem_limit(*nbytes: int) -> int:
-    """Scoped VMEM request: the buffers, doubled for pipelining slack, within [16, 100] MiB."""
-    need = 2 * sum(nbytes)
-    return int(min(max(need, 16 << 20), 100 << 20))
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dk", "dv", "rb", "interpret"))
 def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, interpret):
     n, heads, dk_pad = q.shape
@@ -190,7 +171,7 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
-            vmem_limit_bytes=_vmem_limit(
+            vmem_limit_bytes=vmem_limit(
                 NBUF * rb * dk_pad * itemsize,
                 2 * heads * dk_pad * q.dtype.itemsize,
                 3 * heads * dv * 4,
@@ -212,11 +193,10 @@ def sparse_mla_attention(call: SparseMlaCall):
     (``S``, ``K`` or ``T`` = 0) gives ``out == 0``, ``lse == -inf``. Cache rows no query
     attends may hold anything.
 
-    Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the forward is the
-    kernel, the backward the reference's XLA path (the VJP of
-    ``attn_common.sparse_mla_xla.xla_sparse_mla``, recomputed from ``q`` and the cache)
-    until a backward kernel lands. ``return_attn_mass=True``: computed on XLA from the
-    kernel's LSE (``attn_mass_from_lse``).
+    Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the backward is two
+    Pallas kernels (``attn_pallas_tpu.sparse_mla_bwd``: dq per query, the cache gradient
+    over the inverted selection; deterministic). ``return_attn_mass=True``: computed on
+    XLA from the kernel's LSE (``attn_mass_from_lse``).
     """
     problem = require_tpu_kernels(call)
     interpret = resolve_interpret(call.interpret)
@@ -227,7 +207,7 @@ def sparse_mla_attention(call: SparseMlaCall):
             **c.ragged_kwargs(),
         )  # fmt: skip
 
-    return kernel_result(call, forward)
+    return sparse_mla_result(call, forward, interpret=interpret)
 
 
 def _per_query(problem, q, kv, indices, positions, *, return_lse, interpret, **ragged):
@@ -242,7 +222,7 @@ def _per_query(problem, q, kv, indices, positions, *, return_lse, interpret, **r
     batch, seq, heads = problem.batch, problem.num_queries, problem.heads
     n = batch * seq
     rb = problem.read_block
-    src8, kb, count = _compact_units(space.src8, space.keys * rb, space.unit_ok)
+    src8, kb, count = compact_units(space.src8, space.keys * rb, space.unit_ok)
     q_pad = pad_features(q.astype(kv.dtype), problem.dk_pad).reshape(n, heads, problem.dk_pad)
     out, lse = _per_query_call(
         q_pad,

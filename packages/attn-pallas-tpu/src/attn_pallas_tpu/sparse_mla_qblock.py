@@ -75,7 +75,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.metadata import is_concrete
-from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_pallas_tpu._prep import (
@@ -98,6 +97,7 @@ from attn_pallas_tpu.plan import (
     static_qblock_config,
 )
 from attn_pallas_tpu.sparse_mla import _per_query
+from attn_pallas_tpu.sparse_mla_bwd import sparse_mla_result
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
 MEMBER_TILE = 32  # int8 sublane tile: aligned window for the dynamic membership row
@@ -354,8 +354,9 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
     (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel
     whenever the query-blocked one would move more KV bytes.
 
-    Differentiable in ``q`` and ``kv`` with the backward on the reference's XLA path,
-    and ``return_attn_mass`` from the kernel's LSE, as the per-query function.
+    Differentiable in ``q`` and ``kv`` with the backward kernels of
+    ``attn_pallas_tpu.sparse_mla_bwd``, and ``return_attn_mass`` from the kernel's LSE,
+    as the per-query function.
     """
     problem = require_tpu_kernels(call)
     query_block, head_block = call.query_block, call.head_block
@@ -365,7 +366,7 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
         _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
     interpret = resolve_interpret(call.interpret)
     forward = functools.partial(_forward, max_rows=max_rows, interpret=interpret)
-    return kernel_result(call, forward)
+    return sparse_mla_result(call, forward, interpret=interpret)
 
 
 def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
