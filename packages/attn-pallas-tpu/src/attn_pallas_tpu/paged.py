@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common.fp8_cache import Fp8LatentCache, fp8_unsupported
+from attn_common.fp8_cache import Fp8LatentCache
 from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.spec import PrefillCall, WriteBackCall, prefill_call, public_op, write_back_call
 from attn_common.tables import (
@@ -203,20 +203,14 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
     return jax.lax.cond(runs.num_runs <= r_cap, kernel, scatter, cache)
 
 
-def _refuse_fp8(call: PrefillCall) -> None:
-    reason = fp8_unsupported(call.cache, "cache", kernels="TPU sparse-MLA")
-    if reason is not None:  # before the write: never dequantize the whole cache
-        raise NotImplementedError(reason)
-
-
 @public_op(prefill_call)
 def prefill_write_and_attend_ragged(call: PrefillCall) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (per-query kernel).
 
     ``query_block`` / ``u_max`` are validated and ignored here; accepted so the
-    ``_qblock`` twin is a drop-in.
+    ``_qblock`` twin is a drop-in. An ``Fp8LatentCache`` gets the new rows quantized
+    (the XLA scatter of :func:`paged_write_back`), then attended in FP8.
     """
-    _refuse_fp8(call)
     return write_then_attend(paged_write_back.impl, sparse_mla_attention.impl, call)
 
 
@@ -225,5 +219,4 @@ def prefill_write_and_attend_ragged_qblock(call: PrefillCall) -> tuple[jax.Array
     """Same as :func:`prefill_write_and_attend_ragged`, attending with the query-blocked
     kernel (``query_block`` queries per program and ``u_max`` union slots per chunk;
     ``None`` = the automatic tiling of :func:`sparse_mla_attention_qblock`)."""
-    _refuse_fp8(call)
     return write_then_attend(paged_write_back.impl, sparse_mla_attention_qblock.impl, call)

@@ -48,13 +48,66 @@ from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._prep import (
     SUBLANE,
     pad_features,
+    query_dtype,
     require_tpu_kernels,
     resolve_interpret,
+    store_arrays,
     unit_space,
 )
+from attn_pallas_tpu.fp8_rows import dequantize_rows
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
 _SENTINEL = jnp.iinfo(jnp.int32).max
+
+
+class UnitRows:
+    """One unit's KV rows, HBM -> VMEM ring slot -> the rows the MXU takes.
+
+    ``hbm`` is the row store: ``(kv [R, Dk_pad],)``, or ``(latent [R, 512], side [R,
+    128])`` for an FP8 cache; ``rings`` its VMEM rings ``[NBUF, RB, width]``, one per
+    array, and ``sems`` DMA semaphores ``[len(hbm), NBUF]``. A unit's copy is one DMA per
+    array into ring slot ``slot``, signalling ``sems[array, slot]``; :meth:`load` reads
+    the slot, dequantizing FP8 rows (``fp8_rows.dequantize_rows``)."""
+
+    def __init__(self, hbm, rings, sems, *, rb: int):
+        self.hbm, self.rings, self.sems, self.rb = hbm, rings, sems, rb
+
+    def _copies(self, start, slot):
+        return [
+            pltpu.make_async_copy(h.at[pl.ds(start, self.rb)], r.at[slot], self.sems.at[i, slot])
+            for i, (h, r) in enumerate(zip(self.hbm, self.rings, strict=True))
+        ]
+
+    def start(self, start, slot) -> None:
+        for c in self._copies(start, slot):
+            c.start()
+
+    def wait(self, start, slot) -> None:
+        for c in self._copies(start, slot):
+            c.wait()
+
+    def load(self, slot, *, dk: int) -> jax.Array:
+        """The slot's rows ``[RB, Dk_pad]``; features past ``dk`` are zero."""
+        if len(self.rings) == 2:  # FP8: zeros past the rope by construction
+            return dequantize_rows(self.rings[0][slot], self.rings[1][slot])
+        kv = self.rings[0][slot]
+        dk_pad = kv.shape[-1]
+        if dk < dk_pad:  # the paged cache's feature padding may hold anything
+            feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
+            kv = jnp.where(feat < dk, kv, jnp.zeros_like(kv))
+        return kv
+
+
+def unit_rings(store, rb: int) -> list:
+    """Scratch for :class:`UnitRows` over ``store`` (a tuple of HBM arrays): one VMEM
+    ring ``[NBUF, RB, width]`` per array, then the DMA semaphores ``[len(store), NBUF]``."""
+    rings = [pltpu.VMEM((NBUF, rb, a.shape[-1]), a.dtype) for a in store]
+    return [*rings, pltpu.SemaphoreType.DMA((len(store), NBUF))]
+
+
+def ring_bytes(store, rb: int) -> int:
+    """VMEM bytes of the rings of :func:`unit_rings`."""
+    return sum(NBUF * rb * a.shape[-1] * jnp.dtype(a.dtype).itemsize for a in store)
 
 
 def _per_query_kernel(
@@ -62,35 +115,35 @@ def _per_query_kernel(
     src_ref,  # SMEM [1, 1, K]: first store row // 8 of each unit (compacted)
     kb_ref,  # SMEM [1, 1, K]: global position of each unit's first token
     q_ref,  # VMEM [1, H, Dk_pad]
-    kv_hbm,  # HBM  [R, Dk_pad] row store
-    o_ref,  # VMEM [1, H, Dv] float32
-    lse_ref,  # VMEM [1, H, 1] float32
-    ring,  # VMEM [NBUF, RB, Dk_pad] unit ring
-    sems,  # DMA semaphores [NBUF]
-    *,
+    *refs,  # HBM row store (1 or 2 arrays); o [1, H, Dv], lse [1, H, 1]; rings, sems
     sm_scale: float,
     dk: int,
     dv: int,
     rb: int,
+    n_store: int,
 ):
+    hbm, (o_ref, lse_ref), scratch = (
+        refs[:n_store],
+        refs[n_store : n_store + 2],
+        refs[n_store + 2 :],
+    )
+    rows = UnitRows(hbm, scratch[:-1], scratch[-1], rb=rb)
     count = meta_ref[0, 0, 0]
     lim = meta_ref[0, 0, 1]
     q = q_ref[0]
-    heads, dk_pad = q.shape
+    heads = q.shape[0]
 
-    def copy(j, slot):
-        start = pl.multiple_of(src_ref[0, 0, j] * SUBLANE, SUBLANE)
-        return pltpu.make_async_copy(kv_hbm.at[pl.ds(start, rb)], ring.at[slot], sems.at[slot])
+    def start_row(j):
+        return pl.multiple_of(src_ref[0, 0, j] * SUBLANE, SUBLANE)
 
     for d in range(NBUF - 1):  # prologue: fill the ring
 
         @pl.when(d < count)
         def _(d=d):
-            copy(d, d).start()
+            rows.start(start_row(d), d)
 
     lanes = jax.lax.broadcasted_iota(jnp.int32, (1, rb), 1)
     key_rows = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
-    feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
 
     def body(j, carry):
         m_i, l_i, acc = carry
@@ -98,13 +151,11 @@ def _per_query_kernel(
 
         @pl.when(nxt < count)
         def _():
-            copy(nxt, jax.lax.rem(nxt, NBUF)).start()
+            rows.start(start_row(nxt), jax.lax.rem(nxt, NBUF))
 
         slot = jax.lax.rem(j, NBUF)
-        copy(j, slot).wait()
-        kv = ring[slot]  # [RB, Dk_pad]
-        if dk < dk_pad:  # the paged cache's feature padding may hold anything
-            kv = jnp.where(feat < dk, kv, jnp.zeros_like(kv))
+        rows.wait(start_row(j), slot)
+        kv = rows.load(slot, dk=dk)  # [RB, Dk_pad]
         s = jax.lax.dot_general(
             q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [H, RB]
@@ -160,12 +211,15 @@ def _vmem_limit(*nbytes: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dk", "dv", "rb", "interpret"))
 def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, interpret):
+    """``store``: a tuple of HBM row arrays (:class:`UnitRows`)."""
     n, heads, dk_pad = q.shape
     top_k = src8.shape[-1]
     meta = jnp.stack([count, lim], axis=-1).reshape(n, 1, 2)
     smem = pltpu.SMEM
-    kernel = functools.partial(_per_query_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb)
-    itemsize = jnp.dtype(store.dtype).itemsize
+    kernel = functools.partial(
+        _per_query_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb, n_store=len(store)
+    )
+    dequantized = rb * dk_pad * 6 if len(store) == 2 else 0  # FP8: f32 products, bf16 rows
     return pl.pallas_call(
         kernel,
         grid=(n,),
@@ -174,7 +228,7 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
             pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
             pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
             pl.BlockSpec((1, heads, dk_pad), lambda i: (i, 0, 0)),
-            pl.BlockSpec(memory_space=pltpu.HBM),
+            *[pl.BlockSpec(memory_space=pltpu.HBM) for _ in store],
         ],
         out_specs=[
             pl.BlockSpec((1, heads, dv), lambda i: (i, 0, 0)),
@@ -184,21 +238,19 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
             jax.ShapeDtypeStruct((n, heads, dv), jnp.float32),
             jax.ShapeDtypeStruct((n, heads, 1), jnp.float32),
         ],
-        scratch_shapes=[
-            pltpu.VMEM((NBUF, rb, dk_pad), store.dtype),
-            pltpu.SemaphoreType.DMA((NBUF,)),
-        ],
+        scratch_shapes=unit_rings(store, rb),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
             vmem_limit_bytes=_vmem_limit(
-                NBUF * rb * dk_pad * itemsize,
+                ring_bytes(store, rb),
+                dequantized,
                 2 * heads * dk_pad * q.dtype.itemsize,
                 3 * heads * dv * 4,
                 3 * heads * rb * 4,
             ),
         ),
         interpret=interpret,
-    )(meta, src8.reshape(n, 1, top_k), kb.reshape(n, 1, top_k), q, store)
+    )(meta, src8.reshape(n, 1, top_k), kb.reshape(n, 1, top_k), q, *store)
 
 
 @public_op(sparse_mla_call)
@@ -243,10 +295,10 @@ def _per_query(problem, q, kv, indices, positions, *, return_lse, interpret, **r
     n = batch * seq
     rb = problem.read_block
     src8, kb, count = _compact_units(space.src8, space.keys * rb, space.unit_ok)
-    q_pad = pad_features(q.astype(kv.dtype), problem.dk_pad).reshape(n, heads, problem.dk_pad)
+    q_pad = pad_features(q.astype(query_dtype(kv)), problem.dk_pad)
     out, lse = _per_query_call(
-        q_pad,
-        space.store,
+        q_pad.reshape(n, heads, problem.dk_pad),
+        store_arrays(space.store),
         src8.reshape(n, -1),
         kb.reshape(n, -1),
         count.reshape(n),

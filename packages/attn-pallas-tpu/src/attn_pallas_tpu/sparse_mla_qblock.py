@@ -82,8 +82,11 @@ from attn_pallas_tpu._prep import (
     SUBLANE,
     default_chip,
     pad_features,
+    query_dtype,
     require_tpu_kernels,
     resolve_interpret,
+    row_bytes,
+    store_arrays,
     unit_source,
     unit_space,
 )
@@ -97,7 +100,7 @@ from attn_pallas_tpu.plan import (
     qblock_vmem_bytes,
     static_qblock_config,
 )
-from attn_pallas_tpu.sparse_mla import _per_query
+from attn_pallas_tpu.sparse_mla import UnitRows, _per_query, unit_rings
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
 MEMBER_TILE = 32  # int8 sublane tile: aligned window for the dynamic membership row
@@ -117,14 +120,8 @@ def _qblock_kernel(
     lim_ref,  # VMEM [1, 1, 1, QB] int32: key positions < lim are valid, per query
     mem_ref,  # VMEM [1, 1, UC, QB] int8: membership of this chunk's slots
     q_ref,  # VMEM [1, 1, 1, rows, Dk_pad], row = h * QB + q
-    kv_hbm,  # HBM  [R, Dk_pad] row store
-    o_ref,  # VMEM [1, 1, 1, rows, Dv] float32 (doubles as the accumulator)
-    lse_ref,  # VMEM [1, 1, 1, 1, rows] float32
-    ring,  # VMEM [NBUF, RB, Dk_pad]
-    sems,  # DMA semaphores [NBUF]
-    m_ref,  # VMEM [1, rows] float32: running max, carried across chunks
-    l_ref,  # VMEM [1, rows] float32: running denominator, carried across chunks
-    *,
+    *refs,  # HBM row store (1 or 2 arrays); o, lse; rings, sems (UnitRows); m, l
+    n_store: int,
     sm_scale: float,
     dk: int,
     dv: int,
@@ -134,6 +131,12 @@ def _qblock_kernel(
     u_chunk: int,
     n_chunks: int,
 ):
+    # o: VMEM [1, 1, 1, rows, Dv] float32 (doubles as the accumulator); lse: [1, 1, 1, 1,
+    # rows] float32; m / l: VMEM [1, rows] float32, the running max and denominator
+    # carried across chunks.
+    hbm, (o_ref, lse_ref) = refs[:n_store], refs[n_store : n_store + 2]
+    m_ref, l_ref = refs[-2:]
+    unit_rows = UnitRows(hbm, refs[n_store + 2 : -3], refs[-3], rb=rb)
     chunk = pl.program_id(3)
     union = unions_ref[pl.program_id(0) * n_blocks + pl.program_id(1)]
     count = jnp.clip(union - chunk * u_chunk, 0, u_chunk)  # slots walked in this chunk
@@ -148,7 +151,7 @@ def _qblock_kernel(
     @pl.when(count > 0)
     def _():
         m_i, l_i = _walk_chunk(
-            count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, kv_hbm, o_ref, ring, sems,
+            count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, unit_rows, o_ref,
             m_ref[0], l_ref[0], sm_scale=sm_scale, dk=dk, dv=dv, rb=rb,
             heads_per_group=heads_per_group,
         )  # fmt: skip
@@ -165,27 +168,24 @@ def _qblock_kernel(
 
 
 def _walk_chunk(
-    count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, kv_hbm, o_ref, ring, sems, m_i, l_i, *,
+    count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, unit_rows, o_ref, m_i, l_i, *,
     sm_scale, dk, dv, rb, heads_per_group,
 ):  # fmt: skip
     """Online softmax over ``count`` union slots of one chunk; returns the new ``(m, l)``."""
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
-    dk_pad = q.shape[1]
     lim = _lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
 
-    def copy(j, slot):
-        start = pl.multiple_of(src_ref[0, 0, 0, j] * SUBLANE, SUBLANE)
-        return pltpu.make_async_copy(kv_hbm.at[pl.ds(start, rb)], ring.at[slot], sems.at[slot])
+    def start_row(j):
+        return pl.multiple_of(src_ref[0, 0, 0, j] * SUBLANE, SUBLANE)
 
     for d in range(NBUF - 1):  # prologue: fill the ring
 
         @pl.when(d < count)
         def _(d=d):
-            copy(d, d).start()
+            unit_rows.start(start_row(d), d)
 
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
     win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
-    feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
 
     def body(j, carry):
         m_i, l_i = carry  # [rows] each
@@ -193,7 +193,7 @@ def _walk_chunk(
 
         @pl.when(nxt < count)
         def _():
-            copy(nxt, jax.lax.rem(nxt, NBUF)).start()
+            unit_rows.start(start_row(nxt), jax.lax.rem(nxt, NBUF))
 
         # Membership row of slot j: aligned 32-row window, then select row j - j0.
         j0 = pl.multiple_of(jax.lax.div(j, MEMBER_TILE) * MEMBER_TILE, MEMBER_TILE)
@@ -203,10 +203,8 @@ def _walk_chunk(
         valid = (member > 0) & ((kb_ref[0, 0, 0, j] + key_row) < lim)  # [RB, rows]
 
         slot = jax.lax.rem(j, NBUF)
-        copy(j, slot).wait()
-        kv = ring[slot]  # [RB, Dk_pad]
-        if dk < dk_pad:  # the paged cache's feature padding may hold anything
-            kv = jnp.where(feat < dk, kv, jnp.zeros_like(kv))
+        unit_rows.wait(start_row(j), slot)
+        kv = unit_rows.load(slot, dk=dk)  # [RB, Dk_pad], features past dk zero
         # A row may be attended by some queries of the block and not by others, so a
         # per-row zeroing cannot keep garbage out of the shared P V product; replacing
         # non-finite values by 0 does: a query that attends such a row already has a
@@ -259,7 +257,7 @@ def _qblock_call(
     query_block = lim.shape[-1]
     kernel = functools.partial(
         _qblock_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb, heads_per_group=heads_per_group,
-        n_blocks=n_blocks, u_chunk=u_chunk, n_chunks=n_chunks,
+        n_blocks=n_blocks, u_chunk=u_chunk, n_chunks=n_chunks, n_store=len(store),
     )  # fmt: skip
 
     def chunk_of(b, n, c, unions_ref):
@@ -291,7 +289,9 @@ def _qblock_call(
         read_block=rb,
         dk_pad=dk_pad,
         dv=dv,
-        itemsize=jnp.dtype(store.dtype).itemsize,
+        itemsize=q5.dtype.itemsize,
+        row_bytes=sum(a.shape[-1] * jnp.dtype(a.dtype).itemsize for a in store),
+        dequantize=len(store) == 2,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -302,15 +302,14 @@ def _qblock_call(
             pl.BlockSpec((1, 1, 1, query_block), per_block),
             pl.BlockSpec((1, 1, u_chunk, query_block), per_chunk),
             pl.BlockSpec((1, 1, 1, rows, dk_pad), per_group),
-            pl.BlockSpec(memory_space=pltpu.HBM),
+            *[pl.BlockSpec(memory_space=pltpu.HBM) for _ in store],
         ],
         out_specs=[
             pl.BlockSpec((1, 1, 1, rows, dv), per_group),
             pl.BlockSpec((1, 1, 1, 1, rows), per_group),
         ],
         scratch_shapes=[
-            pltpu.VMEM((NBUF, rb, dk_pad), store.dtype),
-            pltpu.SemaphoreType.DMA((NBUF,)),
+            *unit_rings(store, rb),
             pltpu.VMEM((1, rows), jnp.float32),
             pltpu.VMEM((1, rows), jnp.float32),
         ],
@@ -328,7 +327,7 @@ def _qblock_call(
             vmem_limit_bytes=int(min(max(vmem * 5 // 4, 32 << 20), vmem_cap)),
         ),
         interpret=interpret,
-    )(unions, kb, src8, lim, member, q5, store)
+    )(unions, kb, src8, lim, member, q5, *store)
 
 
 @public_op(sparse_mla_call)
@@ -391,7 +390,8 @@ def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
         read_block=problem.read_block,
         dk_pad=problem.dk_pad,
         dv=problem.dv,
-        itemsize=jnp.dtype(kv.dtype).itemsize,
+        itemsize=query_dtype(kv).itemsize,
+        row_bytes=row_bytes(kv, problem.dk_pad),
         chip=default_chip(),
     )
     if query_block is not None or head_block is not None:  # explicit tiling: no fallback
@@ -473,7 +473,7 @@ def _qblock(
     seq_pad = n_blocks * query_block
     lim = jnp.pad(space.lim, ((0, 0), (0, seq_pad - seq)))  # padded queries: lim 0
     lim = lim.reshape(batch, n_blocks, 1, query_block)
-    q5 = pad_features(q.astype(kv.dtype), dk_pad)
+    q5 = pad_features(q.astype(query_dtype(kv)), dk_pad)
     q5 = jnp.pad(q5, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0)))
     q5 = q5.reshape(batch, n_blocks, query_block, groups, head_block, dk_pad)
     q5 = q5.transpose(0, 1, 3, 4, 2, 5)
@@ -481,7 +481,7 @@ def _qblock(
 
     out, lse = _qblock_call(
         q5,
-        space.store,
+        store_arrays(space.store),
         kb,
         src8,
         unions,
