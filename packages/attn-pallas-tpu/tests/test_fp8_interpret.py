@@ -38,6 +38,7 @@ from helpers import (
 import attn_reference as ref
 from attn_common import dequantize_latent_cache, padded_dk, quantize_latent_cache
 from attn_pallas_tpu import (
+    TpuFp8LatentCache,
     prefill_write_and_attend_ragged,
     prefill_write_and_attend_ragged_qblock,
     sparse_mla_attention,
@@ -155,6 +156,7 @@ def _check_flat(kernel, seed, **case):
     assert_sparse_mla_close(got, _flat(ref.sparse_mla_attention, q, cache, idx, pos, rb), **TOL)
 
 
+@pytest.mark.slow
 def test_flat_per_query():
     _check_flat("per_query", 122)
 
@@ -223,11 +225,12 @@ WRAPPERS = {
 }
 
 
-def _write_then_attend(kernel):
-    """The wrapper on an FP8 cache: the new cache equals the reference's bit for bit
-    (new rows quantized by the XLA scatter), and the output equals the same kernel's on
-    the bf16 rows of that new cache. Rows nobody attends are poisoned before the write
-    (the new tokens' slots among them: the write must overwrite them)."""
+def _write_then_attend(kernel, tpu_layout: bool):
+    """The wrapper on an FP8 cache (a plain ``Fp8LatentCache``, or with ``tpu_layout``
+    a ``TpuFp8LatentCache``, which it keeps): the new cache equals the reference's bit
+    for bit (new rows quantized by the XLA scatter), and the output equals the same
+    kernel's on the bf16 rows of that new cache. Rows nobody attends are poisoned before
+    the write (the new tokens' slots among them: the write must overwrite them)."""
     rng, layout, cache, idx = _ragged_layout(125)
     num_q = int(layout["new_lens"].sum())
     pos = layout["positions"]
@@ -242,9 +245,13 @@ def _write_then_attend(kernel):
     args = (ql, qpe, kvc, kpe, cache, idx, pos, loc, layout["seq_lens"], layout["cu_q_lens"],
             layout["cu_kv_lens"], pages)  # fmt: skip
     kw = dict(kv_lora_rank=DV, page_size=PAGE, sm_scale=SM_SCALE)
-    out, new_cache = WRAPPERS[kernel](*args, **kw, interpret=INTERPRET)
+    stored = TpuFp8LatentCache.from_cache(cache) if tpu_layout else cache
+    out, new_cache = WRAPPERS[kernel](*args[:4], stored, *args[5:], **kw, interpret=INTERPRET)
     assert_no_races()
     want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
+    assert isinstance(new_cache, TpuFp8LatentCache) == tpu_layout
+    if tpu_layout:
+        new_cache = new_cache.to_cache()
     _assert_same(jax.tree.leaves(new_cache), jax.tree.leaves(want_cache))
     q = jnp.concatenate([ql, qpe], axis=-1)[None]
     attend = KERNELS[kernel](q, _paged_bf16(new_cache), idx[None], pos[None], **_ragged_kw(layout))
@@ -253,10 +260,23 @@ def _write_then_attend(kernel):
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=0, atol=5e-2)
 
 
-def test_write_then_attend_qblock():
-    _write_then_attend("qblock")
+def test_write_then_attend_per_query_tpu_layout():
+    _write_then_attend("per_query", tpu_layout=True)
 
 
 @pytest.mark.slow
-def test_write_then_attend_per_query():
-    _write_then_attend("per_query")
+def test_write_then_attend_qblock():
+    _write_then_attend("qblock", tpu_layout=False)
+
+
+def test_tpu_layout_holds_the_same_cache():
+    """``TpuFp8LatentCache``: 768 bytes per token, the same values as the cache it was
+    built from (scale and rope read back exactly), through reshape and row gathers."""
+    rng = rng_for(126)
+    cache = quantize_latent_cache(jnp.asarray(rng.standard_t(2, (3, 32, DK)), jnp.float32))
+    tpu = TpuFp8LatentCache.from_cache(cache)
+    assert tpu.shape == (3, 32) and tpu.nbytes == 3 * 32 * ROW_BYTES
+    assert len(jax.tree.leaves(tpu)) == 2
+    back = tpu.reshape(96).take_rows(jnp.arange(95, -1, -1)).to_cache()
+    want = cache.reshape(96).take_rows(jnp.arange(95, -1, -1))
+    _assert_same(jax.tree.leaves(back), jax.tree.leaves(want))

@@ -34,6 +34,14 @@ paged cache (0.6x) and 1,152 for dense bf16 rows; the contract's 656 would need 
 side data of several tokens packed into one 128-lane row, which the kernels would have
 to unpack across sublanes (not done).
 
+The side rows are built once per call from a plain ``Fp8LatentCache`` (a pass over its
+scale and rope: about 1 KB per token of the whole cache read and written on the TPU,
+negligible next to a prefill's gathers, about ten times a decode step's). A
+:class:`TpuFp8LatentCache` keeps them instead: it *is* an ``Fp8LatentCache`` (every op
+takes it; ``scale`` and ``rope`` are read back exactly from the side rows), stored as
+``latent`` and ``side`` only, 768 bytes per token at rest, and the TPU write-back keeps
+it in that form. Build it once with :meth:`TpuFp8LatentCache.from_cache`.
+
 In VMEM, :func:`dequantize_rows` turns a unit's ``latent [RB, 512]`` and ``side [RB,
 128]`` into the bfloat16 rows ``[RB, 640]`` the MXU takes: ``bf16(latent * scale)`` per
 128-group (the float32 product of the reference's ``dequantize_latent_cache``, rounded
@@ -45,7 +53,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn_common.fp8_cache import GROUP, GROUPS, LATENT, ROPE, Fp8LatentCache
+from attn_common.fp8_cache import (
+    GROUP,
+    GROUPS,
+    LATENT,
+    ROPE,
+    SCALE_DTYPE,
+    Fp8LatentCache,
+    check_fp8_cache,
+)
 
 SIDE = 128  # lanes of a side row
 SCALE_LANE = ROPE  # first lane of the scale parts
@@ -75,10 +91,76 @@ def side_rows(cache: Fp8LatentCache) -> jax.Array:
     """The side rows of ``cache`` (any token grid): bfloat16 ``[..., 128]``, the rope in
     lanes 0-63, the scales' exact bf16 parts in lanes 64-75, zeros after. Reads only
     ``scale`` and ``rope``."""
+    if isinstance(cache, TpuFp8LatentCache):
+        return cache.side
     lead = cache.shape
     parts = scale_parts(cache.scale).reshape(*lead, GROUPS * SCALE_PARTS)
     pad = jnp.zeros((*lead, SIDE - ROPE - GROUPS * SCALE_PARTS), jnp.bfloat16)
     return jnp.concatenate([cache.rope.astype(jnp.bfloat16), parts, pad], axis=-1)
+
+
+def side_scale(side: jax.Array) -> jax.Array:
+    """The float32 scales ``[..., 4]`` a side row holds (exactly those it was built from)."""
+    parts = side[..., SCALE_LANE : SCALE_LANE + GROUPS * SCALE_PARTS].astype(jnp.float32)
+    parts = parts.reshape(*side.shape[:-1], GROUPS, SCALE_PARTS)
+    return ((parts[..., 0] + parts[..., 1]) + parts[..., 2]).astype(SCALE_DTYPE)
+
+
+class TpuFp8LatentCache(Fp8LatentCache):
+    """An ``Fp8LatentCache`` stored the way the TPU kernels read it: ``latent``
+    float8_e4m3fn ``[..., 512]`` and ``side`` bfloat16 ``[..., 128]`` (:func:`side_rows`),
+    768 bytes per token. ``scale`` and ``rope`` are computed from ``side`` when read
+    (exactly the values it was built from), so every op that takes an
+    ``Fp8LatentCache`` takes this one and gives the same result; the TPU kernels DMA
+    ``latent`` and ``side`` as they are, with no per-call conversion, and the TPU
+    ``paged_write_back`` writes the new rows' side rows too. A pytree of ``(latent,
+    side)``.
+
+    Build it once: ``TpuFp8LatentCache.from_cache(quantize_latent_cache(kv))``; back:
+    :meth:`to_cache`. The reference's ``paged_write_back`` writes plain
+    ``Fp8LatentCache`` values only (its scatter is per field).
+    """
+
+    def __init__(self, latent: jax.Array, side: jax.Array):  # no checks: pytree leaves
+        object.__setattr__(self, "latent", latent)
+        object.__setattr__(self, "side", side)
+
+    @property
+    def scale(self) -> jax.Array:
+        if isinstance(self.side, jax.ShapeDtypeStruct):  # validation of shapes only
+            return jax.ShapeDtypeStruct((*self.side.shape[:-1], GROUPS), SCALE_DTYPE)
+        return side_scale(self.side)
+
+    @property
+    def rope(self) -> jax.Array:
+        if isinstance(self.side, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((*self.side.shape[:-1], ROPE), self.side.dtype)
+        return self.side[..., :ROPE]
+
+    def _arrays(self):
+        return self.latent, self.side
+
+    def __repr__(self) -> str:
+        return f"TpuFp8LatentCache(latent={self.latent!r}, side={self.side!r})"
+
+    @classmethod
+    def from_cache(cls, cache: Fp8LatentCache) -> TpuFp8LatentCache:
+        """``cache`` in the TPU layout: its latent as it is, its side rows built."""
+        if isinstance(cache, TpuFp8LatentCache):
+            return cache
+        check_fp8_cache(cache, "cache")
+        return cls(cache.latent, side_rows(cache))
+
+    def to_cache(self) -> Fp8LatentCache:
+        """The plain ``Fp8LatentCache`` (latent, scale, rope) holding the same values."""
+        return Fp8LatentCache(self.latent, self.scale, self.rope)
+
+
+jax.tree_util.register_pytree_node(
+    TpuFp8LatentCache,
+    lambda c: ((c.latent, c.side), None),
+    lambda _, leaves: TpuFp8LatentCache(*leaves),
+)
 
 
 def dequantize_rows(latent: jax.Array, side: jax.Array) -> jax.Array:
