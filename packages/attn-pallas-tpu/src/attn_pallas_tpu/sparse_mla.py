@@ -15,10 +15,18 @@ the table per program):
 The KV store ``[R, Dk_pad]`` stays in HBM (``memory_space=HBM``). The program copies
 unit ``j`` (``read_block`` rows starting at row ``src[j] * 8``) into slot ``j % NBUF``
 of a VMEM ring ``[NBUF, read_block, Dk_pad]``; slot ``s`` signals DMA semaphore
-``sem[s]``. The prologue starts units ``0 .. NBUF-2``; iteration ``j`` starts unit
+``sem[0, s]``. The prologue starts units ``0 .. NBUF-2``; iteration ``j`` starts unit
 ``j + NBUF - 1`` into the slot iteration ``j - 1`` finished reading, then waits for unit
 ``j`` and computes on it, so ``NBUF - 1`` copies are in flight behind the compute. Every
 started copy is waited for before the program ends.
+
+FP8 latent cache (``attn_common.Fp8LatentCache``; ``fp8_rows``). The store is two HBM
+arrays, the FP8 latent rows ``[R, 512]`` and the bf16 side rows ``[R, 128]`` (rope and
+the scales' exact bf16 parts), with a ring each; a unit's copy is one DMA per array into
+the same slot, on semaphores ``sem[0, s]`` and ``sem[1, s]`` (:class:`UnitRows`). After
+the wait the slot is dequantized in VMEM (``fp8_rows.dequantize_rows``: ``bf16(latent *
+scale)`` per 128-group, the rope, zero lanes to ``Dk_pad = 640``) and the rest is the
+bf16 path: 768 HBM bytes per token instead of 1,280, the query in bf16.
 
 Compute per unit: scores ``q [H, Dk_pad] . k^T -> [H, RB]`` in float32, the mask
 ``kb[j] + r < lim`` (causal and kv_len; the unit's selection is implied by the list),
@@ -257,8 +265,9 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
 def sparse_mla_attention(call: SparseMlaCall):
     """Sparse MLA attention, one TPU program per query (DeepSeek sparse attention prefill).
 
-    The kernel takes a float32 or bfloat16 cache (the query takes its dtype) and
-    ``read_block % 16 == 0``; the query-blocked knobs are validated and ignored here
+    The kernel takes a float32 or bfloat16 cache (the query takes its dtype), or an
+    ``Fp8LatentCache`` / ``TpuFp8LatentCache`` (FP8 rows dequantized in VMEM, the query
+    in bfloat16; ``attn_pallas_tpu.fp8_rows``), and ``read_block % 16 == 0``; the query-blocked knobs are validated and ignored here
     (``sparse_mla_attention_qblock`` uses them). ``interpret``: ``True`` or a
     ``pltpu.InterpretParams`` runs the kernel in TPU interpret mode (CPU). Empty work
     (``S``, ``K`` or ``T`` = 0) gives ``out == 0``, ``lse == -inf``. Cache rows no query

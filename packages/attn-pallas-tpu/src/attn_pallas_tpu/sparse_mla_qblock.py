@@ -35,11 +35,14 @@ and never changes the answer.
 
 DMA schedule. The KV row store stays in HBM. Union slot ``j`` (``read_block`` rows from
 row ``src[j] * 8``) is copied into slot ``j % NBUF`` of a VMEM ring
-``[NBUF, read_block, Dk_pad]`` and signals DMA semaphore ``sem[j % NBUF]``. The prologue
+``[NBUF, read_block, Dk_pad]`` and signals DMA semaphore ``sem[0, j % NBUF]``. The prologue
 starts slots ``0 .. NBUF-2``; iteration ``j`` starts ``j + NBUF - 1`` into the ring slot
 that iteration ``j - 1`` finished reading, then waits for ``j``: ``NBUF - 1`` copies are
 in flight behind the compute (per-unit copies are latency-bound, ~1.5 us each, so
 without the prefetch the loop would run at DMA latency). All started copies are waited.
+An FP8 cache's store is two arrays (latent rows and bf16 side rows) with a ring and a
+semaphore row each, one DMA per array per slot, dequantized in VMEM after the wait
+(``sparse_mla.UnitRows``, ``fp8_rows.dequantize_rows``).
 
 Compute per union slot, key-major: ``s = k [RB, Dk_pad] . q^T -> [RB, rows]`` (keys on
 sublanes, score rows on lanes), so the per-query membership and ``lim`` are lane rows
@@ -61,7 +64,8 @@ Tiling. ``sparse_mla_attention_qblock`` picks ``(QB, Hb, u_max)`` itself unless 
 (``attn_pallas_tpu.plan``: a DMA bytes / DMA count / VMEM model per chip) and
 runs the per-query kernel instead whenever that moves no more KV bytes.
 
-HBM traffic per layer: ``G * sum_blocks(union) * read_block * Dk_pad * itemsize``.
+HBM traffic per layer: ``G * sum_blocks(union) * read_block * row_bytes`` (``Dk_pad *
+itemsize``, or 768 for an FP8 cache).
 """
 
 from __future__ import annotations
