@@ -143,10 +143,11 @@ def _flat(fn, q, kv, idx, pos, rb=16):
     return fn(q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, read_block=rb, return_lse=True)
 
 
-def _check_flat(kernel, seed, **case):
+def _check_flat(kernel, seed, tpu_layout=False, **case):
     rb = case.get("rb", 16)
     q, cache, idx, pos = _flat_case(seed, **case)
-    got = _flat(KERNELS[kernel], q, cache, idx, pos, rb)
+    stored = TpuFp8LatentCache.from_cache(cache) if tpu_layout else cache
+    got = _flat(KERNELS[kernel], q, stored, idx, pos, rb)
     assert_no_races()
     same_op = _flat(KERNELS[kernel], q, jnp.asarray(_bf16_rows(cache)), idx, pos, rb)
     _assert_same(got, same_op)
@@ -162,8 +163,9 @@ def test_flat_per_query():
 
 
 @pytest.mark.slow
-def test_flat_qblock_rb32():
-    _check_flat("qblock", 123, kv_len=150, rb=32, top_k=3)
+def test_flat_qblock_rb32_tpu_layout():
+    """T = 150 padded to whole 32-token units: the TpuFp8LatentCache padded as stored."""
+    _check_flat("qblock", 123, tpu_layout=True, kv_len=150, rb=32, top_k=3)
 
 
 # ---------------------------------------------------------------------------- ragged
