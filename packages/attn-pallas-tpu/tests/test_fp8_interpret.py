@@ -282,3 +282,8 @@ def test_tpu_layout_holds_the_same_cache():
     back = tpu.reshape(96).take_rows(jnp.arange(95, -1, -1)).to_cache()
     want = cache.reshape(96).take_rows(jnp.arange(95, -1, -1))
     _assert_same(jax.tree.leaves(back), jax.tree.leaves(want))
+    q = jnp.zeros((3, 2, HEADS, DK), jnp.bfloat16)
+    idx, pos = jnp.zeros((3, 2, 1), jnp.int32), jnp.zeros((3, 2), jnp.int32)
+    bad = TpuFp8LatentCache(tpu.latent, tpu.side[..., :64])
+    with pytest.raises(ValueError, match=r"cache.side: got bfloat16 \(3, 32, 64\), expected"):
+        sparse_mla_attention(q, bad, idx, pos, sm_scale=SM_SCALE, read_block=16)

@@ -125,17 +125,32 @@ class TpuFp8LatentCache(Fp8LatentCache):
         object.__setattr__(self, "latent", latent)
         object.__setattr__(self, "side", side)
 
+    def _side(self):
+        """``side``, checked: the ops validate a cache through ``scale`` and ``rope``."""
+        side = self.side
+        shape, dtype = getattr(side, "shape", None), getattr(side, "dtype", None)
+        if shape is None or dtype is None:
+            raise TypeError(f"cache.side: got {type(side).__name__}, expected an array")
+        if jnp.dtype(dtype) != ROWS_DTYPE or not shape or shape[-1] != SIDE:
+            raise ValueError(
+                f"cache.side: got {jnp.dtype(dtype).name} {tuple(shape)}, expected bfloat16 "
+                f"[..., {SIDE}] (attn_pallas_tpu.fp8_rows.side_rows)"
+            )
+        return side
+
     @property
     def scale(self) -> jax.Array:
-        if isinstance(self.side, jax.ShapeDtypeStruct):  # validation of shapes only
-            return jax.ShapeDtypeStruct((*self.side.shape[:-1], GROUPS), SCALE_DTYPE)
-        return side_scale(self.side)
+        side = self._side()
+        if isinstance(side, jax.ShapeDtypeStruct):  # validation of shapes only
+            return jax.ShapeDtypeStruct((*side.shape[:-1], GROUPS), SCALE_DTYPE)
+        return side_scale(side)
 
     @property
     def rope(self) -> jax.Array:
-        if isinstance(self.side, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct((*self.side.shape[:-1], ROPE), self.side.dtype)
-        return self.side[..., :ROPE]
+        side = self._side()
+        if isinstance(side, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((*side.shape[:-1], ROPE), side.dtype)
+        return side[..., :ROPE]
 
     def _arrays(self):
         return self.latent, self.side
