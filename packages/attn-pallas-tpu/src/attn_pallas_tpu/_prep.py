@@ -10,8 +10,10 @@ and address a unit by
   ``key * read_block + r`` (flat: the unit id; ragged: the global page-table slot, so the
   request-local position of token ``r`` is ``key * page_size + r - base_page * page_size``);
 * its **source**: the first store row of the unit divided by 8 (``src8``). The kernels
-  DMA from row ``src8 * 8``: a multiple of 8 that Mosaic can prove, which is what lets a
-  dynamic sublane offset into the tiled HBM store lower (the paged-attention idiom).
+  DMA from row ``src8 * 8``, which they declare a multiple of ``gcd(read_block, 32)``
+  (every unit starts at a multiple of ``read_block``; ``sparse_mla.row_alignment``):
+  a multiple Mosaic can prove is what lets a dynamic sublane offset into the tiled HBM
+  store lower (the paged-attention idiom).
 
 A key token at global position ``kpg`` is valid for a query iff the query selected the
 unit and ``kpg < lim``, where ``lim = base_tok + max(min(position, kv_len - 1) + 1, 0)``

@@ -45,6 +45,7 @@ query-blocked kernel (``sparse_mla_qblock``) fetches each unit once per block of
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,15 @@ from attn_pallas_tpu.fp8_rows import dequantize_rows
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
 _SENTINEL = jnp.iinfo(jnp.int32).max
+
+
+def row_alignment(rb: int) -> int:
+    """What a unit's first store row is provably a multiple of: every unit starts at a
+    multiple of ``read_block`` (flat: ``b * Tp + u * RB``; ragged: ``page * page_size``,
+    ``page_size == RB``), so at ``gcd(RB, 32)``: 16 or 32 (``RB % 16 == 0``), the bf16
+    and the 8-bit sublane tiles (an FP8 latent unit with ``RB % 32 == 0`` is
+    tile-aligned)."""
+    return math.gcd(rb, 32)
 
 
 class UnitRows:
@@ -142,7 +152,7 @@ def _per_query_kernel(
     heads = q.shape[0]
 
     def start_row(j):
-        return pl.multiple_of(src_ref[0, 0, j] * SUBLANE, SUBLANE)
+        return pl.multiple_of(src_ref[0, 0, j] * SUBLANE, row_alignment(rb))
 
     for d in range(NBUF - 1):  # prologue: fill the ring
 

@@ -104,7 +104,7 @@ from attn_pallas_tpu.plan import (
     qblock_vmem_bytes,
     static_qblock_config,
 )
-from attn_pallas_tpu.sparse_mla import UnitRows, _per_query, unit_rings
+from attn_pallas_tpu.sparse_mla import UnitRows, _per_query, row_alignment, unit_rings
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
 MEMBER_TILE = 32  # int8 sublane tile: aligned window for the dynamic membership row
@@ -180,7 +180,7 @@ def _walk_chunk(
     lim = _lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
 
     def start_row(j):
-        return pl.multiple_of(src_ref[0, 0, 0, j] * SUBLANE, SUBLANE)
+        return pl.multiple_of(src_ref[0, 0, 0, j] * SUBLANE, row_alignment(rb))
 
     for d in range(NBUF - 1):  # prologue: fill the ring
 
