@@ -64,6 +64,8 @@ class Backend:
     config: object = None
     # Ranker head dims with a backward kernel of their own (the default tier runs each).
     grad_kernel_head_dims: tuple[int, ...] = ()
+    # Sparse MLA over an FP8 latent cache (attn_common.Fp8LatentCache) in its kernels.
+    fp8: bool = False
     # Flat/paged sparse MLA: feature split and row multiple the kernels need.
     sparse_dims: tuple[int, int] = (128, 64)  # (Dv, Drope): Dk = Dv + Drope
     sparse_row_multiple: int = 1
@@ -134,7 +136,7 @@ RANKER = (
 SPARSE_MLA = (
     Backend(
         "reference", "attn_reference", REFERENCE_INSTALL, None, None,
-        dtypes=("float32", "bfloat16"),
+        dtypes=("float32", "bfloat16"), fp8=True,
     ),
     Backend(
         "mosaic-gpu", "attn_mosaic_gpu", MOSAIC_GPU_INSTALL, "gpu", gpu_interpret,
@@ -142,7 +144,7 @@ SPARSE_MLA = (
     ),
     Backend(
         "pallas-tpu", "attn_pallas_tpu", PALLAS_TPU_INSTALL, "tpu", tpu_interpret,
-        dtypes=("float32", "bfloat16"), read_block_1=False, sparse_row_multiple=8,
+        dtypes=("float32", "bfloat16"), read_block_1=False, sparse_row_multiple=8, fp8=True,
     ),
 )  # fmt: skip
 

@@ -328,6 +328,25 @@ def poison_ragged_case(case, page_size: int, *, dk: int, seed: int):
     return layout, rows.reshape(cache.shape), q, idx, positions
 
 
+def poison_fp8_cache(cache, keep: np.ndarray, *, seed: int):
+    """Copy of an ``Fp8LatentCache`` whose every token where ``keep`` (bool, the token
+    grid's size) is False holds NaN latent bytes (e4m3fn 0x7F / 0xFF), NaN / +-Inf / 0
+    scales and NaN / Inf rope values (a mix per token)."""
+    import jax.numpy as jnp
+
+    from attn_common import Fp8LatentCache
+
+    rng = rng_for(seed)
+    latent, scale, rope = (np.array(a) for a in (cache.latent, cache.scale, cache.rope))
+    bad = ~np.asarray(keep).reshape(cache.shape)
+    latent_u8 = latent.view(np.uint8)
+    latent_u8[bad] = np.where(rng.random(latent_u8[bad].shape) < 0.5, 0x7F, 0xFF)
+    junk = rng.choice(np.asarray([np.nan, np.inf, -np.inf, 0.0], np.float32), scale[bad].shape)
+    scale[bad] = junk
+    rope[bad] = rng.choice(np.asarray([np.nan, np.inf], np.float32), rope[bad].shape).astype(BF16)
+    return Fp8LatentCache(jnp.asarray(latent), jnp.asarray(scale), jnp.asarray(rope))
+
+
 def huge_keys(k, *, seed: int, max_exp: float) -> np.ndarray:
     """Float32 copy of ``k`` ([B, S, H, D]) with each key scaled by ``10^u``, ``u``
     uniform in ``[0, max_exp]``, so that scores reach ~``10^max_exp`` (a soft cap must

@@ -6,6 +6,11 @@ interpret mode on the CPU with uninitialised memory NaN) and compared against
 ``attn_reference`` in float32 at HIGHEST precision on the upcast inputs: out (rel L2 and
 max-abs per dtype), LSE (``-inf`` exactly on empty queries, out exactly 0 there).
 
+An FP8 latent cache (``attn_common.Fp8LatentCache``) runs on the backends whose
+``fp8`` flag is set, ragged paged, every field of the unattended rows poisoned (NaN
+latent bytes, NaN / Inf / 0 scales, NaN / Inf rope), against the float32 reference on
+the dequantized cache at the bf16 tolerance (the kernels compute on bf16 rows).
+
 Hypothesis draws the selections (-1, duplicate and out-of-range ids, a query with
 nothing selected, positions before, inside and past the cache), the ragged metadata
 (request lengths, new tokens per request, shuffled physical pages) and fresh random
@@ -24,6 +29,7 @@ from helpers import (
     assert_sparse_mla_close,
     attended_rows_flat,
     attended_rows_ragged,
+    poison_fp8_cache,
     poison_rows,
     randn,
     random_page_selection,
@@ -35,6 +41,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attn_reference as ref
+from attn_common import dequantize_latent_cache, padded_dk, quantize_latent_cache
 
 SM_SCALE = 0.07
 FNS = ("sparse_mla_attention", "sparse_mla_attention_qblock")
@@ -249,3 +256,59 @@ def ragged_case(backend, fn, dtype, layout, seed):
     args = (q, dirty, idx[None], positions[None])
     got, want = _run(backend, fn, dtype, args, tables, read_block=PAGE, page_size=PAGE)
     _check(got, want, dtype)
+
+
+# ---------------------------------------------------------------- FP8 latent cache
+
+FP8_DV, FP8_ROPE = 512, 64  # the only split an Fp8LatentCache holds
+
+
+def _fp8_cases():
+    """(backend, function) for the backends that read an FP8 cache, all ``slow`` (the
+    default tier has each backend's own FP8 tests: tests/test_sparse_mla_fp8_reference.py,
+    packages/attn-pallas-tpu/tests/test_fp8_interpret.py)."""
+    out = []
+    for backend in SPARSE_MLA:
+        if not backend.fp8:
+            continue
+        for fn in FNS:
+            name = f"{backend}-{fn.removeprefix('sparse_mla_attention') or 'plain'}"
+            out.append(pytest.param(backend, fn, id=f"{name}-fp8", marks=[pytest.mark.slow]))
+    return out
+
+
+@pytest.mark.parametrize(("backend", "fn"), _fp8_cases())
+def test_ragged_paged_fp8(backend, fn):
+    backend.require()
+
+    @_examples(backend)
+    @given(layout=ragged_layout(), seed=st.integers(0, 2**31 - 1))
+    @example(layout=layout_dict([5, 0, 7], [40, 3, 7], [10, 3, 7, 0, 8, 1, 5, 9, 2, 4, 6]), seed=1)
+    def check(layout, seed):
+        ragged_fp8_case(backend, fn, layout, seed)
+
+    check()
+
+
+def ragged_fp8_case(backend, fn, layout, seed):
+    rng = rng_for(seed)
+    num_pages, dk = layout["num_pages"], FP8_DV + FP8_ROPE
+    cache = quantize_latent_cache(jnp.asarray(randn(rng, (num_pages, PAGE, dk), np.float32)))
+    q = randn(rng, (1, NUM_Q, RAGGED_HEADS, dk), "bfloat16")
+    idx = random_page_selection(rng, layout, RAGGED_TOP_K, PAGE)
+    positions = layout["positions"].copy()
+    positions[rng.integers(0, NUM_Q)] += 40  # kv_len (the request's length) binds
+    keep = attended_rows_ragged(layout, idx, positions, page_size=PAGE, num_pages=num_pages)
+    dirty = poison_fp8_cache(cache, keep, seed=seed)
+    names = ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
+    tables = {k: jnp.asarray(layout[k]) for k in names}
+    static = dict(read_block=PAGE, page_size=PAGE)
+    args = (q, dirty, idx[None], positions[None])
+    got = run_interpret(_call(backend, fn, FP8_DV, **static), *args, tables)
+    deq = np.asarray(dequantize_latent_cache(cache))  # the clean cache's values, float32
+    deq = np.pad(deq, ((0, 0), (0, 0), (0, padded_dk(dk) - dk)))[:, :, None, :]
+    want = reference_f32(
+        getattr(ref, fn), q, deq, idx[None], positions[None], sm_scale=SM_SCALE,
+        kv_lora_rank=FP8_DV, return_lse=True, **tables, **static,
+    )  # fmt: skip
+    _check(got, want, "bfloat16")

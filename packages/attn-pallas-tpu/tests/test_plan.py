@@ -292,6 +292,34 @@ def test_qblock_vmem_bytes_formula():
     assert got == expected
 
 
+def test_fp8_rows_cost_768_bytes_per_token():
+    """An FP8 cache (``row_bytes = 768``): KV bytes 0.6x the bf16 rows' 1,280, the ring
+    counted at 768 bytes per row plus the unit's dequantized temporaries, and the
+    dequantization's VPU ops in the unit time (never faster per byte moved)."""
+    rows, qb, rb = 4096, 32, 64
+    fp8 = dict(SHAPE, row_bytes=768)
+    bf16 = qblock_vmem_bytes(rows=rows, query_block=qb, u_max=1000, read_block=rb, **SHAPE)
+    got = qblock_vmem_bytes(
+        rows=rows, query_block=qb, u_max=1000, read_block=rb, dequantize=True, **fp8
+    )
+    assert got == bf16 - 4 * rb * (640 * 2 - 768) + rb * 640 * (4 + 2)
+    distinct = np.array([32, 7, 0, 32])
+    args = dict(heads=16, read_block=rb, top_k=32, chip=TPU_CHIPS["v5e"])
+    p16 = predict_per_query(distinct_per_query=distinct, **args, **SHAPE)
+    p8 = predict_per_query(distinct_per_query=distinct, **args, **fp8)
+    assert p16.kv_bytes == distinct.sum() * rb * 1280 and p8.kv_bytes == p16.kv_bytes * 0.6
+    # H = 16, RB = 64 on v5e: in the model a unit costs the ring's issue rate (0.5 us),
+    # not its transfer (0.1 us in bf16), so fewer bytes do not change the time.
+    assert p8.dma_count == p16.dma_count and p8.predicted_s == p16.predicted_s
+    # 512-token units on v6e: the bf16 rows' transfer binds, the FP8 rows' compute with
+    # the dequantization (4 VPU ops per value): the model prices both sides.
+    args = dict(heads=16, read_block=512, top_k=4, chip=TPU_CHIPS["v6e"])
+    p16 = predict_per_query(distinct_per_query=distinct, **args, **SHAPE)
+    p8 = predict_per_query(distinct_per_query=distinct, **args, **fp8)
+    assert p8.kv_bytes == p16.kv_bytes * 0.6 and p8.predicted_s != p16.predicted_s
+    assert PlanShape(**args, **fp8).fp8 and not PlanShape(**args, **SHAPE).fp8
+
+
 @pytest.mark.parametrize("chip", sorted(TPU_CHIPS))
 @pytest.mark.parametrize("heads", [1, 16, 64, 128, 1024])
 @pytest.mark.parametrize("read_block, top_k", [(64, 32), (128, 16)])

@@ -14,6 +14,9 @@ Exported under the shared names of docs/design.md#public-api:
 * ``ranker_attention``: ranker attention (bidirectional history, isolated candidates,
   per-row traced bounds), forward and backward kernels behind a ``jax.custom_vjp``
   (docs/tpu_ranker.md).
+* ``TpuFp8LatentCache``: an ``attn_common.Fp8LatentCache`` stored as the kernels read
+  it (FP8 latent rows and one bf16 side row per token, 768 bytes), built once; a plain
+  ``Fp8LatentCache`` is taken too (its side rows built per call; ``fp8_rows``).
 * ``supports``: tells ``attn_common``'s dispatch which inputs these kernels take (the
   rest falls back to the reference).
 
@@ -24,6 +27,7 @@ interpret mode on the CPU.
 from importlib.metadata import PackageNotFoundError, version
 
 from attn_pallas_tpu._supports import supports
+from attn_pallas_tpu.fp8_rows import TpuFp8LatentCache
 from attn_pallas_tpu.paged import (
     paged_write_back,
     prefill_write_and_attend_ragged,
@@ -39,6 +43,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 __all__: list[str] = [
+    "TpuFp8LatentCache",
     "paged_write_back",
     "prefill_write_and_attend_ragged",
     "prefill_write_and_attend_ragged_qblock",

@@ -1,14 +1,19 @@
 """Preprocessing shared by the sparse-MLA kernels: validation, the KV row store, unit keys.
 
 Everything here is plain ``jnp`` that runs outside the kernels. Both kernels see the KV
-cache as one row-addressable store ``[R, Dk_pad]`` in HBM and address a unit by
+cache as one row-addressable store in HBM, ``[R, Dk_pad]`` (float32 or bfloat16), or for
+an ``Fp8LatentCache`` the pair ``(latent [R, 512] float8_e4m3fn, side [R, 128]
+bfloat16)`` (``attn_pallas_tpu.fp8_rows``: 768 bytes per token, dequantized in VMEM),
+and address a unit by
 
 * its **key**: an opaque int32 id whose tokens sit at global positions
   ``key * read_block + r`` (flat: the unit id; ragged: the global page-table slot, so the
   request-local position of token ``r`` is ``key * page_size + r - base_page * page_size``);
 * its **source**: the first store row of the unit divided by 8 (``src8``). The kernels
-  DMA from row ``src8 * 8``: a multiple of 8 that Mosaic can prove, which is what lets a
-  dynamic sublane offset into the tiled HBM store lower (the paged-attention idiom).
+  DMA from row ``src8 * 8``, which they declare a multiple of ``gcd(read_block, 32)``
+  (every unit starts at a multiple of ``read_block``; ``sparse_mla.row_alignment``):
+  a multiple Mosaic can prove is what lets a dynamic sublane offset into the tiled HBM
+  store lower (the paged-attention idiom).
 
 A key token at global position ``kpg`` is valid for a query iff the query selected the
 unit and ``kpg < lim``, where ``lim = base_tok + max(min(position, kv_len - 1) + 1, 0)``
@@ -24,10 +29,11 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import SparseMlaProblem
-from attn_common.fp8_cache import fp8_unsupported
+from attn_common.fp8_cache import Fp8LatentCache
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.spec import SparseMlaCall, require_kernel
 from attn_common.tables import sanitize_unit_ids
+from attn_pallas_tpu.fp8_rows import ROW_BYTES, side_rows
 from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
 
 SUBLANE = 8
@@ -57,16 +63,15 @@ def default_chip() -> TpuChip:
 
 
 def require_tpu_kernels(call: SparseMlaCall) -> SparseMlaProblem:
-    """The TPU kernels' limits on a validated call: float32 or bfloat16 cache (the query
-    takes its dtype) and ``read_block % 16 == 0``; returns the problem."""
+    """The TPU kernels' limits on a validated call: a float32 or bfloat16 cache (the
+    query takes its dtype) or an ``Fp8LatentCache`` (the query in bfloat16), and
+    ``read_block % 16 == 0``; returns the problem."""
     problem = call.problem
-    fp8 = fp8_unsupported(call.kv, "kv", kernels="TPU sparse-MLA")
-    if fp8 is not None:  # never dequantize the whole cache: twice a bf16 cache's bytes
-        raise NotImplementedError(fp8)
-    require_kernel(
-        "kv", jnp.dtype(call.kv.dtype).name, [d.name for d in KERNEL_DTYPES], what="dtype",
-        kernels="TPU sparse-MLA",
-    )  # fmt: skip
+    if not isinstance(call.kv, Fp8LatentCache):
+        require_kernel(
+            "kv", jnp.dtype(call.kv.dtype).name, [d.name for d in KERNEL_DTYPES],
+            what="dtype", kernels="TPU sparse-MLA",
+        )  # fmt: skip
     if problem.read_block % ROW_MULTIPLE:
         raise NotImplementedError(
             f"read_block: got {problem.read_block}, the TPU kernels need a multiple of "
@@ -76,10 +81,37 @@ def require_tpu_kernels(call: SparseMlaCall) -> SparseMlaProblem:
     return problem
 
 
+def row_bytes(kv, dk_pad: int) -> int:
+    """HBM bytes the kernels DMA per token of ``kv``: ``Dk_pad * itemsize``, or 768 for
+    an ``Fp8LatentCache`` (512 latent bytes and a 128-lane bf16 side row)."""
+    if isinstance(kv, Fp8LatentCache):
+        return ROW_BYTES
+    return dk_pad * jnp.dtype(kv.dtype).itemsize
+
+
+def query_dtype(kv) -> jnp.dtype:
+    """The dtype of the query and of the rows on the MXU: the cache's, bf16 for FP8."""
+    return jnp.dtype(jnp.bfloat16 if isinstance(kv, Fp8LatentCache) else kv.dtype)
+
+
+def _row_store(kv, rows: int):
+    """The row store of ``kv`` on ``rows`` token rows: ``kv [.., Dk_pad]`` reshaped, or
+    an ``Fp8LatentCache``'s ``(latent [R, 512], side [R, 128])`` (``fp8_rows``)."""
+    if isinstance(kv, Fp8LatentCache):
+        return kv.latent.reshape(rows, -1), side_rows(kv).reshape(rows, -1)
+    return kv.reshape(rows, kv.shape[-1])
+
+
+def store_arrays(store) -> tuple:
+    """The row store as a tuple of HBM arrays (one, or FP8's two)."""
+    return store if isinstance(store, tuple) else (store,)
+
+
 class UnitSpace(NamedTuple):
     """Where the selected units live, for every query (all int32).
 
-    store:     ``[R, Dk_pad]`` the row store the kernels DMA from (lives in HBM).
+    store:     the row store the kernels DMA from (lives in HBM): ``[R, Dk_pad]``, or
+               ``(latent [R, 512], side [R, 128])`` for an ``Fp8LatentCache``.
     keys:      ``[B, S, K]`` unit keys, ``-1`` = no selection (sanitized / lifted).
     src8:      ``[B, S, K]`` first store row of each selected unit // 8 (0 where none).
     unit_ok:   ``[B, S, K]`` bool, the unit exists (ragged: its physical page is valid).
@@ -147,11 +179,15 @@ def unit_space(
         # the whole kv per call (B * T * Dk_pad * itemsize bytes read and written),
         # counted in docs/tpu_sparse_mla.md; serving caches use the ragged paged mode,
         # which reads the cache in place. Aligned inputs are only reshaped.
+        # An Fp8LatentCache is padded in tokens only (its fields are lane-dense already).
         t = problem.kv_len
         tp = problem.num_units * rb
-        if tp != t or dk_pad != dk:
+        if isinstance(kv, Fp8LatentCache):
+            if tp != t:
+                kv = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, tp - t), (0, 0))), kv)
+        elif tp != t or dk_pad != dk:
             kv = jnp.pad(kv, ((0, 0), (0, tp - t), (0, dk_pad - dk)))
-        store = kv.reshape(batch * tp, dk_pad)
+        store = _row_store(kv, batch * tp)
         keys = sanitize_unit_ids(indices, problem.num_units)
         src8, unit_ok = unit_source(keys, flat_rows_per_batch=tp, read_block=rb)
         base_tok = jnp.zeros((batch, seq), jnp.int32)
@@ -159,7 +195,7 @@ def unit_space(
         return UnitSpace(store, keys, src8, unit_ok, base_tok, lim)
 
     num_pages = kv.shape[0]
-    store = kv.reshape(num_pages * page_size, kv.shape[-1])  # [P * PS, Dk_pad]
+    store = _row_store(kv, num_pages * page_size)  # [P * PS, Dk_pad] or FP8 rows
     info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
     keys = lift_ragged_indices(indices[0], info, problem.num_units)[None]  # [1, S, K]
     src8, unit_ok = unit_source(

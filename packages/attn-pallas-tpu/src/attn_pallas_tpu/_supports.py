@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from attn_common.fp8_cache import fp8_unsupported
 from attn_pallas_tpu._prep import KERNEL_DTYPES, ROW_MULTIPLE
 from attn_pallas_tpu.ranker import supports as ranker_supports
 
@@ -34,10 +33,7 @@ def supports(op: str, *args, **kwargs) -> str | None:
         unit, unit_name = kwargs.get("page_size"), "page_size"
     else:
         return None
-    for name, x in arrays.items():
-        fp8 = fp8_unsupported(x, name, kernels="TPU sparse-MLA")
-        if fp8 is not None:
-            return fp8
+    for name, x in arrays.items():  # an Fp8LatentCache (no dtype) is taken
         dtype = getattr(x, "dtype", None)
         if dtype is not None and jnp.dtype(dtype) not in KERNEL_DTYPES:
             return f"{name}: got dtype {jnp.dtype(dtype).name}, the TPU kernels take float32 or bfloat16"

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common.fp8_cache import Fp8LatentCache, fp8_unsupported
-from attn_common.paged import write_back_by_scatter, write_then_attend
+from attn_common.fp8_cache import Fp8LatentCache, quantize_latent_cache
+from attn_common.paged import scatter_write_back, write_back_by_scatter, write_then_attend
 from attn_common.spec import PrefillCall, WriteBackCall, prefill_call, public_op, write_back_call
 from attn_common.tables import (
     TOKEN_RUN,
@@ -50,6 +50,7 @@ from attn_common.tables import (
     keep_last_writes,
 )
 from attn_pallas_tpu._prep import resolve_interpret
+from attn_pallas_tpu.fp8_rows import TpuFp8LatentCache
 from attn_pallas_tpu.sparse_mla import sparse_mla_attention
 from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
 
@@ -150,6 +151,16 @@ def _write_back_call(cache_w, rows_w, table, *, interpret):
     )(table, rows_w, cache_w)
 
 
+def _write_tpu_fp8(call: WriteBackCall) -> TpuFp8LatentCache:
+    """The reference's write-back (quantize, keep the last row of a slot, scatter) into
+    a ``TpuFp8LatentCache``: the same values, stored as latent and side rows."""
+    rows = call.rows
+    if not isinstance(rows, Fp8LatentCache):
+        rows = quantize_latent_cache(rows.astype(jnp.float32))
+    rows = TpuFp8LatentCache.from_cache(rows)
+    return scatter_write_back(call.cache, rows, keep_last_writes(call.loc, call.slots))
+
+
 def _scatter(cache, rows, loc):
     flat = cache.reshape(-1, cache.shape[-1])
     flat = flat.at[loc].set(rows, mode="drop", wrap_negative_indices=False)
@@ -164,8 +175,11 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
     ``r_cap``: run-table size (static); default ``attn_common.default_write_run_cap``;
     more contiguous runs than this fall back to the XLA scatter (bit-identical). An
     ``Fp8LatentCache`` is written by the XLA scatter (``write_back_by_scatter``: the new
-    rows quantized, nothing else read).
+    rows quantized, nothing else read); a ``TpuFp8LatentCache`` likewise, with the new
+    rows' latent and side rows (``attn_pallas_tpu.fp8_rows``) scattered.
     """
+    if isinstance(call.cache, TpuFp8LatentCache):
+        return _write_tpu_fp8(call)
     if isinstance(call.cache, Fp8LatentCache):  # the new rows quantized, then scattered
         return write_back_by_scatter(call)
     cache, rows, loc, page_size = call.cache, call.rows, call.loc, call.page_size
@@ -203,20 +217,14 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
     return jax.lax.cond(runs.num_runs <= r_cap, kernel, scatter, cache)
 
 
-def _refuse_fp8(call: PrefillCall) -> None:
-    reason = fp8_unsupported(call.cache, "cache", kernels="TPU sparse-MLA")
-    if reason is not None:  # before the write: never dequantize the whole cache
-        raise NotImplementedError(reason)
-
-
 @public_op(prefill_call)
 def prefill_write_and_attend_ragged(call: PrefillCall) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (per-query kernel).
 
     ``query_block`` / ``u_max`` are validated and ignored here; accepted so the
-    ``_qblock`` twin is a drop-in.
+    ``_qblock`` twin is a drop-in. An ``Fp8LatentCache`` gets the new rows quantized
+    (the XLA scatter of :func:`paged_write_back`), then attended in FP8.
     """
-    _refuse_fp8(call)
     return write_then_attend(paged_write_back.impl, sparse_mla_attention.impl, call)
 
 
@@ -225,5 +233,4 @@ def prefill_write_and_attend_ragged_qblock(call: PrefillCall) -> tuple[jax.Array
     """Same as :func:`prefill_write_and_attend_ragged`, attending with the query-blocked
     kernel (``query_block`` queries per program and ``u_max`` union slots per chunk;
     ``None`` = the automatic tiling of :func:`sparse_mla_attention_qblock`)."""
-    _refuse_fp8(call)
     return write_then_attend(paged_write_back.impl, sparse_mla_attention_qblock.impl, call)

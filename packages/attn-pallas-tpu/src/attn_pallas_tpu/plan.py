@@ -5,8 +5,8 @@ The TPU backend has two sparse-MLA prefill kernels (``attn_pallas_tpu.sparse_mla
 
 * **per-query**: one program per query with all ``H`` heads as score rows; it DMAs
   each of the query's distinct valid units (a unit is ``read_block`` KV rows of
-  ``Dk_pad`` features, ``read_block * Dk_pad * itemsize`` bytes) through a 4-slot VMEM
-  ring. KV bytes = ``sum_q distinct(q) * unit_bytes``; one DMA per (query, unit).
+  ``row_bytes`` bytes: ``Dk_pad * itemsize`` for a float32 or bf16 cache, 768 for an
+  FP8 cache, ``attn_pallas_tpu.fp8_rows``) through a 4-slot VMEM ring. KV bytes = ``sum_q distinct(q) * unit_bytes``; one DMA per (query, unit).
 * **query-blocked (qblock)**: one program per (block of ``QB`` queries, head group of
   ``Hb`` heads; ``G = H / Hb`` groups) streams the block's union of units in chunks of
   ``u_max`` union slots (grid ``(B, nQB, G, C)``, ``C = ceil(min(QB * K, num_units) /
@@ -29,7 +29,9 @@ Model of one layer call (all numbers are assumptions of the model, not measureme
   (a) compute on one TensorCore: MXU flops ``2 * RB * rows * (Dk_pad + Dv)`` (scores
   and ``P @ V``) at the core's share of the bf16 peak scaled by the MXU efficiency
   ``min(1, rows / mxu_dim)``, plus ``VPU_OPS_PER_SCORE = 16`` float32 VPU ops per score
-  element (mask, select, max, sub, exp, sum, cast) at the core's VPU rate; the qblock
+  element (mask, select, max, sub, exp, sum, cast) at the core's VPU rate, plus for an
+  FP8 cache ``DEQUANT_OPS_PER_VALUE = 4`` ops per latent value of the unit (convert,
+  multiply, round to bf16, concatenate; once per unit, not per score row); the qblock
   kernel computes every masked score of the block, so its compute is ``union *
   Hb * QB`` scores per group, not the useful ``sum_q distinct(q) * H``;
   (b) the unit's transfer at the chip's HBM bandwidth;
@@ -106,6 +108,7 @@ from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.tables import lossless_u_max, sanitize_unit_ids
 
 __all__ = [
+    "DEQUANT_OPS_PER_VALUE",
     "DMA_LATENCY_S",
     "NBUF",
     "STATIC_U_MAX_CAP",
@@ -133,6 +136,7 @@ __all__ = [
 DMA_LATENCY_S = 1.5e-6  # one DMA issue -> complete, latency-bound for a unit-sized copy
 STEP_OVERHEAD_S = 0.35e-6  # per grid step
 VPU_OPS_PER_SCORE = 16  # float32 VPU ops per score element
+DEQUANT_OPS_PER_VALUE = 4  # FP8 cache: VPU ops per dequantized value (once per unit)
 NBUF = 4  # DMA ring depth of both kernels: NBUF - 1 copies in flight
 MEMBER_TILE = 32  # int8 sublane tile: u_max is padded to a multiple of this
 VMEM_USABLE_FRACTION = 0.75  # of the physical VMEM per TensorCore
@@ -216,15 +220,19 @@ def qblock_vmem_bytes(
     dk_pad: int,
     dv: int,
     itemsize: int,
+    row_bytes: int | None = None,
+    dequantize: bool = False,
 ) -> int:
     """VMEM estimate of one qblock program (``rows = Hb * QB`` score rows).
 
     Double-buffered blocks: q ``[rows, Dk_pad]`` (itemsize), the float32 output
     accumulator ``[rows, Dv]``, LSE ``[rows]`` f32, the int8 membership chunk
     ``[u_pad, QB]`` (``u_pad = u_max`` rounded up to 32) and ``lim [QB]`` int32; plus the
-    DMA ring ``NBUF x [RB, Dk_pad]``, the score temporaries ``5 x [RB, rows]`` f32 (s, p,
-    masks) and ``2 x [rows, Dv]`` f32 (accumulator update), and the m/l scratch
-    ``2 x [rows]`` f32.
+    DMA ring ``NBUF x RB x row_bytes`` (``row_bytes``: KV bytes per token, default
+    ``Dk_pad * itemsize``), the score temporaries ``5 x [RB, rows]`` f32 (s, p, masks)
+    and ``2 x [rows, Dv]`` f32 (accumulator update), and the m/l scratch ``2 x [rows]``
+    f32; with ``dequantize`` (FP8) the unit's float32 products and bf16 rows ``[RB,
+    Dk_pad]``.
     """
     u_pad = _round_up(max(u_max, 1), MEMBER_TILE)
     blocks = (
@@ -234,8 +242,10 @@ def qblock_vmem_bytes(
         + u_pad * query_block  # membership chunk, int8
         + query_block * 4  # lim
     )
-    ring = NBUF * read_block * dk_pad * itemsize
+    ring = NBUF * read_block * (dk_pad * itemsize if row_bytes is None else row_bytes)
     temps = 5 * read_block * rows * 4 + 2 * rows * dv * 4
+    if dequantize:
+        temps += read_block * dk_pad * (4 + 2)
     scratch = 2 * rows * 4
     return 2 * blocks + ring + temps + scratch
 
@@ -356,7 +366,10 @@ class PlanShape:
 
     heads: ``H`` (score rows per query).
     read_block / dk_pad / dv / itemsize: unit rows, padded key width, value width, bytes
-      per KV element.
+      per query element (the cache's dtype; bf16 for an FP8 cache).
+    row_bytes: KV bytes DMA'd per token: ``None`` = ``Dk_pad * itemsize`` (a float32 or
+      bf16 cache), 768 for an FP8 cache (``attn_pallas_tpu.fp8_rows.ROW_BYTES``: 512
+      latent bytes and a 128-lane bf16 side row), which the kernels dequantize in VMEM.
     top_k: ``K`` (size of the per-query unit lists in SMEM).
     chip: the target chip (:func:`chip_for_device_kind`).
     num_units: units per request (bounds the qblock's static chunk count ``C``); only
@@ -371,11 +384,18 @@ class PlanShape:
     top_k: int
     chip: TpuChip
     num_units: int | None = None
+    row_bytes: int | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Rows that are not ``Dk_pad * itemsize`` wide: an FP8 cache, dequantized."""
+        return self.row_bytes is not None and self.row_bytes != self.dk_pad * self.itemsize
 
     @property
     def unit_bytes(self) -> int:
-        """HBM bytes of one unit (``read_block`` KV rows of ``Dk_pad`` features)."""
-        return self.read_block * self.dk_pad * self.itemsize
+        """HBM bytes of one unit (``read_block`` KV rows of ``row_bytes`` each)."""
+        width = self.dk_pad * self.itemsize if self.row_bytes is None else self.row_bytes
+        return self.read_block * width
 
     def vmem_bytes(self, *, rows: int, query_block: int, u_max: int) -> int:
         """:func:`qblock_vmem_bytes` of one qblock program at this shape."""
@@ -387,6 +407,8 @@ class PlanShape:
             dk_pad=self.dk_pad,
             dv=self.dv,
             itemsize=self.itemsize,
+            row_bytes=self.row_bytes,
+            dequantize=self.fp8,
         )
 
     def units_per_request(self) -> int:
@@ -402,7 +424,10 @@ def _unit_seconds(s: PlanShape, rows: int) -> float:
     mxu_eff = min(1.0, rows / chip.mxu_dim)
     flops = 2 * s.read_block * rows * (s.dk_pad + s.dv)
     t_mxu = flops / (chip.mxu_flops / chip.cores * mxu_eff)
-    t_vpu = VPU_OPS_PER_SCORE * s.read_block * rows / (chip.vpu_ops / chip.cores)
+    vpu_ops = VPU_OPS_PER_SCORE * s.read_block * rows
+    if s.fp8:
+        vpu_ops += DEQUANT_OPS_PER_VALUE * s.read_block * s.dk_pad
+    t_vpu = vpu_ops / (chip.vpu_ops / chip.cores)
     t_transfer = s.unit_bytes / chip.hbm_bytes_per_s
     t_issue = DMA_LATENCY_S / (NBUF - 1)
     return max(t_mxu + t_vpu, t_transfer, t_issue)

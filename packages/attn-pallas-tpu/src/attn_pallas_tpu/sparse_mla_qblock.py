@@ -35,11 +35,14 @@ and never changes the answer.
 
 DMA schedule. The KV row store stays in HBM. Union slot ``j`` (``read_block`` rows from
 row ``src[j] * 8``) is copied into slot ``j % NBUF`` of a VMEM ring
-``[NBUF, read_block, Dk_pad]`` and signals DMA semaphore ``sem[j % NBUF]``. The prologue
+``[NBUF, read_block, Dk_pad]`` and signals DMA semaphore ``sem[0, j % NBUF]``. The prologue
 starts slots ``0 .. NBUF-2``; iteration ``j`` starts ``j + NBUF - 1`` into the ring slot
 that iteration ``j - 1`` finished reading, then waits for ``j``: ``NBUF - 1`` copies are
 in flight behind the compute (per-unit copies are latency-bound, ~1.5 us each, so
 without the prefetch the loop would run at DMA latency). All started copies are waited.
+An FP8 cache's store is two arrays (latent rows and bf16 side rows) with a ring and a
+semaphore row each, one DMA per array per slot, dequantized in VMEM after the wait
+(``sparse_mla.UnitRows``, ``fp8_rows.dequantize_rows``).
 
 Compute per union slot, key-major: ``s = k [RB, Dk_pad] . q^T -> [RB, rows]`` (keys on
 sublanes, score rows on lanes), so the per-query membership and ``lim`` are lane rows
@@ -61,7 +64,8 @@ Tiling. ``sparse_mla_attention_qblock`` picks ``(QB, Hb, u_max)`` itself unless 
 (``attn_pallas_tpu.plan``: a DMA bytes / DMA count / VMEM model per chip) and
 runs the per-query kernel instead whenever that moves no more KV bytes.
 
-HBM traffic per layer: ``G * sum_blocks(union) * read_block * Dk_pad * itemsize``.
+HBM traffic per layer: ``G * sum_blocks(union) * read_block * row_bytes`` (``Dk_pad *
+itemsize``, or 768 for an FP8 cache).
 """
 
 from __future__ import annotations
@@ -81,8 +85,11 @@ from attn_pallas_tpu._prep import (
     SUBLANE,
     default_chip,
     pad_features,
+    query_dtype,
     require_tpu_kernels,
     resolve_interpret,
+    row_bytes,
+    store_arrays,
     unit_source,
     unit_space,
 )
@@ -96,7 +103,7 @@ from attn_pallas_tpu.plan import (
     qblock_vmem_bytes,
     static_qblock_config,
 )
-from attn_pallas_tpu.sparse_mla import _per_query
+from attn_pallas_tpu.sparse_mla import UnitRows, _per_query, row_alignment, unit_rings
 from attn_pallas_tpu.sparse_mla_bwd import sparse_mla_result
 
 NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
@@ -117,14 +124,8 @@ def _qblock_kernel(
     lim_ref,  # VMEM [1, 1, 1, QB] int32: key positions < lim are valid, per query
     mem_ref,  # VMEM [1, 1, UC, QB] int8: membership of this chunk's slots
     q_ref,  # VMEM [1, 1, 1, rows, Dk_pad], row = h * QB + q
-    kv_hbm,  # HBM  [R, Dk_pad] row store
-    o_ref,  # VMEM [1, 1, 1, rows, Dv] float32 (doubles as the accumulator)
-    lse_ref,  # VMEM [1, 1, 1, 1, rows] float32
-    ring,  # VMEM [NBUF, RB, Dk_pad]
-    sems,  # DMA semaphores [NBUF]
-    m_ref,  # VMEM [1, rows] float32: running max, carried across chunks
-    l_ref,  # VMEM [1, rows] float32: running denominator, carried across chunks
-    *,
+    *refs,  # HBM row store (1 or 2 arrays); o, lse; rings, sems (UnitRows); m, l
+    n_store: int,
     sm_scale: float,
     dk: int,
     dv: int,
@@ -134,6 +135,12 @@ def _qblock_kernel(
     u_chunk: int,
     n_chunks: int,
 ):
+    # o: VMEM [1, 1, 1, rows, Dv] float32 (doubles as the accumulator); lse: [1, 1, 1, 1,
+    # rows] float32; m / l: VMEM [1, rows] float32, the running max and denominator
+    # carried across chunks.
+    hbm, (o_ref, lse_ref) = refs[:n_store], refs[n_store : n_store + 2]
+    m_ref, l_ref = refs[-2:]
+    unit_rows = UnitRows(hbm, refs[n_store + 2 : -3], refs[-3], rb=rb)
     chunk = pl.program_id(3)
     union = unions_ref[pl.program_id(0) * n_blocks + pl.program_id(1)]
     count = jnp.clip(union - chunk * u_chunk, 0, u_chunk)  # slots walked in this chunk
@@ -148,7 +155,7 @@ def _qblock_kernel(
     @pl.when(count > 0)
     def _():
         m_i, l_i = _walk_chunk(
-            count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, kv_hbm, o_ref, ring, sems,
+            count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, unit_rows, o_ref,
             m_ref[0], l_ref[0], sm_scale=sm_scale, dk=dk, dv=dv, rb=rb,
             heads_per_group=heads_per_group,
         )  # fmt: skip
@@ -165,27 +172,24 @@ def _qblock_kernel(
 
 
 def _walk_chunk(
-    count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, kv_hbm, o_ref, ring, sems, m_i, l_i, *,
+    count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, unit_rows, o_ref, m_i, l_i, *,
     sm_scale, dk, dv, rb, heads_per_group,
 ):  # fmt: skip
     """Online softmax over ``count`` union slots of one chunk; returns the new ``(m, l)``."""
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
-    dk_pad = q.shape[1]
     lim = _lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
 
-    def copy(j, slot):
-        start = pl.multiple_of(src_ref[0, 0, 0, j] * SUBLANE, SUBLANE)
-        return pltpu.make_async_copy(kv_hbm.at[pl.ds(start, rb)], ring.at[slot], sems.at[slot])
+    def start_row(j):
+        return pl.multiple_of(src_ref[0, 0, 0, j] * SUBLANE, row_alignment(rb))
 
     for d in range(NBUF - 1):  # prologue: fill the ring
 
         @pl.when(d < count)
         def _(d=d):
-            copy(d, d).start()
+            unit_rows.start(start_row(d), d)
 
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
     win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
-    feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
 
     def body(j, carry):
         m_i, l_i = carry  # [rows] each
@@ -193,7 +197,7 @@ def _walk_chunk(
 
         @pl.when(nxt < count)
         def _():
-            copy(nxt, jax.lax.rem(nxt, NBUF)).start()
+            unit_rows.start(start_row(nxt), jax.lax.rem(nxt, NBUF))
 
         # Membership row of slot j: aligned 32-row window, then select row j - j0.
         j0 = pl.multiple_of(jax.lax.div(j, MEMBER_TILE) * MEMBER_TILE, MEMBER_TILE)
@@ -203,10 +207,8 @@ def _walk_chunk(
         valid = (member > 0) & ((kb_ref[0, 0, 0, j] + key_row) < lim)  # [RB, rows]
 
         slot = jax.lax.rem(j, NBUF)
-        copy(j, slot).wait()
-        kv = ring[slot]  # [RB, Dk_pad]
-        if dk < dk_pad:  # the paged cache's feature padding may hold anything
-            kv = jnp.where(feat < dk, kv, jnp.zeros_like(kv))
+        unit_rows.wait(start_row(j), slot)
+        kv = unit_rows.load(slot, dk=dk)  # [RB, Dk_pad], features past dk zero
         # A row may be attended by some queries of the block and not by others, so a
         # per-row zeroing cannot keep garbage out of the shared P V product; replacing
         # non-finite values by 0 does: a query that attends such a row already has a
@@ -259,7 +261,7 @@ def _qblock_call(
     query_block = lim.shape[-1]
     kernel = functools.partial(
         _qblock_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb, heads_per_group=heads_per_group,
-        n_blocks=n_blocks, u_chunk=u_chunk, n_chunks=n_chunks,
+        n_blocks=n_blocks, u_chunk=u_chunk, n_chunks=n_chunks, n_store=len(store),
     )  # fmt: skip
 
     def chunk_of(b, n, c, unions_ref):
@@ -291,7 +293,9 @@ def _qblock_call(
         read_block=rb,
         dk_pad=dk_pad,
         dv=dv,
-        itemsize=jnp.dtype(store.dtype).itemsize,
+        itemsize=q5.dtype.itemsize,
+        row_bytes=sum(a.shape[-1] * jnp.dtype(a.dtype).itemsize for a in store),
+        dequantize=len(store) == 2,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -302,15 +306,14 @@ def _qblock_call(
             pl.BlockSpec((1, 1, 1, query_block), per_block),
             pl.BlockSpec((1, 1, u_chunk, query_block), per_chunk),
             pl.BlockSpec((1, 1, 1, rows, dk_pad), per_group),
-            pl.BlockSpec(memory_space=pltpu.HBM),
+            *[pl.BlockSpec(memory_space=pltpu.HBM) for _ in store],
         ],
         out_specs=[
             pl.BlockSpec((1, 1, 1, rows, dv), per_group),
             pl.BlockSpec((1, 1, 1, 1, rows), per_group),
         ],
         scratch_shapes=[
-            pltpu.VMEM((NBUF, rb, dk_pad), store.dtype),
-            pltpu.SemaphoreType.DMA((NBUF,)),
+            *unit_rings(store, rb),
             pltpu.VMEM((1, rows), jnp.float32),
             pltpu.VMEM((1, rows), jnp.float32),
         ],
@@ -328,7 +331,7 @@ def _qblock_call(
             vmem_limit_bytes=int(min(max(vmem * 5 // 4, 32 << 20), vmem_cap)),
         ),
         interpret=interpret,
-    )(unions, kb, src8, lim, member, q5, store)
+    )(unions, kb, src8, lim, member, q5, *store)
 
 
 @public_op(sparse_mla_call)
@@ -392,7 +395,8 @@ def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
         read_block=problem.read_block,
         dk_pad=problem.dk_pad,
         dv=problem.dv,
-        itemsize=jnp.dtype(kv.dtype).itemsize,
+        itemsize=query_dtype(kv).itemsize,
+        row_bytes=row_bytes(kv, problem.dk_pad),
         chip=default_chip(),
     )
     if query_block is not None or head_block is not None:  # explicit tiling: no fallback
@@ -474,7 +478,7 @@ def _qblock(
     seq_pad = n_blocks * query_block
     lim = jnp.pad(space.lim, ((0, 0), (0, seq_pad - seq)))  # padded queries: lim 0
     lim = lim.reshape(batch, n_blocks, 1, query_block)
-    q5 = pad_features(q.astype(kv.dtype), dk_pad)
+    q5 = pad_features(q.astype(query_dtype(kv)), dk_pad)
     q5 = jnp.pad(q5, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0)))
     q5 = q5.reshape(batch, n_blocks, query_block, groups, head_block, dk_pad)
     q5 = q5.transpose(0, 1, 3, 4, 2, 5)
@@ -482,7 +486,7 @@ def _qblock(
 
     out, lse = _qblock_call(
         q5,
-        space.store,
+        store_arrays(space.store),
         kb,
         src8,
         unions,

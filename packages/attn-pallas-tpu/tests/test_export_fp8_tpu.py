@@ -1,0 +1,160 @@
+"""Cross-lowering for TPU of the sparse-MLA kernels over an FP8 latent cache, at
+production shapes, with ``jax.export`` (nothing executes; Mosaic's TPU compiler passes
+need a TPU, as in ``test_export_tpu.py``).
+
+Prefill: 4096 query tokens, 2048 selected tokens per query (32 units of 64), heads 16
+and 128, flat (``T = 32768``) and ragged paged (4 requests of 32K tokens). Decode: 128
+requests x 2 query tokens, 32K tokens each, ragged paged. Each for both kernels
+(per-query; query-blocked with the automatic tiling, a ``lax.cond`` over two kernels
+under jit) and both stored forms: a plain ``Fp8LatentCache`` (side rows built in the
+call) and a ``TpuFp8LatentCache`` (read as stored: no op over the whole cache's scales
+may appear in the module).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attn_common import Fp8LatentCache
+from attn_pallas_tpu import (
+    TpuFp8LatentCache,
+    prefill_write_and_attend_ragged,
+    prefill_write_and_attend_ragged_qblock,
+    sparse_mla_attention,
+    sparse_mla_attention_qblock,
+)
+
+SD = jax.ShapeDtypeStruct
+BF16, I32 = jnp.bfloat16, jnp.int32
+DK, DV, ROPE = 576, 512, 64
+UNIT, SELECTED, T = 64, 2048, 32768
+TOP_K = SELECTED // UNIT
+PREFILL_Q, PREFILL_SEQS = 4096, 4
+DECODE_SEQS, DECODE_Q_PER_SEQ = 128, 2
+KERNELS = {"per_query": (sparse_mla_attention, 1), "qblock": (sparse_mla_attention_qblock, 2)}
+FORMS = ("fp8", "tpu")
+
+
+def _cache(form: str, *grid: int):
+    if form == "tpu":
+        return TpuFp8LatentCache(SD((*grid, DV), jnp.float8_e4m3fn), SD((*grid, 128), BF16))
+    return Fp8LatentCache(
+        SD((*grid, DV), jnp.float8_e4m3fn), SD((*grid, 4), jnp.float32), SD((*grid, ROPE), BF16)
+    )
+
+
+def _export(fn, *avals):
+    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*avals)
+
+
+def _check(exported, count: int, form: str, grid: tuple[int, ...]) -> None:
+    text = exported.mlir_module()
+    found = text.count("tpu_custom_call")
+    assert found == count, f"{found} Mosaic kernels in the exported module, expected {count}"
+    assert exported.platforms == ("tpu",)
+    if form == "tpu":  # never materialised: the kernels DMA latent and side as stored
+        assert "tensor<" + "x".join(map(str, grid)) + "x4xf32>" not in text
+
+
+CASES = pytest.mark.parametrize(
+    ("kernel", "heads", "form"), list(itertools.product(KERNELS, (16, 128), FORMS))
+)
+# Ragged: the plain form in the slow tier (its side rows are built as in flat mode).
+RAGGED_CASES = pytest.mark.parametrize(
+    ("kernel", "heads", "form"),
+    [
+        pytest.param(k, h, f, marks=[pytest.mark.slow] if f == "fp8" else [])
+        for k, h, f in itertools.product(KERNELS, (16, 128), FORMS)
+    ],
+)
+
+
+@CASES
+def test_export_flat_prefill(kernel, heads, form):
+    fn, count = KERNELS[kernel]
+
+    def f(q, kv, idx, pos):
+        return fn(q, kv, idx, pos, sm_scale=0.04, read_block=UNIT, return_lse=True)
+
+    exported = _export(
+        f,
+        SD((1, PREFILL_Q, heads, DK), BF16),
+        _cache(form, 1, T),
+        SD((1, PREFILL_Q, TOP_K), I32),
+        SD((1, PREFILL_Q), I32),
+    )
+    _check(exported, count, form, (1, T))
+
+
+def _ragged(fn, num_q, heads, num_seqs, form):
+    num_pages = num_seqs * (T // UNIT) + 8
+
+    def f(q, cache, idx, pos, sid, seq_lens, cu_kv, pages):
+        return fn(
+            q, cache, idx, pos, sm_scale=0.04, read_block=UNIT, page_size=UNIT, q_seq_id=sid,
+            seq_lens=seq_lens, cu_kv_lens=cu_kv, page_indices=pages, return_lse=True,
+        )  # fmt: skip
+
+    exported = _export(
+        f,
+        SD((1, num_q, heads, DK), BF16),
+        _cache(form, num_pages, UNIT),
+        SD((1, num_q, TOP_K), I32),
+        SD((1, num_q), I32),
+        SD((num_q,), I32),
+        SD((num_seqs,), I32),
+        SD((num_seqs + 1,), I32),
+        SD((num_pages - 8,), I32),
+    )
+    return exported, (num_pages, UNIT)
+
+
+@RAGGED_CASES
+def test_export_ragged_prefill(kernel, heads, form):
+    fn, count = KERNELS[kernel]
+    exported, grid = _ragged(fn, PREFILL_Q, heads, PREFILL_SEQS, form)
+    _check(exported, count, form, grid)
+
+
+@RAGGED_CASES
+def test_export_ragged_decode(kernel, heads, form):
+    fn, count = KERNELS[kernel]
+    exported, grid = _ragged(fn, DECODE_SEQS * DECODE_Q_PER_SEQ, heads, DECODE_SEQS, form)
+    _check(exported, count, form, grid)
+
+
+@pytest.mark.parametrize(
+    ("fn", "count"),
+    [(prefill_write_and_attend_ragged, 1), (prefill_write_and_attend_ragged_qblock, 2)],
+)
+@pytest.mark.parametrize("form", FORMS)
+def test_export_write_then_attend(fn, count, form):
+    """The write is the XLA scatter of the quantized rows; the attention the kernel."""
+    heads, num_pages = 16, PREFILL_SEQS * (T // UNIT) + 8
+
+    def f(ql, qpe, kvc, kpe, cache, topk, pos, loc, seq_lens, cu_q, cu_kv, pages):
+        return fn(
+            ql, qpe, kvc, kpe, cache, topk, pos, loc, seq_lens, cu_q, cu_kv, pages,
+            kv_lora_rank=DV, page_size=UNIT, sm_scale=0.04,
+        )  # fmt: skip
+
+    exported = _export(
+        f,
+        SD((PREFILL_Q, heads, DV), BF16),
+        SD((PREFILL_Q, heads, ROPE), BF16),
+        SD((PREFILL_Q, DV), BF16),
+        SD((PREFILL_Q, ROPE), BF16),
+        _cache(form, num_pages, UNIT),
+        SD((PREFILL_Q, TOP_K), I32),
+        SD((PREFILL_Q,), I32),
+        SD((PREFILL_Q,), I32),
+        SD((PREFILL_SEQS,), I32),
+        SD((PREFILL_SEQS + 1,), I32),
+        SD((PREFILL_SEQS + 1,), I32),
+        SD((num_pages - 8,), I32),
+    )
+    _check(exported, count, form, (num_pages, UNIT))
