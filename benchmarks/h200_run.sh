@@ -6,17 +6,17 @@
 #   PARTS="bwd fwd sparse" XDIST=4 COMMIT=$(git rev-parse --short HEAD) bash benchmarks/h200_run.sh
 #
 # PARTS picks what runs, in this order on one GPU (default: "bwd bench sweep fwd
-# sparse"; "variants" and "suite" on request): the backward test file, `attn bench`, the
-# backward knob sweep, the sparse-MLA kernel variants, the forward and the sparse-MLA test
-# files. PARTS=suite runs the whole GPU test suite instead, in one pytest call sized for
+# sparse"; "variants", "train" and "suite" on request): the backward test file, `attn bench`, the
+# backward knob sweep, the sparse-MLA kernel variants, the sparse-MLA training-step
+# benchmark (benchmarks/sparse_mla_train.py), the forward and the sparse-MLA test files. PARTS=suite runs the whole GPU test suite instead, in one pytest call sized for
 # one 600 s device call on one H200 (16 cores): every packages/attn-mosaic-gpu/tests/
 # *_gpu.py file and the conformance, isolation and bad-input tests of tests/, with
 # -n ${XDIST:-14} workers (worksteal: an idle worker takes queued tests from a busy one),
 # -v (a killed run still shows which tests passed), --durations=25
 # and SUITE_LIMIT (default 560 s) on the whole call; log h200_gpu_suite.log. The whole
-# suite takes longer than one 600 s call: SUITE_HALF=a (the backward, sparse-MLA and
-# isolation files) and SUITE_HALF=b (every other *_gpu.py file, the ranker and sparse-MLA
-# conformance and the bad-input files) run it in two calls, logs h200_gpu_suite_a.log and _b.log.
+# suite takes longer than one 600 s call: SUITE_HALF=a (the ranker backward, every
+# sparse-MLA file and the isolation file) and SUITE_HALF=b (every other *_gpu.py file,
+# the ranker conformance and the bad-input files) run it in two calls, logs h200_gpu_suite_a.log and _b.log.
 # On one H200 the test files take about 8 minutes in one pytest process each, so split
 # them over calls where a call is time-limited, or set XDIST=N to run each file in N
 # pytest-xdist processes (GPU memory is then allocated on demand; -n 4 ran the backward
@@ -61,13 +61,12 @@ fwd_tests() { want fwd && [ "${RUN_FWD:-1}" = 1 ] && pytest_log "$OUT/h200_ranke
 sparse_tests() { want sparse && pytest_log "$OUT/h200_sparse_mla_tests.log" "${SPARSE_LIMIT:-200}" \
   "$tests/test_sparse_mla_gpu.py" "$tests/test_sparse_mla_kernel_gpu.py" "$tests/test_row_sort_gpu.py"; }
 suite_files() {  # suite_files [a|b]: the GPU suite, whole or one of its two halves
-  local a=("$tests/test_ranker_bwd_gpu.py" "$tests/test_sparse_mla_gpu.py"
-    "$tests/test_sparse_mla_kernel_gpu.py" "$tests/test_sparse_mla_grad_gpu.py"
-    "$root/tests/test_conformance_sparse_mla_grad.py" "$root/tests/test_ranker_isolation.py")
+  local a=("$tests/test_ranker_bwd_gpu.py" "$tests"/*sparse_mla*_gpu.py
+    "$root/tests/test_conformance_sparse_mla.py" "$root/tests/test_conformance_sparse_mla_grad.py"
+    "$root/tests/test_ranker_isolation.py")
   local b=() f  # every other *_gpu.py file, then the rest of tests/
   for f in "$tests"/*_gpu.py; do case " ${a[*]} " in *" $f "*) ;; *) b+=("$f") ;; esac; done
-  b+=("$root/tests/test_conformance_ranker.py" "$root/tests/test_conformance_sparse_mla.py"
-    "$root/tests/test_bad_inputs.py")
+  b+=("$root/tests/test_conformance_ranker.py" "$root/tests/test_bad_inputs.py")
   case ${1:-} in a) echo "${a[@]}" ;; b) echo "${b[@]}" ;; *) echo "${a[@]}" "${b[@]}" ;; esac
 }
 suite_tests() {  # the GPU suite (SUITE_HALF a or b: half of it), one pytest call, XDIST workers
@@ -85,19 +84,22 @@ bench() { want bench || return 0; header "$OUT/bench.log"; timeout "${BENCH_LIMI
 sweep() { want sweep || return 0; header "$OUT/sweep.log"; timeout "${SWEEP_LIMIT:-200}" \
   python3 "$root/benchmarks/ranker_bwd_sweep.py" --out "$OUT" >>"$OUT/sweep.log" 2>&1
   echo "sweep rc=$?"; }
+train() { want train || return 0; header "$OUT/sparse_mla_train.log"; timeout "${TRAIN_LIMIT:-300}" \
+  python3 "$root/benchmarks/sparse_mla_train.py" --out "$OUT" >>"$OUT/sparse_mla_train.log" 2>&1
+  echo "train rc=$?"; }
 variants() { want variants || return 0; header "$OUT/variants.log"; timeout "${VARIANTS_LIMIT:-200}" \
   python3 "$root/benchmarks/sparse_mla_variants.py" --out "$OUT" >>"$OUT/variants.log" 2>&1
   echo "variants rc=$?"; }
 
 if [ "$gpus" -ge 2 ]; then
   (export CUDA_VISIBLE_DEVICES=0; suite_tests; bwd_tests; fwd_tests; sparse_tests) &
-  (export CUDA_VISIBLE_DEVICES=1; bench; sweep; variants) &
+  (export CUDA_VISIBLE_DEVICES=1; bench; sweep; variants; train) &
   wait
   if want sharding || [ "$PARTS" = "bwd bench sweep fwd sparse" ]; then
     timeout "${SHARD_LIMIT:-150}" python3 "$root/tests/sharding_gpu_check.py" --out "$OUT" \
       >"$OUT/sharding_gpu.log" 2>&1; echo "sharding rc=$?"
   fi
 else
-  suite_tests; bwd_tests; bench; sweep; variants; fwd_tests; sparse_tests
+  suite_tests; bwd_tests; bench; sweep; variants; train; fwd_tests; sparse_tests
 fi
 for f in "$OUT"/*.log; do echo "== $f"; tail -n 3 "$f"; done
