@@ -23,7 +23,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attn_common.fp8_cache import fp8_unsupported
+from attn_common.fp8_cache import cache_compute_dtype
 from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
 from attn_common.sparse_mla_xla import kernel_result
@@ -109,10 +109,9 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
     problem = call.problem
     # (latent, rope): the write-then-attend wrappers' query, read apart by the kernel.
     names = ("qpe", "cache") if isinstance(call.q, tuple) else ("q", "kv")
-    fp8 = fp8_unsupported(call.kv, names[1], kernels="Hopper sparse-MLA")
-    if fp8 is not None:  # never dequantize the whole cache: twice a bf16 cache's bytes
-        raise NotImplementedError(fp8)
-    reason = sparse_mla_unsupported(None, call.kv.dtype, problem.dk, problem.dv, names=names)
+    reason = sparse_mla_unsupported(
+        None, cache_compute_dtype(call.kv), problem.dk, problem.dv, names=names
+    )
     if reason is not None:
         error = TypeError if "dtype" in reason else NotImplementedError
         raise error(reason + "; attn_reference takes any")
