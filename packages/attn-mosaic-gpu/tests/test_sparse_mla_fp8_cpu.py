@@ -43,6 +43,7 @@ from helpers import (
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
 from attn_common import Fp8LatentCache, dequantize_latent_cache, quantize_latent_cache
+from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
 
 INTERPRET = gpu_interpret()
@@ -117,6 +118,67 @@ def test_kernel_fp8_rows_bitwise_as_bf16_rows():
     _equal(got, want)
     assert np.isfinite(np.asarray(got[0])).all()
     assert np.isneginf(np.asarray(got[1])[3]).all() and not np.asarray(got[0])[3].any()
+
+
+def _slot_element(r: int, f: int) -> int:
+    """Element of a ``[64, 512]`` bf16 key slot holding row ``r``, feature ``f``: tiles of
+    8 rows x 64 features, row-major, 16-byte chunk ``j`` of a tile row at ``j ^ (r % 8)``
+    (the 128-byte swizzle wgmma reads)."""
+    tile, col = f // 64, f % 64
+    return ((r // 8) * 8 + tile) * 512 + (r % 8) * 64 + ((col // 8) ^ (r % 8)) * 8 + col % 8
+
+
+@pytest.mark.parametrize("half", ["L", "R"])
+def test_compiled_fp8_gather_map(half):
+    """The compiled FP8 gather's map from (thread, load) to (row, latent bytes, scale,
+    slot elements), ``sparse_mla_kernel._fp8_chunk``: the function the kernel's MLIR
+    is built from, here on integers (interpret mode runs other code). It fills each
+    latent feature of the part once, with ``bf16(latent * scale)`` of the right row,
+    where ``_slot_element`` says; each 16-byte load is two consecutive 8-value chunks
+    under one scale; a warp's load reads whole 32-byte sectors; a warp's store of a
+    chunk spreads evenly over the 8 bank quads (4 wavefronts, the minimum)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((64, DK)), jnp.float32)
+    cache = quantize_latent_cache(x * jnp.asarray(rng.uniform(0.1, 9.0, (64, 1)), jnp.float32))
+    latent, scale = np.asarray(cache.latent.astype(jnp.float32)), np.asarray(cache.scale)
+    slot = np.full(64 * DV, np.nan, np.float32)
+    writes = np.zeros(64 * DV, np.int32)
+    lo = 0 if half == "L" else DV // 2
+    for lane in range(128):
+        for k in range(8):
+            r, byte, group, _ = sparse_mla_kernel._fp8_chunk(lane, k, 0, half=half, latent_tiles=8)
+            for hc in range(2):
+                r2, b2, g2, dst = sparse_mla_kernel._fp8_chunk(
+                    lane, k, hc, half=half, latent_tiles=8
+                )
+                assert (r2, b2, g2) == (r, byte + 8 * hc, group)
+                assert lo <= b2 and b2 + 8 <= lo + DV // 2 and b2 // 128 == group
+                values = latent[r, b2 : b2 + 8] * scale[r, group]
+                slot[dst : dst + 8] = values.astype(jnp.bfloat16).astype(np.float32)
+                writes[dst : dst + 8] += 1
+    want = np.asarray(_as_bf16(cache).astype(jnp.float32))
+    for r in range(64):
+        for f in range(DV):
+            at = _slot_element(r, f)
+            if lo <= f < lo + DV // 2:
+                assert writes[at] == 1 and slot[at] == want[r, f], (r, f)
+            else:
+                assert writes[at] == 0, (r, f)
+    for warp in range(4):
+        lanes = range(32 * warp, 32 * warp + 32)
+        for k in range(8):
+            first = [
+                sparse_mla_kernel._fp8_chunk(t, k, 0, half=half, latent_tiles=8) for t in lanes
+            ]
+            sectors = {(r, byte // 32) for r, byte, _, _ in first}
+            assert len(sectors) == 16  # 32 loads of 16 bytes: 16 whole sectors
+            for hc in range(2):
+                dst = [
+                    sparse_mla_kernel._fp8_chunk(t, k, hc, half=half, latent_tiles=8)[3]
+                    for t in lanes
+                ]
+                quads = np.bincount([(d * 2 // 16) % 8 for d in dst], minlength=8)
+                assert (quads == 4).all(), quads
 
 
 def test_kernel_refuses_fp8_it_does_not_take():

@@ -129,6 +129,7 @@ _COMPUTE_REGISTERS = 232
 # thread) while it converts them: 224 / 224 / 56 (224/56 ran the bf16 kernel as fast as
 # 232/40 on the H200).
 _COMPUTE_REGISTERS_FP8 = 224
+_FP8_THREADS_PER_ROW = 2  # the FP8 gather: threads sharing a row of a part
 # Launch order: a token's head groups this many tokens apart, so the later ones find its
 # rows in L2 (fetched by head group 0): 1.01-1.04x faster than all of head group 0 first.
 _TOKEN_LAG = 8
@@ -428,6 +429,67 @@ def _gather_part_interpret(st: _SparseMlaStatics, half: str):
     return gather
 
 
+def _fp8_chunk(lane, k: int, half_chunk: int, *, half: str, latent_tiles: int):
+    """Where the FP8 gather's thread ``lane`` puts its load ``k``: ``(slot row, first
+    latent byte of the row it reads, the row's scale index, slot element of the
+    load's 8-value chunk half_chunk)`` (see ``_gather_part_fp8``). Written with ``+ *
+    // % ^`` only, so the kernel computes it on MLIR values (``_Index``) and the tests
+    on integers, against the slot layout written out on its own."""
+    first_group = 0 if half == "L" else FP8_LATENT // 2 // FP8_GROUP
+    r = lane // _FP8_THREADS_PER_ROW
+    c = lane % _FP8_THREADS_PER_ROW + _FP8_THREADS_PER_ROW * k  # 16-byte chunk of the part
+    byte = first_group * FP8_GROUP + 16 * c + _CHUNK * half_chunk
+    group = first_group + (16 * _FP8_THREADS_PER_ROW * k) // FP8_GROUP  # k // 4: static
+    tile_chunks = _TILE // 16
+    feature_tile = c // tile_chunks + first_group * FP8_GROUP // _TILE
+    j = (c % tile_chunks) * 2 + half_chunk  # 8-value chunk of the tile row
+    dst = ((r // 8) * latent_tiles + feature_tile) * (8 * _TILE) + (r % 8) * _TILE
+    return r, byte, group, dst + (j ^ (r % 8)) * _CHUNK
+
+
+class _Index:
+    """An i32 MLIR value under ``+ * // % ^`` (unsigned), ints taken as constants."""
+
+    def __init__(self, value):
+        self.value = value
+
+    @staticmethod
+    def _of(x):
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith
+
+        if isinstance(x, _Index):
+            return x.value
+        return arith.constant(ir.IntegerType.get_signless(32), x)
+
+    def _op(self, name, other, swap=False):
+        from jaxlib.mlir.dialects import arith
+
+        a, b = self.value, self._of(other)
+        return _Index(getattr(arith, name)(*((b, a) if swap else (a, b))))
+
+    def __add__(self, o):
+        return self._op("addi", o)
+
+    def __radd__(self, o):
+        return self._op("addi", o, swap=True)
+
+    def __mul__(self, o):
+        return self._op("muli", o)
+
+    def __rmul__(self, o):
+        return self._op("muli", o, swap=True)
+
+    def __floordiv__(self, o):
+        return self._op("divui", o)
+
+    def __mod__(self, o):
+        return self._op("remui", o)
+
+    def __xor__(self, o):
+        return self._op("xori", o)
+
+
 def _gather_part_fp8(st: _SparseMlaStatics, half: str):
     """The FP8 gather of part ``half`` of one block of rows (``_memory_wg_fp8``): each
     row's latent bytes of the part come by plain 16-byte global loads, are dequantized
@@ -435,22 +497,22 @@ def _gather_part_fp8(st: _SparseMlaStatics, half: str):
     slots ``_gather_part`` fills; the rope features (part ``R``) come by ``cp.async`` as
     bf16, as in ``_gather_part``.
 
-    Thread ``t`` takes one 128-group of one row: row ``t // 2``, group ``t % 2`` of the
-    part's two, 128 latent bytes in 8 loads issued before any is used, and the group's
-    scale. Rows with id ``< 0`` load nothing (predicated) and store zeros, as the
-    ``cp.async`` zero-fill does.
+    Two threads per row: thread ``t`` takes row ``t // 2`` and, of the part's 256 latent
+    bytes, the 16-byte chunks ``2 k + t % 2`` (``k < 8``; 8 loads issued before any is
+    used), so each warp-wide load reads whole 32-byte sectors (16 rows x 32 bytes), and
+    the part's two group scales (one 8-byte load). Its stores of a load (two 16-byte
+    chunks of bf16) spread over all 32 banks (4 wavefronts per warp, the minimum). Rows
+    with id ``< 0`` load nothing (predicated) and store zeros, as the ``cp.async``
+    zero-fill does.
     """
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
     dv, tile = st.dv, _TILE
-    groups = dv // 2 // FP8_GROUP  # 128-groups per part: one thread each per row
-    if BLOCK_K * groups != _THREADS:  # one thread per (row, group) of the part
+    if dv != FP8_LATENT or BLOCK_K * _FP8_THREADS_PER_ROW != _THREADS:
         raise NotImplementedError(f"dv: got {dv}, the FP8 gather takes {FP8_LATENT}")
-    first_group = 0 if half == "L" else groups
-    loads = FP8_GROUP // 16  # 16-byte loads of a group
-    latent_tiles = dv // tile
+    loads = dv // 2 // 16 // _FP8_THREADS_PER_ROW  # 16-byte loads per thread and part
     chunks = tile // _CHUNK  # rope: threads per row, as in `_gather_part`
     row_groups = _THREADS // chunks
     tiled = _transforms()
@@ -511,19 +573,17 @@ def _gather_part_fp8(st: _SparseMlaStatics, half: str):
                     cp_size=arith.select(valid, const(16), const(0)),
                 )
             nvvm.cp_async_commit_group()
-        # The latent bytes: this thread's row and 128-group.
-        r = arith.divui(lane, const(groups))
-        g = arith.addi(arith.remui(lane, const(groups)), const(first_group))
+        # The latent bytes: row `t // 2`; 16-byte chunk `2 k + t % 2` of the part.
+        chunk_at = functools.partial(_fp8_chunk, _Index(lane), half=half, latent_tiles=dv // tile)
+        r = chunk_at(0, 0)[0].value
         valid, row = row_of(r)
-        g64 = arith.extui(i64, g)
         lat_ptr = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(latent))
         scale_ptr = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(scale))
-        lat0 = arith.addi(
-            arith.muli(row, const(FP8_LATENT, i64)), arith.muli(g64, const(FP8_GROUP, i64))
-        )
+        row_bytes = arith.muli(row, const(FP8_LATENT, i64))
         words = []
         for k in range(loads):  # all loads in flight before the first is used
-            src = mgpu_utils.getelementptr(lat_ptr, [arith.addi(lat0, const(16 * k, i64))], i8)
+            byte = arith.extui(i64, chunk_at(k, 0)[1].value)
+            src = mgpu_utils.getelementptr(lat_ptr, [arith.addi(row_bytes, byte)], i8)
             words.append(
                 mgpu_utils.inline_ptx(
                     "{ mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
@@ -533,12 +593,14 @@ def _gather_part_fp8(st: _SparseMlaStatics, half: str):
                     result_types=[i32] * 4,
                 )
             )
-        s_off = arith.addi(arith.muli(row, const(FP8_GROUPS, i64)), g64)
-        group_scale = mgpu_utils.inline_ptx(
-            "{ mov.b32 $0, 0; @$2 ld.global.nc.b32 $0, [$1]; }",
+        # The part's two group scales (8 bytes, aligned).
+        first_group = chunk_at(0, 0)[2]
+        s_off = arith.addi(arith.muli(row, const(FP8_GROUPS, i64)), const(first_group, i64))
+        scales = mgpu_utils.inline_ptx(
+            "{ mov.b32 $0, 0; mov.b32 $1, 0; @$3 ld.global.nc.v2.b32 {$0, $1}, [$2]; }",
             mgpu_utils.getelementptr(scale_ptr, [s_off], f32),
             valid,
-            result_types=i32,
+            result_types=[i32] * 2,
         )
         # Dequantize: e4m3 pairs to f16 pairs (exact), to f32 (exact), times the scale
         # (round to nearest), to bf16 pairs (round to nearest even): the reference's
@@ -554,24 +616,13 @@ def _gather_part_fp8(st: _SparseMlaStatics, half: str):
         )
         store = "st.shared.v4.b32 [$0], {$1, $2, $3, $4};"
         k_lat_ptr = mgpu_utils.memref_ptr(k_lat)
-        r_lo = arith.remui(r, const(8))
-        row_base = arith.addi(
-            arith.muli(arith.muli(arith.divui(r, const(8)), const(latent_tiles)), const(8 * tile)),
-            arith.muli(r_lo, const(tile)),
-        )
         for k, word4 in enumerate(words):
+            group_scale = scales[chunk_at(k, 0)[2] - first_group]
             out = []
             for w in word4:
                 out.extend(mgpu_utils.inline_ptx(dequant, w, group_scale, result_types=[i32] * 2))
-            # Values 16k..16k+15 of group g: feature tile 2g + k // 4, 8-value chunks
-            # 2 (k % 4) and 2 (k % 4) + 1, each at chunk `c ^ (r % 8)` of its tile row.
-            ftile = arith.addi(arith.muli(g, const(FP8_GROUP // tile)), const(k // (tile // 16)))
-            for half_chunk in range(2):
-                c = const(2 * (k % (tile // 16)) + half_chunk)
-                dst = arith.addi(
-                    arith.addi(row_base, arith.muli(ftile, const(8 * tile))),
-                    arith.muli(arith.xori(c, r_lo), const(_CHUNK)),
-                )
+            for half_chunk in range(2):  # 8 values (16 bytes of bf16) each
+                dst = chunk_at(k, half_chunk)[3].value
                 ptr = mgpu_utils.getelementptr(k_lat_ptr, [dst], bf16)
                 mgpu_utils.inline_ptx(
                     store,
