@@ -65,6 +65,16 @@ features), so the next pair streams in while this one is used.
 * At the end the WGs add their row sums through shared memory (``pair`` barrier),
   normalise, and store their output half to global memory; WG0 writes the LSE.
 
+FP8 latent cache (``store`` an ``attn_common.Fp8LatentCache``: 656 bytes per row against
+1,152): the same schedule and slots, another memory WG (``_memory_wg_fp8``, which says why
+this design). Each part's latent bytes come by plain 16-byte global loads into registers
+(two threads per row, 8 loads in flight each), are dequantized to bf16 (``bf16(float32(
+e4m3) * scale)``, the bits of ``dequantize_latent_cache(store).astype(bfloat16)``) and
+stored into the swizzled slots; the rope comes by ``cp.async``; the next pair's rows are
+prefetched into L2 before each pair. Registers 224 / 224 / 56. Its copy barriers take 256
+arrivals (each thread's ``cp.async`` arrive and its release arrive after its stores).
+Interpret mode dequantizes with plain loads and stores (``_gather_part_fp8_interpret``).
+
 Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
 never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
 LSE ``-inf``). Every pair is walked by both compute WGs and the memory WG alike
