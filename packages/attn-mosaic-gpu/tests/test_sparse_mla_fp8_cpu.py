@@ -49,9 +49,11 @@ from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
 INTERPRET = gpu_interpret()
 DV, ROPE, DK = 512, 64, 576
 SM_SCALE = 0.05
-# bf16 keys (the dequantized values rounded) and P against the float32 reference: the
-# LSE moves by about sm_scale * |q| * |k| * 2**-9 at Dk = 576
-TOL = dict(rtol_l2=1e-2, atol=3e-2, lse_atol=1e-2)
+# Against the reference on the FP8 cache (float32 keys): the kernel's keys are those
+# values rounded to bf16 (its exact check is bitwise against the bf16 kernel on them),
+# which moves the LSE by about sm_scale * |q| * |k| * 2**-9 at Dk = 576 and the output's
+# largest elements by a few 1e-2 (0.034 seen at 7 queries x 2 heads, seed 600).
+TOL = dict(rtol_l2=1e-2, atol=8e-2, lse_atol=1e-2)
 
 
 def _run(fn, *args, **kwargs):
