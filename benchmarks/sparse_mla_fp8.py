@@ -178,12 +178,13 @@ def write_reports(result: dict, out: Path) -> list[Path]:
     paths = [out / f"{RESULT}.json", out / f"{RESULT}.md", out / f"{RESULT}.svg"]
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     prov, ceil = result["provenance"], result["ceilings"]
+    timing = ", ".join(sorted({r["timing"] for r in result["rows"] if r.get("timing")})) or "none"
     lines = [
         "# Sparse MLA over a bf16 and an FP8 latent cache (Hopper kernel)",
         "",
         f"Commit `{prov['commit']}`, {prov['date']}, device {result['device']}; command "
-        f"`{prov['command']}`. CUPTI device time, median of {result['iterations']} calls "
-        "after a warm-up, row table included. Gather: cache bytes a row-gather kernel reads "
+        f"`{prov['command']}`. Time: {timing} ({'device time' if timing == 'cupti' else 'not a device time'}), "
+        f"median of {result['iterations']} calls after a warm-up, row table included. Gather: cache bytes a row-gather kernel reads "
         "(1,152 per valid row bf16, 656 FP8, once per 64-head group) over the time; copy "
         f"ceiling {ceil.get('copy_tbps', float('nan')):.2f} TB/s (same run). Target: "
         "issue 41's FP8 speed-up.",

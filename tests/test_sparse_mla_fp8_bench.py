@@ -43,7 +43,7 @@ def test_cases_are_the_issue_shapes(bench):
 def _row(cache, ms, **extra):
     base = {"case": "prefill-flat-h16", "impl": "mosaic-gpu", "cache": cache, "heads": 16}
     return {**base, "mode": "prefill", "layout": "flat", "ms": ms, "tflops": 1.0 / ms,
-            "gather_tbps": 2.0, "gather_vs_copy": 0.5, **extra}  # fmt: skip
+            "gather_tbps": 2.0, "gather_vs_copy": 0.5, "timing": "cupti", **extra}  # fmt: skip
 
 
 def test_reports(bench, tmp_path):
@@ -66,14 +66,15 @@ def test_reports(bench, tmp_path):
         assert {"impl", "cache", "heads", "mode", "ms", "tflops"} <= set(row)
     md = paths[1].read_text()
     assert "| prefill-flat-h16 | 16 | 2.000 | 1.600 | 1.25x | 1.6x **not met** |" in md
-    assert "abc1234" in md and paths[2].read_text().startswith("<svg")
+    assert "abc1234" in md and "cupti (device time)" in md
+    assert paths[2].read_text().startswith("<svg")
 
 
-@pytest.mark.slow  # interpret mode, Dv = 512: about 2 minutes on 2 cores
+@pytest.mark.slow  # interpret mode, Dv = 512: 2-4 minutes on 2 shared cores
 def test_smoke_runs(bench, tmp_path):
     result = bench.main(["--smoke", "--iterations", "1", "--out", str(tmp_path)])
     assert result["failed"] == 0
     fp8 = [r for r in result["rows"] if r["cache"] == "fp8"]
     assert len(fp8) == 2 and all(r["speedup_vs_bf16"] > 0 for r in fp8)
     # The format's cost, not the kernel's: FP8 keys against bf16 keys.
-    assert all(0 < r["out_rel_l2_vs_bf16"] < 0.05 for r in fp8)
+    assert all(0 < r["out_rel_l2_vs_bf16"] < 0.1 for r in fp8)  # 0.043 / 0.036 seen
