@@ -101,12 +101,12 @@ def _random_cache(rng, grid) -> Fp8LatentCache:
 
 
 def test_kernel_fp8_rows_bitwise_as_bf16_rows():
-    """Row counts 256 (two full pairs), 129 (a pair and one row), 63 (inside a block)
-    and 0 (nothing: out 0, LSE -inf); 80 heads (two head groups, padded); ``-1`` after
-    each count; every unlisted store row dirty; race detection."""
+    """Row counts 256 (two full pairs), 63 (inside a block) and 0 (nothing: out 0, LSE
+    -inf); ``-1`` after each count; every unlisted store row dirty; race detection.
+    (The memory warpgroup's work is per program: head groups are the bf16 tests'.)"""
     rng = np.random.default_rng(3)
-    tokens, heads, kp, store_rows = 4, 80, 256, 300
-    counts = np.array([256, 129, 63, 0], np.int32)
+    tokens, heads, kp, store_rows = 3, 64, 256, 300
+    counts = np.array([256, 63, 0], np.int32)
     rows = np.full((tokens, kp), -1, np.int32)
     for n, c in enumerate(counts):
         rows[n, :c] = rng.choice(store_rows, c, replace=False)
@@ -119,7 +119,7 @@ def test_kernel_fp8_rows_bitwise_as_bf16_rows():
     want = _run(sparse_mla_rows_attention, q, _as_bf16(store), *args, sm_scale=SM_SCALE)
     _equal(got, want)
     assert np.isfinite(np.asarray(got[0])).all()
-    assert np.isneginf(np.asarray(got[1])[3]).all() and not np.asarray(got[0])[3].any()
+    assert np.isneginf(np.asarray(got[1])[2]).all() and not np.asarray(got[0])[2].any()
 
 
 def _slot_element(r: int, f: int) -> int:
@@ -326,7 +326,7 @@ def _fp8_struct(*grid):
     )
 
 
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads", [16, pytest.param(128, marks=pytest.mark.slow)])
 def test_cross_lowers_flat_prefill(heads):
     """4096 tokens, top-2048 tokens of a 32K flat FP8 cache."""
     sds = jax.ShapeDtypeStruct
@@ -405,17 +405,14 @@ def _kernel_module(store) -> str:
 def test_lowered_kernel_registers_and_loads():
     """The FP8 kernel's module: registers 224 / 224 / 56, the memory warpgroup's
     16-byte latent loads (8 per part and thread, 4 parts), its conversion and its L2
-    prefetch, no ``cp.async`` of latent bytes; the bf16 kernel keeps 232 / 40."""
+    prefetch, ``cp.async`` for the rope only. (The bf16 kernel's module is unchanged:
+    ``tests/kernel_fingerprint.py``.)"""
     fp8 = _kernel_module(_fp8_struct(512))
-    bf16 = _kernel_module(jax.ShapeDtypeStruct((512, DK), jnp.bfloat16))
-    regs = lambda text: re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", text)  # noqa: E731
-    assert sorted(set(regs(fp8))) == [("dec", "56"), ("inc", "224")]
-    assert sorted(set(regs(bf16))) == [("dec", "40"), ("inc", "232")]
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", fp8)
+    assert sorted(set(regs)) == [("dec", "56"), ("inc", "224")]
     parts, loads = 4, 8  # each part's gather is its own code
     assert fp8.count("ld.global.nc.L1::no_allocate.v4.b32") == parts * loads
     assert fp8.count("cvt.rn.f16x2.e4m3x2 x, l") == parts * loads * 4  # per 32-bit word
     # cp.async copies only the rope: 2 parts x 4 rows per thread (bf16: every feature)
     assert fp8.count("nvvm.cp.async.shared.global") == 2 * 4
-    assert bf16.count("nvvm.cp.async.shared.global") == 4 * 4 * 4 + 2 * 4
     assert fp8.count("cp.async.bulk.prefetch.L2.global") == 2 * 3  # first pair, next pair
-    assert "e4m3" not in bf16 and "cp.async.bulk.prefetch" not in bf16
