@@ -51,9 +51,13 @@ PAGE = 64
 
 
 def _random_cache(rng, grid) -> Fp8LatentCache:
-    x = rng.standard_normal((*grid, DK)).astype(np.float32)
-    x[..., :DV] *= rng.uniform(0.25, 2.0, size=(*grid, 4)).repeat(128, -1)
-    return quantize_latent_cache(jnp.asarray(x))
+    """Normal values, each 128-group scaled by 0.25-2 (drawn on the device: the decode
+    cache has a million tokens)."""
+    k_x, k_s = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))))
+    x = jax.random.normal(k_x, (*grid, DK), jnp.float32)
+    group = jax.random.uniform(k_s, (*grid, 4), jnp.float32, 0.25, 2.0)
+    x = x.at[..., :DV].multiply(jnp.repeat(group, 128, axis=-1))
+    return quantize_latent_cache(x)
 
 
 def _poison(cache: Fp8LatentCache, keep: np.ndarray, seed: int) -> Fp8LatentCache:
