@@ -8,8 +8,8 @@ barriers and the zero-fill of rows past the count all show in it), and stay with
 tolerance of the reference on the FP8 cache (on a sample of queries). Every cache row
 no query attends is dirty (NaN latent bytes, NaN / Inf / 0 scales, NaN rope). Cases at
 production-like shapes: flat token-level (top-2048 of 8K, duplicates, ``-1``, ids past
-T, empty queries) and ragged paged prefill (4 requests, 64-token pages, 32 pages per
-query) at H 16 / 32 / 64 / 128; decode (128 requests x 2 query tokens, 32
+T, empty queries) at H 16 / 32 / 64 / 128; ragged paged prefill (4 requests, 64-token
+pages, 32 pages per query) at H 16 / 128; decode (128 requests x 2 query tokens, 32
 pages of 64 tokens of 8K each) at H 16 / 128; the write-then-attend wrapper.
 
 Run (on the H200, from the repository root):
@@ -160,7 +160,7 @@ def _check_ragged(q, cache, idx, pos, kw):
     )
 
 
-@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("heads", [16, 128])  # flat covers 32 and 64 (device time)
 def test_ragged_paged_prefill(heads):
     _check_ragged(*_ragged(*PREFILL, heads, seed=400 + heads))
 
