@@ -219,7 +219,7 @@ def _flat(fn, case, **kw):
     )
 
 
-@pytest.mark.slow  # interpret mode at Dv = 512, two runs: about 40 s on 2 cores
+@pytest.mark.slow  # interpret mode at Dv = 512, two runs: 12-40 s on 2 shared cores
 def test_flat_token_level_fp8():
     q, cache, idx, pos = case = _flat_case(20)
     got = _run(_flat, gpu.sparse_mla_attention, case)
@@ -264,7 +264,7 @@ def _paged_bf16(cache: Fp8LatentCache) -> jax.Array:
     return rows.reshape(cache.shape[0], PAGE // 2, 2, 640)
 
 
-@pytest.mark.slow  # interpret mode at Dv = 512, two runs: about 50 s on 2 cores
+@pytest.mark.slow  # interpret mode at Dv = 512, two runs: 18-50 s on 2 shared cores
 def test_ragged_paged_fp8():
     layout, cache, q, idx = _ragged_case(21)
     got = _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx)
@@ -274,7 +274,7 @@ def test_ragged_paged_fp8():
     assert_sparse_mla_close(got, want, **TOL)
 
 
-@pytest.mark.slow  # interpret mode at Dv = 512: about 30 s on 2 cores
+@pytest.mark.slow  # interpret mode at Dv = 512: 10-30 s on 2 shared cores
 def test_prefill_wrapper_fp8_quantizes_then_attends():
     """The write-then-attend wrapper on an FP8 cache: the new rows quantized and written
     as the reference writes them (bit for bit), then the kernel attends."""
