@@ -8,7 +8,7 @@
 # PARTS picks what runs, in this order on one GPU (default: "bwd bench sweep fwd
 # sparse"; "variants", "train", "fp8" and "suite" on request): the backward test file,
 # `attn bench`, the backward knob sweep, the sparse-MLA kernel variants, the sparse-MLA
-# training-step benchmark (benchmarks/sparse_mla_train.py), the forward and the
+# training-step benchmark (benchmarks/sparse_mla_train.py; TRAIN_ARGS: its options), the forward and the
 # sparse-MLA test files. PARTS=fp8 runs the FP8-cache sparse-MLA GPU tests (FP8_TEST_LIMIT,
 # default 240 s; log h200_sparse_mla_fp8_tests.log), then benchmarks/sparse_mla_fp8.py
 # (bf16 and FP8 caches in the same run, FP8_LIMIT default 300 s; sparse_mla_fp8.{json,md,svg}
@@ -89,7 +89,8 @@ sweep() { want sweep || return 0; header "$OUT/sweep.log"; timeout "${SWEEP_LIMI
   python3 "$root/benchmarks/ranker_bwd_sweep.py" --out "$OUT" >>"$OUT/sweep.log" 2>&1
   echo "sweep rc=$?"; }
 train() { want train || return 0; header "$OUT/sparse_mla_train.log"; timeout "${TRAIN_LIMIT:-300}" \
-  python3 "$root/benchmarks/sparse_mla_train.py" --out "$OUT" >>"$OUT/sparse_mla_train.log" 2>&1
+  python3 "$root/benchmarks/sparse_mla_train.py" --out "$OUT" ${TRAIN_ARGS:-} \
+  >>"$OUT/sparse_mla_train.log" 2>&1
   echo "train rc=$?"; }
 fp8() {  # the FP8-cache tests first, then the bf16-vs-FP8 benchmark
   want fp8 || return 0
