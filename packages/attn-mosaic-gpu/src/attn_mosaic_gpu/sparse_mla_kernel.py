@@ -66,7 +66,7 @@ features), so the next pair streams in while this one is used.
   normalise, and store their output half to global memory; WG0 writes the LSE.
 
 FP8 latent cache (``store`` an ``attn_common.Fp8LatentCache``: 656 bytes per row against
-1,152): the same schedule and slots, another memory WG (``_memory_wg_fp8``, which says why
+1,152): the same schedule and slots, another memory WG (``_memory_wg(fp8=True)``, which says why
 this design). Each part's latent bytes come by plain 16-byte global loads into registers
 (two threads per row, 8 loads in flight each), are dequantized to bf16 (``bf16(float32(
 e4m3) * scale)``, the bits of ``dequantize_latent_cache(store).astype(bfloat16)``) and
@@ -199,7 +199,7 @@ class _SparseMlaStatics:
     # array as the latent ref), 0 when its rope features come as their own array.
     rope_at: int
     # The store is an FP8 latent cache (latent / scale / rope arrays, one row per token)
-    # that the memory WG dequantizes on chip (`_memory_wg_fp8`), else one bf16 array.
+    # that the memory WG dequantizes on chip (`_memory_wg(fp8=True)`), else one bf16 array.
     fp8: bool = False
 
     @property
@@ -501,7 +501,7 @@ class _Index:
 
 
 def _gather_part_fp8(st: _SparseMlaStatics, half: str):
-    """The FP8 gather of part ``half`` of one block of rows (``_memory_wg_fp8``): each
+    """The FP8 gather of part ``half`` of one block of rows (``_memory_wg(fp8=True)``): each
     row's latent bytes of the part come by plain 16-byte global loads, are dequantized
     in registers (``bf16(float32(e4m3) * scale)``) and stored into the same swizzled
     slots ``_gather_part`` fills; the rope features (part ``R``) come by ``cp.async`` as
@@ -673,7 +673,7 @@ def _prefetch_rows_fp8(st: _SparseMlaStatics):
     """Prefetch a pair's rows (thread ``t``: row ``t``; latent, scales, rope) into L2
     with ``cp.async.bulk.prefetch.L2``, which holds no register and waits for nothing:
     the memory WG's loads of the pair then find its rows in L2 (see
-    ``_memory_wg_fp8``)."""
+    ``_memory_wg(fp8=True)``)."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm, memref
@@ -1044,64 +1044,29 @@ def _finish(prog: _Program, init: _RowInit, other, acc, m_i, l_i):
         prog.lse_ref.at[prog.token, heads][...] = lse
 
 
-def _memory_wg(prog: _Program):
-    """WG2: gather every pair's parts in ``_REFILL_ORDER``, each once it is free."""
+def _memory_wg(prog: _Program, *, fp8: bool):
+    """WG2: gather every pair's parts in ``_REFILL_ORDER``, each once it is free.
+
+    With an FP8 cache (``fp8``) each part is gathered by ``_gather_part_fp8`` and, before
+    a pair's parts, the next pair's rows are prefetched into L2. Why: Hopper has no
+    asynchronous copy that converts, so the latent bytes pass through the memory WG's
+    registers (a part's 128 bytes per thread, 8 loads in flight), which ``cp.async``
+    never needed; a thread converts only once its loads have landed, so its next loads
+    wait for the conversion. The L2 prefetch (no registers, no wait) keeps HBM busy
+    meanwhile: it requests a pair's rows (656 bytes each) a pair ahead, and the loads
+    then wait on L2, not HBM. Staging the FP8 bytes in shared memory by ``cp.async`` and
+    converting there would need 16 KiB per part, and Q and the pair leave about 3 KiB.
+    Each thread arrives on a part's copy barrier twice (256 arrivals): once its rope
+    copies have landed (``cp.async.mbarrier.arrive``) and once its stores are done (a
+    release arrive, after a proxy fence, since wgmma reads through the async proxy)."""
     plgpu.set_max_registers(memory_registers(prog.st.compute_registers), action="decrease")
     buf, bar = prog.buf, prog.bar
-    make = _gather_part_interpret if prog.interpret else _gather_part
+    if fp8:
+        make = _gather_part_fp8_interpret if prog.interpret else _gather_part_fp8
+    else:
+        make = _gather_part_interpret if prog.interpret else _gather_part
     gather = {half: make(prog.st, half) for half in _HALVES}
-
-    @pl.loop(0, prog.num_pairs)
-    def _issue(p):
-        for parts in _REFILL_ORDER:
-            for part in parts:
-
-                @pl.when(p >= 1)
-                def _wait_free(part=part):
-                    plgpu.barrier_wait(bar.consumed.at[part])
-
-                rows = pl.ds((2 * p + part.block) * BLOCK_K, BLOCK_K)
-                gather[part.half](
-                    *prog.stores,
-                    prog.rows_ref.at[prog.token, rows],
-                    buf.k_lat.at[part.block],
-                    buf.k_rope.at[part.block],
-                )
-                if not prog.interpret:
-                    _arrive_on_copies(buf.copied, part)
-            if prog.interpret:  # publish the two parts (the copies are synchronous)
-                for part in parts:
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar.ready.at[part])
-
-    # Drain: observe the consumption of the last pair before the barriers die.
-    @pl.when(prog.num_pairs > 0)
-    def _drain():
-        for part in _Part:
-            plgpu.barrier_wait(bar.consumed.at[part])
-
-
-def _memory_wg_fp8(prog: _Program):
-    """WG2 with an FP8 cache: ``_memory_wg``'s refill order and barriers, each part
-    gathered by ``_gather_part_fp8``; before a pair's parts, the next pair's rows are
-    prefetched into L2.
-
-    Why this design: Hopper has no asynchronous copy that converts, so the latent bytes
-    pass through the memory WG's registers (a part's 128 bytes per thread, 8 loads in
-    flight), which ``cp.async`` never needed; a thread converts only once its loads have
-    landed, so its next loads wait for the conversion. The L2 prefetch (no registers,
-    no wait) keeps HBM busy meanwhile: it requests a pair's rows (656 bytes each) a
-    pair ahead, and the loads then wait on L2, not HBM. Staging the FP8 bytes in shared
-    memory by ``cp.async`` and converting there would need 16 KiB per part, and Q and
-    the pair leave about 3 KiB. Each thread arrives on a part's copy barrier twice
-    (256 arrivals): once its rope copies have landed (``cp.async.mbarrier.arrive``)
-    and once its stores are done (a release arrive, after a proxy fence, since wgmma
-    reads through the async proxy)."""
-    plgpu.set_max_registers(memory_registers(prog.st.compute_registers), action="decrease")
-    buf, bar = prog.buf, prog.bar
-    make = _gather_part_fp8_interpret if prog.interpret else _gather_part_fp8
-    gather = {half: make(prog.st, half) for half in _HALVES}
-    prefetch = None if prog.interpret else _prefetch_rows_fp8(prog.st)
+    prefetch = _prefetch_rows_fp8(prog.st) if fp8 and not prog.interpret else None
     pair_rows = 2 * BLOCK_K
 
     if prefetch is not None:
@@ -1135,12 +1100,14 @@ def _memory_wg_fp8(prog: _Program):
                 )
                 if not prog.interpret:
                     _arrive_on_copies(buf.copied, part)
-                    _arrive_on_stores(buf.copied, part)
+                    if fp8:
+                        _arrive_on_stores(buf.copied, part)
             if prog.interpret:  # publish the two parts (the copies are synchronous)
                 for part in parts:
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(bar.ready.at[part])
 
+    # Drain: observe the consumption of the last pair before the barriers die.
     @pl.when(prog.num_pairs > 0)
     def _drain():
         for part in _Part:
@@ -1191,8 +1158,7 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
             # FP8: each thread arrives twice per part (its rope copies, its stores).
             _init_copy_barriers(buf.copied, _THREADS * (2 if st.fp8 else 1))
         pl.when(wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog))
-        memory = _memory_wg_fp8 if st.fp8 else _memory_wg
-        pl.when(wg == _COMPUTE_WGS)(functools.partial(memory, prog))
+        pl.when(wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog, fp8=st.fp8))
 
     stores = 3 if st.fp8 else 1
 
