@@ -65,16 +65,6 @@ features), so the next pair streams in while this one is used.
 * At the end the WGs add their row sums through shared memory (``pair`` barrier),
   normalise, and store their output half to global memory; WG0 writes the LSE.
 
-FP8 latent cache (``store`` an ``attn_common.Fp8LatentCache``: 656 bytes per row against
-1,152): the same schedule and slots, another memory WG (``_memory_wg(fp8=True)``, which says why
-this design). Each part's latent bytes come by plain 16-byte global loads into registers
-(two threads per row, 8 loads in flight each), are dequantized to bf16 (``bf16(float32(
-e4m3) * scale)``, the bits of ``dequantize_latent_cache(store).astype(bfloat16)``) and
-stored into the swizzled slots; the rope comes by ``cp.async``; the next pair's rows are
-prefetched into L2 before each pair. Registers 224 / 224 / 56. Its copy barriers take 256
-arrivals (each thread's ``cp.async`` arrive and its release arrive after its stores).
-Interpret mode dequantizes with plain loads and stores (``_gather_part_fp8_interpret``).
-
 Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
 never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
 LSE ``-inf``). Every pair is walked by both compute WGs and the memory WG alike
@@ -119,10 +109,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common.fp8_cache import GROUP as FP8_GROUP
-from attn_common.fp8_cache import GROUPS as FP8_GROUPS
-from attn_common.fp8_cache import LATENT as FP8_LATENT
-from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 
@@ -135,11 +121,6 @@ _COMPUTE_WGS = 2
 # setmaxnreg of each compute WG; the memory WG keeps the rest of the 504 per thread slot
 # (40). 232 ran the kernel 1.09-1.10x faster than 240/24 on the H200, 224/56 as fast.
 _COMPUTE_REGISTERS = 232
-# With an FP8 cache the memory WG holds a part's loaded bytes in registers (32 per
-# thread) while it converts them: 224 / 224 / 56 (224/56 ran the bf16 kernel as fast as
-# 232/40 on the H200).
-_COMPUTE_REGISTERS_FP8 = 224
-_FP8_THREADS_PER_ROW = 2  # the FP8 gather: threads sharing a row of a part
 # Launch order: a token's head groups this many tokens apart, so the later ones find its
 # rows in L2 (fetched by head group 0): 1.01-1.04x faster than all of head group 0 first.
 _TOKEN_LAG = 8
@@ -198,13 +179,6 @@ class _SparseMlaStatics:
     # Column of the rope ref's first rope feature: dv when Q comes joined (the same
     # array as the latent ref), 0 when its rope features come as their own array.
     rope_at: int
-    # The store is an FP8 latent cache (latent / scale / rope arrays, one row per token)
-    # that the memory WG dequantizes on chip (`_memory_wg(fp8=True)`), else one bf16 array.
-    fp8: bool = False
-
-    @property
-    def compute_registers(self) -> int:
-        return _COMPUTE_REGISTERS_FP8 if self.fp8 else _COMPUTE_REGISTERS
 
 
 class _Part(enum.IntEnum):
@@ -300,7 +274,7 @@ class _Program:
     interpret: bool
     q_ref: Any
     q_rope_ref: Any
-    stores: tuple  # (store,) bf16, or an FP8 cache's (latent, scale, rope) row arrays
+    store_ref: Any
     rows_ref: Any
     out_ref: Any
     lse_ref: Any
@@ -439,275 +413,6 @@ def _gather_part_interpret(st: _SparseMlaStatics, half: str):
     return gather
 
 
-def _fp8_chunk(lane, k: int, half_chunk: int, *, half: str, latent_tiles: int):
-    """Where the FP8 gather's thread ``lane`` puts its load ``k``: ``(slot row, first
-    latent byte of the row it reads, the row's scale index, slot element of the
-    load's 8-value chunk half_chunk)`` (see ``_gather_part_fp8``). Written with ``+ *
-    // % ^`` only, so the kernel computes it on MLIR values (``_Index``) and the tests
-    on integers, against the slot layout written out on its own."""
-    first_group = 0 if half == "L" else FP8_LATENT // 2 // FP8_GROUP
-    r = lane // _FP8_THREADS_PER_ROW
-    c = lane % _FP8_THREADS_PER_ROW + _FP8_THREADS_PER_ROW * k  # 16-byte chunk of the part
-    byte = first_group * FP8_GROUP + 16 * c + _CHUNK * half_chunk
-    group = first_group + (16 * _FP8_THREADS_PER_ROW * k) // FP8_GROUP  # k // 4: static
-    tile_chunks = _TILE // 16
-    feature_tile = c // tile_chunks + first_group * FP8_GROUP // _TILE
-    j = (c % tile_chunks) * 2 + half_chunk  # 8-value chunk of the tile row
-    dst = ((r // 8) * latent_tiles + feature_tile) * (8 * _TILE) + (r % 8) * _TILE
-    return r, byte, group, dst + (j ^ (r % 8)) * _CHUNK
-
-
-class _Index:
-    """An i32 MLIR value under ``+ * // % ^`` (unsigned), ints taken as constants."""
-
-    def __init__(self, value):
-        self.value = value
-
-    @staticmethod
-    def _of(x):
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith
-
-        if isinstance(x, _Index):
-            return x.value
-        return arith.constant(ir.IntegerType.get_signless(32), x)
-
-    def _op(self, name, other, swap=False):
-        from jaxlib.mlir.dialects import arith
-
-        a, b = self.value, self._of(other)
-        return _Index(getattr(arith, name)(*((b, a) if swap else (a, b))))
-
-    def __add__(self, o):
-        return self._op("addi", o)
-
-    def __radd__(self, o):
-        return self._op("addi", o, swap=True)
-
-    def __mul__(self, o):
-        return self._op("muli", o)
-
-    def __rmul__(self, o):
-        return self._op("muli", o, swap=True)
-
-    def __floordiv__(self, o):
-        return self._op("divui", o)
-
-    def __mod__(self, o):
-        return self._op("remui", o)
-
-    def __xor__(self, o):
-        return self._op("xori", o)
-
-
-def _gather_part_fp8(st: _SparseMlaStatics, half: str):
-    """The FP8 gather of part ``half`` of one block of rows (``_memory_wg(fp8=True)``): each
-    row's latent bytes of the part come by plain 16-byte global loads, are dequantized
-    in registers (``bf16(float32(e4m3) * scale)``) and stored into the same swizzled
-    slots ``_gather_part`` fills; the rope features (part ``R``) come by ``cp.async`` as
-    bf16, as in ``_gather_part``.
-
-    Two threads per row: thread ``t`` takes row ``t // 2`` and, of the part's 256 latent
-    bytes, the 16-byte chunks ``2 k + t % 2`` (``k < 8``; 8 loads issued before any is
-    used), so each warp-wide load reads whole 32-byte sectors (16 rows x 32 bytes), and
-    the part's two group scales (one 8-byte load). Its stores of a load (two 16-byte
-    chunks of bf16) spread over all 32 banks (4 wavefronts per warp, the minimum). Rows
-    with id ``< 0`` load nothing (predicated) and store zeros, as the ``cp.async``
-    zero-fill does.
-    """
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
-
-    dv, tile = st.dv, _TILE
-    if dv != FP8_LATENT or BLOCK_K * _FP8_THREADS_PER_ROW != _THREADS:
-        raise NotImplementedError(f"dv: got {dv}, the FP8 gather takes {FP8_LATENT}")
-    loads = dv // 2 // 16 // _FP8_THREADS_PER_ROW  # 16-byte loads per thread and part
-    chunks = tile // _CHUNK  # rope: threads per row, as in `_gather_part`
-    row_groups = _THREADS // chunks
-    tiled = _transforms()
-
-    @plgpu.inline_mgpu(
-        arg_types=(
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(tiled),
-            plgpu.RefType(tiled),
-        ),
-    )
-    def gather(ctx, latent, scale, rope, rows, k_lat, k_rope):
-        del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        f32 = ir.F32Type.get()
-        bf16 = ir.BF16Type.get()
-        index = ir.IndexType.get()
-        global_ptr = llvm.PointerType.get(address_space=1)
-
-        def const(v, ty=i32):
-            return arith.constant(ty, v)
-
-        def row_of(r):
-            row = memref.load(rows, [arith.index_cast(index, r)])
-            valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
-            return valid, arith.extui(i64, arith.select(valid, row, const(0)))
-
-        lane = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
-        # The rope features: cp.async as bf16, zero-filled for rows < 0.
-        if half == "R":
-            group, chunk = arith.divui(lane, const(chunks)), arith.remui(lane, const(chunks))
-            rope_ptr = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(rope))
-            for i in range(BLOCK_K // row_groups):
-                r = arith.addi(group, const(row_groups * i))
-                valid, row = row_of(r)
-                r_lo = arith.remui(r, const(8))
-                dst = arith.addi(
-                    arith.muli(arith.divui(r, const(8)), const(8 * tile)),
-                    arith.addi(
-                        arith.muli(r_lo, const(tile)),
-                        arith.muli(arith.xori(chunk, r_lo), const(_CHUNK)),
-                    ),
-                )
-                src = arith.addi(
-                    arith.muli(row, const(ROPE, i64)),
-                    arith.extui(i64, arith.muli(chunk, const(_CHUNK))),
-                )
-                nvvm.cp_async_shared_global(
-                    mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_rope), [dst], bf16),
-                    mgpu_utils.getelementptr(rope_ptr, [src], bf16),
-                    16,
-                    nvvm.LoadCacheModifierKind.CG,
-                    cp_size=arith.select(valid, const(16), const(0)),
-                )
-            nvvm.cp_async_commit_group()
-        # The latent bytes: row `t // 2`; 16-byte chunk `2 k + t % 2` of the part.
-        chunk_at = functools.partial(_fp8_chunk, _Index(lane), half=half, latent_tiles=dv // tile)
-        r = chunk_at(0, 0)[0].value
-        valid, row = row_of(r)
-        lat_ptr = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(latent))
-        scale_ptr = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(scale))
-        row_bytes = arith.muli(row, const(FP8_LATENT, i64))
-        words = []
-        for k in range(loads):  # all loads in flight before the first is used
-            byte = arith.extui(i64, chunk_at(k, 0)[1].value)
-            src = mgpu_utils.getelementptr(lat_ptr, [arith.addi(row_bytes, byte)], i8)
-            words.append(
-                mgpu_utils.inline_ptx(
-                    "{ mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
-                    "  @$5 ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4]; }",
-                    src,
-                    valid,
-                    result_types=[i32] * 4,
-                )
-            )
-        # The part's two group scales (8 bytes, aligned).
-        first_group = chunk_at(0, 0)[2]
-        s_off = arith.addi(arith.muli(row, const(FP8_GROUPS, i64)), const(first_group, i64))
-        scales = mgpu_utils.inline_ptx(
-            "{ mov.b32 $0, 0; mov.b32 $1, 0; @$3 ld.global.nc.v2.b32 {$0, $1}, [$2]; }",
-            mgpu_utils.getelementptr(scale_ptr, [s_off], f32),
-            valid,
-            result_types=[i32] * 2,
-        )
-        # Dequantize: e4m3 pairs to f16 pairs (exact), to f32 (exact), times the scale
-        # (round to nearest), to bf16 pairs (round to nearest even): the reference's
-        # `(latent.astype(float32) * scale).astype(bfloat16)`. A row < 0: 0 * 0 = +0.
-        dequant = (
-            "{ .reg .b16 l, h, a0, a1, a2, a3; .reg .b32 x, y; .reg .f32 f0, f1, f2, f3;\n"
-            "  mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 x, l; cvt.rn.f16x2.e4m3x2 y, h;\n"
-            "  mov.b32 {a0, a1}, x; mov.b32 {a2, a3}, y;\n"
-            "  cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; cvt.f32.f16 f2, a2; cvt.f32.f16 f3, a3;\n"
-            "  mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3;\n"
-            "  mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3;\n"
-            "  cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }"
-        )
-        store = "st.shared.v4.b32 [$0], {$1, $2, $3, $4};"
-        k_lat_ptr = mgpu_utils.memref_ptr(k_lat)
-        for k, word4 in enumerate(words):
-            group_scale = scales[chunk_at(k, 0)[2] - first_group]
-            out = []
-            for w in word4:
-                out.extend(mgpu_utils.inline_ptx(dequant, w, group_scale, result_types=[i32] * 2))
-            for half_chunk in range(2):  # 8 values (16 bytes of bf16) each
-                dst = chunk_at(k, half_chunk)[3].value
-                ptr = mgpu_utils.getelementptr(k_lat_ptr, [dst], bf16)
-                mgpu_utils.inline_ptx(
-                    store,
-                    llvm.ptrtoint(i32, ptr),
-                    *out[4 * half_chunk : 4 * half_chunk + 4],
-                    has_side_effects=True,
-                )
-
-    return gather
-
-
-def _gather_part_fp8_interpret(st: _SparseMlaStatics, half: str):
-    """``_gather_part_fp8`` for interpret mode, by plain loads and stores."""
-    dv = st.dv
-    lo, hi = {"L": (0, dv // 2), "R": (dv // 2, dv)}[half]
-    g_lo = lo // FP8_GROUP
-
-    def gather(latent, scale, rope, rows, k_lat, k_rope):
-        def one(r, carry):
-            row = rows[r]
-            src = jnp.maximum(row, 0)
-            values = latent[src, pl.ds(lo, hi - lo)].astype(jnp.float32)
-            scales = scale[src, pl.ds(g_lo, (hi - lo) // FP8_GROUP)]
-            values = values.reshape(-1, FP8_GROUP) * scales[:, None]
-            values = values.reshape(hi - lo).astype(jnp.bfloat16)
-            k_lat[r, pl.ds(lo, hi - lo)] = jnp.where(row >= 0, values, jnp.zeros_like(values))
-            if half != "L":
-                rope_row = rope[src, :]
-                k_rope[r, :] = jnp.where(row >= 0, rope_row, jnp.zeros_like(rope_row))
-            return carry
-
-        lax.fori_loop(0, BLOCK_K, one, 0)
-
-    return gather
-
-
-def _prefetch_rows_fp8(st: _SparseMlaStatics):
-    """Prefetch a pair's rows (thread ``t``: row ``t``; latent, scales, rope) into L2
-    with ``cp.async.bulk.prefetch.L2``, which holds no register and waits for nothing:
-    the memory WG's loads of the pair then find its rows in L2 (see
-    ``_memory_wg(fp8=True)``)."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, memref
-
-    if 2 * BLOCK_K != _THREADS:
-        raise NotImplementedError("one row of the pair per thread")
-    fields = ((FP8_LATENT, 1), (FP8_GROUPS, 4), (ROPE, 2))  # (elements, bytes each)
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), plgpu.RefType()),
-    )
-    def prefetch(ctx, latent, scale, rope, rows):
-        del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        global_ptr = llvm.PointerType.get(address_space=1)
-        lane = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS))
-        row = memref.load(rows, [arith.index_cast(ir.IndexType.get(), lane)])
-        valid = arith.cmpi(arith.CmpIPredicate.sge, row, arith.constant(i32, 0))
-        row = arith.extui(i64, arith.select(valid, row, arith.constant(i32, 0)))
-        for ref, (width, size) in zip((latent, scale, rope), fields, strict=True):
-            base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(ref))
-            offset = arith.muli(row, arith.constant(i64, width * size))
-            mgpu_utils.inline_ptx(
-                f"@$1 cp.async.bulk.prefetch.L2.global [$0], {width * size};",
-                mgpu_utils.getelementptr(base, [offset], i8),
-                valid,
-                has_side_effects=True,
-            )
-
-    return prefetch
-
-
 # The hand-kept copy barriers: Pallas's barriers cannot be handed to inline Mosaic GPU
 # code, which ``cp.async.mbarrier.arrive`` needs, so these live in a plain shared-memory
 # buffer (two 32-bit words per barrier, one barrier per ``_Part``) and are waited on by
@@ -755,26 +460,6 @@ def _arrive_on_copies(bars, part: _Part):
     arrive(bars)
 
 
-def _arrive_on_stores(bars, part: _Part):
-    """Arrive on ``part``'s copy barrier now (release): this thread's shared-memory
-    stores of the part are done. The proxy fence first: wgmma reads the part through
-    the async proxy."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir.dialects import nvvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def arrive(ctx, ref):
-        del ctx
-        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-        mgpu_utils.inline_ptx(
-            "mbarrier.arrive.shared::cta.b64 _, [$0];",
-            _mbarrier_ptr(ref, part),
-            has_side_effects=True,
-        )
-
-    arrive(bars)
-
-
 def _wait_copies_landed(bars, part: _Part, parity):
     """Wait for phase ``parity`` of ``part``'s copy barrier, then fence for the async
     proxy: the copies were written by the generic proxy, and wgmma reads through the
@@ -808,7 +493,7 @@ class _RowInit(NamedTuple):
 
 def _compute_wg(prog: _Program):
     """WG0 and WG1: load Q, walk the pairs, write the output (see the module docstring)."""
-    plgpu.set_max_registers(prog.st.compute_registers, action="increase")
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     st, bar, heads = prog.st, prog.bar, HEADS_PER_PROGRAM
     other = 1 - prog.wg
 
@@ -1044,46 +729,15 @@ def _finish(prog: _Program, init: _RowInit, other, acc, m_i, l_i):
         prog.lse_ref.at[prog.token, heads][...] = lse
 
 
-def _memory_wg(prog: _Program, *, fp8: bool):
-    """WG2: gather every pair's parts in ``_REFILL_ORDER``, each once it is free.
-
-    With an FP8 cache (``fp8``) each part is gathered by ``_gather_part_fp8`` and, before
-    a pair's parts, the next pair's rows are prefetched into L2. Why: Hopper has no
-    asynchronous copy that converts, so the latent bytes pass through the memory WG's
-    registers (a part's 128 bytes per thread, 8 loads in flight), which ``cp.async``
-    never needed; a thread converts only once its loads have landed, so its next loads
-    wait for the conversion. The L2 prefetch (no registers, no wait) keeps HBM busy
-    meanwhile: it requests a pair's rows (656 bytes each) a pair ahead, and the loads
-    then wait on L2, not HBM. Staging the FP8 bytes in shared memory by ``cp.async`` and
-    converting there would need 16 KiB per part, and Q and the pair leave about 3 KiB.
-    Each thread arrives on a part's copy barrier twice (256 arrivals): once its rope
-    copies have landed (``cp.async.mbarrier.arrive``) and once its stores are done (a
-    release arrive, after a proxy fence, since wgmma reads through the async proxy)."""
-    plgpu.set_max_registers(memory_registers(prog.st.compute_registers), action="decrease")
+def _memory_wg(prog: _Program):
+    """WG2: gather every pair's parts in ``_REFILL_ORDER``, each once it is free."""
+    plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
-    if fp8:
-        make = _gather_part_fp8_interpret if prog.interpret else _gather_part_fp8
-    else:
-        make = _gather_part_interpret if prog.interpret else _gather_part
+    make = _gather_part_interpret if prog.interpret else _gather_part
     gather = {half: make(prog.st, half) for half in _HALVES}
-    prefetch = _prefetch_rows_fp8(prog.st) if fp8 and not prog.interpret else None
-    pair_rows = 2 * BLOCK_K
-
-    if prefetch is not None:
-
-        @pl.when(prog.num_pairs > 0)
-        def _first():
-            prefetch(*prog.stores, prog.rows_ref.at[prog.token, pl.ds(0, pair_rows)])
 
     @pl.loop(0, prog.num_pairs)
     def _issue(p):
-        if prefetch is not None:
-
-            @pl.when(p + 1 < prog.num_pairs)
-            def _next():
-                rows = prog.rows_ref.at[prog.token, pl.ds((p + 1) * pair_rows, pair_rows)]
-                prefetch(*prog.stores, rows)
-
         for parts in _REFILL_ORDER:
             for part in parts:
 
@@ -1093,15 +747,13 @@ def _memory_wg(prog: _Program, *, fp8: bool):
 
                 rows = pl.ds((2 * p + part.block) * BLOCK_K, BLOCK_K)
                 gather[part.half](
-                    *prog.stores,
+                    prog.store_ref,
                     prog.rows_ref.at[prog.token, rows],
                     buf.k_lat.at[part.block],
                     buf.k_rope.at[part.block],
                 )
                 if not prog.interpret:
                     _arrive_on_copies(buf.copied, part)
-                    if fp8:
-                        _arrive_on_stores(buf.copied, part)
             if prog.interpret:  # publish the two parts (the copies are synchronous)
                 for part in parts:
                     plgpu.commit_smem()
@@ -1122,7 +774,9 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
     operand is in registers (P is read back from shared memory, where it is anyway, into
     a fresh accumulator that is then added). The schedule and barriers are the same."""
 
-    def kernel(q_ref, q_rope_ref, stores, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped):
+    def kernel(
+        q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped
+    ):
         buf, bar = scoped
         # Q's TMA destinations (the buffers' leading axis of 1 is for `p & opaque_zero`).
         q_dst = (buf.q_lat.at[0], buf.q_rope.at[0])
@@ -1135,7 +789,7 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
             interpret=interpret,
             q_ref=q_ref,
             q_rope_ref=q_rope_ref,
-            stores=stores,
+            store_ref=store_ref,
             rows_ref=rows_ref,
             out_ref=out_ref,
             lse_ref=lse_ref,
@@ -1155,18 +809,14 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
             num_pairs=lax.div(count + 2 * BLOCK_K - 1, jnp.int32(2 * BLOCK_K)),
         )
         if not interpret:
-            # FP8: each thread arrives twice per part (its rope copies, its stores).
-            _init_copy_barriers(buf.copied, _THREADS * (2 if st.fp8 else 1))
+            _init_copy_barriers(buf.copied, _THREADS)
         pl.when(wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog))
-        pl.when(wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog, fp8=st.fp8))
+        pl.when(wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog))
 
-    stores = 3 if st.fp8 else 1
-
-    def entry(q_ref, q_rope_ref, *refs):  # refs: the stores, rows, counts, zero, out, lse
-        store_refs, (rows_ref, counts_ref, *outs) = refs[:stores], refs[stores:]
+    def entry(q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, *outs):  # outs: zero, out, lse
         pl.run_scoped(
             lambda *scoped: kernel(
-                q_ref, q_rope_ref, store_refs, rows_ref, counts_ref, *outs, scoped
+                q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, *outs, scoped
             ),
             _buffer_types(st, interpret),
             _barrier_types(),
@@ -1177,8 +827,7 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, interpret):
-    """The kernel on ``stores``: ``(store,)``, or an FP8 cache's ``(latent, scale, rope)``."""
+def _launch(q, q_rope, store, rows, counts, *, st: _SparseMlaStatics, interpret):
     out_type = (
         jax.ShapeDtypeStruct((st.tokens, st.heads, st.dv), jnp.float32),
         jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
@@ -1197,13 +846,13 @@ def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, interpret
             reduction_scratch_bytes=0,
         ),
         interpret=interpret,
-    )(q, q_rope, *stores, rows, counts, jnp.zeros((1,), jnp.int32))
+    )(q, q_rope, store, rows, counts, jnp.zeros((1,), jnp.int32))
 
 
 def _padded_static(
     q: jax.Array,
     q_rope: jax.Array | None,
-    store: jax.Array | Fp8LatentCache,
+    store: jax.Array,
     *,
     sm_scale: float,
     dv: int,
@@ -1220,17 +869,16 @@ def _padded_static(
         tokens=tokens,
         heads=heads_pad,
         dv=dv,
-        width=store.latent.shape[1] if isinstance(store, Fp8LatentCache) else store.shape[1],
+        width=store.shape[1],
         sm_scale=float(sm_scale),
         rope_at=dv if q_rope is None else 0,
-        fp8=isinstance(store, Fp8LatentCache),
     )
     return q, q if q_rope is None else q_rope, st
 
 
 def sparse_mla_rows_attention(
     q: jax.Array,
-    store: jax.Array | Fp8LatentCache,
+    store: jax.Array,
     rows: jax.Array,
     counts: jax.Array,
     *,
@@ -1245,11 +893,8 @@ def sparse_mla_rows_attention(
     Args:
       q: ``[N, H, dv + 64]`` bfloat16, or with ``q_rope`` its latent features ``[N, H,
         dv]``.
-      store: ``[R, W]`` bfloat16, ``W >= dv + 64`` and ``W % 8 == 0``, or an
-        ``Fp8LatentCache`` on the token grid ``[R]`` (``dv = 512``), whose rows the
-        kernel dequantizes on chip (``bf16(float32(latent) * scale)``, the bits of
-        ``dequantize_latent_cache(store).astype(bfloat16)``); only the rows named in
-        ``rows`` are read.
+      store: ``[R, W]`` bfloat16, ``W >= dv + 64`` and ``W % 8 == 0``; only the rows named
+        in ``rows`` are read.
       rows: ``[N, Kp]`` int32, ``Kp % 128 == 0`` (a pair of 64-row blocks); row ids of ``store``, the
         query's valid rows first, ``-1`` after.
       counts: ``[N]`` int32, the number of valid rows of each query (``<= Kp``).
@@ -1267,12 +912,8 @@ def sparse_mla_rows_attention(
             f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
         )
     tokens, heads, dk = q.shape
-    fp8 = isinstance(store, Fp8LatentCache)
-    if fp8:
-        check_fp8_cache(store, "store", grid=(None,), hint="[R]")
-    store_dtype = store.rope.dtype if fp8 else store.dtype
-    if q.dtype != jnp.bfloat16 or store_dtype != jnp.bfloat16:
-        raise TypeError(f"q, store: got {q.dtype}, {store_dtype}, expected bfloat16")
+    if q.dtype != jnp.bfloat16 or store.dtype != jnp.bfloat16:
+        raise TypeError(f"q, store: got {q.dtype}, {store.dtype}, expected bfloat16")
     if q_rope is not None:
         if q_rope.dtype != jnp.bfloat16 or q_rope.shape != (tokens, heads, ROPE):
             raise ValueError(
@@ -1285,11 +926,7 @@ def sparse_mla_rows_attention(
             f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}, Dv a "
             "multiple of 128"
         )
-    if fp8 and dv != FP8_LATENT:
-        raise NotImplementedError(
-            f"dv: got {dv}, an Fp8LatentCache store holds {FP8_LATENT} latent values per row"
-        )
-    if not fp8 and (store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK):
+    if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK:
         raise ValueError(
             f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {_CHUNK} == 0"
         )
@@ -1303,7 +940,7 @@ def sparse_mla_rows_attention(
     out, lse = _launch(
         q,
         q_rope,
-        (store.latent, store.scale, store.rope) if fp8 else (store,),
+        store,
         rows.astype(jnp.int32),
         counts.astype(jnp.int32),
         st=st,
