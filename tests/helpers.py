@@ -765,3 +765,50 @@ def load_script(path: Path, name: str) -> Iterator[object]:
         yield module
     finally:
         sys.modules.pop(name, None)
+
+
+def wrapper_query_grads(fn, *, dv: int, sm_scale: float, **kw):
+    """Gradients of ``sum(out)`` of a ``prefill_write_and_attend_ragged`` ``fn`` with
+    respect to its query parts ``ql`` and ``qpe`` (bf16), on one fixed small case: two
+    sequences of 16-row pages, each new token written to its own row; ``kw`` goes to
+    ``fn`` (``interpret=...``)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = rng_for(8)
+    page = 16
+    layout = build_ragged_layout(
+        rng, seq_lens=[20, 9], new_lens=[3, 2], extra_pages=[0, 1], page_size=page
+    )
+    num_pages, t, rope = layout["num_pages"], 5, 64
+    cache = randn(rng, (num_pages, page // 2, 2, 256), "bfloat16")
+    ql, qpe = randn(rng, (t, 2, dv), "bfloat16"), randn(rng, (t, 2, rope), "bfloat16")
+    kvc, kpe = randn(rng, (t, dv), "bfloat16"), randn(rng, (t, rope), "bfloat16")
+    idx = random_page_selection(rng, layout, 2, page)
+    pos = layout["positions"]
+    slot = layout["cu_kv_lens"][layout["q_seq_id"]] // page + pos // page
+    loc = (layout["page_indices"][slot] * page + pos % page).astype(np.int32)  # own row
+    args = (kvc, kpe, cache, idx, pos, loc, layout["seq_lens"], layout["cu_q_lens"],
+            layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
+
+    def loss(ql, qpe):
+        out, _ = fn(ql, qpe, *args, kv_lora_rank=dv, page_size=page, sm_scale=sm_scale, **kw)
+        return jnp.sum(out)
+
+    return jax.grad(loss, argnums=(0, 1))(ql, qpe)
+
+
+def check_wrapper_query_grads(kernel_fn, reference_fn, *, dv: int, sm_scale: float, tol, **kw):
+    """:func:`wrapper_query_grads` of a kernel's ``prefill_write_and_attend_ragged``
+    (``kw``: its ``interpret``; interpreted by :func:`run_interpret`) against the
+    reference wrapper's at float32 matmul precision: bf16, non-zero, within ``tol``
+    (``assert_allclose`` keywords)."""
+    import jax
+    import jax.numpy as jnp
+
+    got = run_interpret(lambda: wrapper_query_grads(kernel_fn, dv=dv, sm_scale=sm_scale, **kw))
+    with jax.default_matmul_precision("highest"):
+        want = wrapper_query_grads(reference_fn, dv=dv, sm_scale=sm_scale)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.bfloat16 and np.abs(np.asarray(w, np.float32)).max() > 0
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tol)

@@ -236,8 +236,11 @@ def test_ragged_paged(backend, fn, dtype, rb):
     check()
 
 
-def ragged_case(backend, fn, dtype, layout, seed):
-    dv, rope = backend.sparse_dims
+def dirty_ragged_inputs(layout, seed, dv, rope, dtype, *, bind_kv_len):
+    """A ragged case's ``q``, paged cache (NaN / Inf in every row no query attends and in
+    the feature padding), selection, positions, kept rows ``[num_pages * PAGE]`` and
+    tables. ``bind_kv_len``: one query's position moved 40 past its request's length, so
+    ``kv_len`` binds."""
     rng = rng_for(seed)
     pk = 2 if dtype == "bfloat16" else 1
     num_pages = layout["num_pages"]
@@ -246,13 +249,21 @@ def ragged_case(backend, fn, dtype, layout, seed):
     q = randn(rng, (1, NUM_Q, RAGGED_HEADS, dv + rope), dtype)
     idx = random_page_selection(rng, layout, RAGGED_TOP_K, PAGE)
     positions = layout["positions"].copy()
-    positions[rng.integers(0, NUM_Q)] += 40  # kv_len (the request's length) binds
+    if bind_kv_len:
+        positions[rng.integers(0, NUM_Q)] += 40
     keep = attended_rows_ragged(layout, idx, positions, page_size=PAGE, num_pages=num_pages)
     rows = poison_rows(cache.reshape(num_pages * PAGE, -1), keep, seed=seed)
     rows[:, dv + rope :] = np.nan  # the feature padding past Dk
-    dirty = rows.reshape(cache.shape)
     names = ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
     tables = {k: jnp.asarray(layout[k]) for k in names}
+    return q, rows.reshape(cache.shape), idx, positions, keep, tables
+
+
+def ragged_case(backend, fn, dtype, layout, seed):
+    dv, rope = backend.sparse_dims
+    q, dirty, idx, positions, _, tables = dirty_ragged_inputs(
+        layout, seed, dv, rope, dtype, bind_kv_len=True
+    )
     args = (q, dirty, idx[None], positions[None])
     got, want = _run(backend, fn, dtype, args, tables, read_block=PAGE, page_size=PAGE)
     _check(got, want, dtype)

@@ -27,10 +27,8 @@ import pytest
 from conformance import GRAD_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
 from helpers import (
     attended_rows_flat,
-    attended_rows_ragged,
     poison_rows,
     randn,
-    random_page_selection,
     rng_for,
     run_interpret,
     sparse_mla_loss_grad,
@@ -40,11 +38,9 @@ from hypothesis import strategies as st
 from test_conformance_sparse_mla import (
     EXAMPLES,
     FLAT,
-    NUM_Q,
     PAGE,
-    RAGGED_HEADS,
-    RAGGED_TOP_K,
     _flat_edges,
+    dirty_ragged_inputs,
     flat_selection,
     layout_dict,
     ragged_layout,
@@ -135,23 +131,11 @@ def test_ragged_grad(backend, dtype, rb):
     @given(layout=ragged_layout(), seed=st.integers(0, 2**31 - 1))
     @example(layout=layout_dict([5, 0, 7], [40, 3, 7], [10, 3, 7, 0, 8, 1, 5, 9, 2, 4, 6]), seed=1)
     def check(layout, seed):
-        rng = rng_for(seed)
-        pk = 2 if dtype == "bfloat16" else 1
-        num_pages = layout["num_pages"]
-        dk_pad = -(-(dv + rope) // 128) * 128
-        cache = randn(rng, (num_pages, PAGE // pk, pk, dk_pad), dtype)
-        q = randn(rng, (1, NUM_Q, RAGGED_HEADS, dv + rope), dtype)
-        idx = random_page_selection(rng, layout, RAGGED_TOP_K, PAGE)
-        positions = layout["positions"]
-        keep = attended_rows_ragged(layout, idx, positions, page_size=PAGE, num_pages=num_pages)
-        rows = poison_rows(cache.reshape(num_pages * PAGE, -1), keep, seed=seed)
-        rows[:, dv + rope :] = np.nan  # the feature padding
-        tables = {
-            k: jnp.asarray(layout[k])
-            for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
-        }
+        q, dirty, idx, positions, keep, tables = dirty_ragged_inputs(
+            layout, seed, dv, rope, dtype, bind_kv_len=False
+        )
         _check(
-            backend, dtype, q, rows.reshape(cache.shape), idx[None], positions[None], keep,
+            backend, dtype, q, dirty, idx[None], positions[None], keep,
             read_block=PAGE, page_size=PAGE, **tables,
         )  # fmt: skip
 

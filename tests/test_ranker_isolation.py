@@ -17,7 +17,8 @@ gradients in both. Batch rows never mix, so one call runs every case, one per ro
 Every cap (none, tanh, soft-sign) at D 64 and 128, GQA (4 query heads on 2 kv heads),
 S = 100 (one 128-block for the TPU kernels, two 64-blocks for the Hopper ones).
 The kernels run in interpret mode: Pallas TPU with race detection, out-of-bounds reads
-raising and uninitialised memory NaN; Mosaic GPU with race detection.
+raising and uninitialised memory NaN; Mosaic GPU with race detection off a GPU, compiled
+on one.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def _gpu():
         "attn_mosaic_gpu", reason="not installed: pip install ./packages/attn-mosaic-gpu"
     )
 
-    interpret = gpu_interpret()
+    # On a GPU the compiled kernel (what users run); the Mosaic GPU interpreter crashed
+    # its pytest worker there (H200 runs at 5498db2 and 6d7986e; not yet run compiled).
+    interpret = None if jax.default_backend() == "gpu" else gpu_interpret()
     config = hopper_small_config()
     return functools.partial(attn_mosaic_gpu.ranker_attention, config=config, interpret=interpret)
 

@@ -246,14 +246,7 @@ def with_xla_backward(
     ``jax.vjp``). ``forward`` must compute ``lse`` whatever ``call.return_lse`` says.
     """
 
-    def split(call: SparseMlaCall):
-        data = (call.indices, call.positions, call.ragged)
-        static = call.replace(q=None, kv=None, indices=None, positions=None, ragged=None)
-        return static, call.q, call.kv, data
-
-    def join(static, q, kv, data):
-        indices, positions, ragged = data
-        return static.replace(q=q, kv=kv, indices=indices, positions=positions, ragged=ragged)
+    join = join_call
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def attention(static, q, kv, data):
@@ -274,7 +267,22 @@ def with_xla_backward(
         return dq, dkv, None
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return lambda call: attention(*split(call))
+    return lambda call: attention(*split_call(call))
+
+
+def split_call(call: SparseMlaCall):
+    """``(static, q, kv, data)`` of a call for a ``jax.custom_vjp`` over ``q`` and ``kv``:
+    ``static`` (hashable, no arrays) its non-differentiable argument, ``data`` the integer
+    inputs (indices, positions, the ragged tables), which get no cotangent."""
+    data = (call.indices, call.positions, call.ragged)
+    static = call.replace(q=None, kv=None, indices=None, positions=None, ragged=None)
+    return static, call.q, call.kv, data
+
+
+def join_call(static, q, kv, data) -> SparseMlaCall:
+    """The call :func:`split_call` took apart."""
+    indices, positions, ragged = data
+    return static.replace(q=q, kv=kv, indices=indices, positions=positions, ragged=ragged)
 
 
 def kernel_result(call: SparseMlaCall, forward: Callable[[SparseMlaCall], tuple]):
@@ -292,7 +300,9 @@ def kernel_result(call: SparseMlaCall, forward: Callable[[SparseMlaCall], tuple]
 __all__ = [
     "CHUNK_ELEMENTS",
     "attn_mass_from_lse",
+    "join_call",
     "kernel_result",
+    "split_call",
     "with_xla_backward",
     "xla_sparse_mla",
 ]

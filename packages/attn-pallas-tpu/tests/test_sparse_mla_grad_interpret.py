@@ -27,13 +27,11 @@ import numpy as np
 import pytest
 from helpers import (
     attended_rows_flat,
-    build_ragged_layout,
+    check_wrapper_query_grads,
     compare_sparse_mla_grads,
     dirty_ragged_grad_case,
     export_sparse_mla_grad,
     poison_rows,
-    randn,
-    random_page_selection,
     rng_for,
     run_interpret,
     sparse_mla_flat_case,
@@ -261,37 +259,10 @@ def test_prefill_wrapper_gradient_reaches_the_query_parts():
     """``prefill_write_and_attend_ragged``: ``ql`` and ``qpe`` get the reference
     wrapper's gradients through the backward kernels (the paged write-back kernel has no
     JVP, so not the new rows)."""
-    rng = rng_for(8)
-    page = 16
-    layout = build_ragged_layout(
-        rng, seq_lens=[20, 9], new_lens=[3, 2], extra_pages=[0, 1], page_size=page
-    )
-    num_pages, t = layout["num_pages"], 5
-    cache = randn(rng, (num_pages, page // 2, 2, 256), "bfloat16")
-    ql, qpe = randn(rng, (t, 2, DV), "bfloat16"), randn(rng, (t, 2, ROPE), "bfloat16")
-    kvc, kpe = randn(rng, (t, DV), "bfloat16"), randn(rng, (t, ROPE), "bfloat16")
-    idx = random_page_selection(rng, layout, 2, page)
-    pos = layout["positions"]
-    slot = layout["cu_kv_lens"][layout["q_seq_id"]] // page + pos // page
-    loc = (layout["page_indices"][slot] * page + pos % page).astype(np.int32)  # own row
-    args = (kvc, kpe, cache, idx, pos, loc, layout["seq_lens"], layout["cu_q_lens"],
-            layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
-
-    def grads(fn, **kw):
-        def loss(ql, qpe):
-            out, _ = fn(ql, qpe, *args, kv_lora_rank=DV, page_size=page, sm_scale=SM_SCALE, **kw)
-            return jnp.sum(out)
-
-        return jax.grad(loss, argnums=(0, 1))(ql, qpe)
-
-    got = run_interpret(lambda: grads(tpu.prefill_write_and_attend_ragged, interpret=INTERPRET))
-    with jax.default_matmul_precision("highest"):
-        want = grads(ref.prefill_write_and_attend_ragged)
-    for g, w in zip(got, want, strict=True):
-        assert g.dtype == jnp.bfloat16 and np.abs(np.asarray(w, np.float32)).max() > 0
-        np.testing.assert_allclose(
-            np.asarray(g, np.float32), np.asarray(w, np.float32), **GRAD_TOL["bfloat16"]
-        )
+    check_wrapper_query_grads(
+        tpu.prefill_write_and_attend_ragged, ref.prefill_write_and_attend_ragged,
+        dv=DV, sm_scale=SM_SCALE, tol=GRAD_TOL["bfloat16"], interpret=INTERPRET,
+    )  # fmt: skip
 
 
 def test_backward_cost_counts():

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import SparseMlaProblem
@@ -232,3 +233,17 @@ def vmem_limit(*nbytes: int) -> int:
     """Scoped VMEM request: the buffers, doubled for pipelining slack, within [16, 100] MiB."""
     need = 2 * sum(nbytes)
     return int(min(max(need, 16 << 20), 100 << 20))
+
+
+def query_table_specs(top_k: int) -> list:
+    """The per-query kernels' (forward, dq) SMEM blocks of grid step ``i``: its
+    ``[count, lim]`` row and its ``top_k`` unit sources and key starts."""
+
+    def row(i):
+        return i, 0, 0
+
+    return [
+        pl.BlockSpec((1, 1, 2), row, memory_space=pltpu.SMEM),
+        pl.BlockSpec((1, 1, top_k), row, memory_space=pltpu.SMEM),
+        pl.BlockSpec((1, 1, top_k), row, memory_space=pltpu.SMEM),
+    ]

@@ -58,6 +58,7 @@ from attn_pallas_tpu._prep import (
     compact_units,
     pad_features,
     query_dtype,
+    query_table_specs,
     require_tpu_kernels,
     resolve_interpret,
     store_arrays,
@@ -214,7 +215,6 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
     n, heads, dk_pad = q.shape
     top_k = src8.shape[-1]
     meta = jnp.stack([count, lim], axis=-1).reshape(n, 1, 2)
-    smem = pltpu.SMEM
     kernel = functools.partial(
         _per_query_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb, n_store=len(store)
     )
@@ -223,9 +223,7 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
         kernel,
         grid=(n,),
         in_specs=[
-            pl.BlockSpec((1, 1, 2), lambda i: (i, 0, 0), memory_space=smem),
-            pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
-            pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
+            *query_table_specs(top_k),
             pl.BlockSpec((1, heads, dk_pad), lambda i: (i, 0, 0)),
             *[pl.BlockSpec(memory_space=pltpu.HBM) for _ in store],
         ],

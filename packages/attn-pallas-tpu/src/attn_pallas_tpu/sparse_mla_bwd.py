@@ -68,13 +68,19 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.fp8_cache import Fp8LatentCache
 from attn_common.sparse_mla import empty_result
-from attn_common.sparse_mla_xla import attn_mass_from_lse, with_xla_backward
+from attn_common.sparse_mla_xla import (
+    attn_mass_from_lse,
+    join_call,
+    split_call,
+    with_xla_backward,
+)
 from attn_common.spec import SparseMlaCall
 from attn_pallas_tpu._prep import (
     KERNEL_DTYPES,
     SUBLANE,
     compact_units,
     pad_features,
+    query_table_specs,
     unit_space,
     vmem_limit,
 )
@@ -217,16 +223,13 @@ def _dq_call(q, do, stats, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb,
     n, heads, dk_pad = q.shape
     top_k = src8.shape[-1]
     meta = jnp.stack([count, lim], axis=-1).reshape(n, 1, 2)
-    smem = pltpu.SMEM
     kernel = functools.partial(_dq_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb)
     itemsize = jnp.dtype(store.dtype).itemsize
     return pl.pallas_call(
         kernel,
         grid=(n,),
         in_specs=[
-            pl.BlockSpec((1, 1, 2), lambda i: (i, 0, 0), memory_space=smem),
-            pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
-            pl.BlockSpec((1, 1, top_k), lambda i: (i, 0, 0), memory_space=smem),
+            *query_table_specs(top_k),
             pl.BlockSpec((1, heads, dk_pad), lambda i: (i, 0, 0)),
             pl.BlockSpec((1, heads, dv), lambda i: (i, 0, 0)),
             pl.BlockSpec((1, heads, 2), lambda i: (i, 0, 0)),
@@ -463,14 +466,7 @@ def with_kernel_backward(forward, *, interpret):
     Both outputs take cotangents (a loss on the LSE is differentiable); the integer inputs
     get none (``float0`` zeros to ``jax.vjp``)."""
 
-    def split(call: SparseMlaCall):
-        data = (call.indices, call.positions, call.ragged)
-        static = call.replace(q=None, kv=None, indices=None, positions=None, ragged=None)
-        return static, call.q, call.kv, data
-
-    def join(static, q, kv, data):
-        indices, positions, ragged = data
-        return static.replace(q=q, kv=kv, indices=indices, positions=positions, ragged=ragged)
+    join = join_call
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def attention(static, q, kv, data):
@@ -487,7 +483,7 @@ def with_kernel_backward(forward, *, interpret):
         return dq, dkv, None
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return lambda call: attention(*split(call))
+    return lambda call: attention(*split_call(call))
 
 
 def sparse_mla_result(call: SparseMlaCall, forward, *, interpret):
