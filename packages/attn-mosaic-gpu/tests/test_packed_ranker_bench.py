@@ -90,7 +90,7 @@ def test_batches_cover_every_row_once(bench):
         assert sorted(rows.tolist()) == list(range(layout.rows))
         assert sum(layout.users_in(b) for b in batches) == bench.SMOKE.users
         op = layout.op_bounds(batches[0])
-        assert op.shape == ((5, layout.users_per_row, 4) if layout.packed else (5, 4))
+        assert op.shape == ((5, layout.bounds.shape[1], 4) if layout.packed else (5, 4))
     ids = bench.timed_batch_ids(50, 8)
     assert len(ids) == 8 and ids[0] == 0 and ids[-1] == 49
     assert bench.timed_batch_ids(3, 8).tolist() == [0, 1, 2]
