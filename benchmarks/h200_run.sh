@@ -16,9 +16,12 @@
 # -n ${XDIST:-14} workers (worksteal: an idle worker takes queued tests from a busy one),
 # -v (a killed run still shows which tests passed), --durations=25
 # and SUITE_LIMIT (default 560 s) on the whole call; log h200_gpu_suite.log. The whole
-# suite takes longer than one 600 s call: SUITE_HALF=a (the ranker backward, every
-# sparse-MLA file and the isolation file) and SUITE_HALF=b (every other *_gpu.py file,
-# the ranker conformance and the bad-input files) run it in two calls, logs h200_gpu_suite_a.log and _b.log.
+# suite takes longer than one 600 s call: SUITE_HALF=a (the gradients: the ranker backward
+# file, the sparse-MLA gradient files and the isolation file) and SUITE_HALF=b (every
+# other *_gpu.py file, the ranker and sparse-MLA conformance and the bad-input files) run
+# it in two calls, logs h200_gpu_suite_a.log and _b.log. A test still running after
+# TEST_TIMEOUT - 60 s has every thread's stack written to the log (faulthandler), before
+# pytest-timeout ends its worker (which loses the test's own output).
 # On one H200 the test files take about 8 minutes in one pytest process each, so split
 # them over calls where a call is time-limited, or set XDIST=N to run each file in N
 # pytest-xdist processes (GPU memory is then allocated on demand; -n 4 ran the backward
@@ -63,12 +66,12 @@ fwd_tests() { want fwd && [ "${RUN_FWD:-1}" = 1 ] && pytest_log "$OUT/h200_ranke
 sparse_tests() { want sparse && pytest_log "$OUT/h200_sparse_mla_tests.log" "${SPARSE_LIMIT:-200}" \
   "$tests/test_sparse_mla_gpu.py" "$tests/test_sparse_mla_kernel_gpu.py" "$tests/test_row_sort_gpu.py"; }
 suite_files() {  # suite_files [a|b]: the GPU suite, whole or one of its two halves
-  local a=("$tests/test_ranker_bwd_gpu.py" "$tests"/*sparse_mla*_gpu.py
-    "$root/tests/test_conformance_sparse_mla.py" "$root/tests/test_conformance_sparse_mla_grad.py"
-    "$root/tests/test_ranker_isolation.py")
+  local a=("$tests/test_ranker_bwd_gpu.py" "$tests"/*sparse_mla_grad*_gpu.py
+    "$root/tests/test_conformance_sparse_mla_grad.py" "$root/tests/test_ranker_isolation.py")
   local b=() f  # every other *_gpu.py file, then the rest of tests/
   for f in "$tests"/*_gpu.py; do case " ${a[*]} " in *" $f "*) ;; *) b+=("$f") ;; esac; done
-  b+=("$root/tests/test_conformance_ranker.py" "$root/tests/test_bad_inputs.py")
+  b+=("$root/tests/test_conformance_ranker.py" "$root/tests/test_conformance_sparse_mla.py"
+    "$root/tests/test_bad_inputs.py")
   case ${1:-} in a) echo "${a[@]}" ;; b) echo "${b[@]}" ;; *) echo "${a[@]}" "${b[@]}" ;; esac
 }
 suite_tests() {  # the GPU suite (SUITE_HALF a or b: half of it), one pytest call, XDIST workers
@@ -77,6 +80,7 @@ suite_tests() {  # the GPU suite (SUITE_HALF a or b: half of it), one pytest cal
   # shellcheck disable=SC2046  # the file list is split on purpose (paths have no spaces)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SUITE_LIMIT:-560}" python3 -m pytest -v \
     -p no:cacheprovider --timeout "${TEST_TIMEOUT:-240}" -n "${XDIST:-14}" --dist worksteal \
+    -o faulthandler_timeout=$((${TEST_TIMEOUT:-240} - 60)) \
     --durations=25 $(suite_files "${SUITE_HALF:-}") >>"$log" 2>&1
   local rc=$?; echo "rc=$rc" >>"$log"; echo "$(basename "$log" .log) rc=$rc"
 }
