@@ -41,7 +41,7 @@ import attn_reference as ref
 INTERPRET = gpu_interpret()
 DV, ROPE = 128, 64
 SM_SCALE = 0.07
-GRAD_TOL = dict(rtol=1e-5, atol=1e-6)  # same XLA backward; only its cotangent inputs differ
+GRAD_TOL = dict(rtol=1e-2, atol=2e-2)  # bf16 products, float32 sums (as the TPU kernels)
 MASS_ATOL = 1e-4  # exp(s - lse) with the kernel's LSE (float32 sums of the bf16 inputs)
 
 

@@ -1,12 +1,12 @@
 """H200: sparse MLA training through the Hopper backend against the reference.
 
 Skipped unless JAX's default backend is a GPU. The forward is the kernel, the backward
-the reference's XLA path (``attn_common.sparse_mla_xla.with_xla_backward``) until the
-backward kernels land. On bf16 inputs with NaN/Inf in every cache row no query attends:
+XLA's from the saved ``out`` and ``lse`` (``attn_common.sparse_mla_xla.with_xla_backward``,
+bf16 products with float32 sums) until the backward kernels land. On bf16 inputs with
+NaN/Inf in every cache row no query attends:
 
-* ``dq`` and ``dkv`` (through ``out`` and ``lse``) match the reference's gradient
-  (rel L2 below 1e-3: the same XLA backward, fed the same cotangents), finite, and
-  exactly 0 on unattended rows;
+* ``dq`` and ``dkv`` (through ``out`` and ``lse``) match the reference's float32
+  gradient (rel L2 below 1e-2: bf16 products), finite, and exactly 0 on unattended rows;
 * two runs of the gradient are bit-identical (the default must be deterministic: this
   fails if XLA's scatter-add of the cache gradient is not, on this GPU);
 * the attention mass (from the kernel's LSE) matches the reference's within 3e-3.
@@ -34,7 +34,7 @@ import attn_reference as ref
 
 DV, DK = 512, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
-GRAD_RTOL = 1e-3
+GRAD_RTOL = 1e-2  # bf16 products against the float32 reference (4.5e-3 seen on the CPU)
 MASS_ATOL = 3e-3  # |d mass| <= mass * |d lse|, the kernel's LSE within 2e-3
 
 
