@@ -11,8 +11,9 @@ spec; the kernel backends use it where they have no kernel of their own:
   bounded by one chunk's gathered keys, in the backward too: each chunk is
   rematerialised (``jax.checkpoint``) rather than saved.
 * :func:`with_xla_backward`: a kernel forward made differentiable by a ``custom_vjp``
-  whose backward is the VJP of :func:`xla_sparse_mla` (recomputed from ``q``, the cache
-  and the integer tables), until backward kernels land.
+  whose backward runs on XLA from the kernel's saved ``out`` and ``lse`` (the
+  flash-attention backward over each query's gathered keys, in ``lax.scan`` chunks,
+  products in the query's dtype with float32 sums), until backward kernels land.
 * :func:`attn_mass_from_lse`: the indexer's target from a kernel's LSE.
 
 Rows a query does not attend may hold anything (NaN, Inf): the gathered keys of those

@@ -13,7 +13,7 @@ The inverted selection is checked against a brute force (hypothesis); the gradie
 equal bit for bit across runs and across pair chunkings (which change the dKV grid).
 ``jax.export(..., platforms=["tpu"])`` lowers ``jax.grad`` (the forward and both backward
 kernels) plus the mass, at the production shape too (flat and paged). A cache the
-kernels do not take (FP8) gets the XLA VJP; the prefill wrapper's ``ql`` / ``qpe``
+kernels do not take (FP8) gets the XLA backward; the prefill wrapper's ``ql`` / ``qpe``
 gradients equal the reference wrapper's; the cost model counts what it says.
 """
 
@@ -326,7 +326,7 @@ def _fp8_case():
 
 def test_kernel_covers_plain_caches_only():
     """``kernel_covers``: float32 / bfloat16 caches run the backward kernels, an
-    ``Fp8LatentCache`` (which no TPU forward kernel takes today) the XLA VJP."""
+    ``Fp8LatentCache`` (which no TPU forward kernel takes today) the XLA backward."""
     q, kv, fp8, idx, pos, kw = _fp8_case()
     for cache, covered in ((kv, True), (np.asarray(kv, np.float32), True), (fp8, False)):
         assert sparse_mla_bwd.kernel_covers(sparse_mla_call(q, cache, idx, pos, **kw)) is covered
