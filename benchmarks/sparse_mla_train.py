@@ -13,7 +13,8 @@ Implementations, all timed in the same run (CUPTI device time, median of
 * ``reference``: ``attn_reference.sparse_mla_attention`` (XLA, the executable definition:
   its chunks are rematerialised in the backward).
 * ``mosaic-gpu``: ``attn_mosaic_gpu.sparse_mla_attention``: the Hopper forward kernel,
-  with the reference's XLA VJP as its backward (no backward kernel yet).
+  with XLA's backward from its saved ``out`` and ``lse`` (``with_xla_backward``; no
+  backward kernel yet).
 
 For each: the forward alone, the backward alone (the VJP function of a saved forward,
 applied to a cotangent) and forward + backward (``jax.vjp`` then the VJP, one jitted

@@ -11,8 +11,9 @@ spec; the kernel backends use it where they have no kernel of their own:
   bounded by one chunk's gathered keys, in the backward too: each chunk is
   rematerialised (``jax.checkpoint``) rather than saved.
 * :func:`with_xla_backward`: a kernel forward made differentiable by a ``custom_vjp``
-  whose backward is the VJP of :func:`xla_sparse_mla` (recomputed from ``q``, the cache
-  and the integer tables), until backward kernels land.
+  whose backward runs on XLA from the kernel's saved ``out`` and ``lse`` (the
+  flash-attention backward over each query's gathered keys, in ``lax.scan`` chunks,
+  products in the query's dtype with float32 sums), until backward kernels land.
 * :func:`attn_mass_from_lse`: the indexer's target from a kernel's LSE.
 
 Rows a query does not attend may hold anything (NaN, Inf): the gathered keys of those
@@ -42,6 +43,7 @@ from attn_common.sparse_mla_rows import UnitRows, sparse_mla_units
 from attn_common.spec import SparseMlaCall
 
 CHUNK_ELEMENTS = 1 << 25  # gathered key elements per query chunk
+BACKWARD_CHUNK_ELEMENTS = 1 << 27  # the same for the kernels' backward (with_xla_backward)
 
 
 def _dedupe(first_row: jax.Array) -> jax.Array:
@@ -59,9 +61,10 @@ def _dedupe(first_row: jax.Array) -> jax.Array:
     return jnp.where(repeated, -1, first_row)
 
 
-def _chunked(chunk: int, q, units: UnitRows, lse=None) -> tuple:
+def _chunked(chunk: int, q, units: UnitRows, *extra: tuple[jax.Array, float]) -> tuple:
     """The per-query inputs in ``[n_chunks, chunk, ...]`` blocks (``lax.map``'s xs),
-    duplicates dropped; padding queries select nothing."""
+    duplicates dropped; padding queries select nothing. ``extra``: more per-query
+    ``(array, padding value)`` pairs, appended in order."""
     n = q.shape[0]
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
@@ -77,7 +80,7 @@ def _chunked(chunk: int, q, units: UnitRows, lse=None) -> tuple:
         blocks(units.position, -1),
         blocks(units.kv_len, 0),
     )
-    return xs if lse is None else (*xs, blocks(lse, -jnp.inf))
+    return (*xs, *(blocks(x, fill) for x, fill in extra))
 
 
 def _gather_keys(store, rows, dk: int, dtype) -> jax.Array:
@@ -88,20 +91,29 @@ def _gather_keys(store, rows, dk: int, dtype) -> jax.Array:
     return store[rows, :dk].astype(dtype)
 
 
-def _chunk_scores(q_c, store, row0, pos0, qpos, kv_len, *, sm_scale, read_block):
-    """One chunk: masked scores ``[c, H, K*RB]`` (``-inf`` where not attended), the
-    attended rows' keys ``[c, K*RB, Dk]`` (zeros elsewhere) and the valid mask."""
-    chunk, dk = q_c.shape[0], q_c.shape[-1]
+def _chunk_keys(store, row0, pos0, qpos, kv_len, *, dk, dtype, read_block):
+    """One chunk's store rows ``[c, K*RB]``, which of them the query attends (a
+    selection, ``position >= t``, ``t < kv_len``) and their keys ``[c, K*RB, Dk]`` in
+    ``dtype``, zeros where not attended."""
+    chunk = row0.shape[0]
     r = jnp.arange(read_block, dtype=jnp.int32)
     rows = (row0[:, :, None] + r).reshape(chunk, -1)  # [c, K*RB]
     tpos = (pos0[:, :, None] + r).reshape(chunk, -1)
     selected = jnp.repeat(row0 >= 0, read_block, axis=1)
     valid = selected & (tpos <= qpos[:, None]) & (tpos < kv_len[:, None])
-    gathered = _gather_keys(store, jnp.clip(rows, 0, store.shape[0] - 1), dk, q_c.dtype)
+    gathered = _gather_keys(store, jnp.clip(rows, 0, store.shape[0] - 1), dk, dtype)
     # Rows the query does not attend may hold anything (page tails, unwritten slots):
     # select zeros there before any product, so that neither the scores nor the
     # backward's ds @ K and P^T dO ever multiply garbage (0 * NaN = NaN).
-    keys = jnp.where(valid[:, :, None], gathered, 0.0)
+    return rows, valid, jnp.where(valid[:, :, None], gathered, jnp.zeros((), dtype))
+
+
+def _chunk_scores(q_c, store, row0, pos0, qpos, kv_len, *, sm_scale, read_block):
+    """One chunk: masked scores ``[c, H, K*RB]`` (``-inf`` where not attended), the
+    attended rows' keys ``[c, K*RB, Dk]`` (zeros elsewhere) and the valid mask."""
+    _, valid, keys = _chunk_keys(
+        store, row0, pos0, qpos, kv_len, dk=q_c.shape[-1], dtype=q_c.dtype, read_block=read_block
+    )
     s = jnp.einsum("chd,ctd->cht", q_c, keys, precision=jax.lax.Precision.HIGHEST)
     return jnp.where(valid[:, None, :], s * sm_scale, -jnp.inf), keys
 
@@ -155,11 +167,14 @@ def _flat_query(call: SparseMlaCall) -> jax.Array:
     return q.reshape(-1, *q.shape[2:])  # [B * S, H, Dk]
 
 
-def _chunk_for(call: SparseMlaCall) -> int:
+def _chunk_for(call: SparseMlaCall, elements: int | None = None) -> int:
+    """Queries per chunk: ``elements`` (default ``CHUNK_ELEMENTS``) gathered key
+    elements, at most all queries."""
+    elements = CHUNK_ELEMENTS if elements is None else elements
     problem = call.problem
     per_query = problem.top_k * problem.read_block * problem.dk
     n = problem.batch * problem.num_queries
-    return max(1, min(n, CHUNK_ELEMENTS // max(1, per_query)))
+    return max(1, min(n, elements // max(1, per_query)))
 
 
 def xla_sparse_mla(call: SparseMlaCall, *, attn_mass: bool | None = None):
@@ -197,7 +212,7 @@ def xla_sparse_mla(call: SparseMlaCall, *, attn_mass: bool | None = None):
 def _mass_from_lse(q, store, units: UnitRows, lse, *, sm_scale, read_block, chunk):
     n, top_k = units.first_row.shape
     compute = jnp.promote_types(q.dtype, jnp.float32)
-    xs = _chunked(chunk, q.astype(compute), units, lse.astype(compute))
+    xs = _chunked(chunk, q.astype(compute), units, (lse.astype(compute), -jnp.inf))
 
     def mass(args):
         q_c, row0, pos0, qpos, kv_len, lse_c = args
@@ -234,16 +249,96 @@ def attn_mass_from_lse(call: SparseMlaCall, lse: jax.Array) -> jax.Array:
     return mass.reshape(problem.batch, problem.num_queries, problem.top_k).astype(jnp.float32)
 
 
+def _store_keys(store) -> jax.Array:
+    """The row store ``[R, W]`` as the backward's float32 (or wider) key gradient
+    differentiates it: an ``Fp8LatentCache`` dequantized, a plain store cast."""
+    if isinstance(store, Fp8LatentCache):
+        keys = dequantize_latent_cache(store)
+        return keys.reshape(-1, keys.shape[-1])
+    return store.astype(jnp.promote_types(store.dtype, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "chunk"))
+def _backward_units(q, store, units: UnitRows, lse, g_out, delta, *, sm_scale, dv, read_block, chunk):
+    """The gradient from the saved LSE: ``dq [N, H, Dk]`` and the store keys' gradient
+    ``[R, Dk]`` float32, queries in chunks (``lax.scan``, the store gradient in the carry).
+
+    Per chunk, with the chunk's attended keys ``K`` (zeros where not attended):
+    ``P = exp(Q K^T s - lse)``, ``dP = dO V^T``, ``dS = P (dP - delta)``, ``dq = s dS K``,
+    ``dK = s dS^T Q + [P^T dO, 0]``, scatter-added into the carry at the attended rows
+    only. Products take ``q``'s dtype with float32 accumulation (HIGHEST precision for
+    float32 and wider), elementwise math is float32."""
+    n, heads, dk = q.shape
+    dtype = q.dtype
+    acc = jnp.promote_types(dtype, jnp.float32)
+    wide = jnp.dtype(dtype).itemsize >= 4
+    precision = jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
+    prod = functools.partial(jnp.einsum, precision=precision, preferred_element_type=acc)
+    xs = _chunked(chunk, q, units, (lse.astype(acc), -jnp.inf), (g_out.astype(dtype), 0),
+                  (delta.astype(acc), 0))  # fmt: skip
+    n_rows = store.shape[0]
+
+    def step(dkeys_all, args):
+        q_c, row0, pos0, qpos, kv_len, lse_c, do_c, delta_c = args
+        rows, valid, keys = _chunk_keys(
+            store, row0, pos0, qpos, kv_len, dk=dk, dtype=dtype, read_block=read_block
+        )
+        s = prod("chd,ctd->cht", q_c, keys) * sm_scale
+        m = jnp.where(jnp.isfinite(lse_c), lse_c, 0.0)[..., None]
+        p = jnp.where(valid[:, None, :], jnp.exp(s - m), 0.0)
+        ds = p * (prod("chv,ctv->cht", do_c, keys[..., :dv]) - delta_c[..., None])
+        dq_c = prod("cht,ctd->chd", ds.astype(dtype), keys) * sm_scale
+        dkeys = prod("cht,chd->ctd", ds.astype(dtype), q_c) * sm_scale
+        dkeys = dkeys.at[..., :dv].add(prod("cht,chv->ctv", p.astype(dtype), do_c))
+        target = jnp.where(valid, rows, n_rows).reshape(-1)  # not attended: dropped
+        return dkeys_all.at[target].add(dkeys.reshape(-1, dk), mode="drop"), dq_c
+
+    dkeys_all, dq = jax.lax.scan(step, jnp.zeros((n_rows, dk), acc), xs)
+    return dq.reshape(-1, heads, dk)[:n], dkeys_all
+
+
+def _lse_backward(call: SparseMlaCall, out, lse, cotangents):
+    """``(dq, dkv)`` of the op at ``call`` from its ``out`` and ``lse`` and their
+    cotangents (:func:`_backward_units`)."""
+    problem = call.problem
+    heads, dv = problem.heads, problem.dv
+    kwargs = call.ragged_kwargs()
+    units, store = sparse_mla_units(problem, call.kv, call.indices, call.positions, **kwargs)
+    q, q_vjp = jax.vjp(lambda q: _flat_query(call.replace(q=q)), call.q)
+    _, keys_vjp = jax.vjp(
+        lambda kv: _store_keys(
+            sparse_mla_units(problem, kv, call.indices, call.positions, **kwargs)[1]
+        )[:, : problem.dk],
+        call.kv,
+    )
+    g_out, g_lse = cotangents
+    g_out = g_out.reshape(-1, heads, dv).astype(jnp.float32)
+    lse = lse.reshape(-1, heads).astype(jnp.float32)
+    # A query with no valid key has lse = -inf whatever its cotangent: no gradient.
+    g_lse = jnp.where(jnp.isfinite(lse), g_lse.reshape(-1, heads), 0.0)
+    delta = jnp.sum(g_out * out.reshape(-1, heads, dv).astype(jnp.float32), axis=-1) - g_lse
+    dq, dkeys = _backward_units(
+        q, store, units, lse, g_out, delta, sm_scale=problem.sm_scale, dv=dv,
+        read_block=problem.read_block, chunk=_chunk_for(call, BACKWARD_CHUNK_ELEMENTS),
+    )  # fmt: skip
+    (dq,) = q_vjp(dq.astype(q.dtype))
+    (dkv,) = keys_vjp(dkeys)
+    return dq, dkv
+
+
 def with_xla_backward(
     forward: Callable[[SparseMlaCall], tuple[jax.Array, jax.Array]],
 ) -> Callable[[SparseMlaCall], tuple[jax.Array, jax.Array]]:
     """A kernel ``forward(call) -> (out, lse)`` made differentiable in ``call.q`` and
-    ``call.kv``: a ``jax.custom_vjp`` whose forward is the kernel and whose backward is
-    the VJP of :func:`xla_sparse_mla` recomputed from the residuals ``q``, the cache and
-    the integer tables (the kernel's ``out`` and ``lse`` are not kept). Both ``out`` and
-    ``lse`` take cotangents, so a loss on the LSE is differentiable. The integer inputs
-    (indices, positions, the ragged tables) get no cotangent (``float0`` zeros to
-    ``jax.vjp``). ``forward`` must compute ``lse`` whatever ``call.return_lse`` says.
+    ``call.kv``: a ``jax.custom_vjp`` whose forward is the kernel and whose backward runs
+    on XLA from the saved ``out`` and ``lse`` (:func:`_backward_units`: the flash-attention
+    backward over each query's gathered keys, nothing of the forward recomputed but the
+    scores). Both ``out`` and ``lse`` take cotangents, so a loss on the LSE is
+    differentiable. The integer inputs (indices, positions, the ragged tables) get no
+    cotangent (``None``). ``forward`` must compute ``lse`` whatever ``call.return_lse``
+    says. The semantics are the reference's (sets, zero gradient on rows no query
+    attends, whatever they hold); the products take the query's dtype (bfloat16
+    operands, float32 accumulation), as the forward kernel's do.
     """
 
     join = join_call
@@ -253,17 +348,12 @@ def with_xla_backward(
         return forward(join(static, q, kv, data))
 
     def attention_fwd(static, q, kv, data):
-        return forward(join(static, q, kv, data)), (q, kv, data)
+        out, lse = forward(join(static, q, kv, data))
+        return (out, lse), (q, kv, data, out, lse)
 
     def attention_bwd(static, residuals, cotangents):
-        q, kv, data = residuals
-
-        def xla(q, kv):
-            out, lse, _ = xla_sparse_mla(join(static, q, kv, data), attn_mass=False)
-            return out, lse
-
-        _, vjp = jax.vjp(xla, q, kv)
-        dq, dkv = vjp(cotangents)
+        q, kv, data, out, lse = residuals
+        dq, dkv = _lse_backward(join(static, q, kv, data), out, lse, cotangents)
         return dq, dkv, None
 
     attention.defvjp(attention_fwd, attention_bwd)

@@ -1,11 +1,12 @@
 """Sparse MLA training on the Hopper backend, checked on the CPU (no GPU needed).
 
 The forward is the kernel (Mosaic GPU interpret mode here: race detection on, shared
-memory starts as NaN); the backward is the reference's XLA path
-(``attn_common.sparse_mla_xla.with_xla_backward``) until the backward kernels land. So:
+memory starts as NaN); the backward runs on XLA from the kernel's saved ``out`` and
+``lse`` (``attn_common.sparse_mla_xla.with_xla_backward``) until the backward kernels
+land. So:
 
-* the gradients through the kernel equal the reference's on the same bf16 inputs (the
-  same code computes them: equal to float32 rounding), through ``out`` and ``lse``,
+* the gradients through the kernel equal the reference's float32 ones on the same bf16
+  inputs within the bf16 products' error (the TPU kernels' tolerance), through ``out`` and ``lse``,
   with NaN/Inf in every cache row no query attends (their gradient exactly 0), flat
   unit- and token-level and ragged paged, and through the write-then-attend wrapper's
   split query;
@@ -41,7 +42,7 @@ import attn_reference as ref
 INTERPRET = gpu_interpret()
 DV, ROPE = 128, 64
 SM_SCALE = 0.07
-GRAD_TOL = dict(rtol=1e-5, atol=1e-6)  # same XLA backward; only its cotangent inputs differ
+GRAD_TOL = dict(rtol=1e-2, atol=2e-2)  # bf16 products, float32 sums (as the TPU kernels)
 MASS_ATOL = 1e-4  # exp(s - lse) with the kernel's LSE (float32 sums of the bf16 inputs)
 
 

@@ -13,7 +13,7 @@ The inverted selection is checked against a brute force (hypothesis); the gradie
 equal bit for bit across runs and across pair chunkings (which change the dKV grid).
 ``jax.export(..., platforms=["tpu"])`` lowers ``jax.grad`` (the forward and both backward
 kernels) plus the mass, at the production shape too (flat and paged). A cache the
-kernels do not take (FP8) gets the XLA VJP; the prefill wrapper's ``ql`` / ``qpe``
+kernels do not take (FP8) gets the XLA backward; the prefill wrapper's ``ql`` / ``qpe``
 gradients equal the reference wrapper's; the cost model counts what it says.
 """
 
@@ -326,7 +326,7 @@ def _fp8_case():
 
 def test_kernel_covers_plain_caches_only():
     """``kernel_covers``: float32 / bfloat16 caches run the backward kernels, an
-    ``Fp8LatentCache`` (which no TPU forward kernel takes today) the XLA VJP."""
+    ``Fp8LatentCache`` (which no TPU forward kernel takes today) the XLA backward."""
     q, kv, fp8, idx, pos, kw = _fp8_case()
     for cache, covered in ((kv, True), (np.asarray(kv, np.float32), True), (fp8, False)):
         assert sparse_mla_bwd.kernel_covers(sparse_mla_call(q, cache, idx, pos, **kw)) is covered
@@ -335,7 +335,8 @@ def test_kernel_covers_plain_caches_only():
 @pytest.mark.slow  # XLA compiles of the FP8 path, ~7 s
 def test_caches_the_kernels_do_not_take_fall_back_to_the_xla_vjp():
     """Through ``sparse_mla_result`` with the XLA forward, an ``Fp8LatentCache`` call's
-    ``q`` gradient is the reference's (the XLA VJP), bit for bit."""
+    ``q`` gradient is the XLA backward from the saved forward (``with_xla_backward``,
+    bf16 products): the reference's within 2e-2 rel L2, and its cache gradient too."""
     q, _, fp8, idx, pos, kw = _fp8_case()
 
     def loss(fn, q):
@@ -348,5 +349,5 @@ def test_caches_the_kernels_do_not_take_fall_back_to_the_xla_vjp():
 
     got = jax.grad(functools.partial(loss, through_result))(jnp.asarray(q))
     want = jax.grad(functools.partial(loss, lambda c: xla_sparse_mla(c)[:2]))(jnp.asarray(q))
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    assert np.any(np.asarray(got, np.float32) != 0.0)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2 and np.any(got != 0.0)

@@ -99,9 +99,10 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
     interpret mode on the CPU.
 
     Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the forward is the
-    kernel, the backward is the reference's XLA path (the VJP of
-    ``attn_common.sparse_mla_xla.xla_sparse_mla``, recomputed from ``q`` and the cache)
-    until the backward kernels land; the reference's gradient semantics hold.
+    kernel, the backward runs on XLA from the kernel's saved ``out`` and ``lse``
+    (``attn_common.sparse_mla_xla.with_xla_backward``: bf16 products, float32 sums; the
+    cache gradient is a scatter-add, not bitwise reproducible on a GPU) until the
+    backward kernels land; the reference's gradient semantics hold.
     ``return_attn_mass=True``: the mass is computed on XLA from the kernel's LSE
     (``attn_mass_from_lse``: the gather and ``Q K^T`` again, no softmax pass, no value
     product).

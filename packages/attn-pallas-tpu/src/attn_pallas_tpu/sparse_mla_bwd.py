@@ -53,7 +53,7 @@ exact zeros.
 
 Coverage. Everything the forward kernels take (float32 / bfloat16 cache, ``read_block %
 16 == 0``, flat and ragged paged) runs these kernels; any other cache (an FP8 cache, if a
-forward kernel takes one) falls back to the XLA VJP (``with_xla_backward``), explicitly.
+forward kernel takes one) falls back to the XLA backward (``with_xla_backward``), explicitly.
 """
 
 from __future__ import annotations
@@ -454,7 +454,7 @@ def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret):
 
 def kernel_covers(call: SparseMlaCall) -> bool:
     """Whether the backward kernels take this call's cache (a plain float32 / bfloat16
-    array; else the XLA VJP)."""
+    array; else the XLA backward)."""
     kv = call.kv
     return not isinstance(kv, Fp8LatentCache) and jnp.dtype(kv.dtype) in KERNEL_DTYPES
 
@@ -490,7 +490,7 @@ def sparse_mla_result(call: SparseMlaCall, forward, *, interpret):
     """The op's result for a TPU forward kernel ``forward(call) -> (out, lse)``: the empty
     result for an empty problem; else the kernel's ``out`` and ``lse``, differentiable
     through the backward kernels (:func:`with_kernel_backward`; a cache they do not take:
-    the XLA VJP, ``with_xla_backward``), plus the attention mass from the LSE."""
+    the XLA backward, ``with_xla_backward``), plus the attention mass from the LSE."""
     if call.problem.is_empty:
         return empty_result(call.problem, call.return_lse, call.return_attn_mass)
     if kernel_covers(call):
