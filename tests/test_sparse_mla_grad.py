@@ -314,9 +314,7 @@ def test_saved_forward_backward_ragged_dirty_cache():
     dirty = rows.reshape(cache.shape)
     w = _weights(rng_for(45), (*q.shape[:3], DV), q.shape[:3])
     want = _ref_grad(q, dirty, _ragged_call(idx, pos, tables), *w)
-    got = _saved_forward_grad(
-        q, dirty, idx, pos, *w, read_block=PAGE, page_size=PAGE, **tables
-    )
+    got = _saved_forward_grad(q, dirty, idx, pos, *w, read_block=PAGE, page_size=PAGE, **tables)
     for g, ref, name in zip(got, want, ("dq", "dcache"), strict=True):
         _assert_grad_close(g, ref, name)
     dc_rows = np.asarray(got[1]).reshape(num_pages * PAGE, -1)

@@ -259,7 +259,9 @@ def _store_keys(store) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "chunk"))
-def _backward_units(q, store, units: UnitRows, lse, g_out, delta, *, sm_scale, dv, read_block, chunk):
+def _backward_units(
+    q, store, units: UnitRows, lse, g_out, delta, *, sm_scale, dv, read_block, chunk
+):
     """The gradient from the saved LSE: ``dq [N, H, Dk]`` and the store keys' gradient
     ``[R, Dk]`` float32, queries in chunks (``lax.scan``, the store gradient in the carry).
 
