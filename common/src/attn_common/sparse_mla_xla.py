@@ -305,14 +305,13 @@ def _lse_backward(call: SparseMlaCall, out, lse, cotangents):
     problem = call.problem
     heads, dv = problem.heads, problem.dv
     kwargs = call.ragged_kwargs()
-    units, store = sparse_mla_units(problem, call.kv, call.indices, call.positions, **kwargs)
+
+    def store_keys(kv):  # the differentiated keys [R, Dk]; the tables and store as aux
+        units, store = sparse_mla_units(problem, kv, call.indices, call.positions, **kwargs)
+        return _store_keys(store)[:, : problem.dk], (units, store)
+
+    _, keys_vjp, (units, store) = jax.vjp(store_keys, call.kv, has_aux=True)
     q, q_vjp = jax.vjp(lambda q: _flat_query(call.replace(q=q)), call.q)
-    _, keys_vjp = jax.vjp(
-        lambda kv: _store_keys(
-            sparse_mla_units(problem, kv, call.indices, call.positions, **kwargs)[1]
-        )[:, : problem.dk],
-        call.kv,
-    )
     g_out, g_lse = cotangents
     g_out = g_out.reshape(-1, heads, dv).astype(jnp.float32)
     lse = lse.reshape(-1, heads).astype(jnp.float32)
@@ -328,20 +327,16 @@ def _lse_backward(call: SparseMlaCall, out, lse, cotangents):
     return dq, dkv
 
 
-def with_xla_backward(
+def with_saved_backward(
     forward: Callable[[SparseMlaCall], tuple[jax.Array, jax.Array]],
+    backward: Callable[[SparseMlaCall, jax.Array, jax.Array, tuple], tuple],
 ) -> Callable[[SparseMlaCall], tuple[jax.Array, jax.Array]]:
     """A kernel ``forward(call) -> (out, lse)`` made differentiable in ``call.q`` and
-    ``call.kv``: a ``jax.custom_vjp`` whose forward is the kernel and whose backward runs
-    on XLA from the saved ``out`` and ``lse`` (:func:`_backward_units`: the flash-attention
-    backward over each query's gathered keys, nothing of the forward recomputed but the
-    scores). Both ``out`` and ``lse`` take cotangents, so a loss on the LSE is
-    differentiable. The integer inputs (indices, positions, the ragged tables) get no
-    cotangent (``None``). ``forward`` must compute ``lse`` whatever ``call.return_lse``
-    says. The semantics are the reference's (sets, zero gradient on rows no query
-    attends, whatever they hold); the products take the query's dtype (bfloat16
-    operands, float32 accumulation), as the forward kernel's do.
-    """
+    ``call.kv``: a ``jax.custom_vjp`` that keeps ``out`` and ``lse`` and calls
+    ``backward(call, out, lse, (d_out, d_lse)) -> (dq, dkv)``. Both outputs take
+    cotangents, so a loss on the LSE is differentiable; the integer inputs (indices,
+    positions, the ragged tables) get none. ``forward`` must compute ``lse`` whatever
+    ``call.return_lse`` says."""
 
     join = join_call
 
@@ -355,11 +350,23 @@ def with_xla_backward(
 
     def attention_bwd(static, residuals, cotangents):
         q, kv, data, out, lse = residuals
-        dq, dkv = _lse_backward(join(static, q, kv, data), out, lse, cotangents)
+        dq, dkv = backward(join(static, q, kv, data), out, lse, cotangents)
         return dq, dkv, None
 
     attention.defvjp(attention_fwd, attention_bwd)
     return lambda call: attention(*split_call(call))
+
+
+def with_xla_backward(
+    forward: Callable[[SparseMlaCall], tuple[jax.Array, jax.Array]],
+) -> Callable[[SparseMlaCall], tuple[jax.Array, jax.Array]]:
+    """:func:`with_saved_backward` with the backward on XLA from the saved ``out`` and
+    ``lse`` (:func:`_backward_units`: the flash-attention backward over each query's
+    gathered keys, nothing of the forward recomputed but the scores). The semantics are
+    the reference's (sets, zero gradient on rows no query attends, whatever they hold);
+    the products take the query's dtype (bfloat16 operands, float32 accumulation), as
+    the forward kernel's do."""
+    return with_saved_backward(forward, _lse_backward)
 
 
 def split_call(call: SparseMlaCall):
@@ -395,6 +402,7 @@ __all__ = [
     "join_call",
     "kernel_result",
     "split_call",
+    "with_saved_backward",
     "with_xla_backward",
     "xla_sparse_mla",
 ]

@@ -70,8 +70,7 @@ from attn_common.fp8_cache import Fp8LatentCache
 from attn_common.sparse_mla import empty_result
 from attn_common.sparse_mla_xla import (
     attn_mass_from_lse,
-    join_call,
-    split_call,
+    with_saved_backward,
     with_xla_backward,
 )
 from attn_common.spec import SparseMlaCall
@@ -461,29 +460,14 @@ def kernel_covers(call: SparseMlaCall) -> bool:
 
 def with_kernel_backward(forward, *, interpret):
     """A kernel ``forward(call) -> (out, lse)`` made differentiable in ``call.q`` and
-    ``call.kv`` by a ``jax.custom_vjp`` whose backward is the two kernels above, from the
-    residuals ``q``, the cache, the integer tables and the forward's ``out`` and ``lse``.
-    Both outputs take cotangents (a loss on the LSE is differentiable); the integer inputs
-    get none (``float0`` zeros to ``jax.vjp``)."""
+    ``call.kv`` (``attn_common.sparse_mla_xla.with_saved_backward``) with the two kernels
+    above as its backward, from the residuals ``q``, the cache, the integer tables and
+    the forward's ``out`` and ``lse``."""
 
-    join = join_call
+    def backward(call, out, lse, cotangents):
+        return _backward(call, out, lse, *cotangents, interpret=interpret)
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def attention(static, q, kv, data):
-        return forward(join(static, q, kv, data))
-
-    def attention_fwd(static, q, kv, data):
-        out, lse = forward(join(static, q, kv, data))
-        return (out, lse), (q, kv, data, out, lse)
-
-    def attention_bwd(static, residuals, cotangents):
-        q, kv, data, out, lse = residuals
-        d_out, d_lse = cotangents
-        dq, dkv = _backward(join(static, q, kv, data), out, lse, d_out, d_lse, interpret=interpret)
-        return dq, dkv, None
-
-    attention.defvjp(attention_fwd, attention_bwd)
-    return lambda call: attention(*split_call(call))
+    return with_saved_backward(forward, backward)
 
 
 def sparse_mla_result(call: SparseMlaCall, forward, *, interpret):
