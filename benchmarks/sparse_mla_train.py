@@ -18,8 +18,10 @@ Implementations, all timed in the same run (CUPTI device time, median of
 
 For each: the forward alone, the backward alone (the VJP function of a saved forward,
 applied to a cotangent) and forward + backward (``jax.vjp`` then the VJP, one jitted
-call). TFLOP/s count the forward as ``2 H K (Dk + Dv)`` per query and forward +
-backward as 3.53 times that (issue 40's convention). The gradients of ``reference``
+call), and on a GPU one forward + backward call's device time by kernel
+(``attn_mosaic_gpu.bench.kernel_breakdown``). TFLOP/s count the forward as
+``2 H K (Dk + Dv)`` per query and forward + backward as 3.53 times that (issue 40's
+convention). The gradients of ``reference``
 and ``mosaic-gpu`` are checked against ``xla``'s (relative L2 of ``dq`` and ``dkv``).
 
 Writes ``<out>/sparse_mla_train.{json,md,svg}`` with the commit, command and device.
@@ -45,7 +47,7 @@ import numpy as np
 
 from attn_common.cli import MIN_XLA_CPU_THREADS
 from attn_common.cli_args import provenance
-from attn_mosaic_gpu.bench import device_ms
+from attn_mosaic_gpu.bench import device_ms, kernel_breakdown
 from attn_mosaic_gpu.bench_sparse_mla import distinct_choices, rel_l2, xla_sparse_mla
 
 DK, DV = 576, 512
@@ -118,6 +120,8 @@ def run_case(impl: str, x: dict, iterations: int, want: tuple | None) -> dict:
     del vjp
     row["step_ms"], _ = device_ms(step, *args, x["g"], iterations=iterations)
     row["method"] = method
+    if method == "cupti":  # where the step's device time goes, kernel by kernel
+        row["step_kernels"] = kernel_breakdown(step, (*args, x["g"]))
     _, grads = step(*args, x["g"])
     if want is not None:
         row["dq_rel_l2"] = rel_l2(grads[0], want[0])
@@ -184,8 +188,34 @@ def write_reports(result: dict, out: Path) -> None:
             f"{head} {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['step_ms']:.2f} | "
             f"{r['step_tflops']:.1f} | {r.get('step_vs_xla', 1.0):.2f}x | {err[0]} | {err[1]} |"
         )
+    lines += _kernel_lines(result["rows"])
     (out / "sparse_mla_train.md").write_text("\n".join(lines) + "\n")
     write_plot(result, out / "sparse_mla_train.svg")
+
+
+def _kernel_lines(rows: list[dict]) -> list[str]:
+    """The forward + backward's device time by kernel (``step_kernels``), per row."""
+    have = [r for r in rows if r.get("step_kernels")]
+    if not have:
+        return []
+    lines = [
+        "",
+        "## Where the forward + backward's device time goes",
+        "",
+        "One call's CUPTI records by kernel name (the fastest of 3 calls; a `lax.scan` "
+        "body's launches summed), longest first.",
+        "",
+        "| T | heads | impl | kernel | ms | share | launches |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in have:
+        total = sum(ms for _, ms, _ in r["step_kernels"])
+        for name, ms, count in r["step_kernels"]:
+            lines.append(
+                f"| {r['kv_len']} | {r['heads']} | {r['impl']} | `{name[:60]}` | {ms:.2f} | "
+                f"{100 * ms / total:.1f} % | {count} |"
+            )
+    return lines
 
 
 def write_plot(result: dict, path: Path) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -101,6 +102,37 @@ def cupti_call_ms(fn, args, iterations: int) -> list[float] | None:
             first, other = ([name[:40] for name, _ in c] for c in (calls[0], call))
             raise RuntimeError(f"the calls ran different kernels: {first} against {other}")
     return [sum(ms for _, ms in call) for call in calls]
+
+
+def kernel_breakdown(fn, args, *, top: int = 8, calls: int = 3) -> list[list] | None:
+    """Where one call's device time goes: ``[name, ms, launches]`` per kernel name (CUPTI;
+    XLA's numeric suffixes dropped, so a ``lax.scan`` body's launches add up), longest
+    first, the kernels past ``top`` summed as ``"other"``. The fastest of ``calls``
+    recorded calls; ``None`` where CUPTI records nothing."""
+    mosaic_gpu_ext()
+    jax.block_until_ready(fn(*args))
+    best = None
+    for _ in range(calls):
+        cupti_init()
+        try:
+            jax.block_until_ready(fn(*args))
+        finally:
+            records = cupti_timings(True)
+        if records and (best is None or sum(ms for _, ms in records) < sum(ms for _, ms in best)):
+            best = records
+    if not best:
+        return None
+    groups: dict[str, list] = {}
+    for name, ms in best:
+        key = re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+", "", name))
+        entry = groups.setdefault(key, [key, 0.0, 0])
+        entry[1] += ms
+        entry[2] += 1
+    ranked = sorted(groups.values(), key=lambda e: -e[1])
+    if len(ranked) > top:
+        rest = ranked[top:]
+        ranked = [*ranked[:top], ["other", sum(e[1] for e in rest), sum(e[2] for e in rest)]]
+    return ranked
 
 
 def device_ms(fn, *args, iterations: int = 20) -> tuple[float, str]:
