@@ -119,10 +119,13 @@ def test_dequantized_rows_are_the_reference_rounded_to_bf16():
 
 
 def test_supports_takes_an_fp8_cache():
+    """Whole 8-bit tiles compiled, any multiple of 16 interpreted (test_validation.py has
+    the compiled refusal at 16)."""
     cache = quantize_latent_cache(jnp.zeros((1, 32, DK)))
     q = jnp.zeros((1, 2, HEADS, DK), jnp.bfloat16)
     for op in ("sparse_mla_attention", "sparse_mla_attention_qblock"):
-        assert supports(op, q, cache, None, None, read_block=16) is None
+        assert supports(op, q, cache, None, None, read_block=32) is None
+        assert supports(op, q, cache, None, None, read_block=16, interpret=True) is None
 
 
 # ------------------------------------------------------------------------------ flat

@@ -125,3 +125,42 @@ def test_supports_tells_dispatch_what_falls_back():
         "prefill_write_and_attend_ragged_qblock", q, None, None, None, cache, page_size=24
     )
     assert supports("paged_write_back", cache) is None
+
+
+def _fp8_flat(tokens: int = 64):
+    from attn_common import Fp8LatentCache
+
+    cache = Fp8LatentCache(
+        SD((1, tokens, 512), jnp.float8_e4m3fn),
+        SD((1, tokens, 4), F32),
+        SD((1, tokens, 64), jnp.bfloat16),
+    )
+    return _flat(q=SD((1, 4, 2, 576), jnp.bfloat16), kv=cache)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_compiled_fp8_needs_whole_8bit_tiles(fn):
+    """Compiled (not interpreted), an FP8 cache needs read_block % 32 == 0: units of 16
+    FP8 rows (half an 8-bit tile) gave wrong results on a TPU v5e. Interpret mode, which
+    has no tiles, takes 16; 32 and 64 pass the check."""
+    args = _fp8_flat()
+    with pytest.raises(NotImplementedError, match=r"read_block: got 16 .*multiple of 32"):
+        _call(fn, args, kv_lora_rank=512)
+    out = _call(fn, args, kv_lora_rank=512, interpret=True)
+    assert out.shape == (1, 4, 2, 512)
+    for read_block in (32, 64):
+        _call(fn, args, kv_lora_rank=512, read_block=read_block)
+
+
+def test_supports_sends_compiled_fp8_half_tiles_to_the_reference():
+    from attn_pallas_tpu import supports
+
+    args = _fp8_flat()
+    q, kv = args["q"], args["kv"]
+    for op in ("sparse_mla_attention", "sparse_mla_attention_qblock"):
+        assert "multiple of 32" in supports(op, q, kv, read_block=16)
+        assert supports(op, q, kv, read_block=16, interpret=True) is None
+        assert supports(op, q, kv, read_block=32) is None
+    assert "multiple of 32" in supports(
+        "prefill_write_and_attend_ragged", q, None, None, None, kv, page_size=16
+    )

@@ -39,6 +39,10 @@ from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
 
 SUBLANE = 8
 ROW_MULTIPLE = 16  # read_block rule of the TPU kernels: bf16 sublane packing (16, 128)
+# read_block rule of the compiled kernels over an FP8 cache: an 8-bit array's tile is
+# (32, 128), and at read_block 16 (half a tile per unit) both kernels gave wrong results
+# on a TPU v5e (docs/tpu_sparse_mla.md); interpret mode, which has no tiles, takes 16.
+FP8_ROW_MULTIPLE = 32
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _SENTINEL = jnp.iinfo(jnp.int32).max
 
@@ -79,7 +83,24 @@ def require_tpu_kernels(call: SparseMlaCall) -> SparseMlaProblem:
             f"{ROW_MULTIPLE} (one unit is DMA'd as whole bf16 sublane tiles); "
             "attn_reference takes any"
         )
+    reason = fp8_unit_reason(call.kv, problem.read_block, call.interpret)
+    if reason is not None:
+        raise NotImplementedError(reason)
     return problem
+
+
+def fp8_unit_reason(kv, unit: int, interpret) -> str | None:
+    """Why the compiled kernels refuse an FP8 cache with units of ``unit`` rows
+    (``None``: they take it): units must be whole 8-bit tiles of ``FP8_ROW_MULTIPLE``
+    rows. Interpret mode takes any multiple of ``ROW_MULTIPLE``."""
+    if not isinstance(kv, Fp8LatentCache) or interpret or unit % FP8_ROW_MULTIPLE == 0:
+        return None
+    return (
+        f"read_block: got {unit} (the page size in ragged mode) with an Fp8LatentCache; "
+        f"the compiled TPU kernels need a multiple of {FP8_ROW_MULTIPLE} for an FP8 cache "
+        "(a unit of 16 FP8 rows is half an 8-bit tile, and read_block 16 gave wrong results "
+        "on a TPU v5e); attn_reference takes any"
+    )
 
 
 def row_bytes(kv, dk_pad: int) -> int:

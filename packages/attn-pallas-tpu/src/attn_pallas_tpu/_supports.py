@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from attn_pallas_tpu._prep import KERNEL_DTYPES, ROW_MULTIPLE
+from attn_common.fp8_cache import Fp8LatentCache
+from attn_pallas_tpu._prep import KERNEL_DTYPES, ROW_MULTIPLE, fp8_unit_reason
 from attn_pallas_tpu.ranker import supports as ranker_supports
 
 _ATTEND = ("sparse_mla_attention", "sparse_mla_attention_qblock")
@@ -37,6 +38,9 @@ def supports(op: str, *args, **kwargs) -> str | None:
         dtype = getattr(x, "dtype", None)
         if dtype is not None and jnp.dtype(dtype) not in KERNEL_DTYPES:
             return f"{name}: got dtype {jnp.dtype(dtype).name}, the TPU kernels take float32 or bfloat16"
-    if isinstance(unit, int) and not isinstance(unit, bool) and unit % ROW_MULTIPLE:
-        return f"{unit_name}: got {unit}, the TPU kernels need a multiple of {ROW_MULTIPLE}"
+    if isinstance(unit, int) and not isinstance(unit, bool):
+        if unit % ROW_MULTIPLE:
+            return f"{unit_name}: got {unit}, the TPU kernels need a multiple of {ROW_MULTIPLE}"
+        cache = next((x for x in arrays.values() if isinstance(x, Fp8LatentCache)), None)
+        return fp8_unit_reason(cache, unit, kwargs.get("interpret"))
     return None

@@ -99,6 +99,7 @@ from attn_common.packed import (
 )
 from attn_common.ranker import RankerKernelStatic
 from attn_common.spec import RankerCall, public_op, ranker_call
+from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import resolve_interpret
 
 __all__ = [
@@ -292,9 +293,7 @@ def nan_where_attended(allowed, bad_row):
 
 def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
     """MXU matmul with f32 accumulation (``Precision.HIGHEST`` for f32 operands)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return mxu_dot(a, b, (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ())))
 
 
 # ----------------------------------------------------------------------------- tables

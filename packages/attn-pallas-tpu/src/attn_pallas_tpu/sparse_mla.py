@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
+from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
     compact_units,
@@ -176,9 +177,7 @@ def _per_query_kernel(
         slot = jax.lax.rem(j, NBUF)
         rows.wait(start_row(j), slot)
         kv = rows.load(slot, dk=dk)  # [RB, Dk_pad]
-        s = jax.lax.dot_general(
-            q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [H, RB]
+        s = mxu_dot(q, kv, (((1,), (1,)), ((), ())))  # [H, RB]
         kb = kb_ref[0, 0, j]
         valid = (kb + lanes) < lim  # [1, RB]
         # Rows past lim (page tails, future tokens) may hold NaN/Inf: zero their values so
@@ -190,12 +189,7 @@ def _per_query_kernel(
         p = jnp.exp(s - m_safe)
         alpha = jnp.exp(m_i - m_safe)  # m_i = -inf -> 0 (acc and l are 0 there anyway)
         l_new = l_i * alpha + jnp.sum(p, axis=1, keepdims=True)
-        pv = jax.lax.dot_general(
-            p.astype(kv.dtype),
-            values,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+        pv = mxu_dot(p.astype(kv.dtype), values, (((1,), (0,)), ((), ())))
         return m_new, l_new, acc * alpha + pv
 
     init = (

@@ -74,6 +74,7 @@ from attn_common.sparse_mla_xla import (
     with_xla_backward,
 )
 from attn_common.spec import SparseMlaCall
+from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     KERNEL_DTYPES,
     SUBLANE,
@@ -203,16 +204,12 @@ def _dq_kernel(
         seen = ((kb + key_rows) < lim) & (feat < dk)  # [RB, Dk_pad]
         kv = ring[slot]
         kv = jnp.where(seen, kv, jnp.zeros_like(kv))
-        s = jax.lax.dot_general(q, kv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = mxu_dot(q, kv, (((1,), (1,)), ((), ())))
         valid = (kb + lanes) < lim  # [1, RB]
         p = jnp.where(valid, jnp.exp(s * sm_scale - lse), 0.0)  # [H, RB]
-        dp = jax.lax.dot_general(
-            do, kv[:, :dv], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        dp = mxu_dot(do, kv[:, :dv], (((1,), (1,)), ((), ())))
         ds = p * (dp - delta)
-        return dq + jax.lax.dot_general(
-            ds.astype(kv.dtype), kv, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        return dq + mxu_dot(ds.astype(kv.dtype), kv, (((1,), (0,)), ((), ())))
 
     dq = jax.lax.fori_loop(0, count, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[0] = dq * sm_scale
@@ -295,21 +292,13 @@ def _dkv_walk(count, qid_ref, nval_ref, kv, q_hbm, do_hbm, st_hbm, rings, sems, 
             cp.wait()
         q, do, st = q_ring[slot], do_ring[slot], st_ring[slot]  # [H, Dk_pad] [H, Dv] [2, H]
         valid = key_rows < nval_ref[0, 0, j]  # [RB, 1]: the valid rows are a prefix
-        s_t = jax.lax.dot_general(
-            kv, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [RB, H]
+        s_t = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [RB, H]
         # Invalid rows may hold NaN (their s and dp too): select, never multiply.
         p_t = jnp.where(valid, jnp.exp(s_t * sm_scale - st[0:1, :]), 0.0)
-        dp_t = jax.lax.dot_general(
-            v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        dp_t = mxu_dot(v, do, (((1,), (1,)), ((), ())))
         ds_t = jnp.where(valid, p_t * (dp_t - st[1:2, :]), 0.0)
-        dk_acc = dk_acc + jax.lax.dot_general(
-            ds_t.astype(q.dtype), q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        dv_acc = dv_acc + jax.lax.dot_general(
-            p_t.astype(do.dtype), do, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        dk_acc = dk_acc + mxu_dot(ds_t.astype(q.dtype), q, (((1,), (0,)), ((), ())))
+        dv_acc = dv_acc + mxu_dot(p_t.astype(do.dtype), do, (((1,), (0,)), ((), ())))
         return dk_acc, dv_acc
 
     return jax.lax.fori_loop(0, count, body, acc)

@@ -81,6 +81,7 @@ from jax.experimental.pallas import tpu as pltpu
 from attn_common.metadata import is_concrete
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_u_max
+from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
     default_chip,
@@ -216,20 +217,15 @@ def _walk_chunk(
         values = kv[:, :dv]
         finite = jnp.isfinite(values.astype(jnp.float32))  # Mosaic's is_finite takes f32
         values = jnp.where(finite, values, jnp.zeros_like(values))
-        s = jax.lax.dot_general(
-            kv, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [RB, rows]
+        s = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [RB, rows]
         s = jnp.where(valid, s * sm_scale, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=0))  # [rows]
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[None, :])  # [RB, rows]
         alpha = jnp.exp(m_i - m_safe)  # m_i = -inf -> 0 (acc and l are 0 there anyway)
         l_new = l_i * alpha + jnp.sum(p, axis=0)
-        pv = jax.lax.dot_general(
-            p.astype(kv.dtype),
-            values,
-            (((0,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+        pv = mxu_dot(
+            p.astype(kv.dtype), values, (((0,), (0,)), ((), ()))
         )  # [rows, Dv]: contracts the key axis
         o_ref[0, 0, 0] = o_ref[0, 0, 0] * alpha[:, None] + pv
         return m_new, l_new
