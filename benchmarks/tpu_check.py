@@ -1,0 +1,165 @@
+"""The TPU kernels natively on a TPU: correctness against the reference and wall-clock times.
+
+For a TPU machine (one chip; no device profiler is used): the ranker suite's four cases
+at reduced batch (the reference's dense scores must fit a v5e's 15.7 GiB), forward and
+forward + backward, the TPU kernels against ``attn_reference`` (rel L2 of out, LSE, dq,
+dk, dv; wall-clock median of 10 calls each); then flat sparse MLA, 1024 queries x 128
+selected units of 16 tokens of a 32K cache at H 16 and 64, bf16 and FP8 caches, the
+per-query and the query-blocked kernels and the reference (rel L2 against the reference
+on the same cache, and the count of non-finite outputs beyond the reference's).
+Writes ``<out>/tpu_check.json`` after every row. ``benchmarks/tpu_run.sh`` runs it with
+the conformance tests. ``--smoke``: tiny sparse-MLA shapes in interpret mode, any machine.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attn_pallas_tpu as tpu
+import attn_reference as ref
+from attn_common import quantize_latent_cache
+from attn_common.cli_args import provenance
+from attn_common.suite import ranker_case
+
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+p.add_argument("--out", default=os.environ.get("OUT", "."))
+p.add_argument("--smoke", action="store_true")
+ARGS = p.parse_args()
+OUT, SMOKE = ARGS.out, ARGS.smoke
+EXTRA = dict(interpret=True) if SMOKE else {}
+rows = []
+print(jax.__version__, jax.devices(), flush=True)
+
+
+def wall_ms(f, *args, n: int = 1 if SMOKE else 10) -> float:
+    """Median wall-clock time of ``f(*args)`` over ``n`` calls after one warm-up, in ms."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def rel(got, want) -> tuple[float, int]:
+    """Rel L2 of ``got`` against ``want`` over the elements where ``want`` is finite, and
+    how many more non-finite elements ``got`` has than ``want``."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    finite = np.isfinite(want)
+    diff = np.linalg.norm((got - want)[finite]) / max(np.linalg.norm(want[finite]), 1e-30)
+    return float(diff), int((~np.isfinite(got)).sum() - (~finite).sum())
+
+
+def record(**row) -> None:
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    result = {**provenance(), "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    with open(os.path.join(OUT, "tpu_check.json"), "w") as f:
+        json.dump({**result, "rows": rows}, f, indent=1)
+
+
+def ranker_row(name: str, batch: int) -> None:
+    """One ranker case: the kernels against the reference, forward and gradients."""
+    case = ranker_case(name).scaled(batch)
+    q, k, v, do = case.inputs(0)
+    bounds = jnp.asarray(case.bounds(0))
+
+    def forward(impl):
+        return jax.jit(lambda q, k, v, b: impl.ranker_attention(q, k, v, b, cap=case.cap,
+                                                                return_lse=True))  # fmt: skip
+
+    def grad(impl):
+        def loss(q, k, v, b):
+            out = impl.ranker_attention(q, k, v, b, cap=case.cap)
+            return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    ft, fr, gt, gr = forward(tpu), forward(ref), grad(tpu), grad(ref)
+    args = (q, k, v, bounds)
+    (ot, lt), (orf, lr) = ft(*args), fr(*args)
+    dt, dr = gt(*args), gr(*args)
+    errors = dict(out=rel(ot, orf), lse=rel(lt, lr))
+    errors.update({n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), dt, dr, strict=True)})
+    record(
+        op="ranker", case=name, batch=batch, errors=errors,
+        fwd_ms=dict(tpu=wall_ms(ft, *args), reference=wall_ms(fr, *args)),
+        fwd_bwd_ms=dict(tpu=wall_ms(gt, *args), reference=wall_ms(gr, *args)),
+    )  # fmt: skip
+
+
+def sparse_row(heads: int, top_k: int, queries: int, kv_len: int, read_block: int) -> None:
+    """Flat sparse MLA at one head count: each kernel on a bf16 and an FP8 cache."""
+    rng = np.random.default_rng(0)
+    kq, kkv = jax.random.split(jax.random.key(0))
+    q = jax.random.normal(kq, (1, queries, heads, 576), jnp.bfloat16)
+    kv = jax.random.normal(kkv, (1, kv_len, 576), jnp.bfloat16)
+    positions = jnp.arange(kv_len - queries, kv_len, dtype=jnp.int32)[None]
+    idx = []
+    for units in np.arange(kv_len - queries, kv_len) // read_block + 1:
+        if units >= top_k:
+            idx.append(rng.choice(units, size=top_k, replace=False))
+        else:
+            idx.append(np.pad(rng.permutation(units), (0, top_k - units), constant_values=-1))
+    idx = jnp.asarray(np.stack(idx), jnp.int32)[None]
+    fp8 = quantize_latent_cache(kv)
+    kw = dict(sm_scale=576**-0.5, kv_lora_rank=512, read_block=read_block)
+
+    def call(fn, extra):
+        return jax.jit(lambda q, c: fn(q, c, idx, positions, **kw, **extra))
+
+    reference = call(ref.sparse_mla_attention, {})
+    want = {"bf16": reference(q, kv), "fp8": reference(q, fp8)}
+    impls = {
+        "tpu-per-query": (tpu.sparse_mla_attention, EXTRA),
+        "tpu-qblock": (tpu.sparse_mla_attention_qblock, EXTRA),
+        "reference": (ref.sparse_mla_attention, {}),
+    }
+    caches = {"bf16": kv, "fp8": fp8}
+    results = {}
+    for iname, (fn, extra) in impls.items():
+        for cname, cache in caches.items():
+            if cname == "fp8" and iname != "reference":
+                cache = tpu.TpuFp8LatentCache.from_cache(fp8)
+            f = call(fn, extra)
+            try:
+                err = rel(f(q, cache), want[cname])
+                results[f"{iname}/{cname}"] = dict(ms=wall_ms(f, q, cache), err=err)
+            except Exception as e:  # one failure is reported, the rest still run
+                traceback.print_exc()
+                results[f"{iname}/{cname}"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    flops = 2.0 * heads * top_k * read_block * (576 + 512) * queries
+    record(
+        op="sparse_mla", heads=heads, queries=queries, units=top_k, read_block=read_block,
+        kv_len=kv_len, flops=flops, results=results,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ranker_cases = () if SMOKE else (("phoenix", 8), ("small-d64", 32), ("long", 2), ("ragged", 8))
+    for name, batch in ranker_cases:
+        try:
+            ranker_row(name, batch)
+        except Exception as e:
+            traceback.print_exc()
+            record(op="ranker", case=name, error=f"{type(e).__name__}: {str(e)[:500]}")
+    shape = dict(queries=8, kv_len=512, read_block=16) if SMOKE else dict(
+        queries=1024, kv_len=32768, read_block=16)  # fmt: skip
+    for heads, top_k in ((16, 4),) if SMOKE else ((16, 128), (64, 128)):
+        try:
+            sparse_row(heads, top_k, **shape)
+        except Exception as e:
+            traceback.print_exc()
+            record(op="sparse_mla", heads=heads, error=f"{type(e).__name__}: {str(e)[:500]}")
+
+
+if __name__ == "__main__":
+    main()
