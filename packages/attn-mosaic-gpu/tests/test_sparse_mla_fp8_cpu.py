@@ -43,7 +43,6 @@ from helpers import (
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
 from attn_common import Fp8LatentCache, dequantize_latent_cache, quantize_latent_cache
-from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
 
 INTERPRET = gpu_interpret()

@@ -507,8 +507,10 @@ def _slot_byte(r, tile, chunk):
     """Byte of 16-byte chunk ``chunk`` of row ``r``, feature tile ``tile``, in a ``[64,
     512]`` bf16 key slot (tiles of 8 rows x 64 features, chunk ``c`` of a tile row at
     ``c ^ (r % 8)``: the 128-byte swizzle wgmma reads)."""
-    return ((r // 8) * _FP8_TILES + tile) * (8 * _SWIZZLE) + (r % 8) * _SWIZZLE + (
-        (chunk ^ (r % 8)) * 16
+    return (
+        ((r // 8) * _FP8_TILES + tile) * (8 * _SWIZZLE)
+        + (r % 8) * _SWIZZLE
+        + ((chunk ^ (r % 8)) * 16)
     )
 
 
