@@ -4,8 +4,8 @@ Skipped unless JAX's default backend is a GPU. The kernel dequantizes each gathe
 on chip to ``bf16(float32(latent) * scale)``, so on an ``Fp8LatentCache`` it must give
 the bits it gives on the bf16 cache ``dequantize_latent_cache(cache).astype(bfloat16)``
 (every case checks that exactly: the load, the conversion, the swizzled stores, the
-barriers and the zero-fill of rows past the count all show in it), and stay within bf16
-tolerance of the reference on the FP8 cache (on a sample of queries). Every cache row
+barriers and the zero-fill of rows past the count all show in it), and stay within the
+bf16 kernel's tolerance of the reference on that bf16 cache (on a sample of queries). Every cache row
 no query attends is dirty (NaN latent bytes, NaN / Inf / 0 scales, NaN rope). Cases at
 production-like shapes: flat token-level (top-2048 of 8K, duplicates, ``-1``, ids past
 T, empty queries) at H 16 / 32 / 64 / 128; ragged paged prefill (4 requests, 64-token
@@ -37,11 +37,15 @@ from attn_mosaic_gpu.bench_sparse_mla import distinct_choices, paged_layout
 
 DV, ROPE, DK = 512, 64, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
-# Against the reference on the FP8 cache (float32 keys): the kernel's keys are those
-# values rounded to bf16 (its exact check is bitwise against the bf16 kernel on them),
-# which moves the LSE by about sm_scale * |q| * |k| * 2**-9 at Dk = 576 and the output's
-# largest elements by a few 1e-2 (0.034 seen at 7 queries x 2 heads, seed 600).
-TOL = dict(rtol_l2=1e-2, atol=8e-2, lse_atol=1e-2)
+# Against the reference on the bf16-rounded dequantized cache (``_as_bf16``: what the
+# op's contract promises, "up to bf16 rounding of the dequantized values"): the bf16
+# kernel's own tolerance (test_sparse_mla_gpu.py).
+TOL = dict(rtol_l2=1e-2, atol=3e-2, lse_atol=2e-3)
+# The wrapper against the reference on the FP8 cache itself (float32 keys): the bf16
+# rounding of the keys moves the LSE by about sm_scale * |q| * |k| * 2**-9 at Dk = 576
+# (0.0106 seen at H 128 on 8 sampled queries) and the output's largest elements by a few
+# 1e-2 (0.034 seen at 7 queries x 2 heads, seed 600).
+FP8_TOL = dict(rtol_l2=1e-2, atol=8e-2, lse_atol=2e-2)
 # (queries, cache tokens, selected tokens) of the flat cases; (requests, new tokens each,
 # tokens per request, pages per query) of the ragged prefill and decode cases.
 FLAT = (256, 8192, 2048)
@@ -118,7 +122,7 @@ def test_flat_token_level(heads):
     sample = np.r_[0:5, seq - 3 : seq]
 
     def reference(qs, i, p, **kw):
-        return ref.sparse_mla_attention(qs, cache, i, p, **kw)
+        return ref.sparse_mla_attention(qs, _as_bf16(cache), i, p, **kw)
 
     _sample_vs_reference(reference, got, q, idx, pos, sample, **kw)
 
@@ -151,7 +155,7 @@ def _check_ragged(q, cache, idx, pos, kw):
     # The reference on a sample: the tables and kv lengths are per query, so keep them.
     tables = {k: kw[k] for k in ("seq_lens", "cu_kv_lens", "page_indices")}
     want = ref.sparse_mla_attention(
-        q[:, sample], cache, idx[:, sample], pos[:, sample], sm_scale=SM_SCALE,
+        q[:, sample], _as_bf16(cache), idx[:, sample], pos[:, sample], sm_scale=SM_SCALE,
         read_block=kw["read_block"], page_size=kw["page_size"],
         q_seq_id=kw["q_seq_id"][sample], return_lse=True, **tables,
     )  # fmt: skip
@@ -197,4 +201,4 @@ def test_prefill_wrapper_quantizes_then_attends():
     for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(want_cache), strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     lse = np.zeros(out.shape[:2], np.float32)
-    assert_sparse_mla_close((out, lse), (want_out, lse), **TOL)
+    assert_sparse_mla_close((out, lse), (want_out, lse), **FP8_TOL)
