@@ -155,7 +155,7 @@ def _check_ragged(q, cache, idx, pos, kw):
     # The reference on a sample: the tables and kv lengths are per query, so keep them.
     tables = {k: kw[k] for k in ("seq_lens", "cu_kv_lens", "page_indices")}
     want = ref.sparse_mla_attention(
-        q[:, sample], _as_bf16(cache), idx[:, sample], pos[:, sample], sm_scale=SM_SCALE,
+        q[:, sample], _paged_bf16(cache), idx[:, sample], pos[:, sample], sm_scale=SM_SCALE,
         read_block=kw["read_block"], page_size=kw["page_size"],
         q_seq_id=kw["q_seq_id"][sample], return_lse=True, **tables,
     )  # fmt: skip
