@@ -54,8 +54,17 @@ def test_reports(bench, tmp_path):
         "iterations": 10,
         "ceilings": {"copy_tbps": 4.0},
         "rows": [
-            _row("bf16", 2.0),
-            _row("fp8", 1.6, speedup_vs_bf16=1.25, target_speedup=1.6, out_rel_l2_vs_bf16=0.02),
+            _row("bf16", 2.0, variant="bf16"),
+            _row(
+                "fp8",
+                1.6,
+                variant="fp8",
+                speedup_vs_bf16=1.25,
+                target_speedup=1.6,
+                out_rel_l2_vs_bf16=0.02,
+                speedup_vs_dequantized=1.5,
+            ),
+            _row("fp8", 2.4, variant="fp8-dequantized", impl="xla-dequantize+mosaic-gpu"),
         ],
     }
     paths = bench.write_reports(result, tmp_path)
@@ -65,7 +74,9 @@ def test_reports(bench, tmp_path):
     for row in data["rows"]:
         assert {"impl", "cache", "heads", "mode", "ms", "tflops"} <= set(row)
     md = paths[1].read_text()
-    assert "| prefill-flat-h16 | 16 | 2.000 | 1.600 | 1.25x | 1.6x **not met** |" in md
+    assert (
+        "| prefill-flat-h16 | 16 | 2.000 | 1.600 | 1.25x | 1.6x **not met** | 2.400 | 1.50x |" in md
+    )
     assert "abc1234" in md and "cupti (device time)" in md
     assert paths[2].read_text().startswith("<svg")
 
@@ -74,7 +85,8 @@ def test_reports(bench, tmp_path):
 def test_smoke_runs(bench, tmp_path):
     result = bench.main(["--smoke", "--iterations", "1", "--out", str(tmp_path)])
     assert result["failed"] == 0
-    fp8 = [r for r in result["rows"] if r["cache"] == "fp8"]
+    fp8 = [r for r in result["rows"] if r["variant"] == "fp8"]
     assert len(fp8) == 2 and all(r["speedup_vs_bf16"] > 0 for r in fp8)
+    assert all(r["speedup_vs_dequantized"] > 0 for r in fp8)
     # The format's cost, not the kernel's: FP8 keys against bf16 keys.
     assert all(0 < r["out_rel_l2_vs_bf16"] < 0.1 for r in fp8)  # 0.043 / 0.036 seen

@@ -10,13 +10,16 @@ exactly, and within bf16 tolerance of the reference on the FP8 cache.
   rows after the count), flat token-level and ragged paged calls with ``-1``,
   duplicate and out-of-range ids and empty queries, the write-then-attend wrapper.
   Every cache row no query attends holds NaN latent bytes, a NaN, Inf or 0 scale and
-  NaN rope values, so reading one would show. Interpret mode replaces the memory
-  warpgroup's loads, conversion and L2 prefetch (inline Mosaic GPU code) by plain loads
-  and stores (``sparse_mla_kernel._gather_part_fp8_interpret``); the schedule and
-  barriers are the same.
+  NaN rope values, so reading one would show. Interpret mode replaces the compiled
+  path's ``cp.async`` staging and in-place dequantization (inline Mosaic GPU code) by
+  plain loads and stores (``sparse_mla_kernel._gather_part_fp8_interpret``); the
+  schedule and barriers are the same.
+* The compiled path's maps, simulated byte for byte on integers: the staging copies and
+  the in-place dequantization fill the slot exactly as wgmma reads it, without a bank
+  conflict.
 * Cross-lowering: ``jax.export`` with ``platforms=["cuda"]`` at the benchmark shapes
   (flat prefill, ragged decode) lowers the FP8 call, row table included, to its Mosaic
-  GPU custom call, and the memory warpgroup keeps 56 registers (224 / 224 / 56).
+  GPU custom call; the lowered module's copies, conversions and registers are counted.
 """
 
 from __future__ import annotations
@@ -139,12 +142,11 @@ def test_compiled_fp8_stage_and_dequantize_in_place(half):
     """The compiled path's maps (``_fp8_stage``, ``_fp8_scale_at``, ``_fp8_dequant_map``:
     the functions the kernel's MLIR is built from, here on integers; interpret mode runs
     other code), simulated byte for byte on a slot full of garbage: the memory WG's
-    ``cp.async`` copies as it issues them (8 threads a row), then its threads
-    dequantizing in place one after another, in a random order and in reverse (they
-    share nothing, so any interleaving gives the same bytes). The part's slot then holds
-    ``bf16(latent * scale)`` of every row where ``_slot_element`` says, the other part's
-    tiles are untouched, every thread stays inside its own row and side, and no quarter
-    warp's 16-byte loads or stores meet in a bank."""
+    cp.async copies as it issues them (8 threads a row), then each warp of the compute WG
+    loading everything, syncing, and storing. The part's slot then holds ``bf16(latent *
+    scale)`` of every row where ``_slot_element`` says, the other part's tiles are
+    untouched, every thread stays inside its own row, and no quarter warp's 16-byte
+    loads or stores meet in a bank."""
     from attn_mosaic_gpu.sparse_mla_kernel import _fp8_dequant_map, _fp8_scale_at, _fp8_stage
 
     rng = np.random.default_rng(7)
@@ -153,62 +155,69 @@ def test_compiled_fp8_stage_and_dequantize_in_place(half):
     cache = quantize_latent_cache(jnp.asarray(x))
     latent = np.asarray(cache.latent).view(np.uint8)
     scale = np.asarray(cache.scale)
-    garbage = rng.integers(0, 256, 64 * DV * 2, dtype=np.uint8)
+    slot = rng.integers(0, 256, 64 * DV * 2, dtype=np.uint8)  # garbage
+    before = slot.copy()
     lo = 0 if half == "L" else DV // 2
-    staged = garbage.copy()
-    copied = set()
-    for lane in range(128):  # the memory WG's copies: chunks c, c + 8; scales by c = 0, 1
+    part_bytes = set()
+    # The memory WG: 8 threads per row, chunks c and c + 8, the scales by chunk 0.
+    for lane in range(128):
         group, c = lane // 8, lane % 8
         for i in range(4):
             r = group + 16 * i
             for k in (c, c + 8):
                 dst = _fp8_stage(r, k, half)
-                staged[dst : dst + 16] = latent[r, lo + 16 * k : lo + 16 * k + 16]
-                copied.update(range(dst, dst + 16))
-            if c < 2:
-                dst = _fp8_scale_at(r, half, c)
-                staged[dst : dst + 16] = scale[r].view(np.uint8)
-                copied.update(range(dst, dst + 16))
-    assert len(copied) == 64 * (256 + 2 * 16)  # no two copies overlap
+                slot[dst : dst + 16] = latent[r, lo + 16 * k : lo + 16 * k + 16]
+                part_bytes.update(range(dst, dst + 16))
+            if c == 0:
+                dst = _fp8_scale_at(r, half)
+                slot[dst : dst + 16] = scale[r].view(np.uint8)
+                part_bytes.update(range(dst, dst + 16))
+    assert len(part_bytes) == 64 * (256 + 16)  # no two copies overlap
+    # The compute WG: per warp, every load, then every store.
+    for warp in range(4):
+        lanes = range(32 * warp, 32 * warp + 32)
+        loaded = {}
+        for lane in lanes:
+            group, steps = _fp8_dequant_map(lane, half)
+            r = lane // 2
+            s_off = _fp8_scale_at(r, half) + 4 * group
+            sc = slot[s_off : s_off + 4].copy().view(np.float32)[0]
+            loaded[lane] = (sc, [slot[ld : ld + 16].copy() for ld, _ in steps])
+        for lane in lanes:
+            group, steps = _fp8_dequant_map(lane, half)
+            sc, chunks = loaded[lane]
+            for chunk, (_, dsts) in zip(chunks, steps, strict=True):
+                vals = chunk.view(jnp.float8_e4m3fn).astype(np.float32) * sc
+                out = np.asarray(jnp.asarray(vals, jnp.float32).astype(jnp.bfloat16))
+                out = out.view(np.uint8)
+                for h, dst in enumerate(dsts):
+                    slot[dst : dst + 16] = out[16 * h : 16 * h + 16]
     want = np.asarray(
         (cache.latent.astype(jnp.float32).reshape(64, 4, 128) * cache.scale[..., None])
         .reshape(64, DV)
         .astype(jnp.bfloat16)
     ).view(np.uint16)
+    got = slot.view(np.uint16)
+    for r in range(64):
+        for f in range(DV):
+            e = _slot_element(r, f)
+            if lo <= f < lo + DV // 2:
+                assert got[e] == want[r, f], (r, f)
+            else:
+                assert got[e] == before.view(np.uint16)[e], (r, f)  # the other part's
+    # Every access of a thread lies in its own row's 128-byte segments; banks.
     row_of = lambda off: (off // 1024) // 8 * 8 + (off % 1024) // 128  # noqa: E731
-    tile_of = lambda off: (off // 1024) % 8  # noqa: E731
-    owners = set()
-    for order in (rng.permutation(128), np.arange(127, -1, -1)):
-        slot = staged.copy()
-        for lane in order:
-            r, side, steps = _fp8_dequant_map(int(lane), half)
-            owners.add((r, side))
-            group = (0 if half == "L" else 2) + side
-            off = _fp8_scale_at(r, half, side) + 4 * group
-            sc = slot[off : off + 4].copy().view(np.float32)[0]
-            mine = {lo // 64 + 2 * side, lo // 64 + 2 * side + 1}
-            for load, dsts in steps:
-                assert row_of(load) == r and tile_of(load) in mine
-                vals = slot[load : load + 16].copy().view(jnp.float8_e4m3fn).astype(np.float32)
-                out = np.asarray(jnp.asarray(vals * sc, jnp.float32).astype(jnp.bfloat16))
-                for h, dst in enumerate(dsts):
-                    assert row_of(dst) == r and tile_of(dst) in mine
-                    slot[dst : dst + 16] = out.view(np.uint8)[16 * h : 16 * h + 16]
-        got = slot.view(np.uint16)
-        for r in range(64):
-            for f in range(DV):
-                e = _slot_element(r, f)
-                if lo <= f < lo + DV // 2:
-                    assert got[e] == want[r, f], (r, f)
-                else:
-                    assert got[e] == garbage.view(np.uint16)[e], (r, f)  # the other part's
-    assert owners == {(r, s) for r in range(64) for s in range(2)}
-    for quarter in range(16):
-        maps = [_fp8_dequant_map(lane, half)[2] for lane in range(8 * quarter, 8 * quarter + 8)]
-        for j in range(8):
-            assert _banks([m[j][0] for m in maps]) == 8
+    for j in range(8):
+        for quarter in range(16):
+            lanes = range(8 * quarter, 8 * quarter + 8)
+            maps = {lane: _fp8_dequant_map(lane, half) for lane in lanes}
+            loads = [maps[lane][1][j][0] for lane in lanes]
+            assert _banks(loads) == 8
             for h in range(2):
-                assert _banks([m[j][1][h] for m in maps]) == 8
+                assert _banks([maps[lane][1][j][1][h] for lane in lanes]) == 8
+            for lane in lanes:
+                ld, dsts = maps[lane][1][j]
+                assert {row_of(ld), *map(row_of, dsts)} == {lane // 2}
 
 
 def test_kernel_refuses_fp8_it_does_not_take():
@@ -433,19 +442,18 @@ def _kernel_module(store) -> str:
 def test_lowered_kernel_registers_and_copies():
     """The FP8 kernel's module: the bf16 kernel's registers (232 / 232 / 40); the memory
     WG's ``cp.async`` copies (per thread and row of a part: two 16-byte FP8 chunks, the
-    scales by two threads of 8, and for part R the rope), each part's code emitted once
-    per refill (L0, R1, R0, L1); its in-place dequantization (per thread and part, 8
-    16-byte shared loads, 32 words converted, 16 stores), emitted for each of the four
-    refills plus the last part's after the loop. (The bf16 kernel's module is unchanged:
+    scales by one thread of 8, and for part R the rope), each part's code emitted once
+    per refill (L0, R1, R0, L1); the compute WGs' in-place dequantization (8 16-byte
+    shared loads and 32 words converted per thread and part), emitted for each WG, part
+    and pair loop (unmasked, masked). (The bf16 kernel's module is unchanged:
     ``tests/kernel_fingerprint.py``.)"""
     fp8 = _kernel_module(_fp8_struct(512))
     regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+)", fp8)
     assert sorted(set(regs)) == [("dec", "40"), ("inc", "232")]
     rows_per_thread = 4
-    per_part = {"L": rows_per_thread * 4, "R": rows_per_thread * 5}  # latent x2, scale x2, rope
+    per_part = {"L": rows_per_thread * 3, "R": rows_per_thread * 4}  # latent x2, scale, rope
     assert fp8.count("nvvm.cp.async.shared.global") == 2 * (per_part["L"] + per_part["R"])
-    finishes = 4 + 1
-    assert fp8.count("cp.async.wait.group") == finishes
-    assert fp8.count("ld.shared.v4.b32") == finishes * 8
-    assert fp8.count("cvt.rn.f16x2.e4m3x2 x, l") == finishes * 32
-    assert fp8.count("st.shared.v4.b32") == finishes * 16
+    dequants = 2 * 2 * 2  # WGs x parts x pair loops
+    assert fp8.count("ld.shared.v4.b32") == dequants * 8
+    assert fp8.count("cvt.rn.f16x2.e4m3x2 x, l") == dequants * 32
+    assert fp8.count("st.shared.v4.b32") == dequants * 16

@@ -65,6 +65,31 @@ features), so the next pair streams in while this one is used.
 * At the end the WGs add their row sums through shared memory (``pair`` barrier),
   normalise, and store their output half to global memory; WG0 writes the LSE.
 
+FP8 latent cache (``store`` an ``attn_common.Fp8LatentCache``: 656 bytes a row against
+1,152): the same schedule, slots and barriers; only the bytes that land differ, and who
+turns them into bf16. Hopper has no copy that converts, and Q and the pair leave no room
+for a staging buffer, so each part is staged inside its own slot:
+
+* WG2 (``_stage_part_fp8``) copies by ``cp.async``, with the same thread map and
+  zero-fill as the bf16 gather, a row's 256 FP8 bytes of the part into the part's
+  feature tiles 2 and 3 (``_fp8_stage``), its 16 bytes of scales into chunk 0 of the
+  part's tile 0 (``_fp8_scale_at``), and for part ``R`` its bf16 rope features as
+  before; the copy barriers work as for bf16 (``noinc`` arrivals).
+* The compute WG that owns the block (WG0 block 0, WG1 block 1), once a part's copies
+  have landed and before its QK^T, dequantizes it in place (``_dequantize_part_fp8``,
+  ``_fp8_dequant_map``): two threads per row, neighbours in a warp; each loads its 8
+  staged 16-byte chunks and its group's scale, the warp syncs (each overwrites chunks
+  the other loaded), then each converts (``bf16(float32(e4m3) * scale)``, the bits of
+  ``dequantize_latent_cache(store).astype(bfloat16)``) and stores 16 chunks into the
+  swizzled slot; an async-proxy fence and a warpgroup barrier, then the wgmma. The
+  other WG reads the part as values only after ``p_ready`` of its owner, which follows
+  the owner's dequantization.
+
+On the H200 this runs at 0.65-0.78x the bf16 kernel (docs/sparse_mla_gpu.md): the
+dequantization (about 3.5 instructions per value) sits on each compute WG's path before
+its QK^T and adds about 1 ms per head group of 4096 queries x 2048 rows, more than the
+bytes saved. Registers 232 / 232 / 40, as for bf16.
+
 Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
 never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
 LSE ``-inf``). Every pair is walked by both compute WGs and the memory WG alike
@@ -93,6 +118,13 @@ Rejected alternatives (built, measured on an H200, removed; the code is at da2ec
   16-64 within 1 % of 8.
 * Diagnostic probes (``probe="no_gather"`` / ``"no_compute"``, wrong results, timing
   only): the compute alone of this schedule took 3.354 ms on an 8K cache at 47d9805.
+* FP8, the memory WG dequantizing instead (each part in place once the next part's
+  copies are issued, one thread per row side, no warp sync, 40 registers): 0.34-0.41x
+  the bf16 kernel (prefill 6.4-13.1 ms against 2.1-4.3; decode 0.51 / 0.89 ms against
+  0.21 / 0.31), a47786e.
+* FP8, the memory WG loading the FP8 rows into registers by plain global loads and
+  dequantizing them there (224 / 224 / 56): 0.40-0.58x, the gather at about 1 TB/s,
+  0123d29.
 """
 
 from __future__ import annotations
@@ -500,6 +532,7 @@ class _Index:
 
 _FP8_TILES = FP8_LATENT // _TILE  # feature tiles of a key slot's latent features (8)
 _PART_TILES = _FP8_TILES // 2  # per part (4): L tiles 0-3, R tiles 4-7
+_STAGE_TILE = 2  # a part's FP8 bytes sit in its tiles 2 and 3 (128 bytes a row each)
 
 
 def _slot_byte(r, tile, chunk):
@@ -514,49 +547,45 @@ def _slot_byte(r, tile, chunk):
 
 
 def _fp8_stage(r, k, half: str):
-    """Where 16-byte chunk ``k`` (< 16) of row ``r``'s 256 FP8 bytes of part ``half`` is
-    staged: side ``s = k // 8`` (the part's 128-group ``s``, bf16 in the part's tiles
-    ``2 s`` and ``2 s + 1``) in the upper of its two tiles, at chunk ``k % 8``."""
+    """Where 16-byte chunk ``k`` (< 16) of row ``r``'s FP8 bytes of part ``half`` is
+    staged: chunk ``k % 8`` of feature tile ``2 + k // 8`` of the part."""
     base = 0 if half == "L" else _PART_TILES
-    return _slot_byte(r, base + 2 * (k // 8) + 1, k % 8)
+    return _slot_byte(r, base + _STAGE_TILE + k // 8, k % 8)
 
 
-def _fp8_scale_at(r, half: str, side):
-    """Where row ``r``'s 4 scales (one 16-byte chunk, staged once per side) are for side
-    ``side`` of part ``half``: chunk 0 of the side's lower tile."""
-    return _slot_byte(r, (0 if half == "L" else _PART_TILES) + 2 * side, 0)
+def _fp8_scale_at(r, half: str):
+    """Where row ``r``'s 4 scales (one 16-byte chunk) are staged for part ``half``:
+    chunk 0 of the part's first feature tile."""
+    return _slot_byte(r, 0 if half == "L" else _PART_TILES, 0)
 
 
 def _fp8_dequant_map(lane, half: str):
-    """The in-place dequantization of part ``half`` by the memory WG: thread ``lane``
-    takes side ``s = (lane // 8) % 2`` of row ``r = (lane // 16) * 8 + lane % 8`` (the
-    part's 128-group ``s``, so a quarter warp is 8 consecutive rows of one side, and no
-    two of its 16-byte accesses meet in a bank). Returns ``(row, side, steps)``: per step
-    ``j < 8`` the staged chunk ``8 s + j`` it loads and the two slot chunks its 16 bf16
-    values go to. A thread touches only its own row and side, and in increasing ``j``
-    each store lands on staged chunks it has already loaded (the bf16 of chunk ``j``
-    covers staged chunks ``2 j - 8`` and ``2 j - 7`` of the upper tile), so it needs no
-    other thread and no sync once the copies have landed."""
-    s = (lane // 8) % 2
-    r = (lane // 16) * 8 + lane % 8
+    """The compute WG's in-place dequantization of part ``half``: thread ``lane`` takes
+    row ``r = lane // 2`` and side ``s = lane % 2``, the part's 128-group ``s`` (staged in
+    the part's tile ``2 + s``). Returns ``(group, steps)``: the scale's group of the
+    whole row (0-3) and, per step ``j < 8``, the staged chunk it loads and the two slot
+    chunks its 16 bf16 values go to. Side ``s`` takes staged chunk ``j ^ 6 s`` at step
+    ``j``, so that no two threads of a quarter warp meet in a bank, loading or storing
+    (the two sides of a row would otherwise touch the same chunk of their tiles)."""
+    r, s = lane // 2, lane % 2
     base = 0 if half == "L" else _PART_TILES
     steps = []
     for j in range(8):
-        tile = base + 2 * s + j // 4
-        stores = [_slot_byte(r, tile, 2 * (j % 4) + h) for h in range(2)]
-        steps.append((_fp8_stage(r, 8 * s + j, half), stores))
-    return r, s, steps
+        k = j ^ (6 * s)  # staged chunk of the side: part features 128 s + 16 k ...
+        load = _slot_byte(r, base + _STAGE_TILE + s, k)
+        tile = base + 2 * s + k // 4
+        steps.append((load, [_slot_byte(r, tile, 2 * (k % 4) + h) for h in range(2)]))
+    return base // 2 + s, steps
 
 
 def _stage_part_fp8(st: _SparseMlaStatics, half: str):
     """cp.async of part ``half`` of one block of FP8 rows into its slot (see the module
-    docstring): each row's 256 FP8 bytes of the part into the upper tile of each side
-    (``_fp8_stage``), its 4 scales into chunk 0 of each side's lower tile
-    (``_fp8_scale_at``), and for part ``R`` the bf16 rope features into their slot, as
-    ``_gather_part`` does. 8 threads per row, thread ``t`` copying chunks ``t % 8`` and
-    ``t % 8 + 8`` of rows ``t // 8 + 16 i`` (whole 128-byte segments per warp); the
-    scales by the row's threads 0 and 1. Rows with id ``< 0`` copy 0 source bytes:
-    zero-filled, they dequantize to 0. Ends with one ``cp.async`` commit group."""
+    docstring): each row's 256 FP8 bytes of the part into the part's tiles 2-3
+    (``_fp8_stage``), its 4 scales into chunk 0 of the part's tile 0 (``_fp8_scale_at``),
+    and for part ``R`` the bf16 rope features into their slot, as ``_gather_part`` does.
+    8 threads per row, thread ``t`` copying chunks ``t % 8`` and ``t % 8 + 8`` of rows
+    ``t // 8 + 16 i`` (whole 128-byte segments per warp); the scales by the row's first
+    thread. Rows with id ``< 0`` copy 0 source bytes: zero-filled, they dequantize to 0."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
@@ -600,6 +629,7 @@ def _stage_part_fp8(st: _SparseMlaStatics, half: str):
         lane = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
         group = arith.divui(lane, const(chunks))
         chunk = arith.remui(lane, const(chunks))
+        first = arith.cmpi(arith.CmpIPredicate.eq, chunk, const(0))
         lat_g, scale_g, rope_g = (
             llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(ref))
             for ref in (latent, scale, rope)
@@ -620,12 +650,16 @@ def _stage_part_fp8(st: _SparseMlaStatics, half: str):
                 )
                 dst = _fp8_stage(_Index(r), _Index(chunk) + 8 * k_hi, half).value
                 copy(slot, dst, lat_g, src, size)
-            for side in range(2):  # the row's scales, once per side, by threads 0 and 1
-                if_side = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, chunk, const(side)))
-                with ir.InsertionPoint(if_side.then_block):
-                    dst = _fp8_scale_at(_Index(r), half, side).value
-                    copy(slot, dst, scale_g, arith.muli(row64, const(16, i64)), size)
-                    scf.yield_([])
+            if_first = scf.IfOp(first)
+            with ir.InsertionPoint(if_first.then_block):
+                copy(
+                    slot,
+                    _fp8_scale_at(_Index(r), half).value,
+                    scale_g,
+                    arith.muli(row64, const(16, i64)),
+                    size,
+                )
+                scf.yield_([])
             if half == "R":  # the rope: bf16 [64, 64] slot, chunk `chunk` of row r
                 r_lo = arith.remui(r, const(8))
                 dst = arith.addi(
@@ -642,14 +676,14 @@ def _stage_part_fp8(st: _SparseMlaStatics, half: str):
     return stage
 
 
-def _finish_part_fp8(half: str, part: _Part, pending: int):
-    """The memory WG's second half of an FP8 part (``_memory_wg``): wait until its
-    ``cp.async`` groups but the last ``pending`` have landed (``cp.async.wait_group``),
-    sync the warpgroup (a row's bytes came by 8 threads), dequantize the part in place
-    (``_fp8_dequant_map``: e4m3 pairs to f16 pairs (exact), to f32 (exact), times the
-    scale (round to nearest), to bf16 pairs (round to nearest even): the bits of
-    ``dequantize_latent_cache(store).astype(bfloat16)``), fence for the async proxy
-    (wgmma reads the slot through it) and arrive on the part's copy barrier."""
+def _dequantize_part_fp8(half: str):
+    """The compute WG's in-place dequantization of part ``half`` of its own block (see
+    ``_fp8_dequant_map``): every thread loads its 8 staged chunks and its scale, the warp
+    syncs (a row's two threads are neighbours, and each overwrites chunks the other
+    reads), then each converts and stores: e4m3 pairs to f16 pairs (exact), to f32
+    (exact), times the scale (round to nearest), to bf16 pairs (round to nearest even),
+    the bits of ``dequantize_latent_cache(store).astype(bfloat16)``. Then the async-proxy
+    fence and a warpgroup barrier: wgmma reads the slot through the async proxy."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm, nvvm
@@ -665,32 +699,37 @@ def _finish_part_fp8(half: str, part: _Part, pending: int):
         "  cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }"
     )
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(tiled), plgpu.RefType()))
-    def finish(ctx, k_lat, bars):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(tiled),))
+    def dequantize(ctx, k_lat):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         f32 = ir.F32Type.get()
-        nvvm.cp_async_wait_group(pending)
-        mgpu_utils.warpgroup_barrier()
         lane = _Index(arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS)))
-        r, side, steps = _fp8_dequant_map(lane, half)
+        group, steps = _fp8_dequant_map(lane, half)
         base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_lat))
 
         def addr(off):
             return arith.addi(base, off.value)
 
-        side_scale = _fp8_scale_at(r, half, side) + ((0 if half == "L" else 2) + side) * 4
-        (scale,) = mgpu_utils.inline_ptx(
-            "ld.shared.f32 $0, [$1];", addr(side_scale), result_types=[f32]
-        )
-        for load, stores in steps:
-            words = mgpu_utils.inline_ptx(
+        staged = [
+            mgpu_utils.inline_ptx(
                 "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", addr(load), result_types=[i32] * 4
             )
+            for load, _ in steps
+        ]
+        (scale,) = mgpu_utils.inline_ptx(
+            "ld.shared.f32 $0, [$1];",
+            addr(_fp8_scale_at(lane // 2, half) + group * 4),
+            result_types=[f32],
+        )
+        # A row's two threads are neighbours in a warp, and each overwrites chunks the
+        # other has just loaded (the scale chunk, the staged tile 2 + 0).
+        mgpu_utils.warp_barrier()
+        for words, (_, dsts) in zip(staged, steps, strict=True):
             out = []
             for w in words:
                 out.extend(mgpu_utils.inline_ptx(dequant, w, scale, result_types=[i32] * 2))
-            for h, dst in enumerate(stores):
+            for h, dst in enumerate(dsts):
                 mgpu_utils.inline_ptx(
                     "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
                     addr(dst),
@@ -698,13 +737,9 @@ def _finish_part_fp8(half: str, part: _Part, pending: int):
                     has_side_effects=True,
                 )
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-        mgpu_utils.inline_ptx(
-            "mbarrier.arrive.shared::cta.b64 _, [$0];",
-            _mbarrier_ptr(bars, part),
-            has_side_effects=True,
-        )
+        mgpu_utils.warpgroup_barrier()
 
-    return finish
+    return dequantize
 
 
 # The hand-kept copy barriers: Pallas's barriers cannot be handed to inline Mosaic GPU
@@ -939,6 +974,8 @@ def _qk_part(prog: _Program, w: int, half: str, acc, o, p):
         plgpu.barrier_wait(prog.bar.ready.at[part])
     else:
         _wait_copies_landed(buf.copied, part, lax.bitwise_and(p, 1))
+        if prog.st.fp8:  # this WG's own block: dequantize the staged part in place
+            _dequantize_part_fp8(half)(buf.k_lat.at[w + o])
     feats = pl.ds(_HALVES.index(half) * prog.half, prog.half)
     k_part = buf.k_lat.at[w + o].at[:, feats].transpose((1, 0))
     plgpu.wgmma(acc, buf.q_lat.at[o].at[:, feats], k_part)
@@ -1033,14 +1070,6 @@ def _memory_wg(prog: _Program):
         make = _gather_part_interpret if prog.interpret else _gather_part
     gather = {half: make(prog.st, half) for half in _HALVES}
 
-    # FP8, compiled: each part is finished (its copies awaited, dequantized in place,
-    # published) right after the next part's copies are issued, so they land meanwhile.
-    fp8 = prog.st.fp8 and not prog.interpret
-    order = [part for parts in _REFILL_ORDER for part in parts]
-
-    def finish(part: _Part, pending: int):
-        _finish_part_fp8(part.half, part, pending)(buf.k_lat.at[part.block], buf.copied)
-
     @pl.loop(0, prog.num_pairs)
     def _issue(p):
         for parts in _REFILL_ORDER:
@@ -1057,21 +1086,12 @@ def _memory_wg(prog: _Program):
                     buf.k_lat.at[part.block],
                     buf.k_rope.at[part.block],
                 )
-                if fp8:
-                    i = order.index(part)
-                    if i:
-                        finish(order[i - 1], pending=1)
-                    else:  # the previous pair's last part
-                        pl.when(p >= 1)(functools.partial(finish, order[-1], pending=1))
-                elif not prog.interpret:
+                if not prog.interpret:
                     _arrive_on_copies(buf.copied, part)
             if prog.interpret:  # publish the two parts (the copies are synchronous)
                 for part in parts:
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(bar.ready.at[part])
-
-    if fp8:
-        pl.when(prog.num_pairs > 0)(functools.partial(finish, order[-1], pending=0))
 
     # Drain: observe the consumption of the last pair before the barriers die.
     @pl.when(prog.num_pairs > 0)
