@@ -1,31 +1,25 @@
 """The kernel backends and an FP8 latent cache (``attn_common.Fp8LatentCache``).
 
-Until a backend's attention kernels read FP8 rows (``REFUSING``), its sparse-MLA and
-write-then-attend ops refuse an ``Fp8LatentCache`` with an error naming the backend and
-the reference (never dequantizing the whole cache, which would move twice a bf16
-cache's bytes), and ``supports`` gives the same reason so that ``implementation=None``
-falls back to the reference. The TPU kernels read FP8 rows
-(``packages/attn-pallas-tpu/tests/test_fp8_interpret.py``). The write-back is an XLA
-scatter of the quantized new rows on every backend, bit-identical to the reference's.
+Both kernel backends read FP8 rows (their results are tested in
+``packages/attn-pallas-tpu/tests/test_fp8_interpret.py`` and
+``packages/attn-mosaic-gpu/tests/test_sparse_mla_fp8_cpu.py``), so ``supports`` accepts
+an ``Fp8LatentCache`` for every sparse-MLA op. The write-back is an XLA scatter of the
+quantized new rows on every backend, bit-identical to the reference's.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import build_ragged_layout, randn, random_page_selection, rng_for
 
-import attn_common
 import attn_reference as ref
 from attn_common import quantize_latent_cache
-from attn_common.dispatch import UnsupportedInputError
 
 BACKENDS = {"mosaic-gpu": ("attn_mosaic_gpu", "Hopper"), "pallas-tpu": ("attn_pallas_tpu", "TPU")}
-REFUSING = ("mosaic-gpu",)  # kernels that do not read FP8 rows yet
 DV, ROPE, DK, HEADS, PAGE = 512, 64, 576, 2, 16
 
 
@@ -54,26 +48,10 @@ def _case():
     return layout, cache, q, idx, kw
 
 
-@pytest.mark.parametrize("name", REFUSING)
-def test_attention_refuses_an_fp8_cache(name):
-    module, kernels = _backend(name)
-    layout, cache, q, idx, kw = _case()
-    args = (q, cache, idx[None], layout["positions"][None])
-    want = rf"kv: got an Fp8LatentCache, the {kernels} sparse-MLA kernels read bfloat16 .*reference"
-    for op in ("sparse_mla_attention", "sparse_mla_attention_qblock"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # Hopper's _qblock name
-            with pytest.raises(NotImplementedError, match=want):
-                getattr(module, op)(*args, **kw, interpret=True)
-        assert module.supports(op, *args, **kw).startswith("kv: got an Fp8LatentCache")
-        with pytest.raises(UnsupportedInputError, match=want):
-            getattr(attn_common, op)(*args, **kw, implementation=name, interpret=True)
-
-
 @pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_write_then_attend_refuses_and_write_back_scatters(name):
-    """The refusal where the kernels refuse; the write-back everywhere."""
-    module, kernels = _backend(name)
+def test_fp8_cache_supported_and_write_back_scatters(name):
+    """Every op takes the cache; the write-back is the reference's scatter, bit for bit."""
+    module, _ = _backend(name)
     layout, cache, _, idx, _ = _case()
     rng = rng_for(111)
     ql, qpe = randn(rng, (5, HEADS, DV), "bfloat16"), randn(rng, (5, HEADS, ROPE), "bfloat16")
@@ -82,14 +60,12 @@ def test_write_then_attend_refuses_and_write_back_scatters(name):
     args = (ql, qpe, kvc, kpe, cache, idx, layout["positions"], loc, layout["seq_lens"],
             layout["cu_q_lens"], layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
     pkw = dict(kv_lora_rank=DV, page_size=PAGE, sm_scale=0.05, interpret=True)
-    want = rf"cache: got an Fp8LatentCache, the {kernels} sparse-MLA kernels"
     for op in ("prefill_write_and_attend_ragged", "prefill_write_and_attend_ragged_qblock"):
-        if name not in REFUSING:
-            assert module.supports(op, *args, **pkw) is None
-            continue
-        with pytest.raises(NotImplementedError, match=want):
-            getattr(module, op)(*args, **pkw)
-        assert "Fp8LatentCache" in module.supports(op, *args, **pkw)
+        assert module.supports(op, *args, **pkw) is None
+    _, cache, q, idx, kw = _case()
+    attend = (q, cache, idx[None], layout["positions"][None])
+    for op in ("sparse_mla_attention", "sparse_mla_attention_qblock"):
+        assert module.supports(op, *attend, **kw, interpret=True) is None  # TPU: 16-row units
     rows = np.concatenate([kvc, kpe], axis=-1)
     assert module.supports("paged_write_back", cache, rows, loc, page_size=PAGE) is None
     got = module.paged_write_back(cache, rows, loc, page_size=PAGE, interpret=True)

@@ -8,7 +8,7 @@ options), never array values.
 
 from __future__ import annotations
 
-from attn_common.fp8_cache import fp8_unsupported
+from attn_common.fp8_cache import COMPUTE_DTYPE, Fp8LatentCache
 from attn_mosaic_gpu.ranker import supports as ranker_supports
 from attn_mosaic_gpu.sparse_mla import sparse_mla_unsupported
 
@@ -43,7 +43,6 @@ def supports(op: str, *args, **kwargs) -> str | None:
         dk = None if ql_dim is None or qpe_dim is None else ql_dim + qpe_dim
     else:  # paged_write_back: the XLA scatter takes every cache, FP8 too
         return None
-    fp8 = fp8_unsupported(kv, names[1], kernels="Hopper sparse-MLA")
-    if fp8 is not None:
-        return fp8
-    return sparse_mla_unsupported(None, getattr(kv, "dtype", None), dk, dv, names=names)
+    # An Fp8LatentCache: the kernel dequantizes its rows to bf16 on chip.
+    kv_dtype = COMPUTE_DTYPE if isinstance(kv, Fp8LatentCache) else getattr(kv, "dtype", None)
+    return sparse_mla_unsupported(None, kv_dtype, dk, dv, names=names)

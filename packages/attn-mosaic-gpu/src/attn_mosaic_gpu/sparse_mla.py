@@ -6,7 +6,9 @@ token-level selections of DeepSeek V3.2's indexer) into a per-query row table wi
 ``attn_common.sparse_mla_units`` + ``selected_rows`` (causal bound, ``kv_len``, ``-1``,
 out-of-range ids and duplicates all resolved there, outside the kernel; the tables of
 token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the
-gather-attend kernel of ``sparse_mla_kernel``. ``sparse_mla_attention_qblock`` is a
+gather-attend kernel of ``sparse_mla_kernel`` (over a bf16 cache, or an
+``Fp8LatentCache`` whose three arrays the row ids index alike, dequantized on chip).
+``sparse_mla_attention_qblock`` is a
 deprecated second name for it: the query-blocked union schedule is a TPU design, and on
 Hopper each program gathers its own token's rows, so the TPU knobs are validated and do
 not change anything. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
@@ -23,7 +25,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attn_common.fp8_cache import fp8_unsupported
+from attn_common.fp8_cache import cache_compute_dtype
 from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
 from attn_common.sparse_mla_xla import kernel_result
@@ -90,8 +92,11 @@ def sparse_mla_unsupported(
 def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig | None = None):
     """Sparse MLA attention over selected KV units on Hopper; the reference's contract.
 
-    The kernel takes a bfloat16 cache (the query takes its dtype), ``Dk = kv_lora_rank +
-    64`` with ``kv_lora_rank`` a multiple of 128, and any ``H`` (padded to 64-head
+    The kernel takes a bfloat16 cache (the query takes its dtype) or an
+    ``attn_common.Fp8LatentCache``, whose rows it dequantizes to bf16 on chip (the query
+    in bf16; the result is the bits of the same call on
+    ``dequantize_latent_cache(cache).astype(bfloat16)``), ``Dk = kv_lora_rank + 64`` with
+    ``kv_lora_rank`` a multiple of 128, and any ``H`` (padded to 64-head
     groups); ``read_block = 1`` serves token-level selections. Cache rows no query
     attends may hold anything (NaN, Inf). The query-blocked knobs are validated and
     change nothing (each program gathers its own token's rows). ``config``: the kernel's
@@ -110,10 +115,9 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
     problem = call.problem
     # (latent, rope): the write-then-attend wrappers' query, read apart by the kernel.
     names = ("qpe", "cache") if isinstance(call.q, tuple) else ("q", "kv")
-    fp8 = fp8_unsupported(call.kv, names[1], kernels="Hopper sparse-MLA")
-    if fp8 is not None:  # never dequantize the whole cache: twice a bf16 cache's bytes
-        raise NotImplementedError(fp8)
-    reason = sparse_mla_unsupported(None, call.kv.dtype, problem.dk, problem.dv, names=names)
+    reason = sparse_mla_unsupported(
+        None, cache_compute_dtype(call.kv), problem.dk, problem.dv, names=names
+    )
     if reason is not None:
         error = TypeError if "dtype" in reason else NotImplementedError
         raise error(reason + "; attn_reference takes any")

@@ -65,6 +65,31 @@ features), so the next pair streams in while this one is used.
 * At the end the WGs add their row sums through shared memory (``pair`` barrier),
   normalise, and store their output half to global memory; WG0 writes the LSE.
 
+FP8 latent cache (``store`` an ``attn_common.Fp8LatentCache``: 656 bytes a row against
+1,152): the same schedule, slots and barriers; only the bytes that land differ, and who
+turns them into bf16. Hopper has no copy that converts, and Q and the pair leave no room
+for a staging buffer, so each part is staged inside its own slot:
+
+* WG2 (``_stage_part_fp8``) copies by ``cp.async``, with the same thread map and
+  zero-fill as the bf16 gather, a row's 256 FP8 bytes of the part into the part's
+  feature tiles 2 and 3 (``_fp8_stage``), its 16 bytes of scales into chunk 0 of the
+  part's tile 0 (``_fp8_scale_at``), and for part ``R`` its bf16 rope features as
+  before; the copy barriers work as for bf16 (``noinc`` arrivals).
+* The compute WG that owns the block (WG0 block 0, WG1 block 1), once a part's copies
+  have landed and before its QK^T, dequantizes it in place (``_dequantize_part_fp8``,
+  ``_fp8_dequant_map``): two threads per row, neighbours in a warp; each loads its 8
+  staged 16-byte chunks and its group's scale, the warp syncs (each overwrites chunks
+  the other loaded), then each converts (``bf16(float32(e4m3) * scale)``, the bits of
+  ``dequantize_latent_cache(store).astype(bfloat16)``) and stores 16 chunks into the
+  swizzled slot; an async-proxy fence and a warpgroup barrier, then the wgmma. The
+  other WG reads the part as values only after ``p_ready`` of its owner, which follows
+  the owner's dequantization.
+
+On the H200 this runs at 0.65-0.78x the bf16 kernel (docs/sparse_mla_gpu.md): the
+dequantization (about 3.5 instructions per value) sits on each compute WG's path before
+its QK^T and adds about 1 ms per head group of 4096 queries x 2048 rows, more than the
+bytes saved. Registers 232 / 232 / 40, as for bf16.
+
 Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
 never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
 LSE ``-inf``). Every pair is walked by both compute WGs and the memory WG alike
@@ -93,6 +118,13 @@ Rejected alternatives (built, measured on an H200, removed; the code is at da2ec
   16-64 within 1 % of 8.
 * Diagnostic probes (``probe="no_gather"`` / ``"no_compute"``, wrong results, timing
   only): the compute alone of this schedule took 3.354 ms on an 8K cache at 47d9805.
+* FP8, the memory WG dequantizing instead (each part in place once the next part's
+  copies are issued, one thread per row side, no warp sync, 40 registers): 0.34-0.41x
+  the bf16 kernel (prefill 6.4-13.1 ms against 2.1-4.3; decode 0.51 / 0.89 ms against
+  0.21 / 0.31), a47786e.
+* FP8, the memory WG loading the FP8 rows into registers by plain global loads and
+  dequantizing them there (224 / 224 / 56): 0.40-0.58x, the gather at about 1 TB/s,
+  0123d29.
 """
 
 from __future__ import annotations
@@ -109,6 +141,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_common.fp8_cache import GROUP as FP8_GROUP
+from attn_common.fp8_cache import LATENT as FP8_LATENT
+from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 
@@ -179,6 +214,9 @@ class _SparseMlaStatics:
     # Column of the rope ref's first rope feature: dv when Q comes joined (the same
     # array as the latent ref), 0 when its rope features come as their own array.
     rope_at: int
+    # The store is an FP8 latent cache (latent / scale / rope arrays, one row per token):
+    # staged in the key slots by cp.async, dequantized there by the compute WGs.
+    fp8: bool = False
 
 
 class _Part(enum.IntEnum):
@@ -274,7 +312,7 @@ class _Program:
     interpret: bool
     q_ref: Any
     q_rope_ref: Any
-    store_ref: Any
+    stores: tuple  # (store,) bf16, or an FP8 cache's (latent, scale, rope) row arrays
     rows_ref: Any
     out_ref: Any
     lse_ref: Any
@@ -411,6 +449,297 @@ def _gather_part_interpret(st: _SparseMlaStatics, half: str):
         lax.fori_loop(0, BLOCK_K, one, 0)
 
     return gather
+
+
+def _gather_part_fp8_interpret(st: _SparseMlaStatics, half: str):
+    """The FP8 gather for interpret mode (which runs no inline Mosaic GPU code): each
+    row's part dequantized by plain loads and stores straight into its bf16 slot, the
+    values the compiled in-place dequantization writes (``_dequantize_part_fp8``)."""
+    dv = st.dv
+    lo, hi = {"L": (0, dv // 2), "R": (dv // 2, dv)}[half]
+    g_lo = lo // FP8_GROUP
+
+    def gather(latent, scale, rope, rows, k_lat, k_rope):
+        def one(r, carry):
+            row = rows[r]
+            src = jnp.maximum(row, 0)
+            values = latent[src, pl.ds(lo, hi - lo)].astype(jnp.float32)
+            scales = scale[src, pl.ds(g_lo, (hi - lo) // FP8_GROUP)]
+            values = values.reshape(-1, FP8_GROUP) * scales[:, None]
+            values = values.reshape(hi - lo).astype(jnp.bfloat16)
+            k_lat[r, pl.ds(lo, hi - lo)] = jnp.where(row >= 0, values, jnp.zeros_like(values))
+            if half != "L":
+                rope_row = rope[src, :]
+                k_rope[r, :] = jnp.where(row >= 0, rope_row, jnp.zeros_like(rope_row))
+            return carry
+
+        lax.fori_loop(0, BLOCK_K, one, 0)
+
+    return gather
+
+
+# ------------------------------------------------------------------------------------
+# FP8 latent cache: cp.async stages a part's FP8 bytes and scales inside its own key
+# slot; the compute WG that owns the block dequantizes them there, in place.
+
+
+class _Index:
+    """An i32 MLIR value under ``+ * // % ^`` (unsigned), ints taken as constants: the
+    slot maps below are written once and run on ints (the tests) and on MLIR values."""
+
+    def __init__(self, value):
+        self.value = value
+
+    @staticmethod
+    def _of(x):
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith
+
+        if isinstance(x, _Index):
+            return x.value
+        return arith.constant(ir.IntegerType.get_signless(32), x)
+
+    def _op(self, name, other, swap=False):
+        from jaxlib.mlir.dialects import arith
+
+        a, b = self.value, self._of(other)
+        return _Index(getattr(arith, name)(*((b, a) if swap else (a, b))))
+
+    def __add__(self, o):
+        return self._op("addi", o)
+
+    def __radd__(self, o):
+        return self._op("addi", o, swap=True)
+
+    def __mul__(self, o):
+        return self._op("muli", o)
+
+    def __rmul__(self, o):
+        return self._op("muli", o, swap=True)
+
+    def __floordiv__(self, o):
+        return self._op("divui", o)
+
+    def __mod__(self, o):
+        return self._op("remui", o)
+
+    def __xor__(self, o):
+        return self._op("xori", o)
+
+    def __rxor__(self, o):
+        return self._op("xori", o, swap=True)
+
+
+_FP8_TILES = FP8_LATENT // _TILE  # feature tiles of a key slot's latent features (8)
+_PART_TILES = _FP8_TILES // 2  # per part (4): L tiles 0-3, R tiles 4-7
+_STAGE_TILE = 2  # a part's FP8 bytes sit in its tiles 2 and 3 (128 bytes a row each)
+
+
+def _slot_byte(r, tile, chunk):
+    """Byte of 16-byte chunk ``chunk`` of row ``r``, feature tile ``tile``, in a ``[64,
+    512]`` bf16 key slot (tiles of 8 rows x 64 features, chunk ``c`` of a tile row at
+    ``c ^ (r % 8)``: the 128-byte swizzle wgmma reads)."""
+    return (
+        ((r // 8) * _FP8_TILES + tile) * (8 * _SWIZZLE)
+        + (r % 8) * _SWIZZLE
+        + ((chunk ^ (r % 8)) * 16)
+    )
+
+
+def _fp8_stage(r, k, half: str):
+    """Where 16-byte chunk ``k`` (< 16) of row ``r``'s FP8 bytes of part ``half`` is
+    staged: chunk ``k % 8`` of feature tile ``2 + k // 8`` of the part."""
+    base = 0 if half == "L" else _PART_TILES
+    return _slot_byte(r, base + _STAGE_TILE + k // 8, k % 8)
+
+
+def _fp8_scale_at(r, half: str):
+    """Where row ``r``'s 4 scales (one 16-byte chunk) are staged for part ``half``:
+    chunk 0 of the part's first feature tile."""
+    return _slot_byte(r, 0 if half == "L" else _PART_TILES, 0)
+
+
+def _fp8_dequant_map(lane, half: str):
+    """The compute WG's in-place dequantization of part ``half``: thread ``lane`` takes
+    row ``r = lane // 2`` and side ``s = lane % 2``, the part's 128-group ``s`` (staged in
+    the part's tile ``2 + s``). Returns ``(group, steps)``: the scale's group of the
+    whole row (0-3) and, per step ``j < 8``, the staged chunk it loads and the two slot
+    chunks its 16 bf16 values go to. Side ``s`` takes staged chunk ``j ^ 6 s`` at step
+    ``j``, so that no two threads of a quarter warp meet in a bank, loading or storing
+    (the two sides of a row would otherwise touch the same chunk of their tiles)."""
+    r, s = lane // 2, lane % 2
+    base = 0 if half == "L" else _PART_TILES
+    steps = []
+    for j in range(8):
+        k = j ^ (6 * s)  # staged chunk of the side: part features 128 s + 16 k ...
+        load = _slot_byte(r, base + _STAGE_TILE + s, k)
+        tile = base + 2 * s + k // 4
+        steps.append((load, [_slot_byte(r, tile, 2 * (k % 4) + h) for h in range(2)]))
+    return base // 2 + s, steps
+
+
+def _stage_part_fp8(st: _SparseMlaStatics, half: str):
+    """cp.async of part ``half`` of one block of FP8 rows into its slot (see the module
+    docstring): each row's 256 FP8 bytes of the part into the part's tiles 2-3
+    (``_fp8_stage``), its 4 scales into chunk 0 of the part's tile 0 (``_fp8_scale_at``),
+    and for part ``R`` the bf16 rope features into their slot, as ``_gather_part`` does.
+    8 threads per row, thread ``t`` copying chunks ``t % 8`` and ``t % 8 + 8`` of rows
+    ``t // 8 + 16 i`` (whole 128-byte segments per warp); the scales by the row's first
+    thread. Rows with id ``< 0`` copy 0 source bytes: zero-filled, they dequantize to 0."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
+
+    tile = _TILE
+    chunks = tile // _CHUNK  # threads per row
+    row_groups = _THREADS // chunks
+    part_bytes = FP8_LATENT // 2
+    tiled = _transforms()
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(tiled),
+            plgpu.RefType(tiled),
+        ),
+    )
+    def stage(ctx, latent, scale, rope, rows, k_lat, k_rope):
+        del ctx
+        i8 = ir.IntegerType.get_signless(8)
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        index = ir.IndexType.get()
+        global_ptr = llvm.PointerType.get(address_space=1)
+
+        def const(v, ty=i32):
+            return arith.constant(ty, v)
+
+        def copy(dst_base, dst, src_base, src, size):
+            nvvm.cp_async_shared_global(
+                mgpu_utils.getelementptr(dst_base, [dst], i8),
+                mgpu_utils.getelementptr(src_base, [src], i8),
+                16,
+                nvvm.LoadCacheModifierKind.CG,
+                cp_size=size,
+            )
+
+        lane = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
+        group = arith.divui(lane, const(chunks))
+        chunk = arith.remui(lane, const(chunks))
+        first = arith.cmpi(arith.CmpIPredicate.eq, chunk, const(0))
+        lat_g, scale_g, rope_g = (
+            llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(ref))
+            for ref in (latent, scale, rope)
+        )
+        slot, rope_slot = mgpu_utils.memref_ptr(k_lat), mgpu_utils.memref_ptr(k_rope)
+        part_off = 0 if half == "L" else part_bytes
+        for i in range(BLOCK_K // row_groups):
+            r = arith.addi(group, const(row_groups * i))
+            row = memref.load(rows, [arith.index_cast(index, r)])
+            valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
+            size = arith.select(valid, const(16), const(0))
+            row64 = arith.extui(i64, arith.select(valid, row, const(0)))
+            c16 = arith.extui(i64, arith.muli(chunk, const(16)))
+            for k_hi in range(2):  # chunks c and c + 8 of the part's 16
+                src = arith.addi(
+                    arith.muli(row64, const(FP8_LATENT, i64)),
+                    arith.addi(c16, const(part_off + 128 * k_hi, i64)),
+                )
+                dst = _fp8_stage(_Index(r), _Index(chunk) + 8 * k_hi, half).value
+                copy(slot, dst, lat_g, src, size)
+            if_first = scf.IfOp(first)
+            with ir.InsertionPoint(if_first.then_block):
+                copy(
+                    slot,
+                    _fp8_scale_at(_Index(r), half).value,
+                    scale_g,
+                    arith.muli(row64, const(16, i64)),
+                    size,
+                )
+                scf.yield_([])
+            if half == "R":  # the rope: bf16 [64, 64] slot, chunk `chunk` of row r
+                r_lo = arith.remui(r, const(8))
+                dst = arith.addi(
+                    arith.muli(arith.divui(r, const(8)), const(8 * _SWIZZLE)),
+                    arith.addi(
+                        arith.muli(r_lo, const(_SWIZZLE)),
+                        arith.muli(arith.xori(chunk, r_lo), const(16)),
+                    ),
+                )
+                src = arith.addi(arith.muli(row64, const(2 * ROPE, i64)), c16)
+                copy(rope_slot, dst, rope_g, src, size)
+        nvvm.cp_async_commit_group()
+
+    return stage
+
+
+def _dequantize_part_fp8(half: str):
+    """The compute WG's in-place dequantization of part ``half`` of its own block (see
+    ``_fp8_dequant_map``): every thread loads its 8 staged chunks and its scale, the warp
+    syncs (a row's two threads are neighbours, and each overwrites chunks the other
+    reads), then each converts and stores: e4m3 pairs to f16 pairs (exact), to f32
+    (exact), times the scale (round to nearest), to bf16 pairs (round to nearest even),
+    the bits of ``dequantize_latent_cache(store).astype(bfloat16)``. Then the async-proxy
+    fence and a warpgroup barrier: wgmma reads the slot through the async proxy."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, nvvm
+
+    tiled = _transforms()
+    dequant = (
+        "{ .reg .b16 l, h, a0, a1, a2, a3; .reg .b32 x, y; .reg .f32 f0, f1, f2, f3;\n"
+        "  mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 x, l; cvt.rn.f16x2.e4m3x2 y, h;\n"
+        "  mov.b32 {a0, a1}, x; mov.b32 {a2, a3}, y;\n"
+        "  cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; cvt.f32.f16 f2, a2; cvt.f32.f16 f3, a3;\n"
+        "  mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3;\n"
+        "  mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3;\n"
+        "  cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }"
+    )
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(tiled),))
+    def dequantize(ctx, k_lat):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        f32 = ir.F32Type.get()
+        lane = _Index(arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS)))
+        group, steps = _fp8_dequant_map(lane, half)
+        base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_lat))
+
+        def addr(off):
+            return arith.addi(base, off.value)
+
+        staged = [
+            mgpu_utils.inline_ptx(
+                "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", addr(load), result_types=[i32] * 4
+            )
+            for load, _ in steps
+        ]
+        (scale,) = mgpu_utils.inline_ptx(
+            "ld.shared.f32 $0, [$1];",
+            addr(_fp8_scale_at(lane // 2, half) + group * 4),
+            result_types=[f32],
+        )
+        # A row's two threads are neighbours in a warp, and each overwrites chunks the
+        # other has just loaded (the scale chunk, the staged tile 2 + 0).
+        mgpu_utils.warp_barrier()
+        for words, (_, dsts) in zip(staged, steps, strict=True):
+            out = []
+            for w in words:
+                out.extend(mgpu_utils.inline_ptx(dequant, w, scale, result_types=[i32] * 2))
+            for h, dst in enumerate(dsts):
+                mgpu_utils.inline_ptx(
+                    "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+                    addr(dst),
+                    *out[4 * h : 4 * h + 4],
+                    has_side_effects=True,
+                )
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+        mgpu_utils.warpgroup_barrier()
+
+    return dequantize
 
 
 # The hand-kept copy barriers: Pallas's barriers cannot be handed to inline Mosaic GPU
@@ -645,6 +974,8 @@ def _qk_part(prog: _Program, w: int, half: str, acc, o, p):
         plgpu.barrier_wait(prog.bar.ready.at[part])
     else:
         _wait_copies_landed(buf.copied, part, lax.bitwise_and(p, 1))
+        if prog.st.fp8:  # this WG's own block: dequantize the staged part in place
+            _dequantize_part_fp8(half)(buf.k_lat.at[w + o])
     feats = pl.ds(_HALVES.index(half) * prog.half, prog.half)
     k_part = buf.k_lat.at[w + o].at[:, feats].transpose((1, 0))
     plgpu.wgmma(acc, buf.q_lat.at[o].at[:, feats], k_part)
@@ -733,7 +1064,10 @@ def _memory_wg(prog: _Program):
     """WG2: gather every pair's parts in ``_REFILL_ORDER``, each once it is free."""
     plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
-    make = _gather_part_interpret if prog.interpret else _gather_part
+    if prog.st.fp8:
+        make = _gather_part_fp8_interpret if prog.interpret else _stage_part_fp8
+    else:
+        make = _gather_part_interpret if prog.interpret else _gather_part
     gather = {half: make(prog.st, half) for half in _HALVES}
 
     @pl.loop(0, prog.num_pairs)
@@ -747,7 +1081,7 @@ def _memory_wg(prog: _Program):
 
                 rows = pl.ds((2 * p + part.block) * BLOCK_K, BLOCK_K)
                 gather[part.half](
-                    prog.store_ref,
+                    *prog.stores,
                     prog.rows_ref.at[prog.token, rows],
                     buf.k_lat.at[part.block],
                     buf.k_rope.at[part.block],
@@ -774,9 +1108,7 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
     operand is in registers (P is read back from shared memory, where it is anyway, into
     a fresh accumulator that is then added). The schedule and barriers are the same."""
 
-    def kernel(
-        q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped
-    ):
+    def kernel(q_ref, q_rope_ref, stores, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped):
         buf, bar = scoped
         # Q's TMA destinations (the buffers' leading axis of 1 is for `p & opaque_zero`).
         q_dst = (buf.q_lat.at[0], buf.q_rope.at[0])
@@ -789,7 +1121,7 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
             interpret=interpret,
             q_ref=q_ref,
             q_rope_ref=q_rope_ref,
-            store_ref=store_ref,
+            stores=stores,
             rows_ref=rows_ref,
             out_ref=out_ref,
             lse_ref=lse_ref,
@@ -813,10 +1145,13 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
         pl.when(wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog))
         pl.when(wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog))
 
-    def entry(q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, *outs):  # outs: zero, out, lse
+    stores = 3 if st.fp8 else 1
+
+    def entry(q_ref, q_rope_ref, *refs):  # refs: the stores, rows, counts, zero, out, lse
+        store_refs, (rows_ref, counts_ref, *outs) = refs[:stores], refs[stores:]
         pl.run_scoped(
             lambda *scoped: kernel(
-                q_ref, q_rope_ref, store_ref, rows_ref, counts_ref, *outs, scoped
+                q_ref, q_rope_ref, store_refs, rows_ref, counts_ref, *outs, scoped
             ),
             _buffer_types(st, interpret),
             _barrier_types(),
@@ -827,7 +1162,8 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _launch(q, q_rope, store, rows, counts, *, st: _SparseMlaStatics, interpret):
+def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, interpret):
+    """The kernel on ``stores``: ``(store,)``, or an FP8 cache's ``(latent, scale, rope)``."""
     out_type = (
         jax.ShapeDtypeStruct((st.tokens, st.heads, st.dv), jnp.float32),
         jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
@@ -846,13 +1182,13 @@ def _launch(q, q_rope, store, rows, counts, *, st: _SparseMlaStatics, interpret)
             reduction_scratch_bytes=0,
         ),
         interpret=interpret,
-    )(q, q_rope, store, rows, counts, jnp.zeros((1,), jnp.int32))
+    )(q, q_rope, *stores, rows, counts, jnp.zeros((1,), jnp.int32))
 
 
 def _padded_static(
     q: jax.Array,
     q_rope: jax.Array | None,
-    store: jax.Array,
+    store: jax.Array | Fp8LatentCache,
     *,
     sm_scale: float,
     dv: int,
@@ -869,16 +1205,17 @@ def _padded_static(
         tokens=tokens,
         heads=heads_pad,
         dv=dv,
-        width=store.shape[1],
+        width=store.latent.shape[1] if isinstance(store, Fp8LatentCache) else store.shape[1],
         sm_scale=float(sm_scale),
         rope_at=dv if q_rope is None else 0,
+        fp8=isinstance(store, Fp8LatentCache),
     )
     return q, q if q_rope is None else q_rope, st
 
 
 def sparse_mla_rows_attention(
     q: jax.Array,
-    store: jax.Array,
+    store: jax.Array | Fp8LatentCache,
     rows: jax.Array,
     counts: jax.Array,
     *,
@@ -893,8 +1230,11 @@ def sparse_mla_rows_attention(
     Args:
       q: ``[N, H, dv + 64]`` bfloat16, or with ``q_rope`` its latent features ``[N, H,
         dv]``.
-      store: ``[R, W]`` bfloat16, ``W >= dv + 64`` and ``W % 8 == 0``; only the rows named
-        in ``rows`` are read.
+      store: ``[R, W]`` bfloat16, ``W >= dv + 64`` and ``W % 8 == 0``, or an
+        ``Fp8LatentCache`` on the token grid ``[R]`` (``dv = 512``), whose rows the
+        kernel dequantizes on chip (``bf16(float32(latent) * scale)``, the bits of
+        ``dequantize_latent_cache(store).astype(bfloat16)``); only the rows named in
+        ``rows`` are read.
       rows: ``[N, Kp]`` int32, ``Kp % 128 == 0`` (a pair of 64-row blocks); row ids of ``store``, the
         query's valid rows first, ``-1`` after.
       counts: ``[N]`` int32, the number of valid rows of each query (``<= Kp``).
@@ -912,8 +1252,12 @@ def sparse_mla_rows_attention(
             f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
         )
     tokens, heads, dk = q.shape
-    if q.dtype != jnp.bfloat16 or store.dtype != jnp.bfloat16:
-        raise TypeError(f"q, store: got {q.dtype}, {store.dtype}, expected bfloat16")
+    fp8 = isinstance(store, Fp8LatentCache)
+    if fp8:
+        check_fp8_cache(store, "store", grid=(None,), hint="[R]")
+    store_dtype = store.rope.dtype if fp8 else store.dtype
+    if q.dtype != jnp.bfloat16 or store_dtype != jnp.bfloat16:
+        raise TypeError(f"q, store: got {q.dtype}, {store_dtype}, expected bfloat16")
     if q_rope is not None:
         if q_rope.dtype != jnp.bfloat16 or q_rope.shape != (tokens, heads, ROPE):
             raise ValueError(
@@ -926,7 +1270,11 @@ def sparse_mla_rows_attention(
             f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}, Dv a "
             "multiple of 128"
         )
-    if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK:
+    if fp8 and dv != FP8_LATENT:
+        raise NotImplementedError(
+            f"dv: got {dv}, an Fp8LatentCache store holds {FP8_LATENT} latent values per row"
+        )
+    if not fp8 and (store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK):
         raise ValueError(
             f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {_CHUNK} == 0"
         )
@@ -940,7 +1288,7 @@ def sparse_mla_rows_attention(
     out, lse = _launch(
         q,
         q_rope,
-        store,
+        (store.latent, store.scale, store.rope) if fp8 else (store,),
         rows.astype(jnp.int32),
         counts.astype(jnp.int32),
         st=st,

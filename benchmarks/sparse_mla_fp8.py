@@ -1,0 +1,333 @@
+"""Sparse MLA on a Hopper GPU over a bf16 and an FP8 latent cache, in the same run (issue 41).
+
+``attn_mosaic_gpu.sparse_mla_attention`` on the same queries and selections, once over
+a bf16 cache and once over the ``Fp8LatentCache`` that ``quantize_latent_cache`` makes
+of it (the kernel gathers 656 bytes per token instead of 1,152 and dequantizes on
+chip). Cases (``Dk = 576``, ``Dv = 512``, ``sm_scale = 1 / sqrt(192)``):
+
+* ``prefill-flat-h{H}``: 4096 query tokens (the last positions of a 32K flat cache),
+  each selecting 2048 distinct random tokens ``<= position`` (``read_block = 1``);
+* ``prefill-ragged-h{H}``: ragged paged, 4 requests of about 32K tokens, 1024 new
+  tokens each (4096 in all), 64-token pages, shuffled physical pages; each query selects
+  32 distinct pages holding tokens ``<= position`` (2048 tokens; ragged mode reads whole
+  pages, ``read_block = page_size``);
+* ``decode-ragged-h{H}``: 128 requests of about 32K tokens x 2 query tokens (their
+  last), 32 pages of 64 tokens each;
+
+for H in {16, 32, 64, 128} (prefill) and {16, 128} (decode). Per row: CUPTI device time
+(median of ``--iterations`` after a warm-up, ``attn_mosaic_gpu.bench.device_ms``; the
+row table included), TFLOP/s counting ``2 H (576 + 512)`` per valid (query, key token),
+and the gather rate: the cache bytes a row-gather kernel reads (each valid row once per
+64-head group: 1,152 bytes bf16, 656 FP8) over the time, against the copy ceiling
+measured in the same run (``attn_mosaic_gpu.bench.ceilings``). FP8 rows add the
+speed-up over bf16 and the target of issue 41 (H 16 / 32: 1.6x, 64: 1.4x, 128: 1.0x),
+the time of the alternative without the FP8 kernel (a third row per case, variant
+``fp8-dequantized``: the whole FP8 cache dequantized to the bf16 kernel's layout by XLA,
+then the bf16 kernel, in one jit), and the rel L2 of the FP8 output against the bf16 one (the cost of the format, not of
+the kernel: the kernel's FP8 result is bitwise its bf16 result on the dequantized
+cache, ``packages/attn-mosaic-gpu/tests/test_sparse_mla_fp8_gpu.py``).
+
+    python benchmarks/sparse_mla_fp8.py --out docs/results            # on the H200
+    python benchmarks/sparse_mla_fp8.py --smoke --out /tmp/s          # CPU, interpret mode
+
+Writes ``sparse_mla_fp8.{json,md,svg}`` into ``--out`` with the commit and command;
+the JSON rows carry ``impl``, ``cache`` ("bf16" / "fp8"), ``heads``, ``mode``
+("prefill" / "decode"), ``layout`` ("flat" / "ragged"), ``ms`` and ``tflops``. Exit
+status 1 when a row failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import html
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_common import dequantize_latent_cache, quantize_latent_cache
+from attn_common.cli_args import provenance
+from attn_mosaic_gpu.bench import ceilings, device_ms
+from attn_mosaic_gpu.bench_sparse_mla import (
+    SM_SCALE,
+    distinct_choices,
+    jit_call,
+    paged_layout,
+    rel_l2,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = "sparse_mla_fp8"
+DK, DV = 576, 512
+BYTES_PER_TOKEN = {"bf16": 2 * DK, "fp8": DV + 4 * 4 + 2 * 64}  # 1152, 656
+HEAD_GROUP = 64  # heads of one program: each reads its rows once
+TARGETS = {16: 1.6, 32: 1.6, 64: 1.4, 128: 1.0}  # FP8 speed-up over bf16 (issue 41)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str  # "prefill" | "decode"
+    layout: str  # "flat" | "ragged"
+    heads: int
+    kv_len: int = 32768  # flat T; ragged: the longest request
+    num_queries: int = 4096
+    requests: int = 4  # ragged
+    top_k_tokens: int = 2048
+    page: int = 64  # ragged
+
+
+def cases(smoke: bool) -> list[Case]:
+    if smoke:  # tiny shapes for a CPU run end to end (interpret mode)
+        return [
+            Case("prefill-flat-h16", "prefill", "flat", 16, 300, 4, top_k_tokens=136),
+            Case("decode-ragged-h16", "decode", "ragged", 16, 200, 4, 2, 32, 16),
+        ]
+    out = [Case(f"prefill-flat-h{h}", "prefill", "flat", h) for h in (16, 32, 64, 128)]
+    out += [Case(f"prefill-ragged-h{h}", "prefill", "ragged", h) for h in (16, 32, 64, 128)]
+    out += [
+        Case(f"decode-ragged-h{h}", "decode", "ragged", h, num_queries=256, requests=128)
+        for h in (16, 128)
+    ]
+    return out
+
+
+def make_inputs(case: Case, seed: int = 0):
+    """``(q, bf16 cache, fp8 cache, args after the cache, kwargs, valid pairs)``."""
+    rng = np.random.default_rng(seed)
+    k_q, k_kv = jax.random.split(jax.random.PRNGKey(seed))
+    s, h = case.num_queries, case.heads
+    q = jax.random.normal(k_q, (1, s, h, DK), jnp.bfloat16)
+    kw = {"sm_scale": SM_SCALE, "return_lse": True}
+    if case.layout == "flat":
+        t = case.kv_len
+        positions = np.arange(t - s, t, dtype=np.int32)
+        idx = distinct_choices(rng, positions + 1, case.top_k_tokens)
+        kv = jax.random.normal(k_kv, (1, t, DK), jnp.bfloat16)
+        pairs = int((idx >= 0).sum())
+        rest = (jnp.asarray(idx)[None], jnp.asarray(positions)[None])
+        return q, kv, quantize_latent_cache(kv), rest, {**kw, "read_block": 1}, pairs
+    ps, n = case.page, case.requests
+    lens = [case.kv_len - 3 * r for r in range(n)]
+    layout = paged_layout(rng, lens, [s // n] * n, page_size=ps)
+    pos = layout["positions"]
+    idx = distinct_choices(rng, pos // ps + 1, case.top_k_tokens // ps)
+    rows = jax.random.normal(k_kv, (layout["num_pages"], ps, DK), jnp.bfloat16)
+    fp8 = quantize_latent_cache(rows)
+    kv = jnp.pad(rows, ((0, 0), (0, 0), (0, 640 - DK))).reshape(-1, ps // 2, 2, 640)
+    del rows
+    pairs = int(np.where(idx >= 0, np.minimum(ps, pos[:, None] - idx * ps + 1), 0).sum())
+    tables = {
+        k: jnp.asarray(layout[k]) for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
+    }
+    rest = (jnp.asarray(idx)[None], jnp.asarray(pos)[None])
+    return q, kv, fp8, rest, {**kw, "read_block": ps, "page_size": ps, **tables}, pairs
+
+
+def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) -> list[dict]:
+    """The bf16 and FP8 rows of one case; a failure is recorded in the row."""
+    import attn_mosaic_gpu as gpu
+
+    t0 = time.perf_counter()
+    q, kv, fp8, rest, kw, pairs = make_inputs(case)
+    if interpret:
+        kw = {**kw, "interpret": True}
+    flops = 2.0 * case.heads * (DK + DV) * pairs
+    groups = -(-case.heads // HEAD_GROUP)
+    print(f"{case.name}: {pairs / case.num_queries:.0f} valid keys/query "
+          f"({time.perf_counter() - t0:.1f} s inputs)")  # fmt: skip
+    rows, outs = [], {}
+    variants = (
+        ("bf16", "bf16", "mosaic-gpu", kv, gpu.sparse_mla_attention),
+        ("fp8", "fp8", "mosaic-gpu", fp8, gpu.sparse_mla_attention),
+        # What an FP8-cache user can do without the FP8 kernel: dequantize the whole
+        # cache to the kernel's bf16 layout (XLA, in the same jit), then the bf16 kernel.
+        ("fp8-dequantized", "fp8", "xla-dequantize+mosaic-gpu", fp8,
+         functools.partial(_dequantize_then_attend, gpu.sparse_mla_attention, case.layout)),
+    )  # fmt: skip
+    for variant, cache, impl, store, op in variants:
+        gathered = groups * pairs * BYTES_PER_TOKEN[cache]
+        row = {
+            "case": case.name, "variant": variant, "impl": impl, "cache": cache,
+            "heads": case.heads,
+            "mode": case.mode, "layout": case.layout, "kv_len": case.kv_len,
+            "num_queries": case.num_queries, "requests": case.requests if case.layout == "ragged" else 1,
+            "top_k_tokens": case.top_k_tokens, "valid_pairs": pairs, "flops": flops,
+            "gathered_bytes": gathered, "ms": None, "tflops": None,
+        }  # fmt: skip
+        try:
+            fn, call_args = jit_call(op, (q, store, *rest), kw)
+            outs[variant] = fn(*call_args)[0]
+            ms, method = device_ms(fn, *call_args, iterations=iterations)
+            rate = gathered / ms / 1e9
+            row.update(
+                ms=ms, timing=method, tflops=flops / ms / 1e9, gather_tbps=rate,
+                gather_vs_copy=rate / copy_tbps if copy_tbps else None,
+            )  # fmt: skip
+            print(f"  {variant:>15}: {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s gather "
+                  f"{rate:5.2f} TB/s ({method})")  # fmt: skip
+        except Exception as e:  # recorded, never raised: the other rows still run
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+        rows.append(row)
+    bf16, fp8_row, dequantized = rows
+    if bf16["ms"] and fp8_row["ms"]:
+        fp8_row["speedup_vs_bf16"] = bf16["ms"] / fp8_row["ms"]
+        fp8_row["target_speedup"] = TARGETS.get(case.heads)
+        fp8_row["out_rel_l2_vs_bf16"] = rel_l2(outs["fp8"], outs["bf16"])
+    if dequantized["ms"] and fp8_row["ms"]:
+        fp8_row["speedup_vs_dequantized"] = dequantized["ms"] / fp8_row["ms"]
+    return rows
+
+
+def _dequantize_then_attend(op, layout, q, cache, *rest, **kw):
+    """``op`` on the whole FP8 cache dequantized to bf16 first, in the bf16 kernel's
+    cache layout (flat ``[B, T, 576]``; paged ``[pages, page / 2, 2, 640]``)."""
+    rows = dequantize_latent_cache(cache).astype(jnp.bfloat16)
+    if layout == "ragged":
+        pages, page = cache.shape
+        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 640 - DK))).reshape(pages, page // 2, 2, 640)
+    return op(q, rows, *rest, **kw)
+
+
+def write_reports(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{RESULT}.json", out / f"{RESULT}.md", out / f"{RESULT}.svg"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    prov, ceil = result["provenance"], result["ceilings"]
+    timing = ", ".join(sorted({r["timing"] for r in result["rows"] if r.get("timing")})) or "none"
+    lines = [
+        "# Sparse MLA over a bf16 and an FP8 latent cache (Hopper kernel)",
+        "",
+        f"Commit `{prov['commit']}`, {prov['date']}, device {result['device']}; command "
+        f"`{prov['command']}`. Time: {timing} ({'device time' if timing == 'cupti' else 'not a device time'}), "
+        f"median of {result['iterations']} calls after a warm-up, row table included. Gather: cache bytes a row-gather kernel reads "
+        "(1,152 per valid row bf16, 656 FP8, once per 64-head group) over the time; copy "
+        f"ceiling {ceil.get('copy_tbps', float('nan')):.2f} TB/s (same run). Target: "
+        "issue 41's FP8 speed-up. FP8 dequantized + bf16: the whole FP8 cache dequantized "
+        "to the bf16 kernel's layout by XLA, then the bf16 kernel, in one jit (what an "
+        "FP8-cache user can run without the FP8 kernel).",
+        "",
+        "| case | heads | bf16 ms | FP8 ms | speed-up | target | FP8 dequantized + bf16 ms "
+        "| FP8 vs that | bf16 TFLOP/s | FP8 TFLOP/s | bf16 gather TB/s (of copy) "
+        "| FP8 gather TB/s (of copy) | FP8 out vs bf16 rel L2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    by_case: dict[str, dict] = {}
+    for row in result["rows"]:
+        by_case.setdefault(row["case"], {})[row.get("variant", row["cache"])] = row
+    for name, pair in by_case.items():
+        b, e, d = pair.get("bf16", {}), pair.get("fp8", {}), pair.get("fp8-dequantized", {})
+        speed, target = e.get("speedup_vs_bf16"), e.get("target_speedup")
+        met = (
+            ""
+            if speed is None or target is None
+            else (" met" if speed >= target else " **not met**")
+        )
+
+        def gather(r):
+            if r.get("gather_tbps") is None:
+                return r.get("error", "n/a")[:60]
+            share = r.get("gather_vs_copy")
+            return f"{r['gather_tbps']:.2f} ({f(None if share is None else 100 * share, '.0f')} %)"
+
+        lines.append(
+            f"| {name} | {b.get('heads', e.get('heads'))} | {f(b.get('ms'), '.3f')} "
+            f"| {f(e.get('ms'), '.3f')} | {f(speed, '.2f')}x | {f(target, '.1f')}x{met} "
+            f"| {f(d.get('ms'), '.3f')} | {f(e.get('speedup_vs_dequantized'), '.2f')}x "
+            f"| {f(b.get('tflops'), '.0f')} | {f(e.get('tflops'), '.0f')} | {gather(b)} "
+            f"| {gather(e)} | {f(e.get('out_rel_l2_vs_bf16'), '.2e')} |"
+        )
+    paths[1].write_text("\n".join(lines) + "\n")
+    write_plot(by_case, paths[2])
+    return paths
+
+
+def write_plot(by_case: dict, path: Path) -> None:
+    """Bars: FP8 speed-up over bf16 per case, the target as a tick."""
+    names = list(by_case)
+    width, height, left, base, bar = 60 + 70 * len(names), 300, 50, 240, 30
+    top = max([2.0] + [by_case[n].get("fp8", {}).get("speedup_vs_bf16") or 0 for n in names])
+
+    def y(v):
+        return base - (base - 30) * v / top
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="10">',
+        '<text x="10" y="15">FP8 cache speed-up over bf16 (Hopper sparse MLA; tick: target)</text>',
+        f'<line x1="{left}" y1="{y(1):.1f}" x2="{width - 10}" y2="{y(1):.1f}" stroke="#999"/>',
+    ]
+    for i, name in enumerate(names):
+        e = by_case[name].get("fp8", {})
+        x = left + 10 + 70 * i
+        v, t = e.get("speedup_vs_bf16"), e.get("target_speedup")
+        if v is not None:
+            parts.append(
+                f'<rect x="{x}" y="{y(v):.1f}" width="{bar}" height="{base - y(v):.1f}" '
+                f'fill="#4c78a8"/><text x="{x}" y="{y(v) - 3:.1f}">{v:.2f}x</text>'
+            )
+        if t is not None:
+            parts.append(
+                f'<line x1="{x - 4}" y1="{y(t):.1f}" x2="{x + bar + 4}" y2="{y(t):.1f}" '
+                'stroke="#e45756" stroke-width="2"/>'
+            )
+        label = html.escape(name.replace("prefill-", "p-").replace("decode-", "d-"))
+        parts.append(
+            f'<text x="{x}" y="{base + 14}" transform="rotate(30 {x} {base + 14})">{label}</text>'
+        )
+    parts.append("</svg>")
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    args = parser.parse_args(argv)
+    selected = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
+    if not selected:
+        parser.error(
+            f"--cases: got {args.cases}, expected names of {[c.name for c in cases(args.smoke)]}"
+        )
+    ceil = {} if args.smoke else ceilings()
+    print(f"ceilings: {ceil}")
+    rows = []
+    for case in selected:
+        rows += run_case(
+            case,
+            iterations=args.iterations,
+            copy_tbps=ceil.get("copy_tbps", 0.0),
+            interpret=args.smoke,
+        )
+    result = {
+        "provenance": provenance(argv),
+        "commit": None,
+        "device": str(jax.devices()[0].device_kind),
+        "iterations": args.iterations,
+        "smoke": args.smoke,
+        "ceilings": ceil,
+        "rows": rows,
+        "failed": sum("error" in r for r in rows),
+    }
+    result["commit"] = result["provenance"]["commit"]
+    for path in write_reports(result, args.out):
+        print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["failed"] else 0)
