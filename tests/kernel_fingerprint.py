@@ -3,8 +3,8 @@
 For a set of shapes, bounds layouts and configs, traces ``jax.grad`` of
 ``attn_mosaic_gpu.ranker_attention`` (forward, dq and dk/dv kernels; and two forward-only
 configs) and the Hopper sparse-MLA op (``sparse-mla``: flat and ragged paged, unit- and
-token-level selections, H 16/64/128, the prefill wrapper, the row-table kernel alone and
-the row-sort kernel alone, each at the default config) and prints a hash of a canonical text of the jaxpr: sub-jaxprs inlined (the
+token-level selections, H 16/64/128, the prefill wrapper, the row-table kernel alone over
+a bf16 and an FP8 store, and the row-sort kernel alone, each at the default config) and prints a hash of a canonical text of the jaxpr: sub-jaxprs inlined (the
 printer's sharing of equal sub-jaxprs depends on how the code is factored), variables
 renamed in order of definition, source locations and object addresses dropped. Equal
 hashes mean the kernels trace to the same operations, so the lowered kernels are the
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
-from attn_common import CapMethod, CapParams, KernelConfig
+from attn_common import CapMethod, CapParams, Fp8LatentCache, KernelConfig
 from attn_mosaic_gpu import ranker_attention
 
 SOFT_SIGN = CapParams(CapMethod.SOFT_SIGN, 80.0)
@@ -258,6 +258,15 @@ def sparse_mla_cases():
         return sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.07)
 
     yield "sparse-mla-kernel-h128", attend, kernel_args
+    # The kernel over an FP8 latent cache (staged by cp.async, dequantized in place).
+    fp8_store = Fp8LatentCache(
+        sds((8192, 512), jnp.float8_e4m3fn), sds((8192, 4), jnp.float32), sds((8192, 64), bf16)
+    )
+    yield (
+        "sparse-mla-fp8-kernel-h64",
+        attend,
+        (sds((256, 64, 576), bf16), fp8_store, *kernel_args[2:]),
+    )
     for keys in ROW_SORT_KEYS:
         yield f"row-sort-k{keys}", distinct_sorted_rows, (sds((256, keys), i32),)
 

@@ -71,6 +71,7 @@ def test_sparse_mla_cases_trace(fingerprint):
         "sparse-mla-paged-h16",
         "sparse-mla-prefill-wrapper-h128",
         "sparse-mla-kernel-h128",
+        "sparse-mla-fp8-kernel-h64",
         "row-sort-k512",
         "row-sort-k2048",
         "row-sort-k4096",
