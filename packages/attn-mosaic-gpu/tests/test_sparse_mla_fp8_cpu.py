@@ -7,7 +7,8 @@ exactly, and within bf16 tolerance of the reference on the FP8 cache.
 
 * Interpret mode (race detection on, shared memory starts as NaN): the kernel alone (two
   head groups, row counts ending inside a block and a pair, a token with no row, ``-1``
-  rows after the count), flat token-level and ragged paged calls with ``-1``,
+  rows after the count), flat token-level, ragged paged and decode-shaped (8 requests
+  of 1-4 query tokens) calls with ``-1``,
   duplicate and out-of-range ids and empty queries, the write-then-attend wrapper.
   Every cache row no query attends holds NaN latent bytes, a NaN, Inf or 0 scale and
   NaN rope values, so reading one would show. Interpret mode replaces the compiled
@@ -309,6 +310,31 @@ def test_ragged_paged_fp8():
     want = _ragged(ref.sparse_mla_attention, layout, cache, q, idx)
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
     assert_sparse_mla_close(got, want, **TOL)
+
+
+@pytest.mark.slow  # interpret mode at Dv = 512, two runs
+def test_ragged_decode_fp8():
+    """Decode: 8 requests of 1-4 query tokens each (their last positions), 3 pages each,
+    one request with nothing selected; unattended rows dirty."""
+    rng = rng_for(24)
+    new_lens = [int(n) for n in rng.integers(1, 5, 8)]
+    layout = build_ragged_layout(
+        rng, seq_lens=[int(n) for n in rng.integers(20, 64, 8)], new_lens=new_lens,
+        extra_pages=[1] * 8, page_size=PAGE,
+    )  # fmt: skip
+    cache = _random_cache(rng, (layout["num_pages"], PAGE))
+    q = randn(rng, (1, int(sum(new_lens)), 2, DK), "bfloat16")
+    idx = random_page_selection(rng, layout, 3, PAGE)
+    first = int(np.cumsum([0, *new_lens])[2])
+    idx[first : first + new_lens[2]] = -1  # request 2 selects nothing
+    keep = attended_rows_ragged(
+        layout, idx, layout["positions"], page_size=PAGE, num_pages=layout["num_pages"]
+    )
+    cache = poison_fp8(cache, keep, 24)
+    got = _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx)
+    _equal(got, _run(_ragged, gpu.sparse_mla_attention, layout, _paged_bf16(cache), q, idx))
+    assert np.isneginf(np.asarray(got[1])[0, first : first + new_lens[2]]).all()
+    assert_sparse_mla_close(got, _ragged(ref.sparse_mla_attention, layout, cache, q, idx), **TOL)
 
 
 @pytest.mark.slow  # interpret mode at Dv = 512: 10-30 s on 2 shared cores

@@ -222,6 +222,38 @@ def test_ragged_attention(kernel):
     )
 
 
+@pytest.mark.slow  # interpret mode at Dv = 512, both kernels
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_ragged_decode(kernel):
+    """Decode: 8 requests of 1-4 query tokens each (their last positions), 3 pages
+    each; one request with nothing selected; unattended rows poisoned."""
+    rng = rng_for(126)
+    seq_lens = [int(n) for n in rng.integers(20, 64, 8)]
+    new_lens = [int(n) for n in rng.integers(1, 5, 8)]
+    layout = build_ragged_layout(
+        rng, seq_lens=seq_lens, new_lens=new_lens, extra_pages=[1] * 8, page_size=PAGE
+    )
+    kv = randn(rng, (layout["num_pages"], PAGE, DK), np.float32)
+    cache = quantize_latent_cache(jnp.asarray(kv))
+    idx = random_page_selection(rng, layout, 3, PAGE)
+    pos = layout["positions"]
+    first = int(np.cumsum([0, *new_lens])[2])
+    idx[first : first + new_lens[2]] = -1  # request 2 selects nothing
+    keep = attended_rows_ragged(layout, idx, pos, page_size=PAGE, num_pages=cache.shape[0])
+    cache = poison_fp8_cache(cache, keep, seed=126)
+    q = randn(rng, (1, len(pos), HEADS, DK), BF16)
+    kw = _ragged_kw(layout)
+    got = KERNELS[kernel](q, cache, idx[None], pos[None], **kw)
+    assert_no_races()
+    _assert_same(got, KERNELS[kernel](q, _paged_bf16(cache), idx[None], pos[None], **kw))
+    out, lse = (np.asarray(x) for x in got)
+    assert np.isneginf(lse[0, first : first + new_lens[2]]).all()
+    assert_exact_zero_rows(out, lse)
+    assert_sparse_mla_close(
+        got, ref.sparse_mla_attention(q, cache, idx[None], pos[None], **kw), **TOL
+    )
+
+
 # ---------------------------------------------------------------- write-then-attend
 
 WRAPPERS = {
