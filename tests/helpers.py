@@ -489,6 +489,16 @@ def compare_sparse_mla_grads(
     return dq, dkv
 
 
+def export_mosaic_gpu(fn, *structs) -> str:
+    """``jax.export`` of ``fn`` for CUDA (on any host) at ``structs`` (``ShapeDtypeStruct``
+    pytrees): the module's text, which must hold a Mosaic GPU call."""
+    import jax
+
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs).mlir_module()
+    assert "mosaic_gpu" in text
+    return text
+
+
 def export_sparse_mla_grad(fn, platform: str, *, tokens, heads, cache, top_k, **kw) -> str:
     """``jax.export`` for ``platform`` of ``jax.grad`` (through ``out`` and the finite
     ``lse``, w.r.t. ``q`` and the flat bf16 cache ``[1, cache, 576]``) plus the attention

@@ -27,6 +27,7 @@ import pytest
 from helpers import (
     assert_close,
     assert_sparse_mla_close,
+    export_mosaic_gpu,
     gpu_interpret,
     poison_ragged_case,
     randn,
@@ -337,11 +338,7 @@ def test_refuses_what_the_kernel_does_not_take():
 
 
 def _export(fn, *shapes):
-    structs = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs)
-    text = exported.mlir_module()
-    assert "mosaic_gpu" in text
-    return text
+    return export_mosaic_gpu(fn, *(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
 
 
 @pytest.mark.parametrize("heads", [128, 64])

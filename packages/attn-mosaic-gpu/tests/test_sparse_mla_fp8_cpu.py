@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,9 @@ from helpers import (
     attended_rows_flat,
     attended_rows_ragged,
     build_ragged_layout,
+    export_mosaic_gpu,
     gpu_interpret,
+    load_script,
     randn,
     random_page_selection,
     rng_for,
@@ -373,13 +376,6 @@ def test_supports_fp8():
 # Cross-lowering at the benchmark shapes
 
 
-def _export(fn, *structs):
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*structs)
-    text = exported.mlir_module()
-    assert "mosaic_gpu" in text
-    return text
-
-
 def _fp8_struct(*grid):
     sds = jax.ShapeDtypeStruct
     return Fp8LatentCache(
@@ -395,7 +391,7 @@ def test_cross_lowers_flat_prefill(heads):
     sds = jax.ShapeDtypeStruct
     tokens, top_k, cache = 4096, 2048, 32768
     fn = functools.partial(gpu.sparse_mla_attention, sm_scale=0.0721, read_block=1, return_lse=True)
-    _export(
+    export_mosaic_gpu(
         fn,
         sds((1, tokens, heads, DK), jnp.bfloat16),
         _fp8_struct(1, cache),
@@ -419,7 +415,7 @@ def test_cross_lowers_ragged_decode():
             page_indices=page_indices,
         )  # fmt: skip
 
-    _export(
+    export_mosaic_gpu(
         fn,
         sds((1, tokens, 16, DK), jnp.bfloat16),
         _fp8_struct(pages, page),
@@ -434,35 +430,16 @@ def test_cross_lowers_ragged_decode():
 
 def _kernel_module(store) -> str:
     """The Mosaic GPU module of ``sparse_mla_rows_attention`` on ``store``, lowered for
-    CUDA, as text (as ``tests/kernel_fingerprint.py`` reads it)."""
-    from jaxlib.mlir import ir
-
+    CUDA, as text (``tests/kernel_fingerprint.py``'s ``lowered_kernels``)."""
     sds = jax.ShapeDtypeStruct
 
     def attend(q, store, rows, counts):
         return sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.07)
 
     args = (sds((8, 64, DK), jnp.bfloat16), store, sds((8, 256), jnp.int32), sds((8,), jnp.int32))
-    stablehlo = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",))
-    stablehlo = stablehlo.compiler_ir("stablehlo")
-    raws = []
-
-    def visit(op):
-        op = op.operation
-        if op.name == "stablehlo.custom_call" and "mhlo.backend_config" in op.attributes:
-            config = ir.DictAttr(op.attributes["mhlo.backend_config"])
-            if "module" in config:
-                raws.append(ir.StringAttr(config["module"]).value_bytes)
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    visit(inner)
-
-    visit(stablehlo.operation)
-    assert len(raws) == 1
-    with stablehlo.context as context:
-        context.allow_unregistered_dialects = True
-        return ir.Module.parse(raws[0]).operation.get_asm(enable_debug_info=False)
+    script = Path(__file__).resolve().parents[3] / "tests" / "kernel_fingerprint.py"
+    with load_script(script, "kernel_fingerprint") as fingerprint:
+        return fingerprint.lowered_kernels(attend, args)
 
 
 def test_lowered_kernel_registers_and_copies():
