@@ -1,14 +1,20 @@
 """The TPU kernels natively on a TPU: correctness against the reference and wall-clock times.
 
-For a TPU machine (one chip; no device profiler is used): the ranker suite's four cases
-at reduced batch (the reference's dense scores must fit a v5e's 15.7 GiB), forward and
-forward + backward, the TPU kernels against ``attn_reference`` (rel L2 of out, LSE, dq,
-dk, dv; wall-clock median of 10 calls each); then flat sparse MLA, 1024 queries x 128
-selected units of 16 tokens of a 32K cache at H 16 and 64, bf16 and FP8 caches, the
-per-query and the query-blocked kernels and the reference (rel L2 against the reference
-on the same cache, and the count of non-finite outputs beyond the reference's).
+For a TPU machine (one chip; no device profiler is used):
+* the ranker suite's four cases at reduced batch (the reference's dense scores must fit
+  a v5e's 15.7 GiB), forward and forward + backward, the TPU kernels against
+  ``attn_reference`` (rel L2 of out, LSE, dq, dk, dv; wall-clock median of 10 calls each);
+* the FP8 exactness check: each TPU kernel over an ``Fp8LatentCache`` against the same
+  compiled kernel over ``bf16(dequantize_latent_cache(cache))``, bit for bit (out and
+  LSE), with the rows no query attends holding NaN bytes, NaN / Inf / 0 scales and NaN
+  rope, and -1 / duplicate ids in the selection; at 32- and 64-token units;
+* flat sparse MLA, 1024 queries x 2048 selected tokens (as units of 32 and of 64) of a
+  32K cache at H 16 and 64, bf16 and FP8 caches, the per-query and the query-blocked
+  kernels and the reference (rel L2 against the reference on the same cache, the count
+  of non-finite outputs beyond the reference's, and the selected rows' HBM bytes).
 Writes ``<out>/tpu_check.json`` after every row. ``benchmarks/tpu_run.sh`` runs it with
-the conformance tests. ``--smoke``: tiny sparse-MLA shapes in interpret mode, any machine.
+the conformance tests. ``--smoke``: tiny sparse-MLA shapes in interpret mode, any
+machine; ``--no-ranker`` leaves the ranker rows out.
 """
 
 import argparse
@@ -24,13 +30,14 @@ import numpy as np
 
 import attn_pallas_tpu as tpu
 import attn_reference as ref
-from attn_common import quantize_latent_cache
+from attn_common import dequantize_latent_cache, quantize_latent_cache
 from attn_common.cli_args import provenance
 from attn_common.suite import ranker_case
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--out", default=os.environ.get("OUT", "."))
 p.add_argument("--smoke", action="store_true")
+p.add_argument("--no-ranker", action="store_true")
 ARGS = p.parse_args()
 OUT, SMOKE = ARGS.out, ARGS.smoke
 EXTRA = dict(interpret=True) if SMOKE else {}
@@ -96,20 +103,77 @@ def ranker_row(name: str, batch: int) -> None:
     )  # fmt: skip
 
 
-def sparse_row(heads: int, top_k: int, queries: int, kv_len: int, read_block: int) -> None:
-    """Flat sparse MLA at one head count: each kernel on a bf16 and an FP8 cache."""
-    rng = np.random.default_rng(0)
-    kq, kkv = jax.random.split(jax.random.key(0))
-    q = jax.random.normal(kq, (1, queries, heads, 576), jnp.bfloat16)
-    kv = jax.random.normal(kkv, (1, kv_len, 576), jnp.bfloat16)
-    positions = jnp.arange(kv_len - queries, kv_len, dtype=jnp.int32)[None]
+def flat_selection(queries: int, kv_len: int, top_k: int, read_block: int, seed: int = 0):
+    """Positions ``[1, S]`` (the last ``S`` of ``kv_len`` tokens) and unit ids ``[1, S,
+    top_k]``: distinct causal units, -1 padded where a query has fewer."""
+    rng = np.random.default_rng(seed)
+    positions = np.arange(kv_len - queries, kv_len)
     idx = []
-    for units in np.arange(kv_len - queries, kv_len) // read_block + 1:
+    for units in positions // read_block + 1:
         if units >= top_k:
             idx.append(rng.choice(units, size=top_k, replace=False))
         else:
             idx.append(np.pad(rng.permutation(units), (0, top_k - units), constant_values=-1))
-    idx = jnp.asarray(np.stack(idx), jnp.int32)[None]
+    return jnp.asarray(positions, jnp.int32)[None], jnp.asarray(np.stack(idx), jnp.int32)[None]
+
+
+KERNELS = {"tpu-per-query": tpu.sparse_mla_attention, "tpu-qblock": tpu.sparse_mla_attention_qblock}
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def fp8_exact_row(read_block: int, heads: int = 16, queries: int = 256) -> None:
+    """Each TPU kernel over a dirty FP8 cache against itself over the bf16 rows it
+    dequantizes to: differing bits of out and LSE (NaN-for-NaN counts as equal)."""
+    top_k, kv_len = 2048 // read_block, 8192 - read_block // 2  # the last unit half unread
+    if SMOKE:
+        top_k, kv_len, queries = 4, 256 - read_block // 2, 8
+    tokens = kv_len + read_block // 2
+    positions, idx = flat_selection(queries, kv_len, top_k, read_block, seed=1)
+    idx = idx.at[:, ::7, 1].set(-1).at[:, ::5, 2].set(idx[:, ::5, 0])  # -1 and duplicates
+    kq, kkv = jax.random.split(jax.random.key(1))
+    q = jax.random.normal(kq, (1, queries, heads, 576), jnp.bfloat16)
+    clean = quantize_latent_cache(jax.random.normal(kkv, (1, tokens, 576), jnp.float32) * 3)
+    unread = jnp.arange(tokens) >= kv_len  # no position reaches them: poison every field
+    lat = jnp.where(unread[None, :, None], jnp.uint8(0x7F), clean.latent.view(jnp.uint8))
+    scale = jnp.where(unread[None, :, None], jnp.array([jnp.nan, jnp.inf, 0.0, -jnp.inf]),
+                      clean.scale)  # fmt: skip
+    rope = jnp.where(unread[None, :, None], jnp.bfloat16(jnp.nan), clean.rope)
+    dirty = type(clean)(latent=lat.view(jnp.float8_e4m3fn), scale=scale, rope=rope)
+    rows = dequantize_latent_cache(dirty).astype(jnp.bfloat16)
+    want_ref = ref.sparse_mla_attention(q, dirty, idx, positions, sm_scale=576**-0.5,
+                                        kv_lora_rank=512, read_block=read_block,
+                                        return_lse=True)  # fmt: skip
+    results = {}
+    for name, fn in KERNELS.items():
+        f = jax.jit(lambda q, c, fn=fn: fn(q, c, idx, positions, sm_scale=576**-0.5,
+                                           kv_lora_rank=512, read_block=read_block,
+                                           return_lse=True, **EXTRA))  # fmt: skip
+        try:
+            got, want = f(q, tpu.TpuFp8LatentCache.from_cache(dirty)), f(q, rows)
+            diff = {}
+            for part, a, b in zip(("out", "lse"), got, want, strict=True):
+                a, b = np.asarray(a), np.asarray(b)
+                nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+                diff[part] = int((nan_a != nan_b).sum() + (_bits(a) != _bits(b))[~nan_a & ~nan_b].sum())
+            results[name] = dict(differing=diff, ref_err=rel(got[0], want_ref[0]),
+                                 lse_err=rel(got[1], want_ref[1]))  # fmt: skip
+        except Exception as e:
+            traceback.print_exc()
+            results[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    record(op="sparse_mla_fp8_exact", heads=heads, queries=queries, units=top_k,
+           read_block=read_block, kv_len=kv_len, results=results)  # fmt: skip
+
+
+def sparse_row(heads: int, top_k: int, queries: int, kv_len: int, read_block: int) -> None:
+    """Flat sparse MLA at one head count: each kernel on a bf16 and an FP8 cache."""
+    kq, kkv = jax.random.split(jax.random.key(0))
+    q = jax.random.normal(kq, (1, queries, heads, 576), jnp.bfloat16)
+    kv = jax.random.normal(kkv, (1, kv_len, 576), jnp.bfloat16)
+    positions, idx = flat_selection(queries, kv_len, top_k, read_block)
     fp8 = quantize_latent_cache(kv)
     kw = dict(sm_scale=576**-0.5, kv_lora_rank=512, read_block=read_block)
 
@@ -118,11 +182,8 @@ def sparse_row(heads: int, top_k: int, queries: int, kv_len: int, read_block: in
 
     reference = call(ref.sparse_mla_attention, {})
     want = {"bf16": reference(q, kv), "fp8": reference(q, fp8)}
-    impls = {
-        "tpu-per-query": (tpu.sparse_mla_attention, EXTRA),
-        "tpu-qblock": (tpu.sparse_mla_attention_qblock, EXTRA),
-        "reference": (ref.sparse_mla_attention, {}),
-    }
+    impls = {name: (fn, EXTRA) for name, fn in KERNELS.items()}
+    impls["reference"] = (ref.sparse_mla_attention, {})
     caches = {"bf16": kv, "fp8": fp8}
     results = {}
     for iname, (fn, extra) in impls.items():
@@ -136,29 +197,34 @@ def sparse_row(heads: int, top_k: int, queries: int, kv_len: int, read_block: in
             except Exception as e:  # one failure is reported, the rest still run
                 traceback.print_exc()
                 results[f"{iname}/{cname}"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    rows_read = int((np.asarray(idx) >= 0).sum()) * read_block
     flops = 2.0 * heads * top_k * read_block * (576 + 512) * queries
     record(
         op="sparse_mla", heads=heads, queries=queries, units=top_k, read_block=read_block,
-        kv_len=kv_len, flops=flops, results=results,
+        kv_len=kv_len, flops=flops, rows_read=rows_read,
+        hbm_bytes=dict(bf16=rows_read * 640 * 2, fp8=rows_read * 768), results=results,
     )  # fmt: skip
 
 
 def main() -> None:
-    ranker_cases = () if SMOKE else (("phoenix", 8), ("small-d64", 32), ("long", 2), ("ragged", 8))
-    for name, batch in ranker_cases:
+    ranker_cases = (("phoenix", 8), ("small-d64", 32), ("long", 2), ("ragged", 8))
+    for name, batch in () if SMOKE or ARGS.no_ranker else ranker_cases:
         try:
             ranker_row(name, batch)
         except Exception as e:
             traceback.print_exc()
             record(op="ranker", case=name, error=f"{type(e).__name__}: {str(e)[:500]}")
-    shape = dict(queries=8, kv_len=512, read_block=16) if SMOKE else dict(
-        queries=1024, kv_len=32768, read_block=16)  # fmt: skip
-    for heads, top_k in ((16, 4),) if SMOKE else ((16, 128), (64, 128)):
-        try:
-            sparse_row(heads, top_k, **shape)
-        except Exception as e:
-            traceback.print_exc()
-            record(op="sparse_mla", heads=heads, error=f"{type(e).__name__}: {str(e)[:500]}")
+    for rb in (32, 64):
+        fp8_exact_row(rb)
+    for rb in (32, 64):
+        queries, kv_len, top_k = (8, 512, 4) if SMOKE else (1024, 32768, 2048 // rb)
+        for heads in (16,) if SMOKE else (16, 64):
+            try:
+                sparse_row(heads, top_k, queries=queries, kv_len=kv_len, read_block=rb)
+            except Exception as e:
+                traceback.print_exc()
+                record(op="sparse_mla", heads=heads, read_block=rb,
+                       error=f"{type(e).__name__}: {str(e)[:500]}")  # fmt: skip
 
 
 if __name__ == "__main__":

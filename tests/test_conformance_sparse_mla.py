@@ -7,7 +7,7 @@ interpret mode on the CPU with uninitialised memory NaN) and compared against
 max-abs per dtype), LSE (``-inf`` exactly on empty queries, out exactly 0 there).
 
 An FP8 latent cache (``attn_common.Fp8LatentCache``) runs on the backends whose
-``fp8`` flag is set, ragged paged, every field of the unattended rows poisoned (NaN
+``fp8`` flag is set, ragged paged in 32-token pages, every field of the unattended rows poisoned (NaN
 latent bytes, NaN / Inf / 0 scales, NaN / Inf rope), against the float32 reference on
 the dequantized cache at the bf16 tolerance (the kernels compute on bf16 rows).
 
@@ -190,23 +190,24 @@ def flat_case(backend, fn, dtype, rb, sel, seed):
 
 
 @st.composite
-def ragged_layout(draw):
+def ragged_layout(draw, page=PAGE):
     """Three requests, NUM_Q new tokens in all, each request ``PAGES_PER_REQUEST`` page
-    slots (its extent) with up to that many pages of tokens; physical pages shuffled,
-    ``SPARE_PAGES`` never referenced."""
+    slots (its extent) of ``page`` tokens with up to that many pages of tokens; physical
+    pages shuffled, ``SPARE_PAGES`` never referenced."""
     cuts = sorted(draw(st.lists(st.integers(0, NUM_Q), min_size=2, max_size=2)))
     new_lens = np.diff([0, *cuts, NUM_Q])
-    cap = PAGE * PAGES_PER_REQUEST
+    cap = page * PAGES_PER_REQUEST
     seq_lens = [draw(st.integers(max(int(n), 1), cap)) for n in new_lens]
     perm = draw(st.permutations(range(3 * PAGES_PER_REQUEST + SPARE_PAGES)))
-    return layout_dict(new_lens, seq_lens, perm)
+    return layout_dict(new_lens, seq_lens, perm, page)
 
 
-def layout_dict(new_lens, seq_lens, perm):
+def layout_dict(new_lens, seq_lens, perm, page=PAGE):
     """The ``helpers.build_ragged_layout`` dict of three requests of
-    ``PAGES_PER_REQUEST`` page slots each, ``perm`` the physical pages."""
+    ``PAGES_PER_REQUEST`` page slots of ``page`` tokens each, ``perm`` the physical
+    pages."""
     new_lens, seq_lens = np.asarray(new_lens), np.asarray(seq_lens)
-    cu_kv = np.arange(4) * PAGE * PAGES_PER_REQUEST
+    cu_kv = np.arange(4) * page * PAGES_PER_REQUEST
     positions = np.concatenate(
         [np.arange(int(s) - int(n), int(s)) for s, n in zip(seq_lens, new_lens, strict=True)]
     )
@@ -272,6 +273,7 @@ def ragged_case(backend, fn, dtype, layout, seed):
 # ---------------------------------------------------------------- FP8 latent cache
 
 FP8_DV, FP8_ROPE = 512, 64  # the only split an Fp8LatentCache holds
+FP8_PAGE = 32  # whole 8-bit tiles: the compiled TPU kernels' FP8 unit (any backend takes it)
 
 
 def _fp8_cases():
@@ -284,7 +286,7 @@ def _fp8_cases():
             continue
         for fn in FNS:
             name = f"{backend}-{fn.removeprefix('sparse_mla_attention') or 'plain'}"
-            out.append(pytest.param(backend, fn, id=f"{name}-fp8", marks=[pytest.mark.slow]))
+            out.append(pytest.param(backend, fn, id=f"{name}-fp8", marks=[pytest.mark.slow, pytest.mark.fp8]))
     return out
 
 
@@ -293,8 +295,11 @@ def test_ragged_paged_fp8(backend, fn):
     backend.require()
 
     @_examples(backend)
-    @given(layout=ragged_layout(), seed=st.integers(0, 2**31 - 1))
-    @example(layout=layout_dict([5, 0, 7], [40, 3, 7], [10, 3, 7, 0, 8, 1, 5, 9, 2, 4, 6]), seed=1)
+    @given(layout=ragged_layout(FP8_PAGE), seed=st.integers(0, 2**31 - 1))
+    @example(
+        layout=layout_dict([5, 0, 7], [70, 3, 7], [10, 3, 7, 0, 8, 1, 5, 9, 2, 4, 6], FP8_PAGE),
+        seed=1,
+    )
     def check(layout, seed):
         ragged_fp8_case(backend, fn, layout, seed)
 
@@ -304,16 +309,16 @@ def test_ragged_paged_fp8(backend, fn):
 def ragged_fp8_case(backend, fn, layout, seed):
     rng = rng_for(seed)
     num_pages, dk = layout["num_pages"], FP8_DV + FP8_ROPE
-    cache = quantize_latent_cache(jnp.asarray(randn(rng, (num_pages, PAGE, dk), np.float32)))
+    cache = quantize_latent_cache(jnp.asarray(randn(rng, (num_pages, FP8_PAGE, dk), np.float32)))
     q = randn(rng, (1, NUM_Q, RAGGED_HEADS, dk), "bfloat16")
-    idx = random_page_selection(rng, layout, RAGGED_TOP_K, PAGE)
+    idx = random_page_selection(rng, layout, RAGGED_TOP_K, FP8_PAGE)
     positions = layout["positions"].copy()
     positions[rng.integers(0, NUM_Q)] += 40  # kv_len (the request's length) binds
-    keep = attended_rows_ragged(layout, idx, positions, page_size=PAGE, num_pages=num_pages)
+    keep = attended_rows_ragged(layout, idx, positions, page_size=FP8_PAGE, num_pages=num_pages)
     dirty = poison_fp8_cache(cache, keep, seed=seed)
     names = ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
     tables = {k: jnp.asarray(layout[k]) for k in names}
-    static = dict(read_block=PAGE, page_size=PAGE)
+    static = dict(read_block=FP8_PAGE, page_size=FP8_PAGE)
     args = (q, dirty, idx[None], positions[None])
     got = run_interpret(_call(backend, fn, FP8_DV, **static), *args, tables)
     deq = np.asarray(dequantize_latent_cache(cache))  # the clean cache's values, float32
