@@ -158,7 +158,9 @@ def fp8_exact_row(read_block: int, heads: int = 16, queries: int = 256) -> None:
             for part, a, b in zip(("out", "lse"), got, want, strict=True):
                 a, b = np.asarray(a), np.asarray(b)
                 nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
-                diff[part] = int((nan_a != nan_b).sum() + (_bits(a) != _bits(b))[~nan_a & ~nan_b].sum())
+                diff[part] = int(
+                    (nan_a != nan_b).sum() + (_bits(a) != _bits(b))[~nan_a & ~nan_b].sum()
+                )
             results[name] = dict(differing=diff, ref_err=rel(got[0], want_ref[0]),
                                  lse_err=rel(got[1], want_ref[1]))  # fmt: skip
         except Exception as e:

@@ -286,7 +286,8 @@ def _fp8_cases():
             continue
         for fn in FNS:
             name = f"{backend}-{fn.removeprefix('sparse_mla_attention') or 'plain'}"
-            out.append(pytest.param(backend, fn, id=f"{name}-fp8", marks=[pytest.mark.slow, pytest.mark.fp8]))
+            marks = [pytest.mark.slow, pytest.mark.fp8]
+            out.append(pytest.param(backend, fn, id=f"{name}-fp8", marks=marks))
     return out
 
 
