@@ -19,13 +19,16 @@ for H in {16, 32, 64, 128} (prefill) and {16, 128} (decode). Per row: CUPTI devi
 row table included), TFLOP/s counting ``2 H (576 + 512)`` per valid (query, key token),
 and the gather rate: the cache bytes a row-gather kernel reads (each valid row once per
 64-head group: 1,152 bytes bf16, 656 FP8) over the time, against the copy ceiling
-measured in the same run (``attn_mosaic_gpu.bench.ceilings``). FP8 rows add the
-speed-up over bf16 and the target of issue 41 (H 16 / 32: 1.6x, 64: 1.4x, 128: 1.0x),
-the time of the alternative without the FP8 kernel (a third row per case, variant
-``fp8-dequantized``: the whole FP8 cache dequantized to the bf16 kernel's layout by XLA,
-then the bf16 kernel, in one jit), and the rel L2 of the FP8 output against the bf16 one (the cost of the format, not of
-the kernel: the kernel's FP8 result is bitwise its bf16 result on the dequantized
-cache, ``packages/attn-mosaic-gpu/tests/test_sparse_mla_fp8_gpu.py``).
+measured in the same run (``attn_mosaic_gpu.bench.ceilings``). Four rows per case
+(``variant``): ``bf16``; ``fp8``, the op's default over the FP8 cache (``path``: which
+of the two below ``attn_mosaic_gpu.sparse_mla.dequantize_store_first`` picks); and both
+FP8 paths forced, ``fp8-on-chip`` (``fp8_dequantize=False``: the kernel gathers the FP8
+rows and dequantizes on chip) and ``fp8-copy`` (``fp8_dequantize=True``: XLA dequantizes
+the whole cache into a bf16 copy, then the bf16 kernel). The ``fp8`` row adds the
+speed-up over bf16, the target of issue 41 (H 16 / 32: 1.6x, 64: 1.4x, 128: 1.0x) and
+the rel L2 of its output against the bf16 one (the cost of the format, not of the
+kernel: every FP8 path is bitwise the bf16 kernel on the dequantized cache,
+``packages/attn-mosaic-gpu/tests/test_sparse_mla_fp8_gpu.py``).
 
     python benchmarks/sparse_mla_fp8.py --out docs/results            # on the H200
     python benchmarks/sparse_mla_fp8.py --smoke --out /tmp/s          # CPU, interpret mode
@@ -52,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_common import dequantize_latent_cache, quantize_latent_cache
+from attn_common import quantize_latent_cache
 from attn_common.cli_args import provenance
 from attn_mosaic_gpu.bench import ceilings, device_ms
 from attn_mosaic_gpu.bench_sparse_mla import (
@@ -62,6 +65,7 @@ from attn_mosaic_gpu.bench_sparse_mla import (
     paged_layout,
     rel_l2,
 )
+from attn_mosaic_gpu.sparse_mla import dequantize_store_first
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "sparse_mla_fp8"
@@ -144,28 +148,32 @@ def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) 
     print(f"{case.name}: {pairs / case.num_queries:.0f} valid keys/query "
           f"({time.perf_counter() - t0:.1f} s inputs)")  # fmt: skip
     rows, outs = [], {}
+    op = gpu.sparse_mla_attention
+    store_rows = case.kv_len if case.layout == "flat" else fp8.shape[0] * fp8.shape[1]
+    capacity = case.num_queries * -(-case.top_k_tokens // 128) * 128  # padded row table
+    path = "copy" if dequantize_store_first(store_rows, capacity, case.heads) else "on-chip"
     variants = (
-        ("bf16", "bf16", "mosaic-gpu", kv, gpu.sparse_mla_attention),
-        ("fp8", "fp8", "mosaic-gpu", fp8, gpu.sparse_mla_attention),
-        # What an FP8-cache user can do without the FP8 kernel: dequantize the whole
-        # cache to the kernel's bf16 layout (XLA, in the same jit), then the bf16 kernel.
-        ("fp8-dequantized", "fp8", "xla-dequantize+mosaic-gpu", fp8,
-         functools.partial(_dequantize_then_attend, gpu.sparse_mla_attention, case.layout)),
-    )  # fmt: skip
-    for variant, cache, impl, store, op in variants:
+        ("bf16", "bf16", kv, op),
+        ("fp8", "fp8", fp8, op),
+        ("fp8-on-chip", "fp8", fp8, functools.partial(op, fp8_dequantize=False)),
+        ("fp8-copy", "fp8", fp8, functools.partial(op, fp8_dequantize=True)),
+    )
+    for variant, cache, store, fn in variants:
         gathered = groups * pairs * BYTES_PER_TOKEN[cache]
         row = {
-            "case": case.name, "variant": variant, "impl": impl, "cache": cache,
+            "case": case.name, "variant": variant, "impl": "mosaic-gpu", "cache": cache,
             "heads": case.heads,
             "mode": case.mode, "layout": case.layout, "kv_len": case.kv_len,
             "num_queries": case.num_queries, "requests": case.requests if case.layout == "ragged" else 1,
             "top_k_tokens": case.top_k_tokens, "valid_pairs": pairs, "flops": flops,
             "gathered_bytes": gathered, "ms": None, "tflops": None,
         }  # fmt: skip
+        if variant == "fp8":
+            row["path"] = path
         try:
-            fn, call_args = jit_call(op, (q, store, *rest), kw)
-            outs[variant] = fn(*call_args)[0]
-            ms, method = device_ms(fn, *call_args, iterations=iterations)
+            jitted, call_args = jit_call(fn, (q, store, *rest), kw)
+            outs[variant] = jitted(*call_args)[0]
+            ms, method = device_ms(jitted, *call_args, iterations=iterations)
             rate = gathered / ms / 1e9
             row.update(
                 ms=ms, timing=method, tflops=flops / ms / 1e9, gather_tbps=rate,
@@ -177,24 +185,12 @@ def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) 
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc()
         rows.append(row)
-    bf16, fp8_row, dequantized = rows
-    if bf16["ms"] and fp8_row["ms"]:
-        fp8_row["speedup_vs_bf16"] = bf16["ms"] / fp8_row["ms"]
-        fp8_row["target_speedup"] = TARGETS.get(case.heads)
-        fp8_row["out_rel_l2_vs_bf16"] = rel_l2(outs["fp8"], outs["bf16"])
-    if dequantized["ms"] and fp8_row["ms"]:
-        fp8_row["speedup_vs_dequantized"] = dequantized["ms"] / fp8_row["ms"]
+    bf16, default = rows[0], rows[1]
+    if bf16["ms"] and default["ms"]:
+        default["speedup_vs_bf16"] = bf16["ms"] / default["ms"]
+        default["target_speedup"] = TARGETS.get(case.heads)
+        default["out_rel_l2_vs_bf16"] = rel_l2(outs["fp8"], outs["bf16"])
     return rows
-
-
-def _dequantize_then_attend(op, layout, q, cache, *rest, **kw):
-    """``op`` on the whole FP8 cache dequantized to bf16 first, in the bf16 kernel's
-    cache layout (flat ``[B, T, 576]``; paged ``[pages, page / 2, 2, 640]``)."""
-    rows = dequantize_latent_cache(cache).astype(jnp.bfloat16)
-    if layout == "ragged":
-        pages, page = cache.shape
-        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 640 - DK))).reshape(pages, page // 2, 2, 640)
-    return op(q, rows, *rest, **kw)
 
 
 def write_reports(result: dict, out: Path) -> list[Path]:
@@ -208,16 +204,17 @@ def write_reports(result: dict, out: Path) -> list[Path]:
         "",
         f"Commit `{prov['commit']}`, {prov['date']}, device {result['device']}; command "
         f"`{prov['command']}`. Time: {timing} ({'device time' if timing == 'cupti' else 'not a device time'}), "
-        f"median of {result['iterations']} calls after a warm-up, row table included. Gather: cache bytes a row-gather kernel reads "
+        f"median of {result['iterations']} calls after a warm-up, row table included. FP8: the "
+        "op's default (its path: `on-chip`, the kernel gathers FP8 rows and dequantizes "
+        "them; `copy`, XLA dequantizes the whole cache into bf16 first, then the bf16 "
+        "kernel), then both paths forced. Gather: cache bytes a row-gather kernel reads "
         "(1,152 per valid row bf16, 656 FP8, once per 64-head group) over the time; copy "
         f"ceiling {ceil.get('copy_tbps', float('nan')):.2f} TB/s (same run). Target: "
-        "issue 41's FP8 speed-up. FP8 dequantized + bf16: the whole FP8 cache dequantized "
-        "to the bf16 kernel's layout by XLA, then the bf16 kernel, in one jit (what an "
-        "FP8-cache user can run without the FP8 kernel).",
+        "issue 41's FP8 speed-up.",
         "",
-        "| case | heads | bf16 ms | FP8 ms | speed-up | target | FP8 dequantized + bf16 ms "
-        "| FP8 vs that | bf16 TFLOP/s | FP8 TFLOP/s | bf16 gather TB/s (of copy) "
-        "| FP8 gather TB/s (of copy) | FP8 out vs bf16 rel L2 |",
+        "| case | heads | bf16 ms | FP8 ms (path) | speed-up | target | FP8 on chip ms "
+        "| FP8 copy ms | bf16 TFLOP/s | FP8 TFLOP/s | bf16 gather TB/s (of copy) "
+        "| FP8 on-chip gather TB/s (of copy) | FP8 out vs bf16 rel L2 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -227,8 +224,9 @@ def write_reports(result: dict, out: Path) -> list[Path]:
     by_case: dict[str, dict] = {}
     for row in result["rows"]:
         by_case.setdefault(row["case"], {})[row.get("variant", row["cache"])] = row
-    for name, pair in by_case.items():
-        b, e, d = pair.get("bf16", {}), pair.get("fp8", {}), pair.get("fp8-dequantized", {})
+    for name, rows in by_case.items():
+        b, e = rows.get("bf16", {}), rows.get("fp8", {})
+        chip, copy = rows.get("fp8-on-chip", {}), rows.get("fp8-copy", {})
         speed, target = e.get("speedup_vs_bf16"), e.get("target_speedup")
         met = (
             ""
@@ -244,10 +242,10 @@ def write_reports(result: dict, out: Path) -> list[Path]:
 
         lines.append(
             f"| {name} | {b.get('heads', e.get('heads'))} | {f(b.get('ms'), '.3f')} "
-            f"| {f(e.get('ms'), '.3f')} | {f(speed, '.2f')}x | {f(target, '.1f')}x{met} "
-            f"| {f(d.get('ms'), '.3f')} | {f(e.get('speedup_vs_dequantized'), '.2f')}x "
+            f"| {f(e.get('ms'), '.3f')} ({e.get('path', 'n/a')}) | {f(speed, '.2f')}x "
+            f"| {f(target, '.1f')}x{met} | {f(chip.get('ms'), '.3f')} | {f(copy.get('ms'), '.3f')} "
             f"| {f(b.get('tflops'), '.0f')} | {f(e.get('tflops'), '.0f')} | {gather(b)} "
-            f"| {gather(e)} | {f(e.get('out_rel_l2_vs_bf16'), '.2e')} |"
+            f"| {gather(chip)} | {f(e.get('out_rel_l2_vs_bf16'), '.2e')} |"
         )
     paths[1].write_text("\n".join(lines) + "\n")
     write_plot(by_case, paths[2])

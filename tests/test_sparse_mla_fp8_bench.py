@@ -59,12 +59,13 @@ def test_reports(bench, tmp_path):
                 "fp8",
                 1.6,
                 variant="fp8",
+                path="copy",
                 speedup_vs_bf16=1.25,
                 target_speedup=1.6,
                 out_rel_l2_vs_bf16=0.02,
-                speedup_vs_dequantized=1.5,
             ),
-            _row("fp8", 2.4, variant="fp8-dequantized", impl="xla-dequantize+mosaic-gpu"),
+            _row("fp8", 2.4, variant="fp8-on-chip"),
+            _row("fp8", 1.6, variant="fp8-copy"),
         ],
     }
     paths = bench.write_reports(result, tmp_path)
@@ -75,7 +76,8 @@ def test_reports(bench, tmp_path):
         assert {"impl", "cache", "heads", "mode", "ms", "tflops"} <= set(row)
     md = paths[1].read_text()
     assert (
-        "| prefill-flat-h16 | 16 | 2.000 | 1.600 | 1.25x | 1.6x **not met** | 2.400 | 1.50x |" in md
+        "| prefill-flat-h16 | 16 | 2.000 | 1.600 (copy) | 1.25x | 1.6x **not met** | 2.400 | 1.600 |"
+        in md
     )
     assert "abc1234" in md and "cupti (device time)" in md
     assert paths[2].read_text().startswith("<svg")
@@ -87,6 +89,7 @@ def test_smoke_runs(bench, tmp_path):
     assert result["failed"] == 0
     fp8 = [r for r in result["rows"] if r["variant"] == "fp8"]
     assert len(fp8) == 2 and all(r["speedup_vs_bf16"] > 0 for r in fp8)
-    assert all(r["speedup_vs_dequantized"] > 0 for r in fp8)
+    assert all(r["path"] in ("copy", "on-chip") for r in fp8)  # tests/..fp8_cpu: the rule
+    assert {r["variant"] for r in result["rows"]} == {"bf16", "fp8", "fp8-on-chip", "fp8-copy"}
     # The format's cost, not the kernel's: FP8 keys against bf16 keys.
     assert all(0 < r["out_rel_l2_vs_bf16"] < 0.1 for r in fp8)  # 0.043 / 0.036 seen

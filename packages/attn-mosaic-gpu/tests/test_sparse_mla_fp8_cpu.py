@@ -50,6 +50,7 @@ from helpers import (
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
 from attn_common import Fp8LatentCache, dequantize_latent_cache, quantize_latent_cache
+from attn_mosaic_gpu.sparse_mla import dequantize_store_first
 from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
 
 INTERPRET = gpu_interpret()
@@ -263,8 +264,9 @@ def _flat(fn, case, **kw):
 @pytest.mark.slow  # interpret mode at Dv = 512, two runs: 12-40 s on 2 shared cores
 def test_flat_token_level_fp8():
     q, cache, idx, pos = case = _flat_case(20)
-    got = _run(_flat, gpu.sparse_mla_attention, case)
+    got = _run(_flat, gpu.sparse_mla_attention, case, fp8_dequantize=False)
     _equal(got, _run(_flat, gpu.sparse_mla_attention, (q, _as_bf16(cache), idx, pos)))
+    _equal(got, _run(_flat, gpu.sparse_mla_attention, case, fp8_dequantize=True))
     want = _flat(ref.sparse_mla_attention, case)
     assert np.isneginf(np.asarray(want[1])).any()  # the case has empty queries
     assert_sparse_mla_close(got, want, **TOL)
@@ -308,7 +310,7 @@ def _paged_bf16(cache: Fp8LatentCache) -> jax.Array:
 @pytest.mark.slow  # interpret mode at Dv = 512, two runs: 18-50 s on 2 shared cores
 def test_ragged_paged_fp8():
     layout, cache, q, idx = _ragged_case(21)
-    got = _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx)
+    got = _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx, fp8_dequantize=False)
     _equal(got, _run(_ragged, gpu.sparse_mla_attention, layout, _paged_bf16(cache), q, idx))
     want = _ragged(ref.sparse_mla_attention, layout, cache, q, idx)
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
@@ -334,7 +336,7 @@ def test_ragged_decode_fp8():
         layout, idx, layout["positions"], page_size=PAGE, num_pages=layout["num_pages"]
     )
     cache = poison_fp8(cache, keep, 24)
-    got = _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx)
+    got = _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx, fp8_dequantize=False)
     _equal(got, _run(_ragged, gpu.sparse_mla_attention, layout, _paged_bf16(cache), q, idx))
     assert np.isneginf(np.asarray(got[1])[0, first : first + new_lens[2]]).all()
     assert_sparse_mla_close(got, _ragged(ref.sparse_mla_attention, layout, cache, q, idx), **TOL)
@@ -354,7 +356,7 @@ def test_prefill_wrapper_fp8_quantizes_then_attends():
     args = (q[0, :, :, :DV], q[0, :, :, DV:], kvc, kpe, cache, idx, positions, loc,
             layout["seq_lens"], layout["cu_q_lens"], cu_kv, layout["page_indices"])  # fmt: skip
     kw = dict(kv_lora_rank=DV, page_size=PAGE, sm_scale=SM_SCALE)
-    out, new_cache = _run(gpu.prefill_write_and_attend_ragged, *args, **kw)
+    out, new_cache = _run(gpu.prefill_write_and_attend_ragged, *args, **kw, fp8_dequantize=False)
     want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
     for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(want_cache), strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
@@ -390,7 +392,10 @@ def test_cross_lowers_flat_prefill(heads):
     """4096 tokens, top-2048 tokens of a 32K flat FP8 cache."""
     sds = jax.ShapeDtypeStruct
     tokens, top_k, cache = 4096, 2048, 32768
-    fn = functools.partial(gpu.sparse_mla_attention, sm_scale=0.0721, read_block=1, return_lse=True)
+    fn = functools.partial(
+        gpu.sparse_mla_attention, sm_scale=0.0721, read_block=1, return_lse=True,
+        fp8_dequantize=False,  # the default dequantizes this cache first (test_fp8_path)
+    )  # fmt: skip
     export_mosaic_gpu(
         fn,
         sds((1, tokens, heads, DK), jnp.bfloat16),
@@ -426,6 +431,55 @@ def test_cross_lowers_ragged_decode():
         sds((requests + 1,), i32),
         sds((pages,), i32),
     )
+
+
+def _pallas_input_dtypes(fn, *structs) -> list[set[str]]:
+    """The input dtypes of every Pallas kernel in ``fn``'s jaxpr at ``structs`` (traced,
+    not run; a Mosaic GPU kernel of several warpgroups shows as ``mpmd_map``)."""
+    found = []
+
+    def visit(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+                found.append({str(v.aval.dtype) for v in eqn.invars})
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*structs).jaxpr)
+    return found
+
+
+def test_fp8_path():
+    """``dequantize_store_first`` at the benchmark shapes and its boundary, and the op
+    following it: the attention kernel reads the FP8 arrays (on chip) or bf16 rows (the
+    whole cache dequantized first), as ``fp8_dequantize`` says or, by default, the rule."""
+    first = dequantize_store_first
+    assert first(32768, 4096 * 2048, 16) and first(32768, 4096 * 2048, 128)  # prefill
+    assert not first(128 * 32768, 256 * 2048, 16)  # decode, 128 requests x 2 tokens
+    assert first(1000, 8000, 64) and not first(1001, 8000, 64)
+    assert first(1001, 4004, 65)  # two head groups gather every row twice
+    sds = jax.ShapeDtypeStruct
+    tokens, top_k, kv_len = 4096, 2048, 32768
+    args = (sds((1, tokens, 16, DK), jnp.bfloat16), _fp8_struct(1, kv_len),
+            sds((1, tokens, top_k), jnp.int32), sds((1, tokens), jnp.int32))  # fmt: skip
+
+    def reads_fp8(kv_len, **kw):
+        fn = functools.partial(gpu.sparse_mla_attention, sm_scale=0.07, read_block=1, **kw)
+        calls = _pallas_input_dtypes(fn, *args[:1], _fp8_struct(1, kv_len), *args[2:])
+        attention = [c for c in calls if "bfloat16" in c]  # the row sort's are int32 only
+        assert len(attention) == 1
+        return "float8_e4m3fn" in attention[0]
+
+    assert not reads_fp8(kv_len) and not reads_fp8(kv_len, fp8_dequantize=True)
+    assert reads_fp8(kv_len, fp8_dequantize=False)
+    long = tokens * top_k // 8 + 1  # one row past the rule's boundary
+    assert reads_fp8(long) and not reads_fp8(long, fp8_dequantize=True)
+    with pytest.raises(TypeError, match="fp8_dequantize"):
+        bad = functools.partial(gpu.sparse_mla_attention, fp8_dequantize="yes")
+        jax.eval_shape(functools.partial(bad, sm_scale=0.07, read_block=1), *args)
 
 
 def _kernel_module(store) -> str:
@@ -472,7 +526,8 @@ def test_q_gradient_over_fp8_cache():
         out = fn(q, cache, idx, pos, sm_scale=SM_SCALE, read_block=1, **kw)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    got = _run(jax.grad(functools.partial(loss, gpu.sparse_mla_attention)), q)
+    on_chip = functools.partial(gpu.sparse_mla_attention, fp8_dequantize=False)
+    got = _run(jax.grad(functools.partial(loss, on_chip)), q)
     want = jax.grad(functools.partial(loss, ref.sparse_mla_attention))(q)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all()

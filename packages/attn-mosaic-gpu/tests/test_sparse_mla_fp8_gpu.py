@@ -4,7 +4,9 @@ Skipped unless JAX's default backend is a GPU. The kernel dequantizes each gathe
 on chip to ``bf16(float32(latent) * scale)``, so on an ``Fp8LatentCache`` it must give
 the bits it gives on the bf16 cache ``dequantize_latent_cache(cache).astype(bfloat16)``
 (every case checks that exactly: the load, the conversion, the swizzled stores, the
-barriers and the zero-fill of rows past the count all show in it), and stay within the
+barriers and the zero-fill of rows past the count all show in it; the on-chip path is
+forced with ``fp8_dequantize=False``, and the default, which may dequantize the whole
+cache first, must give the same bits), and stay within the
 bf16 kernel's tolerance of the reference on that bf16 cache (on a sample of queries). Every cache row
 no query attends is dirty (NaN latent bytes, NaN / Inf / 0 scales, NaN rope). Cases at
 production-like shapes: flat token-level (top-2048 of 8K, duplicates, ``-1``, ids past
@@ -115,8 +117,9 @@ def test_flat_token_level(heads):
     keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=1)
     cache = _poison(_random_cache(rng, (1, kv_len)), keep, seed=heads)
     kw = dict(sm_scale=SM_SCALE, read_block=1, return_lse=True)
-    got = gpu.sparse_mla_attention(q, cache, idx, pos, **kw)
+    got = gpu.sparse_mla_attention(q, cache, idx, pos, fp8_dequantize=False, **kw)
     _equal(got, gpu.sparse_mla_attention(q, _as_bf16(cache), idx, pos, **kw))
+    _equal(gpu.sparse_mla_attention(q, cache, idx, pos, **kw), got)  # here the whole copy
     assert np.isneginf(np.asarray(got[1])[0, 3]).all() and not np.asarray(got[0])[0, 3].any()
     assert np.isfinite(np.asarray(got[0])).all()
     sample = np.r_[0:5, seq - 3 : seq]
@@ -148,8 +151,9 @@ def _ragged(requests, per_request, kv_len, pages_per_query, heads, seed, page=PA
 
 
 def _check_ragged(q, cache, idx, pos, kw):
-    got = gpu.sparse_mla_attention(q, cache, idx, pos, **kw)
+    got = gpu.sparse_mla_attention(q, cache, idx, pos, fp8_dequantize=False, **kw)
     _equal(got, gpu.sparse_mla_attention(q, _paged_bf16(cache), idx, pos, **kw))
+    _equal(gpu.sparse_mla_attention(q, cache, idx, pos, **kw), got)
     assert np.isneginf(np.asarray(got[1])[0, 1]).all()
     sample = np.r_[0:4, q.shape[1] - 4 : q.shape[1]]
     # The reference on a sample: the tables and kv lengths are per query, so keep them.
@@ -202,3 +206,7 @@ def test_prefill_wrapper_quantizes_then_attends():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     lse = np.zeros(out.shape[:2], np.float32)
     assert_sparse_mla_close((out, lse), (want_out, lse), **FP8_TOL)
+    on_chip, _ = gpu.prefill_write_and_attend_ragged(
+        *args, kv_lora_rank=DV, page_size=page, sm_scale=SM_SCALE, fp8_dequantize=False
+    )
+    np.testing.assert_array_equal(np.asarray(on_chip), np.asarray(out))

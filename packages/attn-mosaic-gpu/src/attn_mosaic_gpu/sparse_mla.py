@@ -7,7 +7,8 @@ token-level selections of DeepSeek V3.2's indexer) into a per-query row table wi
 out-of-range ids and duplicates all resolved there, outside the kernel; the tables of
 token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the
 gather-attend kernel of ``sparse_mla_kernel`` (over a bf16 cache, or an
-``Fp8LatentCache`` whose three arrays the row ids index alike, dequantized on chip).
+``Fp8LatentCache`` whose three arrays the row ids index alike, dequantized on chip, or
+first dequantized whole by XLA where that costs less: ``dequantize_store_first``).
 ``sparse_mla_attention_qblock`` is a
 deprecated second name for it: the query-blocked union schedule is a TPU design, and on
 Hopper each program gathers its own token's rows, so the TPU knobs are validated and do
@@ -25,7 +26,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attn_common.fp8_cache import cache_compute_dtype
+from attn_common.fp8_cache import Fp8LatentCache, cache_compute_dtype, dequantize_latent_cache
 from attn_common.paged import write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
 from attn_common.sparse_mla_xla import kernel_result
@@ -40,6 +41,7 @@ from attn_common.spec import (
 )
 from attn_mosaic_gpu import row_sort
 from attn_mosaic_gpu.sparse_mla_kernel import (
+    HEADS_PER_PROGRAM,
     ROPE,
     SparseMlaKernelConfig,
     resolve_interpret,
@@ -47,6 +49,7 @@ from attn_mosaic_gpu.sparse_mla_kernel import (
 )
 
 __all__ = [
+    "dequantize_store_first",
     "paged_write_back",
     "prefill_write_and_attend_ragged",
     "prefill_write_and_attend_ragged_qblock",
@@ -57,6 +60,26 @@ __all__ = [
 
 KERNEL_DTYPE = jnp.bfloat16
 _VALUE_MULTIPLE = 128  # each compute warpgroup takes Dv / 2 value columns, whole 64-wide tiles
+# A whole FP8 store dequantized by XLA costs about as much per store row as the kernel's
+# on-chip dequantization per this many gathered rows and 64-head group. H200, 5484fde
+# (docs/results/sparse_mla_fp8.json): 0.88 ns a store row (128 x 32K tokens in 3.68 ms
+# over the bf16 kernel) against 0.114-0.119 ns a gathered row and head group (the FP8
+# kernel over the bf16 one, prefill H 16-128 and decode): 7.4-7.7.
+WHOLE_STORE_ROW_COST = 8
+
+
+def dequantize_store_first(store_rows: int, gathered_rows: int, heads: int) -> bool:
+    """Whether an FP8 store is cheaper dequantized whole by XLA before the bf16 kernel
+    than row by row on chip: ``store_rows * WHOLE_STORE_ROW_COST <= gathered_rows *
+    head_groups``. ``gathered_rows`` is the selection's capacity (queries x padded rows
+    per query), ``head_groups`` the 64-head programs per query, each of which gathers and
+    dequantizes every row. Prefill over its own context takes this path (4096 queries x
+    2048 rows of a 32K-token cache: 8.4M gathered rows against 262K); decode over long
+    requests keeps the on-chip path (256 queries x 2048 rows of a 4M-token pool). The
+    transient bf16 copy (1,152 bytes a store row) is then at most ``gathered_rows *
+    head_groups / 8`` rows."""
+    groups = -(-heads // HEADS_PER_PROGRAM)
+    return store_rows * WHOLE_STORE_ROW_COST <= gathered_rows * groups
 
 
 def sparse_mla_unsupported(
@@ -89,7 +112,12 @@ def sparse_mla_unsupported(
 
 
 @public_op(sparse_mla_call)
-def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig | None = None):
+def sparse_mla_attention(
+    call: SparseMlaCall,
+    *,
+    config: SparseMlaKernelConfig | None = None,
+    fp8_dequantize: bool | None = None,
+):
     """Sparse MLA attention over selected KV units on Hopper; the reference's contract.
 
     The kernel takes a bfloat16 cache (the query takes its dtype) or an
@@ -125,13 +153,19 @@ def sparse_mla_attention(call: SparseMlaCall, *, config: SparseMlaKernelConfig |
         raise TypeError(
             f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
         )
+    if fp8_dequantize is not None and not isinstance(fp8_dequantize, bool):
+        raise TypeError(
+            f"fp8_dequantize: got {type(fp8_dequantize).__name__}, expected bool or None"
+        )
     config = config or SparseMlaKernelConfig()
     interpret = resolve_interpret(call.interpret)
-    forward = functools.partial(_kernel_forward, config=config, interpret=interpret)
+    forward = functools.partial(
+        _kernel_forward, config=config, fp8_dequantize=fp8_dequantize, interpret=interpret
+    )
     return kernel_result(call, forward)
 
 
-def _kernel_forward(call: SparseMlaCall, *, config, interpret):
+def _kernel_forward(call: SparseMlaCall, *, config, fp8_dequantize, interpret):
     """The kernel's ``(out [B, S, H, Dv], lse [B, S, H])`` (the LSE always)."""
     problem = call.problem
     q, q_rope = call.q if isinstance(call.q, tuple) else (call.q, None)
@@ -149,14 +183,20 @@ def _kernel_forward(call: SparseMlaCall, *, config, interpret):
         dv=problem.dv,
         read_block=problem.read_block,
         config=config,
+        fp8_dequantize=fp8_dequantize,
         interpret=interpret,
     )
     shape = (problem.batch, problem.num_queries, problem.heads)
     return out.reshape(*shape, problem.dv), lse.reshape(shape)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "config", "interpret"))
-def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, config, interpret):
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "dv", "read_block", "config", "fp8_dequantize", "interpret"),
+)
+def _attend(
+    q, q_rope, store, units, *, sm_scale, dv, read_block, config, fp8_dequantize, interpret
+):
     rows, counts = selected_rows(
         units,
         read_block=read_block,
@@ -166,6 +206,11 @@ def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, config, interp
         # it, so interpret mode keeps XLA's sort; the table is the same either way).
         token_table=None if interpret else row_sort.token_rows,
     )
+    if isinstance(store, Fp8LatentCache):
+        if fp8_dequantize is None:
+            fp8_dequantize = dequantize_store_first(store.shape[0], rows.size, q.shape[1])
+        if fp8_dequantize:  # the kernel's own bf16 rows: bf16(latent * scale), the rope
+            store = dequantize_latent_cache(store).astype(jnp.bfloat16)
     return sparse_mla_rows_attention(
         q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, config=config,
         interpret=interpret,
@@ -206,15 +251,22 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
 
 @public_op(prefill_call)
 def prefill_write_and_attend_ragged(
-    call: PrefillCall, *, config: SparseMlaKernelConfig | None = None
+    call: PrefillCall,
+    *,
+    config: SparseMlaKernelConfig | None = None,
+    fp8_dequantize: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (ragged mode).
 
     ``query_block`` / ``u_max`` are validated and change nothing on Hopper. The kernel
     reads ``ql`` and ``qpe`` where they are: joining them first would copy all of Q
     (0.3-0.4 ms for 4096 tokens x 128 heads on the H200, docs/sparse_mla_gpu.md).
+    ``config`` and ``fp8_dequantize``: as for :func:`sparse_mla_attention` (the cache
+    attended is the one written).
     """
-    attend = functools.partial(sparse_mla_attention.impl, config=config)
+    attend = functools.partial(
+        sparse_mla_attention.impl, config=config, fp8_dequantize=fp8_dequantize
+    )
     return write_then_attend(paged_write_back.impl, attend, call, split_q=True)
 
 
