@@ -19,24 +19,36 @@ model (``packages/attn-pallas-tpu/scripts/measure_dma.py`` imports it; the kerne
 wrapper imports :func:`qblock_vmem_bytes`, :func:`choose_plan` and
 :func:`static_qblock_config`).
 
-Model of one layer call (all numbers are assumptions of the model, not measurements)
------------------------------------------------------------------------------------
+Model of one layer call (assumptions, two of them fitted to a TPU v5e run)
+-------------------------------------------------------------------------
 
 * A grid step costs ``STEP_OVERHEAD_S = 0.35 us``.
 * A program (per-query: a query with at least one unit; qblock: each non-empty chunk)
   pays one DMA latency ``DMA_LATENCY_S = 1.5 us`` as the prologue that fills the ring.
 * Each unit then costs the slowest of
-  (a) compute on one TensorCore: MXU flops ``2 * RB * rows * (Dk_pad + Dv)`` (scores
-  and ``P @ V``) at the core's share of the bf16 peak scaled by the MXU efficiency
-  ``min(1, rows / mxu_dim)``, plus ``VPU_OPS_PER_SCORE = 16`` float32 VPU ops per score
-  element (mask, select, max, sub, exp, sum, cast) at the core's VPU rate, plus for an
-  FP8 cache ``DEQUANT_OPS_PER_VALUE = 4`` ops per latent value of the unit (convert,
-  multiply, round to bf16, concatenate; once per unit, not per score row); the qblock
-  kernel computes every masked score of the block, so its compute is ``union *
-  Hb * QB`` scores per group, not the useful ``sum_q distinct(q) * H``;
+  (a) compute on one TensorCore, the slower of its MXU and its VPU work (the two
+  overlap): MXU flops ``2 * RB * rows * (Dk_pad + Dv)`` (scores and ``P @ V``) at the
+  core's share of the bf16 peak scaled by the MXU efficiency ``min(1, rows /
+  mxu_dim)``; VPU: ``VPU_OPS_PER_SCORE = 16`` float32 ops per score element (mask,
+  select, max, sub, exp, sum, cast), ``ACC_OPS_PER_VALUE = 15`` per element of the
+  float32 accumulator ``[rows, Dv]`` (the online softmax rescales it and adds ``P @ V``
+  in VMEM every unit), and for an FP8 cache ``DEQUANT_OPS_PER_VALUE = 4`` per latent
+  value of the unit (convert, multiply, round to bf16, concatenate; once per unit, not
+  per score row), at the core's VPU rate. The qblock kernel computes every masked score
+  of the block, so its compute is ``union * Hb * QB`` scores per group, not the useful
+  ``sum_q distinct(q) * H``. Fitted on a TPU v5e (de747ae, 1024 queries x 2048 tokens
+  of a 32K cache, ``docs/results/tpu_v5e_sparse_mla.json``): a query-blocked unit of
+  4096 score rows took 5.5 us at 32 rows and 5.7 us at 64, where MXU and scores alone
+  give 1.9 and 3.7 us; the accumulator term (5.2 us at 15 ops) and the overlap give
+  5.5 and 5.9 us, and put the three query-blocked calls within 0-3 % of their
+  measured 22.1 / 84.5 / 11.5 ms (without them the model said 7.6 / 29.8 / 7.6 and the
+  automatic plan chose the query-blocked kernel at H 64, 3.2x slower than per-query);
   (b) the unit's transfer at the chip's HBM bandwidth;
   (c) the ring's issue rate: ``NBUF - 1 = 3`` copies in flight, so one unit per
-  ``1.5 us / 3 = 0.5 us`` when copies are latency-bound.
+  ``1.5 us / 3 = 0.5 us`` when copies are latency-bound. On the v5e the per-query
+  kernel's units of 64 rows took 0.49-0.50 us each, and units of 16 and 32 rows 0.33
+  and 0.37-0.41 us (smaller copies complete sooner), so the model is 1.0-1.5x
+  pessimistic there.
 * Programs (per-query: queries; qblock: (block, group) pairs, whose chunks run in
   order on one core) are spread over the chip's TensorCores: time = ``max(sum / cores,
   the longest program)``.
@@ -108,6 +120,7 @@ from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.tables import lossless_u_max, sanitize_unit_ids
 
 __all__ = [
+    "ACC_OPS_PER_VALUE",
     "DEQUANT_OPS_PER_VALUE",
     "DMA_LATENCY_S",
     "NBUF",
@@ -136,6 +149,7 @@ __all__ = [
 DMA_LATENCY_S = 1.5e-6  # one DMA issue -> complete, latency-bound for a unit-sized copy
 STEP_OVERHEAD_S = 0.35e-6  # per grid step
 VPU_OPS_PER_SCORE = 16  # float32 VPU ops per score element
+ACC_OPS_PER_VALUE = 15  # per float32 accumulator element per unit (fitted, v5e de747ae)
 DEQUANT_OPS_PER_VALUE = 4  # FP8 cache: VPU ops per dequantized value (once per unit)
 NBUF = 4  # DMA ring depth of both kernels: NBUF - 1 copies in flight
 MEMBER_TILE = 32  # int8 sublane tile: u_max is padded to a multiple of this
@@ -424,13 +438,13 @@ def _unit_seconds(s: PlanShape, rows: int) -> float:
     mxu_eff = min(1.0, rows / chip.mxu_dim)
     flops = 2 * s.read_block * rows * (s.dk_pad + s.dv)
     t_mxu = flops / (chip.mxu_flops / chip.cores * mxu_eff)
-    vpu_ops = VPU_OPS_PER_SCORE * s.read_block * rows
+    vpu_ops = VPU_OPS_PER_SCORE * s.read_block * rows + ACC_OPS_PER_VALUE * rows * s.dv
     if s.fp8:
         vpu_ops += DEQUANT_OPS_PER_VALUE * s.read_block * s.dk_pad
     t_vpu = vpu_ops / (chip.vpu_ops / chip.cores)
     t_transfer = s.unit_bytes / chip.hbm_bytes_per_s
     t_issue = DMA_LATENCY_S / (NBUF - 1)
-    return max(t_mxu + t_vpu, t_transfer, t_issue)
+    return max(t_mxu, t_vpu, t_transfer, t_issue)
 
 
 def _spread(xp, chains, repeat: int, cores: int):
