@@ -24,7 +24,8 @@ measured in the same run (``attn_mosaic_gpu.bench.ceilings``). Four rows per cas
 of the two below ``attn_mosaic_gpu.sparse_mla.dequantize_store_first`` picks); and both
 FP8 paths forced, ``fp8-on-chip`` (``fp8_dequantize=False``: the kernel gathers the FP8
 rows and dequantizes on chip) and ``fp8-copy`` (``fp8_dequantize=True``: XLA dequantizes
-the whole cache into a bf16 copy, then the bf16 kernel). The ``fp8`` row adds the
+the cache (ragged: the pages the page table names) into a bf16 copy, then the bf16
+kernel). The ``fp8`` row adds the
 speed-up over bf16, the target of issue 41 (H 16 / 32: 1.6x, 64: 1.4x, 128: 1.0x) and
 the rel L2 of its output against the bf16 one (the cost of the format, not of the
 kernel: every FP8 path is bitwise the bf16 kernel on the dequantized cache,
@@ -149,7 +150,9 @@ def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) 
           f"({time.perf_counter() - t0:.1f} s inputs)")  # fmt: skip
     rows, outs = [], {}
     op = gpu.sparse_mla_attention
-    store_rows = case.kv_len if case.layout == "flat" else fp8.shape[0] * fp8.shape[1]
+    # The rows the copy would dequantize: the flat cache, or the pages the table names.
+    slots = kw.get("page_indices", jnp.zeros((fp8.shape[0],))).shape[0]
+    store_rows = case.kv_len if case.layout == "flat" else min(fp8.shape[0], slots) * case.page
     capacity = case.num_queries * -(-case.top_k_tokens // 128) * 128  # padded row table
     path = "copy" if dequantize_store_first(store_rows, capacity, case.heads) else "on-chip"
     variants = (
@@ -206,7 +209,7 @@ def write_reports(result: dict, out: Path) -> list[Path]:
         f"`{prov['command']}`. Time: {timing} ({'device time' if timing == 'cupti' else 'not a device time'}), "
         f"median of {result['iterations']} calls after a warm-up, row table included. FP8: the "
         "op's default (its path: `on-chip`, the kernel gathers FP8 rows and dequantizes "
-        "them; `copy`, XLA dequantizes the whole cache into bf16 first, then the bf16 "
+        "them; `copy`, XLA dequantizes the cache (ragged: the pages the page table names) into bf16 first, then the bf16 "
         "kernel), then both paths forced. Gather: cache bytes a row-gather kernel reads "
         "(1,152 per valid row bf16, 656 FP8, once per 64-head group) over the time; copy "
         f"ceiling {ceil.get('copy_tbps', float('nan')):.2f} TB/s (same run). Target: "

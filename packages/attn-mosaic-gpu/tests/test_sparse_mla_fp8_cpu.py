@@ -307,11 +307,19 @@ def _paged_bf16(cache: Fp8LatentCache) -> jax.Array:
     return rows.reshape(cache.shape[0], PAGE // 2, 2, 640)
 
 
-@pytest.mark.slow  # interpret mode at Dv = 512, two runs: 18-50 s on 2 shared cores
+@pytest.mark.slow  # interpret mode at Dv = 512, three runs: 25-75 s on 2 shared cores
 def test_ragged_paged_fp8():
+    """On chip, on the bf16 cache and on the bf16 copy of the pages the table names
+    (fewer than the pool's: the copy holds those slots only), with an unused slot's page
+    outside the pool: the same bits."""
     layout, cache, q, idx = _ragged_case(21)
+    layout = {**layout, "page_indices": layout["page_indices"].copy()}
+    unused = layout["cu_kv_lens"][2] // PAGE - 1  # request 1's extra slot, past its tokens
+    layout["page_indices"][unused] = layout["num_pages"] + 3
+    assert layout["page_indices"].shape[0] < layout["num_pages"]
     got = _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx, fp8_dequantize=False)
     _equal(got, _run(_ragged, gpu.sparse_mla_attention, layout, _paged_bf16(cache), q, idx))
+    _equal(got, _run(_ragged, gpu.sparse_mla_attention, layout, cache, q, idx, fp8_dequantize=True))
     want = _ragged(ref.sparse_mla_attention, layout, cache, q, idx)
     assert np.isneginf(np.asarray(want[1])[0, 3]).all()
     assert_sparse_mla_close(got, want, **TOL)
@@ -477,6 +485,25 @@ def test_fp8_path():
     assert reads_fp8(kv_len, fp8_dequantize=False)
     long = tokens * top_k // 8 + 1  # one row past the rule's boundary
     assert reads_fp8(long) and not reads_fp8(long, fp8_dequantize=True)
+    # Ragged: the copy holds the pages the table names, so prefill in a large pool takes
+    # it (4 requests of 32K in a 4M-token pool) and decode over long requests does not.
+    page, pool = 64, 65536
+    for requests, per, want_fp8 in ((4, 1024, False), (128, 2, True)):
+        slots, n = requests * 32768 // page, requests * per
+        structs = (sds((1, n, 16, DK), jnp.bfloat16), _fp8_struct(pool, page),
+                   sds((1, n, 32), jnp.int32), sds((1, n), jnp.int32), sds((n,), jnp.int32),
+                   sds((requests,), jnp.int32), sds((requests + 1,), jnp.int32),
+                   sds((slots,), jnp.int32))  # fmt: skip
+
+        def ragged(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices):
+            return gpu.sparse_mla_attention(
+                q, cache, idx, pos, sm_scale=0.07, read_block=page, page_size=page,
+                q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
+                page_indices=page_indices,
+            )  # fmt: skip
+
+        calls = [c for c in _pallas_input_dtypes(ragged, *structs) if "bfloat16" in c]
+        assert len(calls) == 1 and ("float8_e4m3fn" in calls[0]) == want_fp8
     with pytest.raises(TypeError, match="fp8_dequantize"):
         bad = functools.partial(gpu.sparse_mla_attention, fp8_dequantize="yes")
         jax.eval_shape(functools.partial(bad, sm_scale=0.07, read_block=1), *args)

@@ -8,7 +8,8 @@ out-of-range ids and duplicates all resolved there, outside the kernel; the tabl
 token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the
 gather-attend kernel of ``sparse_mla_kernel`` (over a bf16 cache, or an
 ``Fp8LatentCache`` whose three arrays the row ids index alike, dequantized on chip, or
-first dequantized whole by XLA where that costs less: ``dequantize_store_first``).
+first dequantized by XLA, ragged only the pages the page table names, where that
+costs less: ``dequantize_store_first``).
 ``sparse_mla_attention_qblock`` is a
 deprecated second name for it: the query-blocked union schedule is a TPU design, and on
 Hopper each program gathers its own token's rows, so the TPU knobs are validated and do
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import warnings
 
 import jax
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from attn_common.fp8_cache import Fp8LatentCache, cache_compute_dtype, dequantize_latent_cache
 from attn_common.paged import write_back_by_scatter, write_then_attend
-from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
+from attn_common.sparse_mla_rows import row_table_width, selected_rows, sparse_mla_units
 from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import (
     PrefillCall,
@@ -71,13 +73,15 @@ WHOLE_STORE_ROW_COST = 8
 def dequantize_store_first(store_rows: int, gathered_rows: int, heads: int) -> bool:
     """Whether an FP8 store is cheaper dequantized whole by XLA before the bf16 kernel
     than row by row on chip: ``store_rows * WHOLE_STORE_ROW_COST <= gathered_rows *
-    head_groups``. ``gathered_rows`` is the selection's capacity (queries x padded rows
-    per query), ``head_groups`` the 64-head programs per query, each of which gathers and
+    head_groups``. ``store_rows`` are the rows the copy dequantizes (flat: the cache;
+    ragged: the pages the call's page table names, or the pool if that is smaller),
+    ``gathered_rows`` the selection's capacity (queries x padded rows per query),
+    ``head_groups`` the 64-head programs per query, each of which gathers and
     dequantizes every row. Prefill over its own context takes this path (4096 queries x
-    2048 rows of a 32K-token cache: 8.4M gathered rows against 262K); decode over long
-    requests keeps the on-chip path (256 queries x 2048 rows of a 4M-token pool). The
-    transient bf16 copy (1,152 bytes a store row) is then at most ``gathered_rows *
-    head_groups / 8`` rows."""
+    2048 rows of a 32K-token context: 8.4M gathered rows against 262K), however large
+    the pool; decode over long requests keeps the on-chip path (256 queries x 2048 rows
+    of 128 requests' 4M tokens). The transient bf16 copy (1,152 bytes a store row) is
+    then at most ``gathered_rows * head_groups / 8`` rows."""
     groups = -(-heads // HEADS_PER_PROGRAM)
     return store_rows * WHOLE_STORE_ROW_COST <= gathered_rows * groups
 
@@ -131,6 +135,13 @@ def sparse_mla_attention(
     ``SparseMlaKernelConfig``. ``interpret=True`` runs the kernel in Mosaic GPU
     interpret mode on the CPU.
 
+    ``fp8_dequantize`` (an ``Fp8LatentCache`` only; the same result bits either way):
+    ``None`` picks the cheaper of the on-chip dequantization and dequantizing the cache
+    with XLA first into a transient bf16 copy, in ragged mode only the pages the page
+    table names (``dequantize_store_first``: prefill over a request's own context takes
+    the copy, decode over long requests the on-chip path); ``False`` always on chip (no
+    copy: the memory-lean choice); ``True`` always the copy.
+
     Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the forward is the
     kernel, the backward runs on XLA from the kernel's saved ``out`` and ``lse``
     (``attn_common.sparse_mla_xla.with_xla_backward``: bf16 products, float32 sums; the
@@ -169,9 +180,10 @@ def _kernel_forward(call: SparseMlaCall, *, config, fp8_dequantize, interpret):
     """The kernel's ``(out [B, S, H, Dv], lse [B, S, H])`` (the LSE always)."""
     problem = call.problem
     q, q_rope = call.q if isinstance(call.q, tuple) else (call.q, None)
-    units, store = sparse_mla_units(
-        problem, call.kv, call.indices, call.positions, **call.ragged_kwargs()
-    )
+    kv, ragged = call.kv, call.ragged_kwargs()
+    if isinstance(kv, Fp8LatentCache):
+        kv, ragged = _fp8_store(problem, kv, ragged, fp8_dequantize, block=2 * config.block_k)
+    units, store = sparse_mla_units(problem, kv, call.indices, call.positions, **ragged)
     if q_rope is not None:
         q_rope = q_rope.reshape(-1, problem.heads, ROPE)
     out, lse = _attend(
@@ -183,20 +195,46 @@ def _kernel_forward(call: SparseMlaCall, *, config, fp8_dequantize, interpret):
         dv=problem.dv,
         read_block=problem.read_block,
         config=config,
-        fp8_dequantize=fp8_dequantize,
         interpret=interpret,
     )
     shape = (problem.batch, problem.num_queries, problem.heads)
     return out.reshape(*shape, problem.dv), lse.reshape(shape)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "dv", "read_block", "config", "fp8_dequantize", "interpret"),
-)
-def _attend(
-    q, q_rope, store, units, *, sm_scale, dv, read_block, config, fp8_dequantize, interpret
-):
+def _fp8_store(problem, cache: Fp8LatentCache, ragged: dict, fp8_dequantize, *, block: int):
+    """The cache the kernel reads, and the ragged tables that address it: ``cache``
+    itself (dequantized on chip), or its bf16 copy ``dequantize_latent_cache(rows)
+    .astype(bfloat16)`` where ``fp8_dequantize`` (``None``: ``dequantize_store_first``)
+    says so. Ragged, when the page table has fewer slots than the pool has pages, the
+    copy holds only the pages the table names, in their physical order (each query's
+    rows keep their order, so every result keeps its bits); a slot outside the pool
+    stays outside."""
+    page_indices = ragged["page_indices"]
+    slots = None if page_indices is None else page_indices.shape[0]
+    num_pages = cache.shape[0]
+    compact = slots is not None and slots < num_pages
+    rows = math.prod(cache.shape) if not compact else slots * ragged["page_size"]
+    if fp8_dequantize is None:
+        capacity = (
+            problem.batch
+            * problem.num_queries
+            * row_table_width(problem.top_k, problem.read_block, block)
+        )
+        fp8_dequantize = dequantize_store_first(rows, capacity, problem.heads)
+    if not fp8_dequantize:
+        return cache, ragged
+    if compact:
+        inside = (page_indices >= 0) & (page_indices < num_pages)
+        key = jnp.where(inside, page_indices, num_pages)
+        pages = jnp.unique(key, size=slots, fill_value=num_pages)  # sorted, sentinel last
+        cache = jax.tree.map(lambda a: a[jnp.minimum(pages, num_pages - 1)], cache)
+        renamed = jnp.searchsorted(pages, key).astype(page_indices.dtype)
+        ragged = {**ragged, "page_indices": jnp.where(inside, renamed, -1)}
+    return dequantize_latent_cache(cache).astype(jnp.bfloat16), ragged
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "config", "interpret"))
+def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, config, interpret):
     rows, counts = selected_rows(
         units,
         read_block=read_block,
@@ -206,11 +244,6 @@ def _attend(
         # it, so interpret mode keeps XLA's sort; the table is the same either way).
         token_table=None if interpret else row_sort.token_rows,
     )
-    if isinstance(store, Fp8LatentCache):
-        if fp8_dequantize is None:
-            fp8_dequantize = dequantize_store_first(store.shape[0], rows.size, q.shape[1])
-        if fp8_dequantize:  # the kernel's own bf16 rows: bf16(latent * scale), the rope
-            store = dequantize_latent_cache(store).astype(jnp.bfloat16)
     return sparse_mla_rows_attention(
         q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, config=config,
         interpret=interpret,
