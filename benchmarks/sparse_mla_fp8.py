@@ -150,9 +150,13 @@ def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) 
           f"({time.perf_counter() - t0:.1f} s inputs)")  # fmt: skip
     rows, outs = [], {}
     op = gpu.sparse_mla_attention
-    # The rows the copy would dequantize: the flat cache, or the pages the table names.
-    slots = kw.get("page_indices", jnp.zeros((fp8.shape[0],))).shape[0]
-    store_rows = case.kv_len if case.layout == "flat" else min(fp8.shape[0], slots) * case.page
+    # The rows the copy would dequantize: the flat cache; the pool, or the pages the table
+    # names if at most half as many (attn_mosaic_gpu.sparse_mla._fp8_store).
+    if case.layout == "flat":
+        store_rows = case.kv_len
+    else:
+        slots, pool = kw["page_indices"].shape[0], fp8.shape[0]
+        store_rows = (slots if 2 * slots <= pool else pool) * case.page
     capacity = case.num_queries * -(-case.top_k_tokens // 128) * 128  # padded row table
     path = "copy" if dequantize_store_first(store_rows, capacity, case.heads) else "on-chip"
     variants = (

@@ -74,7 +74,7 @@ def dequantize_store_first(store_rows: int, gathered_rows: int, heads: int) -> b
     """Whether an FP8 store is cheaper dequantized whole by XLA before the bf16 kernel
     than row by row on chip: ``store_rows * WHOLE_STORE_ROW_COST <= gathered_rows *
     head_groups``. ``store_rows`` are the rows the copy dequantizes (flat: the cache;
-    ragged: the pages the call's page table names, or the pool if that is smaller),
+    ragged: the pool, or the pages the call's page table names if at most half as many),
     ``gathered_rows`` the selection's capacity (queries x padded rows per query),
     ``head_groups`` the 64-head programs per query, each of which gathers and
     dequantizes every row. Prefill over its own context takes this path (4096 queries x
@@ -205,14 +205,14 @@ def _fp8_store(problem, cache: Fp8LatentCache, ragged: dict, fp8_dequantize, *, 
     """The cache the kernel reads, and the ragged tables that address it: ``cache``
     itself (dequantized on chip), or its bf16 copy ``dequantize_latent_cache(rows)
     .astype(bfloat16)`` where ``fp8_dequantize`` (``None``: ``dequantize_store_first``)
-    says so. Ragged, when the page table has fewer slots than the pool has pages, the
-    copy holds only the pages the table names, in their physical order (each query's
-    rows keep their order, so every result keeps its bits); a slot outside the pool
-    stays outside."""
+    says so. Ragged, when the page table has at most half as many slots as the pool has
+    pages (below that, gathering them first costs more than it saves), the copy holds
+    only the pages the table names, in their physical order (each query's rows keep their
+    order, so every result keeps its bits); a slot outside the pool stays outside."""
     page_indices = ragged["page_indices"]
     slots = None if page_indices is None else page_indices.shape[0]
     num_pages = cache.shape[0]
-    compact = slots is not None and slots < num_pages
+    compact = slots is not None and 2 * slots <= num_pages
     rows = math.prod(cache.shape) if not compact else slots * ragged["page_size"]
     if fp8_dequantize is None:
         capacity = (
