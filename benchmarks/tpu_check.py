@@ -4,13 +4,16 @@ For a TPU machine (one chip; no device profiler is used):
 * the ranker suite's four cases at reduced batch (the reference's dense scores must fit
   a v5e's 15.7 GiB), forward and forward + backward, the TPU kernels against
   ``attn_reference`` (rel L2 of out, LSE, dq, dk, dv; wall-clock median of 10 calls each);
-* the FP8 exactness check: each TPU kernel over an ``Fp8LatentCache`` against the same
-  compiled kernel over ``bf16(dequantize_latent_cache(cache))``, bit for bit (out and
-  LSE), with the rows no query attends holding NaN bytes, NaN / Inf / 0 scales and NaN
-  rope, and -1 / duplicate ids in the selection; at 32- and 64-token units;
+* the FP8 exactness check: each TPU kernel over an ``Fp8LatentCache``, its rows
+  dequantized in VMEM (``fp8_dequantize=False``), against the same compiled kernel over
+  ``bf16(dequantize_latent_cache(cache))``, and the op's default path against it, bit
+  for bit (out and LSE), with the rows no query attends holding NaN bytes, NaN / Inf / 0
+  scales and NaN rope, and -1 / duplicate ids in the selection; at 32- and 64-token
+  units;
 * flat sparse MLA, 1024 queries x 2048 selected tokens (as units of 32 and of 64) of a
-  32K cache at H 16 and 64, bf16 and FP8 caches, the per-query and the query-blocked
-  kernels and the reference (rel L2 against the reference on the same cache, the count
+  32K cache at H 16 and 64, bf16 and FP8 caches (FP8: the op's default, here the bf16
+  rows copied first, and the rows dequantized in VMEM), the per-query and the
+  query-blocked kernels and the reference (rel L2 against the reference on the same cache, the count
   of non-finite outputs beyond the reference's, and the selected rows' HBM bytes).
 Writes ``<out>/tpu_check.json`` after every row. ``benchmarks/tpu_run.sh`` runs it with
 the conformance tests. ``--smoke``: tiny sparse-MLA shapes in interpret mode, any
@@ -147,21 +150,31 @@ def fp8_exact_row(read_block: int, heads: int = 16, queries: int = 256) -> None:
     want_ref = ref.sparse_mla_attention(q, dirty, idx, positions, sm_scale=576**-0.5,
                                         kv_lora_rank=512, read_block=read_block,
                                         return_lse=True)  # fmt: skip
+
+    def differing(got, want) -> dict:
+        diff = {}
+        for part, a, b in zip(("out", "lse"), got, want, strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+            diff[part] = int((nan_a != nan_b).sum() + (_bits(a) != _bits(b))[~nan_a & ~nan_b].sum())
+        return diff
+
     results = {}
     for name, fn in KERNELS.items():
-        f = jax.jit(lambda q, c, fn=fn: fn(q, c, idx, positions, sm_scale=576**-0.5,
+
+        def call(fp8_dequantize, fn=fn):
+            return jax.jit(lambda q, c: fn(q, c, idx, positions, sm_scale=576**-0.5,
                                            kv_lora_rank=512, read_block=read_block,
-                                           return_lse=True, **EXTRA))  # fmt: skip
+                                           return_lse=True, fp8_dequantize=fp8_dequantize,
+                                           **EXTRA))  # fmt: skip
+
         try:
-            got, want = f(q, tpu.TpuFp8LatentCache.from_cache(dirty)), f(q, rows)
-            diff = {}
-            for part, a, b in zip(("out", "lse"), got, want, strict=True):
-                a, b = np.asarray(a), np.asarray(b)
-                nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
-                diff[part] = int(
-                    (nan_a != nan_b).sum() + (_bits(a) != _bits(b))[~nan_a & ~nan_b].sum()
-                )
-            results[name] = dict(differing=diff, ref_err=rel(got[0], want_ref[0]),
+            stored = tpu.TpuFp8LatentCache.from_cache(dirty)
+            got, want = call(False)(q, stored), call(False)(q, rows)
+            default = call(None)(q, stored)
+            results[name] = dict(differing=differing(got, want),
+                                 default_differing=differing(default, got),
+                                 ref_err=rel(got[0], want_ref[0]),
                                  lse_err=rel(got[1], want_ref[1]))  # fmt: skip
         except Exception as e:
             traceback.print_exc()
@@ -186,15 +199,18 @@ def sparse_row(heads: int, top_k: int, queries: int, kv_len: int, read_block: in
     want = {"bf16": reference(q, kv), "fp8": reference(q, fp8)}
     impls = {name: (fn, EXTRA) for name, fn in KERNELS.items()}
     impls["reference"] = (ref.sparse_mla_attention, {})
-    caches = {"bf16": kv, "fp8": fp8}
+    caches = {"bf16": kv, "fp8": fp8, "fp8-vmem": fp8}
     results = {}
     for iname, (fn, extra) in impls.items():
         for cname, cache in caches.items():
-            if cname == "fp8" and iname != "reference":
+            if cname != "bf16" and iname != "reference":
                 cache = tpu.TpuFp8LatentCache.from_cache(fp8)
+                extra = {**extra, "fp8_dequantize": False if cname == "fp8-vmem" else None}
+            elif cname == "fp8-vmem":
+                continue  # the reference has one FP8 path
             f = call(fn, extra)
             try:
-                err = rel(f(q, cache), want[cname])
+                err = rel(f(q, cache), want[cname.removesuffix("-vmem")])
                 results[f"{iname}/{cname}"] = dict(ms=wall_ms(f, q, cache), err=err)
             except Exception as e:  # one failure is reported, the rest still run
                 traceback.print_exc()

@@ -489,6 +489,20 @@ def compare_sparse_mla_grads(
     return dq, dkv
 
 
+def ragged_positional(op, **kw):
+    """``op`` (a sparse-MLA function) with the ragged tables as positional arguments:
+    ``fn(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices)``, the other
+    keywords ``kw``; for ``jax.export`` and ``make_jaxpr`` at ``ShapeDtypeStruct``s."""
+
+    def fn(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices):
+        return op(
+            q, cache, idx, pos, q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
+            page_indices=page_indices, **kw,
+        )  # fmt: skip
+
+    return fn
+
+
 def export_mosaic_gpu(fn, *structs) -> str:
     """``jax.export`` of ``fn`` for CUDA (on any host) at ``structs`` (``ShapeDtypeStruct``
     pytrees): the module's text, which must hold a Mosaic GPU call."""

@@ -16,6 +16,7 @@ here, before tracing, so they reject the same calls with the same errors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,35 @@ def write_back_by_scatter(call: WriteBackCall) -> jax.Array:
     if isinstance(call.cache, Fp8LatentCache) and not isinstance(rows, Fp8LatentCache):
         rows = quantize_latent_cache(rows.astype(jnp.float32))
     return scatter_write_back(call.cache, rows, keep_last_writes(call.loc, call.slots))
+
+
+def copy_pages(cache, page_indices: jax.Array | None) -> tuple[int, bool]:
+    """What a dequantized copy of an FP8 cache (``[B, T]`` flat, ``[pages, page]``
+    paged) would hold: ``(rows, named)``. Paged, when the page table has at most half
+    as many slots as the pool has pages, only the pages it names (``named``: gather them
+    with :func:`named_pages` first; nearer the pool's size the gather would cost more
+    than it saves); else the whole cache."""
+    grid = tuple(cache.shape)
+    slots = None if page_indices is None else page_indices.shape[0]
+    if slots is not None and 2 * slots <= grid[0]:
+        return slots * grid[1], True
+    return math.prod(grid), False
+
+
+def named_pages(cache, page_indices: jax.Array):
+    """``(pages, table)``: the pages of ``cache`` (a pytree of ``[num_pages, ...]``
+    arrays) that ``page_indices`` names, in their physical order, and the page table
+    renamed to them. A slot outside ``[0, num_pages)`` stays outside (``-1``), and its
+    rows are not attended either way. The physical order keeps every query's rows in
+    the order they had, so a kernel that sums them in row order keeps its bits."""
+    num_pages = jax.tree.leaves(cache)[0].shape[0]
+    slots = page_indices.shape[0]
+    inside = (page_indices >= 0) & (page_indices < num_pages)
+    key = jnp.where(inside, page_indices, num_pages)
+    pages = jnp.unique(key, size=slots, fill_value=num_pages)  # sorted, the sentinel last
+    cache = jax.tree.map(lambda a: a[jnp.minimum(pages, num_pages - 1)], cache)
+    renamed = jnp.searchsorted(pages, key).astype(page_indices.dtype)
+    return cache, jnp.where(inside, renamed, -1)
 
 
 def check_paged_cache(cache, page_size) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from helpers import (
     export_mosaic_gpu,
     gpu_interpret,
     poison_ragged_case,
+    ragged_positional,
     randn,
     rng_for,
     run_interpret,
@@ -364,12 +365,9 @@ def test_cross_lowers_flat_token_level(heads):
 def test_cross_lowers_ragged_paged():
     tokens, page, pages, top_k, requests = 4096, 64, 4 * 128 + 8, 32, 4
 
-    def fn(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices):
-        return gpu.sparse_mla_attention(
-            q, cache, idx, pos, sm_scale=0.0721, read_block=page, page_size=page,
-            q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
-            page_indices=page_indices,
-        )  # fmt: skip
+    fn = ragged_positional(
+        gpu.sparse_mla_attention, sm_scale=0.0721, read_block=page, page_size=page
+    )
 
     _export(
         fn,

@@ -41,6 +41,7 @@ from helpers import (
     export_mosaic_gpu,
     gpu_interpret,
     load_script,
+    ragged_positional,
     randn,
     random_page_selection,
     rng_for,
@@ -422,13 +423,9 @@ def test_cross_lowers_ragged_decode():
     pages = requests * 32768 // page
     tokens = requests * per
 
-    def fn(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices):
-        return gpu.sparse_mla_attention(
-            q, cache, idx, pos, sm_scale=0.0721, read_block=page, page_size=page,
-            q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
-            page_indices=page_indices,
-        )  # fmt: skip
-
+    fn = ragged_positional(
+        gpu.sparse_mla_attention, sm_scale=0.0721, read_block=page, page_size=page
+    )
     export_mosaic_gpu(
         fn,
         sds((1, tokens, 16, DK), jnp.bfloat16),
@@ -495,14 +492,9 @@ def test_fp8_path():
                    sds((1, n, 32), jnp.int32), sds((1, n), jnp.int32), sds((n,), jnp.int32),
                    sds((requests,), jnp.int32), sds((requests + 1,), jnp.int32),
                    sds((slots,), jnp.int32))  # fmt: skip
-
-        def ragged(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices):
-            return gpu.sparse_mla_attention(
-                q, cache, idx, pos, sm_scale=0.07, read_block=page, page_size=page,
-                q_seq_id=q_seq_id, seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
-                page_indices=page_indices,
-            )  # fmt: skip
-
+        ragged = ragged_positional(
+            gpu.sparse_mla_attention, sm_scale=0.07, read_block=page, page_size=page
+        )
         calls = [c for c in _pallas_input_dtypes(ragged, *structs) if "bfloat16" in c]
         assert len(calls) == 1 and ("float8_e4m3fn" in calls[0]) == want_fp8
     with pytest.raises(TypeError, match="fp8_dequantize"):

@@ -8,11 +8,14 @@ requests x 2 query tokens, 32K tokens each, ragged paged. Each for both kernels
 (per-query; query-blocked with the automatic tiling, a ``lax.cond`` over two kernels
 under jit) and both stored forms: a plain ``Fp8LatentCache`` (side rows built in the
 call) and a ``TpuFp8LatentCache`` (read as stored: no op over the whole cache's scales
-may appear in the module).
+may appear in the module). The kernels read the FP8 rows (``fp8_dequantize=False``;
+at these prefill shapes the default would copy the bf16 rows first, which
+``test_export_copy_path`` lowers).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -35,7 +38,11 @@ UNIT, SELECTED, T = 64, 2048, 32768
 TOP_K = SELECTED // UNIT
 PREFILL_Q, PREFILL_SEQS = 4096, 4
 DECODE_SEQS, DECODE_Q_PER_SEQ = 128, 2
-KERNELS = {"per_query": (sparse_mla_attention, 1), "qblock": (sparse_mla_attention_qblock, 2)}
+IN_VMEM = dict(fp8_dequantize=False)
+KERNELS = {
+    "per_query": (functools.partial(sparse_mla_attention, **IN_VMEM), 1),
+    "qblock": (functools.partial(sparse_mla_attention_qblock, **IN_VMEM), 2),
+}
 FORMS = ("fp8", "tpu")
 
 
@@ -129,7 +136,10 @@ def test_export_ragged_decode(kernel, heads, form):
 
 @pytest.mark.parametrize(
     ("fn", "count"),
-    [(prefill_write_and_attend_ragged, 1), (prefill_write_and_attend_ragged_qblock, 2)],
+    [
+        (functools.partial(prefill_write_and_attend_ragged, **IN_VMEM), 1),
+        (functools.partial(prefill_write_and_attend_ragged_qblock, **IN_VMEM), 2),
+    ],
 )
 @pytest.mark.parametrize("form", FORMS)
 def test_export_write_then_attend(fn, count, form):
@@ -158,3 +168,25 @@ def test_export_write_then_attend(fn, count, form):
         SD((num_pages - 8,), I32),
     )
     _check(exported, count, form, (num_pages, UNIT))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_export_copy_path(kernel):
+    """The default at the flat prefill shape: the cache's bf16 rows copied by XLA, then
+    the bf16 kernels (no kernel takes an FP8 array)."""
+    fn = {"per_query": sparse_mla_attention, "qblock": sparse_mla_attention_qblock}[kernel]
+    count = KERNELS[kernel][1]
+
+    def f(q, kv, idx, pos):
+        return fn(q, kv, idx, pos, sm_scale=0.04, read_block=UNIT, return_lse=True)
+
+    exported = _export(
+        f,
+        SD((1, PREFILL_Q, 16, DK), BF16),
+        _cache("tpu", 1, T),
+        SD((1, PREFILL_Q, TOP_K), I32),
+        SD((1, PREFILL_Q), I32),
+    )
+    _check(exported, count, "tpu", (1, T))
+    calls = [line for line in exported.mlir_module().splitlines() if "tpu_custom_call" in line]
+    assert calls and not any("f8E4M3FN" in line for line in calls)

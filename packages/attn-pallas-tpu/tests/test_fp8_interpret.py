@@ -28,6 +28,7 @@ from helpers import (
     attended_rows_ragged,
     build_ragged_layout,
     poison_fp8_cache,
+    ragged_positional,
     randn,
     random_page_selection,
     rng_for,
@@ -36,7 +37,7 @@ from helpers import (
 )
 
 import attn_reference as ref
-from attn_common import dequantize_latent_cache, padded_dk, quantize_latent_cache
+from attn_common import Fp8LatentCache, dequantize_latent_cache, padded_dk, quantize_latent_cache
 from attn_pallas_tpu import (
     TpuFp8LatentCache,
     prefill_write_and_attend_ragged,
@@ -53,9 +54,13 @@ DK = DV + ROPE
 DK_PAD = padded_dk(DK)
 HEADS, SM_SCALE, PAGE = 2, 0.05, 16
 TOL = dict(rtol_l2=2e-2, atol=5e-2, lse_atol=5e-2)  # bf16 rows against float32
+# The FP8 rows dequantized in VMEM (``fp8_dequantize=False``): at these small shapes the
+# default would copy the cache's bf16 rows first (test_copy_path_* check that path).
 KERNELS = {
-    "per_query": functools.partial(sparse_mla_attention, interpret=INTERPRET),
-    "qblock": functools.partial(sparse_mla_attention_qblock, query_block=8, interpret=INTERPRET),
+    "per_query": functools.partial(sparse_mla_attention, interpret=INTERPRET, fp8_dequantize=False),
+    "qblock": functools.partial(
+        sparse_mla_attention_qblock, query_block=8, interpret=INTERPRET, fp8_dequantize=False
+    ),
 }
 
 
@@ -254,8 +259,10 @@ def test_ragged_decode(kernel):
 # ---------------------------------------------------------------- write-then-attend
 
 WRAPPERS = {
-    "per_query": prefill_write_and_attend_ragged,
-    "qblock": functools.partial(prefill_write_and_attend_ragged_qblock, query_block=8),
+    "per_query": functools.partial(prefill_write_and_attend_ragged, fp8_dequantize=False),
+    "qblock": functools.partial(
+        prefill_write_and_attend_ragged_qblock, query_block=8, fp8_dequantize=False
+    ),
 }
 
 
@@ -319,3 +326,104 @@ def test_tpu_layout_holds_the_same_cache():
     bad = TpuFp8LatentCache(tpu.latent, tpu.side[..., :64])
     with pytest.raises(ValueError, match=r"cache.side: got bfloat16 \(3, 32, 64\), expected"):
         sparse_mla_attention(q, bad, idx, pos, sm_scale=SM_SCALE, read_block=16)
+
+
+# ------------------------------------------------------------- the bf16 copy path
+
+
+def test_copy_path_flat_per_query():
+    """``fp8_dequantize=True`` (XLA copies the cache's bf16 rows, ``dequantize_rows``,
+    then the bf16 kernel) and the default, which takes the copy at this shape: the bits
+    of the in-VMEM path."""
+    q, cache, idx, pos = _flat_case(127)
+    in_vmem = _flat(KERNELS["per_query"], q, cache, idx, pos)
+    for choice in (True, None):
+        kernel = functools.partial(sparse_mla_attention, interpret=INTERPRET, fp8_dequantize=choice)
+        _assert_same(_flat(kernel, q, cache, idx, pos), in_vmem)
+    assert_no_races()
+
+
+@pytest.mark.slow
+def test_copy_path_ragged_qblock_named_pages():
+    """The query-blocked kernel over the copy of the 11 pages the table names (of a
+    22-page pool, an unused slot's page outside it), a ``TpuFp8LatentCache``: the bits
+    of the in-VMEM path."""
+    rng = rng_for(128)
+    layout = build_ragged_layout(
+        rng, seq_lens=[37, 50, 5], new_lens=[6, 4, 0], extra_pages=[1, 0, 2], page_size=PAGE,
+        spare_pages=11,
+    )  # fmt: skip
+    layout["page_indices"][layout["cu_kv_lens"][1] // PAGE - 1] = layout["num_pages"] + 5
+    assert 2 * layout["page_indices"].shape[0] <= layout["num_pages"]
+    cache = quantize_latent_cache(
+        jnp.asarray(randn(rng, (layout["num_pages"], PAGE, DK), np.float32))
+    )
+    idx = random_page_selection(rng, layout, 4, PAGE)
+    pos = layout["positions"]
+    keep = attended_rows_ragged(layout, idx, pos, page_size=PAGE, num_pages=cache.shape[0])
+    cache = TpuFp8LatentCache.from_cache(poison_fp8_cache(cache, keep, seed=128))
+    q = randn(rng, (1, len(pos), HEADS, DK), BF16)
+    kw = _ragged_kw(layout)
+    in_vmem = KERNELS["qblock"](q, cache, idx[None], pos[None], **kw)
+    copy = functools.partial(
+        sparse_mla_attention_qblock, query_block=8, interpret=INTERPRET, fp8_dequantize=True
+    )
+    _assert_same(copy(q, cache, idx[None], pos[None], **kw), in_vmem)
+    assert_no_races()
+
+
+def _pallas_fp8_inputs(fn, *structs) -> list[bool]:
+    """For each Pallas call in ``fn``'s jaxpr at ``structs`` (traced, not run): whether
+    it takes an FP8 array."""
+    found = []
+
+    def visit(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.append(any(v.aval.dtype == jnp.float8_e4m3fn for v in eqn.invars))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple | list) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*structs).jaxpr)
+    return found
+
+
+def test_copy_path_choice():
+    """The default copies the bf16 rows where they are at most a quarter of the rows
+    gathered (prefill: 4096 queries x 2048 tokens of a 32K cache) and reads FP8 in VMEM
+    otherwise (decode: 256 queries x 2048 tokens of 128 requests x 32K); the rows a
+    ragged copy holds are the pages the table names (prefill in a 4M-token pool)."""
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+
+    def fp8_struct(*grid):
+        return Fp8LatentCache(sds((*grid, DV), jnp.float8_e4m3fn), sds((*grid, 4), jnp.float32),
+                              sds((*grid, ROPE), jnp.bfloat16))  # fmt: skip
+
+    def flat_args(n, kv_len):
+        return (sds((1, n, 16, DK), BF16), fp8_struct(1, kv_len), sds((1, n, 32), i32),
+                sds((1, n), i32))  # fmt: skip
+
+    def flat(n, kv_len, **kw):
+        fn = functools.partial(sparse_mla_attention, sm_scale=0.07, read_block=64, **kw)
+        return _pallas_fp8_inputs(fn, *flat_args(n, kv_len))
+
+    # 32K rows x 4 against 4096 (or 64, the boundary) x 32 units x 64 rows gathered.
+    assert flat(4096, 32768) == [False] and flat(4096, 32768, fp8_dequantize=False) == [True]
+    assert flat(64, 32768) == [False] and flat(63, 32768) == [True]
+    assert flat(63, 32768, fp8_dequantize=True) == [False]
+    page, pool = 64, 65536
+    for requests, per, want_fp8 in ((4, 1024, False), (128, 2, True)):
+        slots, n = requests * 32768 // page, requests * per
+        ragged = ragged_positional(
+            sparse_mla_attention, sm_scale=0.07, read_block=page, page_size=page
+        )
+        structs = (sds((1, n, 16, DK), BF16), fp8_struct(pool, page), sds((1, n, 32), i32),
+                   sds((1, n), i32), sds((n,), i32), sds((requests,), i32),
+                   sds((requests + 1,), i32), sds((slots,), i32))  # fmt: skip
+        assert _pallas_fp8_inputs(ragged, *structs) == [want_fp8]
+    bad = functools.partial(sparse_mla_attention_qblock, fp8_dequantize=1)
+    with pytest.raises(TypeError, match="fp8_dequantize"):
+        jax.eval_shape(functools.partial(bad, sm_scale=0.07, read_block=64), *flat_args(8, 256))

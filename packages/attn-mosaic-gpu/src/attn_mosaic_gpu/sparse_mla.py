@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from attn_common.fp8_cache import Fp8LatentCache, cache_compute_dtype, dequantize_latent_cache
-from attn_common.paged import write_back_by_scatter, write_then_attend
+from attn_common.paged import copy_pages, named_pages, write_back_by_scatter, write_then_attend
 from attn_common.sparse_mla_rows import row_table_width, selected_rows, sparse_mla_units
 from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import (
@@ -205,15 +204,9 @@ def _fp8_store(problem, cache: Fp8LatentCache, ragged: dict, fp8_dequantize, *, 
     """The cache the kernel reads, and the ragged tables that address it: ``cache``
     itself (dequantized on chip), or its bf16 copy ``dequantize_latent_cache(rows)
     .astype(bfloat16)`` where ``fp8_dequantize`` (``None``: ``dequantize_store_first``)
-    says so. Ragged, when the page table has at most half as many slots as the pool has
-    pages (below that, gathering them first costs more than it saves), the copy holds
-    only the pages the table names, in their physical order (each query's rows keep their
-    order, so every result keeps its bits); a slot outside the pool stays outside."""
-    page_indices = ragged["page_indices"]
-    slots = None if page_indices is None else page_indices.shape[0]
-    num_pages = cache.shape[0]
-    compact = slots is not None and 2 * slots <= num_pages
-    rows = math.prod(cache.shape) if not compact else slots * ragged["page_size"]
+    says so; ragged, of the pages the table names where ``copy_pages`` says (in their
+    physical order, so each query's rows keep their order and the result its bits)."""
+    rows, named = copy_pages(cache, ragged["page_indices"])
     if fp8_dequantize is None:
         capacity = (
             problem.batch
@@ -223,13 +216,9 @@ def _fp8_store(problem, cache: Fp8LatentCache, ragged: dict, fp8_dequantize, *, 
         fp8_dequantize = dequantize_store_first(rows, capacity, problem.heads)
     if not fp8_dequantize:
         return cache, ragged
-    if compact:
-        inside = (page_indices >= 0) & (page_indices < num_pages)
-        key = jnp.where(inside, page_indices, num_pages)
-        pages = jnp.unique(key, size=slots, fill_value=num_pages)  # sorted, sentinel last
-        cache = jax.tree.map(lambda a: a[jnp.minimum(pages, num_pages - 1)], cache)
-        renamed = jnp.searchsorted(pages, key).astype(page_indices.dtype)
-        ragged = {**ragged, "page_indices": jnp.where(inside, renamed, -1)}
+    if named:
+        cache, table = named_pages(cache, ragged["page_indices"])
+        ragged = {**ragged, "page_indices": table}
     return dequantize_latent_cache(cache).astype(jnp.bfloat16), ragged
 
 

@@ -31,10 +31,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import SparseMlaProblem
 from attn_common.fp8_cache import Fp8LatentCache
+from attn_common.paged import copy_pages, named_pages
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.spec import SparseMlaCall, require_kernel
 from attn_common.tables import sanitize_unit_ids
-from attn_pallas_tpu.fp8_rows import ROW_BYTES, side_rows
+from attn_pallas_tpu.fp8_rows import ROW_BYTES, dequantize_rows, side_rows
 from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
 
 SUBLANE = 8
@@ -101,6 +102,45 @@ def fp8_unit_reason(kv, unit: int, interpret) -> str | None:
         "(a unit of 16 FP8 rows is half an 8-bit tile, and read_block 16 gave wrong results "
         "on a TPU v5e); attn_reference takes any"
     )
+
+
+# An FP8 cache's rows cost the per-query kernel 2.6-5.4 ns more per gathered row than
+# bf16 rows on a TPU v5e (de747ae: 35.6 / 21.4 against 24.2 / 15.9 ms for 2.1M rows at
+# 32- / 64-token units; the query-blocked kernel about the same for both). A bf16 copy
+# moves 768 + 1,280 bytes a copied row, 2.5 ns at 819 GB/s (from the bytes; not timed).
+# So the copy is taken where it is at most a quarter of the rows gathered.
+COPY_ROW_COST = 4
+
+
+def check_fp8_dequantize(fp8_dequantize) -> None:
+    if fp8_dequantize is not None and not isinstance(fp8_dequantize, bool):
+        raise TypeError(
+            f"fp8_dequantize: got {type(fp8_dequantize).__name__}, expected bool or None"
+        )
+
+
+def fp8_copy(problem: SparseMlaProblem, kv, ragged: dict, fp8_dequantize):
+    """``(kv, ragged)`` for the kernels: an FP8 cache as it is (dequantized in VMEM), or
+    its bf16 rows ``fp8_rows.dequantize_rows`` (the kernels' own rows: the same result
+    bits) copied by XLA first, where ``fp8_dequantize`` says (``None``: when ``copied
+    rows * COPY_ROW_COST <= gathered rows``; ragged, the copy holds the pages the table
+    names where ``attn_common.paged.copy_pages`` says). Any other cache as it is."""
+    if not isinstance(kv, Fp8LatentCache):
+        return kv, ragged
+    rows, named = copy_pages(kv, ragged["page_indices"])
+    if fp8_dequantize is None:
+        gathered = problem.batch * problem.num_queries * problem.top_k * problem.read_block
+        fp8_dequantize = rows * COPY_ROW_COST <= gathered
+    if not fp8_dequantize:
+        return kv, ragged
+    if named:
+        kv, table = named_pages(kv, ragged["page_indices"])
+        ragged = {**ragged, "page_indices": table}
+    grid = kv.shape
+    flat = kv.reshape(-1)
+    copy = dequantize_rows(flat.latent, side_rows(flat)).reshape(*grid, -1)
+    # Flat rows go in Dk wide (unit_space pads them back with zeros); paged ones padded.
+    return (copy if problem.ragged else copy[..., : problem.dk]), ragged
 
 
 def row_bytes(kv, dk_pad: int) -> int:

@@ -34,6 +34,8 @@ dropped before the table is built, so no run can write outside the pool.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -218,19 +220,26 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
 
 
 @public_op(prefill_call)
-def prefill_write_and_attend_ragged(call: PrefillCall) -> tuple[jax.Array, jax.Array]:
+def prefill_write_and_attend_ragged(
+    call: PrefillCall, *, fp8_dequantize: bool | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (per-query kernel).
 
     ``query_block`` / ``u_max`` are validated and ignored here; accepted so the
     ``_qblock`` twin is a drop-in. An ``Fp8LatentCache`` gets the new rows quantized
-    (the XLA scatter of :func:`paged_write_back`), then attended in FP8.
+    (the XLA scatter of :func:`paged_write_back`), then attended as
+    ``fp8_dequantize`` says (:func:`sparse_mla_attention`).
     """
-    return write_then_attend(paged_write_back.impl, sparse_mla_attention.impl, call)
+    attend = functools.partial(sparse_mla_attention.impl, fp8_dequantize=fp8_dequantize)
+    return write_then_attend(paged_write_back.impl, attend, call)
 
 
 @public_op(prefill_call)
-def prefill_write_and_attend_ragged_qblock(call: PrefillCall) -> tuple[jax.Array, jax.Array]:
+def prefill_write_and_attend_ragged_qblock(
+    call: PrefillCall, *, fp8_dequantize: bool | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Same as :func:`prefill_write_and_attend_ragged`, attending with the query-blocked
     kernel (``query_block`` queries per program and ``u_max`` union slots per chunk;
     ``None`` = the automatic tiling of :func:`sparse_mla_attention_qblock`)."""
-    return write_then_attend(paged_write_back.impl, sparse_mla_attention_qblock.impl, call)
+    attend = functools.partial(sparse_mla_attention_qblock.impl, fp8_dequantize=fp8_dequantize)
+    return write_then_attend(paged_write_back.impl, attend, call)

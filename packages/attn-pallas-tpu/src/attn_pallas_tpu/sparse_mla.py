@@ -56,7 +56,9 @@ from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
+    check_fp8_dequantize,
     compact_units,
+    fp8_copy,
     pad_features,
     query_dtype,
     query_table_specs,
@@ -245,7 +247,7 @@ def _per_query_call(q, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, int
 
 
 @public_op(sparse_mla_call)
-def sparse_mla_attention(call: SparseMlaCall):
+def sparse_mla_attention(call: SparseMlaCall, *, fp8_dequantize: bool | None = None):
     """Sparse MLA attention, one TPU program per query (DeepSeek sparse attention prefill).
 
     The kernel takes a float32 or bfloat16 cache (the query takes its dtype), or an
@@ -256,18 +258,26 @@ def sparse_mla_attention(call: SparseMlaCall):
     (``S``, ``K`` or ``T`` = 0) gives ``out == 0``, ``lse == -inf``. Cache rows no query
     attends may hold anything.
 
+    ``fp8_dequantize`` (an FP8 cache only; the same result bits either way): ``None``
+    dequantizes in VMEM, or first copies the cache's bf16 rows by XLA (ragged: the pages
+    the page table names) where that is cheaper (``_prep.fp8_copy``: prefill over its
+    own context takes the copy, decode over long requests reads FP8); ``False`` always
+    in VMEM (no copy); ``True`` always the copy.
+
     Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the backward is two
     Pallas kernels (``attn_pallas_tpu.sparse_mla_bwd``: dq per query, the cache gradient
     over the inverted selection; deterministic). ``return_attn_mass=True``: computed on
     XLA from the kernel's LSE (``attn_mass_from_lse``).
     """
     problem = require_tpu_kernels(call)
+    check_fp8_dequantize(fp8_dequantize)
     interpret = resolve_interpret(call.interpret)
 
     def forward(c: SparseMlaCall):
+        kv, ragged = fp8_copy(problem, c.kv, c.ragged_kwargs(), fp8_dequantize)
         return _per_query(
-            problem, c.q, c.kv, c.indices, c.positions, return_lse=True, interpret=interpret,
-            **c.ragged_kwargs(),
+            problem, c.q, kv, c.indices, c.positions, return_lse=True, interpret=interpret,
+            **ragged,
         )  # fmt: skip
 
     return sparse_mla_result(call, forward, interpret=interpret)

@@ -84,7 +84,9 @@ from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
+    check_fp8_dequantize,
     default_chip,
+    fp8_copy,
     pad_features,
     query_dtype,
     require_tpu_kernels,
@@ -331,7 +333,9 @@ def _qblock_call(
 
 
 @public_op(sparse_mla_call)
-def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS):
+def sparse_mla_attention_qblock(
+    call: SparseMlaCall, *, max_rows: int = MAX_ROWS, fp8_dequantize: bool | None = None
+):
     """Sparse MLA attention, query-blocked: one program per (query block, head group).
 
     Same arguments and results as :func:`attn_pallas_tpu.sparse_mla_attention`. None of
@@ -353,6 +357,9 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
     (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel
     whenever the query-blocked one would move more KV bytes.
 
+    ``fp8_dequantize``: as for the per-query function (the plan then prices the rows
+    the kernels read).
+
     Differentiable in ``q`` and ``kv`` with the backward kernels of
     ``attn_pallas_tpu.sparse_mla_bwd``, and ``return_attn_mass`` from the kernel's LSE,
     as the per-query function.
@@ -363,18 +370,21 @@ def sparse_mla_attention_qblock(call: SparseMlaCall, *, max_rows: int = MAX_ROWS
         raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
     if head_block is not None:
         _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
+    check_fp8_dequantize(fp8_dequantize)
     interpret = resolve_interpret(call.interpret)
-    forward = functools.partial(_forward, max_rows=max_rows, interpret=interpret)
+    forward = functools.partial(
+        _forward, max_rows=max_rows, fp8_dequantize=fp8_dequantize, interpret=interpret
+    )
     return sparse_mla_result(call, forward, interpret=interpret)
 
 
-def _forward(call: SparseMlaCall, *, max_rows: int, interpret):
+def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret):
     """The planned kernel's ``(out, lse)`` (the LSE always) for a validated call."""
     problem = call.problem
-    q, kv, indices, positions = call.q, call.kv, call.indices, call.positions
+    q, indices, positions = call.q, call.indices, call.positions
     query_block, u_max, head_block = call.query_block, call.u_max, call.head_block
     return_lse = True
-    ragged = call.ragged_kwargs()
+    kv, ragged = fp8_copy(problem, call.kv, call.ragged_kwargs(), fp8_dequantize)
     space = unit_space(problem, kv, indices, positions, **ragged)
     per_query = functools.partial(
         _per_query, problem, q, kv, indices, positions, return_lse=return_lse,
