@@ -489,6 +489,15 @@ def compare_sparse_mla_grads(
     return dq, dkv
 
 
+def random_row_table(rng, counts, width: int, store_rows: int) -> np.ndarray:
+    """``rows [len(counts), width]`` int32 for the Hopper kernel: query ``n``'s first
+    ``counts[n]`` entries distinct random store rows, ``-1`` after."""
+    rows = np.full((len(counts), width), -1, np.int32)
+    for n, c in enumerate(counts):
+        rows[n, :c] = rng.choice(store_rows, c, replace=False)
+    return rows
+
+
 def ragged_positional(op, **kw):
     """``op`` (a sparse-MLA function) with the ragged tables as positional arguments:
     ``fn(q, cache, idx, pos, q_seq_id, seq_lens, cu_kv_lens, page_indices)``, the other

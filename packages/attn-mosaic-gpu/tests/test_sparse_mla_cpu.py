@@ -32,6 +32,7 @@ from helpers import (
     poison_ragged_case,
     ragged_positional,
     randn,
+    random_row_table,
     rng_for,
     run_interpret,
     sparse_mla_flat_case,
@@ -232,9 +233,7 @@ def test_kernel_two_head_groups_and_partial_pairs():
     rng = np.random.default_rng(5)
     tokens, heads, kp, store_rows = 3, 128, 256, 300
     counts = np.array([256, 129, 63], np.int32)
-    rows = np.full((tokens, kp), -1, np.int32)
-    for n, c in enumerate(counts):
-        rows[n, :c] = rng.choice(store_rows, c, replace=False)
+    rows = random_row_table(rng, counts, kp, store_rows)
     q = jnp.asarray(rng.standard_normal((tokens, heads, DK)), jnp.bfloat16)
     store = rng.standard_normal((store_rows, 200)).astype(np.float32)
     store[:, DK:] = np.nan  # row padding past Dk is never read
@@ -249,9 +248,7 @@ def test_kernel_reads_q_rope_apart():
     rng = np.random.default_rng(8)
     tokens, heads, kp, store_rows = 2, 80, 128, 200
     counts = np.array([128, 70], np.int32)
-    rows = np.full((tokens, kp), -1, np.int32)
-    for n, c in enumerate(counts):
-        rows[n, :c] = rng.choice(store_rows, c, replace=False)
+    rows = random_row_table(rng, counts, kp, store_rows)
     q = jnp.asarray(rng.standard_normal((tokens, heads, DK)), jnp.bfloat16)
     store = jnp.asarray(rng.standard_normal((store_rows, DK)), jnp.bfloat16)
     args = (store, jnp.asarray(rows), jnp.asarray(counts))

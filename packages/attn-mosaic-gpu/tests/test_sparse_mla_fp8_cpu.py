@@ -44,6 +44,7 @@ from helpers import (
     ragged_positional,
     randn,
     random_page_selection,
+    random_row_table,
     rng_for,
     run_interpret,
 )
@@ -115,9 +116,7 @@ def test_kernel_fp8_rows_bitwise_as_bf16_rows():
     rng = np.random.default_rng(3)
     tokens, heads, kp, store_rows = 3, 64, 256, 300
     counts = np.array([256, 63, 0], np.int32)
-    rows = np.full((tokens, kp), -1, np.int32)
-    for n, c in enumerate(counts):
-        rows[n, :c] = rng.choice(store_rows, c, replace=False)
+    rows = random_row_table(rng, counts, kp, store_rows)
     keep = np.zeros(store_rows, bool)
     keep[rows[rows >= 0]] = True
     store = poison_fp8(_random_cache(rng, (store_rows,)), keep, seed=3)
