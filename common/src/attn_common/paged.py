@@ -96,6 +96,14 @@ def copy_pages(cache, page_indices: jax.Array | None) -> tuple[int, bool]:
     return math.prod(grid), False
 
 
+def check_fp8_dequantize(fp8_dequantize) -> None:
+    """The kernel backends' ``fp8_dequantize`` option: ``True``, ``False`` or ``None``."""
+    if fp8_dequantize is not None and not isinstance(fp8_dequantize, bool):
+        raise TypeError(
+            f"fp8_dequantize: got {type(fp8_dequantize).__name__}, expected bool or None"
+        )
+
+
 def named_pages(cache, page_indices: jax.Array):
     """``(pages, table)``: the pages of ``cache`` (a pytree of ``[num_pages, ...]``
     arrays) that ``page_indices`` names, in their physical order, and the page table

@@ -28,7 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from attn_common.fp8_cache import Fp8LatentCache, cache_compute_dtype, dequantize_latent_cache
-from attn_common.paged import copy_pages, named_pages, write_back_by_scatter, write_then_attend
+from attn_common.paged import (
+    check_fp8_dequantize,
+    copy_pages,
+    named_pages,
+    write_back_by_scatter,
+    write_then_attend,
+)
 from attn_common.sparse_mla_rows import row_table_width, selected_rows, sparse_mla_units
 from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import (
@@ -163,10 +169,7 @@ def sparse_mla_attention(
         raise TypeError(
             f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
         )
-    if fp8_dequantize is not None and not isinstance(fp8_dequantize, bool):
-        raise TypeError(
-            f"fp8_dequantize: got {type(fp8_dequantize).__name__}, expected bool or None"
-        )
+    check_fp8_dequantize(fp8_dequantize)
     config = config or SparseMlaKernelConfig()
     interpret = resolve_interpret(call.interpret)
     forward = functools.partial(

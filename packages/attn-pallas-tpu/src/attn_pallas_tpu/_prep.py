@@ -112,13 +112,6 @@ def fp8_unit_reason(kv, unit: int, interpret) -> str | None:
 COPY_ROW_COST = 4
 
 
-def check_fp8_dequantize(fp8_dequantize) -> None:
-    if fp8_dequantize is not None and not isinstance(fp8_dequantize, bool):
-        raise TypeError(
-            f"fp8_dequantize: got {type(fp8_dequantize).__name__}, expected bool or None"
-        )
-
-
 def fp8_copy(problem: SparseMlaProblem, kv, ragged: dict, fp8_dequantize):
     """``(kv, ragged)`` for the kernels: an FP8 cache as it is (dequantized in VMEM), or
     its bf16 rows ``fp8_rows.dequantize_rows`` (the kernels' own rows: the same result

@@ -52,11 +52,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from attn_common.paged import check_fp8_dequantize
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
-    check_fp8_dequantize,
     compact_units,
     fp8_copy,
     pad_features,

@@ -79,12 +79,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.metadata import is_concrete
+from attn_common.paged import check_fp8_dequantize
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
 from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_u_max
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
-    check_fp8_dequantize,
     default_chip,
     fp8_copy,
     pad_features,
