@@ -58,6 +58,7 @@ import numpy as np
 
 from attn_common import quantize_latent_cache
 from attn_common.cli_args import provenance
+from attn_common.paged import copy_pages
 from attn_mosaic_gpu.bench import ceilings, device_ms
 from attn_mosaic_gpu.bench_sparse_mla import (
     SM_SCALE,
@@ -150,13 +151,8 @@ def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) 
           f"({time.perf_counter() - t0:.1f} s inputs)")  # fmt: skip
     rows, outs = [], {}
     op = gpu.sparse_mla_attention
-    # The rows the copy would dequantize: the flat cache; the pool, or the pages the table
-    # names if at most half as many (attn_mosaic_gpu.sparse_mla._fp8_store).
-    if case.layout == "flat":
-        store_rows = case.kv_len
-    else:
-        slots, pool = kw["page_indices"].shape[0], fp8.shape[0]
-        store_rows = (slots if 2 * slots <= pool else pool) * case.page
+    # The rows the copy would dequantize, as the op counts them (flat: the cache).
+    store_rows, _ = copy_pages(fp8, kw.get("page_indices"))
     capacity = case.num_queries * -(-case.top_k_tokens // 128) * 128  # padded row table
     path = "copy" if dequantize_store_first(store_rows, capacity, case.heads) else "on-chip"
     variants = (
