@@ -299,9 +299,11 @@ def _backward_units(
     return dq.reshape(-1, heads, dk)[:n], dkeys_all
 
 
-def _lse_backward(call: SparseMlaCall, out, lse, cotangents):
+def _lse_backward(call: SparseMlaCall, out, lse, cotangents, units_backward=None):
     """``(dq, dkv)`` of the op at ``call`` from its ``out`` and ``lse`` and their
-    cotangents (:func:`_backward_units`)."""
+    cotangents: ``units_backward(q, store, units, lse, g_out, delta, problem) -> (dq
+    [N, H, Dk], dkeys [R, Dk])`` float32 (a backend's kernels), or where it is ``None``
+    or returns ``None`` :func:`_backward_units` on XLA."""
     problem = call.problem
     heads, dv = problem.heads, problem.dv
     kwargs = call.ragged_kwargs()
@@ -318,10 +320,15 @@ def _lse_backward(call: SparseMlaCall, out, lse, cotangents):
     # A query with no valid key has lse = -inf whatever its cotangent: no gradient.
     g_lse = jnp.where(jnp.isfinite(lse), g_lse.reshape(-1, heads), 0.0)
     delta = jnp.sum(g_out * out.reshape(-1, heads, dv).astype(jnp.float32), axis=-1) - g_lse
-    dq, dkeys = _backward_units(
-        q, store, units, lse, g_out, delta, sm_scale=problem.sm_scale, dv=dv,
-        read_block=problem.read_block, chunk=_chunk_for(call, BACKWARD_CHUNK_ELEMENTS),
-    )  # fmt: skip
+    grads = None
+    if units_backward is not None:
+        grads = units_backward(q, store, units, lse, g_out, delta, problem)
+    if grads is None:
+        grads = _backward_units(
+            q, store, units, lse, g_out, delta, sm_scale=problem.sm_scale, dv=dv,
+            read_block=problem.read_block, chunk=_chunk_for(call, BACKWARD_CHUNK_ELEMENTS),
+        )  # fmt: skip
+    dq, dkeys = grads
     (dq,) = q_vjp(dq.astype(q.dtype))
     (dkv,) = keys_vjp(dkeys)
     return dq, dkv
@@ -384,14 +391,19 @@ def join_call(static, q, kv, data) -> SparseMlaCall:
     return static.replace(q=q, kv=kv, indices=indices, positions=positions, ragged=ragged)
 
 
-def kernel_result(call: SparseMlaCall, forward: Callable[[SparseMlaCall], tuple]):
+def kernel_result(
+    call: SparseMlaCall, forward: Callable[[SparseMlaCall], tuple], units_backward=None
+):
     """The op's result (``call.result``) for a kernel ``forward(call) -> (out, lse)``
     (the LSE always): the empty result for an empty problem; else the kernel's ``out``
-    and ``lse`` made differentiable by :func:`with_xla_backward`, plus the attention mass
-    from its LSE (:func:`attn_mass_from_lse`) where the call asks for it."""
+    and ``lse`` made differentiable from the saved ``out`` and ``lse``, by the backend's
+    ``units_backward`` (see :func:`_lse_backward`) or on XLA (:func:`with_xla_backward`),
+    plus the attention mass from its LSE (:func:`attn_mass_from_lse`) where the call
+    asks for it."""
     if call.problem.is_empty:
         return empty_result(call.problem, call.return_lse, call.return_attn_mass)
-    out, lse = with_xla_backward(forward)(call)
+    backward = functools.partial(_lse_backward, units_backward=units_backward)
+    out, lse = with_saved_backward(forward, backward)(call)
     mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
     return call.result(out, lse, mass)
 

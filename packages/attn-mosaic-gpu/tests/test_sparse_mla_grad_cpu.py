@@ -1,9 +1,8 @@
 """Sparse MLA training on the Hopper backend, checked on the CPU (no GPU needed).
 
-The forward is the kernel (Mosaic GPU interpret mode here: race detection on, shared
-memory starts as NaN); the backward runs on XLA from the kernel's saved ``out`` and
-``lse`` (``attn_common.sparse_mla_xla.with_xla_backward``) until the backward kernels
-land. So:
+The forward and the backward are the kernels (Mosaic GPU interpret mode here: race
+detection on, shared memory starts as NaN; the backward kernel
+``sparse_mla_bwd_kernel`` from the forward's saved ``out`` and ``lse``). So:
 
 * the gradients through the kernel equal the reference's float32 ones on the same bf16
   inputs within the bf16 products' error (the TPU kernels' tolerance), through ``out`` and ``lse``,
@@ -13,7 +12,7 @@ land. So:
 * ``return_attn_mass`` (on XLA from the kernel's LSE) matches the reference's within
   bf16 tolerance, is ``stop_gradient``, and the tuple order is ``(out, lse, mass)``;
 * ``jax.export(..., platforms=["cuda"])`` lowers ``jax.grad`` at the benchmark shape
-  (4096 tokens, top-2048 tokens, 128 heads): the forward kernel and the XLA backward.
+  (4096 tokens, top-2048 tokens, 128 and 64 heads): the forward and backward kernels.
 """
 
 from __future__ import annotations
@@ -121,3 +120,4 @@ def test_grad_cross_lowers_for_cuda(heads):
         sm_scale=0.0721, read_block=1,
     )  # fmt: skip
     assert text.count("mosaic_gpu") >= 1
+    assert "sparse_mla_backward" in text  # the backward kernel, not XLA's backward

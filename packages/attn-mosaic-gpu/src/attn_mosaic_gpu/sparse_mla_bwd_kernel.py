@@ -1,0 +1,630 @@
+"""Sparse MLA backward on Hopper (sm_90a): ``dq`` and the store's key gradient in one
+pass over each query's row table.
+
+Op: the gradient of ``sparse_mla_kernel.sparse_mla_rows_attention`` from its saved
+``lse`` and the output's cotangent ``dO``. For query token ``n``, head ``h`` and its rows
+``rows[n, :counts[n]]`` (keys ``K``, values ``V = K[:, :Dv]``)::
+
+    P  = exp(s Q K^T - lse)            dP = dO V^T          dS = s P (dP - delta)
+    dq = dS K                          dkeys[rows] += dS^T Q + [P^T dO, 0]
+
+``delta = rowsum(dO * out) - dlse`` comes from outside (XLA), as the LSE in base 2.
+``dq [N, Hp, Dk]`` float32 is written; ``dkeys [R, Dk]`` float32 is a zero-initialised
+mutable array (``jax.new_ref``) every program adds its rows' contributions to with
+``red.global.add.v4.f32`` straight from the registers, so the sums over queries are not
+bitwise reproducible (float addition order); ``dq`` is.
+
+Schedule
+--------
+One program per (query token, group of 64 heads), in the forward's lagged launch order
+(``_lagged_program``: a token's head groups a few programs apart, the later ones finding
+its rows in L2). Three warpgroups: WG0 and WG1 compute, WG2 gathers. Registers
+232 / 232 / 40.
+
+Shared memory (``_Buffers``, 224 KiB of the 227): Q (72 KiB: 512 latent and 64 rope
+features) and ``dO`` (64 KiB), loaded once by TMA with ``lse2`` and ``delta``; one block
+of 64 rows (72 KiB, gathered as the forward's parts ``L`` and ``R`` with their own
+hand-kept copy barriers); ``P`` and ``dS`` of the block in bf16 (8 KiB each).
+
+Per block ``b`` (``ceil(counts[n] / 64)`` of them, the columns past the count masked on
+the last):
+
+* WG2 waits until both compute WGs have released block ``b - 1`` (``k_free``: their
+  ``dq`` products with it have landed), then gathers block ``b`` by ``cp.async`` (the
+  forward's ``_gather_part``: zero-filled past the count, ``noinc`` arrivals on the copy
+  barriers).
+* WG0: ``S = Q K^T``; ``P = exp2(S s log2e - lse2)``, zero past the count; once WG1 has
+  finished with the previous ``P`` (``p_free``) it stores ``P`` as bf16 and arrives
+  ``p_ready``. WG1: ``dP = dO V^T``; waits ``p_ready``; once WG0 has finished with the
+  previous ``dS`` (``ds_free``) it stores ``dS = s P (dP - delta)`` as bf16 and arrives
+  ``ds_ready``. (``P`` reaches WG1 rounded to bf16, as it reaches the value product.)
+* Both, after ``ds_ready``: ``dq += dS K`` over their own columns (WG0 latent 0-255 and
+  the rope features, WG1 latent 256-511), wait for it and release the block
+  (``k_free``): WG2 gathers the next block while they finish this one.
+* Both: the key gradient of their columns, 64 at a time: ``acc = dS^T Q[:, c] + P^T
+  dO[:, c]`` (A operands read transposed from shared memory), then each thread adds its
+  accumulator to ``dkeys[rows[b * 64 + r], c]``, 16 bytes per ``red.global.add.v4.f32``
+  after one lane-pair shuffle (``_red_global``; rows past the count skipped); WG0 then arrives ``ds_free``, WG1 ``p_free``.
+
+Every barrier gets one arrival and one wait per block, and no WG writes a buffer before
+a wait that the other WG's last read of it precedes. At the end each WG stores its
+``dq`` columns.
+
+Interpret mode (``interpret=True``) runs the same schedule and barriers; the interpreter
+runs no inline Mosaic GPU code, so rows are gathered by plain loads and stores, the
+memory WG arrives on ``ready`` itself, and the key gradient is added row by row by
+plain loads and stores (the interpreter runs the programs one at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attn_mosaic_gpu._interpret import resolve_interpret
+from attn_mosaic_gpu._registers import memory_registers
+from attn_mosaic_gpu.sparse_mla_kernel import (
+    _CHUNK,
+    _TOKEN_LAG,
+    HEADS_PER_PROGRAM,
+    ROPE,
+    _arrive_on_copies,
+    _gather_part,
+    _gather_part_interpret,
+    _init_copy_barriers,
+    _lagged_program,
+    _Part,
+    _transforms,
+    _wait_copies_landed,
+)
+
+__all__ = ["sparse_mla_rows_backward"]
+
+KERNEL_NAME = "sparse_mla_backward"  # how the kernel shows in HLO and profiles
+BLOCK = 64  # rows per block (wgmma N of S and dP, M of the key gradient)
+_COMPUTE_WGS = 2
+_COMPUTE_REGISTERS = 232
+_THREADS = 128
+_KV_CHUNK = 64  # key-gradient columns per accumulator
+_LOG2E = math.log2(math.e)
+_AXIS_PROGRAM = "program"
+_AXIS_WG = "wg"
+_PARTS = (_Part.L0, _Part.R0)  # the one block's two parts (the forward's block 0)
+_INPUT_COPIES = 5  # Q latent, Q rope, dO, lse2, delta: one arrival each on `inputs`
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdStatics:
+    """The static facts one backward build is specialised on."""
+
+    tokens: int
+    heads: int  # padded to a multiple of 64
+    dv: int
+    width: int  # store row width (elements)
+    sm_scale: float
+
+
+class _Buffers(NamedTuple):
+    q_lat: Any  # [64, Dv] bf16
+    q_rope: Any  # [64, 64] bf16
+    do: Any  # [64, Dv] bf16
+    k_lat: Any  # [1, 64, Dv] bf16: the block's latent features (parts L and R)
+    k_rope: Any  # [1, 64, 64] bf16: its rope features (part R)
+    p16: Any  # [64, 64] bf16: P of the block
+    ds16: Any  # [64, 64] bf16: dS of the block (sm_scale applied)
+    stats: Any  # [2, 64] f32: lse2, delta of the program's heads
+    copied: Any  # [8] u32: the hand-kept copy barriers (None in interpret mode)
+
+
+class _Barriers(NamedTuple):
+    ready: Any  # [4] per _Part, interpret mode only: the gather has landed
+    inputs: Any  # Q, dO, lse2 and delta have landed (one barrier, four copies)
+    k_free: Any  # both compute WGs are done with the block (2 arrivals)
+    p_ready: Any
+    ds_ready: Any
+    p_free: Any  # WG1 is done reading P
+    ds_free: Any  # WG0 is done reading dS
+
+
+def _buffer_types(st: _BwdStatics, interpret: bool) -> _Buffers:
+    tiled = _transforms()
+    bf16, heads = jnp.bfloat16, HEADS_PER_PROGRAM
+    return _Buffers(
+        q_lat=plgpu.SMEM((heads, st.dv), bf16, transforms=tiled),
+        q_rope=plgpu.SMEM((heads, ROPE), bf16, transforms=tiled),
+        do=plgpu.SMEM((heads, st.dv), bf16, transforms=tiled),
+        k_lat=plgpu.SMEM((1, BLOCK, st.dv), bf16, transforms=tiled),
+        k_rope=plgpu.SMEM((1, BLOCK, ROPE), bf16, transforms=tiled),
+        p16=plgpu.SMEM((heads, BLOCK), bf16, transforms=tiled),
+        ds16=plgpu.SMEM((heads, BLOCK), bf16, transforms=tiled),
+        stats=plgpu.SMEM((2, heads), jnp.float32),
+        copied=None if interpret else plgpu.SMEM((2 * len(_Part),), jnp.uint32),
+    )
+
+
+def _barrier_types() -> _Barriers:
+    return _Barriers(
+        ready=plgpu.Barrier(num_barriers=len(_Part)),
+        inputs=plgpu.Barrier(num_arrivals=_INPUT_COPIES),
+        k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+        p_ready=plgpu.Barrier(),
+        ds_ready=plgpu.Barrier(),
+        p_free=plgpu.Barrier(),
+        ds_free=plgpu.Barrier(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    st: _BwdStatics
+    interpret: bool
+    store: Any
+    rows_ref: Any  # [N, Kp] int32
+    dq_ref: Any  # [N, Hp, Dk] f32
+    dkeys_ref: Any  # [R, Dk] f32, accumulated (interpret mode: [G, N, Kp, Dk] parts)
+    buf: _Buffers
+    bar: _Barriers
+    wg: Any
+    token: Any
+    h0: Any
+    count: Any
+    num_blocks: Any
+
+    def block_rows(self, b):
+        return self.rows_ref.at[self.token, pl.ds(b * BLOCK, BLOCK)]
+
+
+# ------------------------------------------------------------------------------------
+# Products: compiled, into an ACC ref (read back, which waits); in interpret mode into a
+# fresh accumulator, returned as a value.
+
+
+def _product(prog: _Program, acc_ref, shape, pairs):
+    """``sum(a @ b for a, b in pairs)`` as a float32 value of ``shape``."""
+    if prog.interpret or acc_ref is None:
+
+        def run(r):
+            for a, b in pairs:
+                plgpu.wgmma(r, a, b)
+            return r[...]
+
+        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+    acc_ref[...] = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    for a, b in pairs:
+        plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+
+
+def _accumulate(prog: _Program, acc, pairs):
+    """``acc + sum(a @ b)``: compiled, ``acc`` is an ACC ref, issued and waited for;
+    interpret, a value, returned."""
+    if prog.interpret:
+        shape = acc.shape
+        return acc + _product(prog, None, shape, pairs)
+    for a, b in pairs:
+        plgpu.wgmma(acc, a, b)
+    plgpu.wgmma_wait(0)
+    return acc
+
+
+# ------------------------------------------------------------------------------------
+# The key gradient's adds into global memory.
+
+
+def _red_rows(prog: _Program, acc, b, col0: int):
+    """Add ``acc [64 rows, 64 cols]`` (the WGMMA layout) to ``dkeys[rows[b*64 + r],
+    col0:col0 + 64]``; rows with id ``< 0`` are skipped."""
+    if prog.interpret:  # each (head group, token, slot) its own row: summed outside
+        group = prog.h0 // HEADS_PER_PROGRAM
+        slots = pl.ds(b * BLOCK, BLOCK)
+        prog.dkeys_ref.at[group, prog.token, slots, pl.ds(col0, _KV_CHUNK)][...] = acc
+        return
+    _red_global(prog.dkeys_ref.shape[1], col0)(acc, prog.block_rows(b), prog.dkeys_ref)
+
+
+def _red_global(width: int, col0: int):
+    """Inline Mosaic GPU: add the accumulator to global memory, 16 bytes per
+    ``red.global.add.v4.f32``. In the WGMMA layout a thread holds, per 8-column group,
+    two columns of row ``r`` and the same two of row ``r + 8``; lanes ``2i`` and ``2i +
+    1`` hold neighbouring column pairs, so they swap halves (one shuffle per pair): the
+    even lane adds four columns of row ``r``, the odd lane four of row ``r + 8``."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, llvm, memref
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
+    )
+    def red(ctx, acc, rows, dkeys):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        index = ir.IndexType.get()
+        f32 = ir.F32Type.get()
+
+        def const(v, ty=i32):
+            return arith.constant(ty, v)
+
+        base = llvm.addrspacecast(
+            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(dkeys)
+        )
+        odd = arith.cmpi(
+            arith.CmpIPredicate.ne,
+            arith.andi(mgpu_utils.thread_idx(), const(1)),
+            const(0),
+        )
+        regs = list(zip(acc.layout.thread_idxs(acc.shape), acc.registers.flat, strict=True))
+        row_of = {}
+        # Flat register order: per 8-column group, row r then row r + 8.
+        for ((r0, c0), v0), ((r8, _), v8) in zip(regs[0::2], regs[1::2], strict=True):
+            r = arith.select(odd, r8, r0)
+            key = (str(r0), str(r8))
+            if key not in row_of:
+                row_of[key] = memref.load(rows, [r])
+            row = row_of[key]
+            col = arith.select(odd, arith.subi(c0, arith.constant(index, 2)), c0)
+            lo = [llvm.extractelement(v, const(k)) for v in (v0, v8) for k in (0, 1)]
+            mine_r, mine_r8 = lo[:2], lo[2:]
+            sent = [arith.select(odd, a, b) for a, b in zip(mine_r, mine_r8, strict=True)]
+            got = [gpu.shuffle(x, const(1), const(32), gpu.ShuffleMode.XOR)[0] for x in sent]
+            # even: row r, (own r pair, partner's r pair); odd: row r + 8, (partner's
+            # r + 8 pair, own r + 8 pair).
+            vals = [
+                arith.select(odd, got[0], mine_r[0]),
+                arith.select(odd, got[1], mine_r[1]),
+                arith.select(odd, mine_r8[0], got[0]),
+                arith.select(odd, mine_r8[1], got[1]),
+            ]
+            valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
+            safe = arith.select(valid, row, const(0))
+            off = arith.addi(
+                arith.muli(arith.extui(i64, safe), const(width, i64)),
+                arith.addi(const(col0, i64), arith.index_cast(i64, col)),
+            )
+            ptr = mgpu_utils.getelementptr(base, [off], f32)
+            llvm.inline_asm(
+                ir.Type.parse("!llvm.void"),
+                [arith.extui(i32, valid), ptr, *vals],
+                "{ .reg .pred p; setp.ne.u32 p, $0, 0; "
+                "@p red.global.add.v4.f32 [$1], {$2, $3, $4, $5}; }",
+                "r,l,f,f,f,f",
+                has_side_effects=True,
+            )
+
+    return red
+
+
+# ------------------------------------------------------------------------------------
+# The warpgroups.
+
+
+def _load_inputs(prog: _Program, q_ref, do_ref, lse2_ref, delta_ref):
+    """WG0 issues the TMA copies of the program's Q, dO, lse2 and delta."""
+    st, buf, bar, heads = prog.st, prog.buf, prog.bar, pl.ds(prog.h0, HEADS_PER_PROGRAM)
+    copies = (
+        (q_ref.at[prog.token, heads, pl.ds(0, st.dv)], buf.q_lat),
+        (q_ref.at[prog.token, heads, pl.ds(st.dv, ROPE)], buf.q_rope),
+        (do_ref.at[prog.token, heads], buf.do),
+        (lse2_ref.at[prog.token, heads], buf.stats.at[0]),
+        (delta_ref.at[prog.token, heads], buf.stats.at[1]),
+    )
+    for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, bar.inputs)
+
+
+def _wait_block(prog: _Program, b):
+    for part in _PARTS:
+        if prog.interpret:
+            plgpu.barrier_wait(prog.bar.ready.at[part])
+        else:
+            _wait_copies_landed(prog.buf.copied, part, lax.bitwise_and(b, 1))
+
+
+def _masked(prog: _Program, b, x, masked: bool):
+    if not masked:
+        return x
+    col = b * BLOCK + plgpu.broadcasted_iota(
+        jnp.int32, (HEADS_PER_PROGRAM, BLOCK), 1, layout=plgpu.Layout.WGMMA
+    )
+    return jnp.where(col < prog.count, x, 0.0)
+
+
+def _row_stat(prog: _Program, i: int):
+    layout = plgpu.Layout.WGMMA.reduce(1)
+    stat = plgpu.load(prog.buf.stats.at[i], layout=layout, optimized=False)
+    return lax.broadcast_in_dim(stat, (HEADS_PER_PROGRAM, BLOCK), [0])
+
+
+def _key_grads(prog: _Program, kv_ref, b, chunks):
+    """The key gradient of columns ``chunks`` (``(col0, q_ref, do_ref or None)``) of
+    block ``b``, added into ``dkeys``."""
+    buf = prog.buf
+    ds_t = buf.ds16.transpose((1, 0))
+    p_t = buf.p16.transpose((1, 0))
+    for col0, q_cols, do_cols in chunks:
+        pairs = [(ds_t, q_cols)] + ([] if do_cols is None else [(p_t, do_cols)])
+        acc = _product(prog, kv_ref, (BLOCK, _KV_CHUNK), pairs)
+        _red_rows(prog, acc, b, col0)
+
+
+def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
+    """WG0's block ``b``: S and P, its dq columns (latent 0-255, rope), its key
+    gradient columns."""
+    buf, bar, st = prog.buf, prog.bar, prog.st
+    s_ref, kv_ref = refs
+    k_lat, k_rope = buf.k_lat.at[0], buf.k_rope.at[0]
+    _wait_block(prog, b)
+    s = _product(
+        prog,
+        s_ref,
+        (HEADS_PER_PROGRAM, BLOCK),
+        [(buf.q_lat, k_lat.transpose((1, 0))), (buf.q_rope, k_rope.transpose((1, 0)))],
+    )
+    probs = jnp.exp2(s * (st.sm_scale * _LOG2E) - _row_stat(prog, 0))
+    probs = _masked(prog, b, probs, masked)
+
+    @pl.when(b > 0)
+    def _():
+        plgpu.barrier_wait(bar.p_free)
+
+    buf.p16[...] = probs.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bar.p_ready)
+    plgpu.barrier_wait(bar.ds_ready)
+    half = st.dv // 2
+    dq_lat, dq_rope = dq
+    dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(0, half)])])
+    dq_rope = _accumulate(prog, dq_rope, [(buf.ds16, k_rope)])
+    plgpu.barrier_arrive(bar.k_free)
+    chunks = [
+        (c, buf.q_lat.at[:, pl.ds(c, _KV_CHUNK)], buf.do.at[:, pl.ds(c, _KV_CHUNK)])
+        for c in range(0, half, _KV_CHUNK)
+    ]
+    chunks.append((st.dv, buf.q_rope, None))
+    _key_grads(prog, kv_ref, b, chunks)
+    plgpu.barrier_arrive(bar.ds_free)
+    return dq_lat, dq_rope
+
+
+def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
+    """WG1's block ``b``: dP, dS, its dq columns (latent 256-511), its key gradient
+    columns."""
+    buf, bar, st = prog.buf, prog.bar, prog.st
+    s_ref, kv_ref = refs
+    k_lat = buf.k_lat.at[0]
+    _wait_block(prog, b)
+    dp = _product(prog, s_ref, (HEADS_PER_PROGRAM, BLOCK), [(buf.do, k_lat.transpose((1, 0)))])
+    plgpu.barrier_wait(bar.p_ready)
+    probs = plgpu.load(buf.p16, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    ds = probs * (dp - _row_stat(prog, 1)) * st.sm_scale
+
+    @pl.when(b > 0)
+    def _():
+        plgpu.barrier_wait(bar.ds_free)
+
+    buf.ds16[...] = ds.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bar.ds_ready)
+    half = st.dv // 2
+    (dq_lat,) = dq
+    dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(half, half)])])
+    plgpu.barrier_arrive(bar.k_free)
+    chunks = [
+        (c, buf.q_lat.at[:, pl.ds(c, _KV_CHUNK)], buf.do.at[:, pl.ds(c, _KV_CHUNK)])
+        for c in range(half, st.dv, _KV_CHUNK)
+    ]
+    _key_grads(prog, kv_ref, b, chunks)
+    plgpu.barrier_arrive(bar.p_free)
+    return (dq_lat,)
+
+
+def _compute_wg(prog: _Program, inputs):
+    """WG0 and WG1: the block loop, then their dq columns."""
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    st, heads, half = prog.st, HEADS_PER_PROGRAM, prog.st.dv // 2
+
+    @pl.when(prog.wg == 0)
+    def _():
+        _load_inputs(prog, *inputs)
+
+    plgpu.barrier_wait(prog.bar.inputs)
+    for w, widths, body in ((0, (half, ROPE), _wg0_block), (1, (half,), _wg1_block)):
+        cols = ((0, half), (st.dv, ROPE)) if w == 0 else ((half, half),)
+
+        @pl.when(prog.wg == w)
+        def _(w=w, widths=widths, body=body, cols=cols):
+            def run(*accs):
+                refs, dq_refs = accs[:2], accs[2:]
+                if prog.interpret:
+                    dq = tuple(jnp.zeros((heads, n), jnp.float32) for n in widths)
+                else:
+                    for r in dq_refs:
+                        r[...] = plgpu.layout_cast(
+                            jnp.zeros(r.shape, jnp.float32), plgpu.Layout.WGMMA
+                        )
+                    dq = dq_refs
+                full = lax.div(prog.count, jnp.int32(BLOCK))
+                step = functools.partial(body, prog, refs)
+                if prog.interpret:
+                    dq = lax.fori_loop(0, full, lambda b, d: step(b, d, False), dq)
+                    dq = lax.fori_loop(full, prog.num_blocks, lambda b, d: step(b, d, True), dq)
+                else:
+                    for lo, hi, masked in ((0, full, False), (full, prog.num_blocks, True)):
+
+                        @pl.loop(lo, hi)
+                        def _(b, masked=masked):
+                            step(b, dq, masked)
+
+                # Drain: observe the other WG's last release before the barriers die.
+                @pl.when(prog.num_blocks > 0)
+                def _():
+                    plgpu.barrier_wait(prog.bar.p_free if w == 0 else prog.bar.ds_free)
+
+                for (c0, n), d in zip(cols, dq, strict=True):
+                    value = d if prog.interpret else d[...]
+                    prog.dq_ref.at[prog.token, pl.ds(prog.h0, heads), pl.ds(c0, n)][...] = value
+
+            scoped = [
+                plgpu.ACC((heads, BLOCK), jnp.float32),
+                plgpu.ACC((BLOCK, _KV_CHUNK), jnp.float32),
+            ]
+            if prog.interpret:
+                run(None, None)
+            else:
+                pl.run_scoped(run, *scoped, *(plgpu.ACC((heads, n), jnp.float32) for n in widths))
+
+
+def _memory_wg(prog: _Program):
+    """WG2: gather every block once both compute WGs have released the one before."""
+    plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+    buf, bar = prog.buf, prog.bar
+    make = _gather_part_interpret if prog.interpret else _gather_part
+    gather = {part: make(prog.st, part.half) for part in _PARTS}
+
+    @pl.loop(0, prog.num_blocks)
+    def _(b):
+        @pl.when(b >= 1)
+        def _():
+            plgpu.barrier_wait(bar.k_free)
+
+        for part in _PARTS:
+            gather[part](prog.store, prog.block_rows(b), buf.k_lat.at[0], buf.k_rope.at[0])
+            if prog.interpret:
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bar.ready.at[part])
+            else:
+                _arrive_on_copies(buf.copied, part)
+
+    @pl.when(prog.num_blocks > 0)
+    def _drain():
+        plgpu.barrier_wait(bar.k_free)
+
+
+def _build_kernel(st: _BwdStatics, *, interpret: bool):
+    def kernel(q_ref, do_ref, lse2_ref, delta_ref, store, rows_ref, counts_ref, a, b, buf, bar):
+        # compiled: the dkeys ref (an input), then dq; interpreted: dq, then the parts
+        dkeys_ref, dq_ref = (b, a) if interpret else (a, b)
+        group, token = _lagged_program(lax.axis_index(_AXIS_PROGRAM), _TOKEN_LAG, st)
+        count = counts_ref[token]
+        prog = _Program(
+            st=st,
+            interpret=interpret,
+            store=store,
+            rows_ref=rows_ref,
+            dq_ref=dq_ref,
+            dkeys_ref=dkeys_ref,
+            buf=buf,
+            bar=bar,
+            wg=lax.axis_index(_AXIS_WG),
+            token=token,
+            h0=group * HEADS_PER_PROGRAM,
+            count=count,
+            num_blocks=lax.div(count + BLOCK - 1, jnp.int32(BLOCK)),
+        )
+        if not interpret:
+            _init_copy_barriers(buf.copied, _THREADS)
+        inputs = (q_ref, do_ref, lse2_ref, delta_ref)
+        pl.when(prog.wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog, inputs))
+        pl.when(prog.wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog))
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda buf, bar: kernel(*refs, buf, bar),
+            _buffer_types(st, interpret),
+            _barrier_types(),
+            collective_axes=_AXIS_WG,
+        )
+
+    return entry
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def _launch(q, do, lse2, delta, store, rows, counts, *, st: _BwdStatics, interpret):
+    dk, groups = st.dv + ROPE, st.heads // HEADS_PER_PROGRAM
+    dq_type = jax.ShapeDtypeStruct((st.tokens, st.heads, dk), jnp.float32)
+    if interpret is not None:
+        # The interpreter runs no atomics: each (head group, token, slot) gets its own
+        # row of key gradient, zero where never written (past the count), summed here.
+        parts_type = jax.ShapeDtypeStruct((groups, *rows.shape, dk), jnp.float32)
+        dq, parts = _call(st, interpret, (dq_type, parts_type))(
+            q, do, lse2, delta, store, rows, counts
+        )
+        counted = jnp.arange(rows.shape[1])[None] < counts[:, None]
+        target = jnp.where(counted, rows, store.shape[0]).reshape(-1)
+        contrib = jnp.where(counted[..., None], parts.sum(0), 0.0).reshape(-1, dk)
+        dkeys = jnp.zeros((store.shape[0], dk), jnp.float32)
+        return dq, dkeys.at[target].add(contrib, mode="drop")
+    dkeys = jax.new_ref(jnp.zeros((store.shape[0], dk), jnp.float32))
+    dq = _call(st, interpret, dq_type)(q, do, lse2, delta, store, rows, counts, dkeys)
+    return dq, dkeys[...]
+
+
+def _call(st: _BwdStatics, interpret, out_type):
+    return plgpu.kernel(
+        _build_kernel(st, interpret=interpret is not None),
+        out_type=out_type,
+        grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,),
+        grid_names=(_AXIS_PROGRAM,),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name=_AXIS_WG,
+        kernel_name=KERNEL_NAME,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=interpret,
+    )
+
+
+def sparse_mla_rows_backward(
+    q: jax.Array,
+    store: jax.Array,
+    rows: jax.Array,
+    counts: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    delta: jax.Array,
+    *,
+    sm_scale: float,
+    dv: int = 512,
+    interpret: object = False,
+) -> tuple[jax.Array, jax.Array]:
+    """``(dq [N, H, Dk], dkeys [R, Dk])`` float32 of ``sparse_mla_rows_attention``.
+
+    Args:
+      q: ``[N, H, Dk]`` bfloat16, ``Dk = dv + 64``.
+      store: ``[R, W]`` bfloat16, ``W >= Dk``, ``W % 8 == 0``.
+      rows, counts: the forward's row table (``[N, Kp]``, ``Kp % 64 == 0``; ``[N]``).
+      lse: ``[N, H]`` float32, the forward's natural-log LSE.
+      d_out: ``[N, H, dv]``, the output's cotangent (cast to bfloat16).
+      delta: ``[N, H]`` float32, ``rowsum(d_out * out) - d_lse``.
+    """
+    tokens, heads, dk = q.shape
+    if q.dtype != jnp.bfloat16 or store.dtype != jnp.bfloat16:
+        raise TypeError(f"q, store: got {q.dtype}, {store.dtype}, expected bfloat16")
+    if dk != dv + ROPE or dv % 128:
+        raise NotImplementedError(f"q: head dim {dk} with dv={dv}")
+    if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK:
+        raise ValueError(f"store: got shape {store.shape}, expected [R, W >= {dk}]")
+    if rows.shape[0] != tokens or rows.shape[1] % BLOCK:
+        raise ValueError(f"rows: got shape {rows.shape}")
+    hp = -(-heads // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM
+    lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf).astype(jnp.float32)
+    do = d_out.astype(jnp.bfloat16)
+    delta = delta.astype(jnp.float32)
+    if hp != heads:
+        pad3, pad2 = ((0, 0), (0, hp - heads), (0, 0)), ((0, 0), (0, hp - heads))
+        q, do = jnp.pad(q, pad3), jnp.pad(do, pad3)
+        lse2 = jnp.pad(lse2, pad2, constant_values=jnp.inf)
+        delta = jnp.pad(delta, pad2)
+    st = _BwdStatics(tokens=tokens, heads=hp, dv=dv, width=store.shape[1], sm_scale=float(sm_scale))
+    dq, dkeys = _launch(
+        q, do, lse2, delta, store, rows.astype(jnp.int32), counts.astype(jnp.int32),
+        st=st, interpret=resolve_interpret(interpret),
+    )  # fmt: skip
+    return dq[:, :heads], dkeys
