@@ -1,13 +1,13 @@
 """H200: sparse MLA training through the Hopper backend against the reference.
 
-Skipped unless JAX's default backend is a GPU. The forward is the kernel, the backward
-XLA's from the saved ``out`` and ``lse`` (``attn_common.sparse_mla_xla.with_xla_backward``,
-bf16 products with float32 sums) until the backward kernels land. On bf16 inputs with
+Skipped unless JAX's default backend is a GPU. The forward and the backward are the
+kernels (``sparse_mla_bwd_kernel``, from the saved ``out`` and ``lse``: bf16 products
+with float32 sums, the cache gradient by float32 atomic adds). On bf16 inputs with
 NaN/Inf in every cache row no query attends:
 
 * ``dq`` and ``dkv`` (through ``out`` and ``lse``) match the reference's float32
   gradient (rel L2 below 1e-2: bf16 products), finite, and exactly 0 on unattended rows;
-* two runs give bit-identical ``dq`` and mass; the cache gradient is XLA's scatter-add
+* two runs give bit-identical ``dq`` and mass; the cache gradient is the atomic sum
   of every query's key gradient, whose float32 summation order is not fixed on a GPU
   (two runs differed on the H200 at 1f4863c): equal within that rounding (rel L2
   below 1e-3), exactly 0 on the unattended rows in both;
