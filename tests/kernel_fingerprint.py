@@ -4,7 +4,7 @@ For a set of shapes, bounds layouts and configs, traces ``jax.grad`` of
 ``attn_mosaic_gpu.ranker_attention`` (forward, dq and dk/dv kernels; and two forward-only
 configs) and the Hopper sparse-MLA op (``sparse-mla``: flat and ragged paged, unit- and
 token-level selections, H 16/64/128, the prefill wrapper, the row-table kernel alone over
-a bf16 and an FP8 store, and the row-sort kernel alone, each at the default config) and prints a hash of a canonical text of the jaxpr: sub-jaxprs inlined (the
+a bf16 and an FP8 store, the backward kernel alone, and the row-sort kernel alone, each at the default config) and prints a hash of a canonical text of the jaxpr: sub-jaxprs inlined (the
 printer's sharing of equal sub-jaxprs depends on how the code is factored), variables
 renamed in order of definition, source locations and object addresses dropped. Equal
 hashes mean the kernels trace to the same operations, so the lowered kernels are the
@@ -267,6 +267,16 @@ def sparse_mla_cases():
         attend,
         (sds((256, 64, 576), bf16), fp8_store, *kernel_args[2:]),
     )
+    # The backward kernel alone (dq and the cache gradient's atomic adds).
+    from attn_mosaic_gpu.sparse_mla_bwd_kernel import sparse_mla_rows_backward
+
+    f32 = jnp.float32
+
+    def backward(q, store, rows, counts, lse, d_out, delta):
+        return sparse_mla_rows_backward(q, store, rows, counts, lse, d_out, delta, sm_scale=0.07)
+
+    grad_args = (sds((256, 128), f32), sds((256, 128, 512), f32), sds((256, 128), f32))
+    yield "sparse-mla-backward-kernel-h128", backward, (*kernel_args, *grad_args)
     for keys in ROW_SORT_KEYS:
         yield f"row-sort-k{keys}", distinct_sorted_rows, (sds((256, keys), i32),)
 

@@ -72,6 +72,7 @@ def test_sparse_mla_cases_trace(fingerprint):
         "sparse-mla-prefill-wrapper-h128",
         "sparse-mla-kernel-h128",
         "sparse-mla-fp8-kernel-h64",
+        "sparse-mla-backward-kernel-h128",
         "row-sort-k512",
         "row-sort-k2048",
         "row-sort-k4096",

@@ -355,6 +355,12 @@ def _key_grads(prog: _Program, kv_ref, b, chunks):
         _red_rows(prog, acc, b, col0)
 
 
+def _latent_chunks(buf: _Buffers, lo: int, hi: int):
+    """``_key_grads``' chunks of latent columns ``lo:hi``: Q's and dO's columns."""
+    cols = (pl.ds(c, _KV_CHUNK) for c in range(lo, hi, _KV_CHUNK))
+    return [(c.start, buf.q_lat.at[:, c], buf.do.at[:, c]) for c in cols]
+
+
 def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     """WG0's block ``b``: S and P, its dq columns (latent 0-255, rope), its key
     gradient columns."""
@@ -384,12 +390,7 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(0, half)])])
     dq_rope = _accumulate(prog, dq_rope, [(buf.ds16, k_rope)])
     plgpu.barrier_arrive(bar.k_free)
-    chunks = [
-        (c, buf.q_lat.at[:, pl.ds(c, _KV_CHUNK)], buf.do.at[:, pl.ds(c, _KV_CHUNK)])
-        for c in range(0, half, _KV_CHUNK)
-    ]
-    chunks.append((st.dv, buf.q_rope, None))
-    _key_grads(prog, kv_ref, b, chunks)
+    _key_grads(prog, kv_ref, b, [*_latent_chunks(buf, 0, half), (st.dv, buf.q_rope, None)])
     plgpu.barrier_arrive(bar.ds_free)
     return dq_lat, dq_rope
 
@@ -417,11 +418,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     (dq_lat,) = dq
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(half, half)])])
     plgpu.barrier_arrive(bar.k_free)
-    chunks = [
-        (c, buf.q_lat.at[:, pl.ds(c, _KV_CHUNK)], buf.do.at[:, pl.ds(c, _KV_CHUNK)])
-        for c in range(half, st.dv, _KV_CHUNK)
-    ]
-    _key_grads(prog, kv_ref, b, chunks)
+    _key_grads(prog, kv_ref, b, _latent_chunks(buf, half, st.dv))
     plgpu.barrier_arrive(bar.p_free)
     return (dq_lat,)
 
