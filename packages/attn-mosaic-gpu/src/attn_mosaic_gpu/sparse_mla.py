@@ -127,6 +127,7 @@ def sparse_mla_attention(
     *,
     config: SparseMlaKernelConfig | None = None,
     fp8_dequantize: bool | None = None,
+    deterministic: bool = True,
 ):
     """Sparse MLA attention over selected KV units on Hopper; the reference's contract.
 
@@ -150,9 +151,13 @@ def sparse_mla_attention(
 
     Differentiable in ``q`` and ``kv`` (through ``out`` and ``lse``): the forward is the
     kernel, the backward the kernel of ``sparse_mla_bwd_kernel`` from the saved ``out``
-    and ``lse`` (bf16 products, float32 sums; ``dq`` bitwise reproducible, the cache
-    gradient float32 atomic adds, not), for an ``Fp8LatentCache`` XLA's
+    and ``lse`` (bf16 products, float32 sums), for an ``Fp8LatentCache`` XLA's
     (``attn_common.sparse_mla_xla``); the reference's gradient semantics hold.
+    ``deterministic`` (the backward kernel only): ``True``, both gradients bitwise
+    reproducible (each query's key-gradient rows stored, up to
+    ``sparse_mla_bwd_kernel.PARTS_BYTES`` at a time, then summed per cache row in a
+    fixed order); ``False``, the cache gradient added by float32 atomics (no parts
+    buffer; not reproducible bit for bit).
     ``return_attn_mass=True``: the mass is computed on XLA from the kernel's LSE
     (``attn_mass_from_lse``: the gather and ``Q K^T`` again, no softmax pass, no value
     product).
@@ -171,12 +176,16 @@ def sparse_mla_attention(
             f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
         )
     check_fp8_dequantize(fp8_dequantize)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
     config = config or SparseMlaKernelConfig()
     interpret = resolve_interpret(call.interpret)
     forward = functools.partial(
         _kernel_forward, config=config, fp8_dequantize=fp8_dequantize, interpret=interpret
     )
-    backward = functools.partial(_kernel_backward, config=config, interpret=interpret)
+    backward = functools.partial(
+        _kernel_backward, config=config, deterministic=deterministic, interpret=interpret
+    )
     return kernel_result(call, forward, backward)
 
 
@@ -205,7 +214,9 @@ def _kernel_forward(call: SparseMlaCall, *, config, fp8_dequantize, interpret):
     return out.reshape(*shape, problem.dv), lse.reshape(shape)
 
 
-def _kernel_backward(q, store, units, lse, g_out, delta, problem, *, config, interpret):
+def _kernel_backward(
+    q, store, units, lse, g_out, delta, problem, *, config, deterministic, interpret
+):
     """``(dq, dkeys)`` float32 by the backward kernel, from the forward's row table
     (built again: 0.11 ms at 4096 x 2048); ``None`` (XLA's backward) for an
     ``Fp8LatentCache``, whose gradient goes through its dequantization."""
@@ -214,7 +225,8 @@ def _kernel_backward(q, store, units, lse, g_out, delta, problem, *, config, int
     rows, counts = _row_table(units, problem.read_block, store.shape[0], config, interpret)
     return sparse_mla_rows_backward(
         q.astype(jnp.bfloat16), store, rows, counts, lse, g_out, delta,
-        sm_scale=problem.sm_scale, dv=problem.dv, interpret=interpret,
+        sm_scale=problem.sm_scale, dv=problem.dv, deterministic=deterministic,
+        interpret=interpret,
     )  # fmt: skip
 
 
@@ -299,17 +311,21 @@ def prefill_write_and_attend_ragged(
     *,
     config: SparseMlaKernelConfig | None = None,
     fp8_dequantize: bool | None = None,
+    deterministic: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (ragged mode).
 
     ``query_block`` / ``u_max`` are validated and change nothing on Hopper. The kernel
     reads ``ql`` and ``qpe`` where they are: joining them first would copy all of Q
     (0.3-0.4 ms for 4096 tokens x 128 heads on the H200, docs/sparse_mla_gpu.md).
-    ``config`` and ``fp8_dequantize``: as for :func:`sparse_mla_attention` (the cache
-    attended is the one written).
+    ``config``, ``fp8_dequantize`` and ``deterministic``: as for
+    :func:`sparse_mla_attention` (the cache attended is the one written).
     """
     attend = functools.partial(
-        sparse_mla_attention.impl, config=config, fp8_dequantize=fp8_dequantize
+        sparse_mla_attention.impl,
+        config=config,
+        fp8_dequantize=fp8_dequantize,
+        deterministic=deterministic,
     )
     return write_then_attend(paged_write_back.impl, attend, call, split_q=True)
 

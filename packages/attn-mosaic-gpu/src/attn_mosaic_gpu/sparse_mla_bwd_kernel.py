@@ -72,6 +72,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
+from attn_mosaic_gpu.fixed_order_sum import segment_sum_fixed_order
 from attn_mosaic_gpu.sparse_mla_kernel import (
     _CHUNK,
     _TOKEN_LAG,
@@ -100,6 +101,7 @@ _AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
 _PARTS = (_Part.L0, _Part.R0)  # the one block's two parts (the forward's block 0)
 _INPUT_COPIES = 5  # Q latent, Q rope, dO, lse2, delta: one arrival each on `inputs`
+PARTS_BYTES = 4 << 30  # the deterministic path's parts buffer, at most (token chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,7 @@ class _BwdStatics:
     dv: int
     width: int  # store row width (elements)
     sm_scale: float
+    deterministic: bool  # per-slot parts stored, summed in a fixed order outside
 
 
 class _Buffers(NamedTuple):
@@ -170,7 +173,7 @@ class _Program:
     store: Any
     rows_ref: Any  # [N, Kp] int32
     dq_ref: Any  # [N, Hp, Dk] f32
-    dkeys_ref: Any  # [R, Dk] f32, accumulated (interpret mode: [G, N, Kp, Dk] parts)
+    dkeys_ref: Any  # [R, Dk] f32, accumulated; or the parts [G, N, Kp, Dk] (see _red_rows)
     buf: _Buffers
     bar: _Barriers
     wg: Any
@@ -222,18 +225,24 @@ def _accumulate(prog: _Program, acc, pairs):
 
 def _red_rows(prog: _Program, acc, b, col0: int):
     """Add ``acc [64 rows, 64 cols]`` (the WGMMA layout) to ``dkeys[rows[b*64 + r],
-    col0:col0 + 64]``; rows with id ``< 0`` are skipped."""
-    if prog.interpret:  # each (head group, token, slot) its own row: summed outside
-        group = prog.h0 // HEADS_PER_PROGRAM
-        slots = pl.ds(b * BLOCK, BLOCK)
+    col0:col0 + 64]``; rows with id ``< 0`` are skipped. Deterministic (and in interpret
+    mode, which runs no atomics): store it instead to the parts ``[G, N, Kp, Dk]`` at
+    (head group, token, slot ``b*64 + r``), summed outside in a fixed order."""
+    group = prog.h0 // HEADS_PER_PROGRAM
+    slots = pl.ds(b * BLOCK, BLOCK)
+    if prog.interpret:
         prog.dkeys_ref.at[group, prog.token, slots, pl.ds(col0, _KV_CHUNK)][...] = acc
-        return
-    _red_global(prog.dkeys_ref.shape[1], col0)(acc, prog.block_rows(b), prog.dkeys_ref)
+    elif prog.st.deterministic:
+        parts = prog.dkeys_ref.at[group, prog.token, slots]
+        _red_global(parts.shape[1], col0, store=True)(acc, prog.block_rows(b), parts)
+    else:
+        _red_global(prog.dkeys_ref.shape[1], col0)(acc, prog.block_rows(b), prog.dkeys_ref)
 
 
-def _red_global(width: int, col0: int):
+def _red_global(width: int, col0: int, *, store: bool = False):
     """Inline Mosaic GPU: add the accumulator ``[64, 64]`` to global memory, 16 bytes per
-    ``red.global.add.v4.f32``, a quad of lanes 64 contiguous bytes of a row. In the
+    ``red.global.add.v4.f32``, a quad of lanes 64 contiguous bytes of a row (``store``:
+    ``st.global.v4.f32`` to row ``r`` of a ``[64, width]`` block instead). In the
     WGMMA layout the 4 lanes of a quad hold rows ``r`` and ``r + 8``, lane ``q`` columns
     ``8 j + 2 q`` and ``+ 1`` of each 8-column group ``j``. Shuffled within the quad
     (``shfl.idx``, 8 per add), lane ``q`` adds columns ``16 s + 4 q .. + 3`` of each
@@ -252,6 +261,7 @@ def _red_global(width: int, col0: int):
         i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
         f32 = ir.F32Type.get()
+        op = "st.global.v4.f32" if store else "red.global.add.v4.f32"
 
         def const(v, ty=i32):
             return arith.constant(ty, v)
@@ -278,8 +288,8 @@ def _red_global(width: int, col0: int):
             (r, _), _ = regs[h]
             row = memref.load(rows, [r])
             valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
-            safe = arith.select(valid, row, const(0))
-            row_off = arith.muli(arith.extui(i64, safe), const(width, i64))
+            dest = arith.index_cast(i32, r) if store else arith.select(valid, row, const(0))
+            row_off = arith.muli(arith.extui(i64, dest), const(width, i64))
             for seg in range(groups // 2):
                 halves = []
                 for j in (2 * seg, 2 * seg + 1):
@@ -293,8 +303,7 @@ def _red_global(width: int, col0: int):
                 llvm.inline_asm(
                     ir.Type.parse("!llvm.void"),
                     [arith.extui(i32, valid), ptr, *vals],
-                    "{ .reg .pred p; setp.ne.u32 p, $0, 0; "
-                    "@p red.global.add.v4.f32 [$1], {$2, $3, $4, $5}; }",
+                    f"{{ .reg .pred p; setp.ne.u32 p, $0, 0; @p {op} [$1], {{$2, $3, $4, $5}}; }}",
                     "r,l,f,f,f,f",
                     has_side_effects=True,
                 )
@@ -507,8 +516,8 @@ def _memory_wg(prog: _Program):
 
 def _build_kernel(st: _BwdStatics, *, interpret: bool):
     def kernel(q_ref, do_ref, lse2_ref, delta_ref, store, rows_ref, counts_ref, a, b, buf, bar):
-        # compiled: the dkeys ref (an input), then dq; interpreted: dq, then the parts
-        dkeys_ref, dq_ref = (b, a) if interpret else (a, b)
+        # atomics: the dkeys ref (an input), then dq; else dq, then the parts (outputs)
+        dkeys_ref, dq_ref = (b, a) if interpret or st.deterministic else (a, b)
         group, token = _lagged_program(lax.axis_index(_AXIS_PROGRAM), _TOKEN_LAG, st)
         count = counts_ref[token]
         prog = _Program(
@@ -547,21 +556,37 @@ def _build_kernel(st: _BwdStatics, *, interpret: bool):
 def _launch(q, do, lse2, delta, store, rows, counts, *, st: _BwdStatics, interpret):
     dk, groups = st.dv + ROPE, st.heads // HEADS_PER_PROGRAM
     dq_type = jax.ShapeDtypeStruct((st.tokens, st.heads, dk), jnp.float32)
-    if interpret is not None:
-        # The interpreter runs no atomics: each (head group, token, slot) gets its own
-        # row of key gradient, zero where never written (past the count), summed here.
+    if interpret is not None or st.deterministic:
+        # Each (head group, token, slot) stores its own row of key gradient (the
+        # interpreter runs no atomics); the rows are summed in a fixed order.
         parts_type = jax.ShapeDtypeStruct((groups, *rows.shape, dk), jnp.float32)
         dq, parts = _call(st, interpret, (dq_type, parts_type))(
             q, do, lse2, delta, store, rows, counts
         )
-        counted = jnp.arange(rows.shape[1])[None] < counts[:, None]
-        target = jnp.where(counted, rows, store.shape[0]).reshape(-1)
-        contrib = jnp.where(counted[..., None], parts.sum(0), 0.0).reshape(-1, dk)
-        dkeys = jnp.zeros((store.shape[0], dk), jnp.float32)
-        return dq, dkeys.at[target].add(contrib, mode="drop")
+        return dq, _sum_parts(parts, rows, counts, store.shape[0])
     dkeys = jax.new_ref(jnp.zeros((store.shape[0], dk), jnp.float32))
     dq = _call(st, interpret, dq_type)(q, do, lse2, delta, store, rows, counts, dkeys)
     return dq, dkeys[...]
+
+
+def _sum_parts(parts, rows, counts, num_rows: int):
+    """``dkeys [R, Dk]``: the parts ``[G, N, Kp, Dk]`` summed by row id in a fixed order
+    (``segment_sum_fixed_order``); slots past a token's count or with id ``< 0`` were
+    never written and are not read. A token names a row once (its table is a set), so
+    no row has more than ``G N`` parts."""
+    groups, tokens, width, dk = parts.shape
+    counted = (jnp.arange(width)[None] < counts[:, None]) & (rows >= 0)
+    ids = jnp.broadcast_to(jnp.where(counted, rows, num_rows), (groups, tokens, width))
+    return segment_sum_fixed_order(
+        parts.reshape(-1, dk), ids.reshape(-1), num_rows, max_count=groups * tokens
+    )
+
+
+def _token_chunks(tokens: int, groups: int, width: int, dk: int) -> list[tuple[int, int]]:
+    """The deterministic path's launches: ``(start, size)`` token ranges whose parts
+    (``groups * size * width * dk`` float32) fit ``PARTS_BYTES``."""
+    size = max(1, min(tokens, PARTS_BYTES // (groups * width * dk * 4)))
+    return [(t, min(size, tokens - t)) for t in range(0, tokens, size)]
 
 
 def _call(st: _BwdStatics, interpret, out_type):
@@ -589,9 +614,15 @@ def sparse_mla_rows_backward(
     *,
     sm_scale: float,
     dv: int = 512,
+    deterministic: bool = True,
     interpret: object = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [N, H, Dk], dkeys [R, Dk])`` float32 of ``sparse_mla_rows_attention``.
+
+    ``deterministic``: ``dkeys`` bitwise reproducible (per-slot parts stored, then summed
+    in a fixed order, in token chunks of at most ``PARTS_BYTES``); ``False``: added by
+    float32 atomics (no parts buffer, summation order not fixed). ``dq`` is reproducible
+    either way.
 
     Args:
       q: ``[N, H, Dk]`` bfloat16, ``Dk = dv + 64``.
@@ -619,9 +650,24 @@ def sparse_mla_rows_backward(
         q, do = jnp.pad(q, pad3), jnp.pad(do, pad3)
         lse2 = jnp.pad(lse2, pad2, constant_values=jnp.inf)
         delta = jnp.pad(delta, pad2)
-    st = _BwdStatics(tokens=tokens, heads=hp, dv=dv, width=store.shape[1], sm_scale=float(sm_scale))
-    dq, dkeys = _launch(
-        q, do, lse2, delta, store, rows.astype(jnp.int32), counts.astype(jnp.int32),
-        st=st, interpret=resolve_interpret(interpret),
+    rows, counts = rows.astype(jnp.int32), counts.astype(jnp.int32)
+    interpret = resolve_interpret(interpret)
+    statics = functools.partial(
+        _BwdStatics, heads=hp, dv=dv, width=store.shape[1], sm_scale=float(sm_scale),
+        deterministic=bool(deterministic),
     )  # fmt: skip
+    if not deterministic and interpret is None:
+        chunks = [(0, tokens)]
+    else:
+        chunks = _token_chunks(tokens, hp // HEADS_PER_PROGRAM, rows.shape[1], dk)
+    dqs, dkeys = [], None
+    for t0, n in chunks:
+        part = (x[t0 : t0 + n] for x in (q, do, lse2, delta))
+        dq, d = _launch(
+            *part, store, rows[t0 : t0 + n], counts[t0 : t0 + n],
+            st=statics(tokens=n), interpret=interpret,
+        )  # fmt: skip
+        dqs.append(dq)
+        dkeys = d if dkeys is None else dkeys + d
+    dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs)
     return dq[:, :heads], dkeys
