@@ -223,7 +223,7 @@ def _accumulate(prog: _Program, acc, pairs):
 # The key gradient's adds into global memory.
 
 
-def _red_rows(prog: _Program, acc, b, col0: int):
+def _red_rows(prog: _Program, acc, ids, b, col0: int):
     """Add ``acc [64 rows, 64 cols]`` (the WGMMA layout) to ``dkeys[rows[b*64 + r],
     col0:col0 + 64]``; rows with id ``< 0`` are skipped. Deterministic (and in interpret
     mode, which runs no atomics): store it instead to the parts ``[G, N, Kp, Dk]`` at
@@ -234,9 +234,45 @@ def _red_rows(prog: _Program, acc, b, col0: int):
         prog.dkeys_ref.at[group, prog.token, slots, pl.ds(col0, _KV_CHUNK)][...] = acc
     elif prog.st.deterministic:
         parts = prog.dkeys_ref.at[group, prog.token, slots]
-        _red_global(parts.shape[1], col0, store=True)(acc, prog.block_rows(b), parts)
+        _red_global(parts.shape[1], col0, store=True)(acc, ids, parts)
     else:
-        _red_global(prog.dkeys_ref.shape[1], col0)(acc, prog.block_rows(b), prog.dkeys_ref)
+        _red_global(prog.dkeys_ref.shape[1], col0)(acc, ids, prog.dkeys_ref)
+
+
+def _row_ids(prog: _Program, b):
+    """Block ``b``'s row ids in the registers (``[64, 8]`` int32, the WGMMA layout: each
+    thread its rows ``r`` and ``r + 8``), loaded from global memory as the block starts
+    so that the loads' latency is hidden behind its products (loaded at every add, they
+    stalled each chunk's adds). ``None`` in interpret mode."""
+    if prog.interpret:
+        return None
+    return _load_row_ids()(prog.block_rows(b))
+
+
+def _load_row_ids():
+    from jax.experimental.mosaic import gpu as mgpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref, vector
+
+    shape = (BLOCK, 8)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct(shape, jnp.int32, layout=plgpu.Layout.WGMMA),
+    )
+    def load(ctx, rows):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        ids = mgpu.FragmentedArray.splat(
+            arith.constant(i32, 0), shape, mgpu.WGMMA_LAYOUT, is_signed=True
+        )
+        regs = ids.registers.copy()
+        for k, (r, _) in enumerate(ids.layout.thread_idxs(shape)):
+            row = memref.load(rows, [r])
+            regs.flat[k] = vector.broadcast(regs.flat[k].type, row)
+        return mgpu.FragmentedArray(_registers=regs, _layout=ids.layout, _is_signed=True)
+
+    return load
 
 
 def _red_global(width: int, col0: int, *, store: bool = False):
@@ -251,12 +287,12 @@ def _red_global(width: int, col0: int, *, store: bool = False):
     kernel 1.14x slower; 8-byte adds with no shuffle 1.35x.)"""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, gpu, llvm, memref
+    from jaxlib.mlir.dialects import arith, gpu, llvm
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
+        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType()),
     )
-    def red(ctx, acc, rows, dkeys):
+    def red(ctx, acc, ids, dkeys):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         i64 = ir.IntegerType.get_signless(64)
@@ -286,7 +322,7 @@ def _red_global(width: int, col0: int, *, store: bool = False):
 
         for h in (0, 1):  # row r, then row r + 8 (flat order: per group, r then r + 8)
             (r, _), _ = regs[h]
-            row = memref.load(rows, [r])
+            row = llvm.extractelement(ids.registers.flat[h], const(0))
             valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
             dest = arith.index_cast(i32, r) if store else arith.select(valid, row, const(0))
             row_off = arith.muli(arith.extui(i64, dest), const(width, i64))
@@ -352,16 +388,16 @@ def _row_stat(prog: _Program, i: int):
     return lax.broadcast_in_dim(stat, (HEADS_PER_PROGRAM, BLOCK), [0])
 
 
-def _key_grads(prog: _Program, kv_ref, b, chunks):
+def _key_grads(prog: _Program, kv_ref, ids, b, chunks):
     """The key gradient of columns ``chunks`` (``(col0, q_ref, do_ref or None)``) of
-    block ``b``, added into ``dkeys``."""
+    block ``b`` (row ids ``ids``), added into ``dkeys``."""
     buf = prog.buf
     ds_t = buf.ds16.transpose((1, 0))
     p_t = buf.p16.transpose((1, 0))
     for col0, q_cols, do_cols in chunks:
         pairs = [(ds_t, q_cols)] + ([] if do_cols is None else [(p_t, do_cols)])
         acc = _product(prog, kv_ref, (BLOCK, _KV_CHUNK), pairs)
-        _red_rows(prog, acc, b, col0)
+        _red_rows(prog, acc, ids, b, col0)
 
 
 def _latent_chunks(buf: _Buffers, lo: int, hi: int):
@@ -376,6 +412,7 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     buf, bar, st = prog.buf, prog.bar, prog.st
     s_ref, kv_ref = refs
     k_lat, k_rope = buf.k_lat.at[0], buf.k_rope.at[0]
+    ids = _row_ids(prog, b)
     _wait_block(prog, b)
     s = _product(
         prog,
@@ -399,7 +436,7 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(0, half)])])
     dq_rope = _accumulate(prog, dq_rope, [(buf.ds16, k_rope)])
     plgpu.barrier_arrive(bar.k_free)
-    _key_grads(prog, kv_ref, b, [*_latent_chunks(buf, 0, half), (st.dv, buf.q_rope, None)])
+    _key_grads(prog, kv_ref, ids, b, [*_latent_chunks(buf, 0, half), (st.dv, buf.q_rope, None)])
     plgpu.barrier_arrive(bar.ds_free)
     return dq_lat, dq_rope
 
@@ -410,6 +447,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     buf, bar, st = prog.buf, prog.bar, prog.st
     s_ref, kv_ref = refs
     k_lat = buf.k_lat.at[0]
+    ids = _row_ids(prog, b)
     _wait_block(prog, b)
     dp = _product(prog, s_ref, (HEADS_PER_PROGRAM, BLOCK), [(buf.do, k_lat.transpose((1, 0)))])
     plgpu.barrier_wait(bar.p_ready)
@@ -427,7 +465,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     (dq_lat,) = dq
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(half, half)])])
     plgpu.barrier_arrive(bar.k_free)
-    _key_grads(prog, kv_ref, b, _latent_chunks(buf, half, st.dv))
+    _key_grads(prog, kv_ref, ids, b, _latent_chunks(buf, half, st.dv))
     plgpu.barrier_arrive(bar.p_free)
     return (dq_lat,)
 
