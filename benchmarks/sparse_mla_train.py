@@ -12,9 +12,11 @@ Implementations, all timed in the same run (CUPTI device time, median of
   chunks of 512) differentiated by ``jax.vjp``.
 * ``reference``: ``attn_reference.sparse_mla_attention`` (XLA, the executable definition:
   its chunks are rematerialised in the backward).
-* ``mosaic-gpu``: ``attn_mosaic_gpu.sparse_mla_attention``: the Hopper forward kernel,
-  with XLA's backward from its saved ``out`` and ``lse`` (``with_xla_backward``; no
-  backward kernel yet).
+* ``mosaic-gpu``: ``attn_mosaic_gpu.sparse_mla_attention``: the Hopper forward kernel
+  and the backward kernel (``sparse_mla_bwd_kernel``) from the saved ``out`` and
+  ``lse``, the cache gradient added by float32 atomics (the default);
+* ``mosaic-gpu-deterministic``: the same with ``deterministic=True`` (the key-gradient
+  parts stored, then summed per cache row in a fixed order: bitwise reproducible).
 
 For each: the forward alone, the backward alone (the VJP function of a saved forward,
 applied to a cotangent) and forward + backward (``jax.vjp`` then the VJP, one jitted
@@ -25,6 +27,11 @@ convention). The gradients of ``reference``
 and ``mosaic-gpu`` are checked against ``xla``'s (relative L2 of ``dq`` and ``dkv``).
 
 Writes ``<out>/sparse_mla_train.{json,md,svg}`` with the commit, command and device.
+The JSON's ``rows`` have one entry per implementation, shape and ``mode`` (``fwd``,
+``bwd``, ``fwd+bwd``): ``impl`` (``xla``, ``reference``, ``ours``, ``ours-deterministic``),
+``heads``, ``tokens`` (the cache's ``T``), ``queries``, ``top_k``, ``ms``, ``tflops``
+and ``vs_xla`` (XLA's time for that mode and shape over this one); ``cases`` keep each
+implementation's whole measurement (kernel breakdown, gradient errors).
 Run on the H200: ``python benchmarks/sparse_mla_train.py --out docs/results``;
 ``--smoke`` runs tiny shapes on any device, timed by wall clock off a GPU: seconds with
 ``--impls xla reference``, about 7 minutes on 2 CPU cores with the Hopper kernel
@@ -52,7 +59,13 @@ from attn_mosaic_gpu.bench_sparse_mla import distinct_choices, rel_l2, xla_spars
 
 DK, DV = 576, 512
 BWD_FACTOR = 3.53  # forward + backward FLOPs over forward FLOPs (issue 40)
-IMPLS = ("xla", "reference", "mosaic-gpu")
+IMPLS = ("xla", "reference", "mosaic-gpu", "mosaic-gpu-deterministic")
+ROW_NAMES = {"mosaic-gpu": "ours", "mosaic-gpu-deterministic": "ours-deterministic"}
+MODES = (
+    ("fwd", "fwd_ms", 1.0),
+    ("bwd", "bwd_ms", BWD_FACTOR - 1.0),
+    ("fwd+bwd", "step_ms", BWD_FACTOR),
+)
 FULL = {"queries": 4096, "top_k": 2048, "kv_lens": (32768, 131072), "heads": (64, 128)}
 SMOKE = {"queries": 16, "top_k": 8, "kv_lens": (64,), "heads": (4,)}
 
@@ -83,7 +96,8 @@ def attention(impl: str):
         return functools.partial(__import__("attn_reference").sparse_mla_attention, **kw)
     interpret = jax.default_backend() != "gpu"  # --smoke off a GPU: the kernel interpreted
     kernel = __import__("attn_mosaic_gpu").sparse_mla_attention
-    return functools.partial(kernel, interpret=interpret, **kw)
+    deterministic = impl == "mosaic-gpu-deterministic"
+    return functools.partial(kernel, interpret=interpret, deterministic=deterministic, **kw)
 
 
 def timed_calls(fn):
@@ -133,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     """Every shape and implementation; the reports are rewritten after each row, so a run
     cut short by a time limit still leaves what it measured."""
     shapes = SMOKE if args.smoke else FULL
-    rows = []
+    cases, rows = [], []  # each measurement; its rows by mode
     result = {**provenance(), "device": str(jax.devices()[0].device_kind)}
     result.update(iterations=args.iterations, rows=rows)
     for kv_len in args.kv_lens or shapes["kv_lens"]:
@@ -147,20 +161,42 @@ def run(args: argparse.Namespace) -> dict:
                     row, grads = run_case(impl, x, args.iterations, want)
                 except Exception as e:  # one failure is reported, the rest still run
                     traceback.print_exc()
-                    rows.append({**case, "impl": impl, "error": f"{type(e).__name__}: {e}"})
+                    cases.append({**case, "impl": impl, "error": f"{type(e).__name__}: {e}"})
                     continue
                 if impl == "xla":
                     want = grads
                 row["step_tflops"] = BWD_FACTOR * flops / row["step_ms"] / 1e9
                 row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
                 if want is not None and impl != "xla":
-                    xla = next(r for r in rows if r["impl"] == "xla" and r["kv_len"] == kv_len
+                    xla = next(r for r in cases if r["impl"] == "xla" and r["kv_len"] == kv_len
                                and r["heads"] == heads)  # fmt: skip
                     row["step_vs_xla"] = xla["step_ms"] / row["step_ms"]
-                rows.append({**case, "top_k": shapes["top_k"], **row})
-                print(json.dumps(rows[-1]), flush=True)
-                write_reports(result, args.out)
-    return result
+                cases.append({**case, "top_k": shapes["top_k"], **row})
+                print(json.dumps(cases[-1]), flush=True)
+                rows[:] = mode_rows(cases)
+                write_reports({**result, "cases": cases}, args.out)
+    return {**result, "cases": cases}
+
+
+def mode_rows(cases: list[dict]) -> list[dict]:
+    """Issue 40's rows: one per implementation, shape and mode, from the cases."""
+    out = []
+    for c in cases:
+        if "error" in c:
+            continue
+        flops = 2.0 * c["heads"] * c["top_k"] * (DK + DV) * c["queries"]
+        xla = next((x for x in cases if x["impl"] == "xla" and "error" not in x
+                    and (x["kv_len"], x["heads"]) == (c["kv_len"], c["heads"])), None)  # fmt: skip
+        for mode, key, factor in MODES:
+            row = {
+                "impl": ROW_NAMES.get(c["impl"], c["impl"]), "heads": c["heads"],
+                "tokens": c["kv_len"], "queries": c["queries"], "top_k": c["top_k"],
+                "mode": mode, "ms": c[key], "tflops": factor * flops / c[key] / 1e9,
+            }  # fmt: skip
+            if xla is not None:
+                row["vs_xla"] = xla[key] / c[key]
+            out.append(row)
+    return out
 
 
 def write_reports(result: dict, out: Path) -> None:
@@ -178,7 +214,7 @@ def write_reports(result: dict, out: Path) -> None:
         "| vs xla | dq rel L2 | dkv rel L2 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
+    for r in result["cases"]:
         head = f"| {r['kv_len']} | {r['heads']} | {r['impl']} |"
         if "error" in r:
             lines.append(f"{head} failed: {r['error'][:120]} | | | | | | |")
@@ -188,7 +224,7 @@ def write_reports(result: dict, out: Path) -> None:
             f"{head} {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['step_ms']:.2f} | "
             f"{r['step_tflops']:.1f} | {r.get('step_vs_xla', 1.0):.2f}x | {err[0]} | {err[1]} |"
         )
-    lines += _kernel_lines(result["rows"])
+    lines += _kernel_lines(result["cases"])
     (out / "sparse_mla_train.md").write_text("\n".join(lines) + "\n")
     write_plot(result, out / "sparse_mla_train.svg")
 
@@ -224,7 +260,7 @@ def write_plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in result["rows"] if "error" not in r]
+    ok = [r for r in result["cases"] if "error" not in r]
     shapes = sorted({(r["kv_len"], r["heads"]) for r in ok})
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(IMPLS)
@@ -256,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         args.impls = ["xla", *[i for i in args.impls if i != "xla"]]
     result = run(args)
     print(f"wrote {args.out}/sparse_mla_train.{{json,md,svg}}")
-    return 1 if any("error" in r for r in result["rows"]) else 0
+    return 1 if any("error" in r for r in result["cases"]) else 0
 
 
 if __name__ == "__main__":

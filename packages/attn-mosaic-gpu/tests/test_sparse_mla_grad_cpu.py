@@ -37,6 +37,7 @@ from helpers import (
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
+from attn_mosaic_gpu import sparse_mla_bwd_kernel
 
 INTERPRET = gpu_interpret()
 DV, ROPE = 128, 64
@@ -111,13 +112,43 @@ def test_prefill_wrapper_gradient_reaches_the_split_query():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("heads", [128, 64])
-def test_grad_cross_lowers_for_cuda(heads):
+@pytest.mark.parametrize(
+    "heads, deterministic", [(128, False), (64, False), (128, True)],
+    ids=["h128", "h64", "h128-deterministic"],
+)  # fmt: skip
+def test_grad_cross_lowers_for_cuda(heads, deterministic):
     """``jax.grad`` (through out and lse) plus the attention mass, at the benchmark
-    shape: 4096 tokens, top-2048 tokens of a 32K flat cache, Dk 576 / Dv 512."""
+    shape: 4096 tokens, top-2048 tokens of a 32K flat cache, Dk 576 / Dv 512; the
+    deterministic path in as many launches as its token chunks."""
     text = export_sparse_mla_grad(
         gpu.sparse_mla_attention, "cuda", tokens=4096, heads=heads, cache=32768, top_k=2048,
-        sm_scale=0.0721, read_block=1,
+        sm_scale=0.0721, read_block=1, deterministic=deterministic,
     )  # fmt: skip
     assert text.count("mosaic_gpu") >= 1
-    assert "sparse_mla_backward" in text  # the backward kernel, not XLA's backward
+    # the backward kernel, not XLA's backward (deterministic: one build per chunk size)
+    chunks = sparse_mla_bwd_kernel._token_chunks(4096, heads // 64, 2048, 576)
+    builds = len({n for _, n in chunks}) if deterministic else 1
+    assert text.count("sparse_mla_backward_mosaic_gpu") == builds
+    assert ("st.global.v4.f32" in text) == deterministic  # the parts' stores
+
+
+@pytest.mark.slow  # about 20 s in interpret mode on the shared CPU
+def test_deterministic_token_chunks(monkeypatch):
+    """The deterministic path one token per launch (``PARTS_BYTES`` below one token's
+    parts): the same gradients as the reference, and the same bits twice."""
+    monkeypatch.setattr(sparse_mla_bwd_kernel, "PARTS_BYTES", 1)
+    q, kv, idx, pos = sparse_mla_flat_case(
+        9, dk=DV + ROPE, batch=1, seq=7, heads=3, kv_len=64, rb=16, top_k=3, dtype="bfloat16"
+    )
+    keep = attended_rows_flat(idx, pos, kv_len=kv.shape[1], read_block=16)
+    dirty = poison_rows(kv, keep, seed=2)
+
+    def run():
+        return compare_sparse_mla_grads(
+            gpu.sparse_mla_attention, q, dirty, idx, pos, keep, sm_scale=SM_SCALE, dv=DV,
+            kernel_kw=dict(interpret=INTERPRET, deterministic=True), grad_tol=GRAD_TOL,
+            mass_atol=MASS_ATOL, read_block=16,
+        )  # fmt: skip
+
+    for a, b in zip(run(), run(), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -7,10 +7,12 @@ NaN/Inf in every cache row no query attends:
 
 * ``dq`` and ``dkv`` (through ``out`` and ``lse``) match the reference's float32
   gradient (rel L2 below 1e-2: bf16 products), finite, and exactly 0 on unattended rows;
-* two runs give bit-identical ``dq`` and mass; the cache gradient is the atomic sum
-  of every query's key gradient, whose float32 summation order is not fixed on a GPU
-  (two runs differed on the H200 at 1f4863c): equal within that rounding (rel L2
-  below 1e-3), exactly 0 on the unattended rows in both;
+* two runs give bit-identical ``dq`` and mass; by default the cache gradient is the
+  atomic sum of every query's key gradient, whose float32 summation order is not fixed
+  on a GPU (two runs differed on the H200 at 1f4863c): equal within that rounding (rel
+  L2 below 1e-3), exactly 0 on the unattended rows in both; with
+  ``deterministic=True`` (the parts summed in a fixed order, in one or several token
+  chunks) two runs give bit-identical cache gradients too;
 * the attention mass (from the kernel's LSE) matches the reference's within 3e-3.
 
 Run (on the H200, from the repository root):
@@ -20,6 +22,8 @@ Run (on the H200, from the repository root):
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +37,7 @@ from helpers import attended_rows_flat, poison_rows, randn, rel_l2, rng_for
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
+from attn_mosaic_gpu import sparse_mla_bwd_kernel
 
 DV, DK = 512, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
@@ -52,8 +57,13 @@ def _grad_fn(fn, idx, pos, w_out, w_lse):
     return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
 
 
-@pytest.mark.parametrize("heads", [16, 64, 128])
-def test_token_level_gradient_matches_reference(heads):
+@pytest.mark.parametrize(
+    "heads, deterministic, parts_bytes",
+    [(16, False, None), (64, False, None), (128, False, None), (64, True, None),
+     (128, True, 160 << 20)],
+    ids=["h16", "h64", "h128", "h64-deterministic", "h128-deterministic-4-chunks"],
+)  # fmt: skip
+def test_token_level_gradient_matches_reference(heads, deterministic, parts_bytes, monkeypatch):
     tokens, kv_len, top_k = 256, 4096, 512
     rng = rng_for(heads)
     q = randn(rng, (1, tokens, heads, DK), "bfloat16")
@@ -69,7 +79,12 @@ def test_token_level_gradient_matches_reference(heads):
     w_lse = jnp.asarray(rng.standard_normal((1, tokens, heads)), jnp.float32)
     q, idx, pos = jnp.asarray(q), jnp.asarray(idx), jnp.asarray(pos)
 
-    run = _grad_fn(gpu.sparse_mla_attention, idx, pos, w_out, w_lse)
+    if parts_bytes is not None:  # 2 x 256 x 512 x 576 x 4 bytes of parts: 4 token chunks
+        monkeypatch.setattr(sparse_mla_bwd_kernel, "PARTS_BYTES", parts_bytes)
+        chunks = sparse_mla_bwd_kernel._token_chunks(tokens, 2, top_k, DK)
+        assert len(chunks) == 4, chunks
+    kernel = functools.partial(gpu.sparse_mla_attention, deterministic=deterministic)
+    run = _grad_fn(kernel, idx, pos, w_out, w_lse)
     (dq, dkv), mass = run(q, dirty)
     (dq2, dkv2), mass2 = run(q, dirty)
     with jax.default_matmul_precision("highest"):
@@ -87,4 +102,7 @@ def test_token_level_gradient_matches_reference(heads):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     dkv, dkv2 = np.asarray(dkv, np.float32), np.asarray(dkv2, np.float32)
     assert np.all(dkv2[~keep] == 0.0)
-    assert rel_l2(dkv2, dkv) < 1e-3, f"dkv run to run: rel L2 {rel_l2(dkv2, dkv):.3g}"
+    if deterministic:
+        np.testing.assert_array_equal(dkv, dkv2)
+    else:
+        assert rel_l2(dkv2, dkv) < 1e-3, f"dkv run to run: rel L2 {rel_l2(dkv2, dkv):.3g}"

@@ -127,7 +127,7 @@ def sparse_mla_attention(
     *,
     config: SparseMlaKernelConfig | None = None,
     fp8_dequantize: bool | None = None,
-    deterministic: bool = True,
+    deterministic: bool = False,
 ):
     """Sparse MLA attention over selected KV units on Hopper; the reference's contract.
 
@@ -153,11 +153,11 @@ def sparse_mla_attention(
     kernel, the backward the kernel of ``sparse_mla_bwd_kernel`` from the saved ``out``
     and ``lse`` (bf16 products, float32 sums), for an ``Fp8LatentCache`` XLA's
     (``attn_common.sparse_mla_xla``); the reference's gradient semantics hold.
-    ``deterministic`` (the backward kernel only): ``True``, both gradients bitwise
-    reproducible (each query's key-gradient rows stored, up to
-    ``sparse_mla_bwd_kernel.PARTS_BYTES`` at a time, then summed per cache row in a
-    fixed order); ``False``, the cache gradient added by float32 atomics (no parts
-    buffer; not reproducible bit for bit).
+    ``deterministic`` (the backward kernel only; ``dq`` is reproducible either way):
+    ``False``, the cache gradient added by float32 atomics (no extra memory, not
+    reproducible bit for bit); ``True``, bitwise reproducible: each query's key-gradient
+    rows stored (``sparse_mla_bwd_kernel.PARTS_BYTES`` at a time), then summed per cache
+    row in a fixed order; slower, measured in docs/sparse_mla_gpu.md.
     ``return_attn_mass=True``: the mass is computed on XLA from the kernel's LSE
     (``attn_mass_from_lse``: the gather and ``Q K^T`` again, no softmax pass, no value
     product).
@@ -311,7 +311,7 @@ def prefill_write_and_attend_ragged(
     *,
     config: SparseMlaKernelConfig | None = None,
     fp8_dequantize: bool | None = None,
-    deterministic: bool = True,
+    deterministic: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (ragged mode).
 

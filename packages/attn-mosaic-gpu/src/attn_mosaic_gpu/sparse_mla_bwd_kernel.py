@@ -9,10 +9,18 @@ Op: the gradient of ``sparse_mla_kernel.sparse_mla_rows_attention`` from its sav
     dq = dS K                          dkeys[rows] += dS^T Q + [P^T dO, 0]
 
 ``delta = rowsum(dO * out) - dlse`` comes from outside (XLA), as the LSE in base 2.
-``dq [N, Hp, Dk]`` float32 is written; ``dkeys [R, Dk]`` float32 is a zero-initialised
-mutable array (``jax.new_ref``) every program adds its rows' contributions to with
-``red.global.add.v4.f32`` straight from the registers, so the sums over queries are not
-bitwise reproducible (float addition order); ``dq`` is.
+``dq [N, Hp, Dk]`` float32 is written (bitwise reproducible). The key gradient, two ways:
+
+* atomics (the default): ``dkeys [R, Dk]`` float32 is a zero-initialised mutable array
+  (``jax.new_ref``) every program adds its rows' contributions to with
+  ``red.global.add.v4.f32`` straight from the registers; the sums over queries are not
+  bitwise reproducible (float addition order);
+* ``deterministic``: the same instructions store (``st.global.v4.f32``) each (head
+  group, token, slot)'s row to parts ``[G, N, Kp, Dk]``, which
+  ``fixed_order_sum.segment_sum_fixed_order`` sums per row id in a fixed order (dense
+  gathers and reductions, no atomics); tokens go in chunks whose parts fit
+  ``PARTS_BYTES``. Interpret mode always takes this path (the interpreter runs no
+  atomics).
 
 Schedule
 --------
@@ -43,9 +51,11 @@ the last):
   (``k_free``): WG2 gathers the next block while they finish this one.
 * Both: the key gradient of their columns, 64 at a time: ``acc = dS^T Q[:, c] + P^T
   dO[:, c]`` (A operands read transposed from shared memory), then each thread adds its
-  accumulator to ``dkeys[rows[b * 64 + r], c]``, 16 bytes per ``red.global.add.v4.f32``
-  after a shuffle within each quad of lanes, so that a quad adds 64 contiguous bytes of
-  a row (``_red_global``; rows past the count skipped); WG0 then arrives ``ds_free``, WG1 ``p_free``.
+  accumulator to ``dkeys[rows[b * 64 + r], c]`` (or stores it to the parts), 16 bytes
+  per instruction after a shuffle within each quad of lanes, so that a quad adds 64
+  contiguous bytes of a row (``_red_global``; rows with id ``< 0`` skipped; the block's
+  ids are loaded into registers as the block starts); WG0 then arrives ``ds_free``, WG1
+  ``p_free``.
 
 Every barrier gets one arrival and one wait per block, and no WG writes a buffer before
 a wait that the other WG's last read of it precedes. At the end each WG stores its
@@ -53,8 +63,7 @@ a wait that the other WG's last read of it precedes. At the end each WG stores i
 
 Interpret mode (``interpret=True``) runs the same schedule and barriers; the interpreter
 runs no inline Mosaic GPU code, so rows are gathered by plain loads and stores, the
-memory WG arrives on ``ready`` itself, and the key gradient is added row by row by
-plain loads and stores (the interpreter runs the programs one at a time).
+memory WG arrives on ``ready`` itself, and the key gradient is stored to the parts.
 """
 
 from __future__ import annotations
@@ -101,7 +110,7 @@ _AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
 _PARTS = (_Part.L0, _Part.R0)  # the one block's two parts (the forward's block 0)
 _INPUT_COPIES = 5  # Q latent, Q rope, dO, lse2, delta: one arrival each on `inputs`
-PARTS_BYTES = 4 << 30  # the deterministic path's parts buffer, at most (token chunks)
+PARTS_BYTES = 8 << 30  # the deterministic path's parts buffer, at most (token chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,13 +620,18 @@ def _sum_parts(parts, rows, counts, num_rows: int):
     """``dkeys [R, Dk]``: the parts ``[G, N, Kp, Dk]`` summed by row id in a fixed order
     (``segment_sum_fixed_order``); slots past a token's count or with id ``< 0`` were
     never written and are not read. A token names a row once (its table is a set), so
-    no row has more than ``G N`` parts."""
+    no row has more than ``G N`` parts. The first level's pieces hold about half a row's
+    mean count (8 to 64 parts): each row's last piece is padded, so larger pieces over a
+    large cache read mostly padding."""
     groups, tokens, width, dk = parts.shape
     counted = (jnp.arange(width)[None] < counts[:, None]) & (rows >= 0)
     ids = jnp.broadcast_to(jnp.where(counted, rows, num_rows), (groups, tokens, width))
+    half_mean = parts.shape[0] * tokens * width // (2 * num_rows)
+    fan = 1 << min(6, max(3, half_mean.bit_length() - 1))
     return segment_sum_fixed_order(
-        parts.reshape(-1, dk), ids.reshape(-1), num_rows, max_count=groups * tokens
-    )
+        parts.reshape(-1, dk), ids.reshape(-1), num_rows, max_count=groups * tokens,
+        fan_in=(fan, 8),
+    )  # fmt: skip
 
 
 def _token_chunks(tokens: int, groups: int, width: int, dk: int) -> list[tuple[int, int]]:
@@ -652,15 +666,16 @@ def sparse_mla_rows_backward(
     *,
     sm_scale: float,
     dv: int = 512,
-    deterministic: bool = True,
+    deterministic: bool = False,
     interpret: object = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``(dq [N, H, Dk], dkeys [R, Dk])`` float32 of ``sparse_mla_rows_attention``.
 
-    ``deterministic``: ``dkeys`` bitwise reproducible (per-slot parts stored, then summed
-    in a fixed order, in token chunks of at most ``PARTS_BYTES``); ``False``: added by
-    float32 atomics (no parts buffer, summation order not fixed). ``dq`` is reproducible
-    either way.
+    ``deterministic``: ``False``, ``dkeys`` added by float32 atomics (no parts buffer;
+    the summation order is not fixed); ``True``, bitwise reproducible (per-slot parts
+    stored, then summed per row in a fixed order, in token chunks of at most
+    ``PARTS_BYTES``; slower, measured in docs/sparse_mla_gpu.md). ``dq`` is
+    reproducible either way.
 
     Args:
       q: ``[N, H, Dk]`` bfloat16, ``Dk = dv + 64``.
