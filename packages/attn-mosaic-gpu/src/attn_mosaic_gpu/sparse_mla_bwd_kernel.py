@@ -397,35 +397,15 @@ def _row_stat(prog: _Program, i: int):
     return lax.broadcast_in_dim(stat, (HEADS_PER_PROGRAM, BLOCK), [0])
 
 
-def _key_grads(prog: _Program, acc_refs, ids, b, chunks):
+def _key_grads(prog: _Program, kv_ref, ids, b, chunks):
     """The key gradient of columns ``chunks`` (``(col0, q_ref, do_ref or None)``) of
-    block ``b`` (row ids ``ids``), added into ``dkeys``. Compiled, two accumulators
-    (``acc_refs``: the key-gradient one and the S / dP one, free by now) take turns:
-    chunk ``c + 1``'s products are issued before chunk ``c``'s adds, which wait only for
-    chunk ``c``'s (``wgmma_accumulator_load(wait_n=...)``)."""
+    block ``b`` (row ids ``ids``), added into ``dkeys``."""
     buf = prog.buf
     ds_t = buf.ds16.transpose((1, 0))
     p_t = buf.p16.transpose((1, 0))
-    pairs = [[(ds_t, q)] + ([] if do is None else [(p_t, do)]) for _, q, do in chunks]
-    shape = (BLOCK, _KV_CHUNK)
-    if prog.interpret:
-        for (col0, _, _), chunk_pairs in zip(chunks, pairs, strict=True):
-            _red_rows(prog, _product(prog, None, shape, chunk_pairs), ids, b, col0)
-        return
-
-    def issue(c):
-        acc_ref = acc_refs[c % 2]
-        acc_ref[...] = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-        for x, y in pairs[c]:
-            plgpu.wgmma(acc_ref, x, y)
-
-    issue(0)
-    for c, (col0, _, _) in enumerate(chunks):
-        in_flight = 0
-        if c + 1 < len(chunks):
-            issue(c + 1)
-            in_flight = len(pairs[c + 1])  # one wgmma group per product
-        acc = plgpu.wgmma_accumulator_load(acc_refs[c % 2], wait_n=in_flight)
+    for col0, q_cols, do_cols in chunks:
+        pairs = [(ds_t, q_cols)] + ([] if do_cols is None else [(p_t, do_cols)])
+        acc = _product(prog, kv_ref, (BLOCK, _KV_CHUNK), pairs)
         _red_rows(prog, acc, ids, b, col0)
 
 
@@ -465,8 +445,7 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(0, half)])])
     dq_rope = _accumulate(prog, dq_rope, [(buf.ds16, k_rope)])
     plgpu.barrier_arrive(bar.k_free)
-    chunks = [*_latent_chunks(buf, 0, half), (st.dv, buf.q_rope, None)]
-    _key_grads(prog, (kv_ref, s_ref), ids, b, chunks)
+    _key_grads(prog, kv_ref, ids, b, [*_latent_chunks(buf, 0, half), (st.dv, buf.q_rope, None)])
     plgpu.barrier_arrive(bar.ds_free)
     return dq_lat, dq_rope
 
@@ -495,7 +474,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     (dq_lat,) = dq
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(half, half)])])
     plgpu.barrier_arrive(bar.k_free)
-    _key_grads(prog, (kv_ref, s_ref), ids, b, _latent_chunks(buf, half, st.dv))
+    _key_grads(prog, kv_ref, ids, b, _latent_chunks(buf, half, st.dv))
     plgpu.barrier_arrive(bar.p_free)
     return (dq_lat,)
 
