@@ -34,7 +34,7 @@ and ``vs_xla`` (XLA's time for that mode and shape over this one); ``cases`` kee
 implementation's whole measurement (kernel breakdown, gradient errors).
 Run on the H200: ``python benchmarks/sparse_mla_train.py --out docs/results``;
 ``--smoke`` runs tiny shapes on any device, timed by wall clock off a GPU: seconds with
-``--impls xla reference``, about 7 minutes on 2 CPU cores with the Hopper kernel
+``--impls xla reference``, about 7 minutes on 2 CPU cores per Hopper implementation
 (interpreted).
 """
 
