@@ -627,7 +627,7 @@ def _sum_parts(parts, rows, counts, num_rows: int):
     groups, tokens, width, dk = parts.shape
     counted = (jnp.arange(width)[None] < counts[:, None]) & (rows >= 0)
     ids = jnp.broadcast_to(jnp.where(counted, rows, num_rows), (groups, tokens, width))
-    half_mean = parts.shape[0] * tokens * width // (2 * num_rows)
+    half_mean = groups * tokens * width // max(1, 2 * num_rows)
     fan = 1 << min(4, max(3, half_mean.bit_length() - 1))
     return segment_sum_fixed_order(
         parts.reshape(-1, dk), ids.reshape(-1), num_rows, max_count=groups * tokens,
@@ -638,7 +638,7 @@ def _sum_parts(parts, rows, counts, num_rows: int):
 def _token_chunks(tokens: int, groups: int, width: int, dk: int) -> list[tuple[int, int]]:
     """The deterministic path's launches: ``(start, size)`` token ranges whose parts
     (``groups * size * width * dk`` float32) fit ``PARTS_BYTES``."""
-    size = max(1, min(tokens, PARTS_BYTES // (groups * width * dk * 4)))
+    size = max(1, min(tokens, PARTS_BYTES // max(1, groups * width * dk * 4)))
     return [(t, min(size, tokens - t)) for t in range(0, tokens, size)]
 
 
@@ -705,6 +705,8 @@ def sparse_mla_rows_backward(
         lse2 = jnp.pad(lse2, pad2, constant_values=jnp.inf)
         delta = jnp.pad(delta, pad2)
     rows, counts = rows.astype(jnp.int32), counts.astype(jnp.int32)
+    if tokens == 0:
+        return jnp.zeros((0, heads, dk), jnp.float32), jnp.zeros((store.shape[0], dk), jnp.float32)
     interpret = resolve_interpret(interpret)
     statics = functools.partial(
         _BwdStatics, heads=hp, dv=dv, width=store.shape[1], sm_scale=float(sm_scale),
