@@ -35,7 +35,9 @@ implementation's whole measurement (kernel breakdown, gradient errors).
 Run on the H200: ``python benchmarks/sparse_mla_train.py --out docs/results``;
 ``--smoke`` runs tiny shapes on any device, timed by wall clock off a GPU: seconds with
 ``--impls xla reference``, about 7 minutes on 2 CPU cores per Hopper implementation
-(interpreted).
+(interpreted). A run longer than one device call (the whole set takes about 8 minutes on
+the H200) can go in several calls, each with ``--kv-lens`` / ``--heads``, then
+``--merge run1.json run2.json --out docs/results`` writes one report from them.
 """
 
 from __future__ import annotations
@@ -178,6 +180,30 @@ def run(args: argparse.Namespace) -> dict:
     return {**result, "cases": cases}
 
 
+def merge(paths: list[Path]) -> dict:
+    """One report from several runs of the same commit on the same kind of device (a run
+    cut short by a device call's time limit, then the shapes it missed): a shape measured
+    in a later file replaces every case of that shape from the earlier ones, so each
+    shape's implementations, and its ``vs_xla``, come from one run. Each case names its
+    run (``run``: an index into ``runs``, which hold each file's command and date)."""
+    results = [json.loads(Path(f).read_text()) for f in paths]
+    first = results[0]
+    for r in results[1:]:
+        for key in ("commit", "device", "iterations"):
+            if r[key] != first[key]:
+                raise ValueError(f"{key} differs: {first[key]!r} against {r[key]!r}")
+    by_shape = {}
+    for i, r in enumerate(results):
+        shapes = {(c["kv_len"], c["heads"]) for c in r["cases"]}
+        for shape in shapes:
+            by_shape[shape] = [{**c, "run": i} for c in r["cases"]
+                               if (c["kv_len"], c["heads"]) == shape]  # fmt: skip
+    cases = [c for shape in sorted(by_shape) for c in by_shape[shape]]
+    runs = [{"command": r["command"], "date": r["date"]} for r in results]
+    merged = {key: first[key] for key in ("commit", "device", "iterations")}
+    return {**merged, "runs": runs, "rows": mode_rows(cases), "cases": cases}
+
+
 def mode_rows(cases: list[dict]) -> list[dict]:
     """Issue 40's rows: one per implementation, shape and mode, from the cases."""
     out = []
@@ -205,8 +231,8 @@ def write_reports(result: dict, out: Path) -> None:
     lines = [
         "# Sparse-MLA training step",
         "",
-        f"Commit `{result['commit']}`, `{result['command']}`, {result['device']}, "
-        f"{result['date']}. Device time, median of {result['iterations']} calls. "
+        f"Commit `{result['commit']}`, {_runs_text(result)}, {result['device']}. "
+        f"Device time, median of {result['iterations']} calls. "
         "Flat, token-level top-K, Dk 576 / Dv 512, bf16. TFLOP/s: forward "
         "`2 H K (Dk + Dv)` per query; forward + backward 3.53 times that.",
         "",
@@ -227,6 +253,17 @@ def write_reports(result: dict, out: Path) -> None:
     lines += _kernel_lines(result["cases"])
     (out / "sparse_mla_train.md").write_text("\n".join(lines) + "\n")
     write_plot(result, out / "sparse_mla_train.svg")
+
+
+def _runs_text(result: dict) -> str:
+    """The command and date of a report, or of each run merged into it."""
+    if "runs" not in result:
+        return f"`{result['command']}`, {result['date']}"
+    return (
+        "runs "
+        + "; ".join(f"{i}: `{r['command']}`, {r['date']}" for i, r in enumerate(result["runs"]))
+        + " (each case's `run` in the JSON; a shape's cases all come from one run)"
+    )
 
 
 def _kernel_lines(rows: list[dict]) -> list[str]:
@@ -285,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-lens", type=int, nargs="*", help="cache lengths T (default: issue 40's)")
     p.add_argument("--heads", type=int, nargs="*", help="head counts (default 64 128)")
     p.add_argument("--impls", nargs="*", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                   help="measure nothing: write one report from these runs' JSON files "
+                   "(same commit and device; a later file's shapes replace earlier ones)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.merge:
+        write_reports(merge(args.merge), args.out)
+        print(f"wrote {args.out}/sparse_mla_train.{{json,md,svg}}")
+        return 0
     # The Mosaic GPU interpreter (--smoke off a GPU) needs that many XLA CPU threads.
     os.environ["NPROC"] = str(max(int(os.environ.get("NPROC") or 0), MIN_XLA_CPU_THREADS))
     if "xla" in args.impls:  # the baseline runs first: the others' gradients are checked on it
