@@ -28,6 +28,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core
 
 from attn_common import CapMethod, CapParams, Fp8LatentCache, KernelConfig
@@ -71,7 +72,10 @@ def canonical(closed: core.ClosedJaxpr) -> str:
 
     def name(v) -> str:
         if isinstance(v, core.Literal):
-            return f"lit({v.val!r}:{v.aval.str_short()})"
+            # The value and its type: a Python int and a NumPy scalar of the same dtype
+            # (``x & 1``, ``x & jnp.int32(1)``) print differently and lower the same.
+            value = np.asarray(v.val)
+            return f"lit({value.item() if value.ndim == 0 else v.val!r}:{v.aval.str_short()})"
         return names[v]
 
     def param(v, depth: int) -> str:

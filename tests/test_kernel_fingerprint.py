@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import load_script
 
@@ -48,6 +49,17 @@ def test_canonical_text_ignores_factoring_not_operations(fingerprint):
     assert texts[0] == texts[1]
     assert texts[0] != texts[2]
     assert "scan" in texts[0] and "0x" not in texts[0]
+
+
+def test_literals_compare_by_value_and_type(fingerprint):
+    x = jnp.zeros((), jnp.int32)
+    same = [fingerprint.canonical(jax.make_jaxpr(f)(x))
+            for f in (lambda x: x & 1, lambda x: x & jnp.int32(1), lambda x: x & np.int32(1))]  # fmt: skip
+    assert same[0] == same[1] == same[2]
+    assert same[0] != fingerprint.canonical(jax.make_jaxpr(lambda x: x & 3)(x))
+    assert same[0] != fingerprint.canonical(
+        jax.make_jaxpr(lambda x: x & 1)(jnp.zeros((), jnp.int8))
+    )
 
 
 def test_traces_every_case(fingerprint):

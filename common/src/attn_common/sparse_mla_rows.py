@@ -214,7 +214,9 @@ def _token_rows(key: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
 
     def as_is():
         rows = jnp.where(present > 0, key, -1)
-        return jnp.pad(rows, ((0, 0), (0, width - top_k)), constant_values=-1), present.sum(1)
+        return jnp.pad(rows, ((0, 0), (0, width - top_k)), constant_values=-1), present.sum(
+            1, dtype=jnp.int32
+        )
 
     def compacted():
         start, counts = _first_slots(kept)

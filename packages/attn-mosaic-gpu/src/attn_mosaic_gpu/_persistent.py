@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 def program_tiles(program: jax.Array, programs: int, num_tiles: int) -> jax.Array:
     """How many tiles ``program`` walks (none when ``program >= num_tiles``)."""
-    return lax.div(jnp.maximum(num_tiles - program, 0) + (programs - 1), programs)
+    return lax.div(jnp.maximum(num_tiles - program, 0) + (programs - 1), jnp.int32(programs))
 
 
 def tile_coords(program, j, *, programs: int, heads: int, tiles: int):

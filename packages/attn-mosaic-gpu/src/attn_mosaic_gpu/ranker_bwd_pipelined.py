@@ -633,7 +633,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
                 issue_fixed(0, 0)
 
             def walk(j, base):
-                buf = lax.rem(j, 2)
+                buf = lax.rem(j, jnp.int32(2))
                 q_head, batch, tile_start, ranges, one_user = tile_of(j)
                 row0, rows, _ = rows_of(q_head, batch, tile_start)
                 total_steps = ranges.total_steps
@@ -758,7 +758,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             if per_step_kv:
                 # 0 at run time (bounds are clipped to [0, S]), unknown to the compiler.
                 raw = bounds_ref[batch, 0] if not st.packed_users else bounds_ref[batch, 0, 0]
-                opaque_zero = lax.shift_right_logical(raw, 31)
+                opaque_zero = lax.shift_right_logical(raw, jnp.int32(31))
             kv0 = tile_start + wg * b
             kv_rows = (batch, pl.ds(kv0, b), kv_head)
             srcs, dsts = [k_ref.at[kv_rows], v_ref.at[kv_rows]], [k_smem, v_smem]

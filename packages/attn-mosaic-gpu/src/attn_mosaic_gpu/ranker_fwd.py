@@ -724,7 +724,7 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
         issue_q(jnp.int32(0), 0)
 
     def walk(j, base):
-        buf = lax.rem(j, 2)
+        buf = lax.rem(j, jnp.int32(2))
         q_head, batch, tile_start, ranges, bnds = _persistent_tile_of(st, refs, program, j)
 
         @pl.when(j + 1 < my_tiles)

@@ -379,7 +379,7 @@ def _wait_block(prog: _Program, b):
         if prog.interpret:
             plgpu.barrier_wait(prog.bar.ready.at[part])
         else:
-            _wait_copies_landed(prog.buf.copied, part, lax.bitwise_and(b, 1))
+            _wait_copies_landed(prog.buf.copied, part, lax.bitwise_and(b, jnp.int32(1)))
 
 
 def _masked(prog: _Program, b, x, masked: bool):

@@ -973,7 +973,7 @@ def _qk_part(prog: _Program, w: int, half: str, acc, o, p):
     if prog.interpret:
         plgpu.barrier_wait(prog.bar.ready.at[part])
     else:
-        _wait_copies_landed(buf.copied, part, lax.bitwise_and(p, 1))
+        _wait_copies_landed(buf.copied, part, lax.bitwise_and(p, jnp.int32(1)))
         if prog.st.fp8:  # this WG's own block: dequantize the staged part in place
             _dequantize_part_fp8(half)(buf.k_lat.at[w + o])
     feats = pl.ds(_HALVES.index(half) * prog.half, prog.half)

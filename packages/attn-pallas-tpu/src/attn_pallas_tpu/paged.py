@@ -91,10 +91,10 @@ def _write_back_kernel(table_ref, rows_hbm, cache_in, cache_w, word_dst, word_sr
             def one_token(i, c):
                 st, dt = src + i, dst + i  # non-negative: lax.div / lax.rem suffice
                 sw, sp_, dw, dp_ = (
-                    jax.lax.div(st, pk),
-                    jax.lax.rem(st, pk),
-                    jax.lax.div(dt, pk),
-                    jax.lax.rem(dt, pk),
+                    jax.lax.div(st, jnp.int32(pk)),
+                    jax.lax.rem(st, jnp.int32(pk)),
+                    jax.lax.div(dt, jnp.int32(pk)),
+                    jax.lax.rem(dt, jnp.int32(pk)),
                 )
                 read_dst = pltpu.make_async_copy(cache_w.at[pl.ds(dw, 1)], word_dst, sems.at[1])
                 read_src = pltpu.make_async_copy(rows_hbm.at[pl.ds(sw, 1)], word_src, sems.at[1])

@@ -148,7 +148,7 @@ def _build_dkv_kernel(st: RankerStatic):
         dk_ref, dv_ref, dk_acc, dv_acc,
     ):  # fmt: skip
         t, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.kv_tiles)
-        s = lax.rem(j, q_steps)
+        s = lax.rem(j, jnp.int32(q_steps))
 
         @pl.when(j == 0)
         def _init():
@@ -198,7 +198,7 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
 
     def kv_index(b, h, i, j, bounds_ref, tab_ref):
         steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
-        return b, lax.div(h, group), steps.clamped_block(j)
+        return b, lax.div(h, jnp.int32(group)), steps.clamped_block(j)
 
     q_spec = row_block_spec(st, st.block_q, q_index)
     kv_spec = row_block_spec(st, st.block_kv, kv_index)
@@ -225,8 +225,8 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
 
     def head_q_index(b, g, t, j, bounds_ref, tab_ref):
         steps = TileSteps(tab_ref, b * st.kv_tiles + t, st.runs)
-        head = g * group + lax.div(j, q_steps)
-        return b, head, steps.clamped_block(lax.rem(j, q_steps))
+        head = g * group + lax.div(j, jnp.int32(q_steps))
+        return b, head, steps.clamped_block(lax.rem(j, jnp.int32(q_steps)))
 
     own_spec = row_block_spec(st, st.block_kv, own_index)
     hq_spec = row_block_spec(st, st.block_q, head_q_index)

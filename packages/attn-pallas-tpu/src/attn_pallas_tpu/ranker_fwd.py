@@ -500,7 +500,7 @@ def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
 
     def kv_index(b, h, i, j, bounds_ref, tab_ref):
         steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
-        return b, lax.div(h, group), steps.clamped_block(j)
+        return b, lax.div(h, jnp.int32(group)), steps.clamped_block(j)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,

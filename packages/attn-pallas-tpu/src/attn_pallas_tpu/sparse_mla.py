@@ -96,8 +96,11 @@ class UnitRows:
         self.hbm, self.rings, self.sems, self.rb = hbm, rings, sems, rb
 
     def _copies(self, start, slot):
+        slot = jnp.int32(slot)  # int32 indices, also for a Python int under jax_enable_x64
         return [
-            pltpu.make_async_copy(h.at[pl.ds(start, self.rb)], r.at[slot], self.sems.at[i, slot])
+            pltpu.make_async_copy(
+                h.at[pl.ds(start, self.rb)], r.at[slot], self.sems.at[jnp.int32(i), slot]
+            )
             for i, (h, r) in enumerate(zip(self.hbm, self.rings, strict=True))
         ]
 
@@ -174,9 +177,9 @@ def _per_query_kernel(
 
         @pl.when(nxt < count)
         def _():
-            rows.start(start_row(nxt), jax.lax.rem(nxt, NBUF))
+            rows.start(start_row(nxt), jax.lax.rem(nxt, jnp.int32(NBUF)))
 
-        slot = jax.lax.rem(j, NBUF)
+        slot = jax.lax.rem(j, jnp.int32(NBUF))
         rows.wait(start_row(j), slot)
         kv = rows.load(slot, dk=dk)  # [RB, Dk_pad]
         s = mxu_dot(q, kv, (((1,), (1,)), ((), ())))  # [H, RB]

@@ -177,6 +177,7 @@ def _dq_kernel(
 
     def copy(j, slot):
         start = pl.multiple_of(src_ref[0, 0, j] * SUBLANE, SUBLANE)
+        slot = jnp.int32(slot)  # int32 indices, also for a Python int under jax_enable_x64
         return pltpu.make_async_copy(kv_hbm.at[pl.ds(start, rb)], ring.at[slot], sems.at[slot])
 
     for d in range(NBUF - 1):  # prologue: fill the ring
@@ -194,9 +195,9 @@ def _dq_kernel(
 
         @pl.when(nxt < count)
         def _():
-            copy(nxt, jax.lax.rem(nxt, NBUF)).start()
+            copy(nxt, jax.lax.rem(nxt, jnp.int32(NBUF))).start()
 
-        slot = jax.lax.rem(j, NBUF)
+        slot = jax.lax.rem(j, jnp.int32(NBUF))
         copy(j, slot).wait()
         kb = kb_ref[0, 0, j]
         # Rows this query may not see and the feature padding may hold NaN/Inf: zero them
@@ -265,10 +266,10 @@ def _dkv_walk(count, qid_ref, nval_ref, kv, q_hbm, do_hbm, st_hbm, rings, sems, 
 
     def copies(j, slot):
         n = qid_ref[0, 0, j]
-        return (
-            pltpu.make_async_copy(q_hbm.at[n], q_ring.at[slot], sems.at[0, slot]),
-            pltpu.make_async_copy(do_hbm.at[n], do_ring.at[slot], sems.at[1, slot]),
-            pltpu.make_async_copy(st_hbm.at[n], st_ring.at[slot], sems.at[2, slot]),
+        slot = jnp.int32(slot)  # int32 indices, also for a Python int under jax_enable_x64
+        return tuple(
+            pltpu.make_async_copy(src.at[n], ring.at[slot], sems.at[jnp.int32(i), slot])
+            for i, (src, ring) in enumerate(((q_hbm, q_ring), (do_hbm, do_ring), (st_hbm, st_ring)))
         )
 
     for d in range(NBUF - 1):  # prologue: fill the rings
@@ -284,10 +285,10 @@ def _dkv_walk(count, qid_ref, nval_ref, kv, q_hbm, do_hbm, st_hbm, rings, sems, 
 
         @pl.when(nxt < count)
         def _():
-            for cp in copies(nxt, jax.lax.rem(nxt, NBUF)):
+            for cp in copies(nxt, jax.lax.rem(nxt, jnp.int32(NBUF))):
                 cp.start()
 
-        slot = jax.lax.rem(j, NBUF)
+        slot = jax.lax.rem(j, jnp.int32(NBUF))
         for cp in copies(j, slot):
             cp.wait()
         q, do, st = q_ring[slot], do_ring[slot], st_ring[slot]  # [H, Dk_pad] [H, Dv] [2, H]

@@ -200,16 +200,16 @@ def _walk_chunk(
 
         @pl.when(nxt < count)
         def _():
-            unit_rows.start(start_row(nxt), jax.lax.rem(nxt, NBUF))
+            unit_rows.start(start_row(nxt), jax.lax.rem(nxt, jnp.int32(NBUF)))
 
         # Membership row of slot j: aligned 32-row window, then select row j - j0.
-        j0 = pl.multiple_of(jax.lax.div(j, MEMBER_TILE) * MEMBER_TILE, MEMBER_TILE)
+        j0 = pl.multiple_of(jax.lax.div(j, jnp.int32(MEMBER_TILE)) * MEMBER_TILE, MEMBER_TILE)
         win = mem_ref[0, 0, pl.ds(j0, MEMBER_TILE), :].astype(jnp.int32)  # [32, QB]
         member = jnp.max(jnp.where(win_row == j - j0, win, 0), axis=0, keepdims=True)
         member = _lane_tile(member, heads_per_group)  # [1, rows]
         valid = (member > 0) & ((kb_ref[0, 0, 0, j] + key_row) < lim)  # [RB, rows]
 
-        slot = jax.lax.rem(j, NBUF)
+        slot = jax.lax.rem(j, jnp.int32(NBUF))
         unit_rows.wait(start_row(j), slot)
         kv = unit_rows.load(slot, dk=dk)  # [RB, Dk_pad], features past dk zero
         # A row may be attended by some queries of the block and not by others, so a
@@ -267,7 +267,8 @@ def _qblock_call(
         # same block index and fetches nothing, and the kernel skips the step.
         # lax.div, not //: the union is >= 0, and jnp's floor division lowers through
         # sign(), which asks for the TPU generation (absent when cross-lowering).
-        last = jnp.maximum(jax.lax.div(unions_ref[b * n_blocks + n] + u_chunk - 1, u_chunk) - 1, 0)
+        union = unions_ref[b * n_blocks + n]
+        last = jnp.maximum(jax.lax.div(union + u_chunk - 1, jnp.int32(u_chunk)) - 1, 0)
         return jnp.minimum(c, last)
 
     def per_chunk(b, n, g, c, unions_ref):  # membership [B, nQB, C * UC, QB]
