@@ -1,46 +1,42 @@
 """Every backend under ``jax_enable_x64``: a user whose program enables 64-bit types gets
 the same bits as without, forward and gradients, from each op (ranker attention and
-sparse MLA; kernels in interpret mode on the CPU). Python integers become int64 there, so
-an index computation that mixes them with the kernels' int32 values would fail to trace.
+sparse MLA; kernels in interpret mode on the CPU, natively on their accelerator), and
+the compiled kernels lower for their accelerator. Python integers become int64 there,
+so an index computation that mixes them with the kernels' int32 values would fail to
+trace or lower.
+
+The 64-bit side runs in a subprocess started with ``JAX_ENABLE_X64=1`` (this file as a
+script): flipping the flag inside a test worker would leak into the interpreters'
+callback threads and into whatever else that process runs.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script: the helpers beside it
 from conformance import RANKER, SPARSE_MLA, params
 from helpers import attended_rows_flat, poison_rows, randn, rng_for
 
 from attn_common import CapMethod, CapParams
 
-
-def _both(fn, *args):
-    """``fn(*args)`` without and with 64-bit types, as NumPy trees. The flag is set
-    globally for the second call, not by the thread-local ``jax.enable_x64`` context:
-    the interpreters run kernels in callbacks on other threads, which must see it too."""
-    plain = jax.tree.map(np.asarray, fn(*args))
-    was = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        wide = jax.tree.map(np.asarray, fn(*args))
-    finally:
-        jax.config.update("jax_enable_x64", was)
-    return plain, wide
+LOWER_CASES = ["sparse-mla", "ranker", "ranker-packed"]
+KERNEL_PACKAGES = [("attn_mosaic_gpu", "cuda"), ("attn_pallas_tpu", "tpu")]
 
 
-def _assert_same(plain, wide):
-    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(wide), strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("backend", params(SPARSE_MLA))
-def test_sparse_mla_same_bits_under_x64(backend):
-    backend.require()
-    read_block = 1 if backend.read_block_1 else 16  # token-level where the backend takes it
+def sparse_mla_run(backend) -> list[np.ndarray]:
+    """out, LSE, attention mass, dq, dkv: a flat token-level (or 16-token-unit) call
+    over a dirty cache, with an empty query and a duplicate id."""
     fn = backend.module().sparse_mla_attention
+    read_block = 1 if backend.read_block_1 else 16
     kw = dict(backend.call_kwargs(), sm_scale=576**-0.5, read_block=read_block)
     rng = rng_for(7)
     kv_len, seq, heads = 40, 3, 16
@@ -50,96 +46,128 @@ def test_sparse_mla_same_bits_under_x64(backend):
     idx[0, 1, 1] = idx[0, 1, 0]  # a duplicate
     pos = np.asarray([[3, 20, 39]], np.int32)
     keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=read_block)
-    kv = poison_rows(randn(rng, (1, kv_len, 576), np.float32), keep, seed=7)
-    kv = jnp.asarray(kv, jnp.bfloat16)
+    kv = jnp.asarray(
+        poison_rows(randn(rng, (1, kv_len, 576), np.float32), keep, seed=7), jnp.bfloat16
+    )
     w = jnp.asarray(randn(rng, (1, seq, heads, 512), np.float32))
 
-    def run(q, kv):
-        def loss(q, kv):
-            out, lse = fn(q, kv, idx, pos, return_lse=True, **kw)
-            return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    def loss(q, kv):
+        out, lse = fn(q, kv, idx, pos, return_lse=True, **kw)
+        return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-        (out, lse), mass = (
-            fn(q, kv, idx, pos, return_lse=True, **kw),
-            fn(q, kv, idx, pos, return_attn_mass=True, **kw)[-1],
-        )
-        return out, lse, mass, jax.grad(loss, (0, 1))(q, kv)
-
-    plain, wide = _both(run, q, kv)
-    _assert_same(plain, wide)
-    assert np.isfinite(plain[3][1]).all()  # the dirty rows stay out of the gradient
+    out, lse = fn(q, kv, idx, pos, return_lse=True, **kw)
+    mass = fn(q, kv, idx, pos, return_attn_mass=True, **kw)[-1]
+    return [np.asarray(a) for a in (out, lse, mass, *jax.grad(loss, (0, 1))(q, kv))]
 
 
-@pytest.mark.parametrize("backend", params(RANKER))
-def test_ranker_same_bits_under_x64(backend):
-    backend.require()
+def ranker_run(backend) -> list[np.ndarray]:
+    """out, LSE and the gradients of a capped GQA call with padding."""
     fn = backend.module().ranker_attention
     kw = backend.call_kwargs()
     if backend.config is not None:
         kw["config"] = backend.config
     rng = rng_for(8)
-    batch, seq, heads, dim = 2, 128, 2, 64
-    q, k, v = (jnp.asarray(randn(rng, (batch, seq, heads, dim), np.float32), jnp.bfloat16)
+    q, k, v = (jnp.asarray(randn(rng, (2, 128, 2, 64), np.float32), jnp.bfloat16)
                for _ in range(3))  # fmt: skip
     bounds = jnp.asarray([[0, 70, 70, 100], [5, 40, 60, 128]], jnp.int32)
     cap = CapParams(CapMethod.TANH, 5.0)
-    w = jnp.asarray(randn(rng, (batch, seq, heads, dim), np.float32))
+    w = jnp.asarray(randn(rng, (2, 128, 2, 64), np.float32))
 
-    def run(q, k, v):
-        def loss(q, k, v):
-            out = fn(q, k, v, bounds, cap=cap, **kw)
-            return jnp.sum(out.astype(jnp.float32) * w)
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v, bounds, cap=cap, **kw).astype(jnp.float32) * w)
 
-        out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
-        return out, lse, jax.grad(loss, (0, 1, 2))(q, k, v)
-
-    plain, wide = _both(run, q, k, v)
-    _assert_same(plain, wide)
+    out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
+    return [np.asarray(a) for a in (out, lse, *jax.grad(loss, (0, 1, 2))(q, k, v))]
 
 
-def _sparse_grad(module):
-    def loss(q, kv, idx, pos):
-        out, lse = module.sparse_mla_attention(
-            q, kv, idx, pos, sm_scale=0.05, read_block=16, return_lse=True
-        )
-        return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
+def lowered(package: str, platform: str, case: str) -> list[np.ndarray]:
+    """The case's gradient lowered for ``platform`` (a CUDA or TPU module on any host):
+    the compiled kernels' paths, which interpret mode does not run."""
+    module = __import__(package)
     s = jax.ShapeDtypeStruct
-    args = (s((1, 64, 64, 576), jnp.bfloat16), s((1, 2048, 576), jnp.bfloat16),
-            s((1, 64, 8), jnp.int32), s((1, 64), jnp.int32))  # fmt: skip
-    return jax.grad(loss, (0, 1)), args
+    if case == "sparse-mla":
+
+        def fn(q, kv, idx, pos):
+            out, lse = module.sparse_mla_attention(
+                q, kv, idx, pos, sm_scale=0.05, read_block=16, return_lse=True
+            )
+            return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        grad, args = jax.grad(fn, (0, 1)), (
+            s((1, 64, 64, 576), jnp.bfloat16), s((1, 2048, 576), jnp.bfloat16),
+            s((1, 64, 8), jnp.int32), s((1, 64), jnp.int32),
+        )  # fmt: skip
+    else:
+        cap = CapParams(CapMethod.SOFT_SIGN, 8.0)
+
+        def fn(q, k, v, bounds):
+            return jnp.sum(module.ranker_attention(q, k, v, bounds, cap=cap).astype(jnp.float32))
+
+        kv = s((2, 256, 2, 128), jnp.bfloat16)
+        bounds = s((2, 3, 4) if case == "ranker-packed" else (2, 4), jnp.int32)
+        grad, args = jax.grad(fn, (0, 1, 2)), (s((2, 256, 4, 128), jnp.bfloat16), kv, kv, bounds)
+    text = jax.export.export(jax.jit(grad), platforms=[platform])(*args).mlir_module()
+    return [np.asarray("custom_call" in text)]
 
 
-def _ranker_grad(module, packed: bool):
-    cap = CapParams(CapMethod.SOFT_SIGN, 8.0)
-
-    def loss(q, k, v, bounds):
-        return jnp.sum(module.ranker_attention(q, k, v, bounds, cap=cap).astype(jnp.float32))
-
-    s = jax.ShapeDtypeStruct
-    kv = s((2, 256, 2, 128), jnp.bfloat16)
-    bounds = s((2, 3, 4) if packed else (2, 4), jnp.int32)
-    return jax.grad(loss, (0, 1, 2)), (s((2, 256, 4, 128), jnp.bfloat16), kv, kv, bounds)
+def _backend(op: str, name: str):
+    return next(b for b in (SPARSE_MLA if op == "sparse-mla" else RANKER) if b.name == name)
 
 
-@pytest.mark.parametrize("case", ["sparse-mla", "ranker", "ranker-packed"])
-@pytest.mark.parametrize(
-    ("package", "platform"), [("attn_mosaic_gpu", "cuda"), ("attn_pallas_tpu", "tpu")]
-)
-def test_kernels_lower_under_x64(package, platform, case):
-    """The compiled kernels (forward and backward), lowered for their accelerator on any
-    host with 64-bit types on: the paths interpret mode does not run (inline Mosaic GPU
-    code, the pipelined backward's schedule)."""
-    module = pytest.importorskip(package, reason=f"{package} is not installed")
-    fn, args = (
-        _sparse_grad(module)
-        if case == "sparse-mla"
-        else _ranker_grad(module, case == "ranker-packed")
+def _run(kind: str, *names: str) -> list[np.ndarray]:
+    if kind == "lower":
+        return lowered(*names)
+    backend = _backend(kind, names[0])
+    return (sparse_mla_run if kind == "sparse-mla" else ranker_run)(backend)
+
+
+def _with_x64(tmp_path, kind: str, *names: str) -> list[np.ndarray]:
+    """``_run(kind, *names)`` in a fresh process with 64-bit types on."""
+    out = tmp_path / "x64.npz"
+    env = {**os.environ, "JAX_ENABLE_X64": "1"}
+    done = subprocess.run(
+        [sys.executable, __file__, str(out), kind, *names],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    with np.load(out) as f:  # raw bytes and dtype names: npz does not keep bfloat16
+        count = len(f.files) // 2
+        return [f[f"a{i}"].view(jnp.dtype(str(f[f"d{i}"]))) for i in range(count)]
+
+
+def _assert_same(plain, wide):
+    assert len(plain) == len(wide)
+    for a, b in zip(plain, wide, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("backend", params(SPARSE_MLA))
+def test_sparse_mla_same_bits_under_x64(backend, tmp_path):
+    backend.require()
+    plain = sparse_mla_run(backend)
+    _assert_same(plain, _with_x64(tmp_path, "sparse-mla", backend.name))
+    assert np.isfinite(plain[-1]).all()  # the dirty rows stay out of the cache gradient
+
+
+@pytest.mark.parametrize("backend", params(RANKER))
+def test_ranker_same_bits_under_x64(backend, tmp_path):
+    backend.require()
+    _assert_same(ranker_run(backend), _with_x64(tmp_path, "ranker", backend.name))
+
+
+@pytest.mark.parametrize("case", LOWER_CASES)
+@pytest.mark.parametrize(("package", "platform"), KERNEL_PACKAGES)
+def test_kernels_lower_under_x64(package, platform, case, tmp_path):
+    pytest.importorskip(package, reason=f"{package} is not installed")
+    assert _with_x64(tmp_path, "lower", package, platform, case) == [np.asarray(True)]
+
+
+if __name__ == "__main__":  # the 64-bit side: OUT KIND NAMES...
+    assert jax.config.jax_enable_x64
+    arrays = _run(*sys.argv[2:])
+    np.savez(
+        sys.argv[1],
+        **{f"a{i}": np.ascontiguousarray(a).view(np.uint8) for i, a in enumerate(arrays)},
+        **{f"d{i}": np.asarray(a.dtype.name) for i, a in enumerate(arrays)},
     )
-    was = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        exported = jax.export.export(jax.jit(fn), platforms=[platform])(*args)
-    finally:
-        jax.config.update("jax_enable_x64", was)
-    assert "custom_call" in exported.mlir_module()
