@@ -445,7 +445,9 @@ def sparse_mla_loss_grad(fn, idx, pos, w_out, w_lse, *, sm_scale: float, dv: int
         finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(w_out * out) + jnp.sum(w_lse * finite), (out, lse, mass)
 
-    return jax.grad(loss, argnums=(0, 1), has_aux=True)
+    # One jitted program: an eager gradient dispatches the backward's operations while an
+    # interpret-mode kernel may still run, which can deadlock (tests/test_x64.py says how).
+    return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
 
 
 def compare_sparse_mla_grads(
@@ -828,7 +830,7 @@ def wrapper_query_grads(fn, *, dv: int, sm_scale: float, **kw):
         out, _ = fn(ql, qpe, *args, kv_lora_rank=dv, page_size=page, sm_scale=sm_scale, **kw)
         return jnp.sum(out)
 
-    return jax.grad(loss, argnums=(0, 1))(ql, qpe)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(ql, qpe)  # one program, as above
 
 
 def check_wrapper_query_grads(kernel_fn, reference_fn, *, dv: int, sm_scale: float, tol, **kw):

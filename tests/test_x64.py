@@ -8,6 +8,13 @@ trace or lower.
 The 64-bit side runs in a subprocess started with ``JAX_ENABLE_X64=1`` (this file as a
 script): flipping the flag inside a test worker would leak into the interpreters'
 callback threads and into whatever else that process runs.
+
+Every interpret-mode call runs to the end (``run_interpret``) before the next is
+dispatched, and each gradient is one jitted program: the interpreters of jax 0.11.2
+dispatch JAX operations from their callback threads, and with more eager work queued
+behind a running kernel on a 2-core machine both can wait on each other for good (seen
+here: two test workers idle in ``_deallocate_barrier``'s slicing while the main thread
+dispatched the backward's ops).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: the helpers beside it
 from conformance import RANKER, SPARSE_MLA, params
-from helpers import attended_rows_flat, poison_rows, randn, rng_for
+from helpers import attended_rows_flat, poison_rows, randn, rng_for, run_interpret
 
 from attn_common import CapMethod, CapParams
 
@@ -55,9 +62,10 @@ def sparse_mla_run(backend) -> list[np.ndarray]:
         out, lse = fn(q, kv, idx, pos, return_lse=True, **kw)
         return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    out, lse = fn(q, kv, idx, pos, return_lse=True, **kw)
-    mass = fn(q, kv, idx, pos, return_attn_mass=True, **kw)[-1]
-    return [np.asarray(a) for a in (out, lse, mass, *jax.grad(loss, (0, 1))(q, kv))]
+    out, lse = run_interpret(fn, q, kv, idx, pos, return_lse=True, **kw)
+    mass = run_interpret(fn, q, kv, idx, pos, return_attn_mass=True, **kw)[-1]
+    grads = run_interpret(jax.jit(jax.grad(loss, (0, 1))), q, kv)
+    return [np.asarray(a) for a in (out, lse, mass, *grads)]
 
 
 def ranker_run(backend) -> list[np.ndarray]:
@@ -76,8 +84,9 @@ def ranker_run(backend) -> list[np.ndarray]:
     def loss(q, k, v):
         return jnp.sum(fn(q, k, v, bounds, cap=cap, **kw).astype(jnp.float32) * w)
 
-    out, lse = fn(q, k, v, bounds, cap=cap, return_lse=True, **kw)
-    return [np.asarray(a) for a in (out, lse, *jax.grad(loss, (0, 1, 2))(q, k, v))]
+    out, lse = run_interpret(fn, q, k, v, bounds, cap=cap, return_lse=True, **kw)
+    grads = run_interpret(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v)
+    return [np.asarray(a) for a in (out, lse, *grads)]
 
 
 def lowered(package: str, platform: str, case: str) -> list[np.ndarray]:
