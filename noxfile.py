@@ -141,7 +141,12 @@ def _tests(session: nox.Session, platform: str, options: tuple[str, ...] = ()) -
 def tests_cpu(session: nox.Session) -> None:
     """CPU, what CI runs: every package and the conformance tests, every shipped kernel in
     interpret mode at small shapes; the tests marked ``slow`` are left to tests-cpu-full."""
-    _tests(session, "cpu", ("-n", CPU_WORKERS, "--dist", "worksteal", "-m", "not slow"))
+    # --durations: every CI log lists the slowest tests, against the 10-minute budget.
+    _tests(
+        session,
+        "cpu",
+        ("-n", CPU_WORKERS, "--dist", "worksteal", "-m", "not slow", "--durations=25"),
+    )
 
 
 @nox.session(python=PYTHON, name="tests-cpu-full")

@@ -86,7 +86,7 @@ for a staging buffer, so each part is staged inside its own slot:
   the owner's dequantization.
 
 On the H200 this runs at 0.65-0.78x the bf16 kernel (docs/sparse_mla_gpu.md): the
-dequantization (about 3.5 instructions per value) sits on each compute WG's path before
+dequantization (about 3.2 instructions per value) sits on each compute WG's path before
 its QK^T and adds about 1 ms per head group of 4096 queries x 2048 rows, more than the
 bytes saved. Registers 232 / 232 / 40, as for bf16.
 
