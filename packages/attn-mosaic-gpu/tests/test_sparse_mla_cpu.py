@@ -42,7 +42,7 @@ from helpers import (
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
-from attn_mosaic_gpu import sparse_mla_kernel
+from attn_mosaic_gpu import _sparse_mla_rows, sparse_mla_kernel
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig, sparse_mla_rows_attention
 
 INTERPRET = gpu_interpret()
@@ -196,7 +196,7 @@ def test_lagged_launch_order(lag, groups, tokens):
         tokens=tokens, heads=64 * groups, dv=DV, width=DK, sm_scale=1.0, rope_at=DV
     )
     program = jnp.arange(groups * tokens, dtype=jnp.int32)
-    group, token = (np.asarray(x) for x in sparse_mla_kernel._lagged_program(program, lag, st))
+    group, token = (np.asarray(x) for x in _sparse_mla_rows.lagged_program(program, lag, st))
     order = {(int(g), int(t)): i for i, (g, t) in enumerate(zip(group, token, strict=True))}
     assert sorted(order) == [(g, t) for g in range(groups) for t in range(tokens)]
     for (g, t), i in order.items():

@@ -13,7 +13,7 @@ exactly, and within bf16 tolerance of the reference on the FP8 cache.
   Every cache row no query attends holds NaN latent bytes, a NaN, Inf or 0 scale and
   NaN rope values, so reading one would show. Interpret mode replaces the compiled
   path's ``cp.async`` staging and in-place dequantization (inline Mosaic GPU code) by
-  plain loads and stores (``sparse_mla_kernel._gather_part_fp8_interpret``); the
+  plain loads and stores (``_sparse_mla_rows.gather_part_fp8_interpret``); the
   schedule and barriers are the same.
 * The compiled path's maps, simulated byte for byte on integers: the staging copies and
   the in-place dequantization fill the slot exactly as wgmma reads it, without a bank
@@ -144,7 +144,7 @@ def _banks(offsets) -> int:
 
 @pytest.mark.parametrize("half", ["L", "R"])
 def test_compiled_fp8_stage_and_dequantize_in_place(half):
-    """The compiled path's maps (``_fp8_stage``, ``_fp8_scale_at``, ``_fp8_dequant_map``:
+    """The compiled path's maps (``fp8_stage``, ``fp8_scale_at``, ``fp8_dequant_map``:
     the functions the kernel's MLIR is built from, here on integers; interpret mode runs
     other code), simulated byte for byte on a slot full of garbage: the memory WG's
     cp.async copies as it issues them (8 threads a row), then each warp of the compute WG
@@ -152,7 +152,7 @@ def test_compiled_fp8_stage_and_dequantize_in_place(half):
     scale)`` of every row where ``_slot_element`` says, the other part's tiles are
     untouched, every thread stays inside its own row, and no quarter warp's 16-byte
     loads or stores meet in a bank."""
-    from attn_mosaic_gpu.sparse_mla_kernel import _fp8_dequant_map, _fp8_scale_at, _fp8_stage
+    from attn_mosaic_gpu._sparse_mla_rows import fp8_dequant_map, fp8_scale_at, fp8_stage
 
     rng = np.random.default_rng(7)
     x = rng.standard_normal((64, DK)).astype(np.float32)
@@ -170,11 +170,11 @@ def test_compiled_fp8_stage_and_dequantize_in_place(half):
         for i in range(4):
             r = group + 16 * i
             for k in (c, c + 8):
-                dst = _fp8_stage(r, k, half)
+                dst = fp8_stage(r, k, half)
                 slot[dst : dst + 16] = latent[r, lo + 16 * k : lo + 16 * k + 16]
                 part_bytes.update(range(dst, dst + 16))
             if c == 0:
-                dst = _fp8_scale_at(r, half)
+                dst = fp8_scale_at(r, half)
                 slot[dst : dst + 16] = scale[r].view(np.uint8)
                 part_bytes.update(range(dst, dst + 16))
     assert len(part_bytes) == 64 * (256 + 16)  # no two copies overlap
@@ -183,13 +183,13 @@ def test_compiled_fp8_stage_and_dequantize_in_place(half):
         lanes = range(32 * warp, 32 * warp + 32)
         loaded = {}
         for lane in lanes:
-            group, steps = _fp8_dequant_map(lane, half)
+            group, steps = fp8_dequant_map(lane, half)
             r = lane // 2
-            s_off = _fp8_scale_at(r, half) + 4 * group
+            s_off = fp8_scale_at(r, half) + 4 * group
             sc = slot[s_off : s_off + 4].copy().view(np.float32)[0]
             loaded[lane] = (sc, [slot[ld : ld + 16].copy() for ld, _ in steps])
         for lane in lanes:
-            group, steps = _fp8_dequant_map(lane, half)
+            group, steps = fp8_dequant_map(lane, half)
             sc, chunks = loaded[lane]
             for chunk, (_, dsts) in zip(chunks, steps, strict=True):
                 vals = chunk.view(jnp.float8_e4m3fn).astype(np.float32) * sc
@@ -215,7 +215,7 @@ def test_compiled_fp8_stage_and_dequantize_in_place(half):
     for j in range(8):
         for quarter in range(16):
             lanes = range(8 * quarter, 8 * quarter + 8)
-            maps = {lane: _fp8_dequant_map(lane, half) for lane in lanes}
+            maps = {lane: fp8_dequant_map(lane, half) for lane in lanes}
             loads = [maps[lane][1][j][0] for lane in lanes]
             assert _banks(loads) == 8
             for h in range(2):

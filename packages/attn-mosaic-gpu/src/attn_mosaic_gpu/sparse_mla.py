@@ -47,10 +47,9 @@ from attn_common.spec import (
     write_back_call,
 )
 from attn_mosaic_gpu import row_sort
+from attn_mosaic_gpu._sparse_mla_rows import HEADS_PER_PROGRAM, ROPE
 from attn_mosaic_gpu.sparse_mla_bwd_kernel import sparse_mla_rows_backward
 from attn_mosaic_gpu.sparse_mla_kernel import (
-    HEADS_PER_PROGRAM,
-    ROPE,
     SparseMlaKernelConfig,
     resolve_interpret,
     sparse_mla_rows_attention,

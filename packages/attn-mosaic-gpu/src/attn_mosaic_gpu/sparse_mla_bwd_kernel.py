@@ -25,7 +25,7 @@ Op: the gradient of ``sparse_mla_kernel.sparse_mla_rows_attention`` from its sav
 Schedule
 --------
 One program per (query token, group of 64 heads), in the forward's lagged launch order
-(``_lagged_program``: a token's head groups a few programs apart, the later ones finding
+(``lagged_program``: a token's head groups a few programs apart, the later ones finding
 its rows in L2). Three warpgroups: WG0 and WG1 compute, WG2 gathers. Registers
 232 / 232 / 40.
 
@@ -39,7 +39,7 @@ the last):
 
 * WG2 waits until both compute WGs have released block ``b - 1`` (``k_free``: their
   ``dq`` products with it have landed), then gathers block ``b`` by ``cp.async`` (the
-  forward's ``_gather_part``: zero-filled past the count, ``noinc`` arrivals on the copy
+  forward's ``gather_part``: zero-filled past the count, ``noinc`` arrivals on the copy
   barriers).
 * WG0: ``S = Q K^T``; ``P = exp2(S s log2e - lse2)``, zero past the count; once WG1 has
   finished with the previous ``P`` (``p_free``) it stores ``P`` as bf16 and arrives
@@ -81,21 +81,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
-from attn_mosaic_gpu.fixed_order_sum import segment_sum_fixed_order
-from attn_mosaic_gpu.sparse_mla_kernel import (
-    _CHUNK,
-    _TOKEN_LAG,
+from attn_mosaic_gpu._sparse_mla_rows import (
+    CHUNK,
     HEADS_PER_PROGRAM,
     ROPE,
-    _arrive_on_copies,
-    _gather_part,
-    _gather_part_interpret,
-    _init_copy_barriers,
-    _lagged_program,
-    _Part,
-    _transforms,
-    _wait_copies_landed,
+    TOKEN_LAG,
+    Part,
+    arrive_on_copies,
+    gather_part,
+    gather_part_interpret,
+    init_copy_barriers,
+    lagged_program,
+    swizzled_tiles,
+    wait_copies_landed,
 )
+from attn_mosaic_gpu.fixed_order_sum import segment_sum_fixed_order
 
 __all__ = ["sparse_mla_rows_backward"]
 
@@ -108,7 +108,7 @@ _KV_CHUNK = 64  # key-gradient columns per accumulator
 _LOG2E = math.log2(math.e)
 _AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
-_PARTS = (_Part.L0, _Part.R0)  # the one block's two parts (the forward's block 0)
+_PARTS = (Part.L0, Part.R0)  # the one block's two parts (the forward's block 0)
 _INPUT_COPIES = 5  # Q latent, Q rope, dO, lse2, delta: one arrival each on `inputs`
 PARTS_BYTES = 8 << 30  # the deterministic path's parts buffer, at most (token chunks)
 
@@ -138,7 +138,7 @@ class _Buffers(NamedTuple):
 
 
 class _Barriers(NamedTuple):
-    ready: Any  # [4] per _Part, interpret mode only: the gather has landed
+    ready: Any  # [4] per Part, interpret mode only: the gather has landed
     inputs: Any  # Q, dO, lse2 and delta have landed (one barrier, four copies)
     k_free: Any  # both compute WGs are done with the block (2 arrivals)
     p_ready: Any
@@ -148,7 +148,7 @@ class _Barriers(NamedTuple):
 
 
 def _buffer_types(st: _BwdStatics, interpret: bool) -> _Buffers:
-    tiled = _transforms()
+    tiled = swizzled_tiles()
     bf16, heads = jnp.bfloat16, HEADS_PER_PROGRAM
     return _Buffers(
         q_lat=plgpu.SMEM((heads, st.dv), bf16, transforms=tiled),
@@ -159,13 +159,13 @@ def _buffer_types(st: _BwdStatics, interpret: bool) -> _Buffers:
         p16=plgpu.SMEM((heads, BLOCK), bf16, transforms=tiled),
         ds16=plgpu.SMEM((heads, BLOCK), bf16, transforms=tiled),
         stats=plgpu.SMEM((2, heads), jnp.float32),
-        copied=None if interpret else plgpu.SMEM((2 * len(_Part),), jnp.uint32),
+        copied=None if interpret else plgpu.SMEM((2 * len(Part),), jnp.uint32),
     )
 
 
 def _barrier_types() -> _Barriers:
     return _Barriers(
-        ready=plgpu.Barrier(num_barriers=len(_Part)),
+        ready=plgpu.Barrier(num_barriers=len(Part)),
         inputs=plgpu.Barrier(num_arrivals=_INPUT_COPIES),
         k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
         p_ready=plgpu.Barrier(),
@@ -379,7 +379,7 @@ def _wait_block(prog: _Program, b):
         if prog.interpret:
             plgpu.barrier_wait(prog.bar.ready.at[part])
         else:
-            _wait_copies_landed(prog.buf.copied, part, lax.bitwise_and(b, jnp.int32(1)))
+            wait_copies_landed(prog.buf.copied, part, lax.bitwise_and(b, jnp.int32(1)))
 
 
 def _masked(prog: _Program, b, x, masked: bool):
@@ -539,7 +539,7 @@ def _memory_wg(prog: _Program):
     """WG2: gather every block once both compute WGs have released the one before."""
     plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
-    make = _gather_part_interpret if prog.interpret else _gather_part
+    make = gather_part_interpret if prog.interpret else gather_part
     gather = {part: make(prog.st, part.half) for part in _PARTS}
 
     @pl.loop(0, prog.num_blocks)
@@ -554,7 +554,7 @@ def _memory_wg(prog: _Program):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(bar.ready.at[part])
             else:
-                _arrive_on_copies(buf.copied, part)
+                arrive_on_copies(buf.copied, part)
 
     @pl.when(prog.num_blocks > 0)
     def _drain():
@@ -565,7 +565,7 @@ def _build_kernel(st: _BwdStatics, *, interpret: bool):
     def kernel(q_ref, do_ref, lse2_ref, delta_ref, store, rows_ref, counts_ref, a, b, buf, bar):
         # atomics: the dkeys ref (an input), then dq; else dq, then the parts (outputs)
         dkeys_ref, dq_ref = (b, a) if interpret or st.deterministic else (a, b)
-        group, token = _lagged_program(lax.axis_index(_AXIS_PROGRAM), _TOKEN_LAG, st)
+        group, token = lagged_program(lax.axis_index(_AXIS_PROGRAM), TOKEN_LAG, st)
         count = counts_ref[token]
         prog = _Program(
             st=st,
@@ -583,7 +583,7 @@ def _build_kernel(st: _BwdStatics, *, interpret: bool):
             num_blocks=lax.div(count + BLOCK - 1, jnp.int32(BLOCK)),
         )
         if not interpret:
-            _init_copy_barriers(buf.copied, _THREADS)
+            init_copy_barriers(buf.copied, _THREADS)
         inputs = (q_ref, do_ref, lse2_ref, delta_ref)
         pl.when(prog.wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog, inputs))
         pl.when(prog.wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog))
@@ -691,7 +691,7 @@ def sparse_mla_rows_backward(
         raise TypeError(f"q, store: got {q.dtype}, {store.dtype}, expected bfloat16")
     if dk != dv + ROPE or dv % 128:
         raise NotImplementedError(f"q: head dim {dk} with dv={dv}")
-    if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK:
+    if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % CHUNK:
         raise ValueError(f"store: got shape {store.shape}, expected [R, W >= {dk}]")
     if rows.shape[0] != tokens or rows.shape[1] % BLOCK:
         raise ValueError(f"rows: got shape {rows.shape}")

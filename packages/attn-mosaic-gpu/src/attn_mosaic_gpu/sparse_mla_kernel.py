@@ -10,10 +10,14 @@ first ``Dv = 512``. ``out [N, Hp, Dv]`` float32 and ``lse [N, Hp]`` float32 (nat
 
 Schedule (the one that ships; docs/sparse_mla_gpu.md has the measurements)
 --------------------------------------------------------------------------
+How rows reach shared memory (the launch order, ``Part``, the gathers, the FP8 staging
+and dequantization, the hand-kept copy barriers) is in ``_sparse_mla_rows``, which the
+backward kernel shares; this file holds the schedule that uses them.
+
 One program per (query token, group of 64 heads), launched in chunks of 8 tokens: the
 chunk's head group 0 programs, then its head group 1 programs, and so on, so each head
 group of a token runs a few programs behind the one before and reads the token's rows
-from L2, where the earlier one brought them (``_lagged_program``). Three warpgroups
+from L2, where the earlier one brought them (``lagged_program``). Three warpgroups
 (``num_threads=3``), registers 232 / 232 / 40 (``setmaxnreg``).
 
 Shared memory (``_Buffers``; Q and the pair take 216 of the 227 KiB): all of Q (72 KiB: its 512 latent and
@@ -24,14 +28,14 @@ WG1's), WG1's P, the row statistics the compute WGs swap, and four hand-kept mba
 WG0's P goes where its block's rope features were (dead after its QK^T). QK^T wgmmas
 are N = 64 wide, so Q is read from shared memory once per 64 keys.
 
-Each block is two parts (``_Part``) with their own barriers: ``L`` (latent features
+Each block is two parts (``Part``) with their own barriers: ``L`` (latent features
 0-255, WG0's value half) and ``R`` (latent 256-511, WG1's value half, and the rope
 features), so the next pair streams in while this one is used.
 
 * WG2 (memory) gathers the token's selected rows with 16-byte ``cp.async`` copies issued
   by all 128 threads (Hopper's TMA has no row gather): 8 threads per row, each copying the
   same 16-byte chunk of every 64-feature tile of its rows, straight into the
-  128-byte-swizzled tiled layout wgmma reads (``_gather_part``). Rows past ``counts[n]``
+  128-byte-swizzled tiled layout wgmma reads (``gather_part``). Rows past ``counts[n]``
   are zero-filled (``cp.async`` with a source size of 0), so stale or uninitialised
   shared memory never reaches the value product. It refills the parts in the order they
   are freed: ``L0`` and ``R1`` (each WG's own value half), then ``R0`` and ``L1``, each
@@ -70,14 +74,14 @@ FP8 latent cache (``store`` an ``attn_common.Fp8LatentCache``: 656 bytes a row a
 turns them into bf16. Hopper has no copy that converts, and Q and the pair leave no room
 for a staging buffer, so each part is staged inside its own slot:
 
-* WG2 (``_stage_part_fp8``) copies by ``cp.async``, with the same thread map and
+* WG2 (``stage_part_fp8``) copies by ``cp.async``, with the same thread map and
   zero-fill as the bf16 gather, a row's 256 FP8 bytes of the part into the part's
-  feature tiles 2 and 3 (``_fp8_stage``), its 16 bytes of scales into chunk 0 of the
-  part's tile 0 (``_fp8_scale_at``), and for part ``R`` its bf16 rope features as
+  feature tiles 2 and 3 (``fp8_stage``), its 16 bytes of scales into chunk 0 of the
+  part's tile 0 (``fp8_scale_at``), and for part ``R`` its bf16 rope features as
   before; the copy barriers work as for bf16 (``noinc`` arrivals).
 * The compute WG that owns the block (WG0 block 0, WG1 block 1), once a part's copies
-  have landed and before its QK^T, dequantizes it in place (``_dequantize_part_fp8``,
-  ``_fp8_dequant_map``): two threads per row, neighbours in a warp; each loads its 8
+  have landed and before its QK^T, dequantizes it in place (``dequantize_part_fp8``,
+  ``fp8_dequant_map``): two threads per row, neighbours in a warp; each loads its 8
   staged 16-byte chunks and its group's scale, the warp syncs (each overwrites chunks
   the other loaded), then each converts (``bf16(float32(e4m3) * scale)``, the bits of
   ``dequantize_latent_cache(store).astype(bfloat16)``) and stores 16 chunks into the
@@ -130,7 +134,6 @@ Rejected alternatives (built, measured on an H200, removed; the code is at da2ec
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import math
 from typing import Any, NamedTuple
@@ -141,28 +144,36 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common.fp8_cache import GROUP as FP8_GROUP
 from attn_common.fp8_cache import LATENT as FP8_LATENT
 from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
+from attn_mosaic_gpu._sparse_mla_rows import (
+    BLOCK_K,
+    CHUNK,
+    HEADS_PER_PROGRAM,
+    ROPE,
+    THREADS,
+    TOKEN_LAG,
+    Part,
+    arrive_on_copies,
+    dequantize_part_fp8,
+    gather_part,
+    gather_part_fp8_interpret,
+    gather_part_interpret,
+    init_copy_barriers,
+    lagged_program,
+    stage_part_fp8,
+    swizzled_tiles,
+    wait_copies_landed,
+)
 
 __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
 
-HEADS_PER_PROGRAM = 64  # wgmma M rows per warpgroup; both compute WGs share the heads
-ROPE = 64  # rope features of a key row (Dk - Dv)
-BLOCK_K = 64  # rows per block; a pair of blocks (one per compute WG) per step
 _COMPUTE_WGS = 2
 # setmaxnreg of each compute WG; the memory WG keeps the rest of the 504 per thread slot
 # (40). 232 ran the kernel 1.09-1.10x faster than 240/24 on the H200, 224/56 as fast.
 _COMPUTE_REGISTERS = 232
-# Launch order: a token's head groups this many tokens apart, so the later ones find its
-# rows in L2 (fetched by head group 0): 1.01-1.04x faster than all of head group 0 first.
-_TOKEN_LAG = 8
-_THREADS = 128  # per warpgroup
-_CHUNK = 8  # bf16 elements per 16-byte cp.async
-_SWIZZLE = 128  # bytes: wgmma's A and B share one swizzle; 64-row blocks take 128
-_TILE = _SWIZZLE // 2  # bf16 columns of a swizzled tile
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30
@@ -219,34 +230,10 @@ class _SparseMlaStatics:
     fp8: bool = False
 
 
-class _Part(enum.IntEnum):
-    """A part of a block of the pair, valued as the index of its barriers in ``ready``,
-    ``consumed`` and the hand-kept copy barriers. Block 0 is WG0's, block 1 WG1's; part
-    ``L`` holds latent features 0-255 (WG0's value half), part ``R`` latent features
-    256-511 (WG1's value half) and the rope features."""
-
-    L0 = 0
-    R0 = 1
-    L1 = 2
-    R1 = 3
-
-    @classmethod
-    def of(cls, block: int, half: str) -> _Part:
-        return cls[f"{half}{block}"]
-
-    @property
-    def block(self) -> int:
-        return int(self.name[1])
-
-    @property
-    def half(self) -> str:
-        return self.name[0]
-
-
 _HALVES = ("L", "R")
 # The memory WG's refill order within a pair: each WG's own value half first (freed
 # mid-pair), then the halves the other WG's value product reads.
-_REFILL_ORDER = ((_Part.L0, _Part.R1), (_Part.R0, _Part.L1))
+_REFILL_ORDER = ((Part.L0, Part.R1), (Part.R0, Part.L1))
 
 
 class _Buffers(NamedTuple):
@@ -264,11 +251,11 @@ class _Buffers(NamedTuple):
 class _Barriers(NamedTuple):
     """The kernel's Pallas barriers (``_barrier_types`` allocates them)."""
 
-    # [4] per _Part: the memory WG's copies have landed. Interpret mode only: compiled,
+    # [4] per Part: the memory WG's copies have landed. Interpret mode only: compiled,
     # the copies arrive on their hand-kept barriers (`_Buffers.copied`) and this one is
     # unused, though allocated (32 bytes) as it was before the other schedules left.
     ready: Any
-    consumed: Any  # [4] per _Part: its last reader is done; the memory WG may refill it
+    consumed: Any  # [4] per Part: its last reader is done; the memory WG may refill it
     q_ready: Any  # [2]: Q's latent / rope features have landed (_Q_LATENT, _Q_ROPE)
     pair: Any  # both compute WGs: the row sums are in `stats`
     max_ready: Any  # [2] per compute WG: its running max of the pair is in `stats`
@@ -276,7 +263,7 @@ class _Barriers(NamedTuple):
 
 
 def _buffer_types(st: _SparseMlaStatics, interpret: bool) -> _Buffers:
-    tiled = _transforms()
+    tiled = swizzled_tiles()
     bf16 = jnp.bfloat16
     heads, dv = HEADS_PER_PROGRAM, st.dv
     return _Buffers(
@@ -287,12 +274,12 @@ def _buffer_types(st: _SparseMlaStatics, interpret: bool) -> _Buffers:
         p_wg1=plgpu.SMEM((1, heads, BLOCK_K), bf16, transforms=tiled),
         stats=plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32),
         # two 32-bit words per mbarrier
-        copied=None if interpret else plgpu.SMEM((2 * len(_Part),), jnp.uint32),
+        copied=None if interpret else plgpu.SMEM((2 * len(Part),), jnp.uint32),
     )
 
 
 def _barrier_types() -> _Barriers:
-    parts = len(_Part)
+    parts = len(Part)
     return _Barriers(
         ready=plgpu.Barrier(num_barriers=parts),
         consumed=plgpu.Barrier(num_arrivals=1, num_barriers=parts),
@@ -333,480 +320,6 @@ class _Program:
     def pair_sync(self) -> None:
         plgpu.barrier_arrive(self.bar.pair)
         plgpu.barrier_wait(self.bar.pair)
-
-
-def _lagged_program(i, lag: int, st: _SparseMlaStatics):
-    """(head group, token) of program ``i`` in the lagged launch order: chunks of ``lag``
-    tokens (the last one shorter), each all of its tokens' head group 0, then 1...: so a
-    token's head group ``g`` starts about ``g * lag`` programs after its head group 0."""
-    groups = st.heads // HEADS_PER_PROGRAM
-    chunk = lax.div(i, jnp.int32(groups * lag))
-    within = i - chunk * (groups * lag)
-    size = jnp.minimum(jnp.int32(lag), st.tokens - chunk * lag)
-    return lax.div(within, size), chunk * lag + lax.rem(within, size)
-
-
-def _transforms():
-    """Every wgmma operand's shared-memory layout: 64-wide tiles, 128-byte swizzle."""
-    return (plgpu.TilingTransform((8, _TILE)), plgpu.SwizzleTransform(_SWIZZLE))
-
-
-def _gather_part(st: _SparseMlaStatics, half: str):
-    """cp.async gather of part ``half`` (``"L"``: latent features 0-255; ``"R"``: latent
-    256-511 and the rope features) of one block of rows into its slots (see the module
-    docstring).
-
-    The shared-memory slots are tiled ``[rows / 8, features / 64, 8, 64]`` and swizzled:
-    16-byte chunk ``c`` of row ``r`` of a tile sits at chunk ``c ^ (r % 8)``. 8 threads
-    share a row, thread ``t`` copying chunk ``t % 8`` of every tile of rows ``t // 8 + 16
-    i``, so a warp reads whole 128-byte segments. Rows with id ``< 0`` copy 0 source
-    bytes, which zero-fills the 16 destination bytes.
-    """
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
-
-    dv, width, tile = st.dv, st.width, _TILE
-    chunks = tile // _CHUNK  # threads per row
-    row_groups = _THREADS // chunks
-    rows_per_thread = BLOCK_K // row_groups
-    latent_tiles, rope_tiles = dv // tile, ROPE // tile
-    tiled = _transforms()
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled), plgpu.RefType(tiled)),
-    )
-    def gather(ctx, store, rows, latent, rope):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        bf16 = ir.BF16Type.get()
-        index = ir.IndexType.get()
-
-        def const(v, ty=i32):
-            return arith.constant(ty, v)
-
-        lane = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
-        group = arith.divui(lane, const(chunks))
-        chunk = arith.remui(lane, const(chunks))
-        store_ptr = llvm.addrspacecast(
-            llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(store)
-        )
-        latent_ptr, rope_ptr = mgpu_utils.memref_ptr(latent), mgpu_utils.memref_ptr(rope)
-        # (slot, tiles per row of the slot, tile in the slot, feature tile of the row)
-        first = 0 if half == "L" else latent_tiles // 2
-        latent_range = range(first, first + latent_tiles // 2)
-        copies = [(latent_ptr, latent_tiles, j, j) for j in latent_range]
-        if half == "R":
-            copies += [(rope_ptr, rope_tiles, j, latent_tiles + j) for j in range(rope_tiles)]
-        for i in range(rows_per_thread):
-            r = arith.addi(group, const(row_groups * i))
-            row = memref.load(rows, [arith.index_cast(index, r)])
-            valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
-            src_bytes = arith.select(valid, const(16), const(0))
-            # Element offset of the thread's chunk of feature tile 0, global and shared.
-            src0 = arith.addi(
-                arith.muli(arith.extui(i64, arith.select(valid, row, const(0))), const(width, i64)),
-                arith.extui(i64, arith.muli(chunk, const(_CHUNK))),
-            )
-            r_lo = arith.remui(r, const(8))
-            in_tile = arith.addi(
-                arith.muli(r_lo, const(tile)),
-                arith.muli(arith.xori(chunk, r_lo), const(_CHUNK)),
-            )
-            row_tile = arith.divui(r, const(8))
-            for dst_base, tiles, j, feature_tile in copies:
-                first_tile = arith.addi(arith.muli(row_tile, const(tiles)), const(j))
-                dst_off = arith.addi(arith.muli(first_tile, const(8 * tile)), in_tile)
-                src_off = arith.addi(src0, const(feature_tile * tile, i64))
-                nvvm.cp_async_shared_global(
-                    mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
-                    mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
-                    16,
-                    nvvm.LoadCacheModifierKind.CG,
-                    cp_size=src_bytes,
-                )
-        nvvm.cp_async_commit_group()
-
-    return gather
-
-
-def _gather_part_interpret(st: _SparseMlaStatics, half: str):
-    """The same gather for interpret mode, which does not run inline Mosaic GPU code."""
-    dv = st.dv
-    lo, hi = {"L": (0, dv // 2), "R": (dv // 2, dv)}[half]
-
-    def gather(store, rows, latent, rope):
-        def one(r, carry):
-            row = rows[r]
-            data = store[jnp.maximum(row, 0), pl.ds(0, dv + ROPE)]
-            data = jnp.where(row >= 0, data, jnp.zeros_like(data))
-            latent[r, pl.ds(lo, hi - lo)] = data[lo:hi]
-            if half != "L":
-                rope[r, :] = data[dv:]
-            return carry
-
-        lax.fori_loop(0, BLOCK_K, one, 0)
-
-    return gather
-
-
-def _gather_part_fp8_interpret(st: _SparseMlaStatics, half: str):
-    """The FP8 gather for interpret mode (which runs no inline Mosaic GPU code): each
-    row's part dequantized by plain loads and stores straight into its bf16 slot, the
-    values the compiled in-place dequantization writes (``_dequantize_part_fp8``)."""
-    dv = st.dv
-    lo, hi = {"L": (0, dv // 2), "R": (dv // 2, dv)}[half]
-    g_lo = lo // FP8_GROUP
-
-    def gather(latent, scale, rope, rows, k_lat, k_rope):
-        def one(r, carry):
-            row = rows[r]
-            src = jnp.maximum(row, 0)
-            values = latent[src, pl.ds(lo, hi - lo)].astype(jnp.float32)
-            scales = scale[src, pl.ds(g_lo, (hi - lo) // FP8_GROUP)]
-            values = values.reshape(-1, FP8_GROUP) * scales[:, None]
-            values = values.reshape(hi - lo).astype(jnp.bfloat16)
-            k_lat[r, pl.ds(lo, hi - lo)] = jnp.where(row >= 0, values, jnp.zeros_like(values))
-            if half != "L":
-                rope_row = rope[src, :]
-                k_rope[r, :] = jnp.where(row >= 0, rope_row, jnp.zeros_like(rope_row))
-            return carry
-
-        lax.fori_loop(0, BLOCK_K, one, 0)
-
-    return gather
-
-
-# ------------------------------------------------------------------------------------
-# FP8 latent cache: cp.async stages a part's FP8 bytes and scales inside its own key
-# slot; the compute WG that owns the block dequantizes them there, in place.
-
-
-class _Index:
-    """An i32 MLIR value under ``+ * // % ^`` (unsigned), ints taken as constants: the
-    slot maps below are written once and run on ints (the tests) and on MLIR values."""
-
-    def __init__(self, value):
-        self.value = value
-
-    @staticmethod
-    def _of(x):
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith
-
-        if isinstance(x, _Index):
-            return x.value
-        return arith.constant(ir.IntegerType.get_signless(32), x)
-
-    def _op(self, name, other, swap=False):
-        from jaxlib.mlir.dialects import arith
-
-        a, b = self.value, self._of(other)
-        return _Index(getattr(arith, name)(*((b, a) if swap else (a, b))))
-
-    def __add__(self, o):
-        return self._op("addi", o)
-
-    def __radd__(self, o):
-        return self._op("addi", o, swap=True)
-
-    def __mul__(self, o):
-        return self._op("muli", o)
-
-    def __rmul__(self, o):
-        return self._op("muli", o, swap=True)
-
-    def __floordiv__(self, o):
-        return self._op("divui", o)
-
-    def __mod__(self, o):
-        return self._op("remui", o)
-
-    def __xor__(self, o):
-        return self._op("xori", o)
-
-    def __rxor__(self, o):
-        return self._op("xori", o, swap=True)
-
-
-_FP8_TILES = FP8_LATENT // _TILE  # feature tiles of a key slot's latent features (8)
-_PART_TILES = _FP8_TILES // 2  # per part (4): L tiles 0-3, R tiles 4-7
-_STAGE_TILE = 2  # a part's FP8 bytes sit in its tiles 2 and 3 (128 bytes a row each)
-
-
-def _slot_byte(r, tile, chunk):
-    """Byte of 16-byte chunk ``chunk`` of row ``r``, feature tile ``tile``, in a ``[64,
-    512]`` bf16 key slot (tiles of 8 rows x 64 features, chunk ``c`` of a tile row at
-    ``c ^ (r % 8)``: the 128-byte swizzle wgmma reads)."""
-    return (
-        ((r // 8) * _FP8_TILES + tile) * (8 * _SWIZZLE)
-        + (r % 8) * _SWIZZLE
-        + ((chunk ^ (r % 8)) * 16)
-    )
-
-
-def _fp8_stage(r, k, half: str):
-    """Where 16-byte chunk ``k`` (< 16) of row ``r``'s FP8 bytes of part ``half`` is
-    staged: chunk ``k % 8`` of feature tile ``2 + k // 8`` of the part."""
-    base = 0 if half == "L" else _PART_TILES
-    return _slot_byte(r, base + _STAGE_TILE + k // 8, k % 8)
-
-
-def _fp8_scale_at(r, half: str):
-    """Where row ``r``'s 4 scales (one 16-byte chunk) are staged for part ``half``:
-    chunk 0 of the part's first feature tile."""
-    return _slot_byte(r, 0 if half == "L" else _PART_TILES, 0)
-
-
-def _fp8_dequant_map(lane, half: str):
-    """The compute WG's in-place dequantization of part ``half``: thread ``lane`` takes
-    row ``r = lane // 2`` and side ``s = lane % 2``, the part's 128-group ``s`` (staged in
-    the part's tile ``2 + s``). Returns ``(group, steps)``: the scale's group of the
-    whole row (0-3) and, per step ``j < 8``, the staged chunk it loads and the two slot
-    chunks its 16 bf16 values go to. Side ``s`` takes staged chunk ``j ^ 6 s`` at step
-    ``j``, so that no two threads of a quarter warp meet in a bank, loading or storing
-    (the two sides of a row would otherwise touch the same chunk of their tiles)."""
-    r, s = lane // 2, lane % 2
-    base = 0 if half == "L" else _PART_TILES
-    steps = []
-    for j in range(8):
-        k = j ^ (6 * s)  # staged chunk of the side: part features 128 s + 16 k ...
-        load = _slot_byte(r, base + _STAGE_TILE + s, k)
-        tile = base + 2 * s + k // 4
-        steps.append((load, [_slot_byte(r, tile, 2 * (k % 4) + h) for h in range(2)]))
-    return base // 2 + s, steps
-
-
-def _stage_part_fp8(st: _SparseMlaStatics, half: str):
-    """cp.async of part ``half`` of one block of FP8 rows into its slot (see the module
-    docstring): each row's 256 FP8 bytes of the part into the part's tiles 2-3
-    (``_fp8_stage``), its 4 scales into chunk 0 of the part's tile 0 (``_fp8_scale_at``),
-    and for part ``R`` the bf16 rope features into their slot, as ``_gather_part`` does.
-    8 threads per row, thread ``t`` copying chunks ``t % 8`` and ``t % 8 + 8`` of rows
-    ``t // 8 + 16 i`` (whole 128-byte segments per warp); the scales by the row's first
-    thread. Rows with id ``< 0`` copy 0 source bytes: zero-filled, they dequantize to 0."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
-
-    tile = _TILE
-    chunks = tile // _CHUNK  # threads per row
-    row_groups = _THREADS // chunks
-    part_bytes = FP8_LATENT // 2
-    tiled = _transforms()
-
-    @plgpu.inline_mgpu(
-        arg_types=(
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(tiled),
-            plgpu.RefType(tiled),
-        ),
-    )
-    def stage(ctx, latent, scale, rope, rows, k_lat, k_rope):
-        del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        index = ir.IndexType.get()
-        global_ptr = llvm.PointerType.get(address_space=1)
-
-        def const(v, ty=i32):
-            return arith.constant(ty, v)
-
-        def copy(dst_base, dst, src_base, src, size):
-            nvvm.cp_async_shared_global(
-                mgpu_utils.getelementptr(dst_base, [dst], i8),
-                mgpu_utils.getelementptr(src_base, [src], i8),
-                16,
-                nvvm.LoadCacheModifierKind.CG,
-                cp_size=size,
-            )
-
-        lane = arith.remui(mgpu_utils.thread_idx(), const(_THREADS))
-        group = arith.divui(lane, const(chunks))
-        chunk = arith.remui(lane, const(chunks))
-        first = arith.cmpi(arith.CmpIPredicate.eq, chunk, const(0))
-        lat_g, scale_g, rope_g = (
-            llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(ref))
-            for ref in (latent, scale, rope)
-        )
-        slot, rope_slot = mgpu_utils.memref_ptr(k_lat), mgpu_utils.memref_ptr(k_rope)
-        part_off = 0 if half == "L" else part_bytes
-        for i in range(BLOCK_K // row_groups):
-            r = arith.addi(group, const(row_groups * i))
-            row = memref.load(rows, [arith.index_cast(index, r)])
-            valid = arith.cmpi(arith.CmpIPredicate.sge, row, const(0))
-            size = arith.select(valid, const(16), const(0))
-            row64 = arith.extui(i64, arith.select(valid, row, const(0)))
-            c16 = arith.extui(i64, arith.muli(chunk, const(16)))
-            for k_hi in range(2):  # chunks c and c + 8 of the part's 16
-                src = arith.addi(
-                    arith.muli(row64, const(FP8_LATENT, i64)),
-                    arith.addi(c16, const(part_off + 128 * k_hi, i64)),
-                )
-                dst = _fp8_stage(_Index(r), _Index(chunk) + 8 * k_hi, half).value
-                copy(slot, dst, lat_g, src, size)
-            if_first = scf.IfOp(first)
-            with ir.InsertionPoint(if_first.then_block):
-                copy(
-                    slot,
-                    _fp8_scale_at(_Index(r), half).value,
-                    scale_g,
-                    arith.muli(row64, const(16, i64)),
-                    size,
-                )
-                scf.yield_([])
-            if half == "R":  # the rope: bf16 [64, 64] slot, chunk `chunk` of row r
-                r_lo = arith.remui(r, const(8))
-                dst = arith.addi(
-                    arith.muli(arith.divui(r, const(8)), const(8 * _SWIZZLE)),
-                    arith.addi(
-                        arith.muli(r_lo, const(_SWIZZLE)),
-                        arith.muli(arith.xori(chunk, r_lo), const(16)),
-                    ),
-                )
-                src = arith.addi(arith.muli(row64, const(2 * ROPE, i64)), c16)
-                copy(rope_slot, dst, rope_g, src, size)
-        nvvm.cp_async_commit_group()
-
-    return stage
-
-
-def _dequantize_part_fp8(half: str):
-    """The compute WG's in-place dequantization of part ``half`` of its own block (see
-    ``_fp8_dequant_map``): every thread loads its 8 staged chunks and its scale, the warp
-    syncs (a row's two threads are neighbours, and each overwrites chunks the other
-    reads), then each converts and stores: e4m3 pairs to f16 pairs (exact), to f32
-    (exact), times the scale (round to nearest), to bf16 pairs (round to nearest even),
-    the bits of ``dequantize_latent_cache(store).astype(bfloat16)``. Then the async-proxy
-    fence and a warpgroup barrier: wgmma reads the slot through the async proxy."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, nvvm
-
-    tiled = _transforms()
-    dequant = (
-        "{ .reg .b16 l, h, a0, a1, a2, a3; .reg .b32 x, y; .reg .f32 f0, f1, f2, f3;\n"
-        "  mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 x, l; cvt.rn.f16x2.e4m3x2 y, h;\n"
-        "  mov.b32 {a0, a1}, x; mov.b32 {a2, a3}, y;\n"
-        "  cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; cvt.f32.f16 f2, a2; cvt.f32.f16 f3, a3;\n"
-        "  mul.rn.f32 f0, f0, $3; mul.rn.f32 f1, f1, $3;\n"
-        "  mul.rn.f32 f2, f2, $3; mul.rn.f32 f3, f3, $3;\n"
-        "  cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }"
-    )
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(tiled),))
-    def dequantize(ctx, k_lat):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        f32 = ir.F32Type.get()
-        lane = _Index(arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _THREADS)))
-        group, steps = _fp8_dequant_map(lane, half)
-        base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(k_lat))
-
-        def addr(off):
-            return arith.addi(base, off.value)
-
-        staged = [
-            mgpu_utils.inline_ptx(
-                "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", addr(load), result_types=[i32] * 4
-            )
-            for load, _ in steps
-        ]
-        (scale,) = mgpu_utils.inline_ptx(
-            "ld.shared.f32 $0, [$1];",
-            addr(_fp8_scale_at(lane // 2, half) + group * 4),
-            result_types=[f32],
-        )
-        # A row's two threads are neighbours in a warp, and each overwrites chunks the
-        # other has just loaded (the scale chunk, the staged tile 2 + 0).
-        mgpu_utils.warp_barrier()
-        for words, (_, dsts) in zip(staged, steps, strict=True):
-            out = []
-            for w in words:
-                out.extend(mgpu_utils.inline_ptx(dequant, w, scale, result_types=[i32] * 2))
-            for h, dst in enumerate(dsts):
-                mgpu_utils.inline_ptx(
-                    "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
-                    addr(dst),
-                    *out[4 * h : 4 * h + 4],
-                    has_side_effects=True,
-                )
-        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-        mgpu_utils.warpgroup_barrier()
-
-    return dequantize
-
-
-# The hand-kept copy barriers: Pallas's barriers cannot be handed to inline Mosaic GPU
-# code, which ``cp.async.mbarrier.arrive`` needs, so these live in a plain shared-memory
-# buffer (two 32-bit words per barrier, one barrier per ``_Part``) and are waited on by
-# parity (pair ``p``: ``p & 1``).
-def _mbarrier_ptr(ref, part: _Part):
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-
-    i64 = ir.IntegerType.get_signless(64)
-    return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [int(part)], i64)
-
-
-def _init_copy_barriers(bars, arrivals: int):
-    """Initialise every barrier of ``bars`` for ``arrivals`` arrivals (one thread), then
-    sync the whole CTA, so no thread uses one before it is initialised."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, gpu, nvvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def init(ctx, ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        first = mgpu_utils.single_thread_predicate(scope=mgpu_utils.ThreadSubset.BLOCK)
-        for part in _Part:
-            nvvm.mbarrier_init(
-                _mbarrier_ptr(ref, part), arith.constant(i32, arrivals), predicate=first
-            )
-        nvvm.fence_mbarrier_init()
-        gpu.barrier()
-
-    init(bars)
-
-
-def _arrive_on_copies(bars, part: _Part):
-    """Arrive on ``part``'s copy barrier once this thread's cp.async copies so far have
-    landed (``.noinc``: the arrival counts towards the barrier's initial count)."""
-    from jaxlib.mlir.dialects import nvvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def arrive(ctx, ref):
-        del ctx
-        nvvm.cp_async_mbarrier_arrive(_mbarrier_ptr(ref, part), noinc=True)
-
-    arrive(bars)
-
-
-def _wait_copies_landed(bars, part: _Part, parity):
-    """Wait for phase ``parity`` of ``part``'s copy barrier, then fence for the async
-    proxy: the copies were written by the generic proxy, and wgmma reads through the
-    async one."""
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, nvvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
-    def wait(ctx, ref, phase):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        (phase,) = phase.registers.flat
-        nvvm.mbarrier_try_wait_parity(
-            _mbarrier_ptr(ref, part), phase, arith.constant(i32, 10_000_000)
-        )
-        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
-
-    wait(bars, parity)
 
 
 class _RowInit(NamedTuple):
@@ -931,7 +444,7 @@ def _wg0_rescale(
     buf, bar = prog.buf, prog.bar
     if not prog.interpret:
         plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(bar.consumed.at[_Part.L0])
+    plgpu.barrier_arrive(bar.consumed.at[Part.L0])
     plgpu.barrier_wait(bar.max_ready.at[1])
     m_new = plgpu.load(buf.stats.at[1], layout=init.row_layout, optimized=False)
     shift = jnp.exp2(m_own - m_new)
@@ -943,7 +456,7 @@ def _wg0_rescale(
     acc = _pv_add(prog, acc, acc_ref, p_theirs, their_v, _to_acc(prog, shift))
     if not prog.interpret:
         plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(bar.consumed.at[_Part.L1])
+    plgpu.barrier_arrive(bar.consumed.at[Part.L1])
     return m_new, l_i, acc
 
 
@@ -959,23 +472,23 @@ def _wg1_exchange(prog: _Program, acc, acc_ref, m_own, l_i, p16, p_mine, p_their
     acc = _pv_add(prog, acc, acc_ref, p_theirs, their_v)
     if not prog.interpret:
         plgpu.wgmma_wait(1)
-    plgpu.barrier_arrive(bar.consumed.at[_Part.R1])
+    plgpu.barrier_arrive(bar.consumed.at[Part.R1])
     if not prog.interpret:
         plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(bar.consumed.at[_Part.R0])
+    plgpu.barrier_arrive(bar.consumed.at[Part.R0])
     return m_own, l_i, acc
 
 
 def _qk_part(prog: _Program, w: int, half: str, acc, o, p):
     """Wait for part ``half`` of WG ``w``'s block of pair ``p``; add its QK^T to ``acc``."""
     buf = prog.buf
-    part = _Part.of(w, half)
+    part = Part.of(w, half)
     if prog.interpret:
         plgpu.barrier_wait(prog.bar.ready.at[part])
     else:
-        _wait_copies_landed(buf.copied, part, lax.bitwise_and(p, jnp.int32(1)))
+        wait_copies_landed(buf.copied, part, lax.bitwise_and(p, jnp.int32(1)))
         if prog.st.fp8:  # this WG's own block: dequantize the staged part in place
-            _dequantize_part_fp8(half)(buf.k_lat.at[w + o])
+            dequantize_part_fp8(half)(buf.k_lat.at[w + o])
     feats = pl.ds(_HALVES.index(half) * prog.half, prog.half)
     k_part = buf.k_lat.at[w + o].at[:, feats].transpose((1, 0))
     plgpu.wgmma(acc, buf.q_lat.at[o].at[:, feats], k_part)
@@ -1065,9 +578,9 @@ def _memory_wg(prog: _Program):
     plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
     if prog.st.fp8:
-        make = _gather_part_fp8_interpret if prog.interpret else _stage_part_fp8
+        make = gather_part_fp8_interpret if prog.interpret else stage_part_fp8
     else:
-        make = _gather_part_interpret if prog.interpret else _gather_part
+        make = gather_part_interpret if prog.interpret else gather_part
     gather = {half: make(prog.st, half) for half in _HALVES}
 
     @pl.loop(0, prog.num_pairs)
@@ -1087,7 +600,7 @@ def _memory_wg(prog: _Program):
                     buf.k_rope.at[part.block],
                 )
                 if not prog.interpret:
-                    _arrive_on_copies(buf.copied, part)
+                    arrive_on_copies(buf.copied, part)
             if prog.interpret:  # publish the two parts (the copies are synchronous)
                 for part in parts:
                     plgpu.commit_smem()
@@ -1096,7 +609,7 @@ def _memory_wg(prog: _Program):
     # Drain: observe the consumption of the last pair before the barriers die.
     @pl.when(prog.num_pairs > 0)
     def _drain():
-        for part in _Part:
+        for part in Part:
             plgpu.barrier_wait(bar.consumed.at[part])
 
 
@@ -1112,7 +625,7 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
         buf, bar = scoped
         # Q's TMA destinations (the buffers' leading axis of 1 is for `p & opaque_zero`).
         q_dst = (buf.q_lat.at[0], buf.q_rope.at[0])
-        group, token = _lagged_program(lax.axis_index(_AXIS_PROGRAM), _TOKEN_LAG, st)
+        group, token = lagged_program(lax.axis_index(_AXIS_PROGRAM), TOKEN_LAG, st)
         wg = lax.axis_index(_AXIS_WG)
         h0 = group * HEADS_PER_PROGRAM
         count = counts_ref[token]
@@ -1141,7 +654,7 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
             num_pairs=lax.div(count + 2 * BLOCK_K - 1, jnp.int32(2 * BLOCK_K)),
         )
         if not interpret:
-            _init_copy_barriers(buf.copied, _THREADS)
+            init_copy_barriers(buf.copied, THREADS)
         pl.when(wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog))
         pl.when(wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog))
 
@@ -1274,9 +787,9 @@ def sparse_mla_rows_attention(
         raise NotImplementedError(
             f"dv: got {dv}, an Fp8LatentCache store holds {FP8_LATENT} latent values per row"
         )
-    if not fp8 and (store.ndim != 2 or store.shape[1] < dk or store.shape[1] % _CHUNK):
+    if not fp8 and (store.ndim != 2 or store.shape[1] < dk or store.shape[1] % CHUNK):
         raise ValueError(
-            f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {_CHUNK} == 0"
+            f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {CHUNK} == 0"
         )
     kp = rows.shape[1]
     if rows.shape[0] != tokens or kp % (2 * BLOCK_K):
