@@ -57,8 +57,8 @@ def test_packed_grads_match_reference_deterministic():
         return f
 
     kernel = jax.jit(jax.grad(loss(ranker_attention, config=SMALL, interpret=INTERPRET), (0, 1, 2)))
-    got = kernel(q, k, v)
-    again = kernel(q, k, v)
+    got = jax.block_until_ready(kernel(q, k, v))
+    again = jax.block_until_ready(kernel(q, k, v))
     assert_no_races()
     want = jax.grad(loss(ref.ranker_attention), (0, 1, 2))(q, k, v)
     for name, g, g2, r in zip(("dq", "dk", "dv"), got, again, want, strict=True):
