@@ -59,13 +59,12 @@ def sparse_mla_run(backend) -> list[np.ndarray]:
     w = jnp.asarray(randn(rng, (1, seq, heads, 512), np.float32))
 
     def loss(q, kv):
-        out, lse = fn(q, kv, idx, pos, return_lse=True, **kw)
-        return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        out, lse, mass = fn(q, kv, idx, pos, return_lse=True, return_attn_mass=True, **kw)
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out * w) + jnp.sum(finite), (out, lse, mass)
 
-    out, lse = run_interpret(fn, q, kv, idx, pos, return_lse=True, **kw)
-    mass = run_interpret(fn, q, kv, idx, pos, return_attn_mass=True, **kw)[-1]
-    grads = run_interpret(jax.jit(jax.grad(loss, (0, 1))), q, kv)
-    return [np.asarray(a) for a in (out, lse, mass, *grads)]
+    grads, outs = run_interpret(jax.jit(jax.grad(loss, (0, 1), has_aux=True)), q, kv)
+    return [np.asarray(a) for a in (*outs, *grads)]
 
 
 def ranker_run(backend) -> list[np.ndarray]:
