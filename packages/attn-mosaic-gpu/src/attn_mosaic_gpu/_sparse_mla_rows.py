@@ -94,6 +94,22 @@ def swizzled_tiles():
     return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(SWIZZLE))
 
 
+def _cp_async_16(dst_base, dst, src_base, src, size, element):
+    """One 16-byte ``cp.async`` (L2 only, ``.cg``) from global element ``src`` of
+    ``src_base`` to shared element ``dst`` of ``dst_base`` (offsets in ``element``
+    units); ``size`` source bytes (0-16), the rest zero-filled."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir.dialects import nvvm
+
+    nvvm.cp_async_shared_global(
+        mgpu_utils.getelementptr(dst_base, [dst], element),
+        mgpu_utils.getelementptr(src_base, [src], element),
+        16,
+        nvvm.LoadCacheModifierKind.CG,
+        cp_size=size,
+    )
+
+
 def gather_part(st: RowStatics, half: str):
     """cp.async gather of part ``half`` (``"L"``: latent features 0-255; ``"R"``: latent
     256-511 and the rope features) of one block of rows into its slots (see the module
@@ -162,13 +178,7 @@ def gather_part(st: RowStatics, half: str):
                 first_tile = arith.addi(arith.muli(row_tile, const(tiles)), const(j))
                 dst_off = arith.addi(arith.muli(first_tile, const(8 * tile)), in_tile)
                 src_off = arith.addi(src0, const(feature_tile * tile, i64))
-                nvvm.cp_async_shared_global(
-                    mgpu_utils.getelementptr(dst_base, [dst_off], bf16),
-                    mgpu_utils.getelementptr(store_ptr, [src_off], bf16),
-                    16,
-                    nvvm.LoadCacheModifierKind.CG,
-                    cp_size=src_bytes,
-                )
+                _cp_async_16(dst_base, dst_off, store_ptr, src_off, src_bytes, bf16)
         nvvm.cp_async_commit_group()
 
     return gather
@@ -361,13 +371,7 @@ def stage_part_fp8(st: RowStatics, half: str):
             return arith.constant(ty, v)
 
         def copy(dst_base, dst, src_base, src, size):
-            nvvm.cp_async_shared_global(
-                mgpu_utils.getelementptr(dst_base, [dst], i8),
-                mgpu_utils.getelementptr(src_base, [src], i8),
-                16,
-                nvvm.LoadCacheModifierKind.CG,
-                cp_size=size,
-            )
+            _cp_async_16(dst_base, dst, src_base, src, size, i8)
 
         lane = arith.remui(mgpu_utils.thread_idx(), const(THREADS))
         group = arith.divui(lane, const(chunks))
