@@ -11,10 +11,13 @@ chip). Cases (``Dk = 576``, ``Dv = 512``, ``sm_scale = 1 / sqrt(192)``):
   tokens each (4096 in all), 64-token pages, shuffled physical pages; each query selects
   32 distinct pages holding tokens ``<= position`` (2048 tokens; ragged mode reads whole
   pages, ``read_block = page_size``);
+* ``prefill-pool4-h{H}``: ``prefill-ragged`` in a serving pool four times the size of
+  its requests' pages (the others unreferenced), where the FP8 copy path dequantizes only
+  the pages the page table names;
 * ``decode-ragged-h{H}``: 128 requests of about 32K tokens x 2 query tokens (their
   last), 32 pages of 64 tokens each;
 
-for H in {16, 32, 64, 128} (prefill) and {16, 128} (decode). Per row: CUPTI device time
+for H in {16, 32, 64, 128} (prefill), {16, 128} (pool) and {16, 128} (decode). Per row: CUPTI device time
 (median of ``--iterations`` after a warm-up, ``attn_mosaic_gpu.bench.device_ms``; the
 row table included), TFLOP/s counting ``2 H (576 + 512)`` per valid (query, key token),
 and the gather rate: the cache bytes a row-gather kernel reads (each valid row once per
@@ -88,6 +91,7 @@ class Case:
     requests: int = 4  # ragged
     top_k_tokens: int = 2048
     page: int = 64  # ragged
+    pool: int = 1  # ragged: the pool's pages over the requests' pages
 
 
 def cases(smoke: bool) -> list[Case]:
@@ -98,6 +102,7 @@ def cases(smoke: bool) -> list[Case]:
         ]
     out = [Case(f"prefill-flat-h{h}", "prefill", "flat", h) for h in (16, 32, 64, 128)]
     out += [Case(f"prefill-ragged-h{h}", "prefill", "ragged", h) for h in (16, 32, 64, 128)]
+    out += [Case(f"prefill-pool4-h{h}", "prefill", "ragged", h, pool=4) for h in (16, 128)]
     out += [
         Case(f"decode-ragged-h{h}", "decode", "ragged", h, num_queries=256, requests=128)
         for h in (16, 128)
@@ -122,7 +127,8 @@ def make_inputs(case: Case, seed: int = 0):
         return q, kv, quantize_latent_cache(kv), rest, {**kw, "read_block": 1}, pairs
     ps, n = case.page, case.requests
     lens = [case.kv_len - 3 * r for r in range(n)]
-    layout = paged_layout(rng, lens, [s // n] * n, page_size=ps)
+    spare = (case.pool - 1) * sum(-(-x // ps) for x in lens) if case.pool > 1 else 2
+    layout = paged_layout(rng, lens, [s // n] * n, page_size=ps, spare_pages=spare)
     pos = layout["positions"]
     idx = distinct_choices(rng, pos // ps + 1, case.top_k_tokens // ps)
     rows = jax.random.normal(k_kv, (layout["num_pages"], ps, DK), jnp.bfloat16)

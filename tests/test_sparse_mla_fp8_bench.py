@@ -26,7 +26,12 @@ def bench():
 
 def test_cases_are_the_issue_shapes(bench):
     cases = bench.cases(smoke=False)
-    prefill = [c for c in cases if c.mode == "prefill"]
+    prefill = [c for c in cases if c.mode == "prefill" and c.pool == 1]
+    pooled = [c for c in cases if c.pool > 1]
+    assert [(c.mode, c.layout, c.heads, c.pool) for c in pooled] == [
+        ("prefill", "ragged", 16, 4),
+        ("prefill", "ragged", 128, 4),
+    ]
     decode = [c for c in cases if c.mode == "decode"]
     assert sorted({(c.layout, c.heads) for c in prefill}) == [
         (layout, h) for layout in ("flat", "ragged") for h in (16, 32, 64, 128)
