@@ -89,10 +89,11 @@ for a staging buffer, so each part is staged inside its own slot:
   other WG reads the part as values only after ``p_ready`` of its owner, which follows
   the owner's dequantization.
 
-On the H200 this runs at 0.65-0.78x the bf16 kernel (docs/sparse_mla_gpu.md): the
-dequantization (about 3.2 instructions per value) sits on each compute WG's path before
-its QK^T and adds about 1 ms per head group of 4096 queries x 2048 rows, more than the
-bytes saved. Registers 232 / 232 / 40, as for bf16.
+On the H200 this runs at 0.64-0.79x the bf16 kernel (docs/fp8_cache.md): it is bound by
+the compute WGs (without any gather it takes as long), where the dequantization (about
+3.2 instructions per value) sits before each QK^T and adds 1.38 ms per head group of
+4096 queries x 2048 rows, more than the bytes saved. Registers 232 / 232 / 40, as for
+bf16.
 
 Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
 never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
