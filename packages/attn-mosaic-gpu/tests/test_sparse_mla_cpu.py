@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -82,9 +83,9 @@ def _flat(fn, case, *, rb=16, **kw):
 
 
 def test_flat_units_vs_reference():
-    """The case has empty queries, -1 and duplicate units; the config spelled out."""
+    """The case has empty queries, -1 and duplicate units; the config passed."""
     case = flat_case(1)
-    config = SparseMlaKernelConfig(64, 1, "one_way")
+    config = SparseMlaKernelConfig()
     got = _run(_flat, gpu.sparse_mla_attention, case, config=config)
     want = _flat(ref.sparse_mla_attention, case)
     assert np.isneginf(np.asarray(want[1])).any()  # the case has empty queries
@@ -327,8 +328,13 @@ def test_refuses_what_the_kernel_does_not_take():
         SparseMlaKernelConfig(exchange="lockstep")  # removed
     with pytest.raises(TypeError, match="config"):
         sparse_mla_rows_attention(q[0], kv[0], idx[0], idx[0, :, 0], sm_scale=1.0, config=(64,))
-    # The one schedule: one pair of 64-row blocks in parts, the one-way max exchange.
-    assert SparseMlaKernelConfig() == SparseMlaKernelConfig(64, 1, "one_way")
+    # The one schedule (one pair of 64-row blocks in parts, the one-way max exchange):
+    # constants, not fields; spelling them out is deprecated.
+    assert dataclasses.fields(SparseMlaKernelConfig) == ()
+    schedule = SparseMlaKernelConfig
+    assert (schedule.block_k, schedule.num_stages, schedule.exchange) == (64, 1, "one_way")
+    with pytest.warns(DeprecationWarning, match=r"block_k, num_stages, exchange=.*no knobs"):
+        assert SparseMlaKernelConfig(64, 1, "one_way") == SparseMlaKernelConfig()
 
 
 # ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The register split of the Hopper kernels that run two compute warpgroups and one
-memory warpgroup (``setmaxnreg``)."""
+"""The warp specialization of the Hopper kernels: two compute warpgroups and one memory
+warpgroup per program, and their register split (``setmaxnreg``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ from __future__ import annotations
 REGISTER_POOL = 504
 MIN_REGISTERS = 24  # setmaxnreg's floor
 LAUNCH_REGISTERS = REGISTER_POOL // 3
+COMPUTE_WGS = 2  # the memory warpgroup is warpgroup COMPUTE_WGS (num_threads = 3)
+WARPGROUP_THREADS = 128
+# setmaxnreg of each compute warpgroup (the memory warpgroup keeps 40): the ranker
+# forward's and backward's and the sparse-MLA kernels' default. On the H200 the sparse-MLA
+# forward ran 1.09-1.10x faster than with 240/24, and as fast with 224/56; the ranker
+# forward takes 232-240 (``KernelConfig.compute_registers``, a tuned knob).
+COMPUTE_REGISTERS = 232
+# The most a compute warpgroup may take: what leaves the memory warpgroup setmaxnreg's
+# floor (the ranker dk/dv kernel at D = 128 runs at it).
+MAX_COMPUTE_REGISTERS = (REGISTER_POOL - MIN_REGISTERS) // COMPUTE_WGS  # 240
 
 
-def memory_registers(compute_registers: int, compute_wgs: int = 2) -> int:
+def memory_registers(compute_registers: int, compute_wgs: int = COMPUTE_WGS) -> int:
     """What the memory warpgroup keeps when each of ``compute_wgs`` compute warpgroups
     takes ``compute_registers``."""
     return REGISTER_POOL - compute_wgs * compute_registers

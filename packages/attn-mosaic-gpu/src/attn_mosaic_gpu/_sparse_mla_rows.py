@@ -32,17 +32,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common.fp8_cache import GROUP as FP8_GROUP
 from attn_common.fp8_cache import LATENT as FP8_LATENT
-
-HEADS_PER_PROGRAM = 64  # wgmma M rows per warpgroup; both compute WGs share the heads
-ROPE = 64  # rope features of a key row (Dk - Dv)
-BLOCK_K = 64  # rows per block; a pair of blocks (one per compute WG) per step
-# Launch order: a token's head groups this many tokens apart, so the later ones find its
-# rows in L2 (fetched by head group 0): 1.01-1.04x faster than all of head group 0 first.
-TOKEN_LAG = 8
-THREADS = 128  # per warpgroup
-CHUNK = 8  # bf16 elements per 16-byte cp.async
-SWIZZLE = 128  # bytes: wgmma's A and B share one swizzle; 64-row blocks take 128
-TILE = SWIZZLE // 2  # bf16 columns of a swizzled tile
+from attn_mosaic_gpu.sparse_mla_config import (
+    BLOCK_K,
+    CHUNK,
+    HEADS_PER_PROGRAM,
+    ROPE,
+    SWIZZLE,
+    THREADS,
+    TILE,
+)
 
 
 class RowStatics(Protocol):

@@ -13,6 +13,7 @@ check them elementwise).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -20,6 +21,9 @@ from jax import lax
 
 __all__ = [
     "EXP2_MAX_REL_ERROR",
+    "LN2",
+    "LOG2E",
+    "M_INIT",
     "RECIPROCAL_MAX_REL_ERROR",
     "exp2_fma",
     "fast_reciprocal",
@@ -29,6 +33,13 @@ __all__ = [
     "reciprocal_fma",
     "split_columns",
 ]
+
+# The kernels' softmax runs in base 2: logits times LOG2E, exp2, and the LSE back to the
+# natural log times LN2. The running max starts at the finite M_INIT (base-2 units), so a
+# row with no key yet never computes -inf - -inf.
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+M_INIT = -1e30
 
 # 2^f ~= 1 + f (c1 + f (c2 + f c3)) on f in [-1/2, 1/2]: the minimax fit of relative
 # error with c0 pinned to 1 (so 2^0 == 1 exactly and the clamped -inf gives exactly 0).

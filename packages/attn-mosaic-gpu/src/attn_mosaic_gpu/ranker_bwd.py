@@ -19,14 +19,13 @@ here), ``ds = p * (dp - delta') * cap'(y)``; ``dq = sum_j ds_ij k_j * sm_scale``
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from attn_common import CapParams, check_ranker_inputs
 from attn_common.packed import normalize_ranker_bounds, packed_users
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, round_up
+from attn_mosaic_gpu.fastmath import LOG2E
 from attn_mosaic_gpu.ranker_bwd_d256 import (
     BWD_BLOCK,
     BwdStatic,
@@ -49,7 +48,6 @@ __all__ = ["BWD_BLOCK", "bwd_smem_bytes", "ranker_attention_bwd", "validate_bwd"
 
 # f32 accumulator registers per thread a single warpgroup may hold (of 255).
 _ACC_REGISTER_LIMIT = 192
-_LOG2E = math.log2(math.e)
 
 
 def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
@@ -140,7 +138,7 @@ def ranker_attention_bwd(
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
     if dlse is not None:
         delta = delta - jnp.where(finite, dlse.astype(jnp.float32), 0.0)
-    lse2 = jnp.where(finite, lse.astype(jnp.float32) * _LOG2E, jnp.inf)
+    lse2 = jnp.where(finite, lse.astype(jnp.float32) * LOG2E, jnp.inf)
 
     seq = problem.seq_len
     pipelined = problem.head_dim in PIPELINED_HEAD_DIMS

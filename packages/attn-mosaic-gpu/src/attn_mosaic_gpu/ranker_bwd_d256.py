@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +63,10 @@ from attn_common.cap import cap_derivative_from_output
 from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._smem import SMEM_ALIGN, round_up, tile_transforms
+from attn_mosaic_gpu.fastmath import LOG2E
 
 # Query and key block of both backward kernels: one wgmma M = 64 rows per warpgroup.
 BWD_BLOCK = 64
-_LOG2E = math.log2(math.e)
 
 
 def head_dim_parts(head_dim: int) -> int:
@@ -108,7 +107,7 @@ def _probs_and_dlogits(y, dcap, dp, allowed, lse2, delta, *, row_axis: int):
     """``P`` and ``dS`` of a score tile from its capped logits ``y``, ``cap'(y)``
     (``dcap``, None without a cap), ``dP`` and the mask; ``lse2`` (base-2 LSE) and
     ``delta`` are per query row, the tile's axis ``row_axis`` (1 for a transposed tile)."""
-    y2 = jnp.where(allowed, y * _LOG2E, -jnp.inf)
+    y2 = jnp.where(allowed, y * LOG2E, -jnp.inf)
     p = jnp.exp2(y2 - lax.broadcast_in_dim(lse2, y.shape, [row_axis]))
     ds = p * (dp - lax.broadcast_in_dim(delta, y.shape, [row_axis]))
     if dcap is not None:

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -95,9 +94,15 @@ from attn_common.packed import (
 from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
-from attn_mosaic_gpu._registers import memory_registers
+from attn_mosaic_gpu._registers import (
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
+    MAX_COMPUTE_REGISTERS,
+    memory_registers,
+)
 from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, allocated_bytes, tile_transforms
 from attn_mosaic_gpu.fastmath import (
+    LOG2E,
     exp2_fma,
     mufu_reciprocal,
     reciprocal_fma,
@@ -115,10 +120,6 @@ __all__ = [
 
 BLOCK = 64  # rows per compute WG and rows per streamed block (one wgmma M)
 PIPELINED_HEAD_DIMS = (64, 128)
-_COMPUTE_WGS = 2
-_COMPUTE_REGISTERS = 232  # the memory warpgroup keeps the rest (40)
-_DKV_COMPUTE_REGISTERS = 240  # dk/dv at D=128 (see _build_dkv_kernel)
-_LOG2E = math.log2(math.e)
 # CUDA kernel names (as ``<name>_mosaic_gpu``): profiles tell the two kernels apart by
 # name, not by launch order, which XLA may swap (dq and dk/dv are independent).
 DQ_KERNEL = "ranker_bwd_dq"
@@ -152,27 +153,27 @@ def pipelined_smem_bytes(
     item = jnp.dtype(dtype).itemsize
     stages = pipelined_stages(head_dim) if num_stages is None else num_stages
     tile = BLOCK * head_dim * item  # one WG's rows, or one streamed block
-    staging = _COMPUTE_WGS * BLOCK * BLOCK * item if interpret else 0
+    staging = COMPUTE_WGS * BLOCK * BLOCK * item if interpret else 0
     lead = 2 if dq_programs else 1
-    dq_table = lead * _COMPUTE_WGS * PACKED_QUERY_FIELDS * BLOCK * 4 if packed else 0
+    dq_table = lead * COMPUTE_WGS * PACKED_QUERY_FIELDS * BLOCK * 4 if packed else 0
     dq_buffers = [
-        *[lead * _COMPUTE_WGS * tile] * 2,  # Q, dO
-        *[lead * _COMPUTE_WGS * BLOCK * 4] * 2,  # lse2, delta'
+        *[lead * COMPUTE_WGS * tile] * 2,  # Q, dO
+        *[lead * COMPUTE_WGS * BLOCK * 4] * 2,  # lse2, delta'
         *[stages * tile] * 2,  # K, V ring
         staging,
         dq_table,
     ]
-    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * _COMPUTE_WGS + 3 * stages)
-    dkv_table = _COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
+    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * COMPUTE_WGS + 3 * stages)
+    dkv_table = COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
     dkv_buffers = [
-        *[_COMPUTE_WGS * tile] * 2,  # K, V
+        *[COMPUTE_WGS * tile] * 2,  # K, V
         *[stages * tile] * 2,  # Q, dO ring
         *[stages * BLOCK * 4] * 2,  # lse2, delta' ring
         staging,
         staging,
         dkv_table,
     ]
-    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * _COMPUTE_WGS + 5 * stages)
+    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * COMPUTE_WGS + 5 * stages)
     return {"dq": dq, "dkv": dkv}
 
 
@@ -240,7 +241,7 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
     s2, dcap = cap_scaled_with_derivative(
-        raw, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
+        raw, st.cap, st.sm_scale, out_scale=LOG2E, reciprocal=reciprocal
     )
     if allowed is not None:
         s2 = jnp.where(allowed, s2, -jnp.inf)
@@ -368,10 +369,10 @@ def _tile_steps(st: _Static, bounds_ref, steps_ref, batch, tile, one_user_ranges
     tile_index = (lambda: lax.axis_index(tile)) if isinstance(tile, str) else (lambda: tile)
     if st.packed_users:
         row = tile_index()
-        ranges = TileSteps(lambda i: steps_ref[batch, row, i], _COMPUTE_WGS)
+        ranges = TileSteps(lambda i: steps_ref[batch, row, i], COMPUTE_WGS)
     else:
         bounds = _bounds(bounds_ref, batch)
-    tile_start = tile_index() * (_COMPUTE_WGS * BLOCK)
+    tile_start = tile_index() * (COMPUTE_WGS * BLOCK)
     if bounds is not None:
         ranges = one_user_ranges(*bounds, tile_start, tile_start + 2 * BLOCK, BLOCK)
     return tile_start, ranges, bounds
@@ -480,20 +481,20 @@ def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
         steps_ref, keys_ref = refs[7:9] if st.packed_users else (None, None)
         dq_ref = refs[-1]
         t = tile_transforms()
-        own = plgpu.SMEM((*lead, _COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
-        own_vec = plgpu.SMEM((*lead, _COMPUTE_WGS, b), jnp.float32)
+        own = plgpu.SMEM((*lead, COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
+        own_vec = plgpu.SMEM((*lead, COMPUTE_WGS, b), jnp.float32)
         ring = plgpu.SMEM((st.num_stages, b, st.head_dim), dtype, transforms=t)
-        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        staging = None if in_place else plgpu.SMEM((COMPUTE_WGS, b, b), dtype, transforms=t)
         keys = None
         if st.packed_users:
-            keys = plgpu.SMEM((*lead, _COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
+            keys = plgpu.SMEM((*lead, COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
         operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
         pl.run_scoped(
             lambda *args: kernel(*operands, keys_ref, dq_ref, args),
             [own, own, own_vec, own_vec, ring, ring, staging, keys],
-            (plgpu.Barrier(num_barriers=fixed_copies * _COMPUTE_WGS),) * fields,
+            (plgpu.Barrier(num_barriers=fixed_copies * COMPUTE_WGS),) * fields,
             (plgpu.Barrier(num_barriers=st.num_stages),) * 2,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.num_stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st.num_stages),
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -521,9 +522,9 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
         total_steps = ranges.total_steps
         ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             row0 = tile_start + wg * b
             rows = (batch, pl.ds(row0, b), q_head)
@@ -547,9 +548,9 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+            plgpu.set_max_registers(memory_registers(COMPUTE_REGISTERS), action="decrease")
 
             def issue(step, slot):
                 _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(step), kv_head, slot)
@@ -577,7 +578,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
     num_slots = st.num_stages
     group = st.group_size
     programs = st.dq_programs
-    tiles = st.seq_pad // (_COMPUTE_WGS * b)
+    tiles = st.seq_pad // (COMPUTE_WGS * b)
     num_tiles = st.q_heads * tiles * st.batch
     fields = 5 if st.packed_users else 4
 
@@ -603,9 +604,9 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
 
         ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
-            plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             staging = None if in_place else (ds_smem2.at[wg],)
 
             def rows_of(q_head, batch, tile_start):
@@ -626,7 +627,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
                 if st.packed_users:
                     srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
                 for src, dst, bar in zip(srcs, fixed_of(buf)[:fields], fixed_ready, strict=True):
-                    plgpu.copy_gmem_to_smem(src, dst, bar.at[buf * _COMPUTE_WGS + wg])
+                    plgpu.copy_gmem_to_smem(src, dst, bar.at[buf * COMPUTE_WGS + wg])
 
             @pl.when(my_tiles > 0)
             def _first():
@@ -638,7 +639,7 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
                 row0, rows, _ = rows_of(q_head, batch, tile_start)
                 total_steps = ranges.total_steps
                 for bar in fixed_ready:
-                    plgpu.barrier_wait(bar.at[buf * _COMPUTE_WGS + wg])
+                    plgpu.barrier_wait(bar.at[buf * COMPUTE_WGS + wg])
 
                 @pl.when(j + 1 < my_tiles)
                 def _prefetch():
@@ -658,9 +659,9 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
             lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _COMPUTE_WGS)
+        @pl.when(wg == COMPUTE_WGS)
         def _memory_wg():
-            plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+            plgpu.set_max_registers(memory_registers(COMPUTE_REGISTERS), action="decrease")
 
             def tile_steps(j):
                 q_head, batch, _, ranges, _ = tile_of(j)
@@ -730,7 +731,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
     num_slots = st.num_stages
     group = st.group_size
     per_step_kv = _dkv_per_step_kv(st)
-    compute_registers = _DKV_COMPUTE_REGISTERS if per_step_kv else _COMPUTE_REGISTERS
+    compute_registers = MAX_COMPUTE_REGISTERS if per_step_kv else COMPUTE_REGISTERS
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, queries_ref,
@@ -751,7 +752,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         head_steps = ranges.total_steps  # steps per query head of the group
         total_steps = group * head_steps
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(compute_registers, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
@@ -821,7 +822,7 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[kv_rows])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.when(wg == _COMPUTE_WGS)(
+        pl.when(wg == COMPUTE_WGS)(
             lambda: _dkv_memory_wg(
                 st, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), scoped, batch, kv_head,
                 ranges, (head_steps, total_steps), compute_registers,
@@ -835,20 +836,20 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         steps_ref, queries_ref = refs[7:9] if st.packed_users else (None, None)
         dk_ref, dv_ref = refs[-2:]
         t = tile_transforms()
-        own = plgpu.SMEM((_COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
+        own = plgpu.SMEM((COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
         ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
         ring_vec = plgpu.SMEM((num_slots, b), jnp.float32)
-        staging = None if in_place else plgpu.SMEM((_COMPUTE_WGS, b, b), dtype, transforms=t)
+        staging = None if in_place else plgpu.SMEM((COMPUTE_WGS, b, b), dtype, transforms=t)
         queries = None
         if st.packed_users:
-            queries = plgpu.SMEM((_COMPUTE_WGS, PACKED_KEY_FIELDS, b), jnp.int32)
+            queries = plgpu.SMEM((COMPUTE_WGS, PACKED_KEY_FIELDS, b), jnp.int32)
         operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref)
         pl.run_scoped(
             lambda *args: kernel(*operands, steps_ref, queries_ref, dk_ref, dv_ref, args),
             [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries],
-            (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * (3 if st.packed_users else 2),
+            (plgpu.Barrier(num_barriers=COMPUTE_WGS),) * (3 if st.packed_users else 2),
             (plgpu.Barrier(num_barriers=num_slots),) * 4,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_slots),
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -899,9 +900,9 @@ def pipelined_bwd(
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
     in_place = interpret is None
-    tiles = st.seq_pad // (_COMPUTE_WGS * BLOCK)
+    tiles = st.seq_pad // (COMPUTE_WGS * BLOCK)
     common = dict(
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name=_axes.WARPGROUP,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
@@ -911,7 +912,7 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
     if st.packed_users:  # packed rows: the visit-once runs and unmasked steps, per tile
         table = functools.partial(
             packed_step_list, bounds, tile=2 * BLOCK, num_tiles=tiles, block=BLOCK,
-            sub_tiles=_COMPUTE_WGS,
+            sub_tiles=COMPUTE_WGS,
         )  # fmt: skip
         dq_in += [table(), packed_query_table(bounds, st.seq_pad)]
         dkv_in += [table(keys=True), packed_key_table(bounds, st.seq_pad)]

@@ -124,13 +124,18 @@ from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import (
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
     LAUNCH_REGISTERS,
+    MAX_COMPUTE_REGISTERS,
     MIN_REGISTERS,
-    REGISTER_POOL,
     memory_registers,
 )
 from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, allocated_bytes, round_up, tile_transforms
 from attn_mosaic_gpu.fastmath import (
+    LN2,
+    LOG2E,
+    M_INIT,
     exp2_fma,
     fast_reciprocal,
     mufu_reciprocal,
@@ -152,16 +157,9 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Accumulator registers per thread (f32 S and O tiles) a compute WG may hold; 232 are
 # granted by setmaxnreg, the rest is left for addresses, m, l, P and the mask.
 _ACC_REGISTER_LIMIT = 160
-_COMPUTE_WGS = 2
-# setmaxnreg of the compute WGs unless config.compute_registers says otherwise (the
+# setmaxnreg of the compute WGs: config.compute_registers, else COMPUTE_REGISTERS (the
 # memory WG keeps 40). 240 (memory WG 24) runs ragged's forward 2.4 % faster and long's
 # no faster on an H200 (docs/ranker_gpu.md), so it is a tuned knob.
-_DEFAULT_COMPUTE_REGISTERS = 232
-_MAX_COMPUTE_REGISTERS = (REGISTER_POOL - MIN_REGISTERS) // _COMPUTE_WGS  # 240
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-# Initial running max (base-2 units): finite, so empty rows never compute -inf - -inf.
-_M_INIT = -1e30
 # Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
 MIN_PACKED_USERS = 2
 
@@ -194,13 +192,13 @@ def smem_bytes(
     copies = 2 if config.programs else 1  # persistent programs double-buffer Q/O and LSE
     ring = config.num_stages * config.block_kv * head_dim * itemsize
     buffers = [
-        copies * _COMPUTE_WGS * config.block_q * head_dim * itemsize,  # Q/O
+        copies * COMPUTE_WGS * config.block_q * head_dim * itemsize,  # Q/O
         ring,  # K
         ring,  # V
-        copies * _COMPUTE_WGS * config.block_q * 4 if return_lse else 0,
-        _COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4 if packed else 0,
+        copies * COMPUTE_WGS * config.block_q * 4 if return_lse else 0,
+        COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4 if packed else 0,
     ]
-    barriers = 4 * config.num_stages + copies * _COMPUTE_WGS + 1 + (_COMPUTE_WGS if packed else 0)
+    barriers = 4 * config.num_stages + copies * COMPUTE_WGS + 1 + (COMPUTE_WGS if packed else 0)
     return allocated_bytes(buffers, barriers)
 
 
@@ -243,10 +241,10 @@ def validate_config(
             "soft_sign (the only cap with a reciprocal)"
         )
     regs = config.compute_registers
-    if regs and not LAUNCH_REGISTERS <= regs <= _MAX_COMPUTE_REGISTERS:
+    if regs and not LAUNCH_REGISTERS <= regs <= MAX_COMPUTE_REGISTERS:
         raise ValueError(
             f"config.compute_registers: got {regs}, expected 0 (the default, "
-            f"{_DEFAULT_COMPUTE_REGISTERS}) or {LAUNCH_REGISTERS} to {_MAX_COMPUTE_REGISTERS} "
+            f"{COMPUTE_REGISTERS}) or {LAUNCH_REGISTERS} to {MAX_COMPUTE_REGISTERS} "
             f"(the launch's {LAUNCH_REGISTERS} per thread up to what leaves the memory "
             f"warpgroup setmaxnreg's floor of {MIN_REGISTERS})"
         )
@@ -255,13 +253,13 @@ def validate_config(
         raise ValueError(
             f"config: block_q * (D + block_kv) / 128 = {acc_regs} f32 accumulator registers "
             f"per thread for D={head_dim}, block_kv={config.block_kv}; the limit is "
-            f"{_ACC_REGISTER_LIMIT} of the {regs or _DEFAULT_COMPUTE_REGISTERS} a compute "
+            f"{_ACC_REGISTER_LIMIT} of the {regs or COMPUTE_REGISTERS} a compute "
             "warpgroup gets (use a smaller block_kv)"
         )
     need = smem_bytes(config, head_dim, dtype, return_lse=return_lse, packed=packed)
     if need > SMEM_LIMIT_BYTES:
         raise ValueError(
-            f"config: needs {need} bytes of shared memory (Q/O {_COMPUTE_WGS}x{config.block_q}"
+            f"config: needs {need} bytes of shared memory (Q/O {COMPUTE_WGS}x{config.block_q}"
             f"x{head_dim}, K+V {config.num_stages}x2x{config.block_kv}x{head_dim}, "
             f"{jnp.dtype(dtype).name}), more than the {SMEM_LIMIT_BYTES} bytes (227 KiB) "
             "available per block on sm_90; lower num_stages or block_kv"
@@ -284,7 +282,7 @@ class _Static(RankerKernelStatic):
     # 0: one program per tile; N: N persistent programs walking the tiles.
     programs: int = 0
     # setmaxnreg of each compute WG; the memory WG keeps the rest of the pool.
-    compute_registers: int = _DEFAULT_COMPUTE_REGISTERS
+    compute_registers: int = COMPUTE_REGISTERS
 
 
 def packed_tile_mask(mask_from_table, row_entries, offset, shape):
@@ -322,7 +320,7 @@ def _scale_and_cap(st: _Static, qk, *, compiled: bool):
 
     # The derivative the helper also returns is dead code here.
     s2, _ = cap_scaled_with_derivative(
-        qk, st.cap, st.sm_scale, out_scale=_LOG2E, reciprocal=reciprocal
+        qk, st.cap, st.sm_scale, out_scale=LOG2E, reciprocal=reciprocal
     )
     return s2
 
@@ -345,9 +343,7 @@ def _online_softmax_step(st: _Static, qk, allowed, m_i, *, compiled: bool):
     # after them), and each exponent s2 - m is one FMA after the cap's last multiply.
     raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
     raw_max = raw.max(axis=1)
-    step_max = jnp.where(
-        raw_max > -jnp.inf, _scale_and_cap(st, raw_max, compiled=compiled), _M_INIT
-    )
+    step_max = jnp.where(raw_max > -jnp.inf, _scale_and_cap(st, raw_max, compiled=compiled), M_INIT)
     m_new = jnp.maximum(m_i, step_max)
     x = _scale_and_cap(st, qk, compiled=compiled) - lax.broadcast_in_dim(m_new, qk.shape, [0])
     if masked:
@@ -366,7 +362,7 @@ def _tile_info(st: _Static, bounds_ref, steps_ref, batch, q_tile):
             tuple(bounds_ref[batch, u, t] for t in range(4)) for u in range(st.packed_users)
         )
         tile_start = q_tile * (2 * st.block_q)
-        ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], _COMPUTE_WGS)
+        ranges = TileSteps(lambda i: steps_ref[batch, q_tile, i], COMPUTE_WGS)
         return tile_start, ranges, users
     hl = bounds_ref[batch, 0]
     hu = bounds_ref[batch, 1]
@@ -433,9 +429,7 @@ def _compute_tile(
             for f in range(PACKED_QUERY_FIELDS)
         )
 
-    m_i = plgpu.layout_cast(
-        jnp.full((block_q,), _M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-    )
+    m_i = plgpu.layout_cast(jnp.full((block_q,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -558,7 +552,7 @@ def _store_output(
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     qo_smem[...] = out.astype(dtype)
     if lse_smem is not None:
-        lse = jnp.where(has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * _LN2, -jnp.inf)
+        lse = jnp.where(has_key, (m_i + jnp.log2(jnp.where(has_key, l_i, 1.0))) * LN2, -jnp.inf)
         lse_smem[...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
@@ -678,10 +672,10 @@ def _tile_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
     tile_start, ranges, bnds = _tile_info(st, refs.bounds, refs.steps, batch, q_tile)
     total_steps = ranges.total_steps
     tile = (batch, q_head, wg, tile_start, ranges, total_steps, bnds)
-    pl.when(wg < _COMPUTE_WGS)(
+    pl.when(wg < COMPUTE_WGS)(
         lambda: _tile_compute_wg(st, dtype, refs, scoped, tile, compiled=compiled)
     )
-    pl.when(wg == _COMPUTE_WGS)(
+    pl.when(wg == COMPUTE_WGS)(
         lambda: _tile_memory_wg(st, refs, scoped, batch, kv_head, ranges, total_steps)
     )
 
@@ -716,7 +710,7 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
             plgpu.copy_gmem_to_smem(
                 refs.q.at[batch, pl.ds(row0, block_q), q_head],
                 qo_smem3.at[buf, wg],
-                q_ready.at[buf * _COMPUTE_WGS + wg],
+                q_ready.at[buf * COMPUTE_WGS + wg],
             )
 
     @pl.when(my_tiles > 0)
@@ -738,7 +732,7 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
             st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
             (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
             (k_ready, v_ready, schedule, k_consumed, v_consumed), (refs.out, refs.lse),
-            load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * _COMPUTE_WGS + wg]),
+            load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * COMPUTE_WGS + wg]),
             slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
             idle_waits=True, compiled=compiled,
         )  # fmt: skip
@@ -799,12 +793,12 @@ def _persistent_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: boo
     program = lax.axis_index(_axes.PROGRAMS)
     wg = lax.axis_index(_axes.WARPGROUP)
     my_tiles = program_tiles(program, st.programs, st.q_heads * tiles * st.batch)
-    pl.when(wg < _COMPUTE_WGS)(
+    pl.when(wg < COMPUTE_WGS)(
         lambda: _persistent_compute_wg(
             st, dtype, refs, scoped, program, my_tiles, wg, compiled=compiled
         )
     )
-    pl.when(wg == _COMPUTE_WGS)(lambda: _persistent_memory_wg(st, refs, scoped, program, my_tiles))
+    pl.when(wg == COMPUTE_WGS)(lambda: _persistent_memory_wg(st, refs, scoped, program, my_tiles))
 
 
 def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
@@ -822,19 +816,19 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
         hbm = _Refs(*refs[:4], *steps_keys, *outs)
         copies = (2,) if st.programs else ()  # persistent: Q/O and LSE double-buffered
         transforms = tile_transforms()
-        qo = plgpu.SMEM((*copies, _COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
+        qo = plgpu.SMEM((*copies, COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
         k_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
         v_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
         lse_buf = None
         if st.return_lse:
-            lse_buf = plgpu.SMEM((*copies, _COMPUTE_WGS, block_q), jnp.float32)
+            lse_buf = plgpu.SMEM((*copies, COMPUTE_WGS, block_q), jnp.float32)
         p_buf = None
         if not accumulate_in_place:
-            p_buf = plgpu.SMEM((_COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
+            p_buf = plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
         keys_buf, keys_ready = None, ()
         if st.packed_users:
-            keys_buf = plgpu.SMEM((_COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
-            keys_ready = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
+            keys_buf = plgpu.SMEM((COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
+            keys_ready = (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
         body = _persistent_kernel if st.programs else _tile_kernel
 
         pl.run_scoped(
@@ -843,11 +837,11 @@ def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
             (
                 plgpu.Barrier(num_barriers=num_slots),
                 plgpu.Barrier(num_barriers=num_slots),
-                plgpu.Barrier(num_barriers=_COMPUTE_WGS * (2 if st.programs else 1)),
+                plgpu.Barrier(num_barriers=COMPUTE_WGS * (2 if st.programs else 1)),
                 *keys_ready,
             ),
-            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_slots),) * 2,
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_slots),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -867,7 +861,7 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
                 tile=2 * st.block_q,
                 num_tiles=st.seq_pad // (2 * st.block_q),
                 block=st.block_kv,
-                sub_tiles=_COMPUTE_WGS,
+                sub_tiles=COMPUTE_WGS,
             )
         )
         inputs.append(packed_query_table(bounds, st.seq_pad))
@@ -884,7 +878,7 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
         _build_kernel(st, q.dtype, accumulate_in_place=interpret is None),
         out_type=out_type,
         **grid,
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name=_axes.WARPGROUP,
         # The row max and sum reduce within a warp (shuffles), so the forward needs none of
         # the shared-memory scratch Pallas reserves for cross-warp reductions; a reduction
@@ -970,7 +964,7 @@ def ranker_attention_fwd(
         rcp_fma_cols=config.rcp_fma_cols,
         packed_users=users,
         programs=config.programs,
-        compute_registers=config.compute_registers or _DEFAULT_COMPUTE_REGISTERS,
+        compute_registers=config.compute_registers or COMPUTE_REGISTERS,
     )
     results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
     out = results[0][:, :seq] if seq_pad != seq else results[0]

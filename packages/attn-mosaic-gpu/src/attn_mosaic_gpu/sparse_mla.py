@@ -47,13 +47,14 @@ from attn_common.spec import (
     write_back_call,
 )
 from attn_mosaic_gpu import row_sort
-from attn_mosaic_gpu._sparse_mla_rows import HEADS_PER_PROGRAM, ROPE
 from attn_mosaic_gpu.sparse_mla_bwd_kernel import sparse_mla_rows_backward
-from attn_mosaic_gpu.sparse_mla_kernel import (
+from attn_mosaic_gpu.sparse_mla_config import (
+    HEADS_PER_PROGRAM,
+    PAIR_ROWS,
+    ROPE,
     SparseMlaKernelConfig,
-    resolve_interpret,
-    sparse_mla_rows_attention,
 )
+from attn_mosaic_gpu.sparse_mla_kernel import resolve_interpret, sparse_mla_rows_attention
 
 __all__ = [
     "dequantize_store_first",
@@ -137,8 +138,8 @@ def sparse_mla_attention(
     ``kv_lora_rank`` a multiple of 128, and any ``H`` (padded to 64-head
     groups); ``read_block = 1`` serves token-level selections. Cache rows no query
     attends may hold anything (NaN, Inf). The query-blocked knobs are validated and
-    change nothing (each program gathers its own token's rows). ``config``: the kernel's
-    ``SparseMlaKernelConfig``. ``interpret=True`` runs the kernel in Mosaic GPU
+    change nothing (each program gathers its own token's rows). ``config``:
+    ``SparseMlaKernelConfig()`` or ``None``, the one schedule (it has no knobs). ``interpret=True`` runs the kernel in Mosaic GPU
     interpret mode on the CPU.
 
     ``fp8_dequantize`` (an ``Fp8LatentCache`` only; the same result bits either way):
@@ -177,24 +178,19 @@ def sparse_mla_attention(
     check_fp8_dequantize(fp8_dequantize)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
-    config = config or SparseMlaKernelConfig()
     interpret = resolve_interpret(call.interpret)
-    forward = functools.partial(
-        _kernel_forward, config=config, fp8_dequantize=fp8_dequantize, interpret=interpret
-    )
-    backward = functools.partial(
-        _kernel_backward, config=config, deterministic=deterministic, interpret=interpret
-    )
+    forward = functools.partial(_kernel_forward, fp8_dequantize=fp8_dequantize, interpret=interpret)
+    backward = functools.partial(_kernel_backward, deterministic=deterministic, interpret=interpret)
     return kernel_result(call, forward, backward)
 
 
-def _kernel_forward(call: SparseMlaCall, *, config, fp8_dequantize, interpret):
+def _kernel_forward(call: SparseMlaCall, *, fp8_dequantize, interpret):
     """The kernel's ``(out [B, S, H, Dv], lse [B, S, H])`` (the LSE always)."""
     problem = call.problem
     q, q_rope = call.q if isinstance(call.q, tuple) else (call.q, None)
     kv, ragged = call.kv, call.ragged_kwargs()
     if isinstance(kv, Fp8LatentCache):
-        kv, ragged = _fp8_store(problem, kv, ragged, fp8_dequantize, block=2 * config.block_k)
+        kv, ragged = _fp8_store(problem, kv, ragged, fp8_dequantize, block=PAIR_ROWS)
     units, store = sparse_mla_units(problem, kv, call.indices, call.positions, **ragged)
     if q_rope is not None:
         q_rope = q_rope.reshape(-1, problem.heads, ROPE)
@@ -206,22 +202,19 @@ def _kernel_forward(call: SparseMlaCall, *, config, fp8_dequantize, interpret):
         sm_scale=problem.sm_scale,
         dv=problem.dv,
         read_block=problem.read_block,
-        config=config,
         interpret=interpret,
     )
     shape = (problem.batch, problem.num_queries, problem.heads)
     return out.reshape(*shape, problem.dv), lse.reshape(shape)
 
 
-def _kernel_backward(
-    q, store, units, lse, g_out, delta, problem, *, config, deterministic, interpret
-):
+def _kernel_backward(q, store, units, lse, g_out, delta, problem, *, deterministic, interpret):
     """``(dq, dkeys)`` float32 by the backward kernel, from the forward's row table
     (built again: 0.11 ms at 4096 x 2048); ``None`` (XLA's backward) for an
     ``Fp8LatentCache``, whose gradient goes through its dequantization."""
     if isinstance(store, Fp8LatentCache):
         return None
-    rows, counts = _row_table(units, problem.read_block, store.shape[0], config, interpret)
+    rows, counts = _row_table(units, problem.read_block, store.shape[0], interpret)
     return sparse_mla_rows_backward(
         q.astype(jnp.bfloat16), store, rows, counts, lse, g_out, delta,
         sm_scale=problem.sm_scale, dv=problem.dv, deterministic=deterministic,
@@ -229,11 +222,11 @@ def _kernel_backward(
     )  # fmt: skip
 
 
-def _row_table(units, read_block, num_rows, config, interpret):
+def _row_table(units, read_block, num_rows, interpret):
     return selected_rows(
         units,
         read_block=read_block,
-        block=2 * config.block_k,
+        block=PAIR_ROWS,
         num_rows=num_rows,
         # Token-level tables built per query by one kernel (the interpreter cannot run
         # it, so interpret mode keeps XLA's sort; the table is the same either way).
@@ -263,13 +256,12 @@ def _fp8_store(problem, cache: Fp8LatentCache, ragged: dict, fp8_dequantize, *, 
     return dequantize_latent_cache(cache).astype(jnp.bfloat16), ragged
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "config", "interpret"))
-def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, config, interpret):
-    rows, counts = _row_table(units, read_block, store.shape[0], config, interpret)
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "interpret"))
+def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, interpret):
+    rows, counts = _row_table(units, read_block, store.shape[0], interpret)
     return sparse_mla_rows_attention(
-        q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, config=config,
-        interpret=interpret,
-    )  # fmt: skip
+        q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, interpret=interpret
+    )
 
 
 def sparse_mla_attention_qblock(*args, **kwargs):

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -82,10 +81,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 from attn_mosaic_gpu._sparse_mla_rows import (
-    CHUNK,
-    HEADS_PER_PROGRAM,
-    ROPE,
-    TOKEN_LAG,
     Part,
     arrive_on_copies,
     gather_part,
@@ -95,22 +90,28 @@ from attn_mosaic_gpu._sparse_mla_rows import (
     swizzled_tiles,
     wait_copies_landed,
 )
+from attn_mosaic_gpu.fastmath import LOG2E
 from attn_mosaic_gpu.fixed_order_sum import segment_sum_fixed_order
+from attn_mosaic_gpu.sparse_mla_config import (
+    BLOCK_K,
+    CHUNK,
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
+    HEADS_PER_PROGRAM,
+    KV_CHUNK,
+    PARTS_BYTES,
+    ROPE,
+    THREADS,
+    TOKEN_LAG,
+)
 
 __all__ = ["sparse_mla_rows_backward"]
 
 KERNEL_NAME = "sparse_mla_backward"  # how the kernel shows in HLO and profiles
-BLOCK = 64  # rows per block (wgmma N of S and dP, M of the key gradient)
-_COMPUTE_WGS = 2
-_COMPUTE_REGISTERS = 232
-_THREADS = 128
-_KV_CHUNK = 64  # key-gradient columns per accumulator
-_LOG2E = math.log2(math.e)
 _AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
 _PARTS = (Part.L0, Part.R0)  # the one block's two parts (the forward's block 0)
 _INPUT_COPIES = 5  # Q latent, Q rope, dO, lse2, delta: one arrival each on `inputs`
-PARTS_BYTES = 8 << 30  # the deterministic path's parts buffer, at most (token chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +155,10 @@ def _buffer_types(st: _BwdStatics, interpret: bool) -> _Buffers:
         q_lat=plgpu.SMEM((heads, st.dv), bf16, transforms=tiled),
         q_rope=plgpu.SMEM((heads, ROPE), bf16, transforms=tiled),
         do=plgpu.SMEM((heads, st.dv), bf16, transforms=tiled),
-        k_lat=plgpu.SMEM((1, BLOCK, st.dv), bf16, transforms=tiled),
-        k_rope=plgpu.SMEM((1, BLOCK, ROPE), bf16, transforms=tiled),
-        p16=plgpu.SMEM((heads, BLOCK), bf16, transforms=tiled),
-        ds16=plgpu.SMEM((heads, BLOCK), bf16, transforms=tiled),
+        k_lat=plgpu.SMEM((1, BLOCK_K, st.dv), bf16, transforms=tiled),
+        k_rope=plgpu.SMEM((1, BLOCK_K, ROPE), bf16, transforms=tiled),
+        p16=plgpu.SMEM((heads, BLOCK_K), bf16, transforms=tiled),
+        ds16=plgpu.SMEM((heads, BLOCK_K), bf16, transforms=tiled),
         stats=plgpu.SMEM((2, heads), jnp.float32),
         copied=None if interpret else plgpu.SMEM((2 * len(Part),), jnp.uint32),
     )
@@ -167,7 +168,7 @@ def _barrier_types() -> _Barriers:
     return _Barriers(
         ready=plgpu.Barrier(num_barriers=len(Part)),
         inputs=plgpu.Barrier(num_arrivals=_INPUT_COPIES),
-        k_free=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+        k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         p_ready=plgpu.Barrier(),
         ds_ready=plgpu.Barrier(),
         p_free=plgpu.Barrier(),
@@ -192,7 +193,7 @@ class _Program:
     num_blocks: Any
 
     def block_rows(self, b):
-        return self.rows_ref.at[self.token, pl.ds(b * BLOCK, BLOCK)]
+        return self.rows_ref.at[self.token, pl.ds(b * BLOCK_K, BLOCK_K)]
 
 
 # ------------------------------------------------------------------------------------
@@ -238,9 +239,9 @@ def _red_rows(prog: _Program, acc, ids, b, col0: int):
     mode, which runs no atomics): store it instead to the parts ``[G, N, Kp, Dk]`` at
     (head group, token, slot ``b*64 + r``), summed outside in a fixed order."""
     group = prog.h0 // HEADS_PER_PROGRAM
-    slots = pl.ds(b * BLOCK, BLOCK)
+    slots = pl.ds(b * BLOCK_K, BLOCK_K)
     if prog.interpret:
-        prog.dkeys_ref.at[group, prog.token, slots, pl.ds(col0, _KV_CHUNK)][...] = acc
+        prog.dkeys_ref.at[group, prog.token, slots, pl.ds(col0, KV_CHUNK)][...] = acc
     elif prog.st.deterministic:
         parts = prog.dkeys_ref.at[group, prog.token, slots]
         _red_global(parts.shape[1], col0, store=True)(acc, ids, parts)
@@ -263,7 +264,7 @@ def _load_row_ids():
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, memref, vector
 
-    shape = (BLOCK, 8)
+    shape = (BLOCK_K, 8)
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(),),
@@ -385,8 +386,8 @@ def _wait_block(prog: _Program, b):
 def _masked(prog: _Program, b, x, masked: bool):
     if not masked:
         return x
-    col = b * BLOCK + plgpu.broadcasted_iota(
-        jnp.int32, (HEADS_PER_PROGRAM, BLOCK), 1, layout=plgpu.Layout.WGMMA
+    col = b * BLOCK_K + plgpu.broadcasted_iota(
+        jnp.int32, (HEADS_PER_PROGRAM, BLOCK_K), 1, layout=plgpu.Layout.WGMMA
     )
     return jnp.where(col < prog.count, x, 0.0)
 
@@ -394,7 +395,7 @@ def _masked(prog: _Program, b, x, masked: bool):
 def _row_stat(prog: _Program, i: int):
     layout = plgpu.Layout.WGMMA.reduce(1)
     stat = plgpu.load(prog.buf.stats.at[i], layout=layout, optimized=False)
-    return lax.broadcast_in_dim(stat, (HEADS_PER_PROGRAM, BLOCK), [0])
+    return lax.broadcast_in_dim(stat, (HEADS_PER_PROGRAM, BLOCK_K), [0])
 
 
 def _key_grads(prog: _Program, kv_ref, ids, b, chunks):
@@ -405,13 +406,13 @@ def _key_grads(prog: _Program, kv_ref, ids, b, chunks):
     p_t = buf.p16.transpose((1, 0))
     for col0, q_cols, do_cols in chunks:
         pairs = [(ds_t, q_cols)] + ([] if do_cols is None else [(p_t, do_cols)])
-        acc = _product(prog, kv_ref, (BLOCK, _KV_CHUNK), pairs)
+        acc = _product(prog, kv_ref, (BLOCK_K, KV_CHUNK), pairs)
         _red_rows(prog, acc, ids, b, col0)
 
 
 def _latent_chunks(buf: _Buffers, lo: int, hi: int):
     """``_key_grads``' chunks of latent columns ``lo:hi``: Q's and dO's columns."""
-    cols = (pl.ds(c, _KV_CHUNK) for c in range(lo, hi, _KV_CHUNK))
+    cols = (pl.ds(c, KV_CHUNK) for c in range(lo, hi, KV_CHUNK))
     return [(c.start, buf.q_lat.at[:, c], buf.do.at[:, c]) for c in cols]
 
 
@@ -426,10 +427,10 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     s = _product(
         prog,
         s_ref,
-        (HEADS_PER_PROGRAM, BLOCK),
+        (HEADS_PER_PROGRAM, BLOCK_K),
         [(buf.q_lat, k_lat.transpose((1, 0))), (buf.q_rope, k_rope.transpose((1, 0)))],
     )
-    probs = jnp.exp2(s * (st.sm_scale * _LOG2E) - _row_stat(prog, 0))
+    probs = jnp.exp2(s * (st.sm_scale * LOG2E) - _row_stat(prog, 0))
     probs = _masked(prog, b, probs, masked)
 
     @pl.when(b > 0)
@@ -458,7 +459,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     k_lat = buf.k_lat.at[0]
     ids = _row_ids(prog, b)
     _wait_block(prog, b)
-    dp = _product(prog, s_ref, (HEADS_PER_PROGRAM, BLOCK), [(buf.do, k_lat.transpose((1, 0)))])
+    dp = _product(prog, s_ref, (HEADS_PER_PROGRAM, BLOCK_K), [(buf.do, k_lat.transpose((1, 0)))])
     plgpu.barrier_wait(bar.p_ready)
     probs = plgpu.load(buf.p16, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     ds = probs * (dp - _row_stat(prog, 1)) * st.sm_scale
@@ -481,7 +482,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
 
 def _compute_wg(prog: _Program, inputs):
     """WG0 and WG1: the block loop, then their dq columns."""
-    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     st, heads, half = prog.st, HEADS_PER_PROGRAM, prog.st.dv // 2
 
     @pl.when(prog.wg == 0)
@@ -504,7 +505,7 @@ def _compute_wg(prog: _Program, inputs):
                             jnp.zeros(r.shape, jnp.float32), plgpu.Layout.WGMMA
                         )
                     dq = dq_refs
-                full = lax.div(prog.count, jnp.int32(BLOCK))
+                full = lax.div(prog.count, jnp.int32(BLOCK_K))
                 step = functools.partial(body, prog, refs)
                 if prog.interpret:
                     dq = lax.fori_loop(0, full, lambda b, d: step(b, d, False), dq)
@@ -526,8 +527,8 @@ def _compute_wg(prog: _Program, inputs):
                     prog.dq_ref.at[prog.token, pl.ds(prog.h0, heads), pl.ds(c0, n)][...] = value
 
             scoped = [
-                plgpu.ACC((heads, BLOCK), jnp.float32),
-                plgpu.ACC((BLOCK, _KV_CHUNK), jnp.float32),
+                plgpu.ACC((heads, BLOCK_K), jnp.float32),
+                plgpu.ACC((BLOCK_K, KV_CHUNK), jnp.float32),
             ]
             if prog.interpret:
                 run(None, None)
@@ -537,7 +538,7 @@ def _compute_wg(prog: _Program, inputs):
 
 def _memory_wg(prog: _Program):
     """WG2: gather every block once both compute WGs have released the one before."""
-    plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+    plgpu.set_max_registers(memory_registers(COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
     make = gather_part_interpret if prog.interpret else gather_part
     gather = {part: make(prog.st, part.half) for part in _PARTS}
@@ -580,13 +581,13 @@ def _build_kernel(st: _BwdStatics, *, interpret: bool):
             token=token,
             h0=group * HEADS_PER_PROGRAM,
             count=count,
-            num_blocks=lax.div(count + BLOCK - 1, jnp.int32(BLOCK)),
+            num_blocks=lax.div(count + BLOCK_K - 1, jnp.int32(BLOCK_K)),
         )
         if not interpret:
-            init_copy_barriers(buf.copied, _THREADS)
+            init_copy_barriers(buf.copied, THREADS)
         inputs = (q_ref, do_ref, lse2_ref, delta_ref)
-        pl.when(prog.wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog, inputs))
-        pl.when(prog.wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog))
+        pl.when(prog.wg < COMPUTE_WGS)(functools.partial(_compute_wg, prog, inputs))
+        pl.when(prog.wg == COMPUTE_WGS)(functools.partial(_memory_wg, prog))
 
     def entry(*refs):
         pl.run_scoped(
@@ -648,7 +649,7 @@ def _call(st: _BwdStatics, interpret, out_type):
         out_type=out_type,
         grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,),
         grid_names=(_AXIS_PROGRAM,),
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name=_AXIS_WG,
         kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
@@ -693,10 +694,10 @@ def sparse_mla_rows_backward(
         raise NotImplementedError(f"q: head dim {dk} with dv={dv}")
     if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % CHUNK:
         raise ValueError(f"store: got shape {store.shape}, expected [R, W >= {dk}]")
-    if rows.shape[0] != tokens or rows.shape[1] % BLOCK:
+    if rows.shape[0] != tokens or rows.shape[1] % BLOCK_K:
         raise ValueError(f"rows: got shape {rows.shape}")
     hp = -(-heads // HEADS_PER_PROGRAM) * HEADS_PER_PROGRAM
-    lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf).astype(jnp.float32)
+    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf).astype(jnp.float32)
     do = d_out.astype(jnp.bfloat16)
     delta = delta.astype(jnp.float32)
     if hp != heads:

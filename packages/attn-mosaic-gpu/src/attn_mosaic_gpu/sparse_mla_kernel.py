@@ -136,7 +136,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -150,12 +149,6 @@ from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 from attn_mosaic_gpu._sparse_mla_rows import (
-    BLOCK_K,
-    CHUNK,
-    HEADS_PER_PROGRAM,
-    ROPE,
-    THREADS,
-    TOKEN_LAG,
     Part,
     arrive_on_copies,
     dequantize_part_fp8,
@@ -168,50 +161,25 @@ from attn_mosaic_gpu._sparse_mla_rows import (
     swizzled_tiles,
     wait_copies_landed,
 )
+from attn_mosaic_gpu.fastmath import LN2, LOG2E, M_INIT
+from attn_mosaic_gpu.sparse_mla_config import (
+    BLOCK_K,
+    CHUNK,
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
+    HEADS_PER_PROGRAM,
+    PAIR_ROWS,
+    ROPE,
+    THREADS,
+    TOKEN_LAG,
+    SparseMlaKernelConfig,
+)
 
 __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
 
-_COMPUTE_WGS = 2
-# setmaxnreg of each compute WG; the memory WG keeps the rest of the 504 per thread slot
-# (40). 232 ran the kernel 1.09-1.10x faster than 240/24 on the H200, 224/56 as fast.
-_COMPUTE_REGISTERS = 232
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_M_INIT = -1e30
 _AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
 _Q_LATENT, _Q_ROPE = 0, 1  # the two TMA copies of Q and their `q_ready` barriers
-
-
-@dataclasses.dataclass(frozen=True)
-class SparseMlaKernelConfig:
-    """The Hopper sparse-MLA kernel's schedule: ``(block_k, num_stages, exchange)``.
-
-    One schedule ships, ``(64, 1, "one_way")`` (``exchange=None`` resolves to
-    ``"one_way"``): one pair of 64-row blocks, each block in two parts with their own
-    barriers, and the one-way max exchange (see the module docstring). On the H200 the
-    kernel alone ran 3.84 / 4.49 ms on 4096 tokens x 128 heads x 2048 rows of an 8K /
-    128K cache, against 5.08 / 5.44 for ``(32, 2, "one_way")``
-    (docs/sparse_mla_gpu.md). The other schedules (32-row blocks, the lockstep
-    exchange) were removed; commit da2ec0c has them. The fields stay for callers that
-    spell the schedule out.
-    """
-
-    block_k: int = BLOCK_K
-    num_stages: int = 1
-    exchange: str | None = None
-
-    def __post_init__(self):
-        if self.exchange is None:  # frozen: resolve the default in place
-            object.__setattr__(self, "exchange", "one_way")
-        shipped = {"block_k": BLOCK_K, "num_stages": 1, "exchange": "one_way"}
-        for name, want in shipped.items():
-            if getattr(self, name) != want:
-                raise ValueError(
-                    f"{name}: got {getattr(self, name)!r}, expected {want!r}: the kernel "
-                    f"ships one schedule, {tuple(shipped.values())} (commit da2ec0c has the "
-                    "others)"
-                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,10 +238,10 @@ def _buffer_types(st: _SparseMlaStatics, interpret: bool) -> _Buffers:
     return _Buffers(
         q_lat=plgpu.SMEM((1, heads, dv), bf16, transforms=tiled),
         q_rope=plgpu.SMEM((1, heads, ROPE), bf16, transforms=tiled),
-        k_lat=plgpu.SMEM((_COMPUTE_WGS, BLOCK_K, dv), bf16, transforms=tiled),
-        k_rope=plgpu.SMEM((_COMPUTE_WGS, BLOCK_K, ROPE), bf16, transforms=tiled),
+        k_lat=plgpu.SMEM((COMPUTE_WGS, BLOCK_K, dv), bf16, transforms=tiled),
+        k_rope=plgpu.SMEM((COMPUTE_WGS, BLOCK_K, ROPE), bf16, transforms=tiled),
         p_wg1=plgpu.SMEM((1, heads, BLOCK_K), bf16, transforms=tiled),
-        stats=plgpu.SMEM((_COMPUTE_WGS, heads), jnp.float32),
+        stats=plgpu.SMEM((COMPUTE_WGS, heads), jnp.float32),
         # two 32-bit words per mbarrier
         copied=None if interpret else plgpu.SMEM((2 * len(Part),), jnp.uint32),
     )
@@ -285,9 +253,9 @@ def _barrier_types() -> _Barriers:
         ready=plgpu.Barrier(num_barriers=parts),
         consumed=plgpu.Barrier(num_arrivals=1, num_barriers=parts),
         q_ready=plgpu.Barrier(num_barriers=2),
-        pair=plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
-        max_ready=plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-        p_ready=plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        pair=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        max_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        p_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
     )
 
 
@@ -316,7 +284,7 @@ class _Program:
 
     @property
     def half(self) -> int:
-        return self.st.dv // _COMPUTE_WGS
+        return self.st.dv // COMPUTE_WGS
 
     def pair_sync(self) -> None:
         plgpu.barrier_arrive(self.bar.pair)
@@ -336,7 +304,7 @@ class _RowInit(NamedTuple):
 
 def _compute_wg(prog: _Program):
     """WG0 and WG1: load Q, walk the pairs, write the output (see the module docstring)."""
-    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     st, bar, heads = prog.st, prog.bar, HEADS_PER_PROGRAM
     other = 1 - prog.wg
 
@@ -356,12 +324,12 @@ def _compute_wg(prog: _Program):
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     init = _RowInit(
         row_layout,
-        plgpu.layout_cast(jnp.full((heads,), _M_INIT, jnp.float32), row_layout),
+        plgpu.layout_cast(jnp.full((heads,), M_INIT, jnp.float32), row_layout),
         plgpu.layout_cast(jnp.full((heads,), 0.0, jnp.float32), row_layout),
         plgpu.layout_cast(jnp.full((heads, BLOCK_K), 0.0, jnp.float32), plgpu.Layout.WGMMA),
         plgpu.layout_cast(jnp.full((heads, prog.half), 0.0, jnp.float32), plgpu.Layout.WGMMA),
     )
-    for w in range(_COMPUTE_WGS):
+    for w in range(COMPUTE_WGS):
 
         @pl.when(prog.wg == w)
         def _pairs(w=w):
@@ -392,7 +360,7 @@ def _walk_pairs(prog: _Program, step, init):
     query's row count, whose columns are all rows and need no mask (no column iota,
     compare and select per score, nor the registers they hold), then the last, partial
     pair, if any, masked."""
-    full = lax.div(prog.count, jnp.int32(2 * BLOCK_K))
+    full = lax.div(prog.count, jnp.int32(PAIR_ROWS))
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
     return lax.fori_loop(full, prog.num_pairs, functools.partial(step, masked=True), carry)
 
@@ -419,7 +387,7 @@ def _pair_step(prog: _Program, w: int, init: _RowInit, s_ref, acc_ref, p, carry,
         m_own = jnp.maximum(m_0, _scaled_max(prog, s))
     buf.stats.at[w][...] = m_own
     plgpu.barrier_arrive(bar.max_ready.at[w])
-    scale2 = prog.st.sm_scale * _LOG2E
+    scale2 = prog.st.sm_scale * LOG2E
     probs = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_own, s.shape, [0]))
     alpha = jnp.exp2(m_i - m_own)
     l_i = l_i * alpha + probs.sum(axis=1)
@@ -527,9 +495,9 @@ def _masked_scores(prog: _Program, p, s, masked: bool):
 
 def _scaled_max(prog: _Program, s):
     """Row max of ``s`` in the exp2 domain; a row with no key yet gets the finite
-    ``_M_INIT``, never ``-inf``."""
+    ``M_INIT``, never ``-inf``."""
     block_max = s.max(axis=1)
-    return jnp.where(block_max > -jnp.inf, block_max * (prog.st.sm_scale * _LOG2E), _M_INIT)
+    return jnp.where(block_max > -jnp.inf, block_max * (prog.st.sm_scale * LOG2E), M_INIT)
 
 
 def _to_acc(prog: _Program, x):
@@ -570,13 +538,13 @@ def _finish(prog: _Program, init: _RowInit, other, acc, m_i, l_i):
 
     @pl.when(wg == 0)
     def _lse():
-        lse = jnp.where(has_key, (m_i + jnp.log2(jnp.where(has_key, l_tot, 1.0))) * _LN2, -jnp.inf)
+        lse = jnp.where(has_key, (m_i + jnp.log2(jnp.where(has_key, l_tot, 1.0))) * LN2, -jnp.inf)
         prog.lse_ref.at[prog.token, heads][...] = lse
 
 
 def _memory_wg(prog: _Program):
     """WG2: gather every pair's parts in ``_REFILL_ORDER``, each once it is free."""
-    plgpu.set_max_registers(memory_registers(_COMPUTE_REGISTERS), action="decrease")
+    plgpu.set_max_registers(memory_registers(COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
     if prog.st.fp8:
         make = gather_part_fp8_interpret if prog.interpret else stage_part_fp8
@@ -652,12 +620,12 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
             # and spilled (1048 bytes of spills and 1.6x slower without; a zero derived
             # from `count` is folded away, since the loop runs only while count > 0).
             opaque_zero=zero_ref[0],
-            num_pairs=lax.div(count + 2 * BLOCK_K - 1, jnp.int32(2 * BLOCK_K)),
+            num_pairs=lax.div(count + PAIR_ROWS - 1, jnp.int32(PAIR_ROWS)),
         )
         if not interpret:
             init_copy_barriers(buf.copied, THREADS)
-        pl.when(wg < _COMPUTE_WGS)(functools.partial(_compute_wg, prog))
-        pl.when(wg == _COMPUTE_WGS)(functools.partial(_memory_wg, prog))
+        pl.when(wg < COMPUTE_WGS)(functools.partial(_compute_wg, prog))
+        pl.when(wg == COMPUTE_WGS)(functools.partial(_memory_wg, prog))
 
     stores = 3 if st.fp8 else 1
 
@@ -687,7 +655,7 @@ def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, interpret
         out_type=out_type,
         grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,),
         grid_names=(_AXIS_PROGRAM,),
-        num_threads=_COMPUTE_WGS + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name=_AXIS_WG,
         # No cross-warp reduction (row maxima and sums stay within a warp's quads), so
         # none of the default 2 KiB of reduction scratch; Q's rope features need it.
@@ -793,10 +761,10 @@ def sparse_mla_rows_attention(
             f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {CHUNK} == 0"
         )
     kp = rows.shape[1]
-    if rows.shape[0] != tokens or kp % (2 * BLOCK_K):
+    if rows.shape[0] != tokens or kp % PAIR_ROWS:
         raise ValueError(
             f"rows: got shape {rows.shape}, expected [{tokens}, Kp] with Kp a multiple of "
-            f"{2 * BLOCK_K}"
+            f"{PAIR_ROWS}"
         )
     q, q_rope, st = _padded_static(q, q_rope, store, sm_scale=sm_scale, dv=dv)
     out, lse = _launch(
