@@ -242,7 +242,7 @@ class _Index:
         self.value = value
 
     @staticmethod
-    def _of(x):
+    def operand(x):
         from jaxlib.mlir import ir
         from jaxlib.mlir.dialects import arith
 
@@ -250,35 +250,35 @@ class _Index:
             return x.value
         return arith.constant(ir.IntegerType.get_signless(32), x)
 
-    def _op(self, name, other, swap=False):
+    def apply(self, name, other, swap=False):
         from jaxlib.mlir.dialects import arith
 
-        a, b = self.value, self._of(other)
+        a, b = self.value, self.operand(other)
         return _Index(getattr(arith, name)(*((b, a) if swap else (a, b))))
 
     def __add__(self, o):
-        return self._op("addi", o)
+        return self.apply("addi", o)
 
     def __radd__(self, o):
-        return self._op("addi", o, swap=True)
+        return self.apply("addi", o, swap=True)
 
     def __mul__(self, o):
-        return self._op("muli", o)
+        return self.apply("muli", o)
 
     def __rmul__(self, o):
-        return self._op("muli", o, swap=True)
+        return self.apply("muli", o, swap=True)
 
     def __floordiv__(self, o):
-        return self._op("divui", o)
+        return self.apply("divui", o)
 
     def __mod__(self, o):
-        return self._op("remui", o)
+        return self.apply("remui", o)
 
     def __xor__(self, o):
-        return self._op("xori", o)
+        return self.apply("xori", o)
 
     def __rxor__(self, o):
-        return self._op("xori", o, swap=True)
+        return self.apply("xori", o, swap=True)
 
 
 _FP8_TILES = FP8_LATENT // TILE  # feature tiles of a key slot's latent features (8)

@@ -121,6 +121,8 @@ def ptx_unary_tile(x, instruction: str):
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    from attn_mosaic_gpu._compat import ptx_unary
+
     layout = plgpu.Layout.WGMMA
 
     @plgpu.inline_mgpu(
@@ -129,8 +131,7 @@ def ptx_unary_tile(x, instruction: str):
     )
     def apply(ctx, tile):
         del ctx
-        # FragmentedArray's own elementwise helpers (jax 0.11.2), as its rsqrt uses them.
-        return tile._pointwise(tile._lift_fast_instr(instruction))
+        return ptx_unary(tile, instruction)
 
     return apply(x)
 

@@ -78,6 +78,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_mosaic_gpu._compat import fragmented_array
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 from attn_mosaic_gpu._sparse_mla_rows import (
@@ -280,7 +281,7 @@ def _load_row_ids():
         for k, (r, _) in enumerate(ids.layout.thread_idxs(shape)):
             row = memref.load(rows, [r])
             regs.flat[k] = vector.broadcast(regs.flat[k].type, row)
-        return mgpu.FragmentedArray(_registers=regs, _layout=ids.layout, _is_signed=True)
+        return fragmented_array(regs, ids.layout, is_signed=True)
 
     return load
 
