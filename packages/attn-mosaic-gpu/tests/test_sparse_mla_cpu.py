@@ -337,6 +337,69 @@ def test_refuses_what_the_kernel_does_not_take():
         assert SparseMlaKernelConfig(64, 1, "one_way") == SparseMlaKernelConfig()
 
 
+@pytest.mark.parametrize("dv", [512, 128])
+def test_smem_bytes_is_what_mosaic_allocates(monkeypatch, dv):
+    """``sparse_mla_config.forward_smem_bytes`` / ``backward_smem_bytes`` (what
+    ``MAX_DV`` and the dv check rest on) equal Mosaic GPU's own count of each kernel's
+    shared memory, lowered for the GPU (an FP8 store is staged in the same slots)."""
+    import jax.experimental.mosaic.gpu.core as mosaic_core
+
+    from attn_mosaic_gpu import sparse_mla_config
+    from attn_mosaic_gpu.sparse_mla_bwd_kernel import sparse_mla_rows_backward
+
+    counted = []
+    count = mosaic_core._smem_tree_size
+    monkeypatch.setattr(
+        mosaic_core, "_smem_tree_size", lambda tree: counted.append(count(tree)) or counted[-1]
+    )
+    sds = jax.ShapeDtypeStruct
+    bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    q, rows, counts = sds((8, 64, dv + 64), bf16), sds((8, 128), i32), sds((8,), i32)
+    store, vec = sds((256, dv + 64), bf16), sds((8, 64), f32)
+
+    def forward(q, store, rows, counts):
+        return sparse_mla_rows_attention(q, store, rows, counts, sm_scale=0.1, dv=dv)
+
+    def backward(q, store, rows, counts, lse, d_out, delta):
+        return sparse_mla_rows_backward(
+            q, store, rows, counts, lse, d_out, delta, sm_scale=0.1, dv=dv
+        )
+
+    jax.jit(forward).trace(q, store, rows, counts).lower(lowering_platforms=("cuda",))
+    args = (q, store, rows, counts, vec, sds((8, 64, dv), f32), vec)
+    jax.jit(backward).trace(*args).lower(lowering_platforms=("cuda",))
+    assert counted == [
+        sparse_mla_config.forward_smem_bytes(dv),
+        sparse_mla_config.backward_smem_bytes(dv),
+    ]
+
+
+def test_latent_width_limited_by_shared_memory():
+    """Dv = 512 fits the 227 KiB of a block (Q and a key block of each); 640 does not:
+    ``supports`` falls back naming it, the kernels refuse it, never Mosaic at compile
+    time."""
+    from attn_mosaic_gpu import sparse_mla_config
+    from attn_mosaic_gpu.sparse_mla_bwd_kernel import sparse_mla_rows_backward
+
+    assert sparse_mla_config.MAX_DV == 512
+    assert sparse_mla_config.forward_smem_bytes(512) <= sparse_mla_config.SMEM_LIMIT_BYTES
+    assert sparse_mla_config.backward_smem_bytes(640) > sparse_mla_config.SMEM_LIMIT_BYTES
+    q = np.zeros((1, 2, 1, 704), np.float32)
+    kv = np.zeros((1, 8, 704), jnp.bfloat16)
+    reason = gpu.supports("sparse_mla_attention", q, kv, kv_lora_rank=640)
+    assert "kv_lora_rank: got 640" in reason and "at most 512" in reason and "bytes" in reason
+    qk = jnp.zeros((2, 64, 704), jnp.bfloat16)
+    store = jnp.zeros((8, 704), jnp.bfloat16)
+    rows, counts = jnp.zeros((2, 128), jnp.int32), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(NotImplementedError, match=r"dv: got 640.*at most 512.*shared memory"):
+        sparse_mla_rows_attention(qk, store, rows, counts, sm_scale=0.1, dv=640)
+    vec = jnp.zeros((2, 64), jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"dv: got 640.*at most 512"):
+        sparse_mla_rows_backward(
+            qk, store, rows, counts, vec, jnp.zeros((2, 64, 640)), vec, sm_scale=0.1, dv=640
+        )
+
+
 # ------------------------------------------------------------------------------------
 # Cross-lowering at the benchmark shapes
 

@@ -7,22 +7,22 @@
   features 0-255; ``R``: latent 256-511 and the rope features).
 * ``gather_part``: the bf16 gather, 16-byte ``cp.async`` copies straight into the
   128-byte-swizzled tiles wgmma reads (``swizzled_tiles``), rows past the count
-  zero-filled; ``gather_part_interpret`` the same by plain loads and stores, for
-  interpret mode (which runs no inline Mosaic GPU code).
+  zero-filled.
 * FP8 latent cache: ``stage_part_fp8`` copies a part's FP8 bytes and scales inside its
   own key slot (``fp8_stage``, ``fp8_scale_at``), ``dequantize_part_fp8`` turns them
-  into bf16 there, in place (``fp8_dequant_map``); ``gather_part_fp8_interpret`` is
-  interpret mode's.
+  into bf16 there, in place (``fp8_dequant_map``).
 * The hand-kept copy barriers (``init_copy_barriers``, ``arrive_on_copies``,
   ``wait_copies_landed``): Pallas barriers cannot be handed to inline Mosaic GPU code,
   which ``cp.async.mbarrier.arrive`` needs.
+* ``Parts``: the protocol a kernel fills and waits for its key parts by (gather,
+  publish, wait, dequantize), compiled; ``parts_of`` picks it or the interpreter's
+  (``_interpret.InterpretedParts``: plain loads and stores, ``part_ready``).
 
 The forward kernel's docstring says who calls these when, and why.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Protocol
 
 import jax.numpy as jnp
@@ -30,16 +30,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common.fp8_cache import GROUP as FP8_GROUP
 from attn_common.fp8_cache import LATENT as FP8_LATENT
+from attn_mosaic_gpu._interpret import InterpretedParts, Target
 from attn_mosaic_gpu.sparse_mla_config import (
     BLOCK_K,
     CHUNK,
+    COMPUTE_WGS,
     HEADS_PER_PROGRAM,
     ROPE,
     SWIZZLE,
     THREADS,
     TILE,
+    Part,
+    swizzled_tiles,
 )
 
 
@@ -52,30 +55,6 @@ class RowStatics(Protocol):
     width: int  # store row width (elements)
 
 
-class Part(enum.IntEnum):
-    """A part of a block of the pair, valued as the index of its barriers in ``ready``,
-    ``consumed`` and the hand-kept copy barriers. Block 0 is WG0's, block 1 WG1's; part
-    ``L`` holds latent features 0-255 (WG0's value half), part ``R`` latent features
-    256-511 (WG1's value half) and the rope features."""
-
-    L0 = 0
-    R0 = 1
-    L1 = 2
-    R1 = 3
-
-    @classmethod
-    def of(cls, block: int, half: str) -> Part:
-        return cls[f"{half}{block}"]
-
-    @property
-    def block(self) -> int:
-        return int(self.name[1])
-
-    @property
-    def half(self) -> str:
-        return self.name[0]
-
-
 def lagged_program(i, lag: int, st: RowStatics):
     """(head group, token) of program ``i`` in the lagged launch order: chunks of ``lag``
     tokens (the last one shorter), each all of its tokens' head group 0, then 1...: so a
@@ -85,11 +64,6 @@ def lagged_program(i, lag: int, st: RowStatics):
     within = i - chunk * (groups * lag)
     size = jnp.minimum(jnp.int32(lag), st.tokens - chunk * lag)
     return lax.div(within, size), chunk * lag + lax.rem(within, size)
-
-
-def swizzled_tiles():
-    """Every wgmma operand's shared-memory layout: 64-wide tiles, 128-byte swizzle."""
-    return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(SWIZZLE))
 
 
 def _cp_async_16(dst_base, dst, src_base, src, size, element):
@@ -178,53 +152,6 @@ def gather_part(st: RowStatics, half: str):
                 src_off = arith.addi(src0, const(feature_tile * tile, i64))
                 _cp_async_16(dst_base, dst_off, store_ptr, src_off, src_bytes, bf16)
         nvvm.cp_async_commit_group()
-
-    return gather
-
-
-def gather_part_interpret(st: RowStatics, half: str):
-    """The same gather for interpret mode, which does not run inline Mosaic GPU code."""
-    dv = st.dv
-    lo, hi = {"L": (0, dv // 2), "R": (dv // 2, dv)}[half]
-
-    def gather(store, rows, latent, rope):
-        def one(r, carry):
-            row = rows[r]
-            data = store[jnp.maximum(row, 0), pl.ds(0, dv + ROPE)]
-            data = jnp.where(row >= 0, data, jnp.zeros_like(data))
-            latent[r, pl.ds(lo, hi - lo)] = data[lo:hi]
-            if half != "L":
-                rope[r, :] = data[dv:]
-            return carry
-
-        lax.fori_loop(0, BLOCK_K, one, 0)
-
-    return gather
-
-
-def gather_part_fp8_interpret(st: RowStatics, half: str):
-    """The FP8 gather for interpret mode (which runs no inline Mosaic GPU code): each
-    row's part dequantized by plain loads and stores straight into its bf16 slot, the
-    values the compiled in-place dequantization writes (``dequantize_part_fp8``)."""
-    dv = st.dv
-    lo, hi = {"L": (0, dv // 2), "R": (dv // 2, dv)}[half]
-    g_lo = lo // FP8_GROUP
-
-    def gather(latent, scale, rope, rows, k_lat, k_rope):
-        def one(r, carry):
-            row = rows[r]
-            src = jnp.maximum(row, 0)
-            values = latent[src, pl.ds(lo, hi - lo)].astype(jnp.float32)
-            scales = scale[src, pl.ds(g_lo, (hi - lo) // FP8_GROUP)]
-            values = values.reshape(-1, FP8_GROUP) * scales[:, None]
-            values = values.reshape(hi - lo).astype(jnp.bfloat16)
-            k_lat[r, pl.ds(lo, hi - lo)] = jnp.where(row >= 0, values, jnp.zeros_like(values))
-            if half != "L":
-                rope_row = rope[src, :]
-                k_rope[r, :] = jnp.where(row >= 0, rope_row, jnp.zeros_like(rope_row))
-            return carry
-
-        lax.fori_loop(0, BLOCK_K, one, 0)
 
     return gather
 
@@ -552,3 +479,70 @@ def wait_copies_landed(bars, part: Part, parity):
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
     wait(bars, parity)
+
+
+class Parts:
+    """How a kernel's key parts reach shared memory, compiled: ``cp.async`` gathers
+    (bf16, or FP8 staged in the slot and dequantized there by the compute WG that owns
+    the block), arriving on the hand-kept ``part_landed`` barriers of ``buf``."""
+
+    def __init__(self, st: RowStatics, buf, bar, *, fp8: bool = False):
+        del bar  # the compiled copies arrive on the hand-kept barriers in ``buf``
+        self.st, self.landed, self.fp8 = st, buf.part_landed, fp8
+
+    def init(self) -> None:
+        """Initialise the barriers (one thread) and sync the CTA, before the WGs split."""
+        init_copy_barriers(self.landed, THREADS)
+
+    def gather(self, half: str):
+        """The memory WG's copy of part ``half`` of a block: ``gather(*stores, rows,
+        latent slot, rope slot)``."""
+        return (stage_part_fp8 if self.fp8 else gather_part)(self.st, half)
+
+    def publish(self, part: Part) -> None:
+        """After the memory WG issued ``part``'s copies: each thread arrives on its
+        barrier once its own copies have landed."""
+        arrive_on_copies(self.landed, part)
+
+    def wait(self, part: Part, step) -> None:
+        """Wait for ``part``'s copies of step ``step`` (phase ``step & 1``)."""
+        wait_copies_landed(self.landed, part, lax.bitwise_and(step, jnp.int32(1)))
+
+    def dequantize(self, half: str, slot) -> None:
+        """FP8: turn the staged part ``half`` of the block in ``slot()`` into bf16, in
+        place (bf16: nothing)."""
+        if self.fp8:
+            dequantize_part_fp8(half)(slot())
+
+
+def parts_of(target: Target, st: RowStatics, buf, bar, *, fp8: bool = False):
+    """The kernel's ``Parts`` (compiled) or ``InterpretedParts`` (interpreted)."""
+    return target.pick(Parts, InterpretedParts)(st, buf, bar, fp8=fp8)
+
+
+def row_kernel(body, st: RowStatics, *, target: Target, buffers, barriers, out_type,
+               program_axis: str, wg_axis: str, kernel_name: str | None = None):  # fmt: skip
+    """A sparse-MLA kernel (the forward and the backward share this skeleton): one
+    program per (head group, token) of ``st`` (grid axis ``program_axis``, in
+    ``lagged_program``'s order), three warpgroups (``wg_axis``: two compute, one memory)
+    that allocate ``buffers`` and ``barriers`` together, and no reduction scratch (row
+    maxima and sums stay within a warp's quads; Q's rope features need the 2 KiB).
+    ``body(*refs, buf, bar)``: the kernel's refs, inputs then outputs, then the
+    scratch."""
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda buf, bar: body(*refs, buf, bar), buffers, barriers, collective_axes=wg_axis
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,),
+        grid_names=(program_axis,),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name=wg_axis,
+        kernel_name=kernel_name,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=target.params,
+    )

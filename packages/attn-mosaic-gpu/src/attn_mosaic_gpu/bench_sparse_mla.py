@@ -98,6 +98,7 @@ from attn_common.dispatch import device_class
 from attn_common.sparse_mla import padded_dk
 from attn_common.tables import kv_packing
 from attn_mosaic_gpu.bench import ceilings, device_ms
+from attn_mosaic_gpu.sparse_mla_config import HEADS_PER_PROGRAM
 
 RESULT_JSON, RESULT_MD, RESULT_SVG = (
     "sparse_mla_gpu.json",
@@ -107,7 +108,7 @@ RESULT_JSON, RESULT_MD, RESULT_SVG = (
 RESULT_FILES = (RESULT_JSON, RESULT_MD, RESULT_SVG)
 SM_SCALE = 1.0 / math.sqrt(192.0)
 IMPLS = ("mosaic-gpu", "reference", "none")
-HEAD_GROUP = 64  # heads sharing one read of a key row (bytes estimate)
+HEAD_GROUP = HEADS_PER_PROGRAM  # heads sharing one read of a key row (bytes estimate)
 WRITE_LOOP_CALLS = 8  # write-back timings: calls per loop that carries the cache
 TARGETS = {128: {"tflops": 500.0, "speedup": 3.3}, 64: {"tflops": 350.0, "speedup": 3.8}}
 

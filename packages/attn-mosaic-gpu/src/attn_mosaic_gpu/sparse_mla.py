@@ -47,14 +47,16 @@ from attn_common.spec import (
     write_back_call,
 )
 from attn_mosaic_gpu import row_sort
+from attn_mosaic_gpu._interpret import resolve_target
 from attn_mosaic_gpu.sparse_mla_bwd_kernel import sparse_mla_rows_backward
 from attn_mosaic_gpu.sparse_mla_config import (
     HEADS_PER_PROGRAM,
     PAIR_ROWS,
     ROPE,
     SparseMlaKernelConfig,
+    unsupported_dv,
 )
-from attn_mosaic_gpu.sparse_mla_kernel import resolve_interpret, sparse_mla_rows_attention
+from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
 
 __all__ = [
     "dequantize_store_first",
@@ -67,7 +69,6 @@ __all__ = [
 ]
 
 KERNEL_DTYPE = jnp.bfloat16
-_VALUE_MULTIPLE = 128  # each compute warpgroup takes Dv / 2 value columns, whole 64-wide tiles
 # A whole FP8 store dequantized by XLA costs about as much per store row as the kernel's
 # on-chip dequantization per this many gathered rows and 64-head group. H200, 5484fde
 # (docs/results/sparse_mla_fp8.json): 0.88 ns a store row (128 x 32K tokens in 3.68 ms
@@ -108,11 +109,9 @@ def sparse_mla_unsupported(
             f"{kv_name}: got dtype {jnp.dtype(kv_dtype).name}, the Hopper kernel takes a "
             "bfloat16 cache"
         )
-    if dv is not None and (dv % _VALUE_MULTIPLE or dv < _VALUE_MULTIPLE):
-        return (
-            f"kv_lora_rank: got {dv}, the Hopper kernel needs a positive multiple of "
-            f"{_VALUE_MULTIPLE}"
-        )
+    reason = None if dv is None else unsupported_dv(dv, "kv_lora_rank")
+    if reason is not None:
+        return reason
     if dk is not None and dv is not None and dk != dv + ROPE:
         return (
             f"{q_name}: got a rope width of {dk - dv} (Dk = {dk}, kv_lora_rank = {dv}), the "
@@ -178,13 +177,13 @@ def sparse_mla_attention(
     check_fp8_dequantize(fp8_dequantize)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
-    interpret = resolve_interpret(call.interpret)
-    forward = functools.partial(_kernel_forward, fp8_dequantize=fp8_dequantize, interpret=interpret)
-    backward = functools.partial(_kernel_backward, deterministic=deterministic, interpret=interpret)
+    target = resolve_target(call.interpret)
+    forward = functools.partial(_kernel_forward, fp8_dequantize=fp8_dequantize, target=target)
+    backward = functools.partial(_kernel_backward, deterministic=deterministic, target=target)
     return kernel_result(call, forward, backward)
 
 
-def _kernel_forward(call: SparseMlaCall, *, fp8_dequantize, interpret):
+def _kernel_forward(call: SparseMlaCall, *, fp8_dequantize, target):
     """The kernel's ``(out [B, S, H, Dv], lse [B, S, H])`` (the LSE always)."""
     problem = call.problem
     q, q_rope = call.q if isinstance(call.q, tuple) else (call.q, None)
@@ -202,27 +201,27 @@ def _kernel_forward(call: SparseMlaCall, *, fp8_dequantize, interpret):
         sm_scale=problem.sm_scale,
         dv=problem.dv,
         read_block=problem.read_block,
-        interpret=interpret,
+        target=target,
     )
     shape = (problem.batch, problem.num_queries, problem.heads)
     return out.reshape(*shape, problem.dv), lse.reshape(shape)
 
 
-def _kernel_backward(q, store, units, lse, g_out, delta, problem, *, deterministic, interpret):
+def _kernel_backward(q, store, units, lse, g_out, delta, problem, *, deterministic, target):
     """``(dq, dkeys)`` float32 by the backward kernel, from the forward's row table
     (built again: 0.11 ms at 4096 x 2048); ``None`` (XLA's backward) for an
     ``Fp8LatentCache``, whose gradient goes through its dequantization."""
     if isinstance(store, Fp8LatentCache):
         return None
-    rows, counts = _row_table(units, problem.read_block, store.shape[0], interpret)
+    rows, counts = _row_table(units, problem.read_block, store.shape[0], target)
     return sparse_mla_rows_backward(
         q.astype(jnp.bfloat16), store, rows, counts, lse, g_out, delta,
         sm_scale=problem.sm_scale, dv=problem.dv, deterministic=deterministic,
-        interpret=interpret,
+        interpret=target,
     )  # fmt: skip
 
 
-def _row_table(units, read_block, num_rows, interpret):
+def _row_table(units, read_block, num_rows, target):
     return selected_rows(
         units,
         read_block=read_block,
@@ -230,7 +229,7 @@ def _row_table(units, read_block, num_rows, interpret):
         num_rows=num_rows,
         # Token-level tables built per query by one kernel (the interpreter cannot run
         # it, so interpret mode keeps XLA's sort; the table is the same either way).
-        token_table=None if interpret else row_sort.token_rows,
+        token_table=target.pick(row_sort.token_rows, None),
     )
 
 
@@ -256,11 +255,11 @@ def _fp8_store(problem, cache: Fp8LatentCache, ragged: dict, fp8_dequantize, *, 
     return dequantize_latent_cache(cache).astype(jnp.bfloat16), ragged
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "interpret"))
-def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, interpret):
-    rows, counts = _row_table(units, read_block, store.shape[0], interpret)
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "target"))
+def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, target):
+    rows, counts = _row_table(units, read_block, store.shape[0], target)
     return sparse_mla_rows_attention(
-        q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, interpret=interpret
+        q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, interpret=target
     )
 
 

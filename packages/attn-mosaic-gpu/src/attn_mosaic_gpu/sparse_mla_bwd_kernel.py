@@ -22,25 +22,26 @@ Op: the gradient of ``sparse_mla_kernel.sparse_mla_rows_attention`` from its sav
   ``PARTS_BYTES``. Interpret mode always takes this path (the interpreter runs no
   atomics).
 
-Schedule
+Schedule (``sparse_mla_config`` has every size, buffer and barrier)
 --------
 One program per (query token, group of 64 heads), in the forward's lagged launch order
 (``lagged_program``: a token's head groups a few programs apart, the later ones finding
 its rows in L2). Three warpgroups: WG0 and WG1 compute, WG2 gathers. Registers
 232 / 232 / 40.
 
-Shared memory (``_Buffers``, 224 KiB of the 227): Q (72 KiB: 512 latent and 64 rope
-features) and ``dO`` (64 KiB), loaded once by TMA with ``lse2`` and ``delta``; one block
-of 64 rows (72 KiB, gathered as the forward's parts ``L`` and ``R`` with their own
-hand-kept copy barriers); ``P`` and ``dS`` of the block in bf16 (8 KiB each).
+Shared memory (``BackwardBuffers``, 224 KiB of the 227): Q (72 KiB: 512 latent and 64
+rope features) and ``dO`` (64 KiB), loaded once by TMA with ``lse2`` and ``delta``
+(``inputs_landed``); one block of 64 rows (72 KiB, gathered as the forward's parts ``L``
+and ``R`` with their own ``part_landed`` barriers); ``P`` and ``dS`` of the block in bf16
+(8 KiB each).
 
 Per block ``b`` (``ceil(counts[n] / 64)`` of them, the columns past the count masked on
 the last):
 
-* WG2 waits until both compute WGs have released block ``b - 1`` (``k_free``: their
-  ``dq`` products with it have landed), then gathers block ``b`` by ``cp.async`` (the
-  forward's ``gather_part``: zero-filled past the count, ``noinc`` arrivals on the copy
-  barriers).
+* WG2 waits until both compute WGs have released block ``b - 1`` (``block_free``:
+  their ``dq`` products with it have landed), then gathers block ``b`` by ``cp.async``
+  (the forward's ``gather_part``: zero-filled past the count, ``noinc`` arrivals on
+  ``part_landed``).
 * WG0: ``S = Q K^T``; ``P = exp2(S s log2e - lse2)``, zero past the count; once WG1 has
   finished with the previous ``P`` (``p_free``) it stores ``P`` as bf16 and arrives
   ``p_ready``. WG1: ``dP = dO V^T``; waits ``p_ready``; once WG0 has finished with the
@@ -48,7 +49,7 @@ the last):
   ``ds_ready``. (``P`` reaches WG1 rounded to bf16, as it reaches the value product.)
 * Both, after ``ds_ready``: ``dq += dS K`` over their own columns (WG0 latent 0-255 and
   the rope features, WG1 latent 256-511), wait for it and release the block
-  (``k_free``): WG2 gathers the next block while they finish this one.
+  (``block_free``): WG2 gathers the next block while they finish this one.
 * Both: the key gradient of their columns, 64 at a time: ``acc = dS^T Q[:, c] + P^T
   dO[:, c]`` (A operands read transposed from shared memory), then each thread adds its
   accumulator to ``dkeys[rows[b * 64 + r], c]`` (or stores it to the parts), 16 bytes
@@ -57,20 +58,22 @@ the last):
   ids are loaded into registers as the block starts); WG0 then arrives ``ds_free``, WG1
   ``p_free``.
 
-Every barrier gets one arrival and one wait per block, and no WG writes a buffer before
-a wait that the other WG's last read of it precedes. At the end each WG stores its
-``dq`` columns.
+Invariants: every barrier gets one arrival and one wait per block, and no WG writes a
+buffer before a wait that the other WG's last read of it precedes; each WG drains the
+other's last release before the barriers are freed. At the end each WG stores its ``dq``
+columns.
 
-Interpret mode (``interpret=True``) runs the same schedule and barriers; the interpreter
-runs no inline Mosaic GPU code, so rows are gathered by plain loads and stores, the
-memory WG arrives on ``ready`` itself, and the key gradient is stored to the parts.
+Interpret mode (``interpret=True``) runs the same schedule and barriers
+(``_interpret.Target``); the interpreter runs no inline Mosaic GPU code, so rows are
+gathered by plain loads and stores and published on ``part_ready``, and the key
+gradient is stored to the parts (the deterministic path: it runs no atomics).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,18 +82,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_mosaic_gpu._compat import fragmented_array
-from attn_mosaic_gpu._interpret import resolve_interpret
+from attn_mosaic_gpu._interpret import Target, resolve_target, store_key_rows
 from attn_mosaic_gpu._registers import memory_registers
-from attn_mosaic_gpu._sparse_mla_rows import (
-    Part,
-    arrive_on_copies,
-    gather_part,
-    gather_part_interpret,
-    init_copy_barriers,
-    lagged_program,
-    swizzled_tiles,
-    wait_copies_landed,
-)
+from attn_mosaic_gpu._sparse_mla_rows import lagged_program, parts_of, row_kernel
 from attn_mosaic_gpu.fastmath import LOG2E
 from attn_mosaic_gpu.fixed_order_sum import segment_sum_fixed_order
 from attn_mosaic_gpu.sparse_mla_config import (
@@ -102,8 +96,13 @@ from attn_mosaic_gpu.sparse_mla_config import (
     KV_CHUNK,
     PARTS_BYTES,
     ROPE,
-    THREADS,
     TOKEN_LAG,
+    BackwardBarriers,
+    BackwardBuffers,
+    Part,
+    backward_barriers,
+    backward_buffers,
+    unsupported_dv,
 )
 
 __all__ = ["sparse_mla_rows_backward"]
@@ -112,7 +111,6 @@ KERNEL_NAME = "sparse_mla_backward"  # how the kernel shows in HLO and profiles
 _AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
 _PARTS = (Part.L0, Part.R0)  # the one block's two parts (the forward's block 0)
-_INPUT_COPIES = 5  # Q latent, Q rope, dO, lse2, delta: one arrival each on `inputs`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,66 +125,17 @@ class _BwdStatics:
     deterministic: bool  # per-slot parts stored, summed in a fixed order outside
 
 
-class _Buffers(NamedTuple):
-    q_lat: Any  # [64, Dv] bf16
-    q_rope: Any  # [64, 64] bf16
-    do: Any  # [64, Dv] bf16
-    k_lat: Any  # [1, 64, Dv] bf16: the block's latent features (parts L and R)
-    k_rope: Any  # [1, 64, 64] bf16: its rope features (part R)
-    p16: Any  # [64, 64] bf16: P of the block
-    ds16: Any  # [64, 64] bf16: dS of the block (sm_scale applied)
-    stats: Any  # [2, 64] f32: lse2, delta of the program's heads
-    copied: Any  # [8] u32: the hand-kept copy barriers (None in interpret mode)
-
-
-class _Barriers(NamedTuple):
-    ready: Any  # [4] per Part, interpret mode only: the gather has landed
-    inputs: Any  # Q, dO, lse2 and delta have landed (one barrier, four copies)
-    k_free: Any  # both compute WGs are done with the block (2 arrivals)
-    p_ready: Any
-    ds_ready: Any
-    p_free: Any  # WG1 is done reading P
-    ds_free: Any  # WG0 is done reading dS
-
-
-def _buffer_types(st: _BwdStatics, interpret: bool) -> _Buffers:
-    tiled = swizzled_tiles()
-    bf16, heads = jnp.bfloat16, HEADS_PER_PROGRAM
-    return _Buffers(
-        q_lat=plgpu.SMEM((heads, st.dv), bf16, transforms=tiled),
-        q_rope=plgpu.SMEM((heads, ROPE), bf16, transforms=tiled),
-        do=plgpu.SMEM((heads, st.dv), bf16, transforms=tiled),
-        k_lat=plgpu.SMEM((1, BLOCK_K, st.dv), bf16, transforms=tiled),
-        k_rope=plgpu.SMEM((1, BLOCK_K, ROPE), bf16, transforms=tiled),
-        p16=plgpu.SMEM((heads, BLOCK_K), bf16, transforms=tiled),
-        ds16=plgpu.SMEM((heads, BLOCK_K), bf16, transforms=tiled),
-        stats=plgpu.SMEM((2, heads), jnp.float32),
-        copied=None if interpret else plgpu.SMEM((2 * len(Part),), jnp.uint32),
-    )
-
-
-def _barrier_types() -> _Barriers:
-    return _Barriers(
-        ready=plgpu.Barrier(num_barriers=len(Part)),
-        inputs=plgpu.Barrier(num_arrivals=_INPUT_COPIES),
-        k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-        p_ready=plgpu.Barrier(),
-        ds_ready=plgpu.Barrier(),
-        p_free=plgpu.Barrier(),
-        ds_free=plgpu.Barrier(),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class _Program:
     st: _BwdStatics
-    interpret: bool
+    target: Target
+    parts: Any  # how the key parts land: _sparse_mla_rows.Parts (compiled) or the interpreter's
     store: Any
     rows_ref: Any  # [N, Kp] int32
     dq_ref: Any  # [N, Hp, Dk] f32
     dkeys_ref: Any  # [R, Dk] f32, accumulated; or the parts [G, N, Kp, Dk] (see _red_rows)
-    buf: _Buffers
-    bar: _Barriers
+    buf: BackwardBuffers
+    bar: BackwardBarriers
     wg: Any
     token: Any
     h0: Any
@@ -198,36 +147,26 @@ class _Program:
 
 
 # ------------------------------------------------------------------------------------
-# Products: compiled, into an ACC ref (read back, which waits); in interpret mode into a
-# fresh accumulator, returned as a value.
+# Products (``Target.product``, ``Target.accumulate``).
+
+
+def _issue(pairs):
+    def issue(acc_ref):
+        for a, b in pairs:
+            plgpu.wgmma(acc_ref, a, b)
+
+    return issue
 
 
 def _product(prog: _Program, acc_ref, shape, pairs):
-    """``sum(a @ b for a, b in pairs)`` as a float32 value of ``shape``."""
-    if prog.interpret or acc_ref is None:
-
-        def run(r):
-            for a, b in pairs:
-                plgpu.wgmma(r, a, b)
-            return r[...]
-
-        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-    acc_ref[...] = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    for a, b in pairs:
-        plgpu.wgmma(acc_ref, a, b)
-    return acc_ref[...]
+    """``sum(a @ b for a, b in pairs)`` as a float32 value of ``shape``, waited for."""
+    return prog.target.product(acc_ref, shape, _issue(pairs))
 
 
 def _accumulate(prog: _Program, acc, pairs):
-    """``acc + sum(a @ b)``: compiled, ``acc`` is an ACC ref, issued and waited for;
-    interpret, a value, returned."""
-    if prog.interpret:
-        shape = acc.shape
-        return acc + _product(prog, None, shape, pairs)
-    for a, b in pairs:
-        plgpu.wgmma(acc, a, b)
-    plgpu.wgmma_wait(0)
-    return acc
+    """``acc + sum(a @ b)``, waited for (``acc`` an ACC ref compiled, a value
+    interpreted)."""
+    return prog.target.accumulate(acc, _issue(pairs))
 
 
 # ------------------------------------------------------------------------------------
@@ -236,16 +175,14 @@ def _accumulate(prog: _Program, acc, pairs):
 
 def _red_rows(prog: _Program, acc, ids, b, col0: int):
     """Add ``acc [64 rows, 64 cols]`` (the WGMMA layout) to ``dkeys[rows[b*64 + r],
-    col0:col0 + 64]``; rows with id ``< 0`` are skipped. Deterministic (and in interpret
-    mode, which runs no atomics): store it instead to the parts ``[G, N, Kp, Dk]`` at
-    (head group, token, slot ``b*64 + r``), summed outside in a fixed order."""
+    col0:col0 + 64]``; rows with id ``< 0`` are skipped. Deterministic: store it
+    instead to the parts ``[G, N, Kp, Dk]`` at (head group, token, slot ``b*64 + r``),
+    summed outside in a fixed order."""
     group = prog.h0 // HEADS_PER_PROGRAM
     slots = pl.ds(b * BLOCK_K, BLOCK_K)
-    if prog.interpret:
-        prog.dkeys_ref.at[group, prog.token, slots, pl.ds(col0, KV_CHUNK)][...] = acc
-    elif prog.st.deterministic:
+    if prog.st.deterministic:
         parts = prog.dkeys_ref.at[group, prog.token, slots]
-        _red_global(parts.shape[1], col0, store=True)(acc, ids, parts)
+        prog.target.pick(_store_key_rows, store_key_rows)(acc, ids, parts, col0)
     else:
         _red_global(prog.dkeys_ref.shape[1], col0)(acc, ids, prog.dkeys_ref)
 
@@ -254,10 +191,8 @@ def _row_ids(prog: _Program, b):
     """Block ``b``'s row ids in the registers (``[64, 8]`` int32, the WGMMA layout: each
     thread its rows ``r`` and ``r + 8``), loaded from global memory as the block starts
     so that the loads' latency is hidden behind its products (loaded at every add, they
-    stalled each chunk's adds). ``None`` in interpret mode."""
-    if prog.interpret:
-        return None
-    return _load_row_ids()(prog.block_rows(b))
+    stalled each chunk's adds). ``None`` interpreted (its stores take no ids)."""
+    return prog.target.pick(lambda: _load_row_ids()(prog.block_rows(b)), lambda: None)()
 
 
 def _load_row_ids():
@@ -286,6 +221,10 @@ def _load_row_ids():
     return load
 
 
+def _store_key_rows(acc, ids, parts, col0: int) -> None:
+    _red_global(parts.shape[1], col0, store=True)(acc, ids, parts)
+
+
 def _red_global(width: int, col0: int, *, store: bool = False):
     """Inline Mosaic GPU: add the accumulator ``[64, 64]`` to global memory, 16 bytes per
     ``red.global.add.v4.f32``, a quad of lanes 64 contiguous bytes of a row (``store``:
@@ -294,8 +233,8 @@ def _red_global(width: int, col0: int, *, store: bool = False):
     ``8 j + 2 q`` and ``+ 1`` of each 8-column group ``j``. Shuffled within the quad
     (``shfl.idx``, 8 per add), lane ``q`` adds columns ``16 s + 4 q .. + 3`` of each
     16-column segment ``s``: group ``2 s + q // 2``'s pairs from lanes ``2 (q % 2)`` and
-    ``2 (q % 2) + 1``. (Two lanes adding 32 bytes, one shuffle per add, ran the
-    kernel 1.14x slower; 8-byte adds with no shuffle 1.35x.)"""
+    ``2 (q % 2) + 1``: a quad writes 64 contiguous bytes of a row per instruction
+    (docs/experiments.md has the layouts measured against it)."""
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, gpu, llvm
@@ -373,15 +312,12 @@ def _load_inputs(prog: _Program, q_ref, do_ref, lse2_ref, delta_ref):
         (delta_ref.at[prog.token, heads], buf.stats.at[1]),
     )
     for src, dst in copies:
-        plgpu.copy_gmem_to_smem(src, dst, bar.inputs)
+        plgpu.copy_gmem_to_smem(src, dst, bar.inputs_landed)
 
 
 def _wait_block(prog: _Program, b):
     for part in _PARTS:
-        if prog.interpret:
-            plgpu.barrier_wait(prog.bar.ready.at[part])
-        else:
-            wait_copies_landed(prog.buf.copied, part, lax.bitwise_and(b, jnp.int32(1)))
+        prog.parts.wait(part, b)
 
 
 def _masked(prog: _Program, b, x, masked: bool):
@@ -411,7 +347,7 @@ def _key_grads(prog: _Program, kv_ref, ids, b, chunks):
         _red_rows(prog, acc, ids, b, col0)
 
 
-def _latent_chunks(buf: _Buffers, lo: int, hi: int):
+def _latent_chunks(buf: BackwardBuffers, lo: int, hi: int):
     """``_key_grads``' chunks of latent columns ``lo:hi``: Q's and dO's columns."""
     cols = (pl.ds(c, KV_CHUNK) for c in range(lo, hi, KV_CHUNK))
     return [(c.start, buf.q_lat.at[:, c], buf.do.at[:, c]) for c in cols]
@@ -446,7 +382,7 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     dq_lat, dq_rope = dq
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(0, half)])])
     dq_rope = _accumulate(prog, dq_rope, [(buf.ds16, k_rope)])
-    plgpu.barrier_arrive(bar.k_free)
+    plgpu.barrier_arrive(bar.block_free)
     _key_grads(prog, kv_ref, ids, b, [*_latent_chunks(buf, 0, half), (st.dv, buf.q_rope, None)])
     plgpu.barrier_arrive(bar.ds_free)
     return dq_lat, dq_rope
@@ -475,7 +411,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     half = st.dv // 2
     (dq_lat,) = dq
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(half, half)])])
-    plgpu.barrier_arrive(bar.k_free)
+    plgpu.barrier_arrive(bar.block_free)
     _key_grads(prog, kv_ref, ids, b, _latent_chunks(buf, half, st.dv))
     plgpu.barrier_arrive(bar.p_free)
     return (dq_lat,)
@@ -490,33 +426,18 @@ def _compute_wg(prog: _Program, inputs):
     def _():
         _load_inputs(prog, *inputs)
 
-    plgpu.barrier_wait(prog.bar.inputs)
+    plgpu.barrier_wait(prog.bar.inputs_landed)
     for w, widths, body in ((0, (half, ROPE), _wg0_block), (1, (half,), _wg1_block)):
         cols = ((0, half), (st.dv, ROPE)) if w == 0 else ((half, half),)
 
         @pl.when(prog.wg == w)
         def _(w=w, widths=widths, body=body, cols=cols):
-            def run(*accs):
-                refs, dq_refs = accs[:2], accs[2:]
-                if prog.interpret:
-                    dq = tuple(jnp.zeros((heads, n), jnp.float32) for n in widths)
-                else:
-                    for r in dq_refs:
-                        r[...] = plgpu.layout_cast(
-                            jnp.zeros(r.shape, jnp.float32), plgpu.Layout.WGMMA
-                        )
-                    dq = dq_refs
+            def run(s_ref, kv_ref, *dq_refs):
+                dq = prog.target.zeroed(dq_refs, [(heads, n) for n in widths])
                 full = lax.div(prog.count, jnp.int32(BLOCK_K))
-                step = functools.partial(body, prog, refs)
-                if prog.interpret:
-                    dq = lax.fori_loop(0, full, lambda b, d: step(b, d, False), dq)
-                    dq = lax.fori_loop(full, prog.num_blocks, lambda b, d: step(b, d, True), dq)
-                else:
-                    for lo, hi, masked in ((0, full, False), (full, prog.num_blocks, True)):
-
-                        @pl.loop(lo, hi)
-                        def _(b, masked=masked):
-                            step(b, dq, masked)
+                step = functools.partial(body, prog, (s_ref, kv_ref))
+                for lo, hi, masked in ((0, full, False), (full, prog.num_blocks, True)):
+                    dq = prog.target.loop(lo, hi, functools.partial(step, masked=masked), dq)
 
                 # Drain: observe the other WG's last release before the barriers die.
                 @pl.when(prog.num_blocks > 0)
@@ -524,54 +445,62 @@ def _compute_wg(prog: _Program, inputs):
                     plgpu.barrier_wait(prog.bar.p_free if w == 0 else prog.bar.ds_free)
 
                 for (c0, n), d in zip(cols, dq, strict=True):
-                    value = d if prog.interpret else d[...]
+                    value = prog.target.value(d, d)
                     prog.dq_ref.at[prog.token, pl.ds(prog.h0, heads), pl.ds(c0, n)][...] = value
 
-            scoped = [
-                plgpu.ACC((heads, BLOCK_K), jnp.float32),
-                plgpu.ACC((BLOCK_K, KV_CHUNK), jnp.float32),
-            ]
-            if prog.interpret:
-                run(None, None)
-            else:
-                pl.run_scoped(run, *scoped, *(plgpu.ACC((heads, n), jnp.float32) for n in widths))
+            shapes = [(heads, BLOCK_K), (BLOCK_K, KV_CHUNK), *((heads, n) for n in widths)]
+            prog.target.accumulators(run, *shapes)
 
 
 def _memory_wg(prog: _Program):
     """WG2: gather every block once both compute WGs have released the one before."""
     plgpu.set_max_registers(memory_registers(COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
-    make = gather_part_interpret if prog.interpret else gather_part
-    gather = {part: make(prog.st, part.half) for part in _PARTS}
+    gather = {part: prog.parts.gather(part.half) for part in _PARTS}
 
     @pl.loop(0, prog.num_blocks)
     def _(b):
         @pl.when(b >= 1)
         def _():
-            plgpu.barrier_wait(bar.k_free)
+            plgpu.barrier_wait(bar.block_free)
 
         for part in _PARTS:
             gather[part](prog.store, prog.block_rows(b), buf.k_lat.at[0], buf.k_rope.at[0])
-            if prog.interpret:
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(bar.ready.at[part])
-            else:
-                arrive_on_copies(buf.copied, part)
+            prog.parts.publish(part)
 
     @pl.when(prog.num_blocks > 0)
     def _drain():
-        plgpu.barrier_wait(bar.k_free)
+        plgpu.barrier_wait(bar.block_free)
 
 
-def _build_kernel(st: _BwdStatics, *, interpret: bool):
-    def kernel(q_ref, do_ref, lse2_ref, delta_ref, store, rows_ref, counts_ref, a, b, buf, bar):
-        # atomics: the dkeys ref (an input), then dq; else dq, then the parts (outputs)
-        dkeys_ref, dq_ref = (b, a) if interpret or st.deterministic else (a, b)
+def _kernel(st: _BwdStatics, target: Target):
+    """The kernel body: the program's token and head group, then each warpgroup's part
+    (the module docstring has the schedule)."""
+
+    def kernel(
+        # inputs (global memory)
+        q_ref,  # [N, Hp, Dk] bf16
+        do_ref,  # [N, Hp, Dv] bf16: dO
+        lse2_ref,  # [N, Hp] f32: the base-2 LSE, +inf where there is no row
+        delta_ref,  # [N, Hp] f32: rowsum(dO * O) - dlse
+        store,  # [R, W] bf16
+        rows_ref,  # [N, Kp] int32: each query's rows, valid first
+        counts_ref,  # [N] int32
+        # atomics: dkeys [R, Dk] f32 (an input the kernel adds to), then the output dq
+        # [N, Hp, Dk] f32; deterministic: the outputs dq, then the parts [G, N, Kp, Dk] f32
+        a,
+        b,
+        # scratch (shared memory)
+        buf,  # BackwardBuffers
+        bar,  # BackwardBarriers
+    ):
+        dkeys_ref, dq_ref = (b, a) if st.deterministic else (a, b)
         group, token = lagged_program(lax.axis_index(_AXIS_PROGRAM), TOKEN_LAG, st)
         count = counts_ref[token]
         prog = _Program(
             st=st,
-            interpret=interpret,
+            target=target,
+            parts=parts_of(target, st, buf, bar),
             store=store,
             rows_ref=rows_ref,
             dq_ref=dq_ref,
@@ -584,37 +513,28 @@ def _build_kernel(st: _BwdStatics, *, interpret: bool):
             count=count,
             num_blocks=lax.div(count + BLOCK_K - 1, jnp.int32(BLOCK_K)),
         )
-        if not interpret:
-            init_copy_barriers(buf.copied, THREADS)
+        prog.parts.init()
         inputs = (q_ref, do_ref, lse2_ref, delta_ref)
         pl.when(prog.wg < COMPUTE_WGS)(functools.partial(_compute_wg, prog, inputs))
         pl.when(prog.wg == COMPUTE_WGS)(functools.partial(_memory_wg, prog))
 
-    def entry(*refs):
-        pl.run_scoped(
-            lambda buf, bar: kernel(*refs, buf, bar),
-            _buffer_types(st, interpret),
-            _barrier_types(),
-            collective_axes=_AXIS_WG,
-        )
-
-    return entry
+    return kernel
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _launch(q, do, lse2, delta, store, rows, counts, *, st: _BwdStatics, interpret):
+@functools.partial(jax.jit, static_argnames=("st", "target"))
+def _launch(q, do, lse2, delta, store, rows, counts, *, st: _BwdStatics, target: Target):
     dk, groups = st.dv + ROPE, st.heads // HEADS_PER_PROGRAM
     dq_type = jax.ShapeDtypeStruct((st.tokens, st.heads, dk), jnp.float32)
-    if interpret is not None or st.deterministic:
-        # Each (head group, token, slot) stores its own row of key gradient (the
-        # interpreter runs no atomics); the rows are summed in a fixed order.
+    if st.deterministic:
+        # Each (head group, token, slot) stores its own row of key gradient; the rows
+        # are summed in a fixed order.
         parts_type = jax.ShapeDtypeStruct((groups, *rows.shape, dk), jnp.float32)
-        dq, parts = _call(st, interpret, (dq_type, parts_type))(
+        dq, parts = _call(st, target, (dq_type, parts_type))(
             q, do, lse2, delta, store, rows, counts
         )
         return dq, _sum_parts(parts, rows, counts, store.shape[0])
     dkeys = jax.new_ref(jnp.zeros((store.shape[0], dk), jnp.float32))
-    dq = _call(st, interpret, dq_type)(q, do, lse2, delta, store, rows, counts, dkeys)
+    dq = _call(st, target, dq_type)(q, do, lse2, delta, store, rows, counts, dkeys)
     return dq, dkeys[...]
 
 
@@ -644,17 +564,17 @@ def _token_chunks(tokens: int, groups: int, width: int, dk: int) -> list[tuple[i
     return [(t, min(size, tokens - t)) for t in range(0, tokens, size)]
 
 
-def _call(st: _BwdStatics, interpret, out_type):
-    return plgpu.kernel(
-        _build_kernel(st, interpret=interpret is not None),
+def _call(st: _BwdStatics, target: Target, out_type):
+    return row_kernel(
+        _kernel(st, target),
+        st,
+        target=target,
+        buffers=backward_buffers(st.dv, interpret=target.interpret),
+        barriers=backward_barriers(),
         out_type=out_type,
-        grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,),
-        grid_names=(_AXIS_PROGRAM,),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name=_AXIS_WG,
+        program_axis=_AXIS_PROGRAM,
+        wg_axis=_AXIS_WG,
         kernel_name=KERNEL_NAME,
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret,
     )
 
 
@@ -691,8 +611,12 @@ def sparse_mla_rows_backward(
     tokens, heads, dk = q.shape
     if q.dtype != jnp.bfloat16 or store.dtype != jnp.bfloat16:
         raise TypeError(f"q, store: got {q.dtype}, {store.dtype}, expected bfloat16")
-    if dk != dv + ROPE or dv % 128:
-        raise NotImplementedError(f"q: head dim {dk} with dv={dv}")
+    if dk != dv + ROPE:
+        raise NotImplementedError(
+            f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}"
+        )
+    if (reason := unsupported_dv(dv)) is not None:
+        raise NotImplementedError(reason)
     if store.ndim != 2 or store.shape[1] < dk or store.shape[1] % CHUNK:
         raise ValueError(f"store: got shape {store.shape}, expected [R, W >= {dk}]")
     if rows.shape[0] != tokens or rows.shape[1] % BLOCK_K:
@@ -709,12 +633,14 @@ def sparse_mla_rows_backward(
     rows, counts = rows.astype(jnp.int32), counts.astype(jnp.int32)
     if tokens == 0:
         return jnp.zeros((0, heads, dk), jnp.float32), jnp.zeros((store.shape[0], dk), jnp.float32)
-    interpret = resolve_interpret(interpret)
+    target = resolve_target(interpret)
+    # The interpreter runs no atomics: it takes the deterministic path.
+    deterministic = bool(deterministic) or target.interpret
     statics = functools.partial(
         _BwdStatics, heads=hp, dv=dv, width=store.shape[1], sm_scale=float(sm_scale),
-        deterministic=bool(deterministic),
+        deterministic=deterministic,
     )  # fmt: skip
-    if not deterministic and interpret is None:
+    if not deterministic:
         chunks = [(0, tokens)]
     else:
         chunks = _token_chunks(tokens, hp // HEADS_PER_PROGRAM, rows.shape[1], dk)
@@ -723,7 +649,7 @@ def sparse_mla_rows_backward(
         part = (x[t0 : t0 + n] for x in (q, do, lse2, delta))
         dq, d = _launch(
             *part, store, rows[t0 : t0 + n], counts[t0 : t0 + n],
-            st=statics(tokens=n), interpret=interpret,
+            st=statics(tokens=n), target=target,
         )  # fmt: skip
         dqs.append(dq)
         dkeys = d if dkeys is None else dkeys + d

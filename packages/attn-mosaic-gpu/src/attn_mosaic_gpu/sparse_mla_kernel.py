@@ -8,45 +8,37 @@ applied, valid rows first). Keys are a row's first ``Dk = Dv + 64`` features, va
 first ``Dv = 512``. ``out [N, Hp, Dv]`` float32 and ``lse [N, Hp]`` float32 (natural log,
 ``-inf`` for a query with no row, whose ``out`` is 0).
 
-Schedule (the one that ships; docs/sparse_mla_gpu.md has the measurements)
---------------------------------------------------------------------------
-How rows reach shared memory (the launch order, ``Part``, the gathers, the FP8 staging
-and dequantization, the hand-kept copy barriers) is in ``_sparse_mla_rows``, which the
-backward kernel shares; this file holds the schedule that uses them.
+Schedule (docs/sparse_mla_gpu.md has the measurements; ``sparse_mla_config`` every size,
+buffer and barrier; ``_sparse_mla_rows`` how rows reach shared memory)
+--------------------------------------------------------------------------------------
+One program per (query token, group of 64 heads), launched in chunks of ``TOKEN_LAG``
+tokens: the chunk's head group 0 programs, then its head group 1 programs, and so on, so
+each head group of a token runs a few programs behind the one before and reads the
+token's rows from L2, where the earlier one brought them (``lagged_program``). Three
+warpgroups (``num_threads=3``), registers 232 / 232 / 40 (``setmaxnreg``).
 
-One program per (query token, group of 64 heads), launched in chunks of 8 tokens: the
-chunk's head group 0 programs, then its head group 1 programs, and so on, so each head
-group of a token runs a few programs behind the one before and reads the token's rows
-from L2, where the earlier one brought them (``lagged_program``). Three warpgroups
-(``num_threads=3``), registers 232 / 232 / 40 (``setmaxnreg``).
-
-Shared memory (``_Buffers``; Q and the pair take 216 of the 227 KiB): all of Q (72 KiB: its 512 latent and
-64 rope features, loaded once by TMA, one copy each, from one ``[N, H, Dk]`` array or
-from two, ``q_rope``: the prefill wrapper's ``ql`` and ``qpe`` as they come, never joined
-into a copy of Q), one pair of 64-row blocks of keys (144 KiB; block 0 is WG0's, block 1
-WG1's), WG1's P, the row statistics the compute WGs swap, and four hand-kept mbarriers.
-WG0's P goes where its block's rope features were (dead after its QK^T). QK^T wgmmas
-are N = 64 wide, so Q is read from shared memory once per 64 keys.
+Shared memory (``ForwardBuffers``): all of Q (its latent and rope features, loaded once
+by TMA, from one ``[N, H, Dk]`` array or from two, ``q_rope``: the prefill wrapper's
+``ql`` and ``qpe`` as they come, never joined into a copy), one pair of 64-row key blocks
+(block 0 is WG0's, block 1 WG1's), WG1's P, the row statistics the compute WGs swap, and
+the four hand-kept ``part_landed`` mbarriers. WG0's P goes where its block's rope
+features were (dead after its QK^T). QK^T wgmmas are N = 64 wide, so Q is read from
+shared memory once per 64 keys.
 
 Each block is two parts (``Part``) with their own barriers: ``L`` (latent features
 0-255, WG0's value half) and ``R`` (latent 256-511, WG1's value half, and the rope
 features), so the next pair streams in while this one is used.
 
 * WG2 (memory) gathers the token's selected rows with 16-byte ``cp.async`` copies issued
-  by all 128 threads (Hopper's TMA has no row gather): 8 threads per row, each copying the
-  same 16-byte chunk of every 64-feature tile of its rows, straight into the
-  128-byte-swizzled tiled layout wgmma reads (``gather_part``). Rows past ``counts[n]``
-  are zero-filled (``cp.async`` with a source size of 0), so stale or uninitialised
-  shared memory never reaches the value product. It refills the parts in the order they
-  are freed: ``L0`` and ``R1`` (each WG's own value half), then ``R0`` and ``L1``, each
-  once its ``consumed`` barrier says its last reader is done. It does not wait for a
-  part's copies: each thread executes ``cp.async.mbarrier.arrive.noinc`` on the part's
-  copy barrier (128 arrivals), which arrives once that thread's copies have landed.
-  Pallas barriers cannot be handed to inline Mosaic GPU code, so these four copy barriers
-  are hand-kept in a shared-memory buffer, initialised by one thread before the
-  warpgroups split, and waited on by parity (``p & 1``); the waiting compute thread
-  fences the async proxy (the copies are generic-proxy writes, wgmma reads through the
-  async proxy).
+  by all 128 threads (Hopper's TMA has no row gather) straight into the 128-byte-swizzled
+  tiled layout wgmma reads (``gather_part``). Rows past ``counts[n]`` are zero-filled, so
+  stale shared memory never reaches the value product. It refills the parts in the order
+  they are freed (``_REFILL_ORDER``): ``L0`` and ``R1`` (each WG's own value half), then
+  ``R0`` and ``L1``, each once its ``part_free`` barrier says its last reader is done.
+  It does not wait for a part's copies: each thread arrives on the part's
+  ``part_landed`` barrier once its own copies have landed (``.noinc``, 128 arrivals);
+  the waiting compute thread fences the async proxy (the copies are generic-proxy
+  writes, wgmma reads through the async proxy).
 * WG0, WG1 (compute) each own one block of every pair and one half of the value
   features (``Dv / 2`` = 256 columns, a 64 x 256 f32 accumulator). Per pair: ``S = Q
   K^T`` of its own block, part by part as the parts land (WG0 part L first, WG1 part R),
@@ -59,15 +51,25 @@ features), so the next pair streams in while this one is used.
   then rescales by ``exp2(m0 - m')``: the ``P_0`` it publishes for WG1 (``p_ready[0]``),
   its row sums and its accumulator, before ``P_1 V_1``, and hands ``L1`` back once that
   has landed. WG1 hands ``R1`` back once its own product has landed, and ``R0`` (where
-  ``P_0`` is) once its product with ``P_0`` has. Every barrier gets one arrival and one wait per pair, and a WG
-  overwrites a ``stats`` or ``P`` buffer only after a wait that the other WG's last read
-  of it precedes, so no barrier runs two phases ahead of its waiter.
+  ``P_0`` is) once its product with ``P_0`` has.
+* At the end the WGs add their row sums through shared memory (``sums_ready``),
+  normalise, and store their output half to global memory; WG0 writes the LSE.
+
+Invariants:
+
+* Every pair is walked by both compute WGs and the memory WG alike (``ceil(counts[n] /
+  128)`` pairs), so every barrier's arrival count is static; every barrier gets one
+  arrival and one wait per pair, and a WG overwrites a ``stats`` or ``P`` buffer only
+  after a wait that the other WG's last read of it precedes, so no barrier runs two
+  phases ahead of its waiter. The memory WG drains the last pair's ``part_free`` before
+  the barriers are freed.
 * Every buffer is addressed with ``p & opaque_zero`` (an input that holds 0) each pair:
   with one pair of blocks every address is loop-invariant, and the compiler would
-  otherwise compute all 80 wgmma descriptors before the loop and spill them (1048
-  bytes; 1.6x slower). A zero derived from ``count`` is folded away.
-* At the end the WGs add their row sums through shared memory (``pair`` barrier),
-  normalise, and store their output half to global memory; WG0 writes the LSE.
+  otherwise compute all 80 wgmma descriptors before the loop and spill them. A zero
+  derived from ``count`` is folded away.
+* Softmax in base 2; the running max starts at the finite ``M_INIT``, so a row with no
+  key yet never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out
+  0, LSE ``-inf``).
 
 FP8 latent cache (``store`` an ``attn_common.Fp8LatentCache``: 656 bytes a row against
 1,152): the same schedule, slots and barriers; only the bytes that land differ, and who
@@ -78,58 +80,22 @@ for a staging buffer, so each part is staged inside its own slot:
   zero-fill as the bf16 gather, a row's 256 FP8 bytes of the part into the part's
   feature tiles 2 and 3 (``fp8_stage``), its 16 bytes of scales into chunk 0 of the
   part's tile 0 (``fp8_scale_at``), and for part ``R`` its bf16 rope features as
-  before; the copy barriers work as for bf16 (``noinc`` arrivals).
-* The compute WG that owns the block (WG0 block 0, WG1 block 1), once a part's copies
-  have landed and before its QK^T, dequantizes it in place (``dequantize_part_fp8``,
+  before; the ``part_landed`` barriers work as for bf16.
+* The compute WG that owns the block (WG0 block 0, WG1 block 1), once a part has landed
+  and before its QK^T, dequantizes it in place (``dequantize_part_fp8``,
   ``fp8_dequant_map``): two threads per row, neighbours in a warp; each loads its 8
   staged 16-byte chunks and its group's scale, the warp syncs (each overwrites chunks
   the other loaded), then each converts (``bf16(float32(e4m3) * scale)``, the bits of
   ``dequantize_latent_cache(store).astype(bfloat16)``) and stores 16 chunks into the
   swizzled slot; an async-proxy fence and a warpgroup barrier, then the wgmma. The
   other WG reads the part as values only after ``p_ready`` of its owner, which follows
-  the owner's dequantization.
+  the owner's dequantization. The kernel is then bound by the compute WGs
+  (docs/fp8_cache.md).
 
-On the H200 this runs at 0.64-0.79x the bf16 kernel (docs/fp8_cache.md): it is bound by
-the compute WGs (without any gather it takes as long), where the dequantization (about
-3.2 instructions per value) sits before each QK^T and adds 1.38 ms per head group of
-4096 queries x 2048 rows, more than the bytes saved. Registers 232 / 232 / 40, as for
-bf16.
-
-Softmax: base 2, the running max starts at a finite ``-1e30`` so a row with no key yet
-never computes ``-inf - -inf``; ``l == 0`` at the end marks an empty row (out 0,
-LSE ``-inf``). Every pair is walked by both compute WGs and the memory WG alike
-(``ceil(counts[n] / 128)`` pairs), so all barrier arrival counts are static.
-
-Interpret mode (``interpret=True``, the CPU tests) runs the same schedule and barriers;
-the interpreter runs no inline Mosaic GPU code, so rows are copied by plain loads and
-stores and the memory WG arrives on ``ready`` itself, and no wgmma with its A operand in
-registers, so each P is read back from shared memory.
-
-Rejected alternatives (built, measured on an H200, removed; the code is at da2ec0c)
---------------------------------------------------------------------------------------
-* 32-row blocks, a ring of two pairs (``SparseMlaKernelConfig(32, 2)``, the default
-  before 47d9805): kernel alone 5.08 / 5.44 ms against 3.84 / 4.49 on 4096 tokens x 128
-  heads x 2048 rows of an 8K / 128K cache; its N = 32 QK^T is bound by shared-memory
-  reads of Q (compute alone 469 TFLOP/s).
-* The lockstep max exchange (``exchange="lockstep"``: both WGs swap block maxima, then
-  P): 5-6 % slower than the one-way exchange (5.67 against 5.33 ms, 9026ac9).
-* 64-row blocks without parts (the memory WG refills a whole pair at once): 1.4-1.8x
-  slower than the 32-row ring at 766d571 (8.06 against 5.69 ms on an 8K cache).
-* The memory WG waiting for its copies and arriving itself (still the interpret path):
-  the ``noinc`` arrivals ran the kernel 1.10-1.13x faster, 1.15-1.18x with 232/40.
-* Registers 240/24 (``compute_registers``): 232/40 ran 1.09-1.10x faster (no spills).
-* Launch orders (``token_lag``): the 2-D grid (every token's head group 0 first) ran
-  1.01-1.04x slower than chunks of 8 tokens (4.469 against 4.312 ms on a 128K cache);
-  16-64 within 1 % of 8.
-* Diagnostic probes (``probe="no_gather"`` / ``"no_compute"``, wrong results, timing
-  only): the compute alone of this schedule took 3.354 ms on an 8K cache at 47d9805.
-* FP8, the memory WG dequantizing instead (each part in place once the next part's
-  copies are issued, one thread per row side, no warp sync, 40 registers): 0.34-0.41x
-  the bf16 kernel (prefill 6.4-13.1 ms against 2.1-4.3; decode 0.51 / 0.89 ms against
-  0.21 / 0.31), a47786e.
-* FP8, the memory WG loading the FP8 rows into registers by plain global loads and
-  dequantizing them there (224 / 224 / 56): 0.40-0.58x, the gather at about 1 TB/s,
-  0123d29.
+Interpret mode (``interpret=True``, the CPU tests) runs the same schedule and barriers
+(``_interpret.Target``); the interpreter runs no inline Mosaic GPU code, so rows are
+copied by plain loads and stores and the memory WG publishes them on ``part_ready``, and
+no wgmma with its A operand in registers, so each P is read back from shared memory.
 """
 
 from __future__ import annotations
@@ -146,21 +112,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common.fp8_cache import LATENT as FP8_LATENT
 from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
-from attn_mosaic_gpu._interpret import resolve_interpret
+from attn_mosaic_gpu._interpret import Target, resolve_interpret, resolve_target
 from attn_mosaic_gpu._registers import memory_registers
-from attn_mosaic_gpu._sparse_mla_rows import (
-    Part,
-    arrive_on_copies,
-    dequantize_part_fp8,
-    gather_part,
-    gather_part_fp8_interpret,
-    gather_part_interpret,
-    init_copy_barriers,
-    lagged_program,
-    stage_part_fp8,
-    swizzled_tiles,
-    wait_copies_landed,
-)
+from attn_mosaic_gpu._sparse_mla_rows import lagged_program, parts_of, row_kernel
 from attn_mosaic_gpu.fastmath import LN2, LOG2E, M_INIT
 from attn_mosaic_gpu.sparse_mla_config import (
     BLOCK_K,
@@ -169,17 +123,23 @@ from attn_mosaic_gpu.sparse_mla_config import (
     COMPUTE_WGS,
     HEADS_PER_PROGRAM,
     PAIR_ROWS,
+    Q_LATENT,
+    Q_ROPE,
     ROPE,
-    THREADS,
     TOKEN_LAG,
+    ForwardBarriers,
+    ForwardBuffers,
+    Part,
     SparseMlaKernelConfig,
+    forward_barriers,
+    forward_buffers,
+    unsupported_dv,
 )
 
 __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
 
 _AXIS_PROGRAM = "program"
 _AXIS_WG = "wg"
-_Q_LATENT, _Q_ROPE = 0, 1  # the two TMA copies of Q and their `q_ready` barriers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,67 +165,14 @@ _HALVES = ("L", "R")
 _REFILL_ORDER = ((Part.L0, Part.R1), (Part.R0, Part.L1))
 
 
-class _Buffers(NamedTuple):
-    """The kernel's shared memory (``_buffer_types`` allocates it)."""
-
-    q_lat: Any  # [1, 64, Dv]: Q's latent features (a leading axis of 1: `p & opaque_zero`)
-    q_rope: Any  # [1, 64, 64]: Q's rope features
-    k_lat: Any  # [2, 64, Dv]: the pair's blocks' latent features (parts L, R)
-    k_rope: Any  # [2, 64, 64]: their rope features (part R); k_rope[0] then WG0's P
-    p_wg1: Any  # [1, 64, 64]: WG1's P
-    stats: Any  # [2, 64] f32: each compute WG's running max, at the end its row sums
-    copied: Any  # [8] u32: the four hand-kept copy barriers (None in interpret mode)
-
-
-class _Barriers(NamedTuple):
-    """The kernel's Pallas barriers (``_barrier_types`` allocates them)."""
-
-    # [4] per Part: the memory WG's copies have landed. Interpret mode only: compiled,
-    # the copies arrive on their hand-kept barriers (`_Buffers.copied`) and this one is
-    # unused, though allocated (32 bytes) as it was before the other schedules left.
-    ready: Any
-    consumed: Any  # [4] per Part: its last reader is done; the memory WG may refill it
-    q_ready: Any  # [2]: Q's latent / rope features have landed (_Q_LATENT, _Q_ROPE)
-    pair: Any  # both compute WGs: the row sums are in `stats`
-    max_ready: Any  # [2] per compute WG: its running max of the pair is in `stats`
-    p_ready: Any  # [2] per compute WG: its P of the pair is in shared memory
-
-
-def _buffer_types(st: _SparseMlaStatics, interpret: bool) -> _Buffers:
-    tiled = swizzled_tiles()
-    bf16 = jnp.bfloat16
-    heads, dv = HEADS_PER_PROGRAM, st.dv
-    return _Buffers(
-        q_lat=plgpu.SMEM((1, heads, dv), bf16, transforms=tiled),
-        q_rope=plgpu.SMEM((1, heads, ROPE), bf16, transforms=tiled),
-        k_lat=plgpu.SMEM((COMPUTE_WGS, BLOCK_K, dv), bf16, transforms=tiled),
-        k_rope=plgpu.SMEM((COMPUTE_WGS, BLOCK_K, ROPE), bf16, transforms=tiled),
-        p_wg1=plgpu.SMEM((1, heads, BLOCK_K), bf16, transforms=tiled),
-        stats=plgpu.SMEM((COMPUTE_WGS, heads), jnp.float32),
-        # two 32-bit words per mbarrier
-        copied=None if interpret else plgpu.SMEM((2 * len(Part),), jnp.uint32),
-    )
-
-
-def _barrier_types() -> _Barriers:
-    parts = len(Part)
-    return _Barriers(
-        ready=plgpu.Barrier(num_barriers=parts),
-        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=parts),
-        q_ready=plgpu.Barrier(num_barriers=2),
-        pair=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-        max_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
-        p_ready=plgpu.Barrier(num_barriers=COMPUTE_WGS),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class _Program:
     """What every warpgroup of one program reads: the static facts, the refs, the
     shared memory and barriers, and its token's values."""
 
     st: _SparseMlaStatics
-    interpret: bool
+    target: Target
+    parts: Any  # how the key parts land: _sparse_mla_rows.Parts (compiled) or the interpreter's
     q_ref: Any
     q_rope_ref: Any
     stores: tuple  # (store,) bf16, or an FP8 cache's (latent, scale, rope) row arrays
@@ -273,8 +180,8 @@ class _Program:
     out_ref: Any
     lse_ref: Any
     q_dst: tuple[Any, Any]  # Q's latent and rope features' TMA destinations
-    buf: _Buffers
-    bar: _Barriers
+    buf: ForwardBuffers
+    bar: ForwardBarriers
     wg: Any  # this warpgroup's index (traced)
     token: Any
     h0: Any  # first head of the head group
@@ -287,8 +194,8 @@ class _Program:
         return self.st.dv // COMPUTE_WGS
 
     def pair_sync(self) -> None:
-        plgpu.barrier_arrive(self.bar.pair)
-        plgpu.barrier_wait(self.bar.pair)
+        plgpu.barrier_arrive(self.bar.sums_ready)
+        plgpu.barrier_wait(self.bar.sums_ready)
 
 
 class _RowInit(NamedTuple):
@@ -311,16 +218,16 @@ def _compute_wg(prog: _Program):
     @pl.when(prog.wg == 0)
     def _load_q():
         parts = (
-            (prog.q_ref, 0, st.dv, prog.q_dst[_Q_LATENT]),
-            (prog.q_rope_ref, st.rope_at, ROPE, prog.q_dst[_Q_ROPE]),
+            (prog.q_ref, 0, st.dv, prog.q_dst[Q_LATENT]),
+            (prog.q_rope_ref, st.rope_at, ROPE, prog.q_dst[Q_ROPE]),
         )
         for i, (src, lo, width, dst) in enumerate(parts):
             plgpu.copy_gmem_to_smem(
-                src.at[prog.token, pl.ds(prog.h0, heads), pl.ds(lo, width)], dst, bar.q_ready.at[i]
+                src.at[prog.token, pl.ds(prog.h0, heads), pl.ds(lo, width)], dst, bar.q_landed.at[i]
             )
 
-    plgpu.barrier_wait(bar.q_ready.at[_Q_LATENT])
-    plgpu.barrier_wait(bar.q_ready.at[_Q_ROPE])
+    plgpu.barrier_wait(bar.q_landed.at[Q_LATENT])
+    plgpu.barrier_wait(bar.q_landed.at[Q_ROPE])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     init = _RowInit(
         row_layout,
@@ -337,21 +244,17 @@ def _compute_wg(prog: _Program):
 
 
 def _run_pairs(prog: _Program, w: int, init: _RowInit):
-    """WG ``w``'s pair loop: ``(acc, m, l)`` at the end. Compiled, S and the value
-    accumulator are ACC refs; in interpret mode they are values."""
+    """WG ``w``'s pair loop: ``(acc, m, l)`` at the end. S and the value accumulator are
+    ACC refs (compiled) or values (interpreted: ``Target.accumulators``)."""
 
-    def loop(s_ref=None, acc_ref=None):
+    def loop(s_ref, acc_ref):
         step = functools.partial(_pair_step, prog, w, init, s_ref, acc_ref)
-        acc = init.acc_zero if prog.interpret else None
+        acc = prog.target.pick(None, init.acc_zero)  # carried only as a value
         m_i, l_i, acc = _walk_pairs(prog, step, (init.m, init.l, acc))
-        return (acc if prog.interpret else acc_ref[...]), m_i, l_i
+        return prog.target.value(acc, acc_ref), m_i, l_i
 
-    if prog.interpret:
-        return loop()
-    return pl.run_scoped(
-        loop,
-        plgpu.ACC((HEADS_PER_PROGRAM, BLOCK_K), jnp.float32),
-        plgpu.ACC((HEADS_PER_PROGRAM, prog.half), jnp.float32),
+    return prog.target.accumulators(
+        loop, (HEADS_PER_PROGRAM, BLOCK_K), (HEADS_PER_PROGRAM, prog.half)
     )
 
 
@@ -392,9 +295,7 @@ def _pair_step(prog: _Program, w: int, init: _RowInit, s_ref, acc_ref, p, carry,
     alpha = jnp.exp2(m_i - m_own)
     l_i = l_i * alpha + probs.sum(axis=1)
     p16 = probs.astype(jnp.bfloat16)
-    if prog.interpret:  # the own product reads P back from shared memory
-        p_mine[...] = p16
-    own_p = p_mine if prog.interpret else p16
+    own_p = prog.target.stage(p16, p_mine)  # the A operand, from registers
     acc = _pv_add(prog, acc, acc_ref, own_p, own_v, _to_acc(prog, alpha))
     if w == 0:
         return _wg0_rescale(
@@ -408,12 +309,10 @@ def _wg0_rescale(
 ):
     """WG0 after its own product: hand back ``L0``; take the pair's max from WG1,
     publish ``P_0`` rescaled to it, rescale the sums and the accumulator, add ``P_1
-    V_1``, hand back ``L1``. (Publishing the rescaled ``P_0`` first, while the own
-    product runs, measured 1.07-1.12x slower.)"""
+    V_1``, hand back ``L1``."""
     buf, bar = prog.buf, prog.bar
-    if not prog.interpret:
-        plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(bar.consumed.at[Part.L0])
+    prog.target.wgmma_wait(0)
+    plgpu.barrier_arrive(bar.part_free.at[Part.L0])
     plgpu.barrier_wait(bar.max_ready.at[1])
     m_new = plgpu.load(buf.stats.at[1], layout=init.row_layout, optimized=False)
     shift = jnp.exp2(m_own - m_new)
@@ -423,9 +322,8 @@ def _wg0_rescale(
     l_i = l_i * shift
     plgpu.barrier_wait(bar.p_ready.at[1])
     acc = _pv_add(prog, acc, acc_ref, p_theirs, their_v, _to_acc(prog, shift))
-    if not prog.interpret:
-        plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(bar.consumed.at[Part.L1])
+    prog.target.wgmma_wait(0)
+    plgpu.barrier_arrive(bar.part_free.at[Part.L1])
     return m_new, l_i, acc
 
 
@@ -433,31 +331,23 @@ def _wg1_exchange(prog: _Program, acc, acc_ref, m_own, l_i, p16, p_mine, p_their
     """WG1 after issuing its own product: publish ``P_1``, add ``P_0 V_0`` (``P_0``
     already on the pair's max), hand back ``R1`` and then ``R0``."""
     bar = prog.bar
-    if not prog.interpret:
-        p_mine[...] = p16
+    p_mine[...] = p16  # (interpreted, staged there already for the own product)
     plgpu.commit_smem()
     plgpu.barrier_arrive(bar.p_ready.at[1])
     plgpu.barrier_wait(bar.p_ready.at[0])
     acc = _pv_add(prog, acc, acc_ref, p_theirs, their_v)
-    if not prog.interpret:
-        plgpu.wgmma_wait(1)
-    plgpu.barrier_arrive(bar.consumed.at[Part.R1])
-    if not prog.interpret:
-        plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(bar.consumed.at[Part.R0])
+    prog.target.wgmma_wait(1)
+    plgpu.barrier_arrive(bar.part_free.at[Part.R1])
+    prog.target.wgmma_wait(0)
+    plgpu.barrier_arrive(bar.part_free.at[Part.R0])
     return m_own, l_i, acc
 
 
 def _qk_part(prog: _Program, w: int, half: str, acc, o, p):
     """Wait for part ``half`` of WG ``w``'s block of pair ``p``; add its QK^T to ``acc``."""
     buf = prog.buf
-    part = Part.of(w, half)
-    if prog.interpret:
-        plgpu.barrier_wait(prog.bar.ready.at[part])
-    else:
-        wait_copies_landed(buf.copied, part, lax.bitwise_and(p, jnp.int32(1)))
-        if prog.st.fp8:  # this WG's own block: dequantize the staged part in place
-            dequantize_part_fp8(half)(buf.k_lat.at[w + o])
+    prog.parts.wait(Part.of(w, half), p)
+    prog.parts.dequantize(half, lambda: buf.k_lat.at[w + o])  # FP8: this WG's own block
     feats = pl.ds(_HALVES.index(half) * prog.half, prog.half)
     k_part = buf.k_lat.at[w + o].at[:, feats].transpose((1, 0))
     plgpu.wgmma(acc, buf.q_lat.at[o].at[:, feats], k_part)
@@ -468,18 +358,12 @@ def _qk_part(prog: _Program, w: int, half: str, acc, o, p):
 def _scores(prog: _Program, w: int, init: _RowInit, s_ref, o, p):
     """S of WG ``w``'s block of pair ``p`` (WG0: part L then R; WG1: R then L)."""
     first, second = _HALVES[w], _HALVES[1 - w]
-    if prog.interpret:
 
-        def qk(acc_ref):
-            _qk_part(prog, w, first, acc_ref, o, p)
-            _qk_part(prog, w, second, acc_ref, o, p)
-            return acc_ref[...]
+    def qk(acc_ref):
+        _qk_part(prog, w, first, acc_ref, o, p)
+        _qk_part(prog, w, second, acc_ref, o, p)
 
-        return pl.run_scoped(qk, plgpu.ACC((HEADS_PER_PROGRAM, BLOCK_K), jnp.float32))
-    s_ref[...] = init.s_zero
-    _qk_part(prog, w, first, s_ref, o, p)
-    _qk_part(prog, w, second, s_ref, o, p)
-    return s_ref[...]
+    return prog.target.product(s_ref, (HEADS_PER_PROGRAM, BLOCK_K), qk, zero=init.s_zero)
 
 
 def _masked_scores(prog: _Program, p, s, masked: bool):
@@ -505,21 +389,12 @@ def _to_acc(prog: _Program, x):
 
 
 def _pv_add(prog: _Program, acc, acc_ref, a, v, scale=None):
-    """``acc * scale + a @ v``: issued into ``acc_ref`` and not waited for (``a`` in
-    registers or shared memory), or in interpret mode computed from ``a`` in shared
-    memory and returned."""
-    if prog.interpret:
+    """``acc * scale + a @ v``, not waited for (``Target.add_product``)."""
 
-        def pv(r):
-            plgpu.wgmma(r, a, v)
-            return r[...]
+    def pv(ref):
+        plgpu.wgmma(ref, a, v)
 
-        product = pl.run_scoped(pv, plgpu.ACC((HEADS_PER_PROGRAM, prog.half), jnp.float32))
-        return (acc if scale is None else acc * scale) + product
-    if scale is not None:
-        acc_ref[...] = acc_ref[...] * scale  # waits for the wgmmas in flight
-    plgpu.wgmma(acc_ref, a, v)
-    return None
+    return prog.target.add_product(acc, acc_ref, (HEADS_PER_PROGRAM, prog.half), pv, scale)
 
 
 def _finish(prog: _Program, init: _RowInit, other, acc, m_i, l_i):
@@ -546,11 +421,7 @@ def _memory_wg(prog: _Program):
     """WG2: gather every pair's parts in ``_REFILL_ORDER``, each once it is free."""
     plgpu.set_max_registers(memory_registers(COMPUTE_REGISTERS), action="decrease")
     buf, bar = prog.buf, prog.bar
-    if prog.st.fp8:
-        make = gather_part_fp8_interpret if prog.interpret else stage_part_fp8
-    else:
-        make = gather_part_interpret if prog.interpret else gather_part
-    gather = {half: make(prog.st, half) for half in _HALVES}
+    gather = {half: prog.parts.gather(half) for half in _HALVES}
 
     @pl.loop(0, prog.num_pairs)
     def _issue(p):
@@ -559,7 +430,7 @@ def _memory_wg(prog: _Program):
 
                 @pl.when(p >= 1)
                 def _wait_free(part=part):
-                    plgpu.barrier_wait(bar.consumed.at[part])
+                    plgpu.barrier_wait(bar.part_free.at[part])
 
                 rows = pl.ds((2 * p + part.block) * BLOCK_K, BLOCK_K)
                 gather[part.half](
@@ -568,30 +439,35 @@ def _memory_wg(prog: _Program):
                     buf.k_lat.at[part.block],
                     buf.k_rope.at[part.block],
                 )
-                if not prog.interpret:
-                    arrive_on_copies(buf.copied, part)
-            if prog.interpret:  # publish the two parts (the copies are synchronous)
-                for part in parts:
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar.ready.at[part])
+                prog.parts.publish(part)
 
     # Drain: observe the consumption of the last pair before the barriers die.
     @pl.when(prog.num_pairs > 0)
     def _drain():
         for part in Part:
-            plgpu.barrier_wait(bar.consumed.at[part])
+            plgpu.barrier_wait(bar.part_free.at[part])
 
 
-def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
-    """The kernel body: shared memory and barriers, the program's token, then each
-    warpgroup's part. ``interpret``: the Mosaic GPU interpreter runs neither inline
-    Mosaic GPU code (the cp.async gather: rows are copied by plain loads and stores
-    instead, and the memory WG publishes them itself), ``run_state``, nor a wgmma whose A
-    operand is in registers (P is read back from shared memory, where it is anyway, into
-    a fresh accumulator that is then added). The schedule and barriers are the same."""
+def _kernel(st: _SparseMlaStatics, target: Target):
+    """The kernel body: the program's token and head group, then each warpgroup's part
+    (the module docstring has the schedule)."""
 
-    def kernel(q_ref, q_rope_ref, stores, rows_ref, counts_ref, zero_ref, out_ref, lse_ref, scoped):
-        buf, bar = scoped
+    def kernel(*refs):
+        (
+            # inputs (global memory)
+            q_ref,  # [N, Hp, Dv + 64] bf16, or Q's latent features [N, Hp, Dv]
+            q_rope_ref,  # [N, Hp, 64] bf16 Q's rope features, or q_ref (from st.rope_at)
+            *stores,  # (store [R, W] bf16,) or (latent [R, 512] e4m3, scale [R, 4] f32, rope [R, 64] bf16)
+            rows_ref,  # [N, Kp] int32: each query's rows, valid first, -1 after
+            counts_ref,  # [N] int32: each query's valid rows
+            zero_ref,  # [1] int32: holds 0 (opaque_zero)
+            # outputs (global memory)
+            out_ref,  # [N, Hp, Dv] f32
+            lse_ref,  # [N, Hp] f32, natural log
+            # scratch (shared memory)
+            buf,  # ForwardBuffers
+            bar,  # ForwardBarriers
+        ) = refs
         # Q's TMA destinations (the buffers' leading axis of 1 is for `p & opaque_zero`).
         q_dst = (buf.q_lat.at[0], buf.q_rope.at[0])
         group, token = lagged_program(lax.axis_index(_AXIS_PROGRAM), TOKEN_LAG, st)
@@ -600,7 +476,8 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
         count = counts_ref[token]
         prog = _Program(
             st=st,
-            interpret=interpret,
+            target=target,
+            parts=parts_of(target, st, buf, bar, fp8=st.fp8),
             q_ref=q_ref,
             q_rope_ref=q_rope_ref,
             stores=stores,
@@ -622,49 +499,31 @@ def _build_kernel(st: _SparseMlaStatics, *, interpret: bool):
             opaque_zero=zero_ref[0],
             num_pairs=lax.div(count + PAIR_ROWS - 1, jnp.int32(PAIR_ROWS)),
         )
-        if not interpret:
-            init_copy_barriers(buf.copied, THREADS)
+        prog.parts.init()
         pl.when(wg < COMPUTE_WGS)(functools.partial(_compute_wg, prog))
         pl.when(wg == COMPUTE_WGS)(functools.partial(_memory_wg, prog))
 
-    stores = 3 if st.fp8 else 1
-
-    def entry(q_ref, q_rope_ref, *refs):  # refs: the stores, rows, counts, zero, out, lse
-        store_refs, (rows_ref, counts_ref, *outs) = refs[:stores], refs[stores:]
-        pl.run_scoped(
-            lambda *scoped: kernel(
-                q_ref, q_rope_ref, store_refs, rows_ref, counts_ref, *outs, scoped
-            ),
-            _buffer_types(st, interpret),
-            _barrier_types(),
-            collective_axes=_AXIS_WG,
-        )
-
-    return entry
+    return kernel
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, interpret):
+@functools.partial(jax.jit, static_argnames=("st", "target"))
+def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, target: Target):
     """The kernel on ``stores``: ``(store,)``, or an FP8 cache's ``(latent, scale, rope)``."""
     out_type = (
         jax.ShapeDtypeStruct((st.tokens, st.heads, st.dv), jnp.float32),
         jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
     )
-    return plgpu.kernel(
-        _build_kernel(st, interpret=interpret is not None),
+    call = row_kernel(
+        _kernel(st, target),
+        st,
+        target=target,
+        buffers=forward_buffers(st.dv, interpret=target.interpret),
+        barriers=forward_barriers(),
         out_type=out_type,
-        grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,),
-        grid_names=(_AXIS_PROGRAM,),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name=_AXIS_WG,
-        # No cross-warp reduction (row maxima and sums stay within a warp's quads), so
-        # none of the default 2 KiB of reduction scratch; Q's rope features need it.
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True,
-            reduction_scratch_bytes=0,
-        ),
-        interpret=interpret,
-    )(q, q_rope, *stores, rows, counts, jnp.zeros((1,), jnp.int32))
+        program_axis=_AXIS_PROGRAM,
+        wg_axis=_AXIS_WG,
+    )
+    return call(q, q_rope, *stores, rows, counts, jnp.zeros((1,), jnp.int32))
 
 
 def _padded_static(
@@ -747,11 +606,12 @@ def sparse_mla_rows_attention(
                 f"{(tokens, heads, ROPE)}"
             )
         dk += ROPE
-    if dv % 128 or dk != dv + ROPE:
+    if dk != dv + ROPE:
         raise NotImplementedError(
-            f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}, Dv a "
-            "multiple of 128"
+            f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}"
         )
+    if (reason := unsupported_dv(dv)) is not None:
+        raise NotImplementedError(reason)
     if fp8 and dv != FP8_LATENT:
         raise NotImplementedError(
             f"dv: got {dv}, an Fp8LatentCache store holds {FP8_LATENT} latent values per row"
@@ -774,6 +634,6 @@ def sparse_mla_rows_attention(
         rows.astype(jnp.int32),
         counts.astype(jnp.int32),
         st=st,
-        interpret=resolve_interpret(interpret),
+        target=resolve_target(interpret),
     )
     return out[:, :heads], lse[:, :heads]
