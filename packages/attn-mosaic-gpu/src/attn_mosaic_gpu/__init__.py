@@ -12,7 +12,7 @@ kernel of ``sparse_mla_kernel``; ``paged_write_back`` (an XLA scatter) and the
 ``prefill_write_and_attend_ragged`` wrappers. Measured results: docs/sparse_mla_gpu.md.
 ``supports(op, *args, **kwargs)`` tells ``attn_common``'s dispatch which inputs the
 kernels take (ranker: bf16/fp16, D in {64, 128, 256}; sparse MLA: bf16, Dk = Dv + 64,
-Dv a multiple of 128); others fall back to the reference.
+Dv a multiple of 128 up to 512); others fall back to the reference.
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -15,8 +15,10 @@ What jax 0.11.2's Mosaic GPU interpreter (CPU) does not run, and what runs inste
   no atomics) and row-id loads, ``fastmath``'s PTX tiles (``fastmath.fast_reciprocal``),
   the row-sort kernel (XLA's sort);
 * ``run_state`` and a wgmma whose A operand is in registers: the A operand is staged
-  through shared memory and each product goes into a fresh accumulator that is then
-  added (``add_product``, ``product``, ``accumulators``); the interpreter's wgmma is
+  through shared memory (``stage``, ``accumulate_registers``) and each product goes
+  into a fresh accumulator that is then added (``product``, ``add_product``,
+  ``accumulate``); the accumulators are values carried by the loops, not ACC refs
+  (``accumulators``, ``zeroed``, ``loop``, ``value``); the interpreter's wgmma is
   synchronous, so there is nothing to wait for (``wgmma_wait``);
 * XLA, which runs the interpreted kernel, folds ``fastmath.exp2_fma``'s rounding step
   away unless it is guarded (``exp2_fma(xla_fold_guard=target.interpret)``).

@@ -1,5 +1,21 @@
 """The warp specialization of the Hopper kernels: two compute warpgroups and one memory
-warpgroup per program, and their register split (``setmaxnreg``)."""
+warpgroup per program, their register split (``setmaxnreg``), and the one naming rule of
+the barriers between them.
+
+Every barrier of the package's kernels (the registries: ``sparse_mla_config``,
+``ranker_config``) is named ``<data>_<event>`` (as FA3's ``named_barrier.hpp`` keeps its
+barriers in one enum by one rule), the event one of:
+
+* ``landed``: asynchronous copies of ``data`` (TMA, or ``cp.async`` on a hand-kept
+  mbarrier) have landed in shared memory;
+* ``ready``: a warpgroup stored ``data`` itself and published it (``commit_smem``);
+* ``free``: every reader of ``data`` is done; its writer may overwrite it;
+* ``turn`` (``<resource>_turn``): whose turn it is on a shared resource (the ranker
+  forward's ping-pong on the tensor cores).
+
+Per step each barrier gets one arrival per producer (or reader) and one wait per
+consumer.
+"""
 
 from __future__ import annotations
 

@@ -520,15 +520,17 @@ def parts_of(target: Target, st: RowStatics, buf, bar, *, fp8: bool = False):
     return target.pick(Parts, InterpretedParts)(st, buf, bar, fp8=fp8)
 
 
-def row_kernel(body, st: RowStatics, *, target: Target, buffers, barriers, out_type,
-               program_axis: str, wg_axis: str, kernel_name: str | None = None):  # fmt: skip
+def row_kernel(body, st: RowStatics, target: Target, scratch, out_type, axes,
+               kernel_name: str | None = None):  # fmt: skip
     """A sparse-MLA kernel (the forward and the backward share this skeleton): one
-    program per (head group, token) of ``st`` (grid axis ``program_axis``, in
-    ``lagged_program``'s order), three warpgroups (``wg_axis``: two compute, one memory)
-    that allocate ``buffers`` and ``barriers`` together, and no reduction scratch (row
-    maxima and sums stay within a warp's quads; Q's rope features need the 2 KiB).
+    program per (head group, token) of ``st`` (grid axis ``axes[0]``, in
+    ``lagged_program``'s order), three warpgroups (``axes[1]``: two compute, one memory)
+    that allocate ``scratch = (buffers, barriers)`` together, and no reduction scratch
+    (row maxima and sums stay within a warp's quads; Q's rope features need the 2 KiB).
     ``body(*refs, buf, bar)``: the kernel's refs, inputs then outputs, then the
     scratch."""
+    buffers, barriers = scratch
+    program_axis, wg_axis = axes
 
     def entry(*refs):
         pl.run_scoped(

@@ -100,8 +100,7 @@ from attn_mosaic_gpu.sparse_mla_config import (
     BackwardBarriers,
     BackwardBuffers,
     Part,
-    backward_barriers,
-    backward_buffers,
+    backward_scratch,
     unsupported_dv,
 )
 
@@ -371,7 +370,7 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     probs = _masked(prog, b, probs, masked)
 
     @pl.when(b > 0)
-    def _():
+    def _wait_p_free():
         plgpu.barrier_wait(bar.p_free)
 
     buf.p16[...] = probs.astype(jnp.bfloat16)
@@ -402,7 +401,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     ds = probs * (dp - _row_stat(prog, 1)) * st.sm_scale
 
     @pl.when(b > 0)
-    def _():
+    def _wait_ds_free():
         plgpu.barrier_wait(bar.ds_free)
 
     buf.ds16[...] = ds.astype(jnp.bfloat16)
@@ -423,7 +422,7 @@ def _compute_wg(prog: _Program, inputs):
     st, heads, half = prog.st, HEADS_PER_PROGRAM, prog.st.dv // 2
 
     @pl.when(prog.wg == 0)
-    def _():
+    def _load():
         _load_inputs(prog, *inputs)
 
     plgpu.barrier_wait(prog.bar.inputs_landed)
@@ -431,8 +430,8 @@ def _compute_wg(prog: _Program, inputs):
         cols = ((0, half), (st.dv, ROPE)) if w == 0 else ((half, half),)
 
         @pl.when(prog.wg == w)
-        def _(w=w, widths=widths, body=body, cols=cols):
-            def run(s_ref, kv_ref, *dq_refs):
+        def _blocks(w=w, widths=widths, body=body, cols=cols):
+            def walk(s_ref, kv_ref, *dq_refs):
                 dq = prog.target.zeroed(dq_refs, [(heads, n) for n in widths])
                 full = lax.div(prog.count, jnp.int32(BLOCK_K))
                 step = functools.partial(body, prog, (s_ref, kv_ref))
@@ -441,7 +440,7 @@ def _compute_wg(prog: _Program, inputs):
 
                 # Drain: observe the other WG's last release before the barriers die.
                 @pl.when(prog.num_blocks > 0)
-                def _():
+                def _drain():
                     plgpu.barrier_wait(prog.bar.p_free if w == 0 else prog.bar.ds_free)
 
                 for (c0, n), d in zip(cols, dq, strict=True):
@@ -449,7 +448,7 @@ def _compute_wg(prog: _Program, inputs):
                     prog.dq_ref.at[prog.token, pl.ds(prog.h0, heads), pl.ds(c0, n)][...] = value
 
             shapes = [(heads, BLOCK_K), (BLOCK_K, KV_CHUNK), *((heads, n) for n in widths)]
-            prog.target.accumulators(run, *shapes)
+            prog.target.accumulators(walk, *shapes)
 
 
 def _memory_wg(prog: _Program):
@@ -459,9 +458,9 @@ def _memory_wg(prog: _Program):
     gather = {part: prog.parts.gather(part.half) for part in _PARTS}
 
     @pl.loop(0, prog.num_blocks)
-    def _(b):
+    def _gather_block(b):
         @pl.when(b >= 1)
-        def _():
+        def _wait_block_free():
             plgpu.barrier_wait(bar.block_free)
 
         for part in _PARTS:
@@ -565,17 +564,9 @@ def _token_chunks(tokens: int, groups: int, width: int, dk: int) -> list[tuple[i
 
 
 def _call(st: _BwdStatics, target: Target, out_type):
-    return row_kernel(
-        _kernel(st, target),
-        st,
-        target=target,
-        buffers=backward_buffers(st.dv, interpret=target.interpret),
-        barriers=backward_barriers(),
-        out_type=out_type,
-        program_axis=_AXIS_PROGRAM,
-        wg_axis=_AXIS_WG,
-        kernel_name=KERNEL_NAME,
-    )
+    scratch = backward_scratch(st.dv, interpret=target.interpret)
+    axes = (_AXIS_PROGRAM, _AXIS_WG)
+    return row_kernel(_kernel(st, target), st, target, scratch, out_type, axes, KERNEL_NAME)
 
 
 def sparse_mla_rows_backward(

@@ -12,15 +12,8 @@ schedule; it holds no field.
   ``smem_bytes`` counts (exactly what Mosaic GPU allocates:
   ``tests/test_sparse_mla_cpu.py`` checks it), against ``SMEM_LIMIT_BYTES``.
 * Barriers: ``ForwardBarriers`` / ``BackwardBarriers``, one registry for the family,
-  named by one rule (FA3's ``named_barrier.hpp`` keeps its barriers in one enum the
-  same way): ``<data>_<event>``, where the event is
-
-  - ``landed``: asynchronous copies (TMA or ``cp.async``) of ``data`` have landed;
-  - ``ready``: a warpgroup stored ``data`` itself and published it (``commit_smem``);
-  - ``free``: every reader of ``data`` is done; its writer may overwrite it.
-
-  Per step each gets one arrival per producer (or reader) and one wait per consumer.
-  What the two kernels share: the key block's ``Part`` barriers (``part_landed``, the
+  named by the package's rule (``_registers``: ``<data>_landed`` / ``_ready`` /
+  ``_free``). What the two kernels share: the key block's ``Part`` barriers (``part_landed``, the
   hand-kept ``cp.async`` barriers in shared memory, ``PART_LANDED_WORDS``; in interpret
   mode ``part_ready``: the memory WG copies by plain stores and publishes), ``p_ready``.
 """
@@ -64,9 +57,11 @@ __all__ = [
     "SparseMlaKernelConfig",
     "backward_barriers",
     "backward_buffers",
+    "backward_scratch",
     "backward_smem_bytes",
     "forward_barriers",
     "forward_buffers",
+    "forward_scratch",
     "forward_smem_bytes",
     "smem_bytes",
     "swizzled_tiles",
@@ -233,6 +228,16 @@ def backward_buffers(dv: int, *, interpret: bool) -> BackwardBuffers:
     )
 
 
+def forward_scratch(dv: int, *, interpret: bool):
+    """The forward's ``(buffers, barriers)``."""
+    return forward_buffers(dv, interpret=interpret), forward_barriers()
+
+
+def backward_scratch(dv: int, *, interpret: bool):
+    """The backward's ``(buffers, barriers)``."""
+    return backward_buffers(dv, interpret=interpret), backward_barriers()
+
+
 # --------------------------------------------------------------------- barriers
 # The registry (the naming rule is in the module docstring). Field order is allocation
 # order.
@@ -308,12 +313,12 @@ def smem_bytes(buffers, barriers) -> int:
 
 def forward_smem_bytes(dv: int) -> int:
     """The compiled forward kernel's shared memory at ``dv`` latent features."""
-    return smem_bytes(forward_buffers(dv, interpret=False), forward_barriers())
+    return smem_bytes(*forward_scratch(dv, interpret=False))
 
 
 def backward_smem_bytes(dv: int) -> int:
     """The compiled backward kernel's shared memory at ``dv`` latent features."""
-    return smem_bytes(backward_buffers(dv, interpret=False), backward_barriers())
+    return smem_bytes(*backward_scratch(dv, interpret=False))
 
 
 def _fits(dv: int) -> bool:

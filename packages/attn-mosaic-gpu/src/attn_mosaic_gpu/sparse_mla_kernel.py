@@ -131,8 +131,7 @@ from attn_mosaic_gpu.sparse_mla_config import (
     ForwardBuffers,
     Part,
     SparseMlaKernelConfig,
-    forward_barriers,
-    forward_buffers,
+    forward_scratch,
     unsupported_dv,
 )
 
@@ -513,16 +512,8 @@ def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, target: T
         jax.ShapeDtypeStruct((st.tokens, st.heads, st.dv), jnp.float32),
         jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
     )
-    call = row_kernel(
-        _kernel(st, target),
-        st,
-        target=target,
-        buffers=forward_buffers(st.dv, interpret=target.interpret),
-        barriers=forward_barriers(),
-        out_type=out_type,
-        program_axis=_AXIS_PROGRAM,
-        wg_axis=_AXIS_WG,
-    )
+    scratch = forward_scratch(st.dv, interpret=target.interpret)
+    call = row_kernel(_kernel(st, target), st, target, scratch, out_type, (_AXIS_PROGRAM, _AXIS_WG))
     return call(q, q_rope, *stores, rows, counts, jnp.zeros((1,), jnp.int32))
 
 
