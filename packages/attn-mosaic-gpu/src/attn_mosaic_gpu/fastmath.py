@@ -28,7 +28,6 @@ __all__ = [
     "exp2_fma",
     "fast_reciprocal",
     "fast_reciprocal_tile",
-    "mufu_reciprocal",
     "ptx_unary_tile",
     "reciprocal_fma",
     "split_columns",
@@ -148,16 +147,10 @@ def fast_reciprocal_tile(d):
     log2 e)`` (soft_sign's ``d / k``, ``attn_common.cap_scaled_with_derivative``), far
     above the subnormals, so the results are bitwise those of ``fast_reciprocal``.
     One ``rcp.approx.ftz.f32`` per element (a multiply less) measured slower in the
-    phoenix forward on an H200, 1.52 against 1.47 ms (9df6a9d, docs/experiments.md).
+    phoenix forward on an H200, 1.52 against 1.47 ms (docs/experiments.md).
     """
     r = ptx_unary_tile(d, "rsqrt.approx.ftz.f32")
     return r * r
-
-
-def mufu_reciprocal(*, compiled: bool) -> Callable:
-    """The reciprocal a kernel runs on the MUFU for 2-D tiles: ``fast_reciprocal_tile``
-    when compiled for the GPU, ``fast_reciprocal`` in interpret mode."""
-    return fast_reciprocal_tile if compiled else fast_reciprocal
 
 
 def split_columns(x, fma_cols: int, on_fma: Callable, on_mufu: Callable):

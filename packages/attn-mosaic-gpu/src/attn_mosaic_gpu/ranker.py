@@ -15,6 +15,7 @@ from attn_common import KernelConfig
 from attn_common.packed import packed_users
 from attn_common.ranker import kernel_vjp, unsupported_ranker_inputs
 from attn_common.spec import RankerCall, public_op, ranker_call
+from attn_mosaic_gpu._interpret import resolve_target
 from attn_mosaic_gpu.ranker_bwd import ranker_attention_bwd
 from attn_mosaic_gpu.ranker_bwd_pipelined import PIPELINED_HEAD_DIMS
 from attn_mosaic_gpu.ranker_fwd import (
@@ -100,9 +101,7 @@ def ranker_attention(call: RankerCall, *, backward_tuning: BackwardTuning | None
             f"Hopper kernels take packed rows [B, U, 4] for D in {PIPELINED_HEAD_DIMS}; "
             "attn_reference takes any"
         )
-    interpret = call.interpret
-    if isinstance(interpret, bool) and not interpret:
-        interpret = False
+    interpret = resolve_target(call.interpret)  # once, for the forward and the backward
     config, backward_tuning = resolve_tuning(
         q, p.cap, call.config, backward_tuning, bounds=call.bounds
     )

@@ -23,64 +23,31 @@ import jax.numpy as jnp
 
 from attn_common import CapParams, check_ranker_inputs
 from attn_common.packed import normalize_ranker_bounds, packed_users
-from attn_mosaic_gpu._interpret import resolve_interpret
-from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, round_up
+from attn_mosaic_gpu._interpret import resolve_target
+from attn_mosaic_gpu._smem import round_up
 from attn_mosaic_gpu.fastmath import LOG2E
-from attn_mosaic_gpu.ranker_bwd_d256 import (
-    BWD_BLOCK,
-    BwdStatic,
-    d256_bwd,
-    head_dim_parts,
-    simple_smem_bytes,
-)
-from attn_mosaic_gpu.ranker_bwd_pipelined import (
-    PIPELINED_HEAD_DIMS,
-    pipelined_bwd,
-    pipelined_smem_bytes,
-)
-from attn_mosaic_gpu.ranker_fwd import (
+from attn_mosaic_gpu.ranker_bwd_d256 import BwdStatic, d256_bwd
+from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd
+from attn_mosaic_gpu.ranker_config import (
+    BLOCK,
     MIN_PACKED_USERS,
+    PIPELINED_HEAD_DIMS,
+    SMEM_LIMIT_BYTES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    bwd_smem_bytes,
+    validate_bwd,
 )
 
-__all__ = ["BWD_BLOCK", "bwd_smem_bytes", "ranker_attention_bwd", "validate_bwd"]
+__all__ = [
+    "BWD_BLOCK",
+    "SMEM_LIMIT_BYTES",
+    "bwd_smem_bytes",
+    "ranker_attention_bwd",
+    "validate_bwd",
+]
 
-# f32 accumulator registers per thread a single warpgroup may hold (of 255).
-_ACC_REGISTER_LIMIT = 192
-
-
-def bwd_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
-    """Shared memory of the dq and dk/dv kernels used for ``head_dim`` (bytes; for D 64
-    and 128 at the default ring depth, with the packed rows' key tables, the larger
-    layout)."""
-    if head_dim in PIPELINED_HEAD_DIMS:
-        return pipelined_smem_bytes(head_dim, dtype, packed=True)
-    return simple_smem_bytes(head_dim, dtype)
-
-
-def validate_bwd(head_dim: int, dtype) -> None:
-    """Raise ``ValueError`` naming the Hopper limit the backward would break."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim: got {head_dim}, expected one of {SUPPORTED_HEAD_DIMS}")
-    b = BWD_BLOCK
-    dh = head_dim // head_dim_parts(head_dim)
-    # per compute thread: dQ (or dK + dV) accumulators and the two 64x64 score tiles
-    dq_regs = b * (dh + 2 * b) // 128
-    dkv_regs = b * (2 * dh + 2 * b) // 128
-    for name, regs in (("dq", dq_regs), ("dk/dv", dkv_regs)):
-        if regs > _ACC_REGISTER_LIMIT:
-            raise ValueError(
-                f"backward {name} kernel: {regs} f32 accumulator registers per thread for "
-                f"D={head_dim}, more than the limit of {_ACC_REGISTER_LIMIT}"
-            )
-    for name, need in bwd_smem_bytes(head_dim, dtype).items():
-        if need > SMEM_LIMIT_BYTES:
-            raise ValueError(
-                f"backward {name} kernel: needs {need} bytes of shared memory for "
-                f"D={head_dim}, more than the {SMEM_LIMIT_BYTES} bytes (227 KiB) available "
-                "per block on sm_90"
-            )
+BWD_BLOCK = BLOCK  # the backward kernels' rows per block (ranker_config.BLOCK)
 
 
 def ranker_attention_bwd(
@@ -132,7 +99,7 @@ def ranker_attention_bwd(
     clipped, users = normalize_ranker_bounds(
         bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=MIN_PACKED_USERS
     )
-    interpret = resolve_interpret(interpret)
+    target = resolve_target(interpret)
 
     finite = jnp.isfinite(lse)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
@@ -149,7 +116,7 @@ def ranker_attention_bwd(
             "(pass tuning=None)"
         )
     # the pipelined kernels own 2 x 64 rows per program
-    seq_pad = round_up(seq, 2 * BWD_BLOCK if pipelined else BWD_BLOCK)
+    seq_pad = round_up(seq, 2 * BLOCK if pipelined else BLOCK)
     dout = dout.astype(q.dtype)
     if seq_pad != seq:
         pad = ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0))
@@ -161,12 +128,12 @@ def ranker_attention_bwd(
     bounds = clipped.astype(jnp.int32)
     if pipelined:
         dq, dk, dv = pipelined_bwd(
-            q, k, v, dout, lse2, delta, bounds, st_fields=fields, interpret=interpret,
+            q, k, v, dout, lse2, delta, bounds, st_fields=fields, interpret=target,
             tuning=knobs, users=users,
         )  # fmt: skip
     else:
         dq, dk, dv = d256_bwd(
-            q, k, v, dout, lse2, delta, bounds, st=BwdStatic(**fields), interpret=interpret
+            q, k, v, dout, lse2, delta, bounds, st=BwdStatic(**fields), target=target
         )
     if seq_pad != seq:
         dq, dk, dv = dq[:, :seq], dk[:, :seq], dv[:, :seq]

@@ -62,30 +62,21 @@ from attn_common.bounds import ranker_kv_block_ranges, ranker_q_block_ranges
 from attn_common.cap import cap_derivative_from_output
 from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
-from attn_mosaic_gpu._smem import SMEM_ALIGN, round_up, tile_transforms
+from attn_mosaic_gpu._interpret import Target
+from attn_mosaic_gpu._smem import tile_transforms
 from attn_mosaic_gpu.fastmath import LOG2E
+from attn_mosaic_gpu.ranker_config import (
+    BLOCK,
+    BwdRefs,
+    D256Dkv,
+    D256Dq,
+    head_dim_parts,
+    simple_smem_bytes,
+)
 
-# Query and key block of both backward kernels: one wgmma M = 64 rows per warpgroup.
-BWD_BLOCK = 64
+__all__ = ["BWD_BLOCK", "BwdStatic", "d256_bwd", "head_dim_parts", "simple_smem_bytes"]
 
-
-def head_dim_parts(head_dim: int) -> int:
-    """Head-dim parts of the dQ and dK/dV outputs, one program each (for D=256: the f32
-    accumulator and the fresh wgmma result added to it must fit the registers)."""
-    return 2 if head_dim > 128 else 1
-
-
-def simple_smem_bytes(head_dim: int, dtype) -> dict[str, int]:
-    item = jnp.dtype(dtype).itemsize
-    b = BWD_BLOCK
-    tile = round_up(b * head_dim * item, SMEM_ALIGN)
-    sq = round_up(b * b * item, SMEM_ALIGN)
-    vec = 2 * b * 4
-    dh = head_dim // head_dim_parts(head_dim)
-    half = round_up(b * dh * item, SMEM_ALIGN) if head_dim_parts(head_dim) > 1 else 0
-    dq = 4 * tile + half + sq + vec + 8 * 7
-    dkv = 4 * tile + 2 * half + 2 * sq + vec + 8 * 8
-    return {"dq": dq, "dkv": dkv}
+BWD_BLOCK = BLOCK  # the query and key block of both kernels (ranker_config.BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +130,39 @@ def _read_bounds(bounds_ref, batch):
     return tuple(bounds_ref[batch, i] for i in range(4))
 
 
+def _entry(kernel, st: BwdStatic, dtype, *, halves: int, squares: int, barriers):
+    """The entry of both kernels: their inputs (``BwdRefs``), outputs, and scratch: four
+    ``[64, D]`` tiles, ``halves`` ``[64, D / 2]`` ones when the head dim is split,
+    ``squares`` ``[64, 64]`` ones and two ``[64]`` f32 vectors, and the ``barriers``
+    (``D256Dq`` / ``D256Dkv``) as one array."""
+    b, t = BWD_BLOCK, tile_transforms()
+
+    def entry(*refs):
+        tile = plgpu.SMEM((b, st.head_dim), dtype, transforms=t)
+        half = plgpu.SMEM((b, st.dh), dtype, transforms=t) if st.d_split > 1 else None
+        sq = plgpu.SMEM((b, b), dtype, transforms=t)
+        vec = plgpu.SMEM((b,), jnp.float32)
+        pl.run_scoped(
+            lambda *args: kernel(BwdRefs(*refs[:7]), *refs[7:], args),
+            [tile] * 4 + [half] * halves + [sq] * squares + [vec, vec],
+            plgpu.Barrier(num_barriers=len(barriers)),
+        )
+
+    return entry
+
+
 def _build_dq_kernel(st: BwdStatic, dtype):
     bq = bkv = BWD_BLOCK
-    head_dim, group, d_split, dh = st.head_dim, st.group_size, st.d_split, st.dh
+    group, d_split, dh = st.group_size, st.d_split, st.dh
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, scoped):
+    def kernel(
+        ins: BwdRefs,  # inputs (global memory; one user per row)
+        dq_ref,  # output: [B, S_pad, Hq, D]
+        # scratch (shared memory): buffers (Q, dO, K, V [64, D]; K's half [64, D / 2] or
+        # None; dS [64, 64]; lse2, delta' [64] f32) and the D256Dq barriers
+        scoped,
+    ):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = ins[:7]
         (q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, lse_smem, delta_smem), bars = scoped
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
@@ -158,12 +177,12 @@ def _build_dq_kernel(st: BwdStatic, dtype):
 
         rows = (batch, pl.ds(row0, bq), q_head)
         vec = (batch, q_head, pl.ds(row0, bq))
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, bars.at[0])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, bars.at[1])
-        plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, bars.at[2])
-        plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, bars.at[3])
-        for i in range(4):
-            plgpu.barrier_wait(bars.at[i])
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, bars.at[D256Dq.Q_LANDED])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, bars.at[D256Dq.DO_LANDED])
+        plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, bars.at[D256Dq.LSE_LANDED])
+        plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, bars.at[D256Dq.DELTA_LANDED])
+        for landed in list(D256Dq)[:4]:
+            plgpu.barrier_wait(bars.at[landed])
         lse2 = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
 
@@ -171,14 +190,14 @@ def _build_dq_kernel(st: BwdStatic, dtype):
             kv0 = ranges.block_at(i) * bkv
             kv_rows = (batch, pl.ds(kv0, bkv), kv_head)
             plgpu.commit_smem()  # every thread is done with the previous step's K/V/dS
-            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, bars.at[4])
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, bars.at[5])
+            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, bars.at[D256Dq.K_LANDED])
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, bars.at[D256Dq.V_LANDED])
             if d_split > 1:
                 kv_half = (batch, pl.ds(kv0, bkv), kv_head, pl.ds(d0, dh))
-                plgpu.copy_gmem_to_smem(k_ref.at[kv_half], kh_smem, bars.at[6])
-                plgpu.barrier_wait(bars.at[6])
-            plgpu.barrier_wait(bars.at[4])
-            plgpu.barrier_wait(bars.at[5])
+                plgpu.copy_gmem_to_smem(k_ref.at[kv_half], kh_smem, bars.at[D256Dq.K_HALF_LANDED])
+                plgpu.barrier_wait(bars.at[D256Dq.K_HALF_LANDED])
+            plgpu.barrier_wait(bars.at[D256Dq.K_LANDED])
+            plgpu.barrier_wait(bars.at[D256Dq.V_LANDED])
 
             qk = _wgmma(q_smem, k_smem.transpose((1, 0)), (bq, bkv))
             dp = _wgmma(do_smem, v_smem.transpose((1, 0)), (bq, bkv))
@@ -208,27 +227,23 @@ def _build_dq_kernel(st: BwdStatic, dtype):
         plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[dst])
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref):
-        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=tile_transforms())
-        half = plgpu.SMEM((bkv, dh), dtype, transforms=tile_transforms()) if d_split > 1 else None
-        sq = plgpu.SMEM((bq, bkv), dtype, transforms=tile_transforms())
-        vec = plgpu.SMEM((bq,), jnp.float32)
-        pl.run_scoped(
-            lambda *args: kernel(
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dq_ref, args
-            ),
-            [tile, tile, tile, tile, half, sq, vec, vec],
-            plgpu.Barrier(num_barriers=7),
-        )
-
-    return entry
+    return _entry(kernel, st, dtype, halves=1, squares=1, barriers=D256Dq)
 
 
 def _build_dkv_kernel(st: BwdStatic, dtype):
     bq = bkv = BWD_BLOCK
-    head_dim, group, d_split, dh = st.head_dim, st.group_size, st.d_split, st.dh
+    group, d_split, dh = st.group_size, st.d_split, st.dh
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, scoped):
+    def kernel(
+        ins: BwdRefs,  # inputs (global memory; one user per row)
+        dk_ref,  # output: [B, S_pad, Hkv, D]
+        dv_ref,  # output: [B, S_pad, Hkv, D]
+        # scratch (shared memory): buffers (K, V, Q, dO [64, D]; Q's and dO's halves
+        # [64, D / 2] or None; P^T, dS^T [64, 64]; lse2, delta' [64] f32) and the
+        # D256Dkv barriers
+        scoped,
+    ):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = ins[:7]
         bufs, bars = scoped
         k_smem, v_smem, q_smem, do_smem, qh_smem, doh_smem, p_smem, ds_smem = bufs[:8]
         lse_smem, delta_smem = bufs[8:]
@@ -244,10 +259,10 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
         steps = ranges.total_steps
 
         kv_rows = (batch, pl.ds(kv0, bkv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, bars.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, bars.at[1])
-        plgpu.barrier_wait(bars.at[0])
-        plgpu.barrier_wait(bars.at[1])
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, bars.at[D256Dkv.K_LANDED])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, bars.at[D256Dkv.V_LANDED])
+        plgpu.barrier_wait(bars.at[D256Dkv.K_LANDED])
+        plgpu.barrier_wait(bars.at[D256Dkv.V_LANDED])
         kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
 
         def q_step(i, carry, q_head):
@@ -256,16 +271,16 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
             rows = (batch, pl.ds(q0, bq), q_head)
             vec = (batch, q_head, pl.ds(q0, bq))
             plgpu.commit_smem()  # every thread is done with the previous step's buffers
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, bars.at[2])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, bars.at[3])
-            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, bars.at[4])
-            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, bars.at[5])
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, bars.at[D256Dkv.Q_LANDED])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, bars.at[D256Dkv.DO_LANDED])
+            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, bars.at[D256Dkv.LSE_LANDED])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, bars.at[D256Dkv.DELTA_LANDED])
             if d_split > 1:
                 half = (batch, pl.ds(q0, bq), q_head, pl.ds(d0, dh))
-                plgpu.copy_gmem_to_smem(q_ref.at[half], qh_smem, bars.at[6])
-                plgpu.copy_gmem_to_smem(do_ref.at[half], doh_smem, bars.at[7])
-            for b in range(2, 8 if d_split > 1 else 6):
-                plgpu.barrier_wait(bars.at[b])
+                plgpu.copy_gmem_to_smem(q_ref.at[half], qh_smem, bars.at[D256Dkv.Q_HALF_LANDED])
+                plgpu.copy_gmem_to_smem(do_ref.at[half], doh_smem, bars.at[D256Dkv.DO_HALF_LANDED])
+            for landed in list(D256Dkv)[2 : 8 if d_split > 1 else 6]:
+                plgpu.barrier_wait(bars.at[landed])
             lse2 = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(0))
             delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(0))
 
@@ -302,24 +317,11 @@ def _build_dkv_kernel(st: BwdStatic, dtype):
         plgpu.copy_smem_to_gmem(out_v, dv_ref.at[dst])
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref):
-        tile = plgpu.SMEM((bq, head_dim), dtype, transforms=tile_transforms())
-        half = plgpu.SMEM((bq, dh), dtype, transforms=tile_transforms()) if d_split > 1 else None
-        sq = plgpu.SMEM((bkv, bq), dtype, transforms=tile_transforms())
-        vec = plgpu.SMEM((bq,), jnp.float32)
-        pl.run_scoped(
-            lambda *args: kernel(
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, dk_ref, dv_ref, args
-            ),
-            [tile, tile, tile, tile, half, half, sq, sq, vec, vec],
-            plgpu.Barrier(num_barriers=8),
-        )
-
-    return entry
+    return _entry(kernel, st, dtype, halves=2, squares=2, barriers=D256Dkv)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def d256_bwd(q, k, v, do, lse2, delta, bounds, *, st: BwdStatic, interpret):
+@functools.partial(jax.jit, static_argnames=("st", "target"))
+def d256_bwd(q, k, v, do, lse2, delta, bounds, *, st: BwdStatic, target: Target):
     """The D = 256 dq and dk/dv kernels on padded inputs; ``lse2`` base-2 LSE (``+inf`` on empty rows), ``delta`` = delta'."""
     b = BWD_BLOCK
     dq = plgpu.kernel(
@@ -327,13 +329,13 @@ def d256_bwd(q, k, v, do, lse2, delta, bounds, *, st: BwdStatic, interpret):
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(st.q_heads, (st.seq_pad // b) * head_dim_parts(st.head_dim), st.batch),
         grid_names=(_axes.HEADS, _axes.Q_TILES, _axes.BATCH),
-        interpret=interpret,
+        interpret=target.params,
     )(q, k, v, do, lse2, delta, bounds)
     dk, dv = plgpu.kernel(
         _build_dkv_kernel(st, q.dtype),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, (st.seq_pad // b) * head_dim_parts(st.head_dim), st.batch),
         grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),
-        interpret=interpret,
+        interpret=target.params,
     )(q, k, v, do, lse2, delta, bounds)
     return dq, dk, dv

@@ -21,9 +21,8 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   after ``wgmma.wait_group 1`` (S landed, dP still running), and in dk/dv ``dS^T`` is
   formed while dV's wgmma runs. The cap and its derivative come from
   ``attn_common.cap_scaled_with_derivative`` (constants folded, the derivative from the
-  same terms). The ring has 2 slots for D=128 and 4 for D=64. The schedules without
-  this overlap and fold were measured slower (``docs/results/ranker_bwd_sweep.md``) and
-  left the kernel at da2ec0c.
+  same terms). The ring has 2 slots for D=128 and 4 for D=64 (``pipelined_stages``);
+  the overlap and the fold are measured in ``docs/results/ranker_bwd_sweep.md``.
 
   Knob ``dq_programs`` (0, one program per tile, unless the tuned table says otherwise):
   dq runs as that many persistent programs (one per SM), each walking the tiles
@@ -31,7 +30,7 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   WG issues the next tile's fixed-operand loads into a second buffer before walking the
   current tile's steps, and the K/V ring runs on across tiles
   (``_build_dq_persistent_kernel``). It targets the ~7 us that each per-tile program
-  spends besides its steps (1d4614c, docs/experiments.md); on the H200 it
+  spends besides its steps (docs/experiments.md); on the H200 it
   took phoenix's dq from 2.39 to 2.17 ms and small-d64's from 0.37 to 0.29 ms, while
   long and ragged moved within noise.
 
@@ -44,21 +43,24 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   ring of ``num_stages`` slots (dq: K and V blocks of the tile's
   ``ranker_kv_block_ranges``; dk/dv: Q, dO, lse2 and delta' blocks of the tile's
   ``ranker_q_block_ranges`` for each query head of the kv head's GQA group in turn).
-  Step ``t + num_stages`` waits on slot ``t % num_stages``'s *consumed* barrier.
+  Step ``t + num_stages`` waits on slot ``t % num_stages``'s ``*_free`` barrier.
 
 Both compute WGs walk every step of the tile (a WG whose rows see nothing gets ``p = 0``
-and writes zeros), which keeps every barrier's arrival count static. Barriers:
-``*_ready[slot]`` (TMA transaction barriers, one per streamed operand so each wait
-covers one copy), ``fixed[wg]`` (one per fixed operand and WG) and ``consumed[slot]``
-(2 arrivals, one per compute WG, after the step's last wgmma has completed).
+and writes zeros), which keeps every barrier's arrival count static. Barriers
+(``ranker_config.DqBarriers`` / ``DkvBarriers``; buffers ``DqBuffers`` /
+``DkvBuffers``): ``<operand>_landed[slot]`` (TMA transaction barriers, one per streamed
+operand so each wait covers one copy), ``<operand>_landed[wg]`` for the fixed operands
+(one per operand and WG) and ``kv_free[slot]`` / ``step_free[slot]`` (2 arrivals, one
+per compute WG, after the step's last wgmma has completed).
 
 dK/dV of a kv head are summed over its query heads in a fixed order inside one program:
 no atomics, no per-head copies, bitwise deterministic. Every program writes its whole
 output tile, so rows and keys with no allowed pair get exactly 0.
 
-Interpret mode (CPU): jax 0.11.2's Mosaic GPU interpreter has no ``run_state`` and no
-register-A wgmma, so ``P``/``dS`` are staged through per-WG shared buffers and the
-products go into fresh accumulators that are then added. Everything else is the GPU code.
+Interpret mode (CPU; an ``_interpret.Target`` in ``_Static``): jax 0.11.2's Mosaic GPU
+interpreter has no ``run_state`` and no register-A wgmma, so ``P``/``dS`` are staged
+through per-WG shared buffers and the products go into fresh accumulators that are then
+added (``Target.accumulate_registers``). Everything else is the GPU code.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import CapMethod, CapParams, ranker_mask
+from attn_common import ranker_mask
 from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
@@ -93,6 +95,7 @@ from attn_common.packed import (
 )
 from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
+from attn_mosaic_gpu._interpret import COMPILED, Target, resolve_target
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import (
     COMPUTE_REGISTERS,
@@ -100,13 +103,26 @@ from attn_mosaic_gpu._registers import (
     MAX_COMPUTE_REGISTERS,
     memory_registers,
 )
-from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, allocated_bytes, tile_transforms
 from attn_mosaic_gpu.fastmath import (
     LOG2E,
     exp2_fma,
-    mufu_reciprocal,
     reciprocal_fma,
     split_columns,
+)
+from attn_mosaic_gpu.ranker_config import (
+    BLOCK,
+    PIPELINED_HEAD_DIMS,
+    SMEM_LIMIT_BYTES,
+    BwdRefs,
+    DkvBarriers,
+    DkvBuffers,
+    DqBarriers,
+    DqBuffers,
+    check_backward_knobs,
+    dkv_scratch,
+    dq_scratch,
+    pipelined_smem_bytes,
+    pipelined_stages,
 )
 from attn_mosaic_gpu.ranker_fwd import packed_tile_mask, ranker_tile_mask
 
@@ -118,63 +134,10 @@ __all__ = [
     "pipelined_stages",
 ]
 
-BLOCK = 64  # rows per compute WG and rows per streamed block (one wgmma M)
-PIPELINED_HEAD_DIMS = (64, 128)
 # CUDA kernel names (as ``<name>_mosaic_gpu``): profiles tell the two kernels apart by
 # name, not by launch order, which XLA may swap (dq and dk/dv are independent).
 DQ_KERNEL = "ranker_bwd_dq"
 DKV_KERNEL = "ranker_bwd_dkv"
-
-
-def pipelined_stages(head_dim: int) -> int:
-    """Ring depth: 2 for D=128 (~129 KiB of shared memory; on the H200 2 stages ran
-    4-8% faster than 3 in ``benchmarks/ranker_bwd_sweep.py``), 4 for D=64 (~97 KiB)."""
-    return 2 if head_dim > 64 else 4
-
-
-def pipelined_smem_bytes(
-    head_dim: int,
-    dtype,
-    *,
-    interpret: bool = False,
-    num_stages: int | None = None,
-    dq_programs: int = 0,
-    packed: bool = False,
-) -> dict[str, int]:
-    """Shared memory of the dq and dk/dv kernels in bytes: what Mosaic GPU allocates
-    (``tests/test_ranker_bwd_cpu.py`` checks it exactly). ``num_stages=None`` is the
-    default ring depth of ``head_dim``; persistent dq programs (``dq_programs > 0``)
-    double its fixed buffers; ``packed`` adds the rows' key tables (bounds ``[B, U, 4]``).
-
-    The buffers and barriers are those of ``_dq_entry`` and ``_build_dkv_kernel``'s
-    entry (``_smem.allocated_bytes``); neither kernel has a reduction that Pallas
-    reserves scratch for.
-    """
-    item = jnp.dtype(dtype).itemsize
-    stages = pipelined_stages(head_dim) if num_stages is None else num_stages
-    tile = BLOCK * head_dim * item  # one WG's rows, or one streamed block
-    staging = COMPUTE_WGS * BLOCK * BLOCK * item if interpret else 0
-    lead = 2 if dq_programs else 1
-    dq_table = lead * COMPUTE_WGS * PACKED_QUERY_FIELDS * BLOCK * 4 if packed else 0
-    dq_buffers = [
-        *[lead * COMPUTE_WGS * tile] * 2,  # Q, dO
-        *[lead * COMPUTE_WGS * BLOCK * 4] * 2,  # lse2, delta'
-        *[stages * tile] * 2,  # K, V ring
-        staging,
-        dq_table,
-    ]
-    dq = allocated_bytes(dq_buffers, (5 if packed else 4) * lead * COMPUTE_WGS + 3 * stages)
-    dkv_table = COMPUTE_WGS * PACKED_KEY_FIELDS * BLOCK * 4 if packed else 0
-    dkv_buffers = [
-        *[COMPUTE_WGS * tile] * 2,  # K, V
-        *[stages * tile] * 2,  # Q, dO ring
-        *[stages * BLOCK * 4] * 2,  # lse2, delta' ring
-        staging,
-        staging,
-        dkv_table,
-    ]
-    dkv = allocated_bytes(dkv_buffers, (3 if packed else 2) * COMPUTE_WGS + 5 * stages)
-    return {"dq": dq, "dkv": dkv}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,44 +152,11 @@ class _Static(RankerKernelStatic):
     #   persistent programs that walk those tiles and load the next tile's fixed
     #   operands while the current one computes (_build_dq_persistent_kernel).
     dq_programs: int = 0
-    # Interpret mode: it runs on XLA, which would fold exp2_fma's rounding step away
-    #   (hence its guard), and runs no inline Mosaic GPU code (fastmath.mufu_reciprocal).
-    interpret: bool = False
+    # Where the kernels run (compiled, or on the interpreter: _interpret.Target).
+    target: Target = COMPILED
     # 0: one user per row (bounds [B, 4]); U >= 2: packed rows (bounds [B, U, 4]) with
     # step lists built outside (attn_common.packed.packed_step_list).
     packed_users: int = 0
-
-
-_KNOBS = ("num_stages", "exp2_fma_cols", "rcp_fma_cols", "dq_programs")
-
-
-def check_backward_knobs(knobs: dict, cap: CapParams) -> None:
-    """Raise ``ValueError`` naming a bad backward schedule knob."""
-    unknown = sorted(set(knobs) - set(_KNOBS))
-    if unknown:
-        raise ValueError(f"backward tuning: unknown knobs {unknown}; known: {list(_KNOBS)}")
-    stages = knobs.get("num_stages", 2)
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= 4:
-        raise ValueError(f"backward tuning num_stages: got {stages!r}, expected 2, 3 or 4")
-    for name in ("exp2_fma_cols", "rcp_fma_cols"):
-        cols = knobs.get(name, 0)
-        if (
-            isinstance(cols, bool)
-            or not isinstance(cols, int)
-            or cols % 8
-            or not 0 <= cols <= BLOCK
-        ):
-            raise ValueError(
-                f"backward tuning {name}: got {cols!r}, expected a multiple of 8 from 0 to {BLOCK}"
-            )
-    if knobs.get("rcp_fma_cols", 0) and cap.method is not CapMethod.SOFT_SIGN:
-        raise ValueError("backward tuning rcp_fma_cols: needs a soft_sign cap (else 0)")
-    programs = knobs.get("dq_programs", 0)
-    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
-        raise ValueError(
-            f"backward tuning dq_programs: got {programs!r}, expected 0 (one program per "
-            "tile) or a positive number of persistent programs"
-        )
 
 
 def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
@@ -237,7 +167,7 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
     """
 
     def reciprocal(d):
-        on_mufu = mufu_reciprocal(compiled=not st.interpret)
+        on_mufu = st.target.reciprocal_tile()
         return split_columns(d, st.rcp_fma_cols, reciprocal_fma, on_mufu)
 
     s2, dcap = cap_scaled_with_derivative(
@@ -245,7 +175,7 @@ def _softmax_terms(raw, lse2, allowed, st: _Static, q_axis: int):
     )
     if allowed is not None:
         s2 = jnp.where(allowed, s2, -jnp.inf)
-    on_fma = functools.partial(exp2_fma, xla_fold_guard=st.interpret)
+    on_fma = functools.partial(exp2_fma, xla_fold_guard=st.target.interpret)
     x = s2 - lax.broadcast_in_dim(lse2, raw.shape, [q_axis])
     return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2), dcap
 
@@ -274,55 +204,26 @@ def _p_and_grad_factor(operands, lse2, delta, mask_fn, st: _Static, q_axis: int)
     return pl.run_scoped(body, acc, acc)
 
 
-def _accumulate(accs, lhs, rhs_smem, staging, in_place: bool):
-    """``accs[i] += lhs[i] @ rhs_smem[i]`` for each pair, waited once.
-
-    On the GPU the A operands stay in registers and the wgmmas accumulate in place;
-    in interpret mode they are staged through ``staging[i]`` into fresh accumulators.
-    """
-    if in_place:
-
-        def body(refs):
-            for ref, a, b in zip(refs, lhs, rhs_smem, strict=True):
-                plgpu.wgmma(ref, a, b)
-
-        return pl.run_state(body)(tuple(plgpu.ACC.init(a) for a in accs))
-    for buf, a in zip(staging, lhs, strict=True):
-        buf[...] = a
-    plgpu.commit_smem()  # generic-proxy writes visible to the async proxy (wgmma)
-
-    def fresh(*refs):
-        for ref, buf, b in zip(refs, staging, rhs_smem, strict=True):
-            plgpu.wgmma(ref, buf, b)
-        return tuple(ref[...] for ref in refs)
-
-    shapes = [plgpu.ACC(a.shape, jnp.float32) for a in accs]
-    products = pl.run_scoped(fresh, *shapes)
-    return tuple(a + d for a, d in zip(accs, products, strict=True))
+def _accumulate(target: Target, accs, lhs, rhs_smem, staging):
+    """``accs[i] += lhs[i] @ rhs_smem[i]`` for each pair, waited once, the A operands
+    from registers (``Target.accumulate_registers``; ``staging()``: where the
+    interpreter stages them)."""
+    operands = [(lambda a=a: a, b) for a, b in zip(lhs, rhs_smem, strict=True)]
+    return target.accumulate_registers(accs, staging, operands)
 
 
-def _dkv_update(dk, dv, p_t, factor, q_slot, do_slot, staging, st: _Static, in_place, dtype):
-    """``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS^T = P^T * factor``.
-
-    On the GPU dV's wgmma is issued first and dS^T is formed on the CUDA cores while it
-    runs.
-    """
-    if in_place:
-
-        def body(refs):
-            dv_ref, dk_ref = refs
-            plgpu.wgmma(dv_ref, p_t.astype(dtype), do_slot)
-            ds_t = p_t * factor
-            plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_slot)
-
-        dv, dk = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-        return dk, dv
-    lhs = (p_t.astype(dtype), (p_t * factor).astype(dtype))
-    dv, dk = _accumulate((dv, dk), lhs, (do_slot, q_slot), staging, in_place)
+def _dkv_update(dk, dv, p_t, factor, q_slot, do_slot, staging, st: _Static, dtype):
+    """``dV += P^T dO`` and ``dK += dS^T Q`` with ``dS^T = P^T * factor``: dV's wgmma is
+    issued first and dS^T is formed on the CUDA cores while it runs."""
+    dv, dk = st.target.accumulate_registers(
+        (dv, dk),
+        staging,
+        [(lambda: p_t.astype(dtype), do_slot), (lambda: (p_t * factor).astype(dtype), q_slot)],
+    )
     return dk, dv
 
 
-def _ring_loads(num_slots, total_steps, issue, consumed):
+def _ring_loads(num_slots, total_steps, issue, free):
     """The memory WG's loop: fill the ring, refill a slot once both compute WGs have
     consumed it, then observe the last ``num_slots`` consumptions (so every completed
     barrier phase is waited before the barriers are freed; interpret mode checks this)."""
@@ -335,12 +236,12 @@ def _ring_loads(num_slots, total_steps, issue, consumed):
     @pl.loop(num_slots, jnp.maximum(total_steps, num_slots))
     def _steady(step):
         slot = lax.rem(step, jnp.int32(num_slots))
-        plgpu.barrier_wait(consumed.at[slot])
+        plgpu.barrier_wait(free.at[slot])
         issue(step, slot)
 
     @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
     def _drain(step):
-        plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(num_slots))])
+        plgpu.barrier_wait(free.at[lax.rem(step, jnp.int32(num_slots))])
 
 
 def _three_phase_loop(lo, hi, total, step, carry):
@@ -395,8 +296,8 @@ def _row_entries(table_smem, fields: int):
 
 
 class _DqFixed(NamedTuple):
-    """A dq compute WG's fixed shared buffers for its 64 rows (``keys``: the rows'
-    ``packed_query_table`` entries, packed rows only)."""
+    """A dq compute WG's fixed shared buffers for its 64 rows (views of ``DqBuffers``;
+    ``keys``: the rows' ``packed_query_table`` entries, packed rows only)."""
 
     q: object
     do: object
@@ -405,18 +306,34 @@ class _DqFixed(NamedTuple):
     keys: object = None
 
 
-class _DqRing(NamedTuple):
-    """The dq kernel's K/V ring and its barriers."""
+def _fixed_views(buf: DqBuffers, *index) -> _DqFixed:
+    """The fixed buffers of compute WG ``index[-1]`` (and copy ``index[0]``)."""
+    keys = None if buf.keys is None else buf.keys.at[index]
+    return _DqFixed(buf.q.at[index], buf.do.at[index], buf.lse.at[index], buf.delta.at[index], keys)
 
-    k: object
-    v: object
-    k_ready: object
-    v_ready: object
-    consumed: object
+
+def _fixed_sources(refs: BwdRefs, st: _Static, batch, q_head, tile_start, wg):
+    """Compute WG ``wg``'s rows of a tile: ``(row0, rows, sources)``, ``rows`` the index
+    of its Q / dO / dQ rows and ``sources`` its fixed operands in ``DqBuffers`` order."""
+    b = BLOCK
+    row0 = tile_start + wg * b
+    rows = (batch, pl.ds(row0, b), q_head)
+    vec = (batch, q_head, pl.ds(row0, b))
+    srcs = [refs.q.at[rows], refs.do.at[rows], refs.lse.at[vec], refs.delta.at[vec]]
+    if st.packed_users:  # the rows' packed_query_table entries
+        srcs.append(refs.table.at[batch, :, pl.ds(row0, b)])
+    return row0, rows, srcs
+
+
+def _store_dq(st: _Static, dtype, fixed: _DqFixed, dq, dq_ref, rows) -> None:
+    """dQ (scaled) into the WG's Q buffer (Q is dead by then), TMA-stored, not waited."""
+    fixed.q[...] = (dq * st.sm_scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(fixed.q, dq_ref.at[rows])
 
 
 def _dq_tile(
-    st: _Static, dtype, in_place: bool, fixed: _DqFixed, ring: _DqRing, staging, ranges,
+    st: _Static, dtype, fixed: _DqFixed, buf: DqBuffers, bar: DqBarriers, staging, ranges,
     total_steps, one_user, row0, wg, *, slot_of,
 ):  # fmt: skip
     """One compute WG's dQ (f32, unscaled) for its 64 rows from ``row0``: the
@@ -436,8 +353,8 @@ def _dq_tile(
 
     def step(i, dq, *, masked):
         slot = slot_of(i)
-        plgpu.barrier_wait(ring.k_ready.at[slot])
-        plgpu.barrier_wait(ring.v_ready.at[slot])
+        plgpu.barrier_wait(bar.k_landed.at[slot])
+        plgpu.barrier_wait(bar.v_landed.at[slot])
         mask_fn = None
         if masked:
 
@@ -447,105 +364,73 @@ def _dq_tile(
                     return packed_tile_mask(ranker_mask_from_query_table, row_keys, kv0, (b, b))
                 return ranker_tile_mask(row0, kv0, (b, b), hl, hu, cl, cu)
 
-        operands = (fixed.q, ring.k.at[slot], fixed.do, ring.v.at[slot])
+        operands = (fixed.q, buf.k.at[slot], fixed.do, buf.v.at[slot])
         p, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 0)
         ds = p * factor
-        (dq,) = _accumulate((dq,), (ds.astype(dtype),), (ring.k.at[slot],), staging, in_place)
-        plgpu.barrier_arrive(ring.consumed.at[slot])
+        (dq,) = _accumulate(st.target, (dq,), (ds.astype(dtype),), (buf.k.at[slot],), staging)
+        plgpu.barrier_arrive(bar.kv_free.at[slot])
         return dq
 
     dq0 = plgpu.layout_cast(jnp.full((b, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     return _three_phase_loop(full_lo, full_hi, total_steps, step, dq0)
 
 
-def _issue_kv(k_ref, v_ref, ring: _DqRing, batch, block, kv_head, slot):
+def _issue_kv(refs: BwdRefs, buf: DqBuffers, bar: DqBarriers, batch, block, kv_head, slot):
     """TMA-load key/value block ``block`` of ``(batch, kv_head)`` into ring slot ``slot``."""
     kv_rows = (batch, pl.ds(block * BLOCK, BLOCK), kv_head)
-    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], ring.k.at[slot], ring.k_ready.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], ring.v.at[slot], ring.v_ready.at[slot])
+    plgpu.copy_gmem_to_smem(refs.k.at[kv_rows], buf.k.at[slot], bar.k_landed.at[slot])
+    plgpu.copy_gmem_to_smem(refs.v.at[kv_rows], buf.v.at[slot], bar.v_landed.at[slot])
 
 
-def _dq_entry(kernel, st: _Static, dtype, *, in_place: bool, fixed_copies: int):
-    """The dq kernel's entry: split the operands (q, k, v, dO, lse2, delta', bounds, the
-    packed rows' step list and query key table, dQ) and allocate the scratch that
-    ``kernel(*operands, scoped)`` receives: the fixed buffers (``fixed_copies`` = 2: a
-    leading axis of two, for the persistent kernel), the K/V ring, the interpret-mode dS
-    staging, and the barriers (one per fixed operand and buffer and WG; ready per slot for
-    K and V; consumed per slot)."""
-    b = BLOCK
-    lead = (fixed_copies,) if fixed_copies > 1 else ()
-    fields = 5 if st.packed_users else 4
+def _dq_entry(kernel, st: _Static, dtype, *, persistent: bool):
+    """The dq kernel's entry: its inputs (``BwdRefs``: the packed rows' step list and
+    query table only for packed rows), its output dQ ``[B, S_pad, Hq, D]`` and its
+    scratch (``ranker_config.dq_scratch``: persistent programs double the fixed
+    buffers), for ``kernel(refs, dq_ref, buf, bar)``."""
+    buffers, barriers = dq_scratch(
+        st.head_dim, dtype, num_stages=st.num_stages, persistent=persistent,
+        packed=bool(st.packed_users), interpret=st.target.interpret,
+    )  # fmt: skip
 
     def entry(*refs):
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref, keys_ref = refs[7:9] if st.packed_users else (None, None)
-        dq_ref = refs[-1]
-        t = tile_transforms()
-        own = plgpu.SMEM((*lead, COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
-        own_vec = plgpu.SMEM((*lead, COMPUTE_WGS, b), jnp.float32)
-        ring = plgpu.SMEM((st.num_stages, b, st.head_dim), dtype, transforms=t)
-        staging = None if in_place else plgpu.SMEM((COMPUTE_WGS, b, b), dtype, transforms=t)
-        keys = None
-        if st.packed_users:
-            keys = plgpu.SMEM((*lead, COMPUTE_WGS, PACKED_QUERY_FIELDS, b), jnp.int32)
-        operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref)
+        packed = refs[7:9] if st.packed_users else ()
+        ins = BwdRefs(*refs[:7], *packed)
         pl.run_scoped(
-            lambda *args: kernel(*operands, keys_ref, dq_ref, args),
-            [own, own, own_vec, own_vec, ring, ring, staging, keys],
-            (plgpu.Barrier(num_barriers=fixed_copies * COMPUTE_WGS),) * fields,
-            (plgpu.Barrier(num_barriers=st.num_stages),) * 2,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st.num_stages),
+            lambda buf, bar: kernel(ins, refs[-1], buf, bar),
+            buffers,
+            barriers,
             collective_axes=_axes.WARPGROUP,
         )
 
     return entry
 
 
-def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
-    b = BLOCK
+def _build_dq_kernel(st: _Static, dtype):
     num_slots = st.num_stages
     group = st.group_size
 
-    def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
-        scoped,
-    ):  # fmt: skip
-        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, ds_smem2, keys_smem2 = bufs
+    def kernel(refs: BwdRefs, dq_ref, buf: DqBuffers, bar: DqBarriers):
         batch = lax.axis_index(_axes.BATCH)
         q_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
         kv_head = lax.div(q_head, jnp.int32(group))
         tile_start, ranges, one_user = _tile_steps(
-            st, bounds_ref, steps_ref, batch, _axes.Q_TILES, ranker_kv_block_ranges
+            st, refs.bounds, refs.steps, batch, _axes.Q_TILES, ranker_kv_block_ranges
         )
         total_steps = ranges.total_steps
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-            row0 = tile_start + wg * b
-            rows = (batch, pl.ds(row0, b), q_head)
-            vec = (batch, q_head, pl.ds(row0, b))
-            srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
-            dsts = [q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg]]
-            if st.packed_users:  # the rows' packed_query_table entries
-                srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
-                dsts.append(keys_smem2.at[wg])
-            _load_fixed(srcs, dsts, fixed_ready, wg)
-            fixed = _DqFixed(q_smem, do_smem, lse_smem2.at[wg], delta_smem2.at[wg])
-            if st.packed_users:
-                fixed = fixed._replace(keys=keys_smem2.at[wg])
-            staging = None if in_place else (ds_smem2.at[wg],)
+            row0, rows, srcs = _fixed_sources(refs, st, batch, q_head, tile_start, wg)
+            fixed = _fixed_views(buf, wg)
+            _load_fixed(srcs, fixed[: len(srcs)], bar.fixed, wg)
+            staging = lambda: (buf.ds.at[wg],)  # noqa: E731
             dq = _dq_tile(
-                st, dtype, in_place, fixed, ring, staging, ranges, total_steps, one_user, row0,
-                wg, slot_of=lambda i: lax.rem(i, jnp.int32(num_slots)),
+                st, dtype, fixed, buf, bar, staging, ranges, total_steps, one_user, row0, wg,
+                slot_of=lambda i: lax.rem(i, jnp.int32(num_slots)),
             )  # fmt: skip
-            q_smem[...] = (dq * st.sm_scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            _store_dq(st, dtype, fixed, dq, dq_ref, rows)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -553,14 +438,14 @@ def _build_dq_kernel(st: _Static, dtype, *, in_place: bool):
             plgpu.set_max_registers(memory_registers(COMPUTE_REGISTERS), action="decrease")
 
             def issue(step, slot):
-                _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(step), kv_head, slot)
+                _issue_kv(refs, buf, bar, batch, ranges.block_at(step), kv_head, slot)
 
-            _ring_loads(num_slots, total_steps, issue, consumed)
+            _ring_loads(num_slots, total_steps, issue, bar.kv_free)
 
-    return _dq_entry(kernel, st, dtype, in_place=in_place, fixed_copies=1)
+    return _dq_entry(kernel, st, dtype, persistent=False)
 
 
-def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
+def _build_dq_persistent_kernel(st: _Static, dtype):
     """dq with ``st.dq_programs`` programs, each walking the tiles ``p, p + P, ...`` of
     the (head, tile, batch) grid, head fastest (``_persistent.tile_coords``).
 
@@ -574,20 +459,13 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
     tile's steps run in the same order as in the per-tile kernel, so dQ is bitwise the
     same.
     """
-    b = BLOCK
     num_slots = st.num_stages
     group = st.group_size
     programs = st.dq_programs
-    tiles = st.seq_pad // (COMPUTE_WGS * b)
+    tiles = st.seq_pad // (COMPUTE_WGS * BLOCK)
     num_tiles = st.q_heads * tiles * st.batch
-    fields = 5 if st.packed_users else 4
 
-    def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, keys_ref, dq_ref,
-        scoped,
-    ):  # fmt: skip
-        bufs, fixed_ready, (k_ready, v_ready), consumed = scoped
-        q_smem3, do_smem3, lse_smem3, delta_smem3, k_smem, v_smem, ds_smem2, keys_smem3 = bufs
+    def kernel(refs: BwdRefs, dq_ref, buf: DqBuffers, bar: DqBarriers):
         program = lax.axis_index(_axes.PROGRAMS)
         wg = lax.axis_index(_axes.WARPGROUP)
         my_tiles = program_tiles(program, programs, num_tiles)
@@ -598,62 +476,46 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
                 program, j, programs=programs, heads=st.q_heads, tiles=tiles
             )
             tile_start, ranges, one_user = _tile_steps(
-                st, bounds_ref, steps_ref, batch, tile, ranker_kv_block_ranges
+                st, refs.bounds, refs.steps, batch, tile, ranker_kv_block_ranges
             )
             return q_head, batch, tile_start, ranges, one_user
-
-        ring = _DqRing(k_smem, v_smem, k_ready, v_ready, consumed)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            staging = None if in_place else (ds_smem2.at[wg],)
+            staging = lambda: (buf.ds.at[wg],)  # noqa: E731
 
-            def rows_of(q_head, batch, tile_start):
-                row0 = tile_start + wg * b
-                return row0, (batch, pl.ds(row0, b), q_head), (batch, q_head, pl.ds(row0, b))
-
-            def fixed_of(buf):
-                fixed = _DqFixed(
-                    q_smem3.at[buf, wg], do_smem3.at[buf, wg], lse_smem3.at[buf, wg],
-                    delta_smem3.at[buf, wg],
-                )  # fmt: skip
-                return fixed._replace(keys=keys_smem3.at[buf, wg]) if st.packed_users else fixed
-
-            def issue_fixed(j, buf):
+            def issue_fixed(j, copy):
                 q_head, batch, tile_start, _, _ = tile_of(j)
-                row0, rows, vec = rows_of(q_head, batch, tile_start)
-                srcs = [q_ref.at[rows], do_ref.at[rows], lse_ref.at[vec], delta_ref.at[vec]]
-                if st.packed_users:
-                    srcs.append(keys_ref.at[batch, :, pl.ds(row0, b)])
-                for src, dst, bar in zip(srcs, fixed_of(buf)[:fields], fixed_ready, strict=True):
-                    plgpu.copy_gmem_to_smem(src, dst, bar.at[buf * COMPUTE_WGS + wg])
+                _, _, srcs = _fixed_sources(refs, st, batch, q_head, tile_start, wg)
+                fixed = _fixed_views(buf, copy, wg)
+                for src, dst, landed in zip(srcs, fixed, bar.fixed, strict=False):
+                    plgpu.copy_gmem_to_smem(src, dst, landed.at[copy * COMPUTE_WGS + wg])
 
             @pl.when(my_tiles > 0)
             def _first():
                 issue_fixed(0, 0)
 
             def walk(j, base):
-                buf = lax.rem(j, jnp.int32(2))
+                copy = lax.rem(j, jnp.int32(2))
                 q_head, batch, tile_start, ranges, one_user = tile_of(j)
-                row0, rows, _ = rows_of(q_head, batch, tile_start)
+                row0 = tile_start + wg * BLOCK
+                rows = (batch, pl.ds(row0, BLOCK), q_head)
                 total_steps = ranges.total_steps
-                for bar in fixed_ready:
-                    plgpu.barrier_wait(bar.at[buf * COMPUTE_WGS + wg])
+                for landed in bar.fixed:
+                    plgpu.barrier_wait(landed.at[copy * COMPUTE_WGS + wg])
 
                 @pl.when(j + 1 < my_tiles)
                 def _prefetch():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile j-1's dQ store
-                    issue_fixed(j + 1, 1 - buf)
+                    issue_fixed(j + 1, 1 - copy)
 
-                fixed = fixed_of(buf)
+                fixed = _fixed_views(buf, copy, wg)
                 dq = _dq_tile(
-                    st, dtype, in_place, fixed, ring, staging, ranges, total_steps, one_user,
-                    row0, wg, slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
+                    st, dtype, fixed, buf, bar, staging, ranges, total_steps, one_user, row0, wg,
+                    slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
                 )  # fmt: skip
-                fixed.q[...] = (dq * st.sm_scale).astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(fixed.q, dq_ref.at[rows])
+                _store_dq(st, dtype, fixed, dq, dq_ref, rows)
                 return base + total_steps
 
             lax.fori_loop(0, my_tiles, walk, jnp.int32(0))
@@ -670,9 +532,9 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
                 def issue(i, step, slot):
                     @pl.when(step >= num_slots)
                     def _wait_free():
-                        plgpu.barrier_wait(consumed.at[slot])
+                        plgpu.barrier_wait(bar.kv_free.at[slot])
 
-                    _issue_kv(k_ref, v_ref, ring, batch, ranges.block_at(i), kv_head, slot)
+                    _issue_kv(refs, buf, bar, batch, ranges.block_at(i), kv_head, slot)
 
                 return ranges.total_steps, issue
 
@@ -680,9 +542,9 @@ def _build_dq_persistent_kernel(st: _Static, dtype, *, in_place: bool):
 
             @pl.loop(jnp.maximum(total - num_slots, 0), total)
             def _drain(step):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(num_slots))])
+                plgpu.barrier_wait(bar.kv_free.at[lax.rem(step, jnp.int32(num_slots))])
 
-    return _dq_entry(kernel, st, dtype, in_place=in_place, fixed_copies=2)
+    return _dq_entry(kernel, st, dtype, persistent=True)
 
 
 def _dkv_per_step_kv(st: _Static) -> bool:
@@ -700,13 +562,12 @@ def _dkv_per_step_kv(st: _Static) -> bool:
     return st.head_dim > 64
 
 
-def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, compute_registers):
+def _dkv_memory_wg(
+    st: _Static, refs: BwdRefs, buf: DkvBuffers, bar: DkvBarriers, batch, kv_head, ranges,
+    steps, compute_registers,
+):  # fmt: skip
     """The dk/dv kernel's memory WG: the ring of query-side blocks (Q, LSE, dO, delta')
     over the group's query heads: ``steps = (head_steps, total_steps)``."""
-    q_ref, _, _, do_ref, lse_ref, delta_ref = refs[:6]
-    bufs, _, ready, consumed = scoped
-    q_smem, do_smem, lse_smem, delta_smem = bufs[2:6]
-    q_ready, do_ready, lse_ready, delta_ready = ready
     b, group = BLOCK, st.group_size
     head_steps, total_steps = steps
     plgpu.set_max_registers(memory_registers(compute_registers), action="decrease")
@@ -718,34 +579,27 @@ def _dkv_memory_wg(st: _Static, refs, scoped, batch, kv_head, ranges, steps, com
         q0 = ranges.block_at(i) * b
         rows = (batch, pl.ds(q0, b), q_head)
         vec = (batch, q_head, pl.ds(q0, b))
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-        plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
-        plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot], delta_ready.at[slot])
+        plgpu.copy_gmem_to_smem(refs.q.at[rows], buf.q.at[slot], bar.q_landed.at[slot])
+        plgpu.copy_gmem_to_smem(refs.lse.at[vec], buf.lse.at[slot], bar.lse_landed.at[slot])
+        plgpu.copy_gmem_to_smem(refs.do.at[rows], buf.do.at[slot], bar.do_landed.at[slot])
+        plgpu.copy_gmem_to_smem(refs.delta.at[vec], buf.delta.at[slot], bar.delta_landed.at[slot])
 
-    _ring_loads(st.num_stages, total_steps, issue, consumed)
+    _ring_loads(st.num_stages, total_steps, issue, bar.step_free)
 
 
-def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
+def _build_dkv_kernel(st: _Static, dtype):
     b = BLOCK
     num_slots = st.num_stages
     group = st.group_size
     per_step_kv = _dkv_per_step_kv(st)
     compute_registers = MAX_COMPUTE_REGISTERS if per_step_kv else COMPUTE_REGISTERS
 
-    def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref, steps_ref, queries_ref,
-        dk_ref, dv_ref, scoped,
-    ):  # fmt: skip
-        bufs, fixed_ready, ready, consumed = scoped
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, p_smem2, ds_smem2 = bufs[:8]
-        queries_smem2 = bufs[8]
-        q_ready, do_ready, lse_ready, delta_ready = ready
+    def kernel(refs: BwdRefs, dk_ref, dv_ref, buf: DkvBuffers, bar: DkvBarriers):
         batch = lax.axis_index(_axes.BATCH)
         kv_head = lax.axis_index(_axes.HEADS)
         wg = lax.axis_index(_axes.WARPGROUP)
         tile_start, ranges, one_user = _tile_steps(
-            st, bounds_ref, steps_ref, batch, _axes.KV_TILES, ranker_q_block_ranges
+            st, refs.bounds, refs.steps, batch, _axes.KV_TILES, ranker_q_block_ranges
         )
         if one_user is not None:
             hl, hu, cl, cu = one_user
@@ -755,35 +609,35 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
         @pl.when(wg < COMPUTE_WGS)
         def _compute_wg():
             plgpu.set_max_registers(compute_registers, action="increase")
-            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            k_smem, v_smem = buf.k.at[wg], buf.v.at[wg]
             if per_step_kv:
                 # 0 at run time (bounds are clipped to [0, S]), unknown to the compiler.
-                raw = bounds_ref[batch, 0] if not st.packed_users else bounds_ref[batch, 0, 0]
+                raw = refs.bounds[batch, 0] if not st.packed_users else refs.bounds[batch, 0, 0]
                 opaque_zero = lax.shift_right_logical(raw, jnp.int32(31))
             kv0 = tile_start + wg * b
             kv_rows = (batch, pl.ds(kv0, b), kv_head)
-            srcs, dsts = [k_ref.at[kv_rows], v_ref.at[kv_rows]], [k_smem, v_smem]
+            srcs, dsts = [refs.k.at[kv_rows], refs.v.at[kv_rows]], [k_smem, v_smem]
             if st.packed_users:  # the keys' packed_key_table entries
-                srcs.append(queries_ref.at[batch, :, pl.ds(kv0, b)])
-                dsts.append(queries_smem2.at[wg])
-            _load_fixed(srcs, dsts, fixed_ready, wg)
+                srcs.append(refs.table.at[batch, :, pl.ds(kv0, b)])
+                dsts.append(buf.keys.at[wg])
+            _load_fixed(srcs, dsts, bar.fixed, wg)
             if st.packed_users:
-                key_queries = _row_entries(queries_smem2.at[wg], PACKED_KEY_FIELDS)
+                key_queries = _row_entries(buf.keys.at[wg], PACKED_KEY_FIELDS)
             if st.packed_users:
                 full_lo, full_hi = ranges.full_steps(wg)
             else:
                 full_lo, full_hi = ranker_full_q_steps(ranges, hl, hu, cl, cu, kv0, kv0 + b, b)
-            staging = None if in_place else (p_smem2.at[wg], ds_smem2.at[wg])
+            staging = lambda: (buf.p.at[wg], buf.ds.at[wg])  # noqa: E731
             layout = plgpu.Layout.WGMMA
             kv_ids = kv0 + plgpu.broadcasted_iota(jnp.int32, (b, b), 0, layout=layout)
 
             def step(i, carry, *, head, masked):
                 dk, dv = carry
                 slot = lax.rem(head * head_steps + i, jnp.int32(num_slots))
-                for bar in (q_ready, lse_ready, do_ready, delta_ready):
-                    plgpu.barrier_wait(bar.at[slot])
-                lse2 = plgpu.load(lse_smem.at[slot], layout=layout.reduce(0))
-                delta = plgpu.load(delta_smem.at[slot], layout=layout.reduce(0))
+                for landed in (bar.q_landed, bar.lse_landed, bar.do_landed, bar.delta_landed):
+                    plgpu.barrier_wait(landed.at[slot])
+                lse2 = plgpu.load(buf.lse.at[slot], layout=layout.reduce(0))
+                delta = plgpu.load(buf.delta.at[slot], layout=layout.reduce(0))
                 mask_fn = None
                 if masked:
 
@@ -799,14 +653,13 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
                 k_fixed, v_fixed = k_smem, v_smem
                 if per_step_kv:  # the same buffers, addressed anew each step
                     own = wg + lax.bitwise_and(i, opaque_zero)
-                    k_fixed, v_fixed = k_smem2.at[own], v_smem2.at[own]
-                operands = (k_fixed, q_smem.at[slot], v_fixed, do_smem.at[slot])
+                    k_fixed, v_fixed = buf.k.at[own], buf.v.at[own]
+                operands = (k_fixed, buf.q.at[slot], v_fixed, buf.do.at[slot])
                 p_t, factor = _p_and_grad_factor(operands, lse2, delta, mask_fn, st, 1)
                 dk, dv = _dkv_update(
-                    dk, dv, p_t, factor, q_smem.at[slot], do_smem.at[slot], staging, st,
-                    in_place, dtype,
-                )  # fmt: skip
-                plgpu.barrier_arrive(consumed.at[slot])
+                    dk, dv, p_t, factor, buf.q.at[slot], buf.do.at[slot], staging, st, dtype
+                )
+                plgpu.barrier_arrive(bar.step_free.at[slot])
                 return dk, dv
 
             def head_loop(head, carry):
@@ -824,32 +677,25 @@ def _build_dkv_kernel(st: _Static, dtype, *, in_place: bool):
 
         pl.when(wg == COMPUTE_WGS)(
             lambda: _dkv_memory_wg(
-                st, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), scoped, batch, kv_head,
-                ranges, (head_steps, total_steps), compute_registers,
+                st, refs, buf, bar, batch, kv_head, ranges, (head_steps, total_steps),
+                compute_registers,
             )
         )  # fmt: skip
 
+    buffers, barriers = dkv_scratch(
+        st.head_dim, dtype, num_stages=num_slots, packed=bool(st.packed_users),
+        interpret=st.target.interpret,
+    )  # fmt: skip
+
     def entry(*refs):
-        # Inputs q, k, v, dO, lse2, delta', bounds (+ the step list and the key query
-        # table for packed rows), then dK, dV.
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref = refs[:7]
-        steps_ref, queries_ref = refs[7:9] if st.packed_users else (None, None)
-        dk_ref, dv_ref = refs[-2:]
-        t = tile_transforms()
-        own = plgpu.SMEM((COMPUTE_WGS, b, st.head_dim), dtype, transforms=t)
-        ring = plgpu.SMEM((num_slots, b, st.head_dim), dtype, transforms=t)
-        ring_vec = plgpu.SMEM((num_slots, b), jnp.float32)
-        staging = None if in_place else plgpu.SMEM((COMPUTE_WGS, b, b), dtype, transforms=t)
-        queries = None
-        if st.packed_users:
-            queries = plgpu.SMEM((COMPUTE_WGS, PACKED_KEY_FIELDS, b), jnp.int32)
-        operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bounds_ref)
+        # Inputs (BwdRefs: the step list and the key table only for packed rows), then
+        # the outputs dK, dV [B, S_pad, Hkv, D].
+        packed = refs[7:9] if st.packed_users else ()
+        ins = BwdRefs(*refs[:7], *packed)
         pl.run_scoped(
-            lambda *args: kernel(*operands, steps_ref, queries_ref, dk_ref, dv_ref, args),
-            [own, own, ring, ring, ring_vec, ring_vec, staging, staging, queries],
-            (plgpu.Barrier(num_barriers=COMPUTE_WGS),) * (3 if st.packed_users else 2),
-            (plgpu.Barrier(num_barriers=num_slots),) * 4,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_slots),
+            lambda buf, bar: kernel(ins, *refs[-2:], buf, bar),
+            buffers,
+            barriers,
             collective_axes=_axes.WARPGROUP,
         )
 
@@ -878,12 +724,13 @@ def pipelined_bwd(
     ``st_fields``: batch, seq_pad, q_heads, kv_heads, head_dim, sm_scale, cap.
     ``tuning``: overrides of the schedule knobs ``num_stages``, ``exp2_fma_cols``,
     ``rcp_fma_cols``, ``dq_programs`` (``BackwardTuning``; ``None``
-    keeps the defaults).
+    keeps the defaults). ``interpret``: as the public functions take it, or a ``Target``.
     """
+    target = resolve_target(interpret)
     knobs = {"num_stages": pipelined_stages(st_fields["head_dim"]), **(tuning or {})}
     check_backward_knobs(knobs, st_fields["cap"])
     need = pipelined_smem_bytes(
-        st_fields["head_dim"], q.dtype, interpret=interpret is not None,
+        st_fields["head_dim"], q.dtype, interpret=target.interpret,
         num_stages=knobs["num_stages"], dq_programs=knobs.get("dq_programs", 0),
         packed=bool(users),
     )  # fmt: skip
@@ -893,19 +740,18 @@ def pipelined_bwd(
                 f"backward tuning {knobs}: the {kernel} kernel needs {size} bytes of shared "
                 f"memory, more than the {SMEM_LIMIT_BYTES} available per block on sm_90"
             )
-    st = _Static(**st_fields, **knobs, interpret=interpret is not None, packed_users=users)
-    return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st, interpret=interpret)
+    st = _Static(**st_fields, **knobs, target=target, packed_users=users)
+    return _pipelined_bwd(q, k, v, do, lse2, delta, bounds, st=st)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
-    in_place = interpret is None
+@functools.partial(jax.jit, static_argnames=("st",))
+def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static):
     tiles = st.seq_pad // (COMPUTE_WGS * BLOCK)
     common = dict(
         num_threads=COMPUTE_WGS + 1,
         thread_name=_axes.WARPGROUP,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
+        interpret=st.target.params,
     )
     dq_in = [q, k, v, do, lse2, delta, bounds]
     dkv_in = list(dq_in)
@@ -925,14 +771,14 @@ def _pipelined_bwd(q, k, v, do, lse2, delta, bounds, *, st: _Static, interpret):
         )
         build_dq = _build_dq_kernel
     dq = plgpu.kernel(
-        build_dq(st, q.dtype, in_place=in_place),
+        build_dq(st, q.dtype),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         **dq_grid,
         kernel_name=DQ_KERNEL,
         **common,
     )(*dq_in)
     dk, dv = plgpu.kernel(
-        _build_dkv_kernel(st, q.dtype, in_place=in_place),
+        _build_dkv_kernel(st, q.dtype),
         out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(st.kv_heads, tiles, st.batch),
         grid_names=(_axes.HEADS, _axes.KV_TILES, _axes.BATCH),

@@ -25,7 +25,7 @@ owns ``2 * block_q`` query rows of one (batch row, query head) and runs three wa
 * WG2 (memory, ``setmaxnreg 40``: what the compute WGs leave of the pool): TMA-loads the
   K and V blocks of every step into a ring of ``num_stages`` slots. The first
   ``num_stages`` steps are issued at once; step ``s + num_stages`` waits on the slot's
-  *consumed* barriers before reusing it.
+  ``k_free`` / ``v_free`` barriers before reusing it.
 
 The KV steps are ``attn_common.ranker_kv_block_ranges`` of the program's ``2 * block_q``
 rows: the history blocks merged with the blocks holding the tile's candidates' own keys,
@@ -34,16 +34,17 @@ mask handles the rows), which keeps every barrier's arrival count static. Bounds
 per batch row from the int32 ``[B, 4]`` array in global memory; nothing about them is
 static, so one compiled kernel serves every batch.
 
-Barriers (all in shared memory):
+Barriers (``ranker_config.ForwardBarriers``, all in shared memory; buffers
+``ForwardBuffers``):
 
-* ``k_ready[slot]``, ``v_ready[slot]``: TMA completion (transaction-count barriers)
+* ``k_landed[slot]``, ``v_landed[slot]``: TMA completion (transaction-count barriers)
   for K and V of a slot; both compute WGs wait on them. V is waited separately, after the
   softmax, so the QK^T of a step can start as soon as K has landed.
-* ``q_ready[wg]``: the WG's Q tile has landed.
-* ``k_consumed[slot]``, ``v_consumed[slot]`` (2 arrivals: one per compute WG): the slot's
-  K (after QK^T) or V (after PV) is no longer read; the memory WG waits on them before
+* ``q_landed[wg]``: the WG's Q tile has landed.
+* ``k_free[slot]``, ``v_free[slot]`` (2 arrivals: one per compute WG): the slot's K
+  (after QK^T) or V (after PV) is no longer read; the memory WG waits on them before
   refilling the slot.
-* ``schedule`` (2 arrivals): the FA3 ping-pong. WG1 starts one phase late, so while one
+* ``mma_turn`` (2 arrivals): the FA3 ping-pong. WG1 starts one phase late, so while one
   WG runs its softmax on the CUDA cores the other owns the tensor cores for its wgmmas.
   Every WG arrives twice per step (once in QK^T, once after the softmax), plus once before
   or after the loop, so the two stay balanced whatever the step count. The softmax-done
@@ -84,10 +85,11 @@ the cap's last multiply. ``config.exp2_fma_cols`` / ``rcp_fma_cols`` key columns
 tile compute ``exp2`` / soft_sign's reciprocal on the FMA pipe instead
 (``attn_mosaic_gpu.fastmath``); the tuned tables choose them per problem.
 
-Interpret mode (``interpret=True`` / ``plgpu.InterpretGPUParams``, CPU): jax 0.11.2's
-Mosaic GPU interpreter implements neither ``run_state`` nor a wgmma whose A operand is
-in registers, so the PV product is computed from a copy of P in shared memory into a
-fresh accumulator that is then added (``accumulate_in_place=False``). Everything else
+Interpret mode (``interpret=True`` / ``plgpu.InterpretGPUParams``, CPU; resolved once to
+an ``_interpret.Target``): jax 0.11.2's Mosaic GPU interpreter implements neither
+``run_state`` nor a wgmma whose A operand is in registers, so the PV product is computed
+from a copy of P in shared memory into a fresh accumulator that is then added
+(``Target.accumulate_registers``). Everything else
 (TMA, barriers and their phases, the ring, QK^T, mask, softmax, stores) is the GPU code.
 
 Any ``S`` is supported: q, k, v are zero-padded to a multiple of ``2 * block_q`` and of
@@ -108,7 +110,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_common import CapMethod, CapParams, KernelConfig, check_ranker_inputs, ranker_mask
+from attn_common import CapParams, KernelConfig, check_ranker_inputs, ranker_mask
 from attn_common.bounds import overlap_len, ranker_full_kv_steps, ranker_kv_block_ranges
 from attn_common.cap import cap_scaled_with_derivative
 from attn_common.packed import (
@@ -121,26 +123,34 @@ from attn_common.packed import (
 )
 from attn_common.ranker import RankerKernelStatic
 from attn_mosaic_gpu import _axes
-from attn_mosaic_gpu._interpret import resolve_interpret
+from attn_mosaic_gpu._interpret import Target, resolve_target
 from attn_mosaic_gpu._persistent import program_tiles, ring_walk, tile_coords
 from attn_mosaic_gpu._registers import (
     COMPUTE_REGISTERS,
     COMPUTE_WGS,
-    LAUNCH_REGISTERS,
-    MAX_COMPUTE_REGISTERS,
-    MIN_REGISTERS,
     memory_registers,
 )
-from attn_mosaic_gpu._smem import SMEM_LIMIT_BYTES, allocated_bytes, round_up, tile_transforms
+from attn_mosaic_gpu._smem import round_up
 from attn_mosaic_gpu.fastmath import (
     LN2,
     LOG2E,
     M_INIT,
     exp2_fma,
     fast_reciprocal,
-    mufu_reciprocal,
     reciprocal_fma,
     split_columns,
+)
+from attn_mosaic_gpu.ranker_config import (
+    MIN_PACKED_USERS,
+    SMEM_LIMIT_BYTES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    ForwardBarriers,
+    ForwardBuffers,
+    default_config,
+    forward_scratch,
+    smem_bytes,
+    validate_config,
 )
 
 __all__ = [
@@ -151,119 +161,9 @@ __all__ = [
     "validate_config",
 ]
 
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-
-# Accumulator registers per thread (f32 S and O tiles) a compute WG may hold; 232 are
-# granted by setmaxnreg, the rest is left for addresses, m, l, P and the mask.
-_ACC_REGISTER_LIMIT = 160
 # setmaxnreg of the compute WGs: config.compute_registers, else COMPUTE_REGISTERS (the
 # memory WG keeps 40). 240 (memory WG 24) runs ragged's forward 2.4 % faster and long's
 # no faster on an H200 (docs/ranker_gpu.md), so it is a tuned knob.
-# Bounds [B, U, 4] with U >= 2 take the packed step lists; [B, 1, 4] the one-user kernels.
-MIN_PACKED_USERS = 2
-
-
-def default_config(head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
-    """The tuned default tiling per head dim (bf16 and fp16 share it: both 2 bytes).
-
-    Shared memory (``smem_bytes``, with LSE): D=64 ~145 KiB, D=128 ~161 KiB,
-    D=256 ~193 KiB, all under the 227 KiB limit.
-    """
-    del dtype  # both supported dtypes are 2 bytes wide
-    if head_dim <= 64:
-        return KernelConfig(block_q=64, block_kv=128, num_stages=4)
-    if head_dim <= 128:
-        return KernelConfig(block_q=64, block_kv=128, num_stages=2)
-    return KernelConfig(block_q=64, block_kv=64, num_stages=2)
-
-
-def smem_bytes(
-    config: KernelConfig, head_dim: int, dtype, *, return_lse: bool = True, packed: bool = False
-) -> int:
-    """Shared memory the kernel allocates for ``config``, in bytes: what Mosaic GPU
-    counts against the 227 KiB (``tests/test_ranker_fwd_cpu.py`` checks it exactly).
-
-    Q/O tiles of both compute WGs, the K ring, the V ring, the LSE staging buffer and
-    (packed rows) the rows' key table, each 1024-byte aligned, and 8 bytes per barrier
-    (no reduction scratch: ``CompilerParams(reduction_scratch_bytes=0)``).
-    """
-    itemsize = jnp.dtype(dtype).itemsize
-    copies = 2 if config.programs else 1  # persistent programs double-buffer Q/O and LSE
-    ring = config.num_stages * config.block_kv * head_dim * itemsize
-    buffers = [
-        copies * COMPUTE_WGS * config.block_q * head_dim * itemsize,  # Q/O
-        ring,  # K
-        ring,  # V
-        copies * COMPUTE_WGS * config.block_q * 4 if return_lse else 0,
-        COMPUTE_WGS * PACKED_QUERY_FIELDS * config.block_q * 4 if packed else 0,
-    ]
-    barriers = 4 * config.num_stages + copies * COMPUTE_WGS + 1 + (COMPUTE_WGS if packed else 0)
-    return allocated_bytes(buffers, barriers)
-
-
-def validate_config(
-    config: KernelConfig,
-    head_dim: int,
-    dtype,
-    *,
-    return_lse: bool = True,
-    cap: CapParams | None = None,
-    packed: bool = False,
-) -> None:
-    """Raise ``ValueError`` naming the Hopper rule ``config`` breaks for this problem."""
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
-    if config.block_q != 64:
-        raise ValueError(
-            f"config.block_q: got {config.block_q}, expected 64 (each compute warpgroup owns "
-            "block_q rows and one wgmma has M = 64 rows per warpgroup)"
-        )
-    if config.block_kv % 64 or config.block_kv > 256:
-        raise ValueError(
-            f"config.block_kv: got {config.block_kv}, expected a multiple of 64 no larger "
-            "than 256 (wgmma N <= 256 and the 128-byte swizzle tile of K/V; TMA boxes hold "
-            "at most 256 rows)"
-        )
-    if config.num_stages < 2:
-        raise ValueError(
-            f"config.num_stages: got {config.num_stages}, expected >= 2 (the K/V ring needs "
-            "a second slot so the next block loads while the current one is consumed)"
-        )
-    if config.programs and packed:
-        raise ValueError(
-            f"config.programs: got {config.programs}, expected 0 for packed bounds [B, U, 4] "
-            "(persistent programs take one user per row)"
-        )
-    if config.rcp_fma_cols and (cap is None or cap.method is not CapMethod.SOFT_SIGN):
-        raise ValueError(
-            f"config.rcp_fma_cols: got {config.rcp_fma_cols}, expected 0 unless the cap is "
-            "soft_sign (the only cap with a reciprocal)"
-        )
-    regs = config.compute_registers
-    if regs and not LAUNCH_REGISTERS <= regs <= MAX_COMPUTE_REGISTERS:
-        raise ValueError(
-            f"config.compute_registers: got {regs}, expected 0 (the default, "
-            f"{COMPUTE_REGISTERS}) or {LAUNCH_REGISTERS} to {MAX_COMPUTE_REGISTERS} "
-            f"(the launch's {LAUNCH_REGISTERS} per thread up to what leaves the memory "
-            f"warpgroup setmaxnreg's floor of {MIN_REGISTERS})"
-        )
-    acc_regs = config.block_q * (head_dim + config.block_kv) // 128
-    if acc_regs > _ACC_REGISTER_LIMIT:
-        raise ValueError(
-            f"config: block_q * (D + block_kv) / 128 = {acc_regs} f32 accumulator registers "
-            f"per thread for D={head_dim}, block_kv={config.block_kv}; the limit is "
-            f"{_ACC_REGISTER_LIMIT} of the {regs or COMPUTE_REGISTERS} a compute "
-            "warpgroup gets (use a smaller block_kv)"
-        )
-    need = smem_bytes(config, head_dim, dtype, return_lse=return_lse, packed=packed)
-    if need > SMEM_LIMIT_BYTES:
-        raise ValueError(
-            f"config: needs {need} bytes of shared memory (Q/O {COMPUTE_WGS}x{config.block_q}"
-            f"x{head_dim}, K+V {config.num_stages}x2x{config.block_kv}x{head_dim}, "
-            f"{jnp.dtype(dtype).name}), more than the {SMEM_LIMIT_BYTES} bytes (227 KiB) "
-            "available per block on sm_90; lower num_stages or block_kv"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,12 +206,12 @@ def ranker_tile_mask(row0, col0, shape, hl, hu, cl, cu):
     return ranker_mask(q_ids, kv_ids, hl, hu, cl, cu)
 
 
-def _scale_and_cap(st: _Static, qk, *, compiled: bool):
+def _scale_and_cap(st: _Static, qk, target: Target):
     """Base-2 logits ``s2 = cap(qk * sm_scale) * log2(e)`` of a raw ``Q K^T`` tile or of
     per-row maxima: the constants folded into the multiplies the cap needs anyway (no cap:
     one multiply), ending in a multiply so that ``s2 - m`` is one FMA. Soft_sign's
     reciprocal runs on the MUFU except for ``st.rcp_fma_cols`` key columns."""
-    on_mufu = mufu_reciprocal(compiled=compiled)
+    on_mufu = target.reciprocal_tile()
 
     def reciprocal(d):
         if d.ndim != 2:  # the per-row maxima: too few to split
@@ -325,15 +225,15 @@ def _scale_and_cap(st: _Static, qk, *, compiled: bool):
     return s2
 
 
-def _softmax_exp2(st: _Static, x, *, compiled: bool):
+def _softmax_exp2(st: _Static, x, target: Target):
     """``exp2`` of a tile: the first ``st.exp2_fma_cols`` key columns on the FMA pipe, the
     rest on the MUFU. Interpret mode runs on XLA, which would fold exp2_fma's rounding
     step away, hence the guard."""
-    on_fma = functools.partial(exp2_fma, xla_fold_guard=not compiled)
+    on_fma = functools.partial(exp2_fma, xla_fold_guard=target.interpret)
     return split_columns(x, st.exp2_fma_cols, on_fma, jnp.exp2)
 
 
-def _online_softmax_step(st: _Static, qk, allowed, m_i, *, compiled: bool):
+def _online_softmax_step(st: _Static, qk, allowed, m_i, target: Target):
     """One step of the online softmax on the raw ``Q K^T`` tile: ``P`` (f32), the
     rescale ``alpha`` of the running sums and the new running max (base 2).
     ``allowed`` is ``None`` on steps whose block needs no mask."""
@@ -343,13 +243,13 @@ def _online_softmax_step(st: _Static, qk, allowed, m_i, *, compiled: bool):
     # after them), and each exponent s2 - m is one FMA after the cap's last multiply.
     raw = jnp.where(allowed, qk, -jnp.inf) if masked else qk
     raw_max = raw.max(axis=1)
-    step_max = jnp.where(raw_max > -jnp.inf, _scale_and_cap(st, raw_max, compiled=compiled), M_INIT)
+    step_max = jnp.where(raw_max > -jnp.inf, _scale_and_cap(st, raw_max, target), M_INIT)
     m_new = jnp.maximum(m_i, step_max)
-    x = _scale_and_cap(st, qk, compiled=compiled) - lax.broadcast_in_dim(m_new, qk.shape, [0])
+    x = _scale_and_cap(st, qk, target) - lax.broadcast_in_dim(m_new, qk.shape, [0])
     if masked:
         x = jnp.where(allowed, x, -jnp.inf)
     alpha = jnp.exp2(m_i - m_new)
-    return _softmax_exp2(st, x, compiled=compiled), alpha, m_new
+    return _softmax_exp2(st, x, target), alpha, m_new
 
 
 def _tile_info(st: _Static, bounds_ref, steps_ref, batch, q_tile):
@@ -390,23 +290,25 @@ def _wg_rows(st: _Static, wg, tile_start, bnds):
 
 
 def _compute_tile(
-    st: _Static, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds, bufs,
-    barriers, out_refs, *, load_q, slot_of, idle_waits, compiled: bool,
+    st: _Static, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds, qo_smem,
+    lse_smem, buf: ForwardBuffers, bar: ForwardBarriers, out_refs, *, load_q, slot_of,
+    idle_waits, target: Target,
 ):  # fmt: skip
     """One compute WG's part of a tile: its Q (``load_q(row0)``, called when it has a
     live row), the KV steps (step ``i`` in ring slot ``slot_of(i)``), the softmax and
-    the output written to ``bufs``' Q/O tile and TMA-stored, not waited for.
+    the output written to its Q/O tile ``qo_smem`` (and ``lse_smem``) and TMA-stored,
+    not waited for.
     ``idle_waits``: a WG with no live row also waits for every step's K and V, so
     that its barrier phases stay in step across the tiles of a persistent program.
-    ``compiled=False`` (interpret mode) stages P through shared memory for ``P V``."""
+    ``P V`` takes P from registers (interpreted, staged through ``buf.p``:
+    ``Target.accumulate_registers``)."""
     block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
-    qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2 = bufs
-    k_ready, v_ready, schedule, k_consumed, v_consumed = barriers
+    k_smem, v_smem, p_smem2, keys_smem2 = buf.k, buf.v, buf.p, buf.keys
     out_ref, lse_ref = out_refs
 
-    def schedule_sync():
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
+    def turn_sync():
+        plgpu.barrier_arrive(bar.mma_turn)
+        plgpu.barrier_wait(bar.mma_turn)
 
     row0, row1, active = _wg_rows(st, wg, tile_start, bnds)
     if st.packed_users:
@@ -435,9 +337,9 @@ def _compute_tile(
 
     @pl.when(wg_steps > 0)
     def _wait_first_k():
-        plgpu.barrier_wait(k_ready.at[slot_of(0)])
+        plgpu.barrier_wait(bar.k_landed.at[slot_of(0)])
 
-    pl.when(wg == 1)(schedule_sync)
+    pl.when(wg == 1)(turn_sync)
 
     def kv_step(step, carry, *, masked: bool):
         acc, m_i, l_i = carry
@@ -445,11 +347,11 @@ def _compute_tile(
 
         def compute_qk(acc_ref):
             plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-            schedule_sync()
+            turn_sync()
             return acc_ref[...]
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.barrier_arrive(bar.k_free.at[slot])
 
         if masked:
             kv0 = ranges.block_at(step) * block_kv
@@ -462,15 +364,15 @@ def _compute_tile(
         else:
             allowed = None
 
-        p, alpha, m_new = _online_softmax_step(st, qk, allowed, m_i, compiled=compiled)
+        p, alpha, m_new = _online_softmax_step(st, qk, allowed, m_i, target)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i = l_i * alpha
         p16 = p.astype(dtype)
 
         def end_softmax():
-            plgpu.barrier_arrive(schedule)  # softmax done
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(schedule)  # tensor cores are ours
+            plgpu.barrier_arrive(bar.mma_turn)  # softmax done
+            plgpu.barrier_wait(bar.v_landed.at[slot])
+            plgpu.barrier_wait(bar.mma_turn)  # tensor cores are ours
 
         if head_dim <= 128:
             l_i = l_i + p.sum(axis=1)
@@ -485,29 +387,12 @@ def _compute_tile(
 
             @pl.when(nxt < wg_steps)
             def _wait_next_k():
-                plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+                plgpu.barrier_wait(bar.k_landed.at[slot_of(nxt)])
 
-        def compute_pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            wait_next_k()
-
-        if compiled:
-            acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-        else:
-            # Interpret mode (jax 0.11.2) implements neither run_state_p nor a
-            # wgmma whose A operand is in registers: P is staged through shared
-            # memory and the product goes into a fresh accumulator, then added.
-            p_smem = p_smem2.at[wg]
-            p_smem[...] = p16
-            plgpu.commit_smem()
-
-            def compute_pv_fresh(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                wait_next_k()
-                return acc_ref[...]
-
-            acc = acc + pl.run_scoped(compute_pv_fresh, plgpu.ACC((block_q, head_dim), jnp.float32))
-        plgpu.barrier_arrive(v_consumed.at[slot])
+        (acc,) = target.accumulate_registers(
+            (acc,), lambda: (p_smem2.at[wg],), [(lambda: p16, v_smem.at[slot])], after=wait_next_k
+        )
+        plgpu.barrier_arrive(bar.v_free.at[slot])
         return acc, m_new, l_i
 
     masked_step = functools.partial(kv_step, masked=True)
@@ -522,16 +407,16 @@ def _compute_tile(
         # All-padding WG: keep the barrier protocol of a computing WG.
         slot = slot_of(step)
         if idle_waits:
-            plgpu.barrier_wait(k_ready.at[slot])
-        schedule_sync()
-        plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_wait(bar.k_landed.at[slot])
+        turn_sync()
+        plgpu.barrier_arrive(bar.k_free.at[slot])
         if idle_waits:
-            plgpu.barrier_wait(v_ready.at[slot])
-        schedule_sync()
-        plgpu.barrier_arrive(v_consumed.at[slot])
+            plgpu.barrier_wait(bar.v_landed.at[slot])
+        turn_sync()
+        plgpu.barrier_arrive(bar.v_free.at[slot])
 
     lax.fori_loop(wg_steps, total_steps, idle_step, None)
-    pl.when(wg == 0)(schedule_sync)
+    pl.when(wg == 0)(turn_sync)
 
     _store_output(
         st, dtype, acc, m_i, l_i, qo_smem, lse_smem, out_ref, lse_ref,
@@ -561,17 +446,18 @@ def _store_output(
 
 
 class _Refs(NamedTuple):
-    """The kernel's operands in HBM: q, k, v, bounds (+ the packed rows' step list and
-    query key table, else ``None``), out (+ lse, else ``None``)."""
+    """The kernel's operands in global memory, by role."""
 
-    q: Any
-    k: Any
-    v: Any
-    bounds: Any
-    steps: Any
-    keys: Any
-    out: Any
-    lse: Any
+    # inputs
+    q: Any  # [B, S_pad, Hq, D]
+    k: Any  # [B, S_pad, Hkv, D]
+    v: Any  # [B, S_pad, Hkv, D]
+    bounds: Any  # [B, 4] int32, or packed [B, U, 4]
+    steps: Any  # packed rows: [B, tiles, words] int32, the step list; else None
+    keys: Any  # packed rows: [B, PACKED_QUERY_FIELDS, S_pad] int32, the query table; else None
+    # outputs
+    out: Any  # [B, S_pad, Hq, D]
+    lse: Any  # [B, Hq, S_pad] f32, or None
 
 
 def _ring_slot(num_slots: int, step):
@@ -579,63 +465,61 @@ def _ring_slot(num_slots: int, step):
     return step % num_slots if isinstance(step, int) else lax.rem(step, jnp.int32(num_slots))
 
 
-def _tile_compute_wg(st: _Static, dtype, refs: _Refs, scoped, tile, *, compiled: bool):
+def _tile_compute_wg(
+    st: _Static, dtype, refs: _Refs, buf: ForwardBuffers, bar: ForwardBarriers, tile,
+    target: Target,
+):  # fmt: skip
     """A compute WG of the one-tile kernel: its Q (and packed rows' key entries), then
     ``_compute_tile``; the output store is waited for before the program ends."""
-    bufs, ready, consumed, schedule = scoped
-    qo_smem2, k_smem, v_smem, lse_smem2, p_smem2, keys_smem2 = bufs
-    k_ready, v_ready, q_ready, *keys_ready = ready
-    k_consumed, v_consumed = consumed
     batch, q_head, wg, tile_start, ranges, total_steps, bnds = tile
     block_q = st.block_q
     plgpu.set_max_registers(st.compute_registers, action="increase")
-    qo_smem = qo_smem2.at[wg]
+    qo_smem = buf.qo.at[wg]
 
     def load_q(row0):
         plgpu.copy_gmem_to_smem(
-            refs.q.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_ready.at[wg]
+            refs.q.at[batch, pl.ds(row0, block_q), q_head], qo_smem, bar.q_landed.at[wg]
         )
         if st.packed_users:
             plgpu.copy_gmem_to_smem(
                 refs.keys.at[batch, :, pl.ds(row0, block_q)],
-                keys_smem2.at[wg],
-                keys_ready[0].at[wg],
+                buf.keys.at[wg],
+                bar.keys_landed.at[wg],
             )
-            plgpu.barrier_wait(keys_ready[0].at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(bar.keys_landed.at[wg])
+        plgpu.barrier_wait(bar.q_landed.at[wg])
 
-    lse_smem = None if lse_smem2 is None else lse_smem2.at[wg]
+    lse_smem = None if buf.lse is None else buf.lse.at[wg]
     _compute_tile(
-        st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-        (qo_smem, lse_smem, k_smem, v_smem, p_smem2, keys_smem2),
-        (k_ready, v_ready, schedule, k_consumed, v_consumed), (refs.out, refs.lse),
+        st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds, qo_smem,
+        lse_smem, buf, bar, (refs.out, refs.lse),
         load_q=load_q, slot_of=functools.partial(_ring_slot, st.num_stages),
-        idle_waits=False, compiled=compiled,
+        idle_waits=False, target=target,
     )  # fmt: skip
     plgpu.wait_smem_to_gmem(0)
 
 
-def _drain_ring(k_consumed, v_consumed, num_slots: int, total_steps):
+def _drain_ring(bar: ForwardBarriers, num_slots: int, total_steps):
     """The memory WG's last waits: observe the consumption of the last ``num_slots`` of
-    ``total_steps`` ring steps, so that every completed phase of the consumed barriers is
+    ``total_steps`` ring steps, so that every completed phase of the ``*_free`` barriers is
     waited on before they are freed (interpret mode checks this; on the GPU it costs an
     idle warpgroup a few waits)."""
 
     @pl.loop(jnp.maximum(total_steps - num_slots, 0), total_steps)
     def _drain(step):
         slot = lax.rem(step, jnp.int32(num_slots))
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
+        plgpu.barrier_wait(bar.k_free.at[slot])
+        plgpu.barrier_wait(bar.v_free.at[slot])
 
 
-def _tile_memory_wg(st: _Static, refs: _Refs, scoped, batch, kv_head, ranges, total_steps):
+def _tile_memory_wg(
+    st: _Static, refs: _Refs, buf: ForwardBuffers, bar: ForwardBarriers, batch, kv_head,
+    ranges, total_steps,
+):  # fmt: skip
     """The memory WG of the one-tile kernel: fill the K/V ring (prologue), refill a slot
     once both compute WGs consumed it (steady), then observe the last consumptions
     (drain)."""
-    bufs, ready, consumed, _ = scoped
-    _, k_smem, v_smem, *_ = bufs
-    k_ready, v_ready, *_ = ready
-    k_consumed, v_consumed = consumed
+    k_smem, v_smem = buf.k, buf.v
     block_kv, num_slots = st.block_kv, st.num_stages
     plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
@@ -647,22 +531,22 @@ def _tile_memory_wg(st: _Static, refs: _Refs, scoped, batch, kv_head, ranges, to
         @pl.when(i < total_steps)
         def _prologue(i=i):
             rows = kv_rows(jnp.int32(i))
-            plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[i], k_ready.at[i])
-            plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[i], v_ready.at[i])
+            plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[i], bar.k_landed.at[i])
+            plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[i], bar.v_landed.at[i])
 
     @pl.loop(num_slots, jnp.maximum(total_steps, num_slots))
     def _steady(step):
         slot = lax.rem(step, jnp.int32(num_slots))
         rows = kv_rows(step)
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], k_ready.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
-        plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], v_ready.at[slot])
+        plgpu.barrier_wait(bar.k_free.at[slot])
+        plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], bar.k_landed.at[slot])
+        plgpu.barrier_wait(bar.v_free.at[slot])
+        plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], bar.v_landed.at[slot])
 
-    _drain_ring(k_consumed, v_consumed, num_slots, total_steps)
+    _drain_ring(bar, num_slots, total_steps)
 
 
-def _tile_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
+def _tile_kernel(st: _Static, dtype, refs: _Refs, buf, bar, target: Target):
     """One program per (head, tile, batch) grid cell: two compute WGs and one memory WG."""
     batch = lax.axis_index(_axes.BATCH)
     q_head = lax.axis_index(_axes.HEADS)
@@ -672,11 +556,9 @@ def _tile_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
     tile_start, ranges, bnds = _tile_info(st, refs.bounds, refs.steps, batch, q_tile)
     total_steps = ranges.total_steps
     tile = (batch, q_head, wg, tile_start, ranges, total_steps, bnds)
-    pl.when(wg < COMPUTE_WGS)(
-        lambda: _tile_compute_wg(st, dtype, refs, scoped, tile, compiled=compiled)
-    )
+    pl.when(wg < COMPUTE_WGS)(lambda: _tile_compute_wg(st, dtype, refs, buf, bar, tile, target))
     pl.when(wg == COMPUTE_WGS)(
-        lambda: _tile_memory_wg(st, refs, scoped, batch, kv_head, ranges, total_steps)
+        lambda: _tile_memory_wg(st, refs, buf, bar, batch, kv_head, ranges, total_steps)
     )
 
 
@@ -690,18 +572,16 @@ def _persistent_tile_of(st: _Static, refs: _Refs, program, j):
     return (q_head, batch, *_tile_info(st, refs.bounds, None, batch, q_tile))
 
 
-def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_tiles, wg,
-                           *, compiled: bool):  # fmt: skip
+def _persistent_compute_wg(
+    st: _Static, dtype, refs: _Refs, buf: ForwardBuffers, bar: ForwardBarriers, program,
+    my_tiles, wg, target: Target,
+):  # fmt: skip
     """A compute WG of a persistent program: tile ``j + 1``'s Q is issued into the other
     Q/O buffer when tile ``j`` starts (after tile ``j - 1``'s stores read it)."""
-    bufs, ready, consumed, schedule = scoped
-    qo_smem3, k_smem, v_smem, lse_smem3, p_smem2, _ = bufs
-    k_ready, v_ready, q_ready = ready
-    k_consumed, v_consumed = consumed
     block_q, num_slots = st.block_q, st.num_stages
     plgpu.set_max_registers(st.compute_registers, action="increase")
 
-    def issue_q(j, buf):
+    def issue_q(j, copy):
         q_head, batch, tile_start, _, bnds = _persistent_tile_of(st, refs, program, j)
         row0, _, active = _wg_rows(st, wg, tile_start, bnds)
 
@@ -709,8 +589,8 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
         def _issue():
             plgpu.copy_gmem_to_smem(
                 refs.q.at[batch, pl.ds(row0, block_q), q_head],
-                qo_smem3.at[buf, wg],
-                q_ready.at[buf * COMPUTE_WGS + wg],
+                buf.qo.at[copy, wg],
+                bar.q_landed.at[copy * COMPUTE_WGS + wg],
             )
 
     @pl.when(my_tiles > 0)
@@ -718,23 +598,22 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
         issue_q(jnp.int32(0), 0)
 
     def walk(j, base):
-        buf = lax.rem(j, jnp.int32(2))
+        copy = lax.rem(j, jnp.int32(2))
         q_head, batch, tile_start, ranges, bnds = _persistent_tile_of(st, refs, program, j)
 
         @pl.when(j + 1 < my_tiles)
         def _prefetch():
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile j-1's stores
-            issue_q(j + 1, 1 - buf)
+            issue_q(j + 1, 1 - copy)
 
-        lse_smem = None if lse_smem3 is None else lse_smem3.at[buf, wg]
+        lse_smem = None if buf.lse is None else buf.lse.at[copy, wg]
         total_steps = ranges.total_steps
         _compute_tile(
             st, dtype, wg, q_head, batch, tile_start, ranges, total_steps, bnds,
-            (qo_smem3.at[buf, wg], lse_smem, k_smem, v_smem, p_smem2, None),
-            (k_ready, v_ready, schedule, k_consumed, v_consumed), (refs.out, refs.lse),
-            load_q=lambda _: plgpu.barrier_wait(q_ready.at[buf * COMPUTE_WGS + wg]),
+            buf.qo.at[copy, wg], lse_smem, buf, bar, (refs.out, refs.lse),
+            load_q=lambda _: plgpu.barrier_wait(bar.q_landed.at[copy * COMPUTE_WGS + wg]),
             slot_of=lambda i: lax.rem(base + i, jnp.int32(num_slots)),
-            idle_waits=True, compiled=compiled,
+            idle_waits=True, target=target,
         )  # fmt: skip
         return base + total_steps
 
@@ -742,13 +621,12 @@ def _persistent_compute_wg(st: _Static, dtype, refs: _Refs, scoped, program, my_
     plgpu.wait_smem_to_gmem(0)
 
 
-def _persistent_memory_wg(st: _Static, refs: _Refs, scoped, program, my_tiles):
+def _persistent_memory_wg(
+    st: _Static, refs: _Refs, buf: ForwardBuffers, bar: ForwardBarriers, program, my_tiles
+):
     """The memory WG of a persistent program: one K/V ring across its tiles
     (``_persistent.ring_walk``), then the drain of the last ``num_stages`` steps."""
-    bufs, ready, consumed, _ = scoped
-    _, k_smem, v_smem, *_ = bufs
-    k_ready, v_ready, _ = ready
-    k_consumed, v_consumed = consumed
+    k_smem, v_smem = buf.k, buf.v
     block_kv, num_slots = st.block_kv, st.num_stages
     plgpu.set_max_registers(memory_registers(st.compute_registers), action="decrease")
 
@@ -761,24 +639,24 @@ def _persistent_memory_wg(st: _Static, refs: _Refs, scoped, program, my_tiles):
 
             @pl.when(step >= num_slots)
             def _k_free():
-                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(bar.k_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], bar.k_landed.at[slot])
 
             @pl.when(step >= num_slots)
             def _v_free():
-                plgpu.barrier_wait(v_consumed.at[slot])
+                plgpu.barrier_wait(bar.v_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], v_ready.at[slot])
+            plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], bar.v_landed.at[slot])
 
         return ranges.total_steps, issue
 
     total = ring_walk(my_tiles, num_slots, tile_steps)
 
-    _drain_ring(k_consumed, v_consumed, num_slots, total)
+    _drain_ring(bar, num_slots, total)
 
 
-def _persistent_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: bool):
+def _persistent_kernel(st: _Static, dtype, refs: _Refs, buf, bar, target: Target):
     """``st.programs`` programs, each walking the tiles ``p, p + P, ...`` of the
     (head, tile, batch) grid, head fastest (``_persistent.tile_coords``). Q/O and LSE
     are double-buffered: a compute WG issues tile ``j + 1``'s Q load when it starts
@@ -794,62 +672,42 @@ def _persistent_kernel(st: _Static, dtype, refs: _Refs, scoped, *, compiled: boo
     wg = lax.axis_index(_axes.WARPGROUP)
     my_tiles = program_tiles(program, st.programs, st.q_heads * tiles * st.batch)
     pl.when(wg < COMPUTE_WGS)(
-        lambda: _persistent_compute_wg(
-            st, dtype, refs, scoped, program, my_tiles, wg, compiled=compiled
-        )
+        lambda: _persistent_compute_wg(st, dtype, refs, buf, bar, program, my_tiles, wg, target)
     )
-    pl.when(wg == COMPUTE_WGS)(lambda: _persistent_memory_wg(st, refs, scoped, program, my_tiles))
+    pl.when(wg == COMPUTE_WGS)(lambda: _persistent_memory_wg(st, refs, buf, bar, program, my_tiles))
 
 
-def _build_kernel(st: _Static, dtype, *, accumulate_in_place: bool = True):
-    """The kernel entry: the shared-memory buffers and barriers, then the one-tile or the
-    persistent body. ``accumulate_in_place=False`` avoids run_state (interpret mode)."""
-    block_q, block_kv, head_dim = st.block_q, st.block_kv, st.head_dim
-    num_slots = st.num_stages
+def _build_kernel(st: _Static, dtype, target: Target):
+    """The kernel entry: the shared-memory buffers and barriers (``forward_scratch``),
+    then the one-tile or the persistent body."""
+    config = KernelConfig(
+        block_q=st.block_q, block_kv=st.block_kv, num_stages=st.num_stages, programs=st.programs
+    )
+    buffers, barriers = forward_scratch(
+        config, st.head_dim, dtype, return_lse=st.return_lse, packed=bool(st.packed_users),
+        interpret=target.interpret,
+    )  # fmt: skip
+    body = _persistent_kernel if st.programs else _tile_kernel
 
     def entry(*refs):
         # Inputs q, k, v, bounds (+ the step list and the query key table for packed
-        # rows), then out (+ lse).
+        # rows), then out (+ lse): _Refs has each one's shape.
         num_in = 6 if st.packed_users else 4
         steps_keys = refs[4:6] if st.packed_users else (None, None)
         outs = (*refs[num_in:], None)[:2]
         hbm = _Refs(*refs[:4], *steps_keys, *outs)
-        copies = (2,) if st.programs else ()  # persistent: Q/O and LSE double-buffered
-        transforms = tile_transforms()
-        qo = plgpu.SMEM((*copies, COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms)
-        k_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
-        v_buf = plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=transforms)
-        lse_buf = None
-        if st.return_lse:
-            lse_buf = plgpu.SMEM((*copies, COMPUTE_WGS, block_q), jnp.float32)
-        p_buf = None
-        if not accumulate_in_place:
-            p_buf = plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms)
-        keys_buf, keys_ready = None, ()
-        if st.packed_users:
-            keys_buf = plgpu.SMEM((COMPUTE_WGS, PACKED_QUERY_FIELDS, block_q), jnp.int32)
-            keys_ready = (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
-        body = _persistent_kernel if st.programs else _tile_kernel
-
         pl.run_scoped(
-            lambda *scoped: body(st, dtype, hbm, scoped, compiled=accumulate_in_place),
-            [qo, k_buf, v_buf, lse_buf, p_buf, keys_buf],
-            (
-                plgpu.Barrier(num_barriers=num_slots),
-                plgpu.Barrier(num_barriers=num_slots),
-                plgpu.Barrier(num_barriers=COMPUTE_WGS * (2 if st.programs else 1)),
-                *keys_ready,
-            ),
-            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_slots),) * 2,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            lambda buf, bar: body(st, dtype, hbm, buf, bar, target),
+            buffers,
+            barriers,
             collective_axes=_axes.WARPGROUP,
         )
 
     return entry
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
+@functools.partial(jax.jit, static_argnames=("st", "target"))
+def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, target: Target):
     """q/k/v already padded to ``st.seq_pad``; bounds clipped int32 ``[B, 4]``, or packed
     ``[B, U, 4]`` (``st.packed_users = U``), whose step list and query key table are built
     here."""
@@ -875,7 +733,7 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
     if st.programs:
         grid = dict(grid=(st.programs,), grid_names=(_axes.PROGRAMS,))
     results = plgpu.kernel(
-        _build_kernel(st, q.dtype, accumulate_in_place=interpret is None),
+        _build_kernel(st, q.dtype, target),
         out_type=out_type,
         **grid,
         num_threads=COMPUTE_WGS + 1,
@@ -884,7 +742,7 @@ def _ranker_fwd_padded(q, k, v, bounds, *, st: _Static, interpret):
         # the shared-memory scratch Pallas reserves for cross-warp reductions; a reduction
         # that did would fail to lower, not run wrong.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=interpret,
+        interpret=target.params,
     )(*inputs)
     return tuple(results)
 
@@ -946,7 +804,7 @@ def ranker_attention_fwd(
         cap=problem.cap,
         packed=bool(users),
     )
-    interpret = resolve_interpret(interpret)
+    target = resolve_target(interpret)
 
     seq = problem.seq_len
     tile = math.lcm(2 * config.block_q, config.block_kv)
@@ -966,7 +824,7 @@ def ranker_attention_fwd(
         programs=config.programs,
         compute_registers=config.compute_registers or COMPUTE_REGISTERS,
     )
-    results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, interpret=interpret)
+    results = _ranker_fwd_padded(q, k, v, clipped.astype(jnp.int32), st=st, target=target)
     out = results[0][:, :seq] if seq_pad != seq else results[0]
     if not return_lse:
         return out

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_common import CapMethod, CapParams, KernelConfig
+from attn_mosaic_gpu.ranker_config import BackwardTuning
 
 __all__ = [
     "PACKAGE_TABLE",
@@ -52,45 +53,6 @@ __all__ = [
 PACKAGE_TABLE = Path(__file__).with_name("tuned_configs.json")
 _TABLE_FORMAT = 1
 _MIN_BUCKET = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardTuning:
-    """Schedule knobs of the pipelined backward kernels (D 64 and 128; see
-    ``ranker_bwd_pipelined``). ``num_stages=None`` is the per-D default ring depth."""
-
-    num_stages: int | None = None
-    exp2_fma_cols: int = 0
-    rcp_fma_cols: int = 0
-    dq_programs: int = 0
-    # Deprecated (0.2.0; removed in the next release): the kernels always fold the cap
-    # and overlap; True is accepted with a warning, False is refused.
-    fold: bool | None = None
-    overlap: bool | None = None
-
-    def __post_init__(self):
-        for name in ("fold", "overlap"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if value is not True:
-                raise ValueError(
-                    f"BackwardTuning.{name}: got {value!r}; the schedule without it was "
-                    "removed (git da2ec0c has it); leave it unset"
-                )
-            warnings.warn(
-                f"BackwardTuning.{name} is deprecated and ignored: always on",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-
-    def knobs(self) -> dict:
-        """The overrides ``ranker_bwd_pipelined.pipelined_bwd(tuning=...)`` takes."""
-        knobs = dataclasses.asdict(self)
-        del knobs["fold"], knobs["overlap"]
-        if knobs["num_stages"] is None:
-            del knobs["num_stages"]
-        return knobs
 
 
 @dataclasses.dataclass(frozen=True)
