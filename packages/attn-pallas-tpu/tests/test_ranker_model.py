@@ -53,3 +53,40 @@ def test_splash_ratio_one_for_uniform_bounds_above_one_for_ragged():
 def test_default_tiling_of_suite_shapes():
     blocks = {c.name: default_config(c.seq_len, c.head_dim).block_q for c in RANKER_SUITE}
     assert blocks == {"phoenix": 384, "long": 640, "small-d64": 640, "ragged": 384}
+
+
+def test_default_tiling_within_the_vmem_model(monkeypatch):
+    """Every block ``default_config`` may pick fits the kernels' VMEM model at every
+    supported D and dtype; with a smaller budget it picks the largest block that fits."""
+    import jax.numpy as jnp
+
+    from attn_pallas_tpu import ranker_config as cfg
+
+    for d in cfg.SUPPORTED_HEAD_DIMS:
+        for dtype in cfg.SUPPORTED_DTYPES:
+            for b in cfg.BLOCK_CHOICES:
+                assert max(cfg.vmem_bytes(b, b, d, dtype).values()) <= cfg.VMEM_LIMIT_BYTES
+    # 640 x 640, D 256, f32: five f32 score tiles (8.2 MB), dk/dv's double-buffered
+    # blocks (k, v, dk, dv, q, dO and two row statistics) and its two accumulators.
+    blocks = (4 * 640 * 256 + 2 * 640 * 256) * 4 + 2 * 640 * 32
+    want = 5 * 640 * 640 * 4 + 2 * blocks + 2 * 640 * 256 * 4
+    assert cfg.vmem_bytes(640, 640, 256, jnp.float32)["dkv"] == want
+    assert cfg.default_config(5120, 256).block_q == 640
+    budget = max(cfg.vmem_bytes(384, 384, 256, jnp.float32).values())
+    monkeypatch.setattr(cfg, "VMEM_LIMIT_BYTES", budget)
+    assert cfg.default_config(5120, 256).block_q == 256  # 384 fits but pads 5120 more
+    assert cfg.default_config(1152, 256).block_q == 384
+
+
+def test_grid_counts_are_the_kernels_grids():
+    """The model counts grid steps and programs over the kernels' own grids."""
+    from attn_pallas_tpu.ranker_config import grids, padded_len
+
+    b = np.asarray([[0, 300, 300, 340], [0, 10, 10, 20], [0, 0, 0, 0]], np.int32)
+    c = visit_counts(b, seq_len=500, q_heads=4, kv_heads=2, block_q=256, block_kv=128)
+    seq_pad = padded_len(500, 256, 128)
+    assert seq_pad == 512
+    g = grids(3, 4, 2, seq_pad, 256, 128)
+    assert g["fwd"] == g["dq"] == (3, 4, 2, 4) and g["dkv"] == (3, 2, 4, 2 * 2)
+    assert (c.q_programs, c.grid_steps_fwd) == (3 * 4 * 2, 3 * 4 * 2 * 4)
+    assert (c.kv_programs, c.grid_steps_dkv) == (3 * 2 * 4, 3 * 2 * 4 * 4)

@@ -62,9 +62,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_common.cap import cap_scaled_with_derivative
 from attn_pallas_tpu._prep import resolve_interpret
-from attn_pallas_tpu.ranker_fwd import (
+from attn_pallas_tpu.ranker_config import (
+    DIMENSION_SEMANTICS,
     VMEM_LIMIT_BYTES,
     RankerStatic,
+    dkv_scratch,
+    dq_scratch,
+)
+from attn_pallas_tpu.ranker_fwd import (
     TileSteps,
     dot,
     finite_or_zero,
@@ -73,19 +78,17 @@ from attn_pallas_tpu.ranker_fwd import (
     kv_step_table,
     nan_where_attended,
     prepare,
-    program_tile,
     q_step_table,
+    q_tile_index_maps,
     row_block_spec,
     row_to_col,
-    run_step,
     stat_block_spec,
     tile_mask,
     to_kernel_layout,
+    walk_tile,
 )
 
 __all__ = ["ranker_attention_bwd"]
-
-_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
 
 def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
@@ -103,16 +106,27 @@ def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
 
 def _build_dq_kernel(st: RankerStatic):
     bq, bkv = st.block_q, st.block_kv
-    n_steps = st.kv_tiles
 
-    def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc):
-        i, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.q_tiles)
-
-        @pl.when(j == 0)
-        def _init():
+    def kernel(
+        # scalar prefetch (SMEM)
+        bounds_ref,  # [B * 4] or [B * U * 4] int32: the clipped bounds
+        tab_ref,  # [B * q_tiles * words] int32: each q tile's KV steps (kv_step_table)
+        # inputs (VMEM blocks)
+        q_ref,  # [block_q, D]
+        k_ref,  # [block_kv, D]
+        v_ref,  # [block_kv, D]
+        do_ref,  # [block_q, D]
+        lse_ref,  # [1, block_q] f32 (+inf on rows with no key)
+        delta_ref,  # [1, block_q] f32
+        # outputs
+        dq_ref,  # [block_q, D]
+        # scratch (dq_scratch)
+        acc,  # [block_q, D] f32
+    ):
+        def init():
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-        def step(masked: bool):
+        def step(i, j, steps, bounds, masked: bool):
             k = k_ref[...]
             raw = dot(q_ref[...], k, trans_b=True)  # (bq, bkv)
             dp = dot(do_ref[...], v_ref[...], trans_b=True)
@@ -129,11 +143,13 @@ def _build_dq_kernel(st: RankerStatic):
                 poison = nan_where_attended(allowed, bad)
             acc[...] += dot(ds.astype(k.dtype), k) + poison
 
-        run_step(steps, j, step)
-
-        @pl.when(j == n_steps - 1)
-        def _finish():
+        def finish():
             dq_ref[...] = (acc[...] * st.sm_scale).astype(dq_ref.dtype)
+
+        walk_tile(
+            st, tab_ref, bounds_ref, tiles=st.q_tiles, steps=st.kv_tiles, init=init, step=step,
+            finish=finish,
+        )  # fmt: skip
 
     return kernel
 
@@ -141,21 +157,30 @@ def _build_dq_kernel(st: RankerStatic):
 def _build_dkv_kernel(st: RankerStatic):
     bq, bkv = st.block_q, st.block_kv
     q_steps = st.q_tiles
-    n_steps = st.group_size * q_steps
 
     def kernel(
-        bounds_ref, tab_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref,
-        dk_ref, dv_ref, dk_acc, dv_acc,
-    ):  # fmt: skip
-        t, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.kv_tiles)
-        s = lax.rem(j, jnp.int32(q_steps))
-
-        @pl.when(j == 0)
-        def _init():
+        # scalar prefetch (SMEM)
+        bounds_ref,  # [B * 4] or [B * U * 4] int32: the clipped bounds
+        tab_ref,  # [B * kv_tiles * words] int32: each kv tile's query steps (q_step_table)
+        # inputs (VMEM blocks)
+        k_ref,  # [block_kv, D]: the tile's keys of one kv head
+        v_ref,  # [block_kv, D]
+        q_ref,  # [block_q, D]: the step's queries of one head of the group
+        do_ref,  # [block_q, D]
+        lse_ref,  # [1, block_q] f32 (+inf on rows with no key)
+        delta_ref,  # [1, block_q] f32
+        # outputs
+        dk_ref,  # [block_kv, D]
+        dv_ref,  # [block_kv, D]
+        # scratch (dkv_scratch)
+        dk_acc,  # [block_kv, D] f32
+        dv_acc,  # [block_kv, D] f32
+    ):
+        def init():
             dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
             dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-        def step(masked: bool):
+        def step(t, s, steps, bounds, masked: bool):
             q = q_ref[...]
             do = do_ref[...]
             raw = dot(k_ref[...], q, trans_b=True)  # S^T (bkv, bq)
@@ -173,12 +198,14 @@ def _build_dkv_kernel(st: RankerStatic):
             dv_acc[...] += dot(p.astype(do.dtype), do) + poison
             dk_acc[...] += dot(ds.astype(q.dtype), q) + poison
 
-        run_step(steps, s, step)
-
-        @pl.when(j == n_steps - 1)
-        def _finish():
+        def finish():
             dk_ref[...] = (dk_acc[...] * st.sm_scale).astype(dk_ref.dtype)
             dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+        walk_tile(
+            st, tab_ref, bounds_ref, tiles=st.kv_tiles, steps=st.group_size * q_steps,
+            init=init, step=step, finish=finish, step_of=lambda j: lax.rem(j, jnp.int32(q_steps)),
+        )  # fmt: skip
 
     return kernel
 
@@ -188,17 +215,13 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
     """Kernel-layout q/k/v/dO; lse, delta' ``[B, Hq, 1, S_pad]``; clipped bounds."""
     group, q_steps = st.group_size, st.q_tiles
     flat_bounds = bounds.reshape(-1)
-    params = pltpu.CompilerParams(dimension_semantics=_SEMANTICS, vmem_limit_bytes=VMEM_LIMIT_BYTES)
+    params = pltpu.CompilerParams(
+        dimension_semantics=DIMENSION_SEMANTICS, vmem_limit_bytes=VMEM_LIMIT_BYTES
+    )
 
     # ---- dq
     kv_tab = kv_step_table(bounds, st)
-
-    def q_index(b, h, i, j, bounds_ref, tab_ref):
-        return b, h, i
-
-    def kv_index(b, h, i, j, bounds_ref, tab_ref):
-        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
-        return b, lax.div(h, jnp.int32(group)), steps.clamped_block(j)
+    q_index, kv_index = q_tile_index_maps(st)
 
     q_spec = row_block_spec(st, st.block_q, q_index)
     kv_spec = row_block_spec(st, st.block_kv, kv_index)
@@ -207,10 +230,10 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
         _build_dq_kernel(st),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(st.batch, st.q_heads, st.q_tiles, st.kv_tiles),
+            grid=st.grid("dq"),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec],
             out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((st.block_q, st.head_dim), jnp.float32)],
+            scratch_shapes=dq_scratch(st.block_q, st.head_dim),
         ),
         out_shape=jax.ShapeDtypeStruct(kernel_shape(st, st.q_heads), q.dtype),
         compiler_params=params,
@@ -235,10 +258,10 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
         _build_dkv_kernel(st),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(st.batch, st.kv_heads, st.kv_tiles, group * q_steps),
+            grid=st.grid("dkv"),
             in_specs=[own_spec, own_spec, hq_spec, hq_spec, hstat_spec, hstat_spec],
             out_specs=[own_spec, own_spec],
-            scratch_shapes=[pltpu.VMEM((st.block_kv, st.head_dim), jnp.float32)] * 2,
+            scratch_shapes=dkv_scratch(st.block_kv, st.head_dim),
         ),
         out_shape=[jax.ShapeDtypeStruct(kernel_shape(st, st.kv_heads), k.dtype)] * 2,
         compiler_params=params,

@@ -73,9 +73,7 @@ outputs sliced. Padding keys are never allowed because bounds are clipped to ``[
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +81,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import KernelConfig, cap_forward, check_ranker_inputs, ranker_mask
+from attn_common import cap_forward, check_ranker_inputs, ranker_mask
 from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
@@ -93,14 +91,25 @@ from attn_common.bounds import (
 from attn_common.packed import (
     TileRuns,
     normalize_ranker_bounds,
-    packed_runs_per_tile,
     packed_step_table,
     ranker_mask_users,
 )
-from attn_common.ranker import RankerKernelStatic
 from attn_common.spec import RankerCall, public_op, ranker_call
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import resolve_interpret
+from attn_pallas_tpu.ranker_config import (
+    DIMENSION_SEMANTICS,
+    LANES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    VMEM_LIMIT_BYTES,
+    RankerStatic,
+    default_config,
+    fwd_scratch,
+    make_static,
+    table_words,
+    validate_config,
+)
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -110,104 +119,15 @@ __all__ = [
     "kv_step_table",
     "program_tile",
     "q_step_table",
+    "q_tile_index_maps",
     "ranker_attention_fwd",
     "run_step",
     "validate_config",
+    "walk_tile",
 ]
 
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-LANES = 128
 # Initial running max: finite, so empty rows never compute -inf - -inf.
 M_INIT = -1e30
-TABLE_WORDS = 8  # words per tile in the scalar-prefetched step tables
-_BLOCK_CHOICES = (640, 512, 384, 256, 128)
-# Scoped VMEM the kernels may use: the score-sized f32 temporaries of a 640 x 640 tile
-# (S, P, dP, dS, the mask) and the double-buffered blocks stay well under it, and every
-# supported chip has >= 64 MiB of VMEM per TensorCore.
-VMEM_LIMIT_BYTES = 32 << 20
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def default_config(seq_len: int, head_dim: int = 128) -> KernelConfig:
-    """The default tiling: ``block_q = block_kv`` = the largest of 640, 512, 384, 256,
-    128 that pads ``S`` least (S=1152 -> 384, S=5120 -> 640, S=640 -> 640): large blocks
-    amortise the per-grid-step overhead (docs/tpu_ranker.md, cost model)."""
-    del head_dim  # the VMEM footprint fits every supported D at these sizes
-    best = min(_BLOCK_CHOICES, key=lambda b: (round_up(seq_len, b), -b))
-    return KernelConfig(block_q=best, block_kv=best)
-
-
-def validate_config(config: KernelConfig) -> None:
-    """Raise naming the TPU rule ``config`` breaks (blocks are multiples of 128)."""
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
-    for name in ("block_q", "block_kv"):
-        value = getattr(config, name)
-        if value % LANES:
-            raise ValueError(
-                f"config.{name}: got {value}, the TPU ranker kernels need a multiple of "
-                f"{LANES} (the lane width: {name} is the lane dim of the score tile or "
-                "of the LSE row)"
-            )
-    for name in ("exp2_fma_cols", "rcp_fma_cols"):
-        if getattr(config, name):
-            raise ValueError(
-                f"config.{name}: got {getattr(config, name)}, expected 0 (a Hopper knob: the "
-                "TPU kernels have no MUFU/FMA split)"
-            )
-    if config.programs:
-        raise ValueError(
-            f"config.programs: got {config.programs}, expected 0 (a Hopper knob: the TPU "
-            "kernels run one grid step per tile)"
-        )
-    if config.compute_registers:
-        raise ValueError(
-            f"config.compute_registers: got {config.compute_registers}, expected 0 (a Hopper "
-            "knob: the register split of a warp-specialized kernel)"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class RankerStatic(RankerKernelStatic):
-    """Static facts the kernels are specialised on (hashable: a jit static argument): the
-    padded problem plus the tiles."""
-
-    block_q: int
-    block_kv: int
-    packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
-
-    @property
-    def runs(self) -> int:
-        """Block runs per tile in the step tables: 0 (the two-run one-user layout) or
-        ``2U`` (packed, ``attn_common.packed``)."""
-        return packed_runs_per_tile(self.packed_users) if self.packed_users else 0
-
-    @property
-    def q_tiles(self) -> int:
-        return self.seq_pad // self.block_q
-
-    @property
-    def kv_tiles(self) -> int:
-        return self.seq_pad // self.block_kv
-
-    @property
-    def flat(self) -> bool:
-        """``[B, S, H*D]`` view (True) or ``[B, H, S, D]`` transpose (False, D=64)."""
-        return self.head_dim % LANES == 0
-
-
-def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerStatic:
-    lcm = math.lcm(config.block_q, config.block_kv)
-    return RankerStatic(
-        **problem.padded(round_up(problem.seq_len, lcm)),
-        block_q=config.block_q,
-        block_kv=config.block_kv,
-        packed_users=packed_users,
-    )
 
 
 # ----------------------------------------------------------------------------- layout
@@ -314,11 +234,6 @@ def _pack(ranges, full_lo, full_hi):
     return jnp.stack([jnp.asarray(c, jnp.int32) for c in cols], axis=-1).reshape(-1)
 
 
-def table_words(runs: int) -> int:
-    """Words per tile of a step table: 8 (one user) or ``2 R + 2`` (packed, R runs)."""
-    return 2 * runs + 2 if runs else TABLE_WORDS
-
-
 def _step_table(bounds, st: RankerStatic, *, keys: bool) -> jax.Array:
     """Per (b, tile) step-table rows: query tiles over KV blocks, or with ``keys`` KV
     tiles over query blocks."""
@@ -415,6 +330,37 @@ def run_step(steps: TileSteps, j, step) -> None:
     pl.when(active & jnp.logical_not(full))(functools.partial(step, True))
 
 
+def q_tile_index_maps(st: RankerStatic):
+    """The index maps of the kernels that walk a q tile's KV steps (the forward and dq):
+    ``q_index`` the tile's own blocks (Q, O, dO and the row statistics, fetched once per
+    ``(b, h, i)``), ``kv_index`` the step's K/V block of the head's kv head (past the
+    tile's steps its last visited block, so no DMA is issued)."""
+    group = st.group_size
+
+    def q_index(b, h, i, j, bounds_ref, tab_ref):
+        return b, h, i
+
+    def kv_index(b, h, i, j, bounds_ref, tab_ref):
+        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
+        return b, lax.div(h, jnp.int32(group)), steps.clamped_block(j)
+
+    return q_index, kv_index
+
+
+def walk_tile(st: RankerStatic, tab_ref, bounds_ref, *, tiles: int, steps: int, init, step,
+              finish, step_of=None):  # fmt: skip
+    """The walk every TPU ranker kernel shares: grid axis 3 runs over ``steps`` steps of
+    one tile (``tiles`` tiles per batch row); ``init()`` at the first, ``step(tile, s,
+    tile_steps, bounds, masked)`` at each of the tile's visited steps ``s`` (the grid step
+    ``j``, or ``step_of(j)``; ``run_step``), ``finish()`` at the last. The accumulators
+    live in VMEM scratch across the steps."""
+    tile, j, tile_steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=tiles)
+    s = j if step_of is None else step_of(j)
+    pl.when(j == 0)(init)
+    run_step(tile_steps, s, functools.partial(step, tile, s, tile_steps, bounds))
+    pl.when(j == steps - 1)(finish)
+
+
 def read_bounds(bounds_ref, b, packed_users: int = 0):
     """Row ``b``'s bounds from SMEM: 4 scalars, or (packed) ``U`` tuples of 4."""
     if packed_users:
@@ -444,18 +390,29 @@ def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
 
 def _build_fwd_kernel(st: RankerStatic):
     bq, bkv = st.block_q, st.block_kv
-    n_steps = st.kv_tiles
 
-    def kernel(bounds_ref, tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
-        i, j, steps, bounds = program_tile(st, tab_ref, bounds_ref, tiles=st.q_tiles)
-
-        @pl.when(j == 0)
-        def _init():
+    def kernel(
+        # scalar prefetch (SMEM)
+        bounds_ref,  # [B * 4] or [B * U * 4] int32: the clipped bounds
+        tab_ref,  # [B * q_tiles * words] int32: each q tile's KV steps (kv_step_table)
+        # inputs (VMEM blocks)
+        q_ref,  # [block_q, D]: the tile's queries of one head
+        k_ref,  # [block_kv, D]: the step's keys of the kv head
+        v_ref,  # [block_kv, D]
+        # outputs
+        o_ref,  # [block_q, D]
+        lse_ref,  # [1, block_q] f32, natural log
+        # scratch (fwd_scratch)
+        m_sc,  # [block_q, 128] f32: running max, lane-broadcast
+        l_sc,  # [block_q, 128] f32: running sum
+        acc_sc,  # [block_q, D] f32
+    ):
+        def init():
             m_sc[...] = jnp.full(m_sc.shape, M_INIT, jnp.float32)
             l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
             acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-        def step(masked: bool):
+        def step(i, j, steps, bounds, masked: bool):
             s = scaled_capped(dot(q_ref[...], k_ref[...], trans_b=True), st)
             if masked:
                 kv0 = steps.block_at(j) * bkv
@@ -474,16 +431,18 @@ def _build_fwd_kernel(st: RankerStatic):
             acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
             m_sc[...] = m_next
 
-        run_step(steps, j, step)
-
-        @pl.when(j == n_steps - 1)
-        def _finish():
+        def finish():
             l = l_sc[...][:, :1]
             has_key = l > 0.0
             safe_l = jnp.where(has_key, l, 1.0)
             o_ref[...] = (acc_sc[...] * (1.0 / safe_l)).astype(o_ref.dtype)
             lse = jnp.where(has_key, m_sc[...][:, :1] + jnp.log(safe_l), -jnp.inf)
             lse_ref[...] = col_to_row(lse, bq)
+
+        walk_tile(
+            st, tab_ref, bounds_ref, tiles=st.q_tiles, steps=st.kv_tiles, init=init, step=step,
+            finish=finish,
+        )  # fmt: skip
 
     return kernel
 
@@ -492,19 +451,12 @@ def _build_fwd_kernel(st: RankerStatic):
 def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
     """q/k/v in kernel layout; bounds clipped int32 ``[B, 4]`` (or ``[B, U, 4]``).
     Returns (out, lse)."""
-    group = st.group_size
     tab = kv_step_table(bounds, st)
-
-    def q_index(b, h, i, j, bounds_ref, tab_ref):
-        return b, h, i
-
-    def kv_index(b, h, i, j, bounds_ref, tab_ref):
-        steps = TileSteps(tab_ref, b * st.q_tiles + i, st.runs)
-        return b, lax.div(h, jnp.int32(group)), steps.clamped_block(j)
+    q_index, kv_index = q_tile_index_maps(st)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(st.batch, st.q_heads, st.q_tiles, st.kv_tiles),
+        grid=st.grid("fwd"),
         in_specs=[
             row_block_spec(st, st.block_q, q_index),
             row_block_spec(st, st.block_kv, kv_index),
@@ -514,11 +466,7 @@ def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
             row_block_spec(st, st.block_q, q_index),
             stat_block_spec(st.block_q, q_index),
         ],
-        scratch_shapes=[
-            pltpu.VMEM((st.block_q, LANES), jnp.float32),
-            pltpu.VMEM((st.block_q, LANES), jnp.float32),
-            pltpu.VMEM((st.block_q, st.head_dim), jnp.float32),
-        ],
+        scratch_shapes=fwd_scratch(st.block_q, st.head_dim),
     )
     out, lse = pl.pallas_call(
         _build_fwd_kernel(st),
@@ -528,7 +476,7 @@ def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
             jax.ShapeDtypeStruct((st.batch, st.q_heads, 1, st.seq_pad), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            dimension_semantics=DIMENSION_SEMANTICS,
             vmem_limit_bytes=VMEM_LIMIT_BYTES,
         ),
         interpret=interpret,

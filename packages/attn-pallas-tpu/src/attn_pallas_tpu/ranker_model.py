@@ -51,6 +51,7 @@ from attn_common.bounds import (
 )
 from attn_common.suite import RankerCase
 from attn_pallas_tpu.plan import STEP_OVERHEAD_S, TPU_CHIPS, TpuChip
+from attn_pallas_tpu.ranker_config import default_config, grids, padded_len, round_up
 
 __all__ = [
     "CAP_OPS",
@@ -68,10 +69,6 @@ CAP_OPS = {"none": 0, "tanh": 3, "soft_sign": 6}  # extra per score (per pass)
 MASK_OPS = 10  # iotas, the ranker predicate, the select
 MXU_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # bq x bkv x D matmuls per visit
 ITEMSIZE = 2  # bf16 (the suite's dtype)
-
-
-def _round(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +108,9 @@ def visit_counts(
         normalize_bounds(np.asarray(bounds, np.int32), batch=len(bounds), seq_len=seq_len)
     )
     batch = bounds.shape[0]
-    seq_pad = _round(seq_len, math.lcm(block_q, block_kv))
+    # The kernels' padding and grids (ranker_config), so the counts are theirs.
+    seq_pad = padded_len(seq_len, block_q, block_kv)
+    grid = grids(batch, q_heads, kv_heads, seq_pad, block_q, block_kv)
     nq, nk = seq_pad // block_q, seq_pad // block_kv
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
     q0 = np.arange(nq)[None] * block_q
@@ -135,7 +134,6 @@ def visit_counts(
     tiles = union.reshape(nq, block_q, nk, block_kv).all(axis=(1, 3))
     splash = int(union_blocks.sum())
     splash_full = int((union_blocks & tiles).sum())
-    group = q_heads // kv_heads
     return VisitCounts(
         fwd=fwd * q_heads,
         fwd_masked=(fwd - fwd_full) * q_heads,
@@ -143,15 +141,15 @@ def visit_counts(
         dkv_masked=(dkv - dkv_full) * q_heads,
         splash=splash * batch * q_heads,
         splash_masked=(splash - splash_full) * batch * q_heads,
-        q_programs=batch * q_heads * nq,
-        kv_programs=batch * kv_heads * nk,
-        grid_steps_fwd=batch * q_heads * nq * nk,
-        grid_steps_dkv=batch * kv_heads * nk * group * nq,
+        q_programs=math.prod(grid["fwd"][:3]),
+        kv_programs=math.prod(grid["dkv"][:3]),
+        grid_steps_fwd=math.prod(grid["fwd"]),
+        grid_steps_dkv=math.prod(grid["dkv"]),
     )
 
 
 def _fill(k: int, n: int, mxu: int) -> float:
-    return (k / _round(k, mxu)) * (n / _round(n, mxu))
+    return (k / round_up(k, mxu)) * (n / round_up(n, mxu))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,11 +264,12 @@ def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, see
     )
 
 
-def suite_table(default_config, cases=RANKER_SUITE, chips=("v5e", "v5p", "v6e")):
-    """``RankerCost`` for every suite case x chip, with ``default_config(S, D)`` tiling."""
+def suite_table(tiling=default_config, cases=RANKER_SUITE, chips=("v5e", "v5p", "v6e")):
+    """``RankerCost`` for every suite case x chip, with the kernels' tiling ``tiling(S, D)``
+    (``ranker_config.default_config``)."""
     rows = []
     for case in cases:
-        cfg = default_config(case.seq_len, case.head_dim)
+        cfg = tiling(case.seq_len, case.head_dim)
         for name in chips:
             rows.append(predict(case, TPU_CHIPS[name], block_q=cfg.block_q, block_kv=cfg.block_kv))
     return rows

@@ -1,0 +1,229 @@
+"""The configuration of the TPU ranker kernels (the forward of ``ranker_fwd``, the dq and
+dk/dv kernels of ``ranker_bwd``): every knob and size, the shapes derived from them, the
+tiling heuristic and the VMEM budget. The cost model (``ranker_model``) reads the same
+values.
+
+* Knobs: ``attn_common.KernelConfig``'s ``block_q`` and ``block_kv`` (multiples of the
+  lane width ``LANES``), shared by the three kernels; its Hopper knobs must be 0
+  (``validate_config``) and ``num_stages`` is not read (the Pallas TPU pipeline
+  double-buffers every block).
+* Shapes: ``RankerStatic`` (the padded problem and the tiles: ``q_tiles``, ``kv_tiles``,
+  the kernel layout, the step tables' ``runs``) and ``grids`` (the three kernels' grids,
+  which the cost model counts steps over); the scratch of each kernel
+  (``fwd_scratch``, ``dq_scratch``, ``dkv_scratch``).
+* Heuristic: ``default_config``, the largest block of ``BLOCK_CHOICES`` that pads ``S``
+  least, among those whose VMEM estimate (``vmem_bytes``) fits ``VMEM_LIMIT_BYTES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from attn_common import KernelConfig
+from attn_common.packed import packed_runs_per_tile
+from attn_common.ranker import RankerKernelStatic
+
+__all__ = [
+    "BLOCK_CHOICES",
+    "DIMENSION_SEMANTICS",
+    "LANES",
+    "SCORE_TEMPORARIES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "TABLE_WORDS",
+    "VMEM_LIMIT_BYTES",
+    "RankerStatic",
+    "default_config",
+    "dkv_scratch",
+    "dq_scratch",
+    "fwd_scratch",
+    "grids",
+    "make_static",
+    "padded_len",
+    "round_up",
+    "table_words",
+    "validate_config",
+    "vmem_bytes",
+]
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float32)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+LANES = 128
+TABLE_WORDS = 8  # words per tile in the scalar-prefetched step tables (one user per row)
+BLOCK_CHOICES = (640, 512, 384, 256, 128)  # default_config's blocks, largest first
+# Scoped VMEM the kernels may use; every supported chip has >= 64 MiB per TensorCore.
+VMEM_LIMIT_BYTES = 32 << 20
+# Score-sized float32 temporaries a kernel holds at once (S, P, dP, dS, the mask).
+SCORE_TEMPORARIES = 5
+# Grid axes: (batch, heads, tiles) parallel; the steps of a tile (the accumulators live
+# across them in VMEM scratch) arbitrary.
+DIMENSION_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_len(seq_len: int, block_q: int, block_kv: int) -> int:
+    """``S`` padded to a multiple of both blocks (``lcm(block_q, block_kv)``)."""
+    return round_up(seq_len, math.lcm(block_q, block_kv))
+
+
+def grids(batch: int, q_heads: int, kv_heads: int, seq_pad: int, block_q: int, block_kv: int):
+    """The kernels' grids: ``fwd`` and ``dq`` ``(B, Hq, q_tiles, kv_tiles)``, ``dkv``
+    ``(B, Hkv, kv_tiles, group * q_tiles)`` (the group's query heads in turn)."""
+    q_tiles, kv_tiles = seq_pad // block_q, seq_pad // block_kv
+    fwd = (batch, q_heads, q_tiles, kv_tiles)
+    return {
+        "fwd": fwd,
+        "dq": fwd,
+        "dkv": (batch, kv_heads, kv_tiles, q_heads // kv_heads * q_tiles),
+    }
+
+
+def validate_config(config: KernelConfig) -> None:
+    """Raise naming the TPU rule ``config`` breaks (blocks are multiples of 128)."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected KernelConfig or None")
+    for name in ("block_q", "block_kv"):
+        value = getattr(config, name)
+        if value % LANES:
+            raise ValueError(
+                f"config.{name}: got {value}, the TPU ranker kernels need a multiple of "
+                f"{LANES} (the lane width: {name} is the lane dim of the score tile or "
+                "of the LSE row)"
+            )
+    for name in ("exp2_fma_cols", "rcp_fma_cols"):
+        if getattr(config, name):
+            raise ValueError(
+                f"config.{name}: got {getattr(config, name)}, expected 0 (a Hopper knob: the "
+                "TPU kernels have no MUFU/FMA split)"
+            )
+    if config.programs:
+        raise ValueError(
+            f"config.programs: got {config.programs}, expected 0 (a Hopper knob: the TPU "
+            "kernels run one grid step per tile)"
+        )
+    if config.compute_registers:
+        raise ValueError(
+            f"config.compute_registers: got {config.compute_registers}, expected 0 (a Hopper "
+            "knob: the register split of a warp-specialized kernel)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerStatic(RankerKernelStatic):
+    """Static facts the kernels are specialised on (hashable: a jit static argument): the
+    padded problem plus the tiles."""
+
+    block_q: int
+    block_kv: int
+    packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
+
+    @property
+    def runs(self) -> int:
+        """Block runs per tile in the step tables: 0 (the two-run one-user layout) or
+        ``2U`` (packed, ``attn_common.packed``)."""
+        return packed_runs_per_tile(self.packed_users) if self.packed_users else 0
+
+    @property
+    def q_tiles(self) -> int:
+        return self.seq_pad // self.block_q
+
+    @property
+    def kv_tiles(self) -> int:
+        return self.seq_pad // self.block_kv
+
+    @property
+    def flat(self) -> bool:
+        """``[B, S, H*D]`` view (True) or ``[B, H, S, D]`` transpose (False, D=64)."""
+        return self.head_dim % LANES == 0
+
+    def grid(self, kernel: str) -> tuple[int, int, int, int]:
+        """The grid of ``kernel`` (``"fwd"``, ``"dq"`` or ``"dkv"``; see ``grids``)."""
+        g = grids(
+            self.batch, self.q_heads, self.kv_heads, self.seq_pad, self.block_q, self.block_kv
+        )
+        return g[kernel]
+
+
+def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerStatic:
+    return RankerStatic(
+        **problem.padded(padded_len(problem.seq_len, config.block_q, config.block_kv)),
+        block_q=config.block_q,
+        block_kv=config.block_kv,
+        packed_users=packed_users,
+    )
+
+
+def table_words(runs: int) -> int:
+    """Words per tile of a step table: 8 (one user) or ``2 R + 2`` (packed, R runs)."""
+    return 2 * runs + 2 if runs else TABLE_WORDS
+
+
+# ----------------------------------------------------------------------------- VMEM
+
+
+def fwd_scratch(block_q: int, head_dim: int) -> list:
+    """The forward's scratch: the running max and sum (lane-broadcast) and the f32
+    accumulator, which live across a tile's KV steps."""
+    return [
+        pltpu.VMEM((block_q, LANES), jnp.float32),
+        pltpu.VMEM((block_q, LANES), jnp.float32),
+        pltpu.VMEM((block_q, head_dim), jnp.float32),
+    ]
+
+
+def dq_scratch(block_q: int, head_dim: int) -> list:
+    """The dq kernel's scratch: the f32 dQ accumulator."""
+    return [pltpu.VMEM((block_q, head_dim), jnp.float32)]
+
+
+def dkv_scratch(block_kv: int, head_dim: int) -> list:
+    """The dk/dv kernel's scratch: the f32 dK and dV accumulators."""
+    return [pltpu.VMEM((block_kv, head_dim), jnp.float32)] * 2
+
+
+def vmem_bytes(block_q: int, block_kv: int, head_dim: int, dtype) -> dict[str, int]:
+    """A model of each kernel's VMEM (bytes): its blocks, double-buffered by the Pallas
+    pipeline (a ``(1, rows)`` f32 row statistic takes 8 sublanes), its scratch, and
+    ``SCORE_TEMPORARIES`` float32 score tiles. A model: Mosaic's own layouts and
+    temporaries are known only on a TPU."""
+    item = jnp.dtype(dtype).itemsize
+    bq, bkv, d = block_q, block_kv, head_dim
+    stat = 8 * 4  # bytes per position of a (1, rows) f32 block
+
+    def scratch(shapes):
+        return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in shapes)
+
+    scores = SCORE_TEMPORARIES * bq * bkv * 4
+    blocks = {
+        "fwd": (2 * bq * d + 2 * bkv * d) * item + bq * stat,  # q, o; k, v; lse
+        "dq": (3 * bq * d + 2 * bkv * d) * item + 2 * bq * stat,  # q, dO, dq; k, v; lse, delta
+        "dkv": (4 * bkv * d + 2 * bq * d) * item + 2 * bq * stat,  # k, v, dk, dv; q, dO; stats
+    }
+    scratches = {
+        "fwd": fwd_scratch(bq, d),
+        "dq": dq_scratch(bq, d),
+        "dkv": dkv_scratch(bkv, d),
+    }
+    return {k: 2 * blocks[k] + scratch(scratches[k]) + scores for k in blocks}
+
+
+def default_config(seq_len: int, head_dim: int = 128) -> KernelConfig:
+    """The default tiling: ``block_q = block_kv`` = the largest of ``BLOCK_CHOICES``
+    that pads ``S`` least (S=1152 -> 384, S=5120 -> 640, S=640 -> 640) among those whose
+    VMEM model fits ``VMEM_LIMIT_BYTES`` at ``head_dim`` and float32 (every one does at
+    the supported D): large blocks amortise the per-grid-step overhead
+    (docs/tpu_ranker.md, cost model)."""
+    fits = [
+        b
+        for b in BLOCK_CHOICES
+        if max(vmem_bytes(b, b, head_dim, jnp.float32).values()) <= VMEM_LIMIT_BYTES
+    ]
+    best = min(fits, key=lambda b: (round_up(seq_len, b), -b))
+    return KernelConfig(block_q=best, block_kv=best)
