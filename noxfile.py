@@ -260,14 +260,8 @@ def bench_gpu(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, name="measure-tpu")
 def measure_tpu(session: nox.Session) -> None:
-    """No TPU needed: DMA bytes/count of the TPU sparse-MLA kernels from the tables."""
+    """No TPU needed: the TPU ranker's cost model tables (docs/tpu_ranker.md)."""
     session.install(f"jax=={JAX_VERSION}", f"./{COMMON}")
-    session.run(
-        "python",
-        f"{PALLAS_TPU}/scripts/measure_dma.py",
-        *(session.posargs or ["--write-docs"]),
-        env={"JAX_PLATFORMS": "cpu"},
-    )
     session.run(
         "python",
         f"{PALLAS_TPU}/scripts/ranker_cost.py",
