@@ -8,7 +8,9 @@
 #
 # TEST_FILES (default: the four conformance/isolation files) and TEST_K (pytest -k,
 # default "tpu") select the tests; TEST_FILES=none skips them. TEST_LIMIT and
-# BENCH_LIMIT (seconds, default 230 and 330) bound the two steps.
+# BENCH_LIMIT (seconds, default 230 and 330) bound the two steps. Set
+# ATTN_PROVENANCE_COMMIT to the commit under test: the device copy's git metadata may be
+# the session's starting commit, not the tree's.
 # The device image's TPU machine has Python 3.11 and jax 0.10.2 (the packages ask for
 # >= 3.12 and 0.11.2, which it cannot install), so the sources run from the checkout
 # through PYTHONPATH, and absl-py and pytest-timeout come from the image's own package

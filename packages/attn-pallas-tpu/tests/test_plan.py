@@ -89,6 +89,21 @@ def test_block_union_sizes_match_tables_and_brute_force(p, query_block):
         np.testing.assert_array_equal(got[b], np.asarray(tables.counts))
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key_arrays())
+def test_host_counts_match_brute_force(p):
+    """The eager front door's numpy counts: unions of every query block at once (the
+    presence table) and distinct units per query."""
+    from attn_pallas_tpu.plan import host_distinct_units, host_union_sizes
+
+    keys, _ = p
+    blocks = (8, 16, 32, 64)
+    got = host_union_sizes(keys, blocks)
+    for qb in blocks:
+        np.testing.assert_array_equal(got[qb], unions_brute(keys, qb))
+    np.testing.assert_array_equal(host_distinct_units(keys), distinct_brute(keys))
+
+
 def test_block_union_sizes_eager_example():
     keys = np.array([[[3, 3, -1], [7, 1, 3], [-1, -1, -1], [9, 9, 9], [2, 0, 5]]], np.int32)
     np.testing.assert_array_equal(np.asarray(block_union_sizes(keys, query_block=4)), [[4, 3]])

@@ -101,6 +101,27 @@ def test_flat_gradients_through_the_kernels(kernel, dtype):
 
 
 @pytest.mark.parametrize(
+    ("dtype", "heads"), [("float32", 8), pytest.param("bfloat16", 16, marks=_SLOW)]
+)
+def test_dkv_stacks_pairs_when_heads_fill_tiles(dtype, heads):
+    """H a multiple of the sublane tile: the dKV step stacks several (block, query) pairs'
+    query rows (3 here, so chunks end in partial steps whose stale ring rows must stay
+    out), over a poisoned cache; the per-query programs walk 2 units a step."""
+    q, kv, idx, pos = sparse_mla_flat_case(
+        6, dk=DV + ROPE, batch=1, seq=12, heads=heads, kv_len=64, rb=16, top_k=3, dtype=dtype
+    )
+    keep = attended_rows_flat(idx, pos, kv_len=64, read_block=16)
+    cfg = SparseMlaConfig(units_per_step=2, ring_slots=2, queries_per_program=4, pairs_per_step=3)
+    assert sparse_mla_bwd.pairs_per_step(cfg, heads, dtype) == 3
+    assert sparse_mla_bwd.pairs_per_step(cfg, 2, dtype) == 1
+    compare_sparse_mla_grads(
+        tpu.sparse_mla_attention, q, poison_rows(kv, keep, seed=7), idx, pos, keep,
+        kernel_kw=dict(interpret=INTERPRET, config=cfg), sm_scale=SM_SCALE, dv=DV,
+        grad_tol=GRAD_TOL[dtype], mass_atol=MASS_ATOL, read_block=16,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
     ("kernel", "dtype"),
     [("per_query", "float32")]
     + [

@@ -434,7 +434,9 @@ class Runner:
     def _eager_rows(self, case, inputs, base, bounds):
         args = inputs["args"]
         kw = dict(inputs["kwargs"], return_lse=True)
-        host = (np.asarray(args[0]), args[1], np.asarray(args[2]), np.asarray(args[3]))
+        # Host-value indices and positions (the eager front door plans on them); q and
+        # the cache stay on the device, as in a serving loop.
+        host = (args[0], args[1], np.asarray(args[2]), np.asarray(args[3]))
         f = self.fn("qblock")
         jax.block_until_ready(f(*host, **kw))  # compiles
         times = []
@@ -511,6 +513,48 @@ def write_report(result: dict, out: Path) -> Path:
     return path
 
 
+def write_plot(result: dict, path: Path) -> bool:
+    """``tpu_sparse_mla.svg``: per case the kernels' ms against the bound and XLA (log
+    scale); ``False`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in result["rows"] if not r.get("sweep") and r.get("ms") is not None]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.2
+    for i, case in enumerate(cases):
+        mine = {r["kernel"]: r for r in rows if r["case"] == case}
+        bars = [
+            ("per-query", mine.get("per-query", {}).get("ms"), "#1f77b4"),
+            ("query-blocked (auto)", mine.get("qblock", {}).get("ms"), "#ff7f0e"),
+            (
+                "bound",
+                (mine.get("qblock") or mine.get("per-query") or {}).get("bound_ms"),
+                "#2ca02c",
+            ),
+            ("XLA", (mine.get("per-query") or mine.get("qblock") or {}).get("xla_ms"), "#999"),
+        ]
+        for j, (label, v, color) in enumerate(bars):
+            if v:
+                ax.bar(
+                    i + (j - 1.5) * width, v, width, color=color, label=label if i == 0 else None
+                )
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)), cases, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("ms (wall clock, median)")
+    ax.set_title(f"TPU sparse MLA on {result.get('device')} ({result.get('commit', '')[:7]})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def _f(x) -> str:
     return "" if x is None else f"{x:.3g}"
 
@@ -522,7 +566,14 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="*", help="substrings of case names to run (default all)")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
+    p.add_argument("--report", metavar="JSON", help="only rewrite the .md and .svg of a JSON")
     args = p.parse_args(argv)
+    if args.report:
+        result = json.loads(Path(args.report).read_text())
+        out = Path(args.out)
+        write_report(result, out)
+        write_plot(result, out / f"{RESULT}.svg")
+        return 0
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
         cases = [c for c in cases if any(s in c.name for s in args.cases)]
@@ -533,7 +584,9 @@ def main(argv=None) -> int:
         except Exception as e:
             traceback.print_exc()
             runner.record(case=case.name, mode=case.mode, error=_err(e))
-    write_report({**runner.meta, "rows": runner.rows}, runner.out)
+    result = {**runner.meta, "rows": runner.rows}
+    write_report(result, runner.out)
+    write_plot(result, runner.out / f"{RESULT}.svg")
     return 0
 
 
