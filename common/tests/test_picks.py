@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -36,7 +38,7 @@ def test_overlapping_picks_share_and_hold_sinks_and_window():
         u = q // 16
         assert {0, 1, u, u - 1, u - 2} <= set(row.tolist())
     # Neighbouring queries share most of their picks; all queries together touch few.
-    shared = [len(set(a) & set(b)) for a, b in zip(picks[:-1], picks[1:], strict=True)]
+    shared = [len(set(a) & set(b)) for a, b in itertools.pairwise(picks)]
     assert np.mean(shared) > 0.7 * 24
     assert len(np.unique(picks)) < 0.1 * picks.size
     rand = random_picks(np.random.default_rng(0), pos, unit=16, k=24)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attn_common.tables import build_block_unit_tables, lossless_u_max
+from attn_pallas_tpu.config import SparseMlaConfig, default_config, qblock_vmem_bytes
 from attn_pallas_tpu.plan import (
     TPU_CHIPS,
     PlanShape,
@@ -25,7 +26,6 @@ from attn_pallas_tpu.plan import (
     qblock_seconds,
     static_qblock_config,
 )
-from attn_pallas_tpu.config import SparseMlaConfig, default_config, qblock_vmem_bytes
 
 _unions_jit = jax.jit(block_union_sizes, static_argnames=("query_block",))
 _distinct_jit = jax.jit(distinct_units_per_query)
