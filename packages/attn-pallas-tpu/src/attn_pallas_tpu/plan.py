@@ -3,57 +3,32 @@
 The TPU backend has two sparse-MLA prefill kernels (``attn_pallas_tpu.sparse_mla`` and
 ``attn_pallas_tpu.sparse_mla_qblock``; ``docs/tpu_sparse_mla.md``):
 
-* **per-query**: one program per query with all ``H`` heads as score rows; it DMAs
-  each of the query's distinct valid units (a unit is ``read_block`` KV rows of
-  ``row_bytes`` bytes: ``Dk_pad * itemsize`` for a float32 or bf16 cache, 768 for an
-  FP8 cache, ``attn_pallas_tpu.fp8_rows``) through a 4-slot VMEM ring. KV bytes = ``sum_q distinct(q) * unit_bytes``; one DMA per (query, unit).
+* **per-query**: programs of ``QP`` queries with all ``H`` heads as score rows, each
+  query's distinct valid units (a unit is ``read_block`` KV rows of ``row_bytes`` bytes:
+  ``Dk_pad * itemsize`` for a float32 or bf16 cache, 768 for an FP8 cache) walked ``G``
+  a step through a VMEM ring. KV bytes = ``sum_q distinct(q) * unit_bytes``.
 * **query-blocked (qblock)**: one program per (block of ``QB`` queries, head group of
-  ``Hb`` heads; ``G = H / Hb`` groups) streams the block's union of units in chunks of
-  ``u_max`` union slots (grid ``(B, nQB, G, C)``, ``C = ceil(min(QB * K, num_units) /
-  u_max)``; chunks past a block's union fetch nothing). Score rows per program
-  ``Hb * QB``. KV bytes = ``G * sum_blocks union * unit_bytes``; one DMA per (block,
-  group, union unit).
+  ``Hb`` heads) streams the block's union of units in chunks of ``u_max`` union slots,
+  ``G`` a step. Score rows per program ``Hb * QB``. KV bytes = ``(H / Hb) * sum_blocks
+  union * unit_bytes``.
 
 This module models both, picks the cheaper one per shape and is the one home of the
-model (``packages/attn-pallas-tpu/scripts/measure_dma.py`` imports it; the kernel
-wrapper imports :func:`qblock_vmem_bytes`, :func:`choose_plan` and
-:func:`static_qblock_config`).
+model (the wrapper imports :func:`choose_plan`, :func:`static_qblock_config` and the
+jit-able :func:`per_query_seconds` / :func:`qblock_seconds`; the tilings' knobs and VMEM
+estimates are ``attn_pallas_tpu.config``'s).
 
-Model of one layer call (assumptions, two of them fitted to a TPU v5e run)
--------------------------------------------------------------------------
+Model of one layer call (fitted to a TPU v5e; the constants below and
+docs/tpu_sparse_mla.md, "Cost model")
+--------------------------------------------------------------------------------
 
-* A grid step costs ``STEP_OVERHEAD_S = 0.35 us``.
-* A program (per-query: a query with at least one unit; qblock: each non-empty chunk)
-  pays one DMA latency ``DMA_LATENCY_S = 1.5 us`` as the prologue that fills the ring.
-* Each unit then costs the slowest of
-  (a) compute on one TensorCore, the slower of its MXU and its VPU work (the two
-  overlap): MXU flops ``2 * RB * rows * (Dk_pad + Dv)`` (scores and ``P @ V``) at the
-  core's share of the bf16 peak scaled by the MXU efficiency ``min(1, rows /
-  mxu_dim)``; VPU: ``VPU_OPS_PER_SCORE = 16`` float32 ops per score element (mask,
-  select, max, sub, exp, sum, cast), ``ACC_OPS_PER_VALUE = 15`` per element of the
-  float32 accumulator ``[rows, Dv]`` (the online softmax rescales it and adds ``P @ V``
-  in VMEM every unit), and for an FP8 cache ``DEQUANT_OPS_PER_VALUE = 4`` per latent
-  value of the unit (convert, multiply, round to bf16, concatenate; once per unit, not
-  per score row), at the core's VPU rate. The qblock kernel computes every masked score
-  of the block, so its compute is ``union * Hb * QB`` scores per group, not the useful
-  ``sum_q distinct(q) * H``. Fitted on a TPU v5e (de747ae, 1024 queries x 2048 tokens
-  of a 32K cache, ``docs/results/tpu_v5e_sparse_mla.json``): a query-blocked unit of
-  4096 score rows took 5.5 us at 32 rows and 5.7 us at 64, where MXU and scores alone
-  give 1.9 and 3.7 us; the accumulator term (5.2 us at 15 ops) and the overlap give
-  5.5 and 5.9 us, and put the three query-blocked calls within 0-3 % of their
-  measured 22.1 / 84.5 / 11.5 ms (without them the model said 7.6 / 29.8 / 7.6 and the
-  automatic plan chose the query-blocked kernel at H 64, 3.2x slower than per-query);
-  (b) the unit's transfer at the chip's HBM bandwidth;
-  (c) the ring's issue rate: ``NBUF - 1 = 3`` copies in flight, so one unit per
-  ``1.5 us / 3 = 0.5 us`` when copies are latency-bound. On the v5e the per-query
-  kernel's units of 64 rows took 0.49-0.50 us each, and units of 16 and 32 rows 0.33
-  and 0.37-0.41 us (smaller copies complete sooner), so the model is 1.0-1.5x
-  pessimistic there.
-* Programs (per-query: queries; qblock: (block, group) pairs, whose chunks run in
-  order on one core) are spread over the chip's TensorCores: time = ``max(sum / cores,
-  the longest program)``.
-* Floor: all HBM bytes (KV units, q, the float32 output and LSE, the qblock's
-  membership chunks and unit tables, the per-query unit lists) at the HBM bandwidth.
+* Per-query: ``steps * PQ_STEP_S + units * (PQ_UNIT_S + read_block * row_seconds(H))``
+  (plus FP8 dequantization at the VPU rate), spread over the chip's TensorCores.
+* Query-blocked: ``steps * (QB_STEP_S + G read_block rows QB_SCORE_S + rows Dv
+  QB_ACC_S) + units * QB_UNIT_S + queries * QB_QUERY_S``; ``steps`` counts ``G`` union
+  slots of every block and head group.
+* Both: ``CALL_S`` per call, and floored by all HBM bytes (KV units, q, the float32
+  output) at the chip's HBM bandwidth. The v5e sweep found no cost from ring depth or
+  queries per program (the copies hide), so neither is priced.
 
 Chips (:data:`TPU_CHIPS`; public peak numbers per chip, ``cores`` TensorCores share
 the ``parallel`` grid):
@@ -76,35 +51,27 @@ count. SMEM: 1 MiB per core (same jax table; an assumption for real parts), i.e.
 ``smem_words = 262144`` int32 words; the qblock's two double-buffered unit tables
 (``4 * u_pad`` words) may use at most half of it.
 
-Not modelled: the ``jnp`` preprocessing (sorts that build the union and membership
-tables, ~1 ms per layer at 110K context), HBM bank/page effects of scattered 80 KiB
-reads, DMA and compute overlap imperfections other than the issue-rate bound, the
-pipeline's q/out block copies overlapping compute (they are in the HBM floor only),
-Mosaic layout padding (e.g. ``QB`` lanes padded to 128 in the membership), and load
-imbalance beyond the longest-program bound. The plan is a ranking device, not a
-promise of absolute time.
+Fitted on the v5e only: other chips are priced with the v5e's per-step and per-row
+constants scaled by nothing (their MXU and VPU rates do not enter the fitted terms),
+which keeps the ranking and not the absolute time. The plan is a ranking device.
 
 How the plan is chosen
 ----------------------
 
 :func:`choose_plan` gets the per-query distinct counts and, for each candidate ``QB``,
-the true union size of every block (:func:`block_union_sizes`, a sort per block). It
-enumerates ``Hb`` over the divisors of ``H`` with ``Hb * QB <= max_rows`` and ``u_max``
-over multiples of 32 up to the largest union seen, keeps the configs whose
-:func:`qblock_vmem_bytes` fits ``chip.vmem_bytes`` (and whose SMEM tables fit), drops
-those that move at least as many KV bytes as per-query, and returns the fastest if
-it beats the per-query prediction; otherwise per-query. So qblock is never chosen
-when it moves more KV bytes, and ties go to per-query.
+the true union size of every block (:func:`host_union_sizes` on the host,
+:func:`block_union_sizes` under jit). It enumerates ``Hb`` over the divisors of ``H``
+with ``Hb * QB <= max_rows``, each with the widest ``u_max`` whose
+``config.qblock_vmem_bytes`` and SMEM tables fit the chip, drops the configs that read
+more than ``1 / MIN_SHARING`` of the per-query bytes, and returns the fastest if it beats
+the per-query prediction; otherwise per-query.
 
 :func:`static_qblock_config` is the shape-only fallback for use under ``jax.jit``
 (unions unknown): all heads in one group (the union is fetched once) with the largest
-``QB`` (a multiple of 8, at most 256) such that ``H * QB <= max_rows`` and VMEM fits.
-That config maximizes the bytes saved, not the modelled speed: the qblock kernel is
-compute-bound on masked scores, and with poorly shared selections it can move fewer
-bytes than per-query yet be slower. :func:`per_query_seconds` and
-:func:`qblock_seconds` evaluate the same model as jit-able ``jnp`` scalars from
-:func:`distinct_units_per_query` / :func:`block_union_sizes`, for a runtime guard on
-modelled time.
+``QB`` (a multiple of 8, at most 128) such that ``H * QB <= STATIC_ROWS`` and VMEM fits
+(the wrapper also caps ``QB`` at the query count). :func:`per_query_seconds` and
+:func:`qblock_seconds` evaluate the same model as jit-able ``jnp`` scalars for the
+wrapper's run-time guard.
 """
 
 from __future__ import annotations

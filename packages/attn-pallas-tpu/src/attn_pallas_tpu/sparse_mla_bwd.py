@@ -13,11 +13,12 @@ Two kernels, both deterministic (fixed order, float32 accumulation, no atomics: 
 none, and two runs are equal bit for bit):
 
 **dq** (shaped like the per-query forward, ``attn_pallas_tpu.sparse_mla``). One program per
-query (``parallel``), walking the query's compacted distinct units (``compact_units``, the
-forward's tables) through the same ``NBUF``-deep VMEM DMA ring from the HBM row store.
-Per unit: zero the rows the query may not see (``kb + r >= lim``: page tails, future
-tokens; they may hold NaN) and the feature padding, ``s = q k^T [H, RB]``, ``p``, ``dp =
-dO v^T``, ``ds``, ``dq += ds k``; ``dq * sm_scale`` is written once.
+``QP`` queries (``parallel``), walking their compacted distinct units (``compact_units``,
+the forward's tables and ``unit_ring.StepWalk``) ``G`` a step through the same VMEM ring.
+Per step: clear the rows the query may not see (``kb + r >= lim``: page tails, future
+tokens; they may hold NaN) and the feature padding, ``s = q k^T [H, G RB]``, ``p``, ``dp
+= dO v^T``, ``ds``, ``dq += ds k``; at the query's last step ``dq * sm_scale`` is
+written.
 
 **dKV** (one accumulator per store block of ``RB`` rows, walked over the *inverted
 selection*). :func:`invert_selection` (small pure ``jnp``, outside the kernel) lists every
@@ -33,11 +34,13 @@ Dk_pad]`` and the output block are indexed by it, so consecutive chunks of one b
 keep both resident (the pipeline neither re-reads nor writes back until the block
 changes) and the float32 sums live in VMEM scratch from the block's first chunk to its
 last. Per chunk ``(pairs, first, last)`` and the pairs' query ids and valid-row counts
-come in SMEM blocks; per pair the query's ``q [H, Dk_pad]``, ``dO [H, Dv]`` and ``(lse, delta) [2, H]``
-are DMA'd from HBM through a ring like the forward's. Compute per pair is key-major (keys
-on sublanes, heads on lanes: no transpose): ``s^T = k q^T [RB, H]``, the valid rows are a
-prefix ``r < nvalid`` (causal and ``kv_len`` bounds cut a unit at one row),
-``dK += ds^T q``, ``dV += p^T dO``.
+come in SMEM blocks. A step takes ``QC`` pairs (``config.pairs_per_step`` when ``H``
+fills whole sublane tiles, else 1): each pair's ``q [H, Dk_pad]``, ``dO [H, Dv]`` and
+``(lse, delta) [H, 2]`` are DMA'd from HBM into its rows ``[c H, (c + 1) H)`` of a ring
+slot, so the products see ``QC H`` rows: ``s = Q k^T [QC H, RB]``, the valid keys of
+pair ``c`` a prefix ``r < nvalid_c`` (causal and ``kv_len`` bounds cut a unit at one row),
+``dK += ds^T Q``, ``dV += p^T dO``; rows of pairs past the chunk's count are zeroed
+before any product.
 
 Why this dKV design. The alternative, each dq program adding its units' ``ds^T q`` into
 the cache gradient, needs atomics (none on TPU) or per-pair partial sums in HBM

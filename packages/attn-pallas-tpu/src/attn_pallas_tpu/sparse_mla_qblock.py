@@ -33,23 +33,20 @@ block's last real chunk, so the pipeline sees an unchanged block index and fetch
 nothing; the kernel skips it. So ``u_max`` trades VMEM/SMEM for per-chunk prologues
 and never changes the answer.
 
-DMA schedule. The KV row store stays in HBM. Union slot ``j`` (``read_block`` rows from
-row ``src[j] * 8``) is copied into slot ``j % NBUF`` of a VMEM ring
-``[NBUF, read_block, Dk_pad]`` and signals DMA semaphore ``sem[0, j % NBUF]``. The prologue
-starts slots ``0 .. NBUF-2``; iteration ``j`` starts ``j + NBUF - 1`` into the ring slot
-that iteration ``j - 1`` finished reading, then waits for ``j``: ``NBUF - 1`` copies are
-in flight behind the compute (per-unit copies are latency-bound, ~1.5 us each, so
-without the prefetch the loop would run at DMA latency). All started copies are waited.
-An FP8 cache's store is two arrays (latent rows and bf16 side rows) with a ring and a
-semaphore row each, one DMA per array per slot, dequantized in VMEM after the wait
-(``sparse_mla.UnitRows``, ``fp8_rows.dequantize_rows``).
+DMA schedule (``unit_ring``). The store stays in HBM. The chunk's union slots are walked
+in steps of ``G`` (``config.SparseMlaConfig.units_per_step``): step ``t``'s ``G`` slots
+are copied into ring slot ``t % S`` (slot ``e`` of the step into rows ``[e RB, (e + 1)
+RB)``), all on that ring slot's semaphore; the prologue starts steps ``0 .. S - 2`` and
+step ``t`` starts step ``t + S - 1`` before waiting for its own copies. Slots past the
+chunk's count start no copy and are zeroed after the load. An FP8 cache's store is two
+arrays with a ring each, dequantized in VMEM after the wait.
 
-Compute per union slot, key-major: ``s = k [RB, Dk_pad] . q^T -> [RB, rows]`` (keys on
+Compute per step, key-major: ``s = k [G RB, Dk_pad] . q^T -> [G RB, rows]`` (keys on
 sublanes, score rows on lanes), so the per-query membership and ``lim`` are lane rows
-broadcast over the keys and no in-kernel transpose or dynamic lane slicing is needed.
-The slot's membership row comes from an aligned 32-row window of the int8 membership
-(int8 tiles are (32, 128): a dynamic sublane offset must be provably a multiple of 32)
-and an iota select. The online softmax reduces over axis 0; a row that has seen no
+broadcast over each slot's keys and no dynamic lane slicing is needed. The step's ``G``
+membership rows come from one aligned 32-row window of the int8 membership (int8 tiles
+are (32, 128): a dynamic sublane offset must be provably a multiple of 32; ``G`` divides
+32) and an iota select each. The online softmax reduces over axis 0; a row that has seen no
 valid key keeps ``m = -inf`` and uses 0 in the exponent (``exp(-inf - 0) = 0``, never
 ``-inf - -inf``). The float32 output block is the accumulator. The output is
 ``acc / l`` (exactly 0 for an empty row) and the LSE ``m + log(l)`` (natural log,
@@ -61,11 +58,11 @@ row may be attended by some queries of the block and not by others (page tails p
 query of the block. A query that attends such a row still has its non-finite score.
 
 Tiling. ``sparse_mla_attention_qblock`` picks ``(QB, Hb, u_max)`` itself unless told
-(``attn_pallas_tpu.plan``: a DMA bytes / DMA count / VMEM model per chip) and
-runs the per-query kernel instead whenever that moves no more KV bytes.
+(``attn_pallas_tpu.plan``: a cost model fitted on a v5e, and a VMEM estimate per chip)
+and runs the per-query kernel instead unless the blocks read at most half its bytes.
 
-HBM traffic per layer: ``G * sum_blocks(union) * read_block * row_bytes`` (``Dk_pad *
-itemsize``, or 768 for an FP8 cache).
+HBM traffic per layer: ``(H / Hb) * sum_blocks(union) * read_block * row_bytes``
+(``Dk_pad * itemsize``, or 768 for an FP8 cache).
 """
 
 from __future__ import annotations
