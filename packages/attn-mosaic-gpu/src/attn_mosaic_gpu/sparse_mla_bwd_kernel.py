@@ -79,6 +79,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 from attn_mosaic_gpu._sparse_mla_rows import (
@@ -106,8 +107,8 @@ _COMPUTE_REGISTERS = 232
 _THREADS = 128
 _KV_CHUNK = 64  # key-gradient columns per accumulator
 _LOG2E = math.log2(math.e)
-_AXIS_PROGRAM = "program"
-_AXIS_WG = "wg"
+_AXIS_PROGRAM = _axes.PROGRAMS
+_AXIS_WG = _axes.WARPGROUP
 _PARTS = (Part.L0, Part.R0)  # the one block's two parts (the forward's block 0)
 _INPUT_COPIES = 5  # Q latent, Q rope, dO, lse2, delta: one arrival each on `inputs`
 PARTS_BYTES = 8 << 30  # the deterministic path's parts buffer, at most (token chunks)

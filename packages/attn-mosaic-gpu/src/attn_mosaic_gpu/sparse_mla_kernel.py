@@ -147,6 +147,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common.fp8_cache import LATENT as FP8_LATENT
 from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
+from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._interpret import resolve_interpret
 from attn_mosaic_gpu._registers import memory_registers
 from attn_mosaic_gpu._sparse_mla_rows import (
@@ -178,8 +179,8 @@ _COMPUTE_REGISTERS = 232
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _M_INIT = -1e30
-_AXIS_PROGRAM = "program"
-_AXIS_WG = "wg"
+_AXIS_PROGRAM = _axes.PROGRAMS
+_AXIS_WG = _axes.WARPGROUP
 _Q_LATENT, _Q_ROPE = 0, 1  # the two TMA copies of Q and their `q_ready` barriers
 
 
