@@ -7,6 +7,8 @@ written here with plain numpy (the OR over users of the one-user predicate), and
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -591,3 +593,10 @@ def test_step_list_matches_step_table(keys):
                     int(table[b, t, 4 * users + 2 * sub + 1]),
                 )
                 assert tuple(int(x) for x in listed.full_steps(sub)) == want
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (3,), (2, 1, 3), (2, 2, 2, 4)])
+def test_bad_bounds_error_names_the_shape_given(shape):
+    """The error shows the caller's shape, not the [B, U, 4] form it would be lifted to."""
+    with pytest.raises(ValueError, match=re.escape(f"bounds: got shape {shape}, expected")):
+        normalize_packed_bounds(np.zeros(shape, np.int32), batch=2, seq_len=8)
