@@ -514,6 +514,18 @@ def ragged_positional(op, **kw):
     return fn
 
 
+def export_tpu(fn, *structs, kernels: int):
+    """``jax.export`` of ``fn`` for TPU (on any host) at ``structs``, whose module must hold
+    exactly ``kernels`` Mosaic TPU kernels (a ``lax.cond`` holds one per branch)."""
+    import jax
+
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*structs)
+    found = exported.mlir_module().count("tpu_custom_call")
+    assert found == kernels, f"{found} Mosaic kernels in the exported module, expected {kernels}"
+    assert exported.platforms == ("tpu",)
+    return exported
+
+
 def export_mosaic_gpu(fn, *structs) -> str:
     """``jax.export`` of ``fn`` for CUDA (on any host) at ``structs`` (``ShapeDtypeStruct``
     pytrees): the module's text, which must hold a Mosaic GPU call."""

@@ -129,6 +129,28 @@ def test_current_modules_keep_the_recorded_names():
         assert not missing, f"attn_common.{module} lost {missing}: run tests/api_history.py"
 
 
+def test_installed_packages_report_their_version():
+    """Each installed package's ``__version__`` is its installed metadata's, which is its
+    pyproject.toml's (a stale install, an older wheel or an editable install of another
+    checkout, fails here), and every name in its ``__all__`` exists."""
+    import importlib.metadata as md
+
+    checked = []
+    for pkg in ALL_PACKAGES:
+        dist = _project(pkg)["name"]
+        try:
+            installed = md.version(dist)
+        except md.PackageNotFoundError:
+            continue  # the session installs only its platform's backends
+        module = importlib.import_module(dist.replace("-", "_"))
+        assert module.__version__ == installed == _project(pkg)["version"], dist
+        assert isinstance(module.__all__, list), dist
+        missing = [name for name in module.__all__ if not hasattr(module, name)]
+        assert not missing, f"{dist}.__all__ names missing attributes: {missing}"
+        checked.append(dist)
+    assert "attn-common" in checked and len(checked) >= 2, checked
+
+
 @pytest.mark.parametrize("pkg", ALL_PACKAGES, ids=lambda p: p.name)
 def test_license_and_changelog(pkg):
     project = _project(pkg)
