@@ -25,6 +25,16 @@ BF16 = ml_dtypes.bfloat16
 RANKER_TOL = {"float32": (1e-5, 3e-5), "bfloat16": (1e-2, 2e-2)}
 
 
+def tier_examples(n: int) -> int:
+    """Hypothesis examples for a property test: ``n`` in the full tier (tests-cpu-full:
+    no marker filter), a quarter of them, at least 10, in the quick tier (``-m "not
+    slow"``: tests-cpu and CI), where each example is only a cost per change; the root
+    conftest.py sets ``ATTN_TEST_TIER`` from the run's marker filter."""
+    import os
+
+    return max(min(n, 10), n // 4) if os.environ.get("ATTN_TEST_TIER") == "quick" else n
+
+
 def rng_for(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 

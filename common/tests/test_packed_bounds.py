@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental import checkify
@@ -42,7 +43,9 @@ from attn_common.packed import (
 )
 
 BLOCKS = (4, 8, 16, 32)
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=tier_examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _cdiv(a, b):
@@ -355,7 +358,7 @@ def test_block_at_with_traced_scalars_in_loop():
 # normalization, mask, overlap rule
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=tier_examples(80), deadline=None)
 @given(st.integers(1, 30), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_normalize_packed(seq_len, batch, num_users, data):
     raw = np.asarray(
@@ -416,7 +419,7 @@ def test_normalize_packed_rejects(bounds, exc):
 _mask = jax.jit(ranker_mask_packed)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(st.sampled_from([1, 7, 24]), st.data())
 def test_mask_packed_matches_brute_force(seq_len, data):
     users = data.draw(packed_rows(seq_len))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -182,7 +183,7 @@ def pairs_brute(seq_len, bounds):
     return total
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=tier_examples(80), deadline=None)
 @given(
     st.integers(1, 40),
     st.lists(st.lists(st.integers(-10, 50), min_size=4, max_size=4), min_size=3, max_size=3),
