@@ -25,6 +25,13 @@ BF16 = ml_dtypes.bfloat16
 RANKER_TOL = {"float32": (1e-5, 3e-5), "bfloat16": (1e-2, 2e-2)}
 
 
+def sds(shape, dtype=BF16):
+    """``jax.ShapeDtypeStruct(shape, dtype)``: an abstract input for tracing or export."""
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def tier_examples(n: int) -> int:
     """Hypothesis examples for a property test: ``n`` in the full tier (tests-cpu-full:
     no marker filter), a quarter of them, at least 10, in the quick tier (``-m "not

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tier_examples
+from helpers import sds, tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +19,6 @@ from attn_common import (
     ranker_flops,
 )
 from attn_common.ranker import RankerKernelStatic
-
-
-def sds(shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def qkv(b=2, s=16, hq=4, hkv=2, d=64, dtype=jnp.bfloat16):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tier_examples
+from helpers import sds, tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,11 +18,6 @@ from attn_common import (
     seq_id_from_cu_q_lens,
 )
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
-
-
-def sds(shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
 
 # --------------------------------------------------------------------------------------
 # padded_dk
