@@ -6,6 +6,7 @@ initialises, so ``sharding_check.py`` runs in a fresh interpreter with the same
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,30 @@ def test_ragged_request_sharding_refuses_bad_arguments():
     flat = dict(stacked, seq_lens=z((2,), int))  # one batch's tables, not stacked
     with pytest.raises(ValueError, match=r"seq_lens: got shape \(2,\), expected the 1 batches"):
         attend(*flat.values())
+
+
+def test_wrong_rank_is_named_before_sharding():
+    """A q of the wrong rank is refused by name, before the wrappers index its shape (it
+    was an unpacking or index error from inside the wrapper)."""
+    import jax
+    import numpy as np
+
+    from attn_common import sharding
+
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    q = np.zeros((2, 3), np.float32)
+    calls = {
+        "[B, S, Hq, D]": lambda: sharding.shard_ranker_attention(mesh)(q, q, q, None),
+        "[B, S, H, Dk]": lambda: sharding.shard_sparse_mla_attention(mesh, sm_scale=1.0)(
+            q, q, q, q
+        ),
+        "[1, S, H, Dk]": lambda: sharding.shard_sparse_mla_attention_ragged(
+            mesh, sm_scale=1.0, page_size=16
+        )(q, q, q, q, q, q, q, q),
+    }
+    for hint, call in calls.items():
+        with pytest.raises(ValueError, match=re.escape(f"q: got shape (2, 3), expected {hint}")):
+            call()
+    q4 = np.zeros((2, 3, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=re.escape("k: got shape (2, 3), expected [B, S, Hkv")):
+        sharding.shard_ranker_attention(mesh)(q4, q, q, None)

@@ -55,6 +55,15 @@ def _divisible(name: str, size: int, axis: str | None, n: int) -> None:
         raise ValueError(f"{name} = {size} is not divisible by the size {n} of mesh axis {axis!r}")
 
 
+def _shape(name: str, x, hint: str) -> tuple[int, ...]:
+    """``x``'s shape, checked to have ``hint``'s rank before the wrappers index it (the op
+    validates the rest, on each shard)."""
+    shape = tuple(jnp.shape(x))
+    if len(shape) != hint.count(",") + 1:
+        raise ValueError(f"{name}: got shape {shape}, expected {hint}")
+    return shape
+
+
 def _shard_map(fn, mesh, in_specs, out_specs, check_vma):
     mapped = jax.shard_map(
         fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
@@ -113,8 +122,8 @@ def shard_ranker_attention(
     sharded = _shard_map(local, mesh, (qkv, qkv, qkv, bspec), out_specs, check_vma)
 
     def call(q, k, v, bounds):
-        batch, _, hq, _ = q.shape
-        hkv = k.shape[2]
+        batch, _, hq, _ = _shape("q", q, "[B, S, Hq, D]")
+        hkv = _shape("k", k, "[B, S, Hkv, D]")[2]
         _divisible("batch", batch, batch_axis, nb)
         _divisible("kv heads", hkv, head_axis, nh)
         _divisible("q heads", hq, head_axis, nh)
@@ -178,8 +187,9 @@ def shard_sparse_mla_attention(
     sharded = _shard_map(local, mesh, (q_spec, kv_spec, kv_spec, row_spec), out_specs, check_vma)
 
     def call(q, kv, indices, positions):
-        _divisible("batch", q.shape[0], batch_axis, nb)
-        _divisible("heads", q.shape[2], head_axis, nh)
+        batch, _, heads, _ = _shape("q", q, "[B, S, H, Dk]")
+        _divisible("batch", batch, batch_axis, nb)
+        _divisible("heads", heads, head_axis, nh)
         return sharded(q, kv, indices, positions)
 
     return call
@@ -262,7 +272,7 @@ def shard_sparse_mla_attention_ragged(
     sharded = _shard_map(local, mesh, in_specs, out_specs, check_vma)
 
     def call(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices):
-        _divisible("heads", q.shape[2], head_axis, nh)
+        _divisible("heads", _shape("q", q, "[1, S, H, Dk]")[2], head_axis, nh)
         if stacked:
             tables = dict(q=q, indices=indices, positions=positions, q_seq_id=q_seq_id,
                           seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,

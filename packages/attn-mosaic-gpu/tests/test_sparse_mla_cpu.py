@@ -137,6 +137,8 @@ def _ragged(fn, case, page_size=16, **kw):
     return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
+@pytest.mark.slow  # the quick tier has the same case: test_conformance_sparse_mla.py's
+# test_ragged_paged[mosaic-gpu-plain-bfloat16-rb16] (Dk 192, pages of 16, poisoned rows)
 def test_ragged_poisoned_vs_reference():
     """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
     the feature padding of every row."""
