@@ -2,7 +2,9 @@
 # One TPU machine session: the TPU backend's conformance and isolation tests natively on
 # the chip, then the sparse-MLA benchmark suite (attn_pallas_tpu.bench_sparse_mla, the
 # TPU's `attn bench sparse-mla`) with this script's arguments. Logs and results go to
-# $OUT (tpu_env.log, tpu_tests.log, tpu_sparse_mla.{json,md} and tpu_bench.log).
+# $OUT (tpu_env.log, tpu_tests.log, tpu_sparse_mla.{json,md,svg} and tpu_bench.log). The
+# TPU ranker's native timings are benchmarks/tpu_check.py's (run it alone: its sparse-MLA
+# rows are superseded by the suite).
 #
 #   OUT=/tmp/tpu bash benchmarks/tpu_run.sh [--sweep] [--cases NAME ...]
 #

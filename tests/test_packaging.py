@@ -217,13 +217,15 @@ def test_common_imports_no_backend():
 # the `attn` command. A backend is one implementation; it calls no other.
 FRONT_DOOR = ("attn_common.dispatch", "attn_common.sharding", "attn_common.cli")
 # The backends' tools, which may use the front door: `attn bench` / `attn tune` (registered
-# by attn-mosaic-gpu) and `python -m attn_reference.demo` (= `attn run all
+# by attn-mosaic-gpu), the TPU's sparse-MLA suite (`python -m
+# attn_pallas_tpu.bench_sparse_mla`) and `python -m attn_reference.demo` (= `attn run all
 # --implementation reference`).
 BACKEND_TOOLS = {
     "attn_mosaic_gpu.cli",
     "attn_mosaic_gpu.bench",
     "attn_mosaic_gpu.bench_sparse_mla",
     "attn_mosaic_gpu.tuner",
+    "attn_pallas_tpu.bench_sparse_mla",
     "attn_reference.demo",
 }
 

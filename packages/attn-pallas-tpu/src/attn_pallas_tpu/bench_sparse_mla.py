@@ -55,6 +55,7 @@ import numpy as np
 import attn_pallas_tpu as tpu
 from attn_common import padded_dk
 from attn_common.cli_args import provenance
+from attn_common.dispatch import load_backend
 from attn_common.picks import decode_picks, overlapping_picks, random_picks
 from attn_common.tables import kv_packing
 from attn_pallas_tpu._prep import default_chip
@@ -237,10 +238,8 @@ class Runner:
             f = tpu.sparse_mla_attention
         elif kernel == "qblock":
             f = tpu.sparse_mla_attention_qblock
-        else:
-            import attn_reference as ref
-
-            f, extra = ref.sparse_mla_attention, {}
+        else:  # the reference, through the front door (a backend imports no other)
+            f, extra = load_backend("reference").sparse_mla_attention, {}
         return lambda *a, **kw: f(*a, **kw, **extra)
 
     def time_forward(self, case, inputs, kernel, config=None, **knobs):
