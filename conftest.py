@@ -35,6 +35,16 @@ def pytest_addoption(parser, pluginmanager):
         parser.addini("timeout_method", "signal or thread (read by pytest-timeout)")
 
 
+def pytest_configure(config):
+    """The quick tier: a run that deselects the tests marked slow (``-m "not slow"``, as
+    tests-cpu and CI do) also runs the property tests with fewer hypothesis examples
+    (``helpers.tier_examples``); tests-cpu-full, with no marker filter, runs them all.
+    ``ATTN_TEST_TIER=full`` or ``quick`` set by hand wins."""
+    if "ATTN_TEST_TIER" not in os.environ:
+        quick = "not slow" in (config.getoption("markexpr", "") or "")
+        os.environ["ATTN_TEST_TIER"] = "quick" if quick else "full"
+
+
 _PACKAGES = Path(__file__).resolve().parent / "packages"
 # Backend distribution directory -> the import name its tests need.
 _BACKENDS = {"attn-mosaic-gpu": "attn_mosaic_gpu", "attn-pallas-tpu": "attn_pallas_tpu"}

@@ -1,7 +1,7 @@
 """Nox sessions for the attention-kernels monorepo.
 
     nox -s lint tests-cpu   # what CI runs (.ci/run); every developer, CPU only
-    nox -s tests-cpu-full   # the same plus the tests marked slow (larger interpret shapes)
+    nox -s tests-cpu-full   # every test and hypothesis example (tests-cpu: -m "not slow")
     nox -s demo             # the main job: `attn run ranker` / `attn run sparse-mla` on CPU
     nox -s build            # the four wheels, each installed alone in a fresh venv
     nox -s tests-cuda13     # on a Hopper GPU machine (JAX with the CUDA 13 plugin)
@@ -140,7 +140,9 @@ def _tests(session: nox.Session, platform: str, options: tuple[str, ...] = ()) -
 @nox.session(python=PYTHON, name="tests-cpu", tags=["tests"])
 def tests_cpu(session: nox.Session) -> None:
     """CPU, what CI runs: every package and the conformance tests, every shipped kernel in
-    interpret mode at small shapes; the tests marked ``slow`` are left to tests-cpu-full."""
+    interpret mode at small shapes; the tests marked ``slow`` are left to tests-cpu-full,
+    and ``-m "not slow"`` runs the property tests at a quarter of their hypothesis
+    examples (the root conftest.py)."""
     # --durations: every CI log lists the slowest tests, against the 10-minute budget.
     _tests(
         session,
@@ -260,14 +262,8 @@ def bench_gpu(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, name="measure-tpu")
 def measure_tpu(session: nox.Session) -> None:
-    """No TPU needed: DMA bytes/count of the TPU sparse-MLA kernels from the tables."""
+    """No TPU needed: the TPU ranker's cost model tables (docs/tpu_ranker.md)."""
     session.install(f"jax=={JAX_VERSION}", f"./{COMMON}")
-    session.run(
-        "python",
-        f"{PALLAS_TPU}/scripts/measure_dma.py",
-        *(session.posargs or ["--write-docs"]),
-        env={"JAX_PLATFORMS": "cpu"},
-    )
     session.run(
         "python",
         f"{PALLAS_TPU}/scripts/ranker_cost.py",

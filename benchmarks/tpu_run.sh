@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # One TPU machine session: the TPU backend's conformance and isolation tests natively on
-# the chip (pytest -k tpu, "not slow", plus the FP8-cache conformance test), then
-# benchmarks/tpu_check.py with this script's arguments. Logs and results go to $OUT
-# (tpu_env.log, tpu_tests.log, tpu_check.json and its log).
+# the chip, then the sparse-MLA benchmark suite (attn_pallas_tpu.bench_sparse_mla, the
+# TPU's `attn bench sparse-mla`) with this script's arguments. Logs and results go to
+# $OUT (tpu_env.log, tpu_tests.log, tpu_sparse_mla.{json,md,svg} and tpu_bench.log). The
+# TPU ranker's native timings are benchmarks/tpu_check.py's (run it alone: its sparse-MLA
+# rows are superseded by the suite).
 #
-#   OUT=/tmp/tpu bash benchmarks/tpu_run.sh [--no-ranker]
+#   OUT=/tmp/tpu bash benchmarks/tpu_run.sh [--sweep] [--cases NAME ...]
 #
+# TEST_FILES (default: the four conformance/isolation files) and TEST_K (pytest -k,
+# default "tpu") select the tests; TEST_FILES=none skips them. TEST_LIMIT and
+# BENCH_LIMIT (seconds, default 230 and 330) bound the two steps. Set
+# ATTN_PROVENANCE_COMMIT to the commit under test: the device copy's git metadata may be
+# the session's starting commit, not the tree's.
 # The device image's TPU machine has Python 3.11 and jax 0.10.2 (the packages ask for
 # >= 3.12 and 0.11.2, which it cannot install), so the sources run from the checkout
 # through PYTHONPATH, and absl-py and pytest-timeout come from the image's own package
 # index; results from it are on that jax, not the pinned one. One process holds the
-# chip at a time: the tests and the check run one after the other. TEST_LIMIT and
-# CHECK_LIMIT (seconds, default 230 each) bound the two steps.
+# chip at a time: the tests and the benchmark run one after the other.
 set -u
 OUT=${OUT:-attn-results/tpu-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
@@ -24,10 +30,15 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$root/common/src:$root/packages/att
 export PYTHONUNBUFFERED=1
 cd "$root" || exit 1
 python3 -c "import sys, jax; print(sys.version.split()[0], jax.__version__, jax.devices())" 2>&1 | tee "$OUT/tpu_env.log"
-timeout "${TEST_LIMIT:-230}" python3 -m pytest -v -p no:cacheprovider -m "not slow or fp8" \
-  --durations=15 tests/test_conformance_ranker.py tests/test_conformance_sparse_mla.py \
-  tests/test_conformance_sparse_mla_grad.py tests/test_ranker_isolation.py -k tpu \
-  >"$OUT/tpu_tests.log" 2>&1
-echo "tests rc=$?" | tee -a "$OUT/tpu_tests.log"
-grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tpu_tests.log" | tail -n 40
-timeout "${CHECK_LIMIT:-230}" python3 benchmarks/tpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/tpu_check.log" | tail -n 30
+files=${TEST_FILES:-tests/test_conformance_ranker.py tests/test_conformance_sparse_mla.py tests/test_conformance_sparse_mla_grad.py tests/test_ranker_isolation.py}
+if [ "$files" != none ]; then
+  # shellcheck disable=SC2086
+  timeout "${TEST_LIMIT:-230}" python3 -m pytest -v -p no:cacheprovider -m "not slow or fp8" \
+    --durations=15 $files -k "${TEST_K:-tpu}" >"$OUT/tpu_tests.log" 2>&1
+  echo "tests rc=$?" | tee -a "$OUT/tpu_tests.log"
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tpu_tests.log" | tail -n 40
+fi
+timeout "${BENCH_LIMIT:-330}" python3 -m attn_pallas_tpu.bench_sparse_mla --out "$OUT" "$@" \
+  >"$OUT/tpu_bench.log" 2>&1
+echo "bench rc=$?" | tee -a "$OUT/tpu_bench.log"
+grep -v '"sweep": true' "$OUT/tpu_bench.log" | tail -n 25

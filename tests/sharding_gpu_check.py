@@ -15,13 +15,21 @@ Checks, each against the unsharded call on one device:
   not bitwise: ``delta' = rowsum(dO * O)`` is an XLA reduction whose order may change
   with the sharded shapes; the kernels' own determinism is tested in
   ``test_ranker_bwd_gpu.py``);
-* sparse MLA (flat and ragged paged) through the sharding helpers; Mosaic GPU has no
-  sparse MLA kernel, so dispatch falls through to the reference backend.
+* sparse MLA through the sharding helpers with the Hopper kernels pinned
+  (``attn_mosaic_gpu.sparse_mla_attention``, never a fallback; ``check_sparse_mla_kernels``):
+  flat with unit-level selections at 128 heads and token-level ones (the row-sort
+  kernel builds the row tables), a bf16 and an FP8 cache (dequantized on chip), the
+  deterministic backward; ragged paged with the requests sharded (the pool sharded by
+  request or replicated) and with the heads sharded; forward, LSE and attention mass
+  within 1e-5 of the unsharded kernel, gradients (the forward and backward kernels)
+  within bf16 rounding (the cache gradient is summed by float32 atomics); dispatch
+  must pick ``mosaic-gpu`` for sparse MLA too. The reference-backend sparse-MLA checks
+  of the CPU suite run as well.
 
 It also times the phoenix forward and forward+backward on one GPU and batch-sharded
 over two (wall clock per call, median, queue kept full) and writes ``sharding_gpu.json``
 and ``.md``. ``--cpu-dry-run`` runs the same code on 2 CPU devices with the reference
-backend (API check only: no bitwise claims, no timing).
+backend in place of the kernels (API check only: no bitwise claims, no timing).
 """
 
 from __future__ import annotations
@@ -131,6 +139,56 @@ def check_ranker(mesh, report, **kw):
     report["checks"].append(entry)
 
 
+def check_sparse_mla_kernels(both, heads, report):
+    """Sparse MLA sharded over ``both`` (batch / requests over "data") and ``heads``
+    (heads over "model") with the Hopper kernels pinned, against the unsharded kernel
+    (``sharding_check``'s checks with ``fn``); the reference on a dry run."""
+    if DRY_RUN:
+        import attn_reference
+
+        kernel, on_gpu = attn_reference.sparse_mla_attention, {}
+    else:
+        import attn_mosaic_gpu
+
+        kernel, on_gpu = attn_mosaic_gpu.sparse_mla_attention, {"deterministic": True}
+    flat = dict(b=2, s=32, t=1024, dv=512)
+    cases = [
+        ("flat, unit-level, H 128", dict(h=128, rb=64, top_k=4, **flat)),
+        ("flat, token-level (row sort), H 64", dict(h=64, rb=1, top_k=512, **flat)),
+        ("flat, FP8 on chip, H 64", dict(h=64, rb=64, top_k=4, fp8=True, **flat,
+                                        **({} if DRY_RUN else {"fp8_dequantize": False}))),
+        ("flat, deterministic backward, H 64", dict(h=64, rb=64, top_k=4, **flat, **on_gpu)),
+    ]  # fmt: skip
+    for mesh in (both, heads):
+        for name, kw in cases:
+            label = f"sparse MLA kernels {name} {dict(mesh.shape)}"
+            _sparse_check(label, report, sharding_check.check_kernel_flat, mesh, kernel,
+                          batch_axis="data", head_axis="model", **kw)  # fmt: skip
+    for pool, fp8 in (("sharded", False), ("replicated", False), ("sharded", True)):
+        label = f"sparse MLA kernels ragged, requests over 'data', pool {pool}, fp8 {fp8}"
+        _sparse_check(label, report, sharding_check.check_sparse_mla_requests, both, "data",
+                      "model", pool, fp8=fp8, fn=kernel, heads=64)  # fmt: skip
+    label = "sparse MLA kernels ragged, heads over 'model', H 128"
+    _sparse_check(label, report, sharding_check.check_sparse_mla_requests, heads, "data",
+                  "model", "replicated", fp8=False, fn=kernel, heads=128)  # fmt: skip
+
+
+def _sparse_check(label, report, check, *args, **kwargs):
+    try:
+        check(*args, **kwargs)
+    except AssertionError as e:
+        print(f"FAIL {label}: {e}")
+        FAILURES.append(label)
+        return
+    report["checks"].append({"check": label})
+    print(f"OK {label}", flush=True)
+
+
+def _reference_checks(mesh):
+    sharding_check.check_sparse_mla(mesh)
+    sharding_check.check_sparse_mla_ragged(mesh, head_axis="model")
+
+
 def _wall_ms(fn, *args, iterations=10, samples=5):
     """Median wall time per call in ms, the device queue kept full (CUPTI would add up
     the kernels of both GPUs, which is not what sharding saves)."""
@@ -193,6 +251,7 @@ def main() -> None:
     assert name == ("reference" if DRY_RUN else "mosaic-gpu"), name
     report["ranker_backend"] = name
     report["sparse_mla_backend"] = select_backend("sparse_mla_attention")[0]
+    assert report["sparse_mla_backend"] == name, report["sparse_mla_backend"]
     report["checks"] = []
     print(f"{len(devices)} x {devices[0].device_kind}; ranker -> {name}, "
           f"sparse MLA -> {report['sparse_mla_backend']}")  # fmt: skip
@@ -203,17 +262,10 @@ def main() -> None:
     check_ranker(heads, report)
     check_ranker(jax.make_mesh((2,), ("batch",), devices=devices[:2]), report,
                  batch_axis="batch", head_axis=None)  # fmt: skip
-    for mesh in (both, heads):
-        label = f"sparse MLA flat + ragged paged {dict(mesh.shape)}"
-        try:
-            sharding_check.check_sparse_mla(mesh)
-            sharding_check.check_sparse_mla_ragged(mesh, head_axis="model")
-        except AssertionError as e:
-            print(f"FAIL {label}: {e}")
-            FAILURES.append(label)
-            continue
-        report["checks"].append({"check": label})
-        print(f"OK {label}")
+    check_sparse_mla_kernels(both, heads, report)
+    for mesh in (both, heads):  # float32 and D 80: these run on the reference
+        label = f"sparse MLA flat + ragged paged (reference) {dict(mesh.shape)}"
+        _sparse_check(label, report, _reference_checks, mesh)
     if DRY_RUN:
         print("FAILED: " + ", ".join(FAILURES) if FAILURES else "OK (dry run)")
         return

@@ -287,43 +287,40 @@ def test_supports_flags_agree_with_the_backend(backend):
             assert (why is None) == expected, (backend.name, dtype, dim, why)
 
 
+def _check_drawn(backend, case, layout: str, check_case, small: int) -> None:
+    """``check_case(backend, case, bounds, seed)`` over hypothesis-drawn bounds of
+    ``layout`` ("plain" or "packed") and seeds, after the layout's edge case; ``small``
+    generated examples off the backend's accelerator (``conformance.examples``)."""
+    batch, seq = case[3], case[4]
+    packed = layout == "packed"
+    strategy = packed_bounds(batch, seq) if packed else plain_bounds(batch, seq)
+    edge = edge_packed_bounds(batch, seq) if packed else edge_bounds(batch, seq)
+
+    @settings(EXAMPLES, **examples(backend, small))
+    @given(bounds=strategy, seed=st.integers(0, 2**31 - 1))
+    @example(bounds=edge, seed=0)
+    def check(bounds, seed):
+        check_case(backend, case, bounds, seed)
+
+    check()
+
+
 @pytest.mark.parametrize(("backend", "case"), _cases())
 def test_forward(backend, case):
     backend.require()
-
-    @settings(EXAMPLES, **examples(backend, 2))
-    @given(bounds=plain_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
-    @example(bounds=edge_bounds(case[3], case[4]), seed=0)
-    def check(bounds, seed):
-        check_forward(backend, case, bounds, seed)
-
-    check()
+    _check_drawn(backend, case, "plain", check_forward, 2)
 
 
 @pytest.mark.parametrize(("backend", "case"), _cases(packed=True))
 def test_forward_packed(backend, case):
     backend.require()
-
-    @settings(EXAMPLES, **examples(backend, 2))
-    @given(bounds=packed_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
-    @example(bounds=edge_packed_bounds(case[3], case[4]), seed=0)
-    def check(bounds, seed):
-        check_forward(backend, case, bounds, seed)
-
-    check()
+    _check_drawn(backend, case, "packed", check_forward, 2)
 
 
 @pytest.mark.parametrize(("backend", "case"), _cases(grad=True))
 def test_grad(backend, case):
     backend.require()
-
-    @settings(EXAMPLES, **examples(backend, 0))
-    @given(bounds=plain_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
-    @example(bounds=edge_bounds(case[3], case[4]), seed=0)
-    def check(bounds, seed):
-        check_grad(backend, case, bounds, seed)
-
-    check()
+    _check_drawn(backend, case, "plain", check_grad, 0)
 
 
 def _grad_packed_cases():
@@ -338,14 +335,7 @@ def _grad_packed_cases():
 @pytest.mark.parametrize(("backend", "case"), _grad_packed_cases())
 def test_grad_packed(backend, case):
     backend.require()
-
-    @settings(EXAMPLES, **examples(backend, 0))
-    @given(bounds=packed_bounds(case[3], case[4]), seed=st.integers(0, 2**31 - 1))
-    @example(bounds=edge_packed_bounds(case[3], case[4]), seed=0)
-    def check(bounds, seed):
-        check_grad(backend, case, bounds, seed)
-
-    check()
+    _check_drawn(backend, case, "packed", check_grad, 0)
 
 
 # Drawn gradients: (layout, cap, case). The default tier runs packed rows with the soft
@@ -390,14 +380,4 @@ def test_grad_drawn(backend, layout, case):
     """dq, dk, dv of each backend against the reference, hypothesis drawing the bounds
     (packed users or plain segments, out-of-range values, padding) and the inputs."""
     backend.require()
-    batch, seq = case[3], case[4]
-    strategy = packed_bounds(batch, seq) if layout == "packed" else plain_bounds(batch, seq)
-    edge = edge_packed_bounds if layout == "packed" else edge_bounds
-
-    @settings(EXAMPLES, **examples(backend, backend.grad_examples))
-    @given(bounds=strategy, seed=st.integers(0, 2**31 - 1))
-    @example(bounds=edge(batch, seq), seed=0)
-    def check(bounds, seed):
-        check_grad(backend, case, bounds, seed)
-
-    check()
+    _check_drawn(backend, case, layout, check_grad, backend.grad_examples)

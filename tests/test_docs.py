@@ -119,3 +119,44 @@ def test_design_citations_resolve():
             if m.group(1).lower() not in titles:
                 bad.append(f"{path.relative_to(ROOT)}: {m.group(1)!r}")
     assert not bad, "citations of docs/design.md with no such section:\n" + "\n".join(bad)
+
+
+def _named_results(readme: str) -> set[str]:
+    """File names the results README names: `x.json` in full, and `.md` / `.log` after
+    a full name in the same table cell or line (`ranker_gpu.json`, `.md`, `.png`)."""
+    named = set()
+    for line in readme.splitlines():
+        stem = None
+        for token in re.findall(r"`([^`\s]+)`", line):
+            if "/" in token:
+                continue
+            if token.startswith(".") and stem:
+                named.add(stem + token)
+            elif re.fullmatch(r"[\w-]+\.\w+", token):
+                stem = token.rsplit(".", 1)[0]
+                named.add(token)
+    return named
+
+
+def test_results_readme_names_every_file():
+    """docs/results/ holds the current results only, each named in its README (a file
+    nobody lists is a leftover of a superseded run)."""
+    results = ROOT / "docs" / "results"
+    named = _named_results((results / "README.md").read_text())
+    files = {p.name for p in results.iterdir() if p.is_file()} - {"README.md"}
+    assert len(files) > 20
+    assert files <= named, f"not named in docs/results/README.md: {sorted(files - named)}"
+    assert _named_results("| x | `a.json`, `.md` | `b/c.log` |") == {"a.json", "a.md"}
+
+
+def test_relative_doc_links_resolve():
+    """Every relative link in README.md and docs/ names a file that exists."""
+    bad = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            target = target.split("#", 1)[0]
+            if not target or re.match(r"[a-z]+:", target):
+                continue
+            if not (path.parent / target).exists():
+                bad.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not bad, "links to missing files:\n" + "\n".join(bad)

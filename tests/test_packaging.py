@@ -129,6 +129,28 @@ def test_current_modules_keep_the_recorded_names():
         assert not missing, f"attn_common.{module} lost {missing}: run tests/api_history.py"
 
 
+def test_installed_packages_report_their_version():
+    """Each installed package's ``__version__`` is its installed metadata's, which is its
+    pyproject.toml's (a stale install, an older wheel or an editable install of another
+    checkout, fails here), and every name in its ``__all__`` exists."""
+    import importlib.metadata as md
+
+    checked = []
+    for pkg in ALL_PACKAGES:
+        dist = _project(pkg)["name"]
+        try:
+            installed = md.version(dist)
+        except md.PackageNotFoundError:
+            continue  # the session installs only its platform's backends
+        module = importlib.import_module(dist.replace("-", "_"))
+        assert module.__version__ == installed == _project(pkg)["version"], dist
+        assert isinstance(module.__all__, list), dist
+        missing = [name for name in module.__all__ if not hasattr(module, name)]
+        assert not missing, f"{dist}.__all__ names missing attributes: {missing}"
+        checked.append(dist)
+    assert "attn-common" in checked and len(checked) >= 2, checked
+
+
 @pytest.mark.parametrize("pkg", ALL_PACKAGES, ids=lambda p: p.name)
 def test_license_and_changelog(pkg):
     project = _project(pkg)
@@ -148,9 +170,11 @@ PACKAGE_SOURCES = {
 }
 
 
-def _imports(path: Path, package: str, src: Path) -> set[str]:
-    """Modules ``path`` imports at run time (top level or inside functions): dotted names,
-    ``from pkg import sub`` resolved to the submodule when ``sub`` is a module file."""
+def _imports(path: Path, package: str | None = None, src: Path | None = None) -> set[str]:
+    """Modules ``path`` imports at run time (top level or inside functions, and
+    ``importlib.import_module("...")`` with a literal name): ``import a.b`` gives ``a.b``;
+    ``from m import x`` gives ``m`` and ``m.x`` (with ``package``: ``m.x`` only for
+    ``from package import x`` where ``x`` is a module file in ``src``)."""
     found: set[str] = set()
     tree = ast.parse(path.read_text(), str(path))
     for block in ast.walk(tree):  # ``if TYPE_CHECKING:`` imports never run: not edges
@@ -161,10 +185,21 @@ def _imports(path: Path, package: str, src: Path) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            if node.module == package:
+            if package is None:
+                found |= {f"{node.module}.{a.name}" for a in node.names}
+            elif node.module == package:
                 found |= {
                     f"{package}.{a.name}" for a in node.names if (src / f"{a.name}.py").exists()
                 }
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
     return found
 
 
@@ -176,6 +211,81 @@ def test_common_imports_no_backend():
     for path in sorted(src.rglob("*.py")):
         bad = {m for m in _imports(path, "attn_common", src) if m.split(".")[0] in backends}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+# The front door: dispatch (the ops on the best backend), the sharding wrappers over it and
+# the `attn` command. A backend is one implementation; it calls no other.
+FRONT_DOOR = ("attn_common.dispatch", "attn_common.sharding", "attn_common.cli")
+# The backends' tools, which may use the front door: `attn bench` / `attn tune` (registered
+# by attn-mosaic-gpu), the TPU's sparse-MLA suite (`python -m
+# attn_pallas_tpu.bench_sparse_mla`) and `python -m attn_reference.demo` (= `attn run all
+# --implementation reference`).
+BACKEND_TOOLS = {
+    "attn_mosaic_gpu.cli",
+    "attn_mosaic_gpu.bench",
+    "attn_mosaic_gpu.bench_sparse_mla",
+    "attn_mosaic_gpu.tuner",
+    "attn_pallas_tpu.bench_sparse_mla",
+    "attn_reference.demo",
+}
+
+
+def _front_door_names() -> set[str]:
+    """``attn_common.<name>`` for the package's names that live in a front-door module."""
+    return {
+        f"attn_common.{name}"
+        for name in attn_common.__all__
+        if getattr(getattr(attn_common, name), "__module__", "").startswith(FRONT_DOOR)
+    }
+
+
+def _backend_rule_breaks(module: str, edges: set[str], front_door: set[str]) -> list[str]:
+    """What ``module`` (of a backend) imports that the package rules forbid."""
+    own = module.split(".")[0]
+    others = {name for name in PACKAGE_SOURCES if name not in ("attn_common", own)}
+    bad = [m for m in edges if m.split(".")[0] in others]
+    if module not in BACKEND_TOOLS:
+        bad += [m for m in edges if m in front_door or m.startswith(FRONT_DOOR)]
+    return sorted(bad)
+
+
+def test_backends_import_no_other_backend_and_no_front_door():
+    """A backend imports no other backend (even lazily) and, outside its `attn bench` /
+    `attn tune` tools, nothing of the front door: a kernel calls attn_common's specs,
+    never the dispatch that calls it."""
+    front_door = _front_door_names()
+    assert "attn_common.ranker_attention" in front_door  # the check has something to find
+    checked = 0
+    for package, src in sorted(PACKAGE_SOURCES.items()):
+        if package == "attn_common":
+            continue
+        for path in sorted(src.rglob("*.py")):
+            module = ".".join((package, *path.relative_to(src).with_suffix("").parts))
+            bad = _backend_rule_breaks(module, _imports(path), front_door)
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+            checked += 1
+    assert checked > 20, checked
+
+
+def test_backend_rule_check_catches_offenders(tmp_path):
+    """The scan above sees lazy imports, ``import_module`` and front-door names."""
+    path = tmp_path / "kernel.py"
+    path.write_text(
+        "import importlib\n"
+        "from attn_common import CapParams, ranker_attention\n"
+        "def f():\n"
+        "    from attn_common.dispatch import select_backend\n"
+        "    return importlib.import_module('attn_reference')\n"
+    )
+    bad = _backend_rule_breaks("attn_pallas_tpu.kernel", _imports(path), _front_door_names())
+    assert bad == [
+        "attn_common.dispatch",
+        "attn_common.dispatch.select_backend",
+        "attn_common.ranker_attention",
+        "attn_reference",
+    ]
+    tool = _backend_rule_breaks("attn_mosaic_gpu.bench", _imports(path), _front_door_names())
+    assert tool == ["attn_reference"]
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGE_SOURCES))
@@ -245,28 +355,135 @@ def test_moved_names_warn_and_still_work():
         attn_common.no_such_name  # noqa: B018
 
 
-def test_private_jax_names_are_fenced():
-    """Every private JAX name is imported in one module per package (``_compat.py``)
-    or, for the tests, in tests/helpers.py: a jax upgrade is a one-file job."""
+def _tracked_sources() -> dict[str, ast.Module]:
+    """Every Python file git tracks, parsed: path -> tree."""
     import subprocess
 
     files = subprocess.run(
         ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
+    return {
+        name: ast.parse((ROOT / name).read_text(), name) for name in files if (ROOT / name).exists()
+    }
+
+
+# Underscore names that are public API: the named tuple's methods.
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def _private(name: str | None) -> bool:
+    return bool(name) and name.startswith("_") and not name.startswith("__")
+
+
+def _own_private_names(trees: dict[str, ast.Module]) -> tuple[set[str], set[str]]:
+    """``(attributes, keywords)``: the underscore names this repository defines, as
+    something reached by ``x._name`` (modules, functions, classes, assigned names and
+    attributes) and as something passed as ``_name=`` (parameters, class fields)."""
+    attributes, keywords = set(), set()
+    for name, tree in trees.items():
+        attributes.add(Path(name).stem)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                attributes.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                attributes.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                attributes.add(node.attr)
+            elif isinstance(node, ast.alias):
+                attributes.add((node.asname or node.name).split(".")[0])
+            elif isinstance(node, ast.arg):
+                keywords.add(node.arg)
+            if isinstance(node, ast.ClassDef):
+                keywords |= {
+                    t.id
+                    for item in node.body
+                    if isinstance(item, (ast.Assign, ast.AnnAssign))
+                    for t in (item.targets if isinstance(item, ast.Assign) else [item.target])
+                    if isinstance(t, ast.Name)
+                }
+    return attributes, keywords
+
+
+def _private_jax_uses(name: str, tree: ast.Module, own: tuple[set[str], set[str]]) -> list[str]:
+    """``path:line what`` for each private JAX name ``tree`` uses: an import from
+    ``jax._src`` or of ``_mosaic_gpu_ext``, or an underscore attribute (``tile._pointwise``)
+    or keyword (``FragmentedArray(_registers=...)``) that nothing in this repository
+    defines, which makes it someone else's private name (JAX's, in practice)."""
+    attributes, keywords = own
+    found = []
+    for node in ast.walk(tree):
+        modules = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        if any(m.startswith("jax._src") or m.endswith("_mosaic_gpu_ext") for m in modules):
+            found.append(f"{name}:{node.lineno} import {modules[0]}")
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if node.attr not in attributes and node.attr not in PUBLIC_UNDERSCORE:
+                found.append(f"{name}:{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if _private(kw.arg) and kw.arg not in keywords:
+                    found.append(f"{name}:{node.lineno} {kw.arg}=")
+    return found
+
+
+def test_private_jax_names_are_fenced():
+    """Every private JAX name (a module, an attribute, a keyword) is used in one module
+    per package (``_compat.py``) or, for the tests, in tests/helpers.py: a jax upgrade is
+    a one-file job."""
+    trees = _tracked_sources()
+    own = _own_private_names(trees)
     allowed = {"tests/helpers.py"}
-    offenders = []
-    for name in files:
-        path = ROOT / name
-        if name in allowed or path.name == "_compat.py" or not path.exists():
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), name)):
-            modules = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                modules = [a.name for a in node.names]
-            elif isinstance(node, ast.Attribute) and node.attr == "_mosaic_gpu_ext":
-                modules = ["_mosaic_gpu_ext"]
-            if any(m.startswith("jax._src") or m.endswith("_mosaic_gpu_ext") for m in modules):
-                offenders.append(f"{name}:{node.lineno}")
+    offenders = [
+        use
+        for name, tree in sorted(trees.items())
+        if name not in allowed and Path(name).name != "_compat.py"
+        for use in _private_jax_uses(name, tree, own)
+    ]
     assert not offenders, f"private JAX names outside the _compat modules: {offenders}"
+
+
+def test_private_jax_check_catches_attributes_and_keywords():
+    code = (
+        "from jax._src import core\n"
+        "from jax.experimental.mosaic.gpu import fragmented_array as fa\n"
+        "def f(tile, x, own):\n"
+        "    y = tile._pointwise(tile._lift_fast_instr('ex2'))\n"
+        "    z = fa.FragmentedArray(_registers=x, _layout=None, _is_signed=None)\n"
+        "    return own._replace(a=1), own._cached, jax.Array.__init__, own._helper(_n=1)\n"
+        "def _helper(_n):\n"
+        "    pass\n"
+    )
+    tree = ast.parse(code)
+    own = ({"_cached", "_helper"}, {"_n"})
+    assert sorted(_private_jax_uses("m.py", tree, own)) == [
+        "m.py:1 import jax._src",
+        "m.py:4 ._lift_fast_instr",
+        "m.py:4 ._pointwise",
+        "m.py:5 _is_signed=",
+        "m.py:5 _layout=",
+        "m.py:5 _registers=",
+    ]
+
+
+def test_old_python_is_refused_by_name():
+    """On a Python older than requires-python, building attn-common's metadata fails
+    with a message naming requires-python (pip alone blamed jax): common/hatch_build.py,
+    which holds the same minimum as every package's pyproject.toml."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hatch_build", ROOT / "common" / "hatch_build.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    need = ".".join(map(str, hook.REQUIRES_PYTHON))
+    for pkg in ALL_PACKAGES:
+        assert _project(pkg)["requires-python"] == f">={need}", pkg.name
+    common = tomllib.loads((ROOT / "common" / "pyproject.toml").read_text())
+    assert "custom" in common["tool"]["hatch"]["metadata"]["hooks"]
+    problem = hook.python_problem((3, 11, 7))
+    assert f"requires Python >= {need}" in problem and "requires-python" in problem
+    assert "3.11.7" in problem and f"python{need} -m pip" in problem
+    assert hook.python_problem((*hook.REQUIRES_PYTHON, 0)) is None
+    assert hook.python_problem((4, 0, 0)) is None

@@ -13,6 +13,7 @@ from helpers import (
     assert_close,
     assert_lse_close,
     assert_ranker_close,
+    jit_cache_size,
     oracle_cap_args,
     ranker_inputs,
     rng_for,
@@ -217,14 +218,14 @@ def test_traced_bounds_one_compile():
         want_out, want_lse = ranker_oracle(q, k, v, bounds, cap_method="tanh", cap_value=30.0)
         assert_close(out, want_out, rtol_l2=1e-5, atol=3e-5, name=case)
         assert_lse_close(lse, want_lse, atol=1e-4, name=case)
-    assert f._cache_size() == 1
+    assert jit_cache_size(f) == 1
 
     # The un-jitted entry point: new bound values do not retrace the inner jit.
     ranker_attention(q, k, v, np.asarray(BOUNDS_37["mixed"], np.int32), cap=CAPS["tanh30"])
-    size = _ranker_reference._cache_size()
+    size = jit_cache_size(_ranker_reference)
     ranker_attention(q, k, v, np.asarray(BOUNDS_37["gaps_and_padding"]), cap=CAPS["tanh30"])
     ranker_attention(q, k, v, SegmentBounds.from_lengths(3, 4), cap=CAPS["tanh30"])
-    assert _ranker_reference._cache_size() == size
+    assert jit_cache_size(_ranker_reference) == size
 
 
 # --------------------------------------------------------------------------------------

@@ -26,11 +26,6 @@ V = randn(RNG, (B, S, HKV, D))
 BOUNDS = np.asarray([[0, 10, 10, 15], [2, 8, 12, 21]], np.int32)
 
 
-def _raises(exc, match, fn, *args, **kwargs):
-    with pytest.raises(exc, match=match):
-        fn(*args, **kwargs)
-
-
 # --------------------------------------------------------------------------------------
 # ranker_attention
 

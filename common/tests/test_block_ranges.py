@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import segment_bounds
+from helpers import segment_bounds, tier_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -98,7 +98,9 @@ def problems(draw):
     [(ranker_kv_block_ranges, expected_kv_blocks), (ranker_q_block_ranges, expected_q_blocks)],
     ids=["kv", "q"],
 )
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=tier_examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(problems())
 def test_block_ranges_match_brute_force(ranges, expected, p):
     """KV blocks of a query tile, or query blocks of a KV tile."""
@@ -108,7 +110,7 @@ def test_block_ranges_match_brute_force(ranges, expected, p):
     check_visit(seq_len, block, visited(r), expected(seq_len, bounds, start, end, block))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=tier_examples(100), deadline=None)
 @given(
     st.integers(1, 300),
     st.sampled_from(BLOCKS),
@@ -260,7 +262,7 @@ _jit_kv = jax.jit(ranker_kv_block_ranges, static_argnums=6)
 _jit_q = jax.jit(ranker_q_block_ranges, static_argnums=6)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(problems())
 def test_jit_with_traced_scalars(p):
     seq_len, block, bounds, qs, qe = p

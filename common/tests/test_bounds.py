@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import checkify
@@ -43,7 +44,7 @@ def mask_brute(seq_len, bounds):
 # ranker_mask
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=tier_examples(150), deadline=None)
 @given(st.sampled_from([1, 5, 21]), st.data())
 def test_ranker_mask_matches_predicate(seq_len, data):
     b = tuple(data.draw(st.integers(-3, seq_len + 3)) for _ in range(4))
@@ -103,7 +104,7 @@ def normalize_np(raw, seq_len):
     return np.stack([hl, np.maximum(hu, hl), cl, np.maximum(cu, cl)], axis=-1)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=tier_examples(100), deadline=None)
 @given(
     st.integers(1, 40),
     st.integers(1, 5),
@@ -250,7 +251,7 @@ def test_check_bounds_under_jit_and_segment_bounds():
     assert f(bad)[0].get() is not None
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=tier_examples(40), deadline=None)
 @given(st.lists(st.lists(st.integers(-3, 12), min_size=4, max_size=4), min_size=2, max_size=2))
 def test_check_bounds_random(rows):
     arr = np.array(rows, np.int32)
@@ -292,7 +293,7 @@ def bounds_from_ids_brute(ids):
     return np.array(out, np.int64).reshape(len(ids), 4)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=tier_examples(80), deadline=None)
 @given(st.sampled_from([1, 4]), st.sampled_from([1, 2, 9, 30]), st.data())
 def test_from_segment_ids_matches_brute_force(batch, seq_len, data):
     ids = np.stack([data.draw(segment_rows(seq_len)) for _ in range(batch)])
@@ -321,7 +322,7 @@ def test_from_segment_ids_examples():
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=tier_examples(40), deadline=None)
 @given(st.sampled_from([3, 12]), st.integers(0, 3), st.sampled_from([1, 2]), st.data())
 def test_from_segment_ids_non_contiguous_raises(seq_len, bad_row, seg, data):
     # rows before bad_row are valid layouts; bad_row has seg at a and c, not at b
@@ -358,7 +359,7 @@ def test_from_segment_ids_under_jit():
     np.testing.assert_array_equal(np.asarray(got), bounds_from_ids_brute(ids))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=tier_examples(40), deadline=None)
 @given(
     st.one_of(st.integers(0, 50), st.lists(st.integers(0, 50), min_size=3, max_size=3)),
     st.one_of(st.integers(0, 50), st.lists(st.integers(0, 50), min_size=3, max_size=3)),

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +45,7 @@ cap_values = st.floats(0.01, 500.0, allow_nan=False)
 methods = st.sampled_from(list(CapMethod))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(logits, methods, cap_values)
 def test_forward_and_derivatives_float64(s, method, c):
     cap = CapParams(method, c)
@@ -66,7 +67,7 @@ def test_forward_and_derivatives_float64(s, method, c):
             assert ((d > 0) | (np.abs(s) > 10 * c)).all() and (d <= 1).all()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(
     logits,
     methods,
@@ -95,7 +96,7 @@ def test_scaled_with_derivative_matches_forward_and_derivative(raw, method, c, s
             )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=tier_examples(25), deadline=None)
 @given(methods, cap_values)
 def test_monotone_and_odd(method, c):
     cap = CapParams(method, c)

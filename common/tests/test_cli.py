@@ -62,7 +62,13 @@ def test_version(capsys):
         (["run", "ranker", "--batch", "100000000"], "expected 1 <= value <= 1000000"),
         (["run", "ranker", "--iterations", "9" * 20], "expected 1 <= value <= 10000"),
         (["run", "ranker", "--batch", "1000000"], "need about"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["run", "ranker", "--batch", "1_0"], "--batch: got '1_0', expected a positive int"),
+        (["run", "ranker", "--seed", " 7"], "--seed: got ' 7', expected an int"),
+        (["run", "ranker", "--iterations", "\u0667"], "--iterations: got '\u0667', expected"),
+        (["run", "ranker", "--json", ""], "attn run: error: --json: got '', expected a path"),
+        (["run", "ranker", "--bogus"], "attn run: error: unrecognized arguments: --bogus"),
+        (["run"], "attn run: error: the following arguments are required: op"),
+        (["--bogus"], "attn: error: unrecognized arguments: --bogus"),
         ([], "a command is required, one of: info, run"),
     ],
 )
@@ -112,6 +118,7 @@ def test_run_failed_check_exits_non_zero(monkeypatch, capsys):
     assert cli.main(["run", "ranker", "--small", "--iterations", "1"]) == 1
     captured = capsys.readouterr()
     assert "FAIL (tol 0)" in captured.out and "row(s) failed" in captured.err
+    assert "wall clock over 1 call after" in captured.out
 
 
 def test_run_json_path_checked_before_running(tmp_path, capsys):
@@ -127,7 +134,10 @@ def test_run_json_path_checked_before_running(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert cli_exit_code(["run", "ranker", "--json", str(blocker / "x.json")]) == 2
-    assert "not writable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--json: got {str(blocker / 'x.json')!r}, but {str(blocker)!r} is a file" in err
+    assert cli_exit_code(["run", "ranker", "--json", str(existing / "deeper" / "x.json")]) == 2
+    assert f"but {str(existing)!r} is a file, not a folder" in capsys.readouterr().err
     missing = tmp_path / "no" / "such" / "x.json"
     assert cli_args.check_out_file(missing) is None and missing.parent.is_dir()
     assert cli_args.check_out_file(existing, overwrite=True) is None
@@ -141,6 +151,37 @@ def test_run_sparse_mla_small(capsys):
     assert "sparse MLA flat" in out and "sparse MLA ragged" in out
     for part in out.split("dense f64 rel err ")[1:]:
         assert float(part.split()[0].rstrip(",;")) < 1e-3
+
+
+@pytest.mark.parametrize("command", sorted(cli.BACKEND_COMMANDS))
+def test_backend_command_without_its_backend_says_what_to_install(command, capsys, monkeypatch):
+    """`attn bench` / `attn tune` without attn-mosaic-gpu: one line naming the wheel and
+    its install command (argparse alone said "invalid choice: 'bench'")."""
+    monkeypatch.setattr(cli, "installed_backends", lambda: {"reference": "attn_reference"})
+    install = dispatch.KNOWN_BACKENDS["mosaic-gpu"]["install"]
+    assert_cli_usage_error(
+        [command], f"comes with attn-mosaic-gpu, which is not installed: {install}", capsys
+    )
+    monkeypatch.setattr(cli, "installed_backends", lambda: {"mosaic-gpu": "attn_mosaic_gpu"})
+    monkeypatch.setattr(cli, "backend_commands", lambda: {})
+    assert_cli_usage_error([command, "--help"], "installed but did not load", capsys)
+
+
+def test_sparse_mla_row_names_use_one_meaning_per_letter(monkeypatch):
+    """S counts query tokens (the new ones, packed, in ragged rows) and T cache tokens in
+    both rows; a stand-in backend, unchecked, keeps this quick."""
+    import jax.numpy as jnp
+
+    def zeros(q, *args, **kwargs):
+        return jnp.zeros((*q.shape[:-1], 512), jnp.float32)
+
+    monkeypatch.setattr(cli, "select_backend", lambda *a, **k: ("stand-in", zeros))
+    monkeypatch.setattr(cli, "_reference_fn", lambda *a: None)
+    monkeypatch.setattr(cli, "_sparse_check", lambda *a, **k: ("not checked", False))
+    flat, ragged = cli.run_sparse_mla(small=True, iterations=1)
+    shape = cli.SPARSE_SHAPES["small"]
+    assert f"flat S{shape['seq']} T{shape['ctx']} H{shape['heads']}" in flat["op"]
+    assert f"S{sum(shape['new'])} T{sum(shape['lens'])} H{shape['heads']}" in ragged["op"]
 
 
 def test_run_unavailable_backend_is_a_clean_error(capsys, monkeypatch):
@@ -167,7 +208,12 @@ def test_help_lists_shapes_choices_and_defaults(capsys):
         assert name in out
     assert "default: 3" in out and "default: 0" in out and "default: 4" in out
     assert cli_exit_code(["--help"]) == 0
-    assert "--version" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--version" in out
+    assert "`attn bench` and `attn tune` come with the mosaic-gpu backend (attn-mosaic-gpu)" in out
+    assert "S query tokens (the new tokens, in ragged rows), T cache tokens" in " ".join(
+        cli._run_epilog().split()
+    )
 
 
 def test_reference_demo_is_attn_run_all(monkeypatch):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import segment_bounds
+from helpers import segment_bounds, tier_examples
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -67,7 +67,9 @@ def _check(ranges, lo, hi, full_block, *, complete=True):
             assert not full, f"step {s} (block {int(ranges.block_at(s))}) is fully allowed"
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=tier_examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(problems())
 def test_full_kv_steps_sound_and_complete(p):
     seq_len, block, bounds, (ts, te), (rs, re) = p
@@ -79,7 +81,9 @@ def test_full_kv_steps_sound_and_complete(p):
     _check(ranges, lo, hi, lambda b: allowed[rs:re, b * block : (b + 1) * block].all())
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=tier_examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(problems())
 def test_full_q_steps_sound_and_complete(p):
     seq_len, block, bounds, (ts, te), (ks, ke) = p

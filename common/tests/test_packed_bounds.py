@@ -7,10 +7,13 @@ written here with plain numpy (the OR over users of the one-user predicate), and
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental import checkify
@@ -40,7 +43,9 @@ from attn_common.packed import (
 )
 
 BLOCKS = (4, 8, 16, 32)
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=tier_examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _cdiv(a, b):
@@ -353,7 +358,7 @@ def test_block_at_with_traced_scalars_in_loop():
 # normalization, mask, overlap rule
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=tier_examples(80), deadline=None)
 @given(st.integers(1, 30), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_normalize_packed(seq_len, batch, num_users, data):
     raw = np.asarray(
@@ -414,7 +419,7 @@ def test_normalize_packed_rejects(bounds, exc):
 _mask = jax.jit(ranker_mask_packed)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(st.sampled_from([1, 7, 24]), st.data())
 def test_mask_packed_matches_brute_force(seq_len, data):
     users = data.draw(packed_rows(seq_len))
@@ -591,3 +596,10 @@ def test_step_list_matches_step_table(keys):
                     int(table[b, t, 4 * users + 2 * sub + 1]),
                 )
                 assert tuple(int(x) for x in listed.full_steps(sub)) == want
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (3,), (2, 1, 3), (2, 2, 2, 4)])
+def test_bad_bounds_error_names_the_shape_given(shape):
+    """The error shows the caller's shape, not the [B, U, 4] form it would be lifted to."""
+    with pytest.raises(ValueError, match=re.escape(f"bounds: got shape {shape}, expected")):
+        normalize_packed_bounds(np.zeros(shape, np.int32), batch=2, seq_len=8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,7 +52,7 @@ def check_packing(p: PackedUsers, hist, cand, seq_len, cap=None):
     assert 0 < p.efficiency <= 1 or total == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=tier_examples(200), deadline=None)
 @given(
     st.integers(1, 64),
     st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=0, max_size=40),

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import sds
 
 from attn_common import (
     check_paged_cache,
@@ -15,11 +16,6 @@ from attn_common import (
     latent_rows,
     padded_dk,
 )
-
-
-def sds(shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
 
 # --------------------------------------------------------------------------------------
 # latent_rows

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import sds, tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,10 +19,6 @@ from attn_common import (
     ranker_flops,
 )
 from attn_common.ranker import RankerKernelStatic
-
-
-def sds(shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def qkv(b=2, s=16, hq=4, hkv=2, d=64, dtype=jnp.bfloat16):
@@ -182,7 +178,7 @@ def pairs_brute(seq_len, bounds):
     return total
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=tier_examples(80), deadline=None)
 @given(
     st.integers(1, 40),
     st.lists(st.lists(st.integers(-10, 50), min_size=4, max_size=4), min_size=3, max_size=3),

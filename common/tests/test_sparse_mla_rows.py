@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import build_ragged_layout, randn, random_page_selection, rng_for, upcast
+from helpers import (
+    build_ragged_layout,
+    randn,
+    random_page_selection,
+    rng_for,
+    tier_examples,
+    upcast,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -215,7 +222,7 @@ def test_token_rows_with_and_without_repeats(repeats, num_rows):
     _check(got, sets, row_table_width(k, 1, 64))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=tier_examples(80), deadline=None)
 @given(unit_rows(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
 def test_unit_rows_vs_brute_force(p, block, num_rows, scatter):
     units, rb = p  # rows below 6 + 6 * 5 + 5 <= 64
@@ -268,7 +275,7 @@ def flat_oracle(idx, pos, num_tokens: int, read_block: int) -> list[set[int]]:
     return sets
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=tier_examples(80), deadline=None)
 @given(flat_problems(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
 def test_flat_vs_brute_force(p, block, num_rows, scatter):
     idx, pos, num_tokens, rb = p  # 8 queries, rows below 2 * 40
@@ -344,7 +351,7 @@ def _pad(x, size: int, fill: int) -> np.ndarray:
     return np.concatenate([x, np.full((size - len(x), *x.shape[1:]), fill, x.dtype)])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(ragged_problems(), st.sampled_from(BLOCKS), st.booleans())
 def test_ragged_vs_brute_force(p, block, scatter):
     layout, idx, pos, page_size = p

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import sds, tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,11 +18,6 @@ from attn_common import (
     seq_id_from_cu_q_lens,
 )
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
-
-
-def sds(shape, dtype=jnp.bfloat16):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
 
 # --------------------------------------------------------------------------------------
 # padded_dk
@@ -289,7 +285,7 @@ def seq_id_brute(cu, num_tokens):
 _seq_id_jit = jax.jit(seq_id_from_cu_q_lens, static_argnums=1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(cu_lens(), st.integers(0, 8))
 def test_seq_id_from_cu_q_lens(cu, extra):
     num_tokens = int(cu[-1]) + extra  # trailing padding tokens
@@ -337,7 +333,7 @@ def ragged_tables(draw):
     return page_size, seq_lens.astype(np.int32), cu_kv, q_seq_id, indices, total_pages
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(ragged_tables())
 def test_ragged_query_info_and_lift(p):
     page_size, seq_lens, cu_kv, q_seq_id, indices, total_pages = p

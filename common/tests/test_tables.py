@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -94,7 +95,9 @@ def unit_problems(draw):
     return sel, query_block, u_max
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=tier_examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(unit_problems())
 def test_block_unit_tables_match_brute_force(p):
     sel, query_block, u_max = p
@@ -201,7 +204,7 @@ def test_kv_packing(dtype, pk):
     assert kv_packing(dtype) == pk
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=tier_examples(30), deadline=None)
 @given(
     st.lists(st.integers(-(2**31), 2**31 - 1), min_size=16, max_size=16),
     st.integers(0, 40),
@@ -349,7 +352,9 @@ def loc_problems(draw, bucket=True):
 
 
 @pytest.mark.slow  # ~10 s on 2 cores; the fixed examples below stay in the quick subset
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=tier_examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(loc_problems())
 def test_write_runs_match_scatter(p):
     loc, pk, r_cap = p
@@ -443,7 +448,7 @@ def test_write_runs_reversed_is_many_runs():
 # keep_last_writes
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(
     loc=st.lists(st.integers(min_value=-3, max_value=12), min_size=0, max_size=24),
     num_slots=st.integers(min_value=1, max_value=12),

@@ -35,7 +35,6 @@ import os
 import sys
 import time
 from importlib import metadata
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,11 +44,13 @@ from attn_common.bounds import SegmentBounds
 from attn_common.cap import CapMethod, CapParams
 from attn_common.cli_args import (
     MAX_SEED,
+    OneLineParser,
     available_memory,
     check_out_file,
     gib,
     implementation_choices,
     iterations_int,
+    out_path,
     positive_int,
     progress,
     provenance,
@@ -378,7 +379,7 @@ def run_sparse_mla(
         jnp.asarray(perm),
     )
     ragged = jax.jit(ragged_call(sparse_mla_attention, **extra))
-    ragged_name = f"sparse MLA ragged {len(lens)} reqs T{total} H{heads} K{top_k}x{ps}"
+    ragged_name = f"sparse MLA ragged {len(lens)} reqs S{total} T{sum(lens)} H{heads} K{top_k}x{ps}"
     _progress(f"{ragged_name} on {backend}: forward, compile + {iterations} timed calls")
     t_ragged, out_r = _timed(ragged, *args, repeats=iterations, interpret=interpret)
     # dense check of one query: its request's selected pages, physical via the page table
@@ -464,8 +465,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             "interpret mode: the kernel ran in the Pallas interpreter (the first call, "
             "compile included); the times are the interpreter's, not a measurement"
         )
+    calls = "1 call" if args.iterations == 1 else f"{args.iterations} calls"
     print(
-        f"times: wall clock over {args.iterations} calls"
+        f"times: wall clock over {calls}"
         + ("" if args.interpret else " after a compile + warm-up call")
         + "; fwd = the jitted forward, fwd+bwd = one jitted value_and_grad (it contains the "
         "forward);\nGFLOP/s: effective (allowed pairs only) at the median time, fwd+bwd "
@@ -592,6 +594,8 @@ def _run_epilog() -> str:
             f"    with --interpret  {sparse(si)}",
             f"checks: a sample row against float64 (tol ranker {RANKER_TOL:g}, sparse MLA "
             f"{SPARSE_TOL:g}) and against the reference when another backend ran;",
+            "row names: B batch rows, S query tokens (the new tokens, in ragged rows), T "
+            "cache tokens, H heads, K selected units x tokens per unit;",
             "exit status 1 when a row fails or a check does not pass.",
         ]
     )
@@ -601,8 +605,11 @@ def build_parser(*, backend_commands_too: bool = True) -> argparse.ArgumentParse
     """The ``attn`` parser; ``backend_commands_too=False`` leaves the installed backends'
     commands out (importing them takes seconds; ``attn run`` and ``attn info`` need
     none)."""
-    parser = argparse.ArgumentParser(
-        prog="attn", description="Ranker attention and sparse MLA kernels for JAX."
+    parser = OneLineParser(
+        prog="attn",
+        description="Ranker attention and sparse MLA kernels for JAX.",
+        epilog=_backend_commands_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version", action=_VersionAction, help="versions of attn-common and the backends"
@@ -665,7 +672,7 @@ def build_parser(*, backend_commands_too: bool = True) -> argparse.ArgumentParse
     )
     run.add_argument(
         "--json",
-        type=Path,
+        type=out_path,
         default=None,
         metavar="PATH",
         help="also save the rows as JSON (a missing folder is created, as for `attn bench "
@@ -736,14 +743,46 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 BUILT_IN_COMMANDS = ("info", "run")
+# Commands a backend adds, and the backend: named here so that `attn bench` without it
+# says what to install (argparse alone would say "invalid choice: 'bench'").
+BACKEND_COMMANDS = {"bench": "mosaic-gpu", "tune": "mosaic-gpu"}
 
 
-def sub_names(parser: argparse.ArgumentParser) -> list[str]:
-    """The commands ``parser`` knows (built in, and from the installed backends)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return list(action.choices)
-    return []
+def _backend_commands_epilog() -> str:
+    by_backend: dict[str, list[str]] = {}
+    for name, backend in BACKEND_COMMANDS.items():
+        by_backend.setdefault(backend, []).append(f"`attn {name}`")
+    lines = [
+        f"{' and '.join(names)} {'come' if len(names) > 1 else 'comes'} with the {backend} "
+        f"backend ({KNOWN_BACKENDS[backend]['dist']});"
+        for backend, names in by_backend.items()
+    ]
+    return "\n".join([*lines, "`attn info` lists the installed backends."])
+
+
+def _missing_backend_command(name: str) -> str:
+    """The error for ``attn NAME`` when the backend that adds NAME did not add it."""
+    backend = BACKEND_COMMANDS[name]
+    dist = KNOWN_BACKENDS[backend]["dist"]
+    if backend in installed_backends():
+        return (
+            f"`attn {name}` comes with {dist}, which is installed but did not load "
+            "(`attn info` says why)"
+        )
+    return (
+        f"`attn {name}` comes with {dist}, which is not installed: "
+        f"{KNOWN_BACKENDS[backend]['install']}"
+    )
+
+
+def _innermost_parser(parser: OneLineParser, argv: list[str]) -> OneLineParser:
+    """The (sub)command parser ``argv`` names last: ``attn run ranker --bogus`` is an
+    error of ``attn run``, not of ``attn``."""
+    for word in argv:
+        commands = parser.commands()
+        if word in commands:
+            parser = commands[word]
+    return parser
 
 
 def backend_commands() -> dict:
@@ -791,12 +830,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(backend_commands_too=command not in BUILT_IN_COMMANDS)
     # Unknown flags first: `attn --bogus` names --bogus (argparse would only say that a
     # command is missing).
+    if command in BACKEND_COMMANDS and command not in parser.commands():
+        parser.error(_missing_backend_command(command))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _innermost_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
-        choices = ", ".join(sub_names(parser))
-        parser.error(f"a command is required, one of: {choices} (attn COMMAND --help)")
+        choices = ", ".join(parser.commands())
+        parser.error(f"a command is required, one of: {choices}")
     args.argv = argv
     problem = _check_args(args)
     if problem:

@@ -1,8 +1,11 @@
 """What every ``attn`` command (and every backend's command) shares: argument types with
 documented ranges, the output-path rules, and a report's provenance.
 
-* ``bounded_int(lo, hi)``: an argparse type; a value outside ``[lo, hi]`` (or not an int)
-  is refused with one line naming the range, so the command exits 2 before it allocates.
+* ``OneLineParser``: the parser of ``attn`` and its commands; an argument error is one
+  line (``attn run: error: --batch: got 0, expected ...``), exit status 2, no usage block.
+* ``bounded_int(lo, hi)``: an argparse type; a value outside ``[lo, hi]`` (or not plain
+  decimal digits) is refused with one line naming the range, so the command exits 2
+  before it allocates. ``out_path``: a path argument that is not empty.
 * ``check_out_dir`` (a results folder, ``--out``) and ``check_out_file`` (one file,
   ``--json``) follow one rule: a missing folder is created; a file that exists is never
   replaced without ``--overwrite``; an unwritable place is refused up front.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -29,15 +33,37 @@ MAX_ITERATIONS = 10_000
 MAX_BATCH = 1_000_000
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``PROG: error: MESSAGE (PROG
+    --help)``, exit status 2: argparse's own errors print the usage block first, which for
+    ``attn run`` is 5-9 lines above the one that matters. Subparsers are of this class
+    too; ``commands()`` lists them by name."""
+
+    def add_subparsers(self, **kwargs):
+        self._attn_commands = super().add_subparsers(**kwargs)
+        return self._attn_commands
+
+    def commands(self) -> dict[str, argparse.ArgumentParser]:
+        """The parser's subcommands: name -> parser (empty without any)."""
+        action = getattr(self, "_attn_commands", None)
+        return dict(action.choices) if action is not None else {}
+
+    def error(self, message: str):
+        # argparse says "argument --batch: got 0, ..."; our own checks say "--batch: ..."
+        message = re.sub(r"^argument ([^:]+): ", r"\1: ", message)
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help)\n")
+
+
 def bounded_int(lo: int, hi: int, what: str = "an int"):
-    """argparse type: an int in ``[lo, hi]`` (the message names the range; argparse adds
-    the flag and exits 2)."""
+    """argparse type: an int in ``[lo, hi]``, written in decimal digits (``1_0`` and
+    `` 7`` are refused, though ``int()`` takes them); the message names the range;
+    argparse adds the flag and exits 2."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}, expected {what}") from None
+        if not re.fullmatch(r"-?[0-9]+", text):
+            shown = text if len(text) <= 24 else text[:21] + "..."
+            raise argparse.ArgumentTypeError(f"got {shown!r}, expected {what} (decimal digits)")
+        value = int(text)
         if not lo <= value <= hi:
             shown = text if len(text) <= 24 else text[:21] + "..."
             raise argparse.ArgumentTypeError(f"got {shown}, expected {lo} <= value <= {hi}")
@@ -45,6 +71,14 @@ def bounded_int(lo: int, hi: int, what: str = "an int"):
 
     parse.__name__ = f"int in [{lo}, {hi}]"
     return parse
+
+
+def out_path(text: str) -> Path:
+    """argparse type: a path that is not empty (``Path("")`` would be the working
+    directory, and the error would name ``'.'``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a path")
+    return Path(text)
 
 
 positive_int = bounded_int(1, MAX_BATCH, "a positive int")
@@ -68,15 +102,26 @@ def default_out_dir(base: Path | None = None) -> Path:
     return out
 
 
-def _writable(folder: Path, flag: str) -> str | None:
-    """Create ``folder`` (with its parents) and probe it; the error, or None."""
+def _writable(folder: Path, flag: str, given: Path | None = None) -> str | None:
+    """Create ``folder`` (with its parents) and probe it; the error, or None. ``given``:
+    the argument's value, when the folder is its parent."""
+    given = folder if given is None else given
+    for above in (folder, *folder.parents):  # the nearest that exists must be a folder
+        if above.exists():
+            if not above.is_dir():
+                return (
+                    f"{flag}: got {str(given)!r}, but {str(above)!r} is a file, not a "
+                    "folder; expected a path under folders"
+                )
+            break
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / ".attn-write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        return f"{flag}: got {str(folder)!r}, which is not writable ({e.strerror or e})"
+        where = "which" if given == folder else f"whose folder {str(folder)!r}"
+        return f"{flag}: got {str(given)!r}, {where} is not writable ({e.strerror or e})"
     return None
 
 
@@ -106,7 +151,7 @@ def check_out_file(path: Path, *, overwrite: bool = False, flag: str = "--json")
         return f"{flag}: got {str(path)!r}, which is a folder; expected a file path"
     if path.exists() and not overwrite:
         return f"{flag}: got {str(path)!r}, which exists; pass --overwrite to replace it"
-    return _writable(path.parent if str(path.parent) else Path("."), flag)
+    return _writable(path.parent, flag, path)
 
 
 def _git_commit(where: Path) -> str | None:

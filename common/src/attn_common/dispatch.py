@@ -20,9 +20,8 @@ classified from its platform and ``device_kind`` only (no CUDA runtime query):
 * anything else (CPU, other GPUs): ``reference``.
 
 The first backend in that order that is installed **and exports the op** is used; a
-backend that lacks the op falls through to the next (for example ``mosaic-gpu`` has no
-sparse MLA kernels yet, so sparse MLA on a Hopper GPU runs on the reference). Selection
-looks at the forward op only:
+backend that lacks the op falls through to the next (every backend here exports all of
+``OPS``; a third-party one may not). Selection looks at the forward op only:
 ``jax.grad`` of the selected op runs that backend's backward.
 
 A backend may also say which *inputs* it supports: a module-level function

@@ -182,19 +182,6 @@ def check_fp8_widths(dk: int, kv_lora_rank: int, *, q_name: str) -> None:
         )
 
 
-def fp8_unsupported(cache, name: str, *, kernels: str) -> str | None:
-    """A backend whose kernels do not read FP8 rows yet: why it refuses ``cache`` (an
-    :class:`Fp8LatentCache`), else ``None``. Such a backend refuses rather than
-    dequantizing the whole cache, which would move twice the bytes of a bf16 cache."""
-    if not isinstance(cache, Fp8LatentCache):
-        return None
-    return (
-        f"{name}: got an Fp8LatentCache, the {kernels} kernels read bfloat16 caches only "
-        "(FP8 rows not yet); the reference reads an Fp8LatentCache (implementation="
-        "'reference', or attn_reference)"
-    )
-
-
 def cache_compute_dtype(cache) -> jnp.dtype:
     """The dtype a query takes against ``cache``: the cache's own dtype, or bfloat16 for
     an :class:`Fp8LatentCache` (kernels keep Q in bf16 and dequantize the rows)."""

@@ -113,16 +113,12 @@ def _packed_array(bounds) -> jax.Array:
     if isinstance(bounds, SegmentBounds):
         return bounds.as_array()[:, None, :]
     arr = _as_int_array(bounds, "bounds")
-    if arr.ndim == 1:
-        arr = arr[None, :]
-    if arr.ndim == 2:
-        arr = arr[:, None, :]
-    if arr.ndim != 3 or arr.shape[2] != 4 or arr.shape[1] == 0:
-        raise ValueError(
+    if arr.ndim not in (1, 2, 3) or arr.shape[-1] != 4 or (arr.ndim == 3 and arr.shape[1] == 0):
+        raise ValueError(  # the shape as given, before the one-user forms are lifted
             f"bounds: got shape {tuple(arr.shape)}, expected [B, U, 4] (U >= 1 users per row), "
             "[B, 4] or [4]"
         )
-    return arr
+    return arr.reshape((-1, 1, 4) if arr.ndim < 3 else arr.shape)
 
 
 def normalize_packed_bounds(bounds, *, batch: int, seq_len: int) -> jax.Array:

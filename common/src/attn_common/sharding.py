@@ -19,8 +19,9 @@ are broadcast to ``[B, 4]`` before sharding.
 Sparse MLA, flat mode (``q [B, S, H, Dk]``, ``kv [B, T, Dk]``, ``indices [B, S, K]``,
 ``positions [B, S]``): ``B`` over ``batch_axis``, ``H`` over ``head_axis``; the latent
 cache has no head dimension and is replicated along ``head_axis``. Ragged paged mode packs
-every request into one batch row, so ``shard_sparse_mla_attention_ragged`` shards the
-heads only; the paged cache and the ragged tables are replicated.
+every request into one batch row: ``shard_sparse_mla_attention_ragged`` shards the heads
+(the paged cache and the ragged tables replicated), or with ``request_axis`` gives every
+device a ragged batch of its own, over a pool replicated or sharded by request.
 
 Either axis may be ``None`` (no sharding along it). ``fn`` defaults to the dispatching
 op (``attn_common.ranker_attention`` / ``sparse_mla_attention``, with
@@ -52,6 +53,15 @@ def _axis_size(mesh: Mesh, axis: str | None) -> int:
 def _divisible(name: str, size: int, axis: str | None, n: int) -> None:
     if size % n:
         raise ValueError(f"{name} = {size} is not divisible by the size {n} of mesh axis {axis!r}")
+
+
+def _shape(name: str, x, hint: str) -> tuple[int, ...]:
+    """``x``'s shape, checked to have ``hint``'s rank before the wrappers index it (the op
+    validates the rest, on each shard)."""
+    shape = tuple(jnp.shape(x))
+    if len(shape) != hint.count(",") + 1:
+        raise ValueError(f"{name}: got shape {shape}, expected {hint}")
+    return shape
 
 
 def _shard_map(fn, mesh, in_specs, out_specs, check_vma):
@@ -112,8 +122,8 @@ def shard_ranker_attention(
     sharded = _shard_map(local, mesh, (qkv, qkv, qkv, bspec), out_specs, check_vma)
 
     def call(q, k, v, bounds):
-        batch, _, hq, _ = q.shape
-        hkv = k.shape[2]
+        batch, _, hq, _ = _shape("q", q, "[B, S, Hq, D]")
+        hkv = _shape("k", k, "[B, S, Hkv, D]")[2]
         _divisible("batch", batch, batch_axis, nb)
         _divisible("kv heads", hkv, head_axis, nh)
         _divisible("q heads", hq, head_axis, nh)
@@ -177,51 +187,104 @@ def shard_sparse_mla_attention(
     sharded = _shard_map(local, mesh, (q_spec, kv_spec, kv_spec, row_spec), out_specs, check_vma)
 
     def call(q, kv, indices, positions):
-        _divisible("batch", q.shape[0], batch_axis, nb)
-        _divisible("heads", q.shape[2], head_axis, nh)
+        batch, _, heads, _ = _shape("q", q, "[B, S, H, Dk]")
+        _divisible("batch", batch, batch_axis, nb)
+        _divisible("heads", heads, head_axis, nh)
         return sharded(q, kv, indices, positions)
 
     return call
+
+
+_POOLS = ("replicated", "sharded")
 
 
 def shard_sparse_mla_attention_ragged(
     mesh: Mesh,
     fn: Callable[..., Any] | None = None,
     *,
-    head_axis: str = "model",
+    head_axis: str | None = "model",
+    request_axis: str | None = None,
+    pool: str = "replicated",
     implementation: str | None = None,
     check_vma: bool = False,
     **kwargs: Any,
 ) -> Callable[..., Any]:
-    """A jitted ragged paged-mode sparse MLA, heads sharded over ``head_axis``.
+    """A jitted ragged paged-mode sparse MLA: heads over ``head_axis``, requests over
+    ``request_axis``.
 
-    The returned callable takes ``(q [1, S, H, Dk], cache, indices [1, S, K],
-    positions [1, S], q_seq_id, seq_lens, cu_kv_lens, page_indices)`` and returns ``out``
-    (or ``(out, lse)``). ``kwargs`` (``sm_scale``, ``page_size``, ``kv_lora_rank``,
+    ``request_axis=None`` (heads only): the call takes the single-device arguments
+    ``(q [1, S, H, Dk], cache, indices [1, S, K], positions [1, S], q_seq_id [S],
+    seq_lens [R], cu_kv_lens [R + 1], page_indices [P])`` and returns ``out [1, S, H,
+    Dv]`` (or the tuple with ``lse``, the mass); the cache and the tables are replicated.
+
+    ``request_axis`` given: each of the ``n`` devices along it serves its own requests, a
+    ragged batch of its own. The call takes the ``n`` batches stacked on a leading axis
+    (each padded to the same ``S``, ``R`` and ``P``): ``q [n, S, H, Dk]``, ``indices
+    [n, S, K]``, ``positions [n, S]``, ``q_seq_id [n, S]``, ``seq_lens [n, R]``,
+    ``cu_kv_lens [n, R + 1]``, ``page_indices [n, P]``, and returns ``out [n, S, H,
+    Dv]`` (``lse [n, S, H]``, mass ``[n, S, K]``). The paged pool (``pool``):
+
+    * ``"replicated"``: ``cache`` is one pool every device holds whole; ``page_indices``
+      are its page ids.
+    * ``"sharded"``: ``cache`` is the ``n`` devices' pools of ``N`` pages each,
+      concatenated (``[n * N, ...]``) and split over ``request_axis``; batch ``i``'s
+      ``page_indices`` are ids into its own pool (``0 <= id < N``). No page crosses
+      devices, and the cache gradient stays sharded.
+
+    Padding a batch: a request with ``seq_lens = 0`` and no pages (``cu_kv_lens``
+    repeated), queries of it (their ``out`` is 0, their ``lse`` ``-inf``), page-table
+    slots past the last request's pages (any value). With ``head_axis`` too, ``H`` is
+    split over it as well. ``kwargs`` (``sm_scale``, ``page_size``, ``kv_lora_rank``,
     ``return_lse``, ...) go to ``fn`` (default: the dispatching
     ``attn_common.sparse_mla_attention``); ``read_block`` defaults to ``page_size``.
     """
     if "page_size" not in kwargs:
         raise ValueError("page_size: missing; ragged mode needs the cache page size")
+    if pool not in _POOLS:
+        raise ValueError(f"pool: got {pool!r}, expected one of {_POOLS}")
+    if pool == "sharded" and request_axis is None:
+        raise ValueError("pool: got 'sharded' with request_axis=None; a pool is sharded by request")
     kwargs.setdefault("read_block", kwargs["page_size"])
     fn = _op_or_front_door(fn, "sparse_mla_attention", implementation)
-    nh = _axis_size(mesh, head_axis)
-    q_spec = PartitionSpec(None, None, head_axis, None)
-    lse_spec = PartitionSpec(None, None, head_axis)  # lse [1, S, H]
+    nh, nr = _axis_size(mesh, head_axis), _axis_size(mesh, request_axis)
+    q_spec = PartitionSpec(request_axis, None, head_axis, None)
+    lse_spec = PartitionSpec(request_axis, None, head_axis)  # lse [1 or n, S, H]
+    row_spec = PartitionSpec(request_axis, None)  # indices, positions; stacked tables
+    mass_spec = PartitionSpec(request_axis, None, None)  # [1 or n, S, K]
+    out_specs = _sparse_out_specs(q_spec, lse_spec, mass_spec, kwargs)
     replicated = PartitionSpec()
-    out_specs = _sparse_out_specs(q_spec, lse_spec, replicated, kwargs)
+    cache_spec = PartitionSpec(request_axis) if pool == "sharded" else replicated
+    table_spec = replicated if request_axis is None else row_spec
+    stacked = request_axis is not None
 
     def local(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices):
+        if stacked:  # this device's batch: [1, ...] tables to their single-batch shapes
+            q_seq_id, seq_lens, cu_kv_lens, page_indices = (
+                t[0] for t in (q_seq_id, seq_lens, cu_kv_lens, page_indices)
+            )
         result = fn(
             q, cache, indices, positions, q_seq_id=q_seq_id, seq_lens=seq_lens,
             cu_kv_lens=cu_kv_lens, page_indices=page_indices, **kwargs,
         )  # fmt: skip
         return _mass_over_heads(result, head_axis, kwargs)
 
-    sharded = _shard_map(local, mesh, (q_spec,) + (replicated,) * 7, out_specs, check_vma)
+    in_specs = (q_spec, cache_spec, row_spec, row_spec) + (table_spec,) * 4
+    sharded = _shard_map(local, mesh, in_specs, out_specs, check_vma)
 
     def call(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices):
-        _divisible("heads", q.shape[2], head_axis, nh)
+        _divisible("heads", _shape("q", q, "[1, S, H, Dk]")[2], head_axis, nh)
+        if stacked:
+            tables = dict(q=q, indices=indices, positions=positions, q_seq_id=q_seq_id,
+                          seq_lens=seq_lens, cu_kv_lens=cu_kv_lens,
+                          page_indices=page_indices)  # fmt: skip
+            for name, x in tables.items():
+                if x.ndim < 2 or x.shape[0] != nr:
+                    raise ValueError(
+                        f"{name}: got shape {tuple(x.shape)}, expected the {nr} batches of "
+                        f"mesh axis {request_axis!r} stacked on a leading axis [{nr}, ...]"
+                    )
+        if pool == "sharded":
+            _divisible("cache pages", jax.tree.leaves(cache)[0].shape[0], request_axis, nr)
         return sharded(q, cache, indices, positions, q_seq_id, seq_lens, cu_kv_lens, page_indices)
 
     return call

@@ -82,9 +82,12 @@ def test_bench_unwritable_out(tmp_path, capsys):
     blocker.write_text("")
     assert cli_exit_code(["bench", "--out", str(blocker / "sub")]) == 2
     err = capsys.readouterr().err
-    assert "--out: got" in err and "not writable" in err and "Traceback" not in err
+    assert f"--out: got {str(blocker / 'sub')!r}, but {str(blocker)!r} is a file" in err
+    assert "Traceback" not in err
     assert cli_exit_code(["bench", "--out", str(blocker)]) == 2
     assert "which is a file" in capsys.readouterr().err
+    assert cli_exit_code(["bench", "--out", ""]) == 2
+    assert "--out: got '', expected a path" in capsys.readouterr().err
 
 
 def test_bench_never_clobbers_results(tmp_path, capsys):

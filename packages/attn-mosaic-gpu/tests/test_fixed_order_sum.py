@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +45,7 @@ def _compiled(fan):
     return jax.jit(lambda d, i: segment_sum_fixed_order(d, i, SEGMENTS, fan_in=fan))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=tier_examples(40), deadline=None)
 @given(
     live=st.integers(0, ROWS),
     segments=st.integers(1, SEGMENTS),

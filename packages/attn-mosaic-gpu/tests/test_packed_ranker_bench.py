@@ -1,6 +1,6 @@
 """``benchmarks/packed_ranker.py`` on the CPU: the visited-block count against a dense
-brute force, the batching, and the whole script end to end with ``--smoke`` and the
-reference implementation (tiny shapes, wall-clock timing; about 15 s)."""
+brute force, the batching, and (marked slow: about 15 s) the whole script end to end with
+``--smoke`` and the reference implementation (tiny shapes, wall-clock timing)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,7 @@ def test_batches_cover_every_row_once(bench):
     assert bench.timed_batch_ids(3, 0).tolist() == [0, 1, 2]
 
 
+@pytest.mark.slow  # a benchmark script, not the package: the tests above check its parts
 def test_smoke_run_writes_sane_reports(bench, tmp_path, monkeypatch):
     pytest.importorskip("attn_reference")
     monkeypatch.setenv("ATTN_PROVENANCE_COMMIT", "abc1234")

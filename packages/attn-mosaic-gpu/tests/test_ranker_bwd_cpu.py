@@ -238,15 +238,11 @@ def test_pipelined_smem_bytes_is_what_mosaic_allocates(
     """``pipelined_smem_bytes`` (what ``pipelined_bwd`` checks before building) equals
     Mosaic GPU's own count for the dq and the dk/dv kernel, so a backward tuning is
     refused exactly when Mosaic would refuse it."""
-    import jax.experimental.mosaic.gpu.core as mosaic_core
+    from helpers import count_mosaic_smem
 
     from attn_mosaic_gpu.ranker_bwd_pipelined import pipelined_bwd, pipelined_smem_bytes
 
-    counted = []
-    count = mosaic_core._smem_tree_size
-    monkeypatch.setattr(
-        mosaic_core, "_smem_tree_size", lambda tree: counted.append(count(tree)) or counted[-1]
-    )
+    counted = count_mosaic_smem(monkeypatch)
     seq = 256
     fields = dict(
         batch=1, seq_pad=seq, q_heads=2, kv_heads=1, head_dim=head_dim, sm_scale=1.0, cap=TANH

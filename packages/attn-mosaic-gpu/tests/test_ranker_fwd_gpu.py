@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import packed_user_bounds, ranker_reference_f32
+from helpers import jit_cache_size, packed_user_bounds, ranker_reference_f32
 
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
@@ -355,7 +355,7 @@ def test_one_compile_serves_every_bounds():
     a = fwd(q, k, v, jnp.tile(jnp.asarray([0, 1024, 1024, 1088], jnp.int32), (4, 1)))
     b = fwd(q, k, v, _ragged_bounds(7, 4, 1152))
     jax.block_until_ready((a, b))
-    assert fwd._cache_size() == 1
+    assert jit_cache_size(fwd) == 1
 
 
 def test_default_configs_compile():

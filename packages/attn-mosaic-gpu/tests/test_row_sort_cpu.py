@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,7 +102,7 @@ def test_plan_sorts(size):
         np.testing.assert_array_equal(run_plan(keys), np.sort(keys))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=tier_examples(60), deadline=None)
 @given(
     size=st.sampled_from(SIZES),
     seed=st.integers(0, 2**32 - 1),

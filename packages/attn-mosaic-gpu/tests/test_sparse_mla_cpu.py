@@ -138,6 +138,8 @@ def _ragged(fn, case, page_size=16, **kw):
     return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
 
 
+@pytest.mark.slow  # the quick tier has the same case: test_conformance_sparse_mla.py's
+# test_ragged_paged[mosaic-gpu-plain-bfloat16-rb16] (Dk 192, pages of 16, poisoned rows)
 def test_ragged_poisoned_vs_reference():
     """Shuffled pages; NaN/Inf in page tails, unreferenced and unselected pages, and in
     the feature padding of every row."""
@@ -342,16 +344,12 @@ def test_smem_bytes_is_what_mosaic_allocates(monkeypatch, dv):
     """``sparse_mla_config.forward_smem_bytes`` / ``backward_smem_bytes`` (what
     ``MAX_DV`` and the dv check rest on) equal Mosaic GPU's own count of each kernel's
     shared memory, lowered for the GPU (an FP8 store is staged in the same slots)."""
-    import jax.experimental.mosaic.gpu.core as mosaic_core
+    from helpers import count_mosaic_smem
 
     from attn_mosaic_gpu import sparse_mla_config
     from attn_mosaic_gpu.sparse_mla_bwd_kernel import sparse_mla_rows_backward
 
-    counted = []
-    count = mosaic_core._smem_tree_size
-    monkeypatch.setattr(
-        mosaic_core, "_smem_tree_size", lambda tree: counted.append(count(tree)) or counted[-1]
-    )
+    counted = count_mosaic_smem(monkeypatch)
     sds = jax.ShapeDtypeStruct
     bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     q, rows, counts = sds((8, 64, dv + 64), bf16), sds((8, 128), i32), sds((8,), i32)

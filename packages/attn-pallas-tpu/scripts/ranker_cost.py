@@ -35,7 +35,6 @@ from attn_pallas_tpu.ranker_model import format_table, suite_table  # noqa: E402
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-docs", action="store_true", help=f"update {DOC.name}")
-    # nox -s measure-tpu passes the same arguments to measure_dma.py: ignore its own.
     args, _ = parser.parse_known_args(argv)
     table = format_table(suite_table(default_config))
     print(table, end="")

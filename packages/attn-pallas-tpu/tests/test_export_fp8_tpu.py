@@ -21,6 +21,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import export_tpu, ragged_positional
 
 from attn_common import Fp8LatentCache
 from attn_pallas_tpu import (
@@ -54,17 +55,9 @@ def _cache(form: str, *grid: int):
     )
 
 
-def _export(fn, *avals):
-    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*avals)
-
-
-def _check(exported, count: int, form: str, grid: tuple[int, ...]) -> None:
-    text = exported.mlir_module()
-    found = text.count("tpu_custom_call")
-    assert found == count, f"{found} Mosaic kernels in the exported module, expected {count}"
-    assert exported.platforms == ("tpu",)
+def _check(exported, form: str, grid: tuple[int, ...]) -> None:
     if form == "tpu":  # never materialised: the kernels DMA latent and side as stored
-        assert "tensor<" + "x".join(map(str, grid)) + "x4xf32>" not in text
+        assert "tensor<" + "x".join(map(str, grid)) + "x4xf32>" not in exported.mlir_module()
 
 
 CASES = pytest.mark.parametrize(
@@ -83,31 +76,23 @@ RAGGED_CASES = pytest.mark.parametrize(
 @CASES
 def test_export_flat_prefill(kernel, heads, form):
     fn, count = KERNELS[kernel]
-
-    def f(q, kv, idx, pos):
-        return fn(q, kv, idx, pos, sm_scale=0.04, read_block=UNIT, return_lse=True)
-
-    exported = _export(
-        f,
+    exported = export_tpu(
+        functools.partial(fn, sm_scale=0.04, read_block=UNIT, return_lse=True),
         SD((1, PREFILL_Q, heads, DK), BF16),
         _cache(form, 1, T),
         SD((1, PREFILL_Q, TOP_K), I32),
         SD((1, PREFILL_Q), I32),
+        kernels=count,
     )
-    _check(exported, count, form, (1, T))
+    _check(exported, form, (1, T))
 
 
-def _ragged(fn, num_q, heads, num_seqs, form):
+def _ragged(kernel, num_q, heads, num_seqs, form):
+    fn, count = KERNELS[kernel]
     num_pages = num_seqs * (T // UNIT) + 8
-
-    def f(q, cache, idx, pos, sid, seq_lens, cu_kv, pages):
-        return fn(
-            q, cache, idx, pos, sm_scale=0.04, read_block=UNIT, page_size=UNIT, q_seq_id=sid,
-            seq_lens=seq_lens, cu_kv_lens=cu_kv, page_indices=pages, return_lse=True,
-        )  # fmt: skip
-
-    exported = _export(
-        f,
+    kw = dict(sm_scale=0.04, read_block=UNIT, page_size=UNIT, return_lse=True)
+    exported = export_tpu(
+        ragged_positional(fn, **kw),
         SD((1, num_q, heads, DK), BF16),
         _cache(form, num_pages, UNIT),
         SD((1, num_q, TOP_K), I32),
@@ -116,22 +101,19 @@ def _ragged(fn, num_q, heads, num_seqs, form):
         SD((num_seqs,), I32),
         SD((num_seqs + 1,), I32),
         SD((num_pages - 8,), I32),
+        kernels=count,
     )
-    return exported, (num_pages, UNIT)
+    _check(exported, form, (num_pages, UNIT))
 
 
 @RAGGED_CASES
 def test_export_ragged_prefill(kernel, heads, form):
-    fn, count = KERNELS[kernel]
-    exported, grid = _ragged(fn, PREFILL_Q, heads, PREFILL_SEQS, form)
-    _check(exported, count, form, grid)
+    _ragged(kernel, PREFILL_Q, heads, PREFILL_SEQS, form)
 
 
 @RAGGED_CASES
 def test_export_ragged_decode(kernel, heads, form):
-    fn, count = KERNELS[kernel]
-    exported, grid = _ragged(fn, DECODE_SEQS * DECODE_Q_PER_SEQ, heads, DECODE_SEQS, form)
-    _check(exported, count, form, grid)
+    _ragged(kernel, DECODE_SEQS * DECODE_Q_PER_SEQ, heads, DECODE_SEQS, form)
 
 
 @pytest.mark.parametrize(
@@ -145,15 +127,8 @@ def test_export_ragged_decode(kernel, heads, form):
 def test_export_write_then_attend(fn, count, form):
     """The write is the XLA scatter of the quantized rows; the attention the kernel."""
     heads, num_pages = 16, PREFILL_SEQS * (T // UNIT) + 8
-
-    def f(ql, qpe, kvc, kpe, cache, topk, pos, loc, seq_lens, cu_q, cu_kv, pages):
-        return fn(
-            ql, qpe, kvc, kpe, cache, topk, pos, loc, seq_lens, cu_q, cu_kv, pages,
-            kv_lora_rank=DV, page_size=UNIT, sm_scale=0.04,
-        )  # fmt: skip
-
-    exported = _export(
-        f,
+    exported = export_tpu(
+        functools.partial(fn, kv_lora_rank=DV, page_size=UNIT, sm_scale=0.04),
         SD((PREFILL_Q, heads, DV), BF16),
         SD((PREFILL_Q, heads, ROPE), BF16),
         SD((PREFILL_Q, DV), BF16),
@@ -166,8 +141,9 @@ def test_export_write_then_attend(fn, count, form):
         SD((PREFILL_SEQS + 1,), I32),
         SD((PREFILL_SEQS + 1,), I32),
         SD((num_pages - 8,), I32),
+        kernels=count,
     )
-    _check(exported, count, form, (num_pages, UNIT))
+    _check(exported, form, (num_pages, UNIT))
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -175,18 +151,14 @@ def test_export_copy_path(kernel):
     """The default at the flat prefill shape: the cache's bf16 rows copied by XLA, then
     the bf16 kernels (no kernel takes an FP8 array)."""
     fn = {"per_query": sparse_mla_attention, "qblock": sparse_mla_attention_qblock}[kernel]
-    count = KERNELS[kernel][1]
-
-    def f(q, kv, idx, pos):
-        return fn(q, kv, idx, pos, sm_scale=0.04, read_block=UNIT, return_lse=True)
-
-    exported = _export(
-        f,
+    exported = export_tpu(
+        functools.partial(fn, sm_scale=0.04, read_block=UNIT, return_lse=True),
         SD((1, PREFILL_Q, 16, DK), BF16),
         _cache("tpu", 1, T),
         SD((1, PREFILL_Q, TOP_K), I32),
         SD((1, PREFILL_Q), I32),
+        kernels=KERNELS[kernel][1],
     )
-    _check(exported, count, "tpu", (1, T))
+    _check(exported, "tpu", (1, T))
     calls = [line for line in exported.mlir_module().splitlines() if "tpu_custom_call" in line]
     assert calls and not any("f8E4M3FN" in line for line in calls)

@@ -6,11 +6,13 @@ not run Mosaic's TPU compiler passes (layouts, VMEM limits), which need a TPU.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import export_tpu, ragged_positional
 
 from attn_pallas_tpu import (
     paged_write_back,
@@ -27,18 +29,6 @@ SELECTED = 2048  # selected tokens per query
 NUM_Q = 512  # prefill tokens in the exported call
 T_FLAT = 16384
 NUM_PAGES, NUM_SEQS = 4096, 3
-
-
-def _assert_tpu_kernel(exported, count=1):
-    """Exactly ``count`` Mosaic kernels in the module (a lax.cond holds one per branch)."""
-    text = exported.mlir_module()
-    found = text.count("tpu_custom_call")
-    assert found == count, f"{found} Mosaic kernels in the exported module, expected {count}"
-    assert exported.platforms == ("tpu",)
-
-
-def _export(fn, *avals):
-    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*avals)
 
 
 # Query-blocked variants: QB 256; QB 64 with 64-slot union chunks (several per block at
@@ -61,69 +51,43 @@ EXPORT_CASES = pytest.mark.parametrize(
 @EXPORT_CASES
 def test_export_flat(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
-    top_k = SELECTED // unit
-
-    def f(q, kv, idx, pos):
-        return fn(q, kv, idx, pos, sm_scale=0.04, read_block=unit, return_lse=True, **extra)
-
-    exported = _export(
-        f,
+    export_tpu(
+        functools.partial(fn, sm_scale=0.04, read_block=unit, return_lse=True, **extra),
         SD((1, NUM_Q, heads, DK), BF16),
         SD((1, T_FLAT, DK), BF16),
-        SD((1, NUM_Q, top_k), I32),
+        SD((1, NUM_Q, SELECTED // unit), I32),
         SD((1, NUM_Q), I32),
+        kernels=count,
     )
-    _assert_tpu_kernel(exported, count)
 
 
 @EXPORT_CASES
 def test_export_ragged(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
-    top_k = SELECTED // unit
-
-    def f(q, cache, idx, pos, sid, seq_lens, cu_kv, pages):
-        return fn(
-            q,
-            cache,
-            idx,
-            pos,
-            sm_scale=0.04,
-            read_block=unit,
-            page_size=unit,
-            q_seq_id=sid,
-            seq_lens=seq_lens,
-            cu_kv_lens=cu_kv,
-            page_indices=pages,
-            return_lse=True,
-            **extra,
-        )
-
-    exported = _export(
-        f,
+    kw = dict(sm_scale=0.04, read_block=unit, page_size=unit, return_lse=True, **extra)
+    export_tpu(
+        ragged_positional(fn, **kw),
         SD((1, NUM_Q, heads, DK), BF16),
         SD((NUM_PAGES, unit // 2, 2, DK_PAD), BF16),
-        SD((1, NUM_Q, top_k), I32),
+        SD((1, NUM_Q, SELECTED // unit), I32),
         SD((1, NUM_Q), I32),
         SD((NUM_Q,), I32),
         SD((NUM_SEQS,), I32),
         SD((NUM_SEQS + 1,), I32),
         SD((NUM_PAGES - 8,), I32),
+        kernels=count,
     )
-    _assert_tpu_kernel(exported, count)
 
 
 @pytest.mark.parametrize("page_size", [64, 128])
 def test_export_paged_write_back(page_size):
-    def f(cache, rows, loc):
-        return paged_write_back(cache, rows, loc, page_size=page_size)
-
-    exported = _export(
-        f,
+    export_tpu(
+        functools.partial(paged_write_back, page_size=page_size),
         SD((NUM_PAGES, page_size // 2, 2, DK_PAD), BF16),
         SD((4096, DK_PAD), BF16),
         SD((4096,), I32),
+        kernels=1,
     )
-    _assert_tpu_kernel(exported)
 
 
 @pytest.mark.parametrize(
@@ -131,28 +95,10 @@ def test_export_paged_write_back(page_size):
 )
 def test_export_prefill_write_and_attend(fn):
     heads, page_size, top_k = 16, 64, SELECTED // 64
-
-    def f(ql, qpe, kvc, kpe, cache, topk, pos, loc, seq_lens, cu_q, cu_kv, pages):
-        return fn(
-            ql,
-            qpe,
-            kvc,
-            kpe,
-            cache,
-            topk,
-            pos,
-            loc,
-            seq_lens,
-            cu_q,
-            cu_kv,
-            pages,
-            kv_lora_rank=DV,
-            page_size=page_size,
-            sm_scale=0.04,
-        )
-
-    exported = _export(
-        f,
+    # write-back + attention; the query-blocked twin plans automatically under jit, so its
+    # attention is a lax.cond over two kernels.
+    export_tpu(
+        functools.partial(fn, kv_lora_rank=DV, page_size=page_size, sm_scale=0.04),
         SD((NUM_Q, heads, DV), BF16),
         SD((NUM_Q, heads, DK - DV), BF16),
         SD((NUM_Q, DV), BF16),
@@ -165,7 +111,5 @@ def test_export_prefill_write_and_attend(fn):
         SD((NUM_SEQS + 1,), I32),
         SD((NUM_SEQS + 1,), I32),
         SD((NUM_PAGES - 8,), I32),
+        kernels=2 if fn is prefill_write_and_attend_ragged else 3,
     )
-    # write-back + attention; the query-blocked twin plans automatically under jit, so its
-    # attention is a lax.cond over two kernels.
-    _assert_tpu_kernel(exported, count=2 if fn is prefill_write_and_attend_ragged else 3)

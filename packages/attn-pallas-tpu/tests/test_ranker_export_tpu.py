@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import export_tpu
 
 from attn_common import RANKER_SUITE
 from attn_pallas_tpu import ranker_attention
@@ -27,24 +28,12 @@ def _avals(case, dtype=jnp.bfloat16):
     return q, kv, kv, SD((case.batch, 4), jnp.int32)
 
 
-def _export(fn, *avals):
-    return jax.export.export(jax.jit(fn), platforms=["tpu"])(*avals)
-
-
-def _assert_kernels(exported, count):
-    text = exported.mlir_module()
-    found = text.count("tpu_custom_call")
-    assert found == count, f"{found} Mosaic kernels in the exported module, expected {count}"
-    assert exported.platforms == ("tpu",)
-
-
 @pytest.mark.parametrize("case", RANKER_SUITE, ids=[c.name for c in RANKER_SUITE])
 def test_export_forward(case):
     def f(q, k, v, bounds):
         return ranker_attention(q, k, v, bounds, cap=case.cap, return_lse=True)
 
-    exported = _export(f, *_avals(case))
-    _assert_kernels(exported, 1)
+    exported = export_tpu(f, *_avals(case), kernels=1)
     out, lse = exported.out_avals
     assert out.shape == (case.batch, case.seq_len, case.q_heads, case.head_dim)
     assert out.dtype == jnp.bfloat16
@@ -61,8 +50,7 @@ def test_export_gradient(case):
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    exported = _export(g, *_avals(case))
-    _assert_kernels(exported, 3)
+    exported = export_tpu(g, *_avals(case), kernels=3)
     dq, dk, dv = exported.out_avals
     assert dq.shape == (case.batch, case.seq_len, case.q_heads, case.head_dim)
     assert dk.shape == dv.shape == (case.batch, case.seq_len, case.kv_heads, case.head_dim)
@@ -79,4 +67,4 @@ def test_export_fp32_d256_odd_seq():
 
     q = SD((2, 777, 8, 256), jnp.float32)
     kv = SD((2, 777, 2, 256), jnp.float32)
-    _assert_kernels(_export(g, q, kv, kv, SD((2, 4), jnp.int32)), 3)
+    export_tpu(g, q, kv, kv, SD((2, 4), jnp.int32), kernels=3)

@@ -47,6 +47,7 @@ from attn_common.fp8_cache import quantize_latent_cache
 from attn_common.sparse_mla_xla import xla_sparse_mla
 from attn_common.spec import sparse_mla_call
 from attn_pallas_tpu import sparse_mla_bwd
+from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.sparse_mla_bwd import invert_selection
 
 INTERPRET = pltpu.InterpretParams(
@@ -97,6 +98,27 @@ def test_flat_gradients_through_the_kernels(kernel, dtype):
     # sparse_mla_flat_case's empty queries: nothing selected, a negative position, a
     # selection entirely after the query.
     assert np.all(dq[0, [3, 4, 6]] == 0.0) and np.any(dq[0, [0, 1, 2, 5, 7]] != 0.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads"), [("float32", 8), pytest.param("bfloat16", 16, marks=_SLOW)]
+)
+def test_dkv_stacks_pairs_when_heads_fill_tiles(dtype, heads):
+    """H a multiple of the sublane tile: the dKV step stacks several (block, query) pairs'
+    query rows (3 here, so chunks end in partial steps whose stale ring rows must stay
+    out), over a poisoned cache; the per-query programs walk 2 units a step."""
+    q, kv, idx, pos = sparse_mla_flat_case(
+        6, dk=DV + ROPE, batch=1, seq=12, heads=heads, kv_len=64, rb=16, top_k=3, dtype=dtype
+    )
+    keep = attended_rows_flat(idx, pos, kv_len=64, read_block=16)
+    cfg = SparseMlaConfig(units_per_step=2, ring_slots=2, queries_per_program=4, pairs_per_step=3)
+    assert sparse_mla_bwd.pairs_per_step(cfg, heads, dtype) == 3
+    assert sparse_mla_bwd.pairs_per_step(cfg, 2, dtype) == 1
+    compare_sparse_mla_grads(
+        tpu.sparse_mla_attention, q, poison_rows(kv, keep, seed=7), idx, pos, keep,
+        kernel_kw=dict(interpret=INTERPRET, config=cfg), sm_scale=SM_SCALE, dv=DV,
+        grad_tol=GRAD_TOL[dtype], mass_atol=MASS_ATOL, read_block=16,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -166,14 +188,14 @@ def _compacted_tables(draw):
     store blocks first (ascending), zeros after; ``kb`` and ``lim`` anywhere."""
     rb = draw(st.sampled_from([16, 32]))
     n, k = INV_QUERIES, INV_SLOTS
-    src8, kb, count = np.zeros((n, k), np.int32), np.zeros((n, k), np.int32), []
+    block, kb, count = np.zeros((n, k), np.int32), np.zeros((n, k), np.int32), []
     for i in range(n):
         blocks = sorted(draw(st.sets(st.integers(0, INV_BLOCKS - 1), max_size=k)))
         count.append(len(blocks))
-        src8[i, : len(blocks)] = np.asarray(blocks, np.int32) * (rb // 8)
+        block[i, : len(blocks)] = np.asarray(blocks, np.int32)
         kb[i] = draw(st.lists(st.integers(0, 4 * rb), min_size=k, max_size=k))
     lim = np.asarray(draw(st.lists(st.integers(0, 5 * rb), min_size=n, max_size=n)), np.int32)
-    return src8, kb, np.asarray(count, np.int32), lim, rb, INV_BLOCKS
+    return block, kb, np.asarray(count, np.int32), lim, rb, INV_BLOCKS
 
 
 _invert = jax.jit(invert_selection, static_argnames=("rb", "num_blocks", "chunk"))
@@ -185,8 +207,8 @@ def test_invert_selection_matches_brute_force(tables, chunk):
     """Every block's chunks, in order, list exactly its (query, valid rows) pairs with at
     least one valid row, queries ascending; every block has a first and a last chunk;
     chunks past the real ones are empty, unflagged and point at the last block."""
-    src8, kb, count, lim, rb, num_blocks = tables
-    inv = _invert(src8, kb, count, lim, rb=rb, num_blocks=num_blocks, chunk=chunk)
+    block, kb, count, lim, rb, num_blocks = tables
+    inv = _invert(block, kb, count, lim, rb=rb, num_blocks=num_blocks, chunk=chunk)
     table = np.concatenate([np.asarray(inv.block)[:, None], np.asarray(inv.meta)[:, 0]], axis=1)
     qid, nvalid = np.asarray(inv.qid)[:, 0], np.asarray(inv.nvalid)[:, 0]
     want = {b: [] for b in range(num_blocks)}
@@ -194,7 +216,7 @@ def test_invert_selection_matches_brute_force(tables, chunk):
         for j in range(count[i]):
             valid = int(np.clip(lim[i] - kb[i, j], 0, rb))
             if valid:
-                want[int(src8[i, j]) * 8 // rb].append((i, valid))
+                want[int(block[i, j])].append((i, valid))
     got = {b: [] for b in range(num_blocks)}
     order = []
     for c, (blk, cnt, first, last) in enumerate(table):
@@ -265,28 +287,6 @@ def test_prefill_wrapper_gradient_reaches_the_query_parts():
     )  # fmt: skip
 
 
-def test_backward_cost_counts():
-    """The cost model's counts at issue 40's shape (unit 16, H 128): the dKV walk moves
-    ``H (Dk_pad + Dv) / (RB Dk_pad)`` times the dq walk's bytes, one DMA per unit (dq) and
-    three per pair (dKV), and the FLOPs of the products it names."""
-    from attn_pallas_tpu.plan import TPU_CHIPS
-
-    n, h, k, rb, dk_pad, dv = 4096, 128, 128, 16, 640, 512
-    cost = sparse_mla_bwd.backward_cost(
-        TPU_CHIPS["v5e"], queries=n, heads=h, units=k, read_block=rb, cache_rows=32768,
-        dk_pad=dk_pad, dv=dv,
-    )  # fmt: skip
-    dq, dkv = cost["dq"], cost["dkv"]
-    assert dq["kv_bytes"] == n * k * rb * dk_pad * 2 and dq["dmas"] == n * k
-    assert dkv["kv_bytes"] == n * k * h * ((dk_pad + dv) * 2 + 8) and dkv["dmas"] == 3 * n * k
-    assert dkv["kv_bytes"] / dq["kv_bytes"] == pytest.approx(
-        h * (dk_pad + dv) / (rb * dk_pad), rel=1e-2
-    )
-    assert dq["flops"] == 2 * n * k * rb * h * (2 * dk_pad + dv)
-    assert dkv["flops"] == 4 * n * k * rb * h * (dk_pad + dv)
-    assert dq["seconds"] > 0 and dkv["seconds"] >= dkv["bytes"] / TPU_CHIPS["v5e"].hbm_bytes_per_s
-
-
 @pytest.mark.parametrize(("page", "heads"), [(16, 64), (64, 128)])
 def test_ragged_grad_cross_lowers_at_the_production_shape(page, heads):
     """``jax.grad`` w.r.t. ``q`` and the paged bf16 cache ``[P, page / 2, 2, 640]`` (32K
@@ -345,7 +345,9 @@ def test_caches_the_kernels_do_not_take_fall_back_to_the_xla_vjp():
 
     def through_result(call):
         forward = lambda c: xla_sparse_mla(c, attn_mass=False)[:2]  # noqa: E731
-        return sparse_mla_bwd.sparse_mla_result(call, forward, interpret=False)
+        return sparse_mla_bwd.sparse_mla_result(
+            call, forward, interpret=False, config=SparseMlaConfig()
+        )
 
     got = jax.grad(functools.partial(loss, through_result))(jnp.asarray(q))
     want = jax.grad(functools.partial(loss, lambda c: xla_sparse_mla(c)[:2]))(jnp.asarray(q))

@@ -33,6 +33,7 @@ import attn_reference as ref
 from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu.plan import (
+    MIN_SHARING,
     block_union_sizes,
     distinct_units_per_query,
     per_query_seconds,
@@ -269,9 +270,10 @@ def _jit_guard_picks_qblock(sel, *, heads, dk_pad, itemsize):
         itemsize=itemsize, chip=default_chip(),
     )  # fmt: skip
     qb, hb, u_max = static_qblock_config(num_units=100, **shape)
+    qb = min(qb, -(-sel.shape[1] // 8) * 8)  # as the wrapper: no block past the queries
     unions = block_union_sizes(jnp.asarray(sel), query_block=qb)
     distinct = distinct_units_per_query(jnp.asarray(sel))
-    fewer_bytes = (heads // hb) * int(unions.sum()) < int(distinct.sum())
+    fewer_bytes = (heads // hb) * int(unions.sum()) * MIN_SHARING <= int(distinct.sum())
     faster = float(
         qblock_seconds(unions, query_block=qb, head_block=hb, u_max=u_max, num_units=100, **shape)
     ) < float(per_query_seconds(distinct, **shape))
@@ -280,11 +282,16 @@ def _jit_guard_picks_qblock(sel, *, heads, dk_pad, itemsize):
 
 @pytest.mark.slow
 def test_auto_tiling_under_jit_takes_both_branches():
-    """Shared selections -> the query-blocked branch; disjoint ones -> per-query (equal
-    bytes: a tie goes to per-query). Both must equal the reference."""
-    q, kv, idx, pos = big_union_case(23)
-    shared = np.broadcast_to(idx[:, :1], idx.shape).copy()  # every query: query 0's units
-    disjoint = np.arange(19 * 5, dtype=np.int32).reshape(1, 19, 5)  # nothing shared
+    """Shared selections -> the query-blocked branch; disjoint ones -> per-query (too
+    little sharing). Both must equal the reference."""
+    rng = rng_for(23)
+    seq, top_k, units = 24, 64, 100
+    q = randn(rng, (1, seq, 2, DK), "float32")
+    kv = randn(rng, (1, units * 16, DK), "float32")
+    pos = np.full((1, seq), units * 16 - 1, np.int32)
+    shared = np.broadcast_to(rng.permutation(units)[:top_k], (1, seq, top_k)).copy()
+    disjoint = np.full((1, seq, top_k), -1, np.int32)
+    disjoint[0, :, :4] = np.arange(seq * 4).reshape(seq, 4)  # 96 units, none shared
     for sel, want_qblock in ((shared, True), (disjoint, False)):
         assert _jit_guard_picks_qblock(sel, heads=2, dk_pad=256, itemsize=4) == want_qblock
         c = (q, kv, sel, pos)

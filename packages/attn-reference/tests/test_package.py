@@ -1,7 +1,6 @@
 """The reference package exposes the shared API (docs/design.md#public-api) and signatures."""
 
 import inspect
-from importlib import metadata
 
 import pytest
 
@@ -17,10 +16,6 @@ SHARED_API = {
     "prefill_write_and_attend_ragged": spec.prefill_call,
     "prefill_write_and_attend_ragged_qblock": spec.prefill_call,
 }
-
-
-def test_version_matches_metadata():
-    assert attn_reference.__version__ == metadata.version("attn-reference")
 
 
 @pytest.mark.parametrize("name", sorted(SHARED_API))

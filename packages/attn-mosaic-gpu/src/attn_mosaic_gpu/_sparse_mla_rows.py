@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common.fp8_cache import LATENT as FP8_LATENT
+from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._interpret import InterpretedParts, Target
 from attn_mosaic_gpu.sparse_mla_config import (
     BLOCK_K,
@@ -520,30 +521,30 @@ def parts_of(target: Target, st: RowStatics, buf, bar, *, fp8: bool = False):
     return target.pick(Parts, InterpretedParts)(st, buf, bar, fp8=fp8)
 
 
-def row_kernel(body, st: RowStatics, target: Target, scratch, out_type, axes,
-               kernel_name: str | None = None):  # fmt: skip
-    """A sparse-MLA kernel (the forward and the backward share this skeleton): one
-    program per (head group, token) of ``st`` (grid axis ``axes[0]``, in
-    ``lagged_program``'s order), three warpgroups (``axes[1]``: two compute, one memory)
-    that allocate ``scratch = (buffers, barriers)`` together, and no reduction scratch
-    (row maxima and sums stay within a warp's quads; Q's rope features need the 2 KiB).
-    ``body(*refs, buf, bar)``: the kernel's refs, inputs then outputs, then the
-    scratch."""
+def launch_args(body, st: RowStatics, target: Target, scratch, kernel_name: str | None = None):
+    """``plgpu.kernel``'s arguments but ``out_type`` for a sparse-MLA kernel (the forward
+    and the backward share this skeleton): one program per (head group, token) of ``st``
+    (grid axis ``_axes.PROGRAMS``, in ``lagged_program``'s order), three warpgroups
+    (``_axes.WARPGROUP``: two compute, one memory) that allocate ``scratch = (buffers,
+    barriers)`` together, and no reduction scratch (row maxima and sums stay within a
+    warp's quads; Q's rope features need the 2 KiB). ``body(*refs, buf, bar)``: the
+    kernel's refs, inputs then outputs, then the scratch."""
     buffers, barriers = scratch
-    program_axis, wg_axis = axes
 
     def entry(*refs):
         pl.run_scoped(
-            lambda buf, bar: body(*refs, buf, bar), buffers, barriers, collective_axes=wg_axis
+            lambda buf, bar: body(*refs, buf, bar),
+            buffers,
+            barriers,
+            collective_axes=_axes.WARPGROUP,
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=out_type,
+    return dict(
+        body=entry,
         grid=(st.heads // HEADS_PER_PROGRAM * st.tokens,),
-        grid_names=(program_axis,),
+        grid_names=(_axes.PROGRAMS,),
         num_threads=COMPUTE_WGS + 1,
-        thread_name=wg_axis,
+        thread_name=_axes.WARPGROUP,
         kernel_name=kernel_name,
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=target.params,

@@ -48,10 +48,12 @@ import numpy as np
 from attn_common.bounds import ranker_mask
 from attn_common.cli_args import (
     MAX_SEED,
+    OneLineParser,
     check_out_dir,
     default_out_dir,
     implementation_choices,
     iterations_int,
+    out_path,
     provenance,
     seed_int,
 )
@@ -420,7 +422,7 @@ def write_plot(result: dict, path: Path) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
-        type=Path,
+        type=out_path,
         default=None,
         help="folder for ranker_gpu.json/.md/.png (default: a new folder "
         "attn-results/<timestamp> under the current directory)",
@@ -543,7 +545,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description=__doc__.splitlines()[0],
         epilog=suite_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

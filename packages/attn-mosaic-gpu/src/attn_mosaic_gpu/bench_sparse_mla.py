@@ -70,7 +70,6 @@ import dataclasses
 import fnmatch
 import functools
 import html
-import importlib
 import json
 import math
 import sys
@@ -87,14 +86,16 @@ from numpy.typing import ArrayLike
 
 from attn_common.cli_args import (
     MAX_SEED,
+    OneLineParser,
     check_out_dir,
     default_out_dir,
     iterations_int,
+    out_path,
     positive_int,
     provenance,
     seed_int,
 )
-from attn_common.dispatch import device_class
+from attn_common.dispatch import device_class, load_backend
 from attn_common.sparse_mla import padded_dk
 from attn_common.tables import kv_packing
 from attn_mosaic_gpu.bench import ceilings, device_ms
@@ -382,10 +383,11 @@ def xla_sparse_mla(
 
 
 def _backend(impl: str):
-    """The named backend's package (imported lazily; may raise)."""
+    """The named backend's package, through the dispatch (a backend imports no other;
+    may raise ``BackendUnavailableError``)."""
     if impl not in IMPLS[:2]:
         raise ValueError(f"impl: got {impl!r}, expected one of {IMPLS[:2]}")
-    return importlib.import_module({"mosaic-gpu": "attn_mosaic_gpu"}.get(impl, "attn_reference"))
+    return load_backend(impl)
 
 
 def load_impl(impl: str, config: tuple[int, int] | None = None) -> Callable:
@@ -608,8 +610,7 @@ def run_case(
         row["xla_tflops"] = flops / best[1] / 1e9
         xla_out = best[2](*best[3])
         try:  # the baseline against the reference on a sample of queries
-            from attn_reference import sparse_mla_attention as reference
-
+            reference = _backend("reference").sparse_mla_attention
             s_args, s_kw, sel = _sample(args, kwargs, check_queries)
             ref_fn, ref_args = jit_call(reference, s_args, s_kw)
             ref = ref_fn(*ref_args)
@@ -903,7 +904,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, script_out: Path | None = 
     bench = script_out is None
     parser.add_argument(
         "--out",
-        type=Path,
+        type=out_path,
         default=script_out,
         help="folder for sparse_mla_gpu.json/.md (default: "
         + (
@@ -983,7 +984,7 @@ def build_parser(
     *, script_out: Path | None = None, prog: str | None = None
 ) -> argparse.ArgumentParser:
     """A parser with :func:`add_arguments` (``script_out``: see there)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description=__doc__.splitlines()[0],
         epilog=epilog(bench=script_out is None),

@@ -15,11 +15,10 @@ import argparse
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import jax
 
-from attn_common.cli_args import iterations_int, positive_int, progress, provenance
+from attn_common.cli_args import iterations_int, out_path, positive_int, progress, provenance
 from attn_common.dispatch import device_class
 from attn_common.suite import RANKER_SUITE, ranker_case
 from attn_mosaic_gpu import bench as _bench
@@ -223,7 +222,7 @@ def add_tune(sub) -> None:
     )
     t.add_argument(
         "--out",
-        type=Path,
+        type=out_path,
         default=None,
         help="table to write (default: $ATTN_TUNED_CONFIGS, else "
         "$XDG_CONFIG_HOME/attn/hopper_ranker_tuned.json); existing entries with other "

@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common.sparse_mla_rows import ABSENT, token_rows_by_sort
+from attn_mosaic_gpu import _axes
 
 __all__ = ["SortStep", "distinct_sorted_rows", "row_sort_supported", "sort_plan", "token_rows"]
 
@@ -64,7 +65,7 @@ _WARP = 32
 _WARPS = _THREADS // _WARP
 _VECTOR = 4  # int32 keys per 16-byte load or store
 MIN_KEYS, MAX_KEYS = 512, 4096  # K: 4 to 32 keys per thread
-_AXIS = "query"
+_AXIS = _axes.QUERIES
 
 
 class SortStep(NamedTuple):

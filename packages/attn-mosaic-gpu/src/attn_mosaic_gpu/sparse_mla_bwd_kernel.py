@@ -81,10 +81,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._compat import fragmented_array
 from attn_mosaic_gpu._interpret import Target, resolve_target, store_key_rows
 from attn_mosaic_gpu._registers import memory_registers
-from attn_mosaic_gpu._sparse_mla_rows import lagged_program, parts_of, row_kernel
+from attn_mosaic_gpu._sparse_mla_rows import lagged_program, launch_args, parts_of
 from attn_mosaic_gpu.fastmath import LOG2E
 from attn_mosaic_gpu.fixed_order_sum import segment_sum_fixed_order
 from attn_mosaic_gpu.sparse_mla_config import (
@@ -107,8 +108,8 @@ from attn_mosaic_gpu.sparse_mla_config import (
 __all__ = ["sparse_mla_rows_backward"]
 
 KERNEL_NAME = "sparse_mla_backward"  # how the kernel shows in HLO and profiles
-_AXIS_PROGRAM = "program"
-_AXIS_WG = "wg"
+_AXIS_PROGRAM = _axes.PROGRAMS
+_AXIS_WG = _axes.WARPGROUP
 _PARTS = (Part.L0, Part.R0)  # the one block's two parts (the forward's block 0)
 
 
@@ -565,8 +566,9 @@ def _token_chunks(tokens: int, groups: int, width: int, dk: int) -> list[tuple[i
 
 def _call(st: _BwdStatics, target: Target, out_type):
     scratch = backward_scratch(st.dv, interpret=target.interpret)
-    axes = (_AXIS_PROGRAM, _AXIS_WG)
-    return row_kernel(_kernel(st, target), st, target, scratch, out_type, axes, KERNEL_NAME)
+    return plgpu.kernel(
+        out_type=out_type, **launch_args(_kernel(st, target), st, target, scratch, KERNEL_NAME)
+    )
 
 
 def sparse_mla_rows_backward(

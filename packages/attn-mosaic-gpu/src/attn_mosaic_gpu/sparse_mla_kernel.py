@@ -112,9 +112,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common.fp8_cache import LATENT as FP8_LATENT
 from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
+from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._interpret import Target, resolve_interpret, resolve_target
 from attn_mosaic_gpu._registers import memory_registers
-from attn_mosaic_gpu._sparse_mla_rows import lagged_program, parts_of, row_kernel
+from attn_mosaic_gpu._sparse_mla_rows import lagged_program, launch_args, parts_of
 from attn_mosaic_gpu.fastmath import LN2, LOG2E, M_INIT
 from attn_mosaic_gpu.sparse_mla_config import (
     BLOCK_K,
@@ -137,8 +138,8 @@ from attn_mosaic_gpu.sparse_mla_config import (
 
 __all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
 
-_AXIS_PROGRAM = "program"
-_AXIS_WG = "wg"
+_AXIS_PROGRAM = _axes.PROGRAMS
+_AXIS_WG = _axes.WARPGROUP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,7 +514,8 @@ def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, target: T
         jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
     )
     scratch = forward_scratch(st.dv, interpret=target.interpret)
-    call = row_kernel(_kernel(st, target), st, target, scratch, out_type, (_AXIS_PROGRAM, _AXIS_WG))
+    launch = launch_args(_kernel(st, target), st, target, scratch)
+    call = plgpu.kernel(out_type=out_type, **launch)
     return call(q, q_rope, *stores, rows, counts, jnp.zeros((1,), jnp.int32))
 
 

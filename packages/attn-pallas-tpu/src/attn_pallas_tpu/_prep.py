@@ -1,19 +1,17 @@
 """Preprocessing shared by the sparse-MLA kernels: validation, the KV row store, unit keys.
 
-Everything here is plain ``jnp`` that runs outside the kernels. Both kernels see the KV
-cache as one row-addressable store in HBM, ``[R, Dk_pad]`` (float32 or bfloat16), or for
-an ``Fp8LatentCache`` the pair ``(latent [R, 512] float8_e4m3fn, side [R, 128]
-bfloat16)`` (``attn_pallas_tpu.fp8_rows``: 768 bytes per token, dequantized in VMEM),
-and address a unit by
+Everything here is plain ``jnp`` that runs outside the kernels. The kernels see the KV
+cache as a store in HBM (``unit_ring.Store``): row arrays ``[R, Dk_pad]`` (the flat
+cache, float32 or bfloat16; an ``Fp8LatentCache`` as ``(latent [R, 512], side [R,
+128])``, dequantized in VMEM: ``attn_pallas_tpu.fp8_rows``), or the paged cache in its
+own layout ``[P, PS / pk, pk, Dk_pad]``, read in place. They address a unit by
 
 * its **key**: an opaque int32 id whose tokens sit at global positions
   ``key * read_block + r`` (flat: the unit id; ragged: the global page-table slot, so the
   request-local position of token ``r`` is ``key * page_size + r - base_page * page_size``);
-* its **source**: the first store row of the unit divided by 8 (``src8``). The kernels
-  DMA from row ``src8 * 8``, which they declare a multiple of ``gcd(read_block, 32)``
-  (every unit starts at a multiple of ``read_block``; ``sparse_mla.row_alignment``):
-  a multiple Mosaic can prove is what lets a dynamic sublane offset into the tiled HBM
-  store lower (the paged-attention idiom).
+* its **address**: its first row in a row store (a multiple of ``read_block``, which the
+  kernels declare to Mosaic so that the dynamic sublane offset lowers), or its physical
+  page in a paged store.
 
 A key token at global position ``kpg`` is valid for a query iff the query selected the
 unit and ``kpg < lim``, where ``lim = base_tok + max(min(position, kv_len - 1) + 1, 0)``
@@ -26,7 +24,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import SparseMlaProblem
@@ -35,8 +32,10 @@ from attn_common.paged import copy_pages, named_pages
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.spec import SparseMlaCall, require_kernel
 from attn_common.tables import sanitize_unit_ids
+from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.fp8_rows import ROW_BYTES, dequantize_rows, side_rows
 from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
+from attn_pallas_tpu.unit_ring import Store, query_steps
 
 SUBLANE = 8
 ROW_MULTIPLE = 16  # read_block rule of the TPU kernels: bf16 sublane packing (16, 128)
@@ -149,34 +148,29 @@ def query_dtype(kv) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16 if isinstance(kv, Fp8LatentCache) else kv.dtype)
 
 
-def _row_store(kv, rows: int):
-    """The row store of ``kv`` on ``rows`` token rows: ``kv [.., Dk_pad]`` reshaped, or
+def _row_arrays(kv, rows: int) -> tuple:
+    """The row arrays of ``kv`` on ``rows`` token rows: ``kv [.., Dk_pad]`` reshaped, or
     an ``Fp8LatentCache``'s ``(latent [R, 512], side [R, 128])`` (``fp8_rows``)."""
     if isinstance(kv, Fp8LatentCache):
         return kv.latent.reshape(rows, -1), side_rows(kv).reshape(rows, -1)
-    return kv.reshape(rows, kv.shape[-1])
-
-
-def store_arrays(store) -> tuple:
-    """The row store as a tuple of HBM arrays (one, or FP8's two)."""
-    return store if isinstance(store, tuple) else (store,)
+    return (kv.reshape(rows, kv.shape[-1]),)
 
 
 class UnitSpace(NamedTuple):
     """Where the selected units live, for every query (all int32).
 
-    store:     the row store the kernels DMA from (lives in HBM): ``[R, Dk_pad]``, or
-               ``(latent [R, 512], side [R, 128])`` for an ``Fp8LatentCache``.
+    store:     the :class:`~attn_pallas_tpu.unit_ring.Store` the kernels DMA from (HBM).
     keys:      ``[B, S, K]`` unit keys, ``-1`` = no selection (sanitized / lifted).
-    src8:      ``[B, S, K]`` first store row of each selected unit // 8 (0 where none).
+    addr:      ``[B, S, K]`` each selected unit's address in the store: its first row
+               (a "rows" store) or its page (a "pages" store); 0 where none.
     unit_ok:   ``[B, S, K]`` bool, the unit exists (ragged: its physical page is valid).
     base_tok:  ``[B, S]`` the query's global position offset (ragged: base page * PS).
     lim:       ``[B, S]`` global key positions ``< lim`` are causal and inside kv_len.
     """
 
-    store: jax.Array
+    store: Store
     keys: jax.Array
-    src8: jax.Array
+    addr: jax.Array
     unit_ok: jax.Array
     base_tok: jax.Array
     lim: jax.Array
@@ -193,23 +187,35 @@ def unit_source(
     flat_rows_per_batch=None,
     read_block=None,
     page_indices=None,
-    page_size=None,
+    rows_per_page=None,
     num_pages=None,
 ):
-    """``(src8, ok)`` of unit keys ``[B, ...]``: first store row // 8, and whether it exists.
+    """``(addr, ok)`` of unit keys ``[B, ...]``: the unit's store address, and whether it
+    exists.
 
     Flat (``flat_rows_per_batch`` given): key ``u`` of batch row ``b`` starts at store row
-    ``b * Tp + u * read_block``. Ragged: global page-table slot ``g`` starts at row
-    ``page_indices[g] * page_size``; a physical page outside ``[0, num_pages)`` is not read.
+    ``b * Tp + u * read_block``. Ragged: global page-table slot ``g`` is physical page
+    ``page_indices[g]``, at row ``page * rows_per_page`` of a "rows" store, or page
+    ``page`` itself of a "pages" store (``rows_per_page=None``); a physical page outside
+    ``[0, num_pages)`` is not read.
     """
     ok = keys >= 0
     if flat_rows_per_batch is not None:
         b = jax.lax.broadcasted_iota(jnp.int32, keys.shape, 0)
         row0 = b * flat_rows_per_batch + jnp.maximum(keys, 0) * read_block
-        return jnp.where(ok, row0 // SUBLANE, 0), ok
+        return jnp.where(ok, row0, 0), ok
     phys = jnp.asarray(page_indices, jnp.int32)[jnp.maximum(keys, 0)]
     ok = ok & (phys >= 0) & (phys < num_pages)
-    return jnp.where(ok, phys * (page_size // SUBLANE), 0), ok
+    scale = 1 if rows_per_page is None else rows_per_page
+    return jnp.where(ok, phys * scale, 0), ok
+
+
+def paged_store(kv, page_size: int) -> Store:
+    """The store of a paged cache: its own 4-D array read in place ("pages"), or row
+    arrays for an FP8 cache and a bf16 copy on the token grid ``[P, PS, Dk_pad]``."""
+    if isinstance(kv, Fp8LatentCache) or kv.ndim == 3:
+        return Store("rows", _row_arrays(kv, kv.shape[0] * page_size))
+    return Store("pages", (kv,))
 
 
 def unit_space(
@@ -224,7 +230,7 @@ def unit_space(
     cu_kv_lens,
     page_indices,
 ) -> UnitSpace:
-    """Build the row store and per-query unit keys/sources for flat or ragged mode."""
+    """Build the row store and per-query unit keys/addresses for flat or ragged mode."""
     batch, seq = problem.batch, problem.num_queries
     rb = problem.read_block
     dk, dk_pad = problem.dk, problem.dk_pad
@@ -242,23 +248,33 @@ def unit_space(
                 kv = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, tp - t), (0, 0))), kv)
         elif tp != t or dk_pad != dk:
             kv = jnp.pad(kv, ((0, 0), (0, tp - t), (0, dk_pad - dk)))
-        store = _row_store(kv, batch * tp)
+        store = Store("rows", _row_arrays(kv, batch * tp))
         keys = sanitize_unit_ids(indices, problem.num_units)
-        src8, unit_ok = unit_source(keys, flat_rows_per_batch=tp, read_block=rb)
+        addr, unit_ok = unit_source(keys, flat_rows_per_batch=tp, read_block=rb)
         base_tok = jnp.zeros((batch, seq), jnp.int32)
         lim = _limit(positions, jnp.int32(t))
-        return UnitSpace(store, keys, src8, unit_ok, base_tok, lim)
+        return UnitSpace(store, keys, addr, unit_ok, base_tok, lim)
 
     num_pages = kv.shape[0]
-    store = _row_store(kv, num_pages * page_size)  # [P * PS, Dk_pad] or FP8 rows
+    store = paged_store(kv, page_size)
     info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
     keys = lift_ragged_indices(indices[0], info, problem.num_units)[None]  # [1, S, K]
-    src8, unit_ok = unit_source(
-        keys, page_indices=page_indices, page_size=page_size, num_pages=num_pages
+    addr, unit_ok = unit_source(
+        keys,
+        page_indices=page_indices,
+        rows_per_page=page_size if store.kind == "rows" else None,
+        num_pages=num_pages,
     )
     base_tok = info.base_page * page_size
     lim = base_tok + _limit(positions[0], info.kv_len)
-    return UnitSpace(store, keys, src8, unit_ok, base_tok[None], lim[None])
+    return UnitSpace(store, keys, addr, unit_ok, base_tok[None], lim[None])
+
+
+def store_blocks(store: Store, rb: int) -> jax.Array:
+    """A single-array store as ``[units, RB, Dk_pad]`` blocks (the dKV kernel's view; a
+    "pages" store is relaid out, a pool-sized copy, as its gradient is pool-sized)."""
+    (a,) = store.arrays
+    return a.reshape(store.num_blocks(rb), rb, a.shape[-1])
 
 
 def pad_features(q, dk_pad: int):
@@ -266,12 +282,12 @@ def pad_features(q, dk_pad: int):
     return jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, dk_pad - q.shape[-1])])
 
 
-def compact_units(src8, kb, ok):
-    """Per query: distinct units (by store row) first, ascending; returns count too.
+def compact_units(addr, kb, ok):
+    """Per query: distinct units (by store address) first, ascending; returns count too.
 
-    Duplicates (same store row) are kept once, so selections are sets; the forward
+    Duplicates (same address) are kept once, so selections are sets; the forward
     and the backward kernels walk the same compacted lists."""
-    key = jnp.where(ok, src8, _SENTINEL)
+    key = jnp.where(ok, addr, _SENTINEL)
     key, kb = jax.lax.sort((key, kb), dimension=-1, num_keys=1)
     dup = jnp.concatenate(
         [jnp.zeros_like(key[..., :1], bool), key[..., 1:] == key[..., :-1]], axis=-1
@@ -283,21 +299,19 @@ def compact_units(src8, kb, ok):
     return jnp.where(live, key, 0), jnp.where(live, kb, 0), count
 
 
-def vmem_limit(*nbytes: int) -> int:
-    """Scoped VMEM request: the buffers, doubled for pipelining slack, within [16, 100] MiB."""
-    need = 2 * sum(nbytes)
-    return int(min(max(need, 16 << 20), 100 << 20))
+def program_tables(space: UnitSpace, rb: int, cfg: SparseMlaConfig, n: int):
+    """The compacted per-query lists of a :class:`~_prep.UnitSpace`, padded to whole
+    programs, as :class:`QuerySteps` tables; also the padded ``N``."""
+    addr, kb, count = compact_units(space.addr, space.keys * rb, space.unit_ok)
+    qp = cfg.queries_per_program
+    n_pad = -(-n // qp) * qp
+    pad = n_pad - n
 
+    def flat(x):
+        x = x.reshape(n, *x.shape[2:])
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
-def query_table_specs(top_k: int) -> list:
-    """The per-query kernels' (forward, dq) SMEM blocks of grid step ``i``: its
-    ``[count, lim]`` row and its ``top_k`` unit sources and key starts."""
-
-    def row(i):
-        return i, 0, 0
-
-    return [
-        pl.BlockSpec((1, 1, 2), row, memory_space=pltpu.SMEM),
-        pl.BlockSpec((1, 1, top_k), row, memory_space=pltpu.SMEM),
-        pl.BlockSpec((1, 1, top_k), row, memory_space=pltpu.SMEM),
-    ]
+    tables = query_steps(
+        flat(addr), flat(kb), flat(count), flat(space.lim), qp=qp, group=cfg.units_per_step
+    )
+    return tables, n_pad

@@ -3,57 +3,32 @@
 The TPU backend has two sparse-MLA prefill kernels (``attn_pallas_tpu.sparse_mla`` and
 ``attn_pallas_tpu.sparse_mla_qblock``; ``docs/tpu_sparse_mla.md``):
 
-* **per-query**: one program per query with all ``H`` heads as score rows; it DMAs
-  each of the query's distinct valid units (a unit is ``read_block`` KV rows of
-  ``row_bytes`` bytes: ``Dk_pad * itemsize`` for a float32 or bf16 cache, 768 for an
-  FP8 cache, ``attn_pallas_tpu.fp8_rows``) through a 4-slot VMEM ring. KV bytes = ``sum_q distinct(q) * unit_bytes``; one DMA per (query, unit).
+* **per-query**: programs of ``QP`` queries with all ``H`` heads as score rows, each
+  query's distinct valid units (a unit is ``read_block`` KV rows of ``row_bytes`` bytes:
+  ``Dk_pad * itemsize`` for a float32 or bf16 cache, 768 for an FP8 cache) walked ``G``
+  a step through a VMEM ring. KV bytes = ``sum_q distinct(q) * unit_bytes``.
 * **query-blocked (qblock)**: one program per (block of ``QB`` queries, head group of
-  ``Hb`` heads; ``G = H / Hb`` groups) streams the block's union of units in chunks of
-  ``u_max`` union slots (grid ``(B, nQB, G, C)``, ``C = ceil(min(QB * K, num_units) /
-  u_max)``; chunks past a block's union fetch nothing). Score rows per program
-  ``Hb * QB``. KV bytes = ``G * sum_blocks union * unit_bytes``; one DMA per (block,
-  group, union unit).
+  ``Hb`` heads) streams the block's union of units in chunks of ``u_max`` union slots,
+  ``G`` a step. Score rows per program ``Hb * QB``. KV bytes = ``(H / Hb) * sum_blocks
+  union * unit_bytes``.
 
 This module models both, picks the cheaper one per shape and is the one home of the
-model (``packages/attn-pallas-tpu/scripts/measure_dma.py`` imports it; the kernel
-wrapper imports :func:`qblock_vmem_bytes`, :func:`choose_plan` and
-:func:`static_qblock_config`).
+model (the wrapper imports :func:`choose_plan`, :func:`static_qblock_config` and the
+jit-able :func:`per_query_seconds` / :func:`qblock_seconds`; the tilings' knobs and VMEM
+estimates are ``attn_pallas_tpu.config``'s).
 
-Model of one layer call (assumptions, two of them fitted to a TPU v5e run)
--------------------------------------------------------------------------
+Model of one layer call (fitted to a TPU v5e; the constants below and
+docs/tpu_sparse_mla.md, "Cost model")
+--------------------------------------------------------------------------------
 
-* A grid step costs ``STEP_OVERHEAD_S = 0.35 us``.
-* A program (per-query: a query with at least one unit; qblock: each non-empty chunk)
-  pays one DMA latency ``DMA_LATENCY_S = 1.5 us`` as the prologue that fills the ring.
-* Each unit then costs the slowest of
-  (a) compute on one TensorCore, the slower of its MXU and its VPU work (the two
-  overlap): MXU flops ``2 * RB * rows * (Dk_pad + Dv)`` (scores and ``P @ V``) at the
-  core's share of the bf16 peak scaled by the MXU efficiency ``min(1, rows /
-  mxu_dim)``; VPU: ``VPU_OPS_PER_SCORE = 16`` float32 ops per score element (mask,
-  select, max, sub, exp, sum, cast), ``ACC_OPS_PER_VALUE = 15`` per element of the
-  float32 accumulator ``[rows, Dv]`` (the online softmax rescales it and adds ``P @ V``
-  in VMEM every unit), and for an FP8 cache ``DEQUANT_OPS_PER_VALUE = 4`` per latent
-  value of the unit (convert, multiply, round to bf16, concatenate; once per unit, not
-  per score row), at the core's VPU rate. The qblock kernel computes every masked score
-  of the block, so its compute is ``union * Hb * QB`` scores per group, not the useful
-  ``sum_q distinct(q) * H``. Fitted on a TPU v5e (de747ae, 1024 queries x 2048 tokens
-  of a 32K cache, ``docs/results/tpu_v5e_sparse_mla.json``): a query-blocked unit of
-  4096 score rows took 5.5 us at 32 rows and 5.7 us at 64, where MXU and scores alone
-  give 1.9 and 3.7 us; the accumulator term (5.2 us at 15 ops) and the overlap give
-  5.5 and 5.9 us, and put the three query-blocked calls within 0-3 % of their
-  measured 22.1 / 84.5 / 11.5 ms (without them the model said 7.6 / 29.8 / 7.6 and the
-  automatic plan chose the query-blocked kernel at H 64, 3.2x slower than per-query);
-  (b) the unit's transfer at the chip's HBM bandwidth;
-  (c) the ring's issue rate: ``NBUF - 1 = 3`` copies in flight, so one unit per
-  ``1.5 us / 3 = 0.5 us`` when copies are latency-bound. On the v5e the per-query
-  kernel's units of 64 rows took 0.49-0.50 us each, and units of 16 and 32 rows 0.33
-  and 0.37-0.41 us (smaller copies complete sooner), so the model is 1.0-1.5x
-  pessimistic there.
-* Programs (per-query: queries; qblock: (block, group) pairs, whose chunks run in
-  order on one core) are spread over the chip's TensorCores: time = ``max(sum / cores,
-  the longest program)``.
-* Floor: all HBM bytes (KV units, q, the float32 output and LSE, the qblock's
-  membership chunks and unit tables, the per-query unit lists) at the HBM bandwidth.
+* Per-query: ``steps * PQ_STEP_S + units * (PQ_UNIT_S + read_block * row_seconds(H))``
+  (plus FP8 dequantization at the VPU rate), spread over the chip's TensorCores.
+* Query-blocked: ``steps * (QB_STEP_S + G read_block rows QB_SCORE_S + rows Dv
+  QB_ACC_S) + units * QB_UNIT_S + queries * QB_QUERY_S``; ``steps`` counts ``G`` union
+  slots of every block and head group.
+* Both: ``CALL_S`` per call, and floored by all HBM bytes (KV units, q, the float32
+  output) at the chip's HBM bandwidth. The v5e sweep found no cost from ring depth or
+  queries per program (the copies hide), so neither is priced.
 
 Chips (:data:`TPU_CHIPS`; public peak numbers per chip, ``cores`` TensorCores share
 the ``parallel`` grid):
@@ -76,35 +51,27 @@ count. SMEM: 1 MiB per core (same jax table; an assumption for real parts), i.e.
 ``smem_words = 262144`` int32 words; the qblock's two double-buffered unit tables
 (``4 * u_pad`` words) may use at most half of it.
 
-Not modelled: the ``jnp`` preprocessing (sorts that build the union and membership
-tables, ~1 ms per layer at 110K context), HBM bank/page effects of scattered 80 KiB
-reads, DMA and compute overlap imperfections other than the issue-rate bound, the
-pipeline's q/out block copies overlapping compute (they are in the HBM floor only),
-Mosaic layout padding (e.g. ``QB`` lanes padded to 128 in the membership), and load
-imbalance beyond the longest-program bound. The plan is a ranking device, not a
-promise of absolute time.
+Fitted on the v5e only: other chips are priced with the v5e's per-step and per-row
+constants scaled by nothing (their MXU and VPU rates do not enter the fitted terms),
+which keeps the ranking and not the absolute time. The plan is a ranking device.
 
 How the plan is chosen
 ----------------------
 
 :func:`choose_plan` gets the per-query distinct counts and, for each candidate ``QB``,
-the true union size of every block (:func:`block_union_sizes`, a sort per block). It
-enumerates ``Hb`` over the divisors of ``H`` with ``Hb * QB <= max_rows`` and ``u_max``
-over multiples of 32 up to the largest union seen, keeps the configs whose
-:func:`qblock_vmem_bytes` fits ``chip.vmem_bytes`` (and whose SMEM tables fit), drops
-those that move at least as many KV bytes as per-query, and returns the fastest if
-it beats the per-query prediction; otherwise per-query. So qblock is never chosen
-when it moves more KV bytes, and ties go to per-query.
+the true union size of every block (:func:`host_union_sizes` on the host,
+:func:`block_union_sizes` under jit). It enumerates ``Hb`` over the divisors of ``H``
+with ``Hb * QB <= max_rows``, each with the widest ``u_max`` whose
+``config.qblock_vmem_bytes`` and SMEM tables fit the chip, drops the configs that read
+more than ``1 / MIN_SHARING`` of the per-query bytes, and returns the fastest if it beats
+the per-query prediction; otherwise per-query.
 
 :func:`static_qblock_config` is the shape-only fallback for use under ``jax.jit``
 (unions unknown): all heads in one group (the union is fetched once) with the largest
-``QB`` (a multiple of 8, at most 256) such that ``H * QB <= max_rows`` and VMEM fits.
-That config maximizes the bytes saved, not the modelled speed: the qblock kernel is
-compute-bound on masked scores, and with poorly shared selections it can move fewer
-bytes than per-query yet be slower. :func:`per_query_seconds` and
-:func:`qblock_seconds` evaluate the same model as jit-able ``jnp`` scalars from
-:func:`distinct_units_per_query` / :func:`block_union_sizes`, for a runtime guard on
-modelled time.
+``QB`` (a multiple of 8, at most 128) such that ``H * QB <= STATIC_ROWS`` and VMEM fits
+(the wrapper also caps ``QB`` at the query count). :func:`per_query_seconds` and
+:func:`qblock_seconds` evaluate the same model as jit-able ``jnp`` scalars for the
+wrapper's run-time guard.
 """
 
 from __future__ import annotations
@@ -118,17 +85,16 @@ import numpy as np
 
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.tables import lossless_u_max, sanitize_unit_ids
+from attn_pallas_tpu.config import MEMBER_TILE, SparseMlaConfig, qblock_vmem_bytes
 
 __all__ = [
-    "ACC_OPS_PER_VALUE",
+    "AUTO_QUERY_BLOCKS",
     "DEQUANT_OPS_PER_VALUE",
-    "DMA_LATENCY_S",
-    "NBUF",
+    "MIN_SHARING",
     "STATIC_U_MAX_CAP",
     "STEP_OVERHEAD_S",
     "TPU_CHIPS",
     "VMEM_USABLE_FRACTION",
-    "VPU_OPS_PER_SCORE",
     "PlanShape",
     "SparseMlaPlan",
     "TpuChip",
@@ -137,26 +103,44 @@ __all__ = [
     "choose_plan",
     "describe_plan",
     "distinct_units_per_query",
+    "host_distinct_units",
+    "host_union_sizes",
     "per_query_seconds",
     "predict_per_query",
     "predict_qblock",
     "qblock_seconds",
-    "qblock_vmem_bytes",
     "sparse_mla_union_sizes",
     "static_qblock_config",
 ]
 
-DMA_LATENCY_S = 1.5e-6  # one DMA issue -> complete, latency-bound for a unit-sized copy
-STEP_OVERHEAD_S = 0.35e-6  # per grid step
-VPU_OPS_PER_SCORE = 16  # float32 VPU ops per score element
-ACC_OPS_PER_VALUE = 15  # per float32 accumulator element per unit (fitted, v5e de747ae)
+# Fitted on a TPU v5e (jax 0.10.2; docs/tpu_sparse_mla.md, "Cost model"): wall-clock
+# times of the per-query kernel at 16-64-token units, H 4-64, 1-16 units a step, and of
+# the query-blocked kernel at QB 8-256, 1-16 units a step, over random and overlapping
+# picks. Per-query: each step ``PQ_STEP_S``, each unit ``PQ_UNIT_S``, each key row of a
+# unit the per-row cost at the query's head count (interpolated in log2 H between the
+# fitted points, clamped outside). Query-blocked: each step ``QB_STEP_S``, each unit
+# ``QB_UNIT_S``, each (key, score row) pair ``QB_SCORE_S`` (masked scores included), each
+# accumulator element rescaled per step ``QB_ACC_S``, each query ``QB_QUERY_S`` (its
+# tables and the program's blocks). ``CALL_S``: what a call costs outside the steps
+# (XLA-side tables, launch), alike for both.
+PQ_STEP_S = 0.29e-6
+PQ_UNIT_S = 0.02e-6
+PQ_ROW_S = ((16, 2.8e-9), (64, 2.1e-9))  # (heads, seconds per key row)
+QB_STEP_S = 0.56e-6
+QB_UNIT_S = 0.02e-6
+QB_SCORE_S = 12.6e-12
+QB_ACC_S = 1.09e-12
+QB_QUERY_S = 1.9e-6
+CALL_S = 0.6e-3
+STEP_OVERHEAD_S = 0.35e-6  # per grid step (the ranker model's too)
 DEQUANT_OPS_PER_VALUE = 4  # FP8 cache: VPU ops per dequantized value (once per unit)
-NBUF = 4  # DMA ring depth of both kernels: NBUF - 1 copies in flight
-MEMBER_TILE = 32  # int8 sublane tile: u_max is padded to a multiple of this
+AUTO_QUERY_BLOCKS = (8, 16, 32, 64, 128, 256)  # query blocks the automatic tiling compares
 VMEM_USABLE_FRACTION = 0.75  # of the physical VMEM per TensorCore
 SMEM_TABLE_FRACTION = 0.5  # of SMEM the qblock's unit tables may use
 STATIC_U_MAX_CAP = 1024  # static_qblock_config's u_max cap (SMEM/VMEM-safe)
-MAX_STATIC_QUERY_BLOCK = 256
+MIN_SHARING = 2  # the query-blocked kernel must read at most half per-query's bytes
+STATIC_ROWS = 2048  # static_qblock_config's score rows (QB * H)
+MAX_STATIC_QUERY_BLOCK = 128  # measured: QB 64-128 fastest at overlapping picks
 U_MAX_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SENTINEL = int(np.iinfo(np.int32).max)
 _MIB = 1 << 20
@@ -225,45 +209,6 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def qblock_vmem_bytes(
-    *,
-    rows: int,
-    query_block: int,
-    u_max: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    row_bytes: int | None = None,
-    dequantize: bool = False,
-) -> int:
-    """VMEM estimate of one qblock program (``rows = Hb * QB`` score rows).
-
-    Double-buffered blocks: q ``[rows, Dk_pad]`` (itemsize), the float32 output
-    accumulator ``[rows, Dv]``, LSE ``[rows]`` f32, the int8 membership chunk
-    ``[u_pad, QB]`` (``u_pad = u_max`` rounded up to 32) and ``lim [QB]`` int32; plus the
-    DMA ring ``NBUF x RB x row_bytes`` (``row_bytes``: KV bytes per token, default
-    ``Dk_pad * itemsize``), the score temporaries ``5 x [RB, rows]`` f32 (s, p, masks)
-    and ``2 x [rows, Dv]`` f32 (accumulator update), and the m/l scratch ``2 x [rows]``
-    f32; with ``dequantize`` (FP8) the unit's float32 products and bf16 rows ``[RB,
-    Dk_pad]``.
-    """
-    u_pad = _round_up(max(u_max, 1), MEMBER_TILE)
-    blocks = (
-        rows * dk_pad * itemsize  # q
-        + rows * dv * 4  # out (accumulator)
-        + rows * 4  # lse
-        + u_pad * query_block  # membership chunk, int8
-        + query_block * 4  # lim
-    )
-    ring = NBUF * read_block * (dk_pad * itemsize if row_bytes is None else row_bytes)
-    temps = 5 * read_block * rows * 4 + 2 * rows * dv * 4
-    if dequantize:
-        temps += read_block * dk_pad * (4 + 2)
-    scratch = 2 * rows * 4
-    return 2 * blocks + ring + temps + scratch
-
-
 def _smem_ok(u_max: int, chip: TpuChip) -> bool:
     """Two int32 unit tables of ``u_pad`` entries, double-buffered."""
     u_pad = _round_up(max(u_max, 1), MEMBER_TILE)
@@ -295,6 +240,31 @@ def block_union_sizes(keys: jax.Array, *, query_block: int) -> jax.Array:
         [jnp.ones((batch, n_blocks, 1), bool), svals[..., 1:] != svals[..., :-1]], axis=-1
     )
     return (first & (svals != _SENTINEL)).sum(axis=-1).astype(jnp.int32)
+
+
+def host_union_sizes(keys: np.ndarray, query_blocks) -> dict[int, np.ndarray]:
+    """:func:`block_union_sizes` on host keys ``[B, S, K]`` for several query blocks at
+    once (each a multiple of the smallest, itself a multiple of 8): a presence table of
+    the smallest blocks' units, OR-reduced into the larger ones. ``O(B S K + blocks x
+    units)`` numpy, no sort: the eager front door's planning cost."""
+    keys = np.asarray(keys)
+    batch, seq, _ = keys.shape
+    qbs = sorted(query_blocks)
+    base = qbs[0]
+    top = max(qbs)
+    n_top = -(-seq // top)
+    n_base = n_top * (top // base)
+    units = int(keys.max(initial=-1)) + 1
+    out = {}
+    present = np.zeros((batch, n_base, max(units, 1)), bool)
+    b, s, _ = np.nonzero(keys >= 0)
+    present[b, s // base, keys[keys >= 0]] = True
+    for qb in qbs:
+        if qb % base:
+            raise ValueError(f"query_blocks: {qb} is not a multiple of {base}")
+        grouped = present.reshape(batch, n_base * base // qb, qb // base, -1).any(axis=2)
+        out[qb] = grouped.sum(axis=-1).astype(np.int32)[:, : -(-seq // qb)]
+    return out
 
 
 def sparse_mla_union_sizes(
@@ -333,6 +303,13 @@ def sparse_mla_union_sizes(
         info = ragged_query_info(q_seq_id, seq_lens, cu_kv_lens, page_size=page_size)
         keys = lift_ragged_indices(indices[0], info, jnp.shape(page_indices)[0])[None]
     return block_union_sizes(keys, query_block=query_block)
+
+
+def host_distinct_units(keys: np.ndarray) -> np.ndarray:
+    """:func:`distinct_units_per_query` on host keys (numpy)."""
+    s = np.sort(np.asarray(keys), axis=-1)
+    first = np.concatenate([np.ones((*s.shape[:-1], 1), bool), s[..., 1:] != s[..., :-1]], -1)
+    return (first & (s >= 0)).sum(axis=-1).astype(np.int32)
 
 
 def distinct_units_per_query(keys: jax.Array) -> jax.Array:
@@ -399,6 +376,7 @@ class PlanShape:
     chip: TpuChip
     num_units: int | None = None
     row_bytes: int | None = None
+    config: SparseMlaConfig = dataclasses.field(default_factory=SparseMlaConfig)
 
     @property
     def fp8(self) -> bool:
@@ -414,14 +392,13 @@ class PlanShape:
     def vmem_bytes(self, *, rows: int, query_block: int, u_max: int) -> int:
         """:func:`qblock_vmem_bytes` of one qblock program at this shape."""
         return qblock_vmem_bytes(
+            self.config.replace(query_block=query_block, u_max=u_max),
             rows=rows,
-            query_block=query_block,
-            u_max=u_max,
             read_block=self.read_block,
             dk_pad=self.dk_pad,
             dv=self.dv,
             itemsize=self.itemsize,
-            row_bytes=self.row_bytes,
+            row_bytes=self.dk_pad * self.itemsize if self.row_bytes is None else self.row_bytes,
             dequantize=self.fp8,
         )
 
@@ -432,37 +409,31 @@ class PlanShape:
         return self.num_units
 
 
-def _unit_seconds(s: PlanShape, rows: int) -> float:
-    """Seconds one unit costs inside a program: max(compute, transfer, ring issue rate)."""
-    chip = s.chip
-    mxu_eff = min(1.0, rows / chip.mxu_dim)
-    flops = 2 * s.read_block * rows * (s.dk_pad + s.dv)
-    t_mxu = flops / (chip.mxu_flops / chip.cores * mxu_eff)
-    vpu_ops = VPU_OPS_PER_SCORE * s.read_block * rows + ACC_OPS_PER_VALUE * rows * s.dv
-    if s.fp8:
-        vpu_ops += DEQUANT_OPS_PER_VALUE * s.read_block * s.dk_pad
-    t_vpu = vpu_ops / (chip.vpu_ops / chip.cores)
-    t_transfer = s.unit_bytes / chip.hbm_bytes_per_s
-    t_issue = DMA_LATENCY_S / (NBUF - 1)
-    return max(t_mxu, t_vpu, t_transfer, t_issue)
+def row_seconds(heads: int) -> float:
+    """The per-query kernel's seconds per key row at ``heads`` heads (:data:`PQ_ROW_S`)."""
+    (h0, t0), (h1, t1) = PQ_ROW_S
+    x = min(max(np.log2(max(heads, 1)), np.log2(h0)), np.log2(h1))
+    return t0 + (t1 - t0) * (x - np.log2(h0)) / (np.log2(h1) - np.log2(h0))
 
 
-def _spread(xp, chains, repeat: int, cores: int):
-    """Time of ``repeat`` copies of the independent programs ``chains`` on ``cores`` cores:
-    ``max(total / cores, the longest program)``."""
-    if chains.size == 0:
-        return xp.asarray(0.0, chains.dtype)
-    return xp.maximum(chains.sum() * (repeat / cores), chains.max())
+def _dequant_seconds(s: PlanShape) -> float:
+    """FP8: the VPU work of dequantizing one unit (once per unit)."""
+    if not s.fp8:
+        return 0.0
+    return DEQUANT_OPS_PER_VALUE * s.read_block * s.dk_pad / (s.chip.vpu_ops / s.chip.cores)
 
 
 def _per_query_seconds(xp, d, s: PlanShape):
     """The per-query model on a float array ``d`` of distinct units per query (``xp`` is
     numpy or jax.numpy): seconds."""
-    n = d.size
-    kv = d.sum() * s.unit_bytes
-    other = n * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4) + n * (2 * s.top_k * 4 + 8)
-    chains = STEP_OVERHEAD_S + (d > 0) * DMA_LATENCY_S + d * _unit_seconds(s, s.heads)
-    return xp.maximum(_spread(xp, chains, 1, s.chip.cores), (kv + other) / s.chip.hbm_bytes_per_s)
+    g = s.config.units_per_step
+    steps = xp.ceil(d / g).sum()
+    units = d.sum()
+    unit_s = PQ_UNIT_S + s.read_block * row_seconds(s.heads) + _dequant_seconds(s)
+    compute = (steps * PQ_STEP_S + units * unit_s) / s.chip.cores
+    kv = units * s.unit_bytes
+    other = d.size * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
+    return CALL_S + xp.maximum(compute, (kv + other) / s.chip.hbm_bytes_per_s)
 
 
 def _qblock_seconds(xp, u, s: PlanShape, *, query_block: int, head_block: int, u_max: int):
@@ -470,19 +441,18 @@ def _qblock_seconds(xp, u, s: PlanShape, *, query_block: int, head_block: int, u
     if s.heads % head_block:
         raise ValueError(f"head_block {head_block} does not divide heads {s.heads}")
     groups = s.heads // head_block
-    u_pad = _round_up(max(u_max, 1), MEMBER_TILE)  # the kernel's chunk width
-    lossless = lossless_u_max(query_block, s.top_k, s.units_per_request())
-    n_chunks = max(1, -(-lossless // u_pad))
-    busy = xp.ceil(u / u_pad)  # non-empty chunks per block
-    kv = u.sum() * groups * s.unit_bytes
-    padded_queries = u.size * query_block
-    other = padded_queries * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4) + groups * (
-        busy.sum() * (u_pad * query_block + 2 * u_pad * 4) + u.size * (query_block * 4 + 4)
+    rows = head_block * query_block
+    g = s.config.units_per_step
+    steps = xp.ceil(u / g).sum() * groups
+    units = u.sum() * groups
+    work = (
+        steps * (QB_STEP_S + g * s.read_block * rows * QB_SCORE_S + rows * s.dv * QB_ACC_S)
+        + units * (QB_UNIT_S + _dequant_seconds(s))
+        + u.size * query_block * QB_QUERY_S
     )
-    t_unit = _unit_seconds(s, head_block * query_block)
-    chains = n_chunks * STEP_OVERHEAD_S + busy * DMA_LATENCY_S + u * t_unit
-    compute = _spread(xp, chains, groups, s.chip.cores)
-    return xp.maximum(compute, (kv + other) / s.chip.hbm_bytes_per_s)
+    kv = units * s.unit_bytes
+    other = u.size * query_block * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
+    return CALL_S + xp.maximum(work / s.chip.cores, (kv + other) / s.chip.hbm_bytes_per_s)
 
 
 def predict_per_query(*, distinct_per_query: np.ndarray, **shape) -> SparseMlaPlan:
@@ -567,6 +537,15 @@ def _u_max_widths(largest: int) -> list[int]:
     return sorted({w for w in U_MAX_WIDTHS if w < top} | {top})
 
 
+def _widest_fitting(s: PlanShape, largest: int, *, rows: int, query_block: int) -> int | None:
+    """The widest chunk (of :func:`_u_max_widths`) whose program fits VMEM and SMEM."""
+    for u_max in reversed(_u_max_widths(largest)):
+        vmem = s.vmem_bytes(rows=rows, query_block=query_block, u_max=u_max)
+        if vmem <= s.chip.vmem_bytes and _smem_ok(u_max, s.chip):
+            return u_max
+    return None
+
+
 def _check_query_block(query_block: int) -> None:
     if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 8:
         raise ValueError(f"query_block: got {query_block!r}, expected a multiple of 8")
@@ -591,15 +570,15 @@ def choose_plan(
       **shape: the problem shape, the fields of :class:`PlanShape` (``num_units``
         included; ``chip`` from :func:`chip_for_device_kind`).
 
-    Searches ``QB`` in ``union_sizes``, ``Hb`` over divisors of ``heads`` with
-    ``Hb * QB <= max_rows``, and ``u_max`` over multiples of 32 up to the largest union
-    seen for that ``QB``; keeps configs whose :func:`qblock_vmem_bytes` is at most
-    ``chip.vmem_bytes`` and whose SMEM tables fit; drops configs that move at least as
-    many KV bytes as per-query. Returns the fastest of them if it is predicted strictly
+    Searches ``QB`` in ``union_sizes`` and ``Hb`` over divisors of ``heads`` with
+    ``Hb * QB <= max_rows``, each with the widest ``u_max`` (a chunk per union where
+    VMEM and SMEM allow: chunks only add steps) whose :func:`qblock_vmem_bytes` is at
+    most ``chip.vmem_bytes``; drops configs that do not move at most ``1 / MIN_SHARING``
+    of per-query's KV bytes (with less sharing the per-query kernel was measured as fast
+    or faster). Returns the fastest of them if it is predicted strictly
     faster than per-query, else the per-query plan (also for empty inputs).
     """
     s = PlanShape(**shape)
-    chip = s.chip
     per_query = predict_per_query(distinct_per_query=distinct_per_query, **shape)
     if per_query.kv_bytes == 0:
         return per_query
@@ -609,24 +588,23 @@ def choose_plan(
         u = np.asarray(union_sizes[query_block], np.int64)
         if u.size == 0 or u.max() <= 0:
             continue
-        if int(u.sum()) * s.unit_bytes >= per_query.kv_bytes:
-            continue  # even one head group moves no fewer bytes
+        if int(u.sum()) * s.unit_bytes * MIN_SHARING > per_query.kv_bytes:
+            continue  # the blocks share too little: even one head group saves too few bytes
         for head_block in (d for d in range(1, s.heads + 1) if s.heads % d == 0):
             rows = head_block * query_block
             if rows > max_rows:
                 break
-            for u_max in _u_max_widths(int(u.max())):
-                vmem = s.vmem_bytes(rows=rows, query_block=query_block, u_max=u_max)
-                if vmem > chip.vmem_bytes or not _smem_ok(u_max, chip):
-                    continue
-                plan = _predict_qblock(u, s, query_block, head_block, u_max)
-                if plan.kv_bytes >= per_query.kv_bytes:
-                    continue
-                if best is None or (plan.predicted_s, plan.kv_bytes) < (
-                    best.predicted_s,
-                    best.kv_bytes,
-                ):
-                    best = plan
+            u_max = _widest_fitting(s, int(u.max()), rows=rows, query_block=query_block)
+            if u_max is None:
+                continue
+            plan = _predict_qblock(u, s, query_block, head_block, u_max)
+            if plan.kv_bytes * MIN_SHARING > per_query.kv_bytes:
+                continue
+            if best is None or (plan.predicted_s, plan.kv_bytes) < (
+                best.predicted_s,
+                best.kv_bytes,
+            ):
+                best = plan
     if best is not None and best.predicted_s < per_query.predicted_s:
         return best
     return per_query
@@ -665,7 +643,11 @@ def static_qblock_config(*, max_rows: int = 4096, **shape) -> tuple[int, int, in
             u_max -= MEMBER_TILE
         return None
 
-    top = min(MAX_STATIC_QUERY_BLOCK, (max_rows // max(heads, 1)) // 8 * 8)
+    top = min(
+        MAX_STATIC_QUERY_BLOCK,
+        (STATIC_ROWS // max(heads, 1)) // 8 * 8,
+        max_rows // max(heads, 1) // 8 * 8,
+    )
     for query_block in range(top, 7, -8):
         u_max = u_max_for(query_block, heads)
         if u_max is not None:

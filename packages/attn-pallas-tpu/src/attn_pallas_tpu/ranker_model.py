@@ -67,7 +67,6 @@ __all__ = [
 VPU_OPS = {"fwd": 6, "dq": 10, "dkv": 11}  # float32 VPU ops per score element
 CAP_OPS = {"none": 0, "tanh": 3, "soft_sign": 6}  # extra per score (per pass)
 MASK_OPS = 10  # iotas, the ranker predicate, the select
-MXU_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # bq x bkv x D matmuls per visit
 ITEMSIZE = 2  # bf16 (the suite's dtype)
 
 

@@ -13,11 +13,12 @@ Two kernels, both deterministic (fixed order, float32 accumulation, no atomics: 
 none, and two runs are equal bit for bit):
 
 **dq** (shaped like the per-query forward, ``attn_pallas_tpu.sparse_mla``). One program per
-query (``parallel``), walking the query's compacted distinct units (``compact_units``, the
-forward's tables) through the same ``NBUF``-deep VMEM DMA ring from the HBM row store.
-Per unit: zero the rows the query may not see (``kb + r >= lim``: page tails, future
-tokens; they may hold NaN) and the feature padding, ``s = q k^T [H, RB]``, ``p``, ``dp =
-dO v^T``, ``ds``, ``dq += ds k``; ``dq * sm_scale`` is written once.
+``QP`` queries (``parallel``), walking their compacted distinct units (``compact_units``,
+the forward's tables and ``unit_ring.StepWalk``) ``G`` a step through the same VMEM ring.
+Per step: clear the rows the query may not see (``kb + r >= lim``: page tails, future
+tokens; they may hold NaN) and the feature padding, ``s = q k^T [H, G RB]``, ``p``, ``dp
+= dO v^T``, ``ds``, ``dq += ds k``; at the query's last step ``dq * sm_scale`` is
+written.
 
 **dKV** (one accumulator per store block of ``RB`` rows, walked over the *inverted
 selection*). :func:`invert_selection` (small pure ``jnp``, outside the kernel) lists every
@@ -33,11 +34,13 @@ Dk_pad]`` and the output block are indexed by it, so consecutive chunks of one b
 keep both resident (the pipeline neither re-reads nor writes back until the block
 changes) and the float32 sums live in VMEM scratch from the block's first chunk to its
 last. Per chunk ``(pairs, first, last)`` and the pairs' query ids and valid-row counts
-come in SMEM blocks; per pair the query's ``q [H, Dk_pad]``, ``dO [H, Dv]`` and ``(lse, delta) [2, H]``
-are DMA'd from HBM through a ring like the forward's. Compute per pair is key-major (keys
-on sublanes, heads on lanes: no transpose): ``s^T = k q^T [RB, H]``, the valid rows are a
-prefix ``r < nvalid`` (causal and ``kv_len`` bounds cut a unit at one row),
-``dK += ds^T q``, ``dV += p^T dO``.
+come in SMEM blocks. A step takes ``QC`` pairs (``config.pairs_per_step`` when ``H``
+fills whole sublane tiles, else 1): each pair's ``q [H, Dk_pad]``, ``dO [H, Dv]`` and
+``(lse, delta) [H, 2]`` are DMA'd from HBM into its rows ``[c H, (c + 1) H)`` of a ring
+slot, so the products see ``QC H`` rows: ``s = Q k^T [QC H, RB]``, the valid keys of
+pair ``c`` a prefix ``r < nvalid_c`` (causal and ``kv_len`` bounds cut a unit at one row),
+``dK += ds^T Q``, ``dV += p^T dO``; rows of pairs past the chunk's count are zeroed
+before any product.
 
 Why this dKV design. The alternative, each dq program adding its units' ``ds^T q`` into
 the cache gradient, needs atomics (none on TPU) or per-pair partial sums in HBM
@@ -77,17 +80,23 @@ from attn_common.spec import SparseMlaCall
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     KERNEL_DTYPES,
-    SUBLANE,
     compact_units,
+    default_chip,
     pad_features,
-    query_table_specs,
+    program_tables,
+    store_blocks,
     unit_space,
-    vmem_limit,
 )
-
-NBUF = 4  # DMA ring depth (both kernels): NBUF - 1 copies in flight behind the compute
-PAIR_CHUNK = 128  # (block, query) pairs per dKV program
-
+from attn_pallas_tpu.config import PAIR_CHUNK, SparseMlaConfig, per_query_vmem_bytes, vmem_limit
+from attn_pallas_tpu.plan import VMEM_USABLE_FRACTION
+from attn_pallas_tpu.unit_ring import (
+    StepWalk,
+    Store,
+    UnitRing,
+    entry_positions,
+    query_step_specs,
+    ring_scratch,
+)
 
 # ------------------------------------------------------------------ the inverted selection
 
@@ -112,21 +121,24 @@ class InvertedSelection(NamedTuple):
     nvalid: jax.Array
 
 
-def invert_selection(src8, kb, count, lim, *, rb: int, num_blocks: int, chunk: int = PAIR_CHUNK):
-    """Token -> pairs: the compacted per-query tables ``src8, kb [N, K]``, ``count [N]``
-    (``compact_units``) and ``lim [N]`` turned into per-store-block runs of (query,
-    valid rows) pairs, sorted by (block, query) and cut into chunks of ``chunk``.
+def invert_selection(
+    unit_block, kb, count, lim, *, rb: int, num_blocks: int, chunk: int = PAIR_CHUNK
+):
+    """Token -> pairs: the compacted per-query tables ``unit_block, kb [N, K]`` (each
+    unit's store block and first token position), ``count [N]`` (``compact_units``) and
+    ``lim [N]`` turned into per-store-block runs of (query, valid rows) pairs, sorted by
+    (block, query) and cut into chunks of ``chunk``.
 
-    Unit ``j < count[n]`` of query ``n`` covers store block ``src8 * 8 // rb`` and its
+    Unit ``j < count[n]`` of query ``n`` covers store block ``unit_block`` and its
     rows ``r`` with ``kb + r < lim[n]``, a prefix of ``nvalid = clip(lim - kb, 0, rb)``
     rows; pairs with ``nvalid == 0`` are dropped. Both sort keys together are unique
     (compacted selections are sets), so the order does not depend on sort stability."""
-    n, k = src8.shape
+    n, k = unit_block.shape
     slot = jax.lax.broadcasted_iota(jnp.int32, (n, k), 1)
     query = jax.lax.broadcasted_iota(jnp.int32, (n, k), 0)
     nvalid = jnp.clip(lim[:, None] - kb, 0, rb)
     live = (slot < count[:, None]) & (nvalid > 0)
-    block = jnp.where(live, src8 * SUBLANE // rb, num_blocks)
+    block = jnp.where(live, unit_block, num_blocks)
     block, query, nvalid = jax.lax.sort((block.ravel(), query.ravel(), nvalid.ravel()), num_keys=2)
     starts = jnp.searchsorted(block, jnp.arange(num_blocks + 1, dtype=jnp.int32))
     pairs = (starts[1:] - starts[:-1]).astype(jnp.int32)  # [num_blocks]
@@ -153,156 +165,176 @@ def invert_selection(src8, kb, count, lim, *, rb: int, num_blocks: int, chunk: i
 # --------------------------------------------------------------------------- dq kernel
 
 
-def _dq_kernel(
-    meta_ref,  # SMEM [1, 1, 2]: (count, lim)
-    src_ref,  # SMEM [1, 1, K]: first store row // 8 of each unit (compacted)
-    kb_ref,  # SMEM [1, 1, K]: global position of each unit's first token
-    q_ref,  # VMEM [1, H, Dk_pad]
-    do_ref,  # VMEM [1, H, Dv]
-    stats_ref,  # VMEM [1, H, 2] float32: (lse, delta), lse 0 where -inf
-    kv_hbm,  # HBM  [R, Dk_pad] row store
-    dq_ref,  # VMEM [1, H, Dk_pad] float32
-    ring,  # VMEM [NBUF, RB, Dk_pad] unit ring
-    sems,  # DMA semaphores [NBUF]
-    *,
-    sm_scale: float,
-    dk: int,
-    dv: int,
-    rb: int,
-):
-    count, lim = meta_ref[0, 0, 0], meta_ref[0, 0, 1]
-    q, do, stats = q_ref[0], do_ref[0], stats_ref[0]
-    lse, delta = stats[:, 0:1], stats[:, 1:2]  # [H, 1]
-    dk_pad = q.shape[1]
+def _dq_kernel(*refs, kind: str, sm_scale: float, dk: int, dv: int, rb: int, cfg, interpret):
+    # SMEM: the QuerySteps tables (meta, steps, addr, kb); VMEM: q [QP,H,Dk_pad],
+    # dO [QP,H,Dv], (lse, delta) [QP,H,2] f32; HBM: the store (one array);
+    # out: dq [QP,H,Dk_pad] f32; scratch: the ring buffer, DMA semaphores [1, S].
+    tables, (q_ref, do_ref, st_ref, hbm, dq_ref, buf, sems) = refs[:4], refs[4:]
+    ring = UnitRing(kind, (hbm,), (buf,), sems, rb=rb, interpret=interpret)
+    qp = q_ref.shape[0]
+    walk = StepWalk(
+        tables, ring, qp=qp, top_k=tables[2].shape[-1] // qp, group=cfg.units_per_step,
+        slots=cfg.ring_slots,
+    )  # fmt: skip
+    dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)  # queries without units
+    walk.prologue()
+    gr = cfg.units_per_step * rb
 
-    def copy(j, slot):
-        start = pl.multiple_of(src_ref[0, 0, j] * SUBLANE, SUBLANE)
-        slot = jnp.int32(slot)  # int32 indices, also for a Python int under jax_enable_x64
-        return pltpu.make_async_copy(kv_hbm.at[pl.ds(start, rb)], ring.at[slot], sems.at[slot])
-
-    for d in range(NBUF - 1):  # prologue: fill the ring
-
-        @pl.when(d < count)
-        def _(d=d):
-            copy(d, d).start()
-
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, rb), 1)
-    key_rows = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
-    feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
-
-    def body(j, dq):
-        nxt = j + NBUF - 1
-
-        @pl.when(nxt < count)
-        def _():
-            copy(nxt, jax.lax.rem(nxt, jnp.int32(NBUF))).start()
-
-        slot = jax.lax.rem(j, jnp.int32(NBUF))
-        copy(j, slot).wait()
-        kb = kb_ref[0, 0, j]
-        # Rows this query may not see and the feature padding may hold NaN/Inf: zero them
-        # before any product (ds k and dO v^T would otherwise give 0 * NaN).
-        seen = ((kb + key_rows) < lim) & (feat < dk)  # [RB, Dk_pad]
-        kv = ring[slot]
-        kv = jnp.where(seen, kv, jnp.zeros_like(kv))
-        s = mxu_dot(q, kv, (((1,), (1,)), ((), ())))
-        valid = (kb + lanes) < lim  # [1, RB]
-        p = jnp.where(valid, jnp.exp(s * sm_scale - lse), 0.0)  # [H, RB]
-        dp = mxu_dot(do, kv[:, :dv], (((1,), (1,)), ((), ())))
+    def body(t, dq):
+        slot = walk.advance(t)
+        i = walk.query(t)
+        lim = walk.lim(i)
+        # Rows this query may not see and a paged cache's feature padding may hold
+        # NaN/Inf: they are exact zeros before any product.
+        rows, kbs = walk.words(
+            t, slot, rb=rb, dtype=q_ref.dtype, lim=lim, dk=dk if kind == "pages" else None
+        )
+        dq = jnp.where(walk.first_unit(t) == 0, 0.0, dq)
+        st = st_ref[i]
+        lse, delta = st[:, 0:1], st[:, 1:2]  # [H, 1]
+        s = mxu_dot(q_ref[i], rows, (((1,), (1,)), ((), ())))  # [H, G RB]
+        valid = entry_positions(kbs, rb=rb, shape=(1, gr), axis=1) < lim
+        p = jnp.where(valid, jnp.exp(s * sm_scale - lse), 0.0)
+        dp = mxu_dot(do_ref[i], rows[:, :dv], (((1,), (1,)), ((), ())))
         ds = p * (dp - delta)
-        return dq + mxu_dot(ds.astype(kv.dtype), kv, (((1,), (0,)), ((), ())))
+        dq = dq + mxu_dot(ds.astype(rows.dtype), rows, (((1,), (0,)), ((), ())))
 
-    dq = jax.lax.fori_loop(0, count, body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[0] = dq * sm_scale
+        @pl.when(walk.last(t))
+        def _():
+            dq_ref[i] = dq * sm_scale
+
+        return dq
+
+    jax.lax.fori_loop(0, walk.n_steps, body, jnp.zeros(q_ref.shape[1:], jnp.float32))
 
 
-def _dq_call(q, do, stats, store, src8, kb, count, lim, *, sm_scale, dk, dv, rb, interpret):
+def _dq_call(q, do, stats, store: Store, tables, *, sm_scale, dk, dv, rb, cfg, interpret):
     n, heads, dk_pad = q.shape
-    top_k = src8.shape[-1]
-    meta = jnp.stack([count, lim], axis=-1).reshape(n, 1, 2)
-    kernel = functools.partial(_dq_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb)
-    itemsize = jnp.dtype(store.dtype).itemsize
+    qp = cfg.queries_per_program
+    kernel = functools.partial(
+        _dq_kernel,
+        kind=store.kind,
+        sm_scale=sm_scale,
+        dk=dk,
+        dv=dv,
+        rb=rb,
+        cfg=cfg,
+        interpret=bool(interpret),
+    )
+    need = per_query_vmem_bytes(
+        cfg, heads=heads, read_block=rb, dk_pad=dk_pad, dv=dv, itemsize=q.dtype.itemsize,
+        row_bytes=store.row_bytes, dequantize=False,
+    ) + 2 * qp * heads * (dv * q.dtype.itemsize + 8 + 3 * dk_pad * 4)  # fmt: skip
+
+    def per_program(width):
+        return pl.BlockSpec((qp, heads, width), lambda p: (p, 0, 0))
+
     return pl.pallas_call(
         kernel,
-        grid=(n,),
+        grid=(n // qp,),
         in_specs=[
-            *query_table_specs(top_k),
-            pl.BlockSpec((1, heads, dk_pad), lambda i: (i, 0, 0)),
-            pl.BlockSpec((1, heads, dv), lambda i: (i, 0, 0)),
-            pl.BlockSpec((1, heads, 2), lambda i: (i, 0, 0)),
+            *query_step_specs(tables),
+            per_program(dk_pad),
+            per_program(dv),
+            per_program(2),
             pl.BlockSpec(memory_space=pltpu.HBM),
         ],
-        out_specs=pl.BlockSpec((1, heads, dk_pad), lambda i: (i, 0, 0)),
+        out_specs=per_program(dk_pad),
         out_shape=jax.ShapeDtypeStruct((n, heads, dk_pad), jnp.float32),
-        scratch_shapes=[
-            pltpu.VMEM((NBUF, rb, dk_pad), store.dtype),
-            pltpu.SemaphoreType.DMA((NBUF,)),
-        ],
+        scratch_shapes=ring_scratch(store, rb=rb, group=cfg.units_per_step, slots=cfg.ring_slots),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",),
-            vmem_limit_bytes=vmem_limit(
-                NBUF * rb * dk_pad * itemsize,
-                2 * heads * (dk_pad + dv) * itemsize,
-                3 * heads * dk_pad * 4,
-                4 * heads * rb * 4,
-            ),
+            dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit(need, _physical())
         ),
         interpret=interpret,
-    )(meta, src8.reshape(n, 1, top_k), kb.reshape(n, 1, top_k), q, do, stats, store)
+    )(*tables, q, do, stats, *store.arrays)
+
+
+def _physical() -> int:
+    return int(default_chip().vmem_bytes / VMEM_USABLE_FRACTION)
 
 
 # -------------------------------------------------------------------------- dKV kernel
 
 
-def _dkv_walk(count, qid_ref, nval_ref, kv, q_hbm, do_hbm, st_hbm, rings, sems, acc, *, sm_scale, dk, dv):  # fmt: skip
-    """One chunk: ``count`` pairs, each query's rows DMA'd through the rings; returns the
-    updated float32 sums ``(dK [RB, Dk_pad], dV [RB, Dv])`` (``dK`` without ``sm_scale``)."""
-    q_ring, do_ring, st_ring = rings
+def _dkv_walk(count, qid_ref, nval_ref, kv, rings, sems, acc, *, sm_scale, dk, dv, qc, slots):  # fmt: skip
+    """One chunk: ``count`` pairs in steps of ``qc``, each pair's query rows (``q``,
+    ``dO``, ``(lse, delta)``) DMA'd into rows ``[c H, (c + 1) H)`` of a ring slot; returns
+    the updated float32 sums ``(dK [RB, Dk_pad], dV [RB, Dv])`` (``dK`` without
+    ``sm_scale``)."""
+    (q_hbm, do_hbm, st_hbm), (q_ring, do_ring, st_ring) = rings
     rb, dk_pad = kv.shape
+    heads = q_hbm.shape[1]
     feat = jax.lax.broadcasted_iota(jnp.int32, (1, dk_pad), 1)
     kv = jnp.where(feat < dk, kv, jnp.zeros_like(kv))  # the paged cache's padding: garbage
     v = kv[:, :dv]
-    key_rows = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
+    n_steps = jax.lax.div(count + qc - 1, jnp.int32(qc))  # lax.div: // lowers through sign()
+    pair_row = jax.lax.broadcasted_iota(jnp.int32, (qc * heads, 1), 0)
+    key_lane = jax.lax.broadcasted_iota(jnp.int32, (1, rb), 1)
 
-    def copies(j, slot):
-        n = qid_ref[0, 0, j]
-        slot = jnp.int32(slot)  # int32 indices, also for a Python int under jax_enable_x64
-        return tuple(
-            pltpu.make_async_copy(src.at[n], ring.at[slot], sems.at[jnp.int32(i), slot])
-            for i, (src, ring) in enumerate(((q_hbm, q_ring), (do_hbm, do_ring), (st_hbm, st_ring)))
-        )
+    def copies(t, slot):
+        out = []
+        for c in range(qc):
+            j = jnp.minimum(t * qc + c, count - 1)
+            n = qid_ref[0, 0, j]
+            for i, (src, ring) in enumerate(
+                ((q_hbm, q_ring), (do_hbm, do_ring), (st_hbm, st_ring))
+            ):
+                dst = ring.at[jnp.int32(slot), pl.ds(c * heads, heads)]
+                out.append(
+                    (
+                        t * qc + c < count,
+                        pltpu.make_async_copy(
+                            src.at[n], dst, sems.at[jnp.int32(i), jnp.int32(slot)]
+                        ),
+                    )
+                )
+        return out
 
-    for d in range(NBUF - 1):  # prologue: fill the rings
+    def dma(t, slot, start: bool):
+        for live, cp in copies(t, slot):
 
-        @pl.when(d < count)
+            @pl.when(live)
+            def _(cp=cp):
+                cp.start() if start else cp.wait()
+
+    for d in range(slots - 1):  # prologue: fill the rings
+
+        @pl.when(d < n_steps)
         def _(d=d):
-            for cp in copies(d, d):
-                cp.start()
+            dma(d, d, True)
 
-    def body(j, carry):
+    def body(t, carry):
         dk_acc, dv_acc = carry
-        nxt = j + NBUF - 1
+        nxt = t + slots - 1
 
-        @pl.when(nxt < count)
+        @pl.when(nxt < n_steps)
         def _():
-            for cp in copies(nxt, jax.lax.rem(nxt, jnp.int32(NBUF))):
-                cp.start()
+            dma(nxt, jax.lax.rem(nxt, jnp.int32(slots)), True)
 
-        slot = jax.lax.rem(j, jnp.int32(NBUF))
-        for cp in copies(j, slot):
-            cp.wait()
-        q, do, st = q_ring[slot], do_ring[slot], st_ring[slot]  # [H, Dk_pad] [H, Dv] [2, H]
-        valid = key_rows < nval_ref[0, 0, j]  # [RB, 1]: the valid rows are a prefix
-        s_t = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [RB, H]
+        slot = jax.lax.rem(t, jnp.int32(slots))
+        dma(t, slot, False)
+        # Valid rows of the block are a prefix per pair; pairs past the count hold stale
+        # ring rows, zeroed before any product.
+        nval = jnp.zeros((qc * heads, 1), jnp.int32)
+        for c in range(qc):
+            j = t * qc + c
+            n_c = jnp.where(j < count, nval_ref[0, 0, jnp.minimum(j, count - 1)], 0)
+            nval = jnp.where(pair_row >= c * heads, n_c, nval)
+        live = pair_row < (count - t * qc) * heads  # [QC H, 1]
+        q = jnp.where(live, q_ring[slot], jnp.zeros_like(q_ring[slot]))  # [QC H, Dk_pad]
+        do = jnp.where(live, do_ring[slot], jnp.zeros_like(do_ring[slot]))  # [QC H, Dv]
+        st = st_ring[slot]  # [QC H, 2]
+        valid = key_lane < nval  # [QC H, RB]
+        s = mxu_dot(q, kv, (((1,), (1,)), ((), ())))  # [QC H, RB]
         # Invalid rows may hold NaN (their s and dp too): select, never multiply.
-        p_t = jnp.where(valid, jnp.exp(s_t * sm_scale - st[0:1, :]), 0.0)
-        dp_t = mxu_dot(v, do, (((1,), (1,)), ((), ())))
-        ds_t = jnp.where(valid, p_t * (dp_t - st[1:2, :]), 0.0)
-        dk_acc = dk_acc + mxu_dot(ds_t.astype(q.dtype), q, (((1,), (0,)), ((), ())))
-        dv_acc = dv_acc + mxu_dot(p_t.astype(do.dtype), do, (((1,), (0,)), ((), ())))
+        p = jnp.where(valid, jnp.exp(s * sm_scale - st[:, 0:1]), 0.0)
+        dp = mxu_dot(do, v, (((1,), (1,)), ((), ())))
+        ds = jnp.where(valid, p * (dp - st[:, 1:2]), 0.0)
+        dk_acc = dk_acc + mxu_dot(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())))
+        dv_acc = dv_acc + mxu_dot(p.astype(do.dtype), do, (((0,), (0,)), ((), ())))
         return dk_acc, dv_acc
 
-    return jax.lax.fori_loop(0, count, body, acc)
+    return jax.lax.fori_loop(0, n_steps, body, acc)
 
 
 def _dkv_kernel(
@@ -313,18 +345,20 @@ def _dkv_kernel(
     kv_ref,  # VMEM [1, RB, Dk_pad]: the chunk's store block
     q_hbm,  # HBM [N, H, Dk_pad]
     do_hbm,  # HBM [N, H, Dv]
-    st_hbm,  # HBM [N, 2, H] float32: (lse, delta), lse 0 where -inf
+    st_hbm,  # HBM [N, H, 2] float32: (lse, delta), lse 0 where -inf
     dkv_ref,  # VMEM [1, RB, Dk_pad] in the store dtype
-    q_ring,  # VMEM [NBUF, H, Dk_pad]
-    do_ring,  # VMEM [NBUF, H, Dv]
-    st_ring,  # VMEM [NBUF, 2, H] float32
-    sems,  # DMA semaphores [3, NBUF]
+    q_ring,  # VMEM [S, QC H, Dk_pad]
+    do_ring,  # VMEM [S, QC H, Dv]
+    st_ring,  # VMEM [S, QC H, 2] float32
+    sems,  # DMA semaphores [3, S]
     acc_k,  # VMEM [RB, Dk_pad] float32: dK / sm_scale of the block, across its chunks
     acc_v,  # VMEM [RB, Dv] float32
     *,
     sm_scale: float,
     dk: int,
     dv: int,
+    qc: int,
+    slots: int,
 ):
     del block_ref  # read by the index maps only
     count = meta_ref[0, 0, 0]
@@ -337,9 +371,9 @@ def _dkv_kernel(
     @pl.when(count > 0)
     def _():
         dk_acc, dv_acc = _dkv_walk(
-            count, qid_ref, nval_ref, kv_ref[0], q_hbm, do_hbm, st_hbm,
-            (q_ring, do_ring, st_ring), sems, (acc_k[...], acc_v[...]),
-            sm_scale=sm_scale, dk=dk, dv=dv,
+            count, qid_ref, nval_ref, kv_ref[0],
+            ((q_hbm, do_hbm, st_hbm), (q_ring, do_ring, st_ring)), sems,
+            (acc_k[...], acc_v[...]), sm_scale=sm_scale, dk=dk, dv=dv, qc=qc, slots=slots,
         )  # fmt: skip
         acc_k[...] = dk_acc
         acc_v[...] = dv_acc
@@ -351,12 +385,21 @@ def _dkv_kernel(
             dkv_ref[0, :, dv:] = (acc_k[:, dv:] * sm_scale).astype(dkv_ref.dtype)
 
 
-def _dkv_call(inv: InvertedSelection, store_blocks, q, do, stats_t, *, sm_scale, dk, dv, interpret):
-    _, rb, dk_pad = store_blocks.shape
+def pairs_per_step(cfg, heads: int, dtype) -> int:
+    """The dKV step's pairs: ``cfg.pairs_per_step`` when ``H`` fills whole sublane tiles
+    of ``dtype`` (pairs' rows stack at tile boundaries), else 1."""
+    tile = 8 * (4 // jnp.dtype(dtype).itemsize)
+    return cfg.pairs_per_step if heads % tile == 0 else 1
+
+
+def _dkv_call(inv: InvertedSelection, blocks, q, do, stats, *, sm_scale, dk, dv, cfg, interpret):
+    _, rb, dk_pad = blocks.shape
     heads = q.shape[1]
     n_chunks, _, chunk = inv.qid.shape
-    kernel = functools.partial(_dkv_kernel, sm_scale=sm_scale, dk=dk, dv=dv)
-    itemsize = jnp.dtype(store_blocks.dtype).itemsize
+    qc = pairs_per_step(cfg, heads, q.dtype)
+    slots = cfg.ring_slots
+    kernel = functools.partial(_dkv_kernel, sm_scale=sm_scale, dk=dk, dv=dv, qc=qc, slots=slots)
+    itemsize = jnp.dtype(blocks.dtype).itemsize
     smem, hbm = pltpu.SMEM, pltpu.HBM
 
     def block_of(c, blocks):
@@ -376,35 +419,36 @@ def _dkv_call(inv: InvertedSelection, store_blocks, q, do, stats_t, *, sm_scale,
         ],
         out_specs=pl.BlockSpec((1, rb, dk_pad), block_of),
         scratch_shapes=[
-            pltpu.VMEM((NBUF, heads, dk_pad), q.dtype),
-            pltpu.VMEM((NBUF, heads, dv), do.dtype),
-            pltpu.VMEM((NBUF, 2, heads), jnp.float32),
-            pltpu.SemaphoreType.DMA((3, NBUF)),
+            pltpu.VMEM((slots, qc * heads, dk_pad), q.dtype),
+            pltpu.VMEM((slots, qc * heads, dv), do.dtype),
+            pltpu.VMEM((slots, qc * heads, 2), jnp.float32),
+            pltpu.SemaphoreType.DMA((3, slots)),
             pltpu.VMEM((rb, dk_pad), jnp.float32),
             pltpu.VMEM((rb, dv), jnp.float32),
         ],
     )
+    need = (
+        slots * qc * heads * ((dk_pad + dv) * itemsize + 2 * 4 * 64)
+        + 4 * rb * dk_pad * itemsize
+        + 2 * rb * (dk_pad + dv) * 4
+        + 6 * rb * qc * heads * 4
+        + 2 * qc * heads * (dk_pad + dv) * 4
+    )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(store_blocks.shape, store_blocks.dtype),
+        out_shape=jax.ShapeDtypeStruct(blocks.shape, blocks.dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=vmem_limit(
-                NBUF * heads * (dk_pad + dv) * itemsize,
-                4 * rb * dk_pad * itemsize,
-                2 * rb * (dk_pad + dv) * 4,
-                6 * rb * heads * 4,
-            ),
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit(need, _physical())
         ),
         interpret=interpret,
-    )(inv.block, inv.meta, inv.qid, inv.nvalid, store_blocks, q, do, stats_t)
+    )(inv.block, inv.meta, inv.qid, inv.nvalid, blocks, q, do, stats)
 
 
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret):
+def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config):
     """``(dq, dkv)`` of a validated call (float32 or bfloat16 cache) from the forward's
     ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` (float32) and their cotangents."""
     problem = call.problem
@@ -413,13 +457,8 @@ def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret):
     batch, seq, heads, rb = problem.batch, problem.num_queries, problem.heads, problem.read_block
     dk, dv, dk_pad = problem.dk, problem.dv, problem.dk_pad
     n = batch * seq
-    src8, kb, count = compact_units(space.src8, space.keys * rb, space.unit_ok)
-    src8, kb, count, lim = (
-        src8.reshape(n, -1),
-        kb.reshape(n, -1),
-        count.reshape(n),
-        space.lim.reshape(n),
-    )
+    cfg = config
+    tables, n_pad = program_tables(space, rb, cfg, n)
     dtype = space.store.dtype
     q = pad_features(call.q.astype(dtype), dk_pad).reshape(n, heads, dk_pad)
     d_out = d_out.astype(jnp.float32)
@@ -427,13 +466,20 @@ def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret):
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32)  # -inf: no valid key
     stats = jnp.stack([lse_safe, delta], axis=-1).reshape(n, heads, 2)
     do = d_out.astype(dtype).reshape(n, heads, dv)
-    kw = dict(sm_scale=problem.sm_scale, dk=dk, dv=dv, interpret=interpret)
-    dq = _dq_call(q, do, stats, space.store, src8, kb, count, lim, rb=rb, **kw)
-    num_blocks = space.store.shape[0] // rb
-    inv = invert_selection(src8, kb, count, lim, rb=rb, num_blocks=num_blocks, chunk=PAIR_CHUNK)
-    dstore = _dkv_call(
-        inv, space.store.reshape(num_blocks, rb, dk_pad), q, do, jnp.swapaxes(stats, 1, 2), **kw
-    )
+    kw = dict(sm_scale=problem.sm_scale, dk=dk, dv=dv, interpret=interpret, cfg=cfg)
+
+    def pad(x):
+        return jnp.pad(x, ((0, n_pad - n), (0, 0), (0, 0)))
+
+    dq = _dq_call(pad(q), pad(do), pad(stats), space.store, tables, rb=rb, **kw)[:n]
+    addr, kb, count = compact_units(space.addr, space.keys * rb, space.unit_ok)
+    unit = 1 if space.store.kind == "pages" else rb
+    num_blocks = space.store.num_blocks(rb)
+    inv = invert_selection(
+        addr.reshape(n, -1) // unit, kb.reshape(n, -1), count.reshape(n), space.lim.reshape(n),
+        rb=rb, num_blocks=num_blocks, chunk=PAIR_CHUNK,
+    )  # fmt: skip
+    dstore = _dkv_call(inv, store_blocks(space.store, rb), q, do, stats, **kw)
     dq = dq[..., :dk].reshape(batch, seq, heads, dk).astype(call.q.dtype)
     if problem.ragged:
         return dq, dstore.reshape(kv.shape)
@@ -448,19 +494,19 @@ def kernel_covers(call: SparseMlaCall) -> bool:
     return not isinstance(kv, Fp8LatentCache) and jnp.dtype(kv.dtype) in KERNEL_DTYPES
 
 
-def with_kernel_backward(forward, *, interpret):
+def with_kernel_backward(forward, *, interpret, config: SparseMlaConfig):
     """A kernel ``forward(call) -> (out, lse)`` made differentiable in ``call.q`` and
     ``call.kv`` (``attn_common.sparse_mla_xla.with_saved_backward``) with the two kernels
     above as its backward, from the residuals ``q``, the cache, the integer tables and
     the forward's ``out`` and ``lse``."""
 
     def backward(call, out, lse, cotangents):
-        return _backward(call, out, lse, *cotangents, interpret=interpret)
+        return _backward(call, out, lse, *cotangents, interpret=interpret, config=config)
 
     return with_saved_backward(forward, backward)
 
 
-def sparse_mla_result(call: SparseMlaCall, forward, *, interpret):
+def sparse_mla_result(call: SparseMlaCall, forward, *, interpret, config: SparseMlaConfig):
     """The op's result for a TPU forward kernel ``forward(call) -> (out, lse)``: the empty
     result for an empty problem; else the kernel's ``out`` and ``lse``, differentiable
     through the backward kernels (:func:`with_kernel_backward`; a cache they do not take:
@@ -468,72 +514,15 @@ def sparse_mla_result(call: SparseMlaCall, forward, *, interpret):
     if call.problem.is_empty:
         return empty_result(call.problem, call.return_lse, call.return_attn_mass)
     if kernel_covers(call):
-        out, lse = with_kernel_backward(forward, interpret=interpret)(call)
+        out, lse = with_kernel_backward(forward, interpret=interpret, config=config)(call)
     else:
         out, lse = with_xla_backward(forward)(call)
     mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
     return call.result(out, lse, mass)
 
 
-# -------------------------------------------------------------------------- cost model
-
-
-def backward_cost(chip, *, queries, heads, units, read_block, cache_rows, dk_pad, dv, itemsize=2):
-    """Counted bytes, FLOPs and DMAs of the two kernels for ``queries`` queries that each
-    attend ``units`` whole units of ``read_block`` rows (every pair valid: the end of a
-    prefill), over a cache of ``cache_rows`` rows, and the time ``attn_pallas_tpu.plan``'s
-    assumptions give on ``chip`` (a ``plan.TpuChip``): per unit / pair the slowest of its
-    MXU work (at ``rows / mxu_dim`` efficiency: ``H`` rows for dq, ``read_block`` for the
-    key-major dKV), its transfer at HBM bandwidth and the ring's issue rate
-    (``DMA_LATENCY_S / (NBUF - 1)``, the three copies of a pair counted as one), spread
-    over the TensorCores (dq; dKV runs on one: its grid is sequential), floored by all
-    bytes at HBM bandwidth. Returns ``{"dq": {...}, "dkv": {...}}`` with ``bytes``,
-    ``kv_bytes`` (the key-row or query-row traffic of the walk), ``flops``, ``dmas``,
-    ``seconds``."""
-    from attn_pallas_tpu.plan import DMA_LATENCY_S, STEP_OVERHEAD_S
-
-    h, rb, n = heads, read_block, queries
-    pairs = n * units
-    issue = DMA_LATENCY_S / (NBUF - 1)
-    core_flops = chip.mxu_flops / chip.cores
-
-    def unit_time(flops, rows, nbytes):
-        mxu = flops / (core_flops * min(1.0, rows / chip.mxu_dim))
-        return max(mxu, nbytes / chip.hbm_bytes_per_s, issue)
-
-    # dq: per query its units' rows; q, dO, (lse, delta) in, dq (float32) out.
-    dq_walk = pairs * rb * dk_pad * itemsize
-    dq_rows = n * h * (dk_pad * itemsize + dv * itemsize + 2 * 4 + dk_pad * 4)
-    dq_unit_flops = 2 * rb * h * (2 * dk_pad + dv)
-    per_query = (
-        STEP_OVERHEAD_S
-        + DMA_LATENCY_S
-        + units * unit_time(dq_unit_flops, h, rb * dk_pad * itemsize)
-    )
-    dq_bytes = dq_walk + dq_rows
-    dq_s = max(n * per_query / chip.cores, dq_bytes / chip.hbm_bytes_per_s)
-    # dKV: per pair the query's q, dO, (lse, delta); each store block read and written once.
-    pair_bytes = h * (dk_pad * itemsize + dv * itemsize + 2 * 4)
-    dkv_walk = pairs * pair_bytes
-    dkv_rows = 2 * cache_rows * dk_pad * itemsize
-    dkv_pair_flops = 2 * rb * h * 2 * (dk_pad + dv)
-    chunks = -(-pairs // PAIR_CHUNK) + cache_rows // rb
-    dkv_chain = chunks * (STEP_OVERHEAD_S + DMA_LATENCY_S) + pairs * unit_time(
-        dkv_pair_flops, rb, pair_bytes
-    )
-    dkv_bytes = dkv_walk + dkv_rows
-    dkv_s = max(dkv_chain, dkv_bytes / chip.hbm_bytes_per_s)
-    return {
-        "dq": dict(bytes=dq_bytes, kv_bytes=dq_walk, flops=n * units * dq_unit_flops,
-                   dmas=pairs, seconds=dq_s),
-        "dkv": dict(bytes=dkv_bytes, kv_bytes=dkv_walk, flops=pairs * dkv_pair_flops,
-                    dmas=3 * pairs, seconds=dkv_s),
-    }  # fmt: skip
-
-
 __all__ = [
     "PAIR_CHUNK",
-    "backward_cost",
     "invert_selection",
     "sparse_mla_result",
     "with_kernel_backward",

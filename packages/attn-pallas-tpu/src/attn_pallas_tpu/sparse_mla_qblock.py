@@ -33,23 +33,20 @@ block's last real chunk, so the pipeline sees an unchanged block index and fetch
 nothing; the kernel skips it. So ``u_max`` trades VMEM/SMEM for per-chunk prologues
 and never changes the answer.
 
-DMA schedule. The KV row store stays in HBM. Union slot ``j`` (``read_block`` rows from
-row ``src[j] * 8``) is copied into slot ``j % NBUF`` of a VMEM ring
-``[NBUF, read_block, Dk_pad]`` and signals DMA semaphore ``sem[0, j % NBUF]``. The prologue
-starts slots ``0 .. NBUF-2``; iteration ``j`` starts ``j + NBUF - 1`` into the ring slot
-that iteration ``j - 1`` finished reading, then waits for ``j``: ``NBUF - 1`` copies are
-in flight behind the compute (per-unit copies are latency-bound, ~1.5 us each, so
-without the prefetch the loop would run at DMA latency). All started copies are waited.
-An FP8 cache's store is two arrays (latent rows and bf16 side rows) with a ring and a
-semaphore row each, one DMA per array per slot, dequantized in VMEM after the wait
-(``sparse_mla.UnitRows``, ``fp8_rows.dequantize_rows``).
+DMA schedule (``unit_ring``). The store stays in HBM. The chunk's union slots are walked
+in steps of ``G`` (``config.SparseMlaConfig.units_per_step``): step ``t``'s ``G`` slots
+are copied into ring slot ``t % S`` (slot ``e`` of the step into rows ``[e RB, (e + 1)
+RB)``), all on that ring slot's semaphore; the prologue starts steps ``0 .. S - 2`` and
+step ``t`` starts step ``t + S - 1`` before waiting for its own copies. Slots past the
+chunk's count start no copy and are zeroed after the load. An FP8 cache's store is two
+arrays with a ring each, dequantized in VMEM after the wait.
 
-Compute per union slot, key-major: ``s = k [RB, Dk_pad] . q^T -> [RB, rows]`` (keys on
+Compute per step, key-major: ``s = k [G RB, Dk_pad] . q^T -> [G RB, rows]`` (keys on
 sublanes, score rows on lanes), so the per-query membership and ``lim`` are lane rows
-broadcast over the keys and no in-kernel transpose or dynamic lane slicing is needed.
-The slot's membership row comes from an aligned 32-row window of the int8 membership
-(int8 tiles are (32, 128): a dynamic sublane offset must be provably a multiple of 32)
-and an iota select. The online softmax reduces over axis 0; a row that has seen no
+broadcast over each slot's keys and no dynamic lane slicing is needed. The step's ``G``
+membership rows come from one aligned 32-row window of the int8 membership (int8 tiles
+are (32, 128): a dynamic sublane offset must be provably a multiple of 32; ``G`` divides
+32) and an iota select each. The online softmax reduces over axis 0; a row that has seen no
 valid key keeps ``m = -inf`` and uses 0 in the exponent (``exp(-inf - 0) = 0``, never
 ``-inf - -inf``). The float32 output block is the accumulator. The output is
 ``acc / l`` (exactly 0 for an empty row) and the LSE ``m + log(l)`` (natural log,
@@ -61,11 +58,11 @@ row may be attended by some queries of the block and not by others (page tails p
 query of the block. A query that attends such a row still has its non-finite score.
 
 Tiling. ``sparse_mla_attention_qblock`` picks ``(QB, Hb, u_max)`` itself unless told
-(``attn_pallas_tpu.plan``: a DMA bytes / DMA count / VMEM model per chip) and
-runs the per-query kernel instead whenever that moves no more KV bytes.
+(``attn_pallas_tpu.plan``: a cost model fitted on a v5e, and a VMEM estimate per chip)
+and runs the per-query kernel instead unless the blocks read at most half its bytes.
 
-HBM traffic per layer: ``G * sum_blocks(union) * read_block * row_bytes`` (``Dk_pad *
-itemsize``, or 768 for an FP8 cache).
+HBM traffic per layer: ``(H / Hb) * sum_blocks(union) * read_block * row_bytes``
+(``Dk_pad * itemsize``, or 768 for an FP8 cache).
 """
 
 from __future__ import annotations
@@ -92,27 +89,32 @@ from attn_pallas_tpu._prep import (
     require_tpu_kernels,
     resolve_interpret,
     row_bytes,
-    store_arrays,
     unit_source,
     unit_space,
 )
+from attn_pallas_tpu.config import (
+    MAX_ROWS,
+    MEMBER_TILE,
+    SparseMlaConfig,
+    qblock_vmem_bytes,
+    vmem_limit,
+)
 from attn_pallas_tpu.plan import (
+    AUTO_QUERY_BLOCKS,
+    MIN_SHARING,
     VMEM_USABLE_FRACTION,
     block_union_sizes,
     choose_plan,
     distinct_units_per_query,
+    host_distinct_units,
+    host_union_sizes,
     per_query_seconds,
     qblock_seconds,
-    qblock_vmem_bytes,
     static_qblock_config,
 )
-from attn_pallas_tpu.sparse_mla import UnitRows, _per_query, row_alignment, unit_rings
+from attn_pallas_tpu.sparse_mla import _per_query, resolve_config, sparse_mla_attention
 from attn_pallas_tpu.sparse_mla_bwd import sparse_mla_result
-
-NBUF = 4  # DMA ring depth: NBUF - 1 unit copies in flight behind the compute
-MEMBER_TILE = 32  # int8 sublane tile: aligned window for the dynamic membership row
-MAX_ROWS = 4096  # default cap on score rows (Hb * QB) per program
-AUTO_QUERY_BLOCKS = (8, 16, 32, 64, 128, 256)  # query blocks the automatic tiling compares
+from attn_pallas_tpu.unit_ring import FAR, RingWalk, Store, UnitRing, ring_scratch
 
 
 def _lane_tile(x, times: int):
@@ -123,11 +125,12 @@ def _lane_tile(x, times: int):
 def _qblock_kernel(
     unions_ref,  # scalar prefetch SMEM [B * nQB]: true union size per block
     kb_ref,  # SMEM [1, 1, 1, UC]: first token position of each slot of this chunk
-    src_ref,  # SMEM [1, 1, 1, UC]: first store row // 8 of each slot of this chunk
+    addr_ref,  # SMEM [1, 1, 1, UC]: store address of each slot of this chunk
     lim_ref,  # VMEM [1, 1, 1, QB] int32: key positions < lim are valid, per query
     mem_ref,  # VMEM [1, 1, UC, QB] int8: membership of this chunk's slots
     q_ref,  # VMEM [1, 1, 1, rows, Dk_pad], row = h * QB + q
-    *refs,  # HBM row store (1 or 2 arrays); o, lse; rings, sems (UnitRows); m, l
+    *refs,  # HBM store (1 or 2 arrays); o, lse; ring buffers, sems (unit_ring); m, l
+    kind: str,
     n_store: int,
     sm_scale: float,
     dk: int,
@@ -135,15 +138,17 @@ def _qblock_kernel(
     rb: int,
     heads_per_group: int,
     n_blocks: int,
-    u_chunk: int,
     n_chunks: int,
+    cfg,
+    interpret: bool,
 ):
     # o: VMEM [1, 1, 1, rows, Dv] float32 (doubles as the accumulator); lse: [1, 1, 1, 1,
     # rows] float32; m / l: VMEM [1, rows] float32, the running max and denominator
     # carried across chunks.
     hbm, (o_ref, lse_ref) = refs[:n_store], refs[n_store : n_store + 2]
     m_ref, l_ref = refs[-2:]
-    unit_rows = UnitRows(hbm, refs[n_store + 2 : -3], refs[-3], rb=rb)
+    ring = UnitRing(kind, hbm, refs[n_store + 2 : -3], refs[-3], rb=rb, interpret=interpret)
+    u_chunk = kb_ref.shape[-1]
     chunk = pl.program_id(3)
     union = unions_ref[pl.program_id(0) * n_blocks + pl.program_id(1)]
     count = jnp.clip(union - chunk * u_chunk, 0, u_chunk)  # slots walked in this chunk
@@ -158,9 +163,9 @@ def _qblock_kernel(
     @pl.when(count > 0)
     def _():
         m_i, l_i = _walk_chunk(
-            count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, unit_rows, o_ref,
-            m_ref[0], l_ref[0], sm_scale=sm_scale, dk=dk, dv=dv, rb=rb,
-            heads_per_group=heads_per_group,
+            count, q_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, o_ref, m_ref[0], l_ref[0],
+            sm_scale=sm_scale, dk=dk if kind == "pages" else None, dv=dv, rb=rb,
+            heads_per_group=heads_per_group, cfg=cfg,
         )  # fmt: skip
         m_ref[0] = m_i
         l_ref[0] = l_i
@@ -174,44 +179,49 @@ def _qblock_kernel(
         lse_ref[0, 0, 0] = jnp.where(empty, -jnp.inf, m_i + jnp.log(safe_l))[None, :]
 
 
+def _members(mem_ref, j, g: int, heads_per_group: int) -> list:
+    """Membership lane rows ``[1, rows]`` of union slots ``j .. j + g - 1`` (``j`` a
+    multiple of ``g``, ``g`` dividing the int8 tile): one aligned 32-row window, then an
+    iota select per slot."""
+    j0 = pl.multiple_of(jax.lax.div(j, jnp.int32(MEMBER_TILE)) * MEMBER_TILE, MEMBER_TILE)
+    win = mem_ref[0, 0, pl.ds(j0, MEMBER_TILE), :].astype(jnp.int32)  # [32, QB]
+    win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
+    out = []
+    for e in range(g):
+        row = jnp.max(jnp.where(win_row == j - j0 + e, win, 0), axis=0, keepdims=True)
+        out.append(_lane_tile(row, heads_per_group))
+    return out
+
+
 def _walk_chunk(
-    count, q_ref, kb_ref, src_ref, lim_ref, mem_ref, unit_rows, o_ref, m_i, l_i, *,
-    sm_scale, dk, dv, rb, heads_per_group,
+    count, q_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, o_ref, m_i, l_i, *,
+    sm_scale, dk, dv, rb, heads_per_group, cfg,
 ):  # fmt: skip
-    """Online softmax over ``count`` union slots of one chunk; returns the new ``(m, l)``."""
+    """Online softmax over ``count`` union slots of one chunk, ``G`` slots a step;
+    returns the new ``(m, l)``."""
+    g = cfg.units_per_step
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
     lim = _lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
+    u_chunk = kb_ref.shape[-1]
 
-    def start_row(j):
-        return pl.multiple_of(src_ref[0, 0, 0, j] * SUBLANE, row_alignment(rb))
+    def entries(t):
+        out = []
+        for e in range(g):
+            j = jnp.minimum(t * g + e, u_chunk - 1)
+            live = t * g + e < count
+            kb = jnp.where(live, kb_ref[0, 0, 0, j], FAR)
+            out.append((addr_ref[0, 0, 0, j], kb, live))
+        return out
 
-    for d in range(NBUF - 1):  # prologue: fill the ring
-
-        @pl.when(d < count)
-        def _(d=d):
-            unit_rows.start(start_row(d), d)
-
+    n_steps = jax.lax.div(count + g - 1, jnp.int32(g))  # lax.div: // lowers through sign()
+    walk = RingWalk(ring, entries, n_steps, slots=cfg.ring_slots)
+    walk.prologue()
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
-    win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
 
-    def body(j, carry):
+    def body(t, carry):
         m_i, l_i = carry  # [rows] each
-        nxt = j + NBUF - 1
-
-        @pl.when(nxt < count)
-        def _():
-            unit_rows.start(start_row(nxt), jax.lax.rem(nxt, jnp.int32(NBUF)))
-
-        # Membership row of slot j: aligned 32-row window, then select row j - j0.
-        j0 = pl.multiple_of(jax.lax.div(j, jnp.int32(MEMBER_TILE)) * MEMBER_TILE, MEMBER_TILE)
-        win = mem_ref[0, 0, pl.ds(j0, MEMBER_TILE), :].astype(jnp.int32)  # [32, QB]
-        member = jnp.max(jnp.where(win_row == j - j0, win, 0), axis=0, keepdims=True)
-        member = _lane_tile(member, heads_per_group)  # [1, rows]
-        valid = (member > 0) & ((kb_ref[0, 0, 0, j] + key_row) < lim)  # [RB, rows]
-
-        slot = jax.lax.rem(j, jnp.int32(NBUF))
-        unit_rows.wait(start_row(j), slot)
-        kv = unit_rows.load(slot, dk=dk)  # [RB, Dk_pad], features past dk zero
+        slot = walk.advance(t)
+        kv, kbs = walk.words(t, slot, rb=rb, dtype=q.dtype, dk=dk)  # [G RB, Dk_pad]
         # A row may be attended by some queries of the block and not by others, so a
         # per-row zeroing cannot keep garbage out of the shared P V product; replacing
         # non-finite values by 0 does: a query that attends such a row already has a
@@ -219,11 +229,16 @@ def _walk_chunk(
         values = kv[:, :dv]
         finite = jnp.isfinite(values.astype(jnp.float32))  # Mosaic's is_finite takes f32
         values = jnp.where(finite, values, jnp.zeros_like(values))
-        s = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [RB, rows]
-        s = jnp.where(valid, s * sm_scale, -jnp.inf)
+        s = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [G RB, rows]
+        members = _members(mem_ref, t * g, g, heads_per_group)
+        pieces = []
+        for e, (member, kb) in enumerate(zip(members, kbs, strict=True)):
+            valid = (member > 0) & ((kb + key_row) < lim)  # [RB, rows]
+            pieces.append(jnp.where(valid, s[e * rb : (e + 1) * rb] * sm_scale, -jnp.inf))
+        s = pieces[0] if g == 1 else jnp.concatenate(pieces, axis=0)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=0))  # [rows]
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        p = jnp.exp(s - m_safe[None, :])  # [RB, rows]
+        p = jnp.exp(s - m_safe[None, :])  # [G RB, rows]
         alpha = jnp.exp(m_i - m_safe)  # m_i = -inf -> 0 (acc and l are 0 there anyway)
         l_new = l_i * alpha + jnp.sum(p, axis=0)
         pv = mxu_dot(
@@ -232,7 +247,7 @@ def _walk_chunk(
         o_ref[0, 0, 0] = o_ref[0, 0, 0] * alpha[:, None] + pv
         return m_new, l_new
 
-    return jax.lax.fori_loop(0, count, body, (m_i, l_i))
+    return jax.lax.fori_loop(0, walk.n_steps, body, (m_i, l_i))
 
 
 def _head_group(heads: int, query_block: int, head_block: int | None, max_rows: int) -> int:
@@ -248,18 +263,21 @@ def _head_group(heads: int, query_block: int, head_block: int | None, max_rows: 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "dk", "dv", "rb", "heads_per_group", "interpret"),
+    static_argnames=("kind", "sm_scale", "dk", "dv", "rb", "heads_per_group", "cfg", "interpret"),
 )
 def _qblock_call(
-    q5, store, kb, src8, unions, lim, member, *, sm_scale, dk, dv, rb, heads_per_group, interpret
-):
+    q5, arrays, kb, addr, unions, lim, member, *, kind, sm_scale, dk, dv, rb, heads_per_group,
+    cfg, interpret,
+):  # fmt: skip
     batch, n_blocks, groups, rows, dk_pad = q5.shape
     u_chunk = kb.shape[-1]
     n_chunks = kb.shape[1] // n_blocks
     query_block = lim.shape[-1]
+    store = Store(kind, arrays)
     kernel = functools.partial(
-        _qblock_kernel, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb, heads_per_group=heads_per_group,
-        n_blocks=n_blocks, u_chunk=u_chunk, n_chunks=n_chunks, n_store=len(store),
+        _qblock_kernel, kind=kind, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb,
+        heads_per_group=heads_per_group, n_blocks=n_blocks, n_chunks=n_chunks,
+        n_store=len(arrays), cfg=cfg, interpret=bool(interpret),
     )  # fmt: skip
 
     def chunk_of(b, n, c, unions_ref):
@@ -284,18 +302,12 @@ def _qblock_call(
         return b, n, g, 0, 0
 
     smem = pltpu.SMEM
-    vmem_cap = int(default_chip().vmem_bytes / VMEM_USABLE_FRACTION)  # a core's physical VMEM
-    vmem = qblock_vmem_bytes(
-        rows=rows,
-        query_block=query_block,
-        u_max=u_chunk,
-        read_block=rb,
-        dk_pad=dk_pad,
-        dv=dv,
-        itemsize=q5.dtype.itemsize,
-        row_bytes=sum(a.shape[-1] * jnp.dtype(a.dtype).itemsize for a in store),
-        dequantize=len(store) == 2,
-    )
+    physical = int(default_chip().vmem_bytes / VMEM_USABLE_FRACTION)  # a core's VMEM
+    need = qblock_vmem_bytes(
+        cfg.replace(query_block=query_block, u_max=u_chunk), rows=rows, read_block=rb,
+        dk_pad=dk_pad, dv=dv, itemsize=q5.dtype.itemsize, row_bytes=store.row_bytes,
+        dequantize=len(arrays) == 2,
+    )  # fmt: skip
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, n_blocks, groups, n_chunks),
@@ -305,14 +317,14 @@ def _qblock_call(
             pl.BlockSpec((1, 1, 1, query_block), per_block),
             pl.BlockSpec((1, 1, u_chunk, query_block), per_chunk),
             pl.BlockSpec((1, 1, 1, rows, dk_pad), per_group),
-            *[pl.BlockSpec(memory_space=pltpu.HBM) for _ in store],
+            *[pl.BlockSpec(memory_space=pltpu.HBM) for _ in arrays],
         ],
         out_specs=[
             pl.BlockSpec((1, 1, 1, rows, dv), per_group),
             pl.BlockSpec((1, 1, 1, 1, rows), per_group),
         ],
         scratch_shapes=[
-            *unit_rings(store, rb),
+            *ring_scratch(store, rb=rb, group=cfg.units_per_step, slots=cfg.ring_slots),
             pltpu.VMEM((1, rows), jnp.float32),
             pltpu.VMEM((1, rows), jnp.float32),
         ],
@@ -327,15 +339,19 @@ def _qblock_call(
         compiler_params=pltpu.CompilerParams(
             # The chunk axis carries the softmax state: sequential, innermost.
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=int(min(max(vmem * 5 // 4, 32 << 20), vmem_cap)),
+            vmem_limit_bytes=vmem_limit(need, physical),
         ),
         interpret=interpret,
-    )(unions, kb, src8, lim, member, q5, *store)
+    )(unions, kb, addr, lim, member, q5, *arrays)
 
 
 @public_op(sparse_mla_call)
 def sparse_mla_attention_qblock(
-    call: SparseMlaCall, *, max_rows: int = MAX_ROWS, fp8_dequantize: bool | None = None
+    call: SparseMlaCall,
+    *,
+    max_rows: int = MAX_ROWS,
+    fp8_dequantize: bool | None = None,
+    config: SparseMlaConfig | None = None,
 ):
     """Sparse MLA attention, query-blocked: one program per (query block, head group).
 
@@ -349,14 +365,17 @@ def sparse_mla_attention_qblock(
       VMEM/speed knob only. ``None``: ``attn_common.resolve_u_max``.
     head_block / max_rows: heads per program; default the largest divisor of ``H`` with
       ``head_block * query_block <= max_rows``. Each head group re-reads the union.
+    config: an ``attn_pallas_tpu.config.SparseMlaConfig`` for the ring (units per step,
+      ring slots) and the per-query fallback; its ``query_block`` / ``head_block`` /
+      ``u_max`` are used where the call's are ``None``.
 
     Automatic tiling (``query_block`` and ``head_block`` both ``None``): with host-value
     inputs the true per-query unit counts and per-block union sizes are computed and
-    ``attn_pallas_tpu.plan.choose_plan`` picks the fastest (kernel, QB, head
-    block, u_max) under the chip's VMEM in its DMA-bytes/DMA-count model, the per-query
-    kernel whenever that moves no more bytes. Under jit the tiling comes from the shapes
-    (``static_qblock_config``) and a runtime ``lax.cond`` still runs the per-query kernel
-    whenever the query-blocked one would move more KV bytes.
+    ``attn_pallas_tpu.plan.choose_plan`` picks the fastest modelled (kernel, QB, head
+    block, u_max) under the chip's VMEM, the per-query kernel whenever that moves no
+    more bytes. Under jit the tiling comes from the shapes (``static_qblock_config``) and
+    a runtime ``lax.cond`` still runs the per-query kernel whenever the query-blocked one
+    would move more KV bytes or is modelled slower.
 
     ``fp8_dequantize``: as for the per-query function (the plan then prices the rows
     the kernels read).
@@ -366,34 +385,113 @@ def sparse_mla_attention_qblock(
     as the per-query function.
     """
     problem = require_tpu_kernels(call)
+    cfg = resolve_config(problem, config)
+    call = call.replace(
+        query_block=call.query_block if call.query_block is not None else cfg.query_block,
+        head_block=call.head_block if call.head_block is not None else cfg.head_block,
+        u_max=call.u_max if call.u_max is not None else cfg.u_max,
+    )
     query_block, head_block = call.query_block, call.head_block
     if query_block is not None and query_block % SUBLANE:
         raise ValueError(f"query_block: got {query_block}, expected a multiple of {SUBLANE}")
     if head_block is not None:
         _head_group(problem.heads, query_block or SUBLANE, head_block, max_rows)  # validates
     check_fp8_dequantize(fp8_dequantize)
+    if query_block is None and head_block is None and _host_values(call):
+        return _host_planned(call, max_rows=max_rows, fp8_dequantize=fp8_dequantize, cfg=cfg)
     interpret = resolve_interpret(call.interpret)
     forward = functools.partial(
-        _forward, max_rows=max_rows, fp8_dequantize=fp8_dequantize, interpret=interpret
+        _forward, max_rows=max_rows, fp8_dequantize=fp8_dequantize, interpret=interpret, cfg=cfg
     )
-    return sparse_mla_result(call, forward, interpret=interpret)
+    return sparse_mla_result(call, forward, interpret=interpret, config=cfg)
 
 
-def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret):
-    """The planned kernel's ``(out, lse)`` (the LSE always) for a validated call."""
+def _host_values(call: SparseMlaCall) -> bool:
+    """Every array of the call holds values (an eager call), the query one array."""
+    ragged = call.ragged_kwargs()
+    tables = [ragged[k] for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")]
+    arrays = [call.q, call.indices, call.positions, *(t for t in tables if t is not None)]
+    return not call.problem.is_empty and not isinstance(call.q, tuple) and is_concrete(*arrays)
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "page_size"))
+def _live_keys(problem, page_size, kv, indices, positions, tables):
+    """Every query's unit keys ``[B, S, K]``, ``-1`` where none or not readable."""
+    space = unit_space(problem, kv, indices, positions, page_size=page_size, **tables)
+    return jnp.where(space.unit_ok, space.keys, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_op(per_query: bool, static: tuple):
+    """The per-query or query-blocked op with the keywords ``static`` fixed, jitted."""
+    op = sparse_mla_attention if per_query else sparse_mla_attention_qblock
+    return jax.jit(functools.partial(op, **dict(static)))
+
+
+def _host_planned(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg):
+    """An eager call with automatic tiling: the plan from host-side counts (numpy), then
+    the planned kernel and its tables under one ``jax.jit`` (dispatching the table
+    building op by op cost ~120 ms on a v5e; the plan's counting is ``O(S K + blocks x
+    units)`` numpy)."""
+    problem = call.problem
+    ragged = call.ragged_kwargs()
+    tables = {k: v for k, v in ragged.items() if k != "page_size"}
+    keys = np.asarray(
+        _live_keys(problem, ragged["page_size"], call.kv, call.indices, call.positions, tables)
+    )
+    kv = call.kv
+    plan = choose_plan(
+        distinct_per_query=host_distinct_units(keys),
+        union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),
+        max_rows=max_rows,
+        heads=problem.heads,
+        top_k=problem.top_k,
+        num_units=problem.num_units,
+        read_block=problem.read_block,
+        dk_pad=problem.dk_pad,
+        dv=problem.dv,
+        itemsize=query_dtype(kv).itemsize,
+        row_bytes=row_bytes(kv, problem.dk_pad),
+        chip=default_chip(),
+        config=cfg,
+    )
+    static = dict(
+        sm_scale=problem.sm_scale,
+        kv_lora_rank=problem.dv,
+        read_block=problem.read_block,
+        return_lse=call.return_lse,
+        return_attn_mass=call.return_attn_mass,
+        page_size=ragged["page_size"],
+        debug_checks=call.debug_checks,
+        interpret=call.interpret,
+        fp8_dequantize=fp8_dequantize,
+        config=cfg,
+    )
+    per_query = plan.kernel == "per_query"
+    if not per_query:
+        u_max = call.u_max if call.u_max is not None else plan.u_max
+        static.update(
+            query_block=plan.query_block, head_block=plan.head_block, u_max=u_max,
+            max_rows=max_rows,
+        )  # fmt: skip
+    fn = _jitted_op(per_query, tuple(sorted(static.items())))
+    return fn(call.q, kv, call.indices, call.positions, **tables)
+
+
+def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, cfg):
+    """The planned kernel's ``(out, lse)`` for a validated call."""
     problem = call.problem
     q, indices, positions = call.q, call.indices, call.positions
     query_block, u_max, head_block = call.query_block, call.u_max, call.head_block
-    return_lse = True
     kv, ragged = fp8_copy(problem, call.kv, call.ragged_kwargs(), fp8_dequantize)
     space = unit_space(problem, kv, indices, positions, **ragged)
     per_query = functools.partial(
-        _per_query, problem, q, kv, indices, positions, return_lse=return_lse,
-        interpret=interpret, **ragged,
+        _per_query, problem, q, kv, indices, positions, interpret=interpret, config=cfg,
+        **ragged,
     )  # fmt: skip
     qblock = functools.partial(
-        _qblock, problem, q, kv, space, return_lse=return_lse, interpret=interpret,
-        page_size=ragged["page_size"], page_indices=ragged["page_indices"],
+        _qblock, problem, q, space, interpret=interpret, cfg=cfg,
+        page_indices=ragged["page_indices"],
     )  # fmt: skip
     shape_args = dict(
         heads=problem.heads,
@@ -405,6 +503,7 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret):
         itemsize=query_dtype(kv).itemsize,
         row_bytes=row_bytes(kv, problem.dk_pad),
         chip=default_chip(),
+        config=cfg,
     )
     if query_block is not None or head_block is not None:  # explicit tiling: no fallback
         qb = query_block or static_qblock_config(**shape_args, max_rows=max_rows)[0]
@@ -412,27 +511,11 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret):
         return qblock(query_block=qb, head_block=hb, u_max=u_max)
 
     live_keys = jnp.where(space.unit_ok, space.keys, -1)
-    if is_concrete(live_keys):
-        plan = choose_plan(
-            distinct_per_query=np.asarray(distinct_units_per_query(live_keys)),
-            union_sizes={
-                qb: np.asarray(block_union_sizes(space.keys, query_block=qb))
-                for qb in AUTO_QUERY_BLOCKS
-            },
-            max_rows=max_rows,
-            **shape_args,
-        )
-        if plan.kernel == "per_query":
-            return per_query()
-        return qblock(
-            query_block=plan.query_block,
-            head_block=plan.head_block,
-            u_max=u_max if u_max is not None else plan.u_max,
-        )
     # Under jit the unions are data: plan from the shapes, then decide at run time. The
     # query-blocked kernel runs only if it moves fewer KV bytes (DMAs of one unit each)
     # and the model predicts it faster; otherwise (and on ties) the per-query kernel.
     qb, hb, plan_u_max = static_qblock_config(**shape_args, max_rows=max_rows)
+    qb = min(qb, -(-problem.num_queries // SUBLANE) * SUBLANE)  # no block past the queries
     plan_u_max = u_max if u_max is not None else plan_u_max
     unions = block_union_sizes(space.keys, query_block=qb)
     distinct = distinct_units_per_query(live_keys)
@@ -441,16 +524,13 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret):
     qblock_s = qblock_seconds(unions, query_block=qb, head_block=hb, u_max=plan_u_max, **shape_args)
     per_query_s = per_query_seconds(distinct, **shape_args)
     return jax.lax.cond(
-        (qblock_dmas < per_query_dmas) & (qblock_s < per_query_s),
+        (qblock_dmas * MIN_SHARING <= per_query_dmas) & (qblock_s < per_query_s),
         lambda: qblock(query_block=qb, head_block=hb, u_max=plan_u_max),
         per_query,
     )
 
 
-def _qblock(
-    problem, q, kv, space, *, query_block, head_block, u_max, return_lse, interpret, page_size,
-    page_indices,
-):  # fmt: skip
+def _qblock(problem, q, space, *, query_block, head_block, u_max, interpret, cfg, page_indices):
     """Build the chunked union tables and run the query-blocked kernel."""
     batch, seq, heads = problem.batch, problem.num_queries, problem.heads
     rb, dk_pad, dv = problem.read_block, problem.dk_pad, problem.dv
@@ -466,12 +546,16 @@ def _qblock(
         functools.partial(build_block_unit_tables, query_block=query_block, u_max=width)
     )(space.keys)
     n_blocks = tables.units.shape[1]
+    store = space.store
     if problem.ragged:
-        src8, ok = unit_source(
-            tables.units, page_indices=page_indices, page_size=page_size, num_pages=kv.shape[0]
+        addr, ok = unit_source(
+            tables.units,
+            page_indices=page_indices,
+            rows_per_page=rb if store.kind == "rows" else None,
+            num_pages=store.arrays[0].shape[0] // (rb if store.kind == "rows" else 1),
         )
     else:
-        src8, ok = unit_source(
+        addr, ok = unit_source(
             tables.units, flat_rows_per_batch=problem.num_units * rb, read_block=rb
         )
     member = jnp.where(ok[:, :, None, :], tables.member, 0).astype(jnp.int8)
@@ -479,13 +563,13 @@ def _qblock(
     # Unit tables [B, nQB * C, 1, UC]: a (1, UC) SMEM block per (block, chunk) keeps the
     # last two block dims equal to the array's, as Mosaic requires.
     kb = (jnp.maximum(tables.units, 0) * rb).reshape(batch, n_blocks * n_chunks, 1, u_chunk)
-    src8 = src8.reshape(batch, n_blocks * n_chunks, 1, u_chunk)
+    addr = addr.reshape(batch, n_blocks * n_chunks, 1, u_chunk)
     unions = tables.counts.reshape(batch * n_blocks)
 
     seq_pad = n_blocks * query_block
     lim = jnp.pad(space.lim, ((0, 0), (0, seq_pad - seq)))  # padded queries: lim 0
     lim = lim.reshape(batch, n_blocks, 1, query_block)
-    q5 = pad_features(q.astype(query_dtype(kv)), dk_pad)
+    q5 = pad_features(q.astype(store.dtype), dk_pad)
     q5 = jnp.pad(q5, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0)))
     q5 = q5.reshape(batch, n_blocks, query_block, groups, head_block, dk_pad)
     q5 = q5.transpose(0, 1, 3, 4, 2, 5)
@@ -493,23 +577,23 @@ def _qblock(
 
     out, lse = _qblock_call(
         q5,
-        store_arrays(space.store),
+        store.arrays,
         kb,
-        src8,
+        addr,
         unions,
         lim,
         member,
+        kind=store.kind,
         sm_scale=problem.sm_scale,
         dk=problem.dk,
         dv=dv,
         rb=rb,
         heads_per_group=head_block,
+        cfg=cfg,
         interpret=interpret,
     )
     out = out.reshape(batch, n_blocks, groups, head_block, query_block, dv)
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, seq_pad, heads, dv)[:, :seq]
-    if not return_lse:
-        return out
     lse = lse.reshape(batch, n_blocks, groups, head_block, query_block)
     lse = lse.transpose(0, 1, 4, 2, 3).reshape(batch, seq_pad, heads)[:, :seq]
     return out, lse

@@ -1,0 +1,593 @@
+"""The TPU sparse-MLA benchmark suite (``attn bench sparse-mla`` on a TPU;
+``benchmarks/tpu_sparse_mla.py``).
+
+Every row is timed in one run, wall clock (median of ``--iterations`` calls after a
+warm-up, each call waited for), against the XLA reference on the same inputs where it
+fits, and against the chip's bound, computed in the same run:
+
+* ``bytes``: the HBM bytes the kernel must read (each selected unit's rows once per query
+  for the per-query kernel; the block unions for the query-blocked one) at the chip's
+  HBM rate (819 GB/s on a v5e, its datasheet rate);
+* ``mxu``: the matrix work at the bf16 matmul rate measured in the same run (an 8192^3
+  product): useful work (valid query-key pairs) and, for the query-blocked kernel, the
+  masked work it computes (block union tokens x ``QB * H`` score rows).
+
+Cases (``CASES``; selections from ``attn_common.picks``, whose docstring documents the
+overlapping family's parameters):
+
+* ``prefill-random-u{16,32,64}-h{16,64}``: 1024 queries at the end of a 32K flat cache,
+  each selecting 2048 tokens as units of 16 / 32 / 64 uniformly at random;
+* ``prefill-overlap-u64-h{4,16,64}``: 2048 queries at the end of a 110,592-token flat
+  cache, 32 units of 64 each, overlapping picks;
+* ``decode-u64-h{16,64}``: ragged paged, 64 requests x 2 tokens, each request 32K tokens,
+  each token 32 pages of 64 (random), the pool holding every request's pages;
+* ``decode-pool-{1,8}x``: 8 requests x 2 tokens over a pool of 4,096 pages and one 8x
+  larger: the time must not follow the pool;
+* ``train-random-u64-h16`` / ``train-overlap-u64-h16``: ``jax.grad`` of a loss on out and
+  LSE w.r.t. q and the cache, against XLA's gradient of the reference;
+* ``eager-overlap-u64-h16``: the query-blocked front door called with host-value inputs
+  (planning on the host included) against the same call under ``jit``.
+
+``--sweep`` also times a grid of tilings per case (``SparseMlaConfig``, and the
+query-blocked kernel's query blocks and head groups), the data the cost model is fitted
+to (``attn_pallas_tpu.plan``). ``--smoke`` runs tiny shapes in interpret mode (any
+machine). Writes ``tpu_sparse_mla.json`` (rows with ``kernel``, ``mode``, ``picks``,
+``unit``, ``heads``, ``ms``, ``bound_ms``, ``xla_ms``; top-level ``commit``, ``device``)
+and ``.md`` (and ``.svg`` with matplotlib) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attn_pallas_tpu as tpu
+from attn_common import padded_dk
+from attn_common.cli_args import provenance
+from attn_common.dispatch import load_backend
+from attn_common.picks import decode_picks, overlapping_picks, random_picks
+from attn_common.tables import kv_packing
+from attn_pallas_tpu._prep import default_chip
+from attn_pallas_tpu.config import SparseMlaConfig
+from attn_pallas_tpu.plan import host_union_sizes
+
+DK, DV = 576, 512
+SM_SCALE = 1.0 / math.sqrt(192.0)
+RESULT = "tpu_sparse_mla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str  # "prefill" | "decode" | "train" | "eager"
+    picks: str  # "random" | "overlapping" | "decode"
+    unit: int
+    heads: int
+    queries: int  # flat: queries at the end of the cache; paged: requests x tokens
+    kv_len: int  # flat: cache tokens; paged: tokens per request
+    top_k_tokens: int
+    requests: int = 0  # paged only
+    pool_pages: int = 0  # paged: physical pages (>= the requests' pages)
+
+    @property
+    def top_k(self) -> int:
+        return self.top_k_tokens // self.unit
+
+    @property
+    def paged(self) -> bool:
+        return self.requests > 0
+
+
+def _cases() -> tuple[Case, ...]:
+    out = []
+    for unit in (16, 32, 64):
+        for h in (16, 64):
+            out.append(Case(f"prefill-random-u{unit}-h{h}", "prefill", "random", unit, h,
+                            1024, 32768, 2048))  # fmt: skip
+    for h in (4, 16, 64):
+        out.append(Case(f"prefill-overlap-u64-h{h}", "prefill", "overlapping", 64, h, 2048,
+                        110592, 2048))  # fmt: skip
+    for h in (16, 64):
+        out.append(Case(f"decode-u64-h{h}", "decode", "random", 64, h, 128, 32768, 2048,
+                        requests=64, pool_pages=64 * 512))  # fmt: skip
+    for grow in (1, 8):
+        out.append(Case(f"decode-pool-{grow}x", "decode", "random", 64, 16, 16, 32768, 2048,
+                        requests=8, pool_pages=8 * 512 * grow))  # fmt: skip
+    out.append(Case("train-random-u64-h16", "train", "random", 64, 16, 1024, 32768, 2048))
+    out.append(Case("train-overlap-u64-h16", "train", "overlapping", 64, 16, 2048, 110592, 2048))
+    out.append(Case("eager-overlap-u64-h16", "eager", "overlapping", 64, 16, 2048, 110592, 2048))
+    return tuple(out)
+
+
+CASES = _cases()
+SMOKE_CASES = (
+    Case("prefill-random-smoke", "prefill", "random", 16, 2, 16, 256, 64),
+    Case("prefill-overlap-smoke", "prefill", "overlapping", 16, 2, 16, 256, 64),
+    Case("decode-smoke", "decode", "random", 16, 2, 4, 256, 64, requests=2, pool_pages=40),
+    Case("train-random-smoke", "train", "random", 16, 2, 8, 256, 64),
+    Case("eager-overlap-smoke", "eager", "overlapping", 16, 2, 16, 256, 64),
+)
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def make_inputs(case: Case, seed: int = 0) -> dict:
+    """``args`` / ``kwargs`` of ``sparse_mla_attention`` and the host-side ``idx``."""
+    rng = np.random.default_rng(seed)
+    k_q, k_kv = jax.random.split(jax.random.PRNGKey(seed))
+    q = jax.random.normal(k_q, (1, case.queries, case.heads, DK), jnp.bfloat16)
+    kw = {"sm_scale": SM_SCALE, "kv_lora_rank": DV, "read_block": case.unit}
+    if not case.paged:
+        pos = np.arange(case.kv_len - case.queries, case.kv_len, dtype=np.int32)
+        pick = overlapping_picks if case.picks == "overlapping" else random_picks
+        idx = pick(rng, pos, unit=case.unit, k=case.top_k)
+        kv = jax.random.normal(k_kv, (1, case.kv_len, DK), jnp.bfloat16)
+        args = (q, kv, jnp.asarray(idx)[None], jnp.asarray(pos)[None])
+        return {"args": args, "kwargs": kw, "idx": idx, "pos": pos}
+    ps, n_req = case.unit, case.requests
+    tokens = case.queries // n_req
+    pages = -(-case.kv_len // ps)
+    if n_req * pages > case.pool_pages:
+        raise ValueError(f"{case.name}: {n_req * pages} pages > pool {case.pool_pages}")
+    seq_lens = np.full(n_req, case.kv_len, np.int32)
+    cu_kv = (np.arange(n_req + 1) * pages * ps).astype(np.int32)
+    page_indices = rng.permutation(case.pool_pages)[: n_req * pages].astype(np.int32)
+    pos = np.concatenate([np.arange(case.kv_len - tokens, case.kv_len)] * n_req).astype(np.int32)
+    idx = decode_picks(rng, pos, unit=ps, k=case.top_k, tokens=tokens, share=0.0)
+    pk = kv_packing(jnp.bfloat16)
+    cache = jax.random.normal(k_kv, (case.pool_pages, ps // pk, pk, padded_dk(DK)), jnp.bfloat16)
+    tables = {
+        "page_size": ps,
+        "q_seq_id": jnp.asarray(np.repeat(np.arange(n_req), tokens).astype(np.int32)),
+        "seq_lens": jnp.asarray(seq_lens),
+        "cu_kv_lens": jnp.asarray(cu_kv),
+        "page_indices": jnp.asarray(page_indices),
+    }
+    args = (q, cache, jnp.asarray(idx)[None], jnp.asarray(pos)[None])
+    return {"args": args, "kwargs": {**kw, **tables}, "idx": idx, "pos": pos}
+
+
+def _valid_tokens(case: Case, idx, pos) -> int:
+    """Valid (query, key token) pairs: selected units' tokens at or before the position."""
+    sel = idx >= 0
+    first = np.where(sel, idx * case.unit, 0)
+    per = np.clip(pos[:, None] - first + 1, 0, case.unit)
+    return int(np.where(sel, per, 0).sum())
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def wall_ms(fn, *args, iterations: int) -> float:
+    """Median wall-clock ms of ``fn(*args)`` after one warm-up call, each call waited."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def matmul_tflops(smoke: bool) -> float:
+    """The bf16 matmul rate of this chip, measured (8192^3, random data)."""
+    n = 256 if smoke else 8192
+    a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+    ms = wall_ms(f, a, b, iterations=3 if smoke else 10)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def rel_l2(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    finite = np.isfinite(want)
+    num = np.linalg.norm(np.where(finite, got - want, 0.0))
+    return float(num / max(np.linalg.norm(np.where(finite, want, 0.0)), 1e-30))
+
+
+# ------------------------------------------------------------------------------ the suite
+
+
+class Runner:
+    def __init__(self, args):
+        self.smoke = args.smoke
+        self.iterations = 1 if args.smoke else args.iterations
+        self.extra = {"interpret": True} if args.smoke else {}
+        self.out = Path(args.out)
+        self.sweep = args.sweep
+        self.rows: list[dict] = []
+        chip = default_chip()
+        self.hbm = chip.hbm_bytes_per_s
+        self.mxu = matmul_tflops(self.smoke) * 1e12
+        self.meta = {
+            **provenance(),
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "chip": chip.name,
+            "matmul_tflops": self.mxu / 1e12,
+            "hbm_gbps": self.hbm / 1e9,
+        }
+        print(json.dumps(self.meta), flush=True)
+
+    def record(self, **row) -> None:
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / f"{RESULT}.json", "w") as f:
+            json.dump({**self.meta, "rows": self.rows}, f, indent=1)
+        write_report({**self.meta, "rows": self.rows}, self.out)  # a cut run keeps its rows
+
+    def fn(self, kernel: str, config=None, **knobs):
+        extra = dict(self.extra, **knobs)
+        if config is not None:
+            extra["config"] = config
+        if kernel == "per-query":
+            f = tpu.sparse_mla_attention
+        elif kernel == "qblock":
+            f = tpu.sparse_mla_attention_qblock
+        else:  # the reference, through the front door (a backend imports no other)
+            f, extra = load_backend("reference").sparse_mla_attention, {}
+        return lambda *a, **kw: f(*a, **kw, **extra)
+
+    def time_forward(self, case, inputs, kernel, config=None, **knobs):
+        args, kw = inputs["args"], dict(inputs["kwargs"], return_lse=True)
+        f = self.fn(kernel, config, **knobs)
+        jitted = jax.jit(lambda *a: f(*a, **kw))
+        out = jitted(*args)
+        return wall_ms(jitted, *args, iterations=self.iterations), out
+
+    def bounds(self, case, inputs, plan=None) -> dict:
+        idx, pos = inputs["idx"], inputs["pos"]
+        unit_bytes = case.unit * padded_dk(DK) * 2
+        distinct = np.array([len(set(r[r >= 0].tolist())) for r in idx])
+        valid = _valid_tokens(case, idx, pos)
+        useful = 2 * case.heads * (DK + DV) * valid
+        out = {
+            "bytes_ms": distinct.sum() * unit_bytes / self.hbm * 1e3,
+            "useful_mxu_ms": useful / self.mxu * 1e3,
+            "valid_pairs": valid,
+        }
+        if not case.paged:
+            unions = host_union_sizes(idx[None], (8, 16, 32, 64, 128, 256))
+            out["unions"] = {str(k): float(v.mean()) for k, v in unions.items()}
+        return out
+
+    def run_case(self, case: Case) -> None:
+        inputs = make_inputs(case)
+        base = dict(case=case.name, mode=case.mode, picks=case.picks, unit=case.unit,
+                    heads=case.heads, queries=case.queries)  # fmt: skip
+        bounds = self.bounds(case, inputs)
+        if case.mode in ("prefill", "decode"):
+            self._forward_rows(case, inputs, base, bounds)
+        elif case.mode == "train":
+            self._train_rows(case, inputs, base, bounds)
+        else:
+            self._eager_rows(case, inputs, base, bounds)
+
+    def _xla(self, case, inputs):
+        if case.paged and case.pool_pages > 4 * case.requests * (case.kv_len // case.unit):
+            return None, None
+        try:
+            return self.time_forward(case, inputs, "xla")
+        except Exception as e:
+            print(f"xla {case.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return None, None
+
+    def pool_ops(self, case, inputs) -> list[str]:
+        """HLO instructions of the compiled per-query call whose result has the pool's
+        leading dimension (a relayout of the pool would show here)."""
+        args, kw = inputs["args"], dict(inputs["kwargs"], return_lse=True)
+        f = self.fn("per-query")
+        text = jax.jit(lambda *a: f(*a, **kw)).lower(*args).compile().as_text()
+        key = f"[{case.pool_pages},"
+        return [ln.strip()[:160] for ln in text.splitlines() if key in ln and " = " in ln][:20]
+
+    def split_ms(self, case, inputs) -> dict:
+        """The per-query call's parts, each jitted alone: the XLA-side tables (unit
+        space, compaction, step tables) and the kernel on prebuilt tables."""
+        from attn_common.spec import sparse_mla_call
+        from attn_pallas_tpu._prep import pad_features, program_tables, unit_space
+        from attn_pallas_tpu.sparse_mla import _per_query_call, resolve_config
+
+        args, kw = inputs["args"], inputs["kwargs"]
+        call = sparse_mla_call(*args, **kw)
+        problem, cfg = call.problem, resolve_config(call.problem, None)
+        ragged = call.ragged_kwargs()
+        n = problem.batch * problem.num_queries
+
+        def prep(kv, idx, pos, ragged):
+            space = unit_space(problem, kv, idx, pos, **ragged)
+            return program_tables(space, problem.read_block, cfg, n)[0]
+
+        prep_j = jax.jit(prep)
+        tables = prep_j(args[1], args[2], args[3], ragged)
+        space = unit_space(problem, args[1], args[2], args[3], **ragged)
+        n_pad = tables.meta.shape[0] * cfg.queries_per_program
+        q = pad_features(args[0], problem.dk_pad).reshape(n, problem.heads, -1)
+        q = jnp.pad(q, ((0, n_pad - n), (0, 0), (0, 0)))
+        static = dict(kind=space.store.kind, sm_scale=problem.sm_scale, dk=problem.dk,
+                      dv=problem.dv, rb=problem.read_block, cfg=cfg, interpret=self.smoke)  # fmt: skip
+        arrays = space.store.arrays
+        prep_ms = wall_ms(prep_j, args[1], args[2], args[3], ragged, iterations=self.iterations)
+        kernel = jax.jit(lambda q, a, t: _per_query_call(q, a, t, **static))
+        kernel_ms = wall_ms(kernel, q, arrays, tables, iterations=self.iterations)
+        return {"prep_ms": prep_ms, "kernel_ms": kernel_ms}
+
+    def _forward_rows(self, case, inputs, base, bounds):
+        if case.paged and not self.smoke:
+            try:
+                base = dict(base, **self.split_ms(case, inputs))
+            except Exception as e:
+                base = dict(base, split_error=_err(e))
+            try:
+                base = dict(base, pool_pages=case.pool_pages, pool_ops=self.pool_ops(case, inputs))
+            except Exception as e:
+                base = dict(base, pool_ops=_err(e))
+        xla_ms, want = self._xla(case, inputs)
+        for kernel in ("per-query", "qblock"):
+            ms, got = self.time_forward(case, inputs, kernel)
+            err = rel_l2(got[0], want[0]) if want is not None else None
+            bound = bounds["bytes_ms"] if kernel == "per-query" else None
+            row = dict(base, kernel=kernel, ms=ms, bound_ms=bound, xla_ms=xla_ms, err=err,
+                       **{k: v for k, v in bounds.items() if k != "unions"})  # fmt: skip
+            if kernel == "qblock":
+                row.update(self._qblock_bounds(case, inputs, bounds))
+            self.record(**row)
+        if self.sweep:
+            self._sweep(case, inputs, base, bounds)
+
+    def _qblock_bounds(self, case, inputs, bounds) -> dict:
+        """The automatic plan of the query-blocked front door and its masked MXU bound."""
+        from attn_pallas_tpu.plan import describe_plan
+
+        plan = self.plan(case, inputs)
+        row = {"plan": describe_plan(plan), "plan_ms_model": plan.predicted_s * 1e3}
+        if plan.kernel == "qblock":
+            u = host_union_sizes(inputs["idx"][None], (plan.query_block,))[plan.query_block]
+            rows = plan.query_block * case.heads
+            work = 2 * float(u.sum()) * case.unit * rows * (padded_dk(DK) + DV)
+            row["bound_ms"] = work / self.mxu * 1e3
+            row["union_bytes_ms"] = float(u.sum()) * case.unit * padded_dk(DK) * 2 / self.hbm * 1e3
+        else:
+            row["bound_ms"] = bounds["bytes_ms"]
+        return row
+
+    def plan(self, case, inputs):
+        from attn_pallas_tpu.plan import choose_plan, distinct_units_per_query
+
+        idx = inputs["idx"]
+        keys = np.where(idx >= 0, idx, -1)[None]
+        return choose_plan(
+            distinct_per_query=np.asarray(distinct_units_per_query(jnp.asarray(keys))),
+            union_sizes=host_union_sizes(keys, (8, 16, 32, 64, 128, 256)),
+            heads=case.heads, top_k=case.top_k, num_units=-(-case.kv_len // case.unit),
+            read_block=case.unit, dk_pad=padded_dk(DK), dv=DV, itemsize=2, chip=default_chip(),
+        )  # fmt: skip
+
+    def _sweep(self, case, inputs, base, bounds):
+        for cfg in sweep_configs(case):
+            try:
+                ms, _ = self.time_forward(case, inputs, "per-query", cfg)
+                self.record(**base, kernel="per-query", sweep=True, ms=ms,
+                            config=dataclasses.asdict(cfg), bound_ms=bounds["bytes_ms"])  # fmt: skip
+            except Exception as e:
+                self.record(**base, kernel="per-query", sweep=True, error=_err(e),
+                            config=dataclasses.asdict(cfg))  # fmt: skip
+        if case.paged:
+            return
+        for qb, hb, g in qblock_sweep(case):
+            cfg = SparseMlaConfig(units_per_step=g, ring_slots=4)
+            try:
+                ms, _ = self.time_forward(
+                    case, inputs, "qblock", cfg, query_block=qb, head_block=hb
+                )
+                self.record(**base, kernel="qblock", sweep=True, ms=ms, query_block=qb,
+                            head_block=hb, config=dataclasses.asdict(cfg))  # fmt: skip
+            except Exception as e:
+                self.record(**base, kernel="qblock", sweep=True, query_block=qb, head_block=hb,
+                            error=_err(e), config=dataclasses.asdict(cfg))  # fmt: skip
+
+    def _train_rows(self, case, inputs, base, bounds):
+        args, kw = inputs["args"], dict(inputs["kwargs"], return_lse=True)
+        q, kv = args[:2]
+        cot = jax.random.normal(jax.random.PRNGKey(7), (*q.shape[:3], DV), jnp.float32)
+
+        def loss_of(kernel):
+            f = self.fn(kernel)
+
+            def loss(q, kv):
+                out, lse = f(q, kv, *args[2:], **kw)
+                return jnp.sum(out * cot) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+            return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+        xla_ms = want = None
+        try:
+            g = loss_of("xla")
+            want = g(q, kv)
+            xla_ms = wall_ms(g, q, kv, iterations=max(1, self.iterations // 2))
+        except Exception as e:
+            print(f"xla grad {case.name}: {_err(e)}", flush=True)
+        for kernel in ("per-query", "qblock"):
+            g = loss_of(kernel)
+            got = g(q, kv)
+            ms = wall_ms(g, q, kv, iterations=self.iterations)
+            fwd_ms, _ = self.time_forward(case, inputs, kernel)
+            err = None if want is None else [rel_l2(a, b) for a, b in zip(got, want, strict=True)]
+            self.record(**base, kernel=kernel, ms=ms, fwd_ms=fwd_ms, xla_ms=xla_ms, err=err,
+                        bound_ms=None, **{k: v for k, v in bounds.items() if k != "unions"})  # fmt: skip
+
+    def _eager_rows(self, case, inputs, base, bounds):
+        args = inputs["args"]
+        kw = dict(inputs["kwargs"], return_lse=True)
+        # Host-value indices and positions (the eager front door plans on them); q and
+        # the cache stay on the device, as in a serving loop.
+        host = (args[0], args[1], np.asarray(args[2]), np.asarray(args[3]))
+        f = self.fn("qblock")
+        jax.block_until_ready(f(*host, **kw))  # compiles
+        times = []
+        for _ in range(self.iterations):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*host, **kw))
+            times.append(time.perf_counter() - t0)
+        eager_ms = statistics.median(times) * 1e3
+        jit_ms, _ = self.time_forward(case, inputs, "qblock")
+        self.record(**base, kernel="qblock", ms=eager_ms, jit_ms=jit_ms,
+                    host_ms=eager_ms - jit_ms, bound_ms=None, xla_ms=None)  # fmt: skip
+
+
+def sweep_configs(case: Case) -> list[SparseMlaConfig]:
+    """Per-query tilings the sweep times: one query a program with a 4-slot ring of one
+    unit (the earlier kernel's schedule), then units per step x ring slots at 8 queries
+    a program."""
+    out = [SparseMlaConfig(units_per_step=1, ring_slots=4, queries_per_program=1)]
+    qp = min(8, case.queries)
+    for g in (1, 2, 4, 8, 16):
+        if g * case.unit > 1024 or g > case.top_k:
+            continue
+        for slots in (3,):
+            out.append(SparseMlaConfig(units_per_step=g, ring_slots=slots, queries_per_program=qp))
+    return out
+
+
+def qblock_sweep(case: Case) -> list[tuple[int, int, int]]:
+    """(query_block, head_block, units_per_step) the sweep times for the query-blocked
+    kernel."""
+    out = []
+    for qb in (32, 64, 128):
+        if qb > case.queries:
+            continue
+        hb = case.heads
+        while hb * qb > 4096:
+            hb //= 2
+        for g in (4, 8, 16):
+            out.append((qb, hb, g))
+    return out
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def write_report(result: dict, out: Path) -> Path:
+    """``tpu_sparse_mla.md``: the suite's rows (sweep rows summarised by their best)."""
+    rows = [r for r in result["rows"] if not r.get("sweep")]
+    lines = [
+        "# TPU sparse MLA: results",
+        "",
+        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
+        f"{result.get('commit')}; bf16 matmul {result.get('matmul_tflops', 0):.0f} TFLOP/s "
+        f"measured, HBM {result.get('hbm_gbps', 0):.0f} GB/s. Wall clock, median.",
+        "",
+        "| case | kernel | ms | bound ms | x bound | XLA ms | x XLA | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms, bound, xla = r.get("ms"), r.get("bound_ms"), r.get("xla_ms")
+        notes = []
+        for key in ("plan", "fwd_ms", "prep_ms", "kernel_ms", "jit_ms", "host_ms", "err"):
+            if r.get(key) is not None:
+                v = r[key]
+                notes.append(f"{key} {v:.3g}" if isinstance(v, float) else f"{key} {v}")
+        lines.append(
+            f"| {r['case']} | {r['kernel']} | {_f(ms)} | {_f(bound)} | "
+            f"{_f(ms / bound if ms and bound else None)} | {_f(xla)} | "
+            f"{_f(xla / ms if ms and xla else None)} | {'; '.join(notes)} |"
+        )
+    path = out / f"{RESULT}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_plot(result: dict, path: Path) -> bool:
+    """``tpu_sparse_mla.svg``: per case the kernels' ms against the bound and XLA (log
+    scale); ``False`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in result["rows"] if not r.get("sweep") and r.get("ms") is not None]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.2
+    for i, case in enumerate(cases):
+        mine = {r["kernel"]: r for r in rows if r["case"] == case}
+        bars = [
+            ("per-query", mine.get("per-query", {}).get("ms"), "#1f77b4"),
+            ("query-blocked (auto)", mine.get("qblock", {}).get("ms"), "#ff7f0e"),
+            (
+                "bound",
+                (mine.get("qblock") or mine.get("per-query") or {}).get("bound_ms"),
+                "#2ca02c",
+            ),
+            ("XLA", (mine.get("per-query") or mine.get("qblock") or {}).get("xla_ms"), "#999"),
+        ]
+        for j, (label, v, color) in enumerate(bars):
+            if v:
+                ax.bar(
+                    i + (j - 1.5) * width, v, width, color=color, label=label if i == 0 else None
+                )
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)), cases, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("ms (wall clock, median)")
+    ax.set_title(f"TPU sparse MLA on {result.get('device')} ({result.get('commit', '')[:7]})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _f(x) -> str:
+    return "" if x is None else f"{x:.3g}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the results")
+    p.add_argument("--iterations", type=int, default=10, help="timed calls per row (median)")
+    p.add_argument("--cases", nargs="*", help="substrings of case names to run (default all)")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
+    p.add_argument("--report", metavar="JSON", help="only rewrite the .md and .svg of a JSON")
+    args = p.parse_args(argv)
+    if args.report:
+        result = json.loads(Path(args.report).read_text())
+        out = Path(args.out)
+        write_report(result, out)
+        write_plot(result, out / f"{RESULT}.svg")
+        return 0
+    cases = SMOKE_CASES if args.smoke else CASES
+    if args.cases:
+        cases = [c for c in cases if any(s in c.name for s in args.cases)]
+    runner = Runner(args)
+    for case in cases:
+        try:
+            runner.run_case(case)
+        except Exception as e:
+            traceback.print_exc()
+            runner.record(case=case.name, mode=case.mode, error=_err(e))
+    result = {**runner.meta, "rows": runner.rows}
+    write_report(result, runner.out)
+    write_plot(result, runner.out / f"{RESULT}.svg")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""The one config of the TPU sparse-MLA kernel family, its heuristics and its VMEM estimates.
+
+Every tiling knob of the four sparse-MLA kernels (the per-query forward, the
+query-blocked forward, the dq and dKV backward kernels) lives in
+:class:`SparseMlaConfig`; buffer shapes are derived from it, the kernels read nothing
+else, and the cost model (``attn_pallas_tpu.plan``) prices the same values.
+
+The knobs, and why they exist (docs/tpu_sparse_mla.md has the measurements):
+
+* ``units_per_step`` (``G``): units DMA'd into one ring slot and computed together. A
+  unit is ``read_block`` rows; a step's matmuls see ``G * read_block`` keys, which fills
+  the MXU's 128-row weight tiles at 16-64-token units and pays the per-iteration costs
+  (semaphore waits, the online-softmax rescale of the accumulator) once per ``G`` units.
+* ``ring_slots`` (``S``): steps held in the VMEM ring; ``(S - 1) * G`` unit copies are in
+  flight behind the compute. A unit copy is latency-bound (about a microsecond on a
+  v5e), so the ring must hold several to reach HBM bandwidth.
+* ``queries_per_program`` (``QP``, per-query forward and dq): queries one program walks
+  back to back through one ring, so the ring drains once per ``QP`` queries, not once
+  per query.
+* ``query_block`` / ``head_block`` / ``u_max`` (query-blocked forward): queries and heads
+  per program and the union slots per chunk (``attn_pallas_tpu.sparse_mla_qblock``).
+* ``pairs_per_step`` (dKV): (store block, query) pairs whose query rows are stacked into
+  one step's matmuls.
+
+Fixed by the hardware, not config: ``MEMBER_TILE`` (the int8 sublane tile that aligns the
+query-blocked membership windows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MEMBER_TILE = 32  # int8 sublane tile: membership windows and u_max align to it
+MAX_UNITS_PER_STEP = MEMBER_TILE  # a step's membership rows lie in one int8 tile
+# The heuristic's keys per step and units per step, from a TPU v5e sweep (1024 queries x
+# 2048 tokens of 32K, H 16): time per step ~0.29 us + ~3 ns per key row whatever the ring
+# depth, so steps of 256-512 rows were fastest at 16-, 32- and 64-token units.
+STEP_ROWS = 512
+MAX_DEFAULT_UNITS = 16
+RING_SLOTS = 3  # 3 and 6 slots measured alike: the copies are hidden at 2 steps in flight
+MAX_ROWS = 4096  # default cap on the query-blocked kernel's score rows (Hb * QB)
+PAIR_CHUNK = 128  # dKV (store block, query) pairs per program: bounds its SMEM tables
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: got {value!r}, expected a positive int")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMlaConfig:
+    """Tiling of the TPU sparse-MLA kernels (validated; ``None`` = chosen per call).
+
+    units_per_step: ``G``, a power of two up to 32 (the membership tile).
+    ring_slots: ``S >= 2`` ring slots of ``G`` units; ``(S - 1) * G`` copies in flight.
+    queries_per_program: ``QP`` queries per program of the per-query and dq kernels.
+    query_block / head_block / u_max: the query-blocked kernel's ``QB`` (a multiple of
+      8), ``Hb`` (a divisor of ``H``) and union slots per chunk.
+    pairs_per_step: dKV (store block, query) pairs per step.
+    """
+
+    units_per_step: int = 4
+    ring_slots: int = RING_SLOTS
+    queries_per_program: int = 8
+    query_block: int | None = None
+    head_block: int | None = None
+    u_max: int | None = None
+    pairs_per_step: int = 8
+
+    def __post_init__(self):
+        g = _positive("units_per_step", self.units_per_step)
+        if g & (g - 1) or g > MAX_UNITS_PER_STEP:
+            raise ValueError(
+                f"units_per_step: got {g}, expected a power of two <= {MAX_UNITS_PER_STEP}"
+            )
+        if _positive("ring_slots", self.ring_slots) < 2:
+            raise ValueError(f"ring_slots: got {self.ring_slots}, expected >= 2")
+        _positive("queries_per_program", self.queries_per_program)
+        _positive("pairs_per_step", self.pairs_per_step)
+        if self.query_block is not None and _positive("query_block", self.query_block) % 8:
+            raise ValueError(f"query_block: got {self.query_block}, expected a multiple of 8")
+        if self.head_block is not None:
+            _positive("head_block", self.head_block)
+        if self.u_max is not None:
+            _positive("u_max", self.u_max)
+
+    def replace(self, **changes) -> SparseMlaConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def in_flight(self) -> int:
+        """Unit copies in flight behind the compute."""
+        return (self.ring_slots - 1) * self.units_per_step
+
+    def step_rows(self, read_block: int) -> int:
+        """Keys per step: ``G * read_block``."""
+        return self.units_per_step * read_block
+
+    def u_chunk(self) -> int:
+        """The query-blocked chunk width: ``u_max`` rounded up to the membership tile
+        (``u_max`` must be set)."""
+        if self.u_max is None:
+            raise ValueError("u_max: not set")
+        return -(-self.u_max // MEMBER_TILE) * MEMBER_TILE
+
+
+def default_config(*, read_block: int, top_k: int, num_queries: int) -> SparseMlaConfig:
+    """The heuristic tiling: ``G * read_block`` up to :data:`STEP_ROWS` keys (at most
+    :data:`MAX_DEFAULT_UNITS` units, never more than a query selects, a power of two),
+    :data:`RING_SLOTS` slots and 8 queries per program (fewer for fewer queries)."""
+    g = max(1, min(STEP_ROWS // read_block, MAX_DEFAULT_UNITS, _pow2_floor(max(top_k, 1))))
+    g = _pow2_floor(g)
+    qp = max(1, min(8, num_queries))
+    return SparseMlaConfig(units_per_step=g, ring_slots=RING_SLOTS, queries_per_program=qp)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
+
+
+# ------------------------------------------------------------------------- VMEM estimates
+
+
+def ring_bytes(config: SparseMlaConfig, *, read_block: int, row_bytes: int) -> int:
+    """The unit ring: ``S * G * read_block`` rows of ``row_bytes``."""
+    return config.ring_slots * config.step_rows(read_block) * row_bytes
+
+
+def per_query_vmem_bytes(
+    config: SparseMlaConfig, *, heads, read_block, dk_pad, dv, itemsize, row_bytes, dequantize
+) -> int:
+    """One per-query program: the ring, the double-buffered q / out / lse blocks, the
+    step's scores and rows temporaries and the carried accumulator."""
+    qp, gr = config.queries_per_program, config.step_rows(read_block)
+    blocks = qp * heads * (dk_pad * itemsize + dv * 4 + 4)
+    temps = 4 * heads * gr * 4 + 2 * gr * dk_pad * 4 + 3 * heads * dv * 4
+    if dequantize:
+        temps += gr * dk_pad * 6
+    return 2 * blocks + ring_bytes(config, read_block=read_block, row_bytes=row_bytes) + temps
+
+
+def qblock_vmem_bytes(
+    config: SparseMlaConfig,
+    *,
+    rows: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    row_bytes: int,
+    dequantize: bool = False,
+) -> int:
+    """One query-blocked program (``rows = Hb * QB`` score rows; ``query_block`` and
+    ``u_max`` set): double-buffered q ``[rows, Dk_pad]``, the float32 output accumulator
+    ``[rows, Dv]``, LSE, the int8 membership chunk ``[u_chunk, QB]`` and ``lim``; the
+    ring; the step's score temporaries ``5 x [G * RB, rows]`` float32 and the
+    accumulator update ``2 x [rows, Dv]``; the m / l scratch; FP8: the dequantized rows."""
+    qb, gr = config.query_block, config.step_rows(read_block)
+    blocks = rows * dk_pad * itemsize + rows * dv * 4 + rows * 4
+    blocks += config.u_chunk() * qb + qb * 4
+    temps = 5 * gr * rows * 4 + 2 * rows * dv * 4
+    if dequantize:
+        temps += gr * dk_pad * (4 + 2)
+    ring = ring_bytes(config, read_block=read_block, row_bytes=row_bytes)
+    return 2 * blocks + ring + temps + 2 * rows * 4
+
+
+def vmem_limit(need: int, physical: int) -> int:
+    """The scoped-VMEM request for an estimate ``need``: ``need`` with a quarter of
+    slack, at least 32 MiB, at most the core's physical VMEM."""
+    return int(min(max(need * 5 // 4, 32 << 20), physical))

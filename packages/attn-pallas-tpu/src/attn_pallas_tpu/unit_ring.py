@@ -1,0 +1,308 @@
+"""The VMEM ring every TPU sparse-MLA kernel reads its KV units through, and the step
+tables of the per-query kernels.
+
+A *store* is the KV cache as the kernels see it in HBM (``_prep.Store``):
+
+* ``rows``: 2-D row arrays ``[R, W]``; a unit is ``read_block`` rows from row ``addr``.
+  The flat cache (``[R, Dk_pad]``) and an FP8 cache (``latent [R, 512]`` and bf16
+  ``side [R, 128]``, dequantized in VMEM: ``fp8_rows``).
+* ``pages``: the paged cache in its own layout ``[P, PS / pk, pk, Dk_pad]`` (``pk`` tokens
+  of a 32-bit word per packed row: 2 for bf16, 1 for float32), read in place; a unit is
+  page ``addr``. (Reshaping it to rows would relayout the whole pool on every call: the
+  ``(pk, 128)`` tiles of the 4-D array are not the 2-D array's ``(16, 128)`` ones.)
+
+A ring holds ``S`` slots of ``G`` units (``config.SparseMlaConfig``). Entry ``e`` of a
+step is one DMA per store array into slot rows ``[e * RB, (e + 1) * RB)``, all entries
+of a slot signalling the slot's DMA semaphore (one per array); a wait names the same
+copy. :meth:`UnitRing.words` reads a slot as 32-bit words ``[G * RB / pk, Dk_pad]``:
+word row ``i`` packs tokens ``i * pk .. i * pk + pk - 1`` (low half first), for both
+kinds (a bf16 row array's ``(16, 128)`` tile packs row pairs the same way), so one
+integer AND masks rows and feature lanes without touching their values, and a bitcast
+gives the ``[G * RB, Dk_pad]`` rows in token order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attn_pallas_tpu.fp8_rows import dequantize_rows
+
+FAR = 1 << 30  # position of a step entry that holds no unit: never < any lim
+_LO, _HI, _ALL = 0x0000FFFF, 0xFFFF0000, 0xFFFFFFFF
+
+
+class Store(NamedTuple):
+    """The KV store in HBM: ``kind`` "rows" (``arrays`` 2-D) or "pages" (one 4-D array)."""
+
+    kind: str
+    arrays: tuple
+
+    @property
+    def packing(self) -> int:
+        """Tokens per 32-bit word of the rows the MXU takes (2 for bf16 / FP8, 1 f32)."""
+        return 4 // jnp.dtype(self.dtype).itemsize
+
+    @property
+    def dtype(self):
+        """The compute dtype of the rows (bf16 for an FP8 store)."""
+        return jnp.dtype(jnp.bfloat16) if len(self.arrays) == 2 else self.arrays[0].dtype
+
+    @property
+    def width(self) -> int:
+        """``Dk_pad``: features of a row as the kernels compute on it."""
+        if len(self.arrays) == 2:
+            return sum(a.shape[-1] for a in self.arrays)  # FP8: 512 latent + 128 side lanes
+        return self.arrays[0].shape[-1]
+
+    @property
+    def row_bytes(self) -> int:
+        """HBM bytes DMA'd per token."""
+        return sum(a.shape[-1] * jnp.dtype(a.dtype).itemsize for a in self.arrays)
+
+    def num_blocks(self, rb: int) -> int:
+        """Units the store holds."""
+        a = self.arrays[0]
+        return a.shape[0] if self.kind == "pages" else a.shape[0] // rb
+
+
+def ring_scratch(store: Store, *, rb: int, group: int, slots: int) -> list:
+    """VMEM ring buffers for ``store`` (one per array), then the DMA semaphores
+    ``[len(arrays), slots]``."""
+    if store.kind == "pages":
+        (a,) = store.arrays
+        _, rows, pk, width = a.shape
+        bufs = [pltpu.VMEM((slots, group * rows, pk, width), a.dtype)]
+    else:
+        bufs = [pltpu.VMEM((slots, group * rb, a.shape[-1]), a.dtype) for a in store.arrays]
+    return [*bufs, pltpu.SemaphoreType.DMA((len(store.arrays), slots))]
+
+
+class UnitRing:
+    """The kernel-side view of a ring (:func:`ring_scratch`) over a store's HBM refs.
+
+    ``interpret``: the kernel runs in TPU interpret mode, which has no ref bitcast; the
+    one place the kernels' code differs there (:meth:`words`)."""
+
+    def __init__(self, kind: str, hbm, bufs, sems, *, rb: int, interpret: bool):
+        self.kind, self.hbm, self.bufs, self.sems, self.rb = kind, hbm, bufs, sems, rb
+        self.interpret = interpret
+
+    def _copies(self, addr, slot, entry: int):
+        slot = jnp.int32(slot)  # int32 indices, also for a Python int under jax_enable_x64
+        out = []
+        for i, (h, b) in enumerate(zip(self.hbm, self.bufs, strict=True)):
+            if self.kind == "pages":
+                n = h.shape[1]  # packed rows of a page
+                src, dst = h.at[addr], b.at[slot, pl.ds(entry * n, n)]
+            else:  # a unit starts at a multiple of read_block: say so, so the offset lowers
+                row = pl.multiple_of(addr, math.gcd(self.rb, 32))
+                src, dst = h.at[pl.ds(row, self.rb)], b.at[slot, pl.ds(entry * self.rb, self.rb)]
+            out.append(pltpu.make_async_copy(src, dst, self.sems.at[jnp.int32(i), slot]))
+        return out
+
+    def start(self, addr, slot, entry: int) -> None:
+        for c in self._copies(addr, slot, entry):
+            c.start()
+
+    def wait(self, addr, slot, entry: int) -> None:
+        for c in self._copies(addr, slot, entry):
+            c.wait()
+
+    def words(self, slot) -> jax.Array:
+        """The slot as uint32 words ``[G * RB / pk, Dk_pad]`` (FP8: dequantized first)."""
+        if len(self.bufs) == 2:
+            rows = dequantize_rows(self.bufs[0][slot], self.bufs[1][slot])
+            return pltpu.bitcast(rows, jnp.uint32)
+        (buf,) = self.bufs
+        if self.kind == "rows":  # [G RB, D]: a (16, 128) bf16 tile packs row pairs
+            return pltpu.bitcast(buf[slot], jnp.uint32)
+        if self.interpret:  # values: the packed rows in token order
+            v = buf[slot]  # [G PS / pk, pk, D]
+            return pltpu.bitcast(v.reshape(-1, v.shape[-1]), jnp.uint32)
+        # The (pk, 128) tiles hold a word row's pk tokens in one 32-bit word: read the
+        # words as they lie (tpu-inference's paged-attention idiom).
+        view = buf.bitcast(jnp.uint32).at[slot]  # [G PS / pk, 1, D]
+        return view.reshape(view.shape[0], view.shape[2])[...]
+
+
+def entry_positions(kbs, *, rb: int, shape, axis: int, stride: int = 1) -> jax.Array:
+    """Global key position of token ``t = stride * iota(axis)`` of a step whose entry
+    ``e`` starts at position ``kbs[e]`` (``FAR`` for an entry with no unit): ``kbs[e] + t
+    - e * rb`` for ``e = t // rb``. ``len(kbs)`` selects, no division."""
+    t = jax.lax.broadcasted_iota(jnp.int32, shape, axis) * stride
+    base = jnp.full(shape, FAR, jnp.int32)
+    for e, kb in enumerate(kbs):
+        base = jnp.where(t >= e * rb, kb - e * rb, base)
+    return base + t
+
+
+def keep_words(pos_first, lim, pk: int) -> jax.Array:
+    """uint32 AND masks of the word rows whose first token is at ``pos_first``: each
+    token's bits kept iff its position ``< lim``."""
+    if pk == 1:
+        return jnp.where(pos_first < lim, jnp.uint32(_ALL), jnp.uint32(0))
+    lo = jnp.where(pos_first < lim, jnp.uint32(_LO), jnp.uint32(0))
+    hi = jnp.where(pos_first + 1 < lim, jnp.uint32(_HI), jnp.uint32(0))
+    return lo | hi
+
+
+def feature_words(width: int, dk: int) -> jax.Array | None:
+    """uint32 AND mask ``[1, width]`` of the features ``< dk`` (``None`` if all are)."""
+    if dk >= width:
+        return None
+    feat = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    return jnp.where(feat < dk, jnp.uint32(_ALL), jnp.uint32(0))
+
+
+def rows_of(words, dtype, *masks) -> jax.Array:
+    """``words`` ANDed with every mask that is not ``None``, as ``dtype`` rows."""
+    for m in masks:
+        if m is not None:
+            words = words & m
+    return pltpu.bitcast(words, dtype)
+
+
+# ----------------------------------------------------------------- per-query step tables
+
+
+class QuerySteps(NamedTuple):
+    """The per-query kernels' tables for programs of ``QP`` queries (all int32).
+
+    meta:  ``[P, 1, 1 + 2 QP]``: the program's step count, then ``count`` and ``lim`` of
+      each of its queries.
+    steps: ``[P, 1, 2 T]``: per step its query (0..QP-1), then its first unit index;
+      ``T = QP * ceil(K / G)``.
+    addr / kb: ``[P, 1, QP K]``: each query's compacted unit addresses and first token
+      positions (query ``i``'s unit ``j`` at ``i * K + j``).
+    """
+
+    meta: jax.Array
+    steps: jax.Array
+    addr: jax.Array
+    kb: jax.Array
+
+
+def query_steps(addr, kb, count, lim, *, qp: int, group: int) -> QuerySteps:
+    """Step tables from the compacted per-query lists ``addr, kb [N, K]``, ``count
+    [N]``, ``lim [N]`` (``N`` a multiple of ``qp``): a query's units in steps of
+    ``group``, its steps consecutive, the program's queries in order."""
+    n, k = addr.shape
+    p = n // qp
+    per_query = (count + group - 1) // group  # [N]
+    per_query = per_query.reshape(p, qp)
+    ends = jnp.cumsum(per_query, axis=1)  # [P, QP]
+    t_max = qp * (-(-k // group))
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    query = jnp.sum(t[None, None, :] >= ends[:, :, None], axis=1).astype(jnp.int32)  # [P, T]
+    query = jnp.minimum(query, qp - 1)
+    starts = ends - per_query
+    first = (t[None, :] - jnp.take_along_axis(starts, query, axis=1)) * group
+    meta = jnp.concatenate([ends[:, -1:], count.reshape(p, qp), lim.reshape(p, qp)], axis=1).astype(
+        jnp.int32
+    )
+    steps = jnp.concatenate([query, first.astype(jnp.int32)], axis=1)
+    return QuerySteps(
+        meta.reshape(p, 1, -1),
+        steps.reshape(p, 1, -1),
+        addr.reshape(p, 1, qp * k),
+        kb.reshape(p, 1, qp * k),
+    )
+
+
+def query_step_specs(tables: QuerySteps) -> list:
+    """SMEM blocks of program ``i`` of each :class:`QuerySteps` table."""
+
+    def spec(a):
+        return pl.BlockSpec((1, 1, a.shape[-1]), lambda i: (i, 0, 0), memory_space=pltpu.SMEM)
+
+    return [spec(a) for a in tables]
+
+
+class RingWalk:
+    """Steps through a ring: ``entries(t)`` gives step ``t``'s ``G`` entries as
+    ``(addr, kb, live)`` (``kb = FAR`` where dead); steps start ``S - 1`` ahead."""
+
+    def __init__(self, ring: UnitRing, entries, n_steps, *, slots: int):
+        self.ring, self.entries, self.n_steps, self.slots = ring, entries, n_steps, slots
+
+    def _dma(self, t, slot, start: bool):
+        for e, (addr, _, live) in enumerate(self.entries(t)):
+
+            @pl.when(live)
+            def _(addr=addr, e=e):
+                (self.ring.start if start else self.ring.wait)(addr, slot, e)
+
+    def prologue(self):
+        for d in range(self.slots - 1):
+
+            @pl.when(d < self.n_steps)
+            def _(d=d):
+                self._dma(d, d, True)
+
+    def advance(self, t):
+        """Start step ``t + S - 1`` and wait for step ``t``; returns ``t``'s slot."""
+        nxt = t + self.slots - 1
+
+        @pl.when(nxt < self.n_steps)
+        def _():
+            self._dma(nxt, jax.lax.rem(nxt, jnp.int32(self.slots)), True)
+
+        slot = jax.lax.rem(t, jnp.int32(self.slots))
+        self._dma(t, slot, False)
+        return slot
+
+    def words(self, t, slot, *, rb: int, dtype, lim=None, dk: int | None = None):
+        """The step's rows ``[G RB, Dk_pad]`` as ``dtype``: zero where a token's position
+        is ``>= lim`` (entries without a unit always: their ring rows are stale) and, with
+        ``dk``, in the feature padding; plus the kb of each entry."""
+        kbs = [kb for _, kb, _ in self.entries(t)]
+        words = self.ring.words(slot)
+        pk = 4 // jnp.dtype(dtype).itemsize  # tokens per word row
+        pos = entry_positions(kbs, rb=rb, shape=(words.shape[0], 1), axis=0, stride=pk)
+        feat = None if dk is None else feature_words(words.shape[1], dk)
+        keep = keep_words(pos, FAR if lim is None else lim, pk)
+        return rows_of(words, dtype, keep, feat), kbs
+
+
+class StepWalk(RingWalk):
+    """A per-query program's steps over the :class:`QuerySteps` tables: step ``t``
+    covers units ``first_unit(t) ..`` of query ``query(t)`` (shared with the dq kernel)."""
+
+    def __init__(self, tables, ring: UnitRing, *, qp: int, top_k: int, group: int, slots: int):
+        self.meta, self.steps, self.addr, self.kb = tables
+        self.qp, self.k, self.g = qp, top_k, group
+        self.t_max = self.steps.shape[-1] // 2
+        super().__init__(ring, self._entries, self.meta[0, 0, 0], slots=slots)
+
+    def query(self, t):
+        return self.steps[0, 0, t]
+
+    def first_unit(self, t):
+        return self.steps[0, 0, self.t_max + t]
+
+    def count(self, i):
+        return self.meta[0, 0, 1 + i]
+
+    def lim(self, i):
+        return self.meta[0, 0, 1 + self.qp + i]
+
+    def last(self, t):
+        """Whether step ``t`` is its query's last."""
+        return self.first_unit(t) + self.g >= self.count(self.query(t))
+
+    def _entries(self, t):
+        i, j0 = self.query(t), self.first_unit(t)
+        count, out = self.count(i), []
+        for e in range(self.g):
+            j = j0 + e
+            live = j < count
+            slot = i * self.k + jnp.minimum(j, self.k - 1)
+            kb = jnp.where(live, self.kb[0, 0, slot], FAR)
+            out.append((self.addr[0, 0, slot], kb, live))
+        return out

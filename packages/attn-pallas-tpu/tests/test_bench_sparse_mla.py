@@ -1,0 +1,34 @@
+"""The TPU sparse-MLA benchmark suite end to end at tiny shapes in interpret mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attn_pallas_tpu import bench_sparse_mla
+
+
+def test_cases_cover_the_regimes():
+    names = {c.name for c in bench_sparse_mla.CASES}
+    for prefix in ("prefill-random-u16", "prefill-overlap", "decode-u64", "decode-pool-8x",
+                   "train-random", "train-overlap", "eager"):  # fmt: skip
+        assert any(n.startswith(prefix) for n in names), prefix
+    pools = {c.name: c.pool_pages for c in bench_sparse_mla.CASES if "pool" in c.name}
+    assert pools["decode-pool-8x"] == 8 * pools["decode-pool-1x"]
+
+
+@pytest.mark.slow  # interpret-mode kernels, ~30 s
+def test_smoke_suite_writes_rows_and_reports(tmp_path):
+    assert bench_sparse_mla.main(["--smoke", "--out", str(tmp_path), "--cases", "decode",
+                                  "prefill-random", "eager"]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "tpu_sparse_mla.json").read_text())
+    rows = result["rows"]
+    assert {"commit", "device", "matmul_tflops"} <= result.keys()
+    kinds = {(r["case"], r["kernel"]) for r in rows}
+    assert ("decode-smoke", "per-query") in kinds and ("decode-smoke", "qblock") in kinds
+    for r in rows:
+        assert "error" not in r, r
+        if r["mode"] in ("prefill", "decode"):
+            assert r["ms"] > 0 and r["bound_ms"] > 0 and r["err"] < 2e-2
+    assert (tmp_path / "tpu_sparse_mla.md").read_text().count("| decode-smoke |") == 2

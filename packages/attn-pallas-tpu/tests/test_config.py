@@ -1,0 +1,94 @@
+"""The TPU sparse-MLA config, its heuristic and the per-query step tables (CPU only)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attn_pallas_tpu.config import SparseMlaConfig, default_config
+from attn_pallas_tpu.unit_ring import FAR, entry_positions, query_steps
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(units_per_step=3), "power of two"),
+        (dict(units_per_step=64), "power of two"),
+        (dict(units_per_step=0), "positive"),
+        (dict(ring_slots=1), ">= 2"),
+        (dict(queries_per_program=True), "positive int"),
+        (dict(query_block=12), "multiple of 8"),
+        (dict(head_block=0), "positive"),
+        (dict(u_max=-1), "positive"),
+    ],
+)
+def test_config_validates(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SparseMlaConfig(**kwargs)
+
+
+def test_config_derived_sizes():
+    cfg = SparseMlaConfig(units_per_step=8, ring_slots=3, u_max=40)
+    assert cfg.in_flight == 16 and cfg.step_rows(64) == 512 and cfg.u_chunk() == 64
+    with pytest.raises(ValueError, match="u_max"):
+        SparseMlaConfig().u_chunk()
+
+
+@pytest.mark.parametrize(
+    "read_block, top_k, queries, want",
+    [(16, 128, 1024, (16, 8)), (32, 64, 1024, (16, 8)), (64, 32, 1024, (8, 8)),
+     (128, 16, 4, (4, 4)), (64, 3, 1, (2, 1))],
+)  # fmt: skip
+def test_default_config(read_block, top_k, queries, want):
+    cfg = default_config(read_block=read_block, top_k=top_k, num_queries=queries)
+    assert (cfg.units_per_step, cfg.queries_per_program) == want
+    assert cfg.units_per_step * read_block <= 512
+
+
+def _brute_steps(count, qp, g, k):
+    """Per program: (query, first unit) of each step, a query's units in order."""
+    out = []
+    for p in range(len(count) // qp):
+        steps = [(i, j) for i in range(qp) for j in range(0, count[p * qp + i], g)]
+        out.append(steps)
+    return out
+
+
+_steps_jit = jax.jit(query_steps, static_argnames=("qp", "group"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    qp=st.sampled_from([1, 2, 4]),
+    g=st.sampled_from([1, 2, 4]),
+    counts=st.lists(st.integers(0, 6), min_size=8, max_size=8),
+)
+def test_query_steps_match_brute_force(qp, g, counts):
+    k = 6
+    count = np.asarray(counts, np.int32)
+    addr = np.arange(8 * k, dtype=np.int32).reshape(8, k)
+    kb = addr * 16
+    lim = np.arange(8, dtype=np.int32) + 100
+    t = _steps_jit(addr, kb, count, lim, qp=qp, group=g)
+    meta, steps = np.asarray(t.meta)[:, 0], np.asarray(t.steps)[:, 0]
+    t_max = steps.shape[-1] // 2
+    assert t_max == qp * -(-k // g)
+    for p, want in enumerate(_brute_steps(count, qp, g, k)):
+        assert meta[p, 0] == len(want)
+        np.testing.assert_array_equal(meta[p, 1 : 1 + qp], count[p * qp : (p + 1) * qp])
+        np.testing.assert_array_equal(meta[p, 1 + qp :], lim[p * qp : (p + 1) * qp])
+        got = list(zip(steps[p, : len(want)], steps[p, t_max : t_max + len(want)], strict=True))
+        assert got == want
+    np.testing.assert_array_equal(np.asarray(t.addr).reshape(8, k), addr)
+
+
+def test_entry_positions():
+    kbs = [100, 7, FAR]
+    got = np.asarray(entry_positions(kbs, rb=4, shape=(1, 12), axis=1))
+    np.testing.assert_array_equal(got[0, :8], [100, 101, 102, 103, 7, 8, 9, 10])
+    assert np.all(got[0, 8:] >= FAR)
+    rows = np.asarray(entry_positions(kbs, rb=4, shape=(6, 1), axis=0, stride=2))
+    np.testing.assert_array_equal(rows[:4, 0], [100, 102, 7, 9])  # first token of a word row
