@@ -141,3 +141,20 @@ def test_examples_say_when_optax_is_missing(tmp_path):
         "examples/ranker needs optax: pip install optax",
         "examples/deepseek_sparse needs optax: pip install optax",
     ]
+
+
+def test_cli_points_to_the_examples(capsys):
+    """``attn --help`` and ``attn info`` name every example with the command its README
+    gives; every examples/ folder is named."""
+    from attn_common import cli
+
+    named = {path for path, _, _ in cli.EXAMPLES}
+    folders = [d for d in EXAMPLES.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))]
+    assert named == {f"examples/{d.name}" for d in folders}
+    for path, command, _ in cli.EXAMPLES:
+        assert command in readme_commands(Path(path).name)
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert cli.examples_text() in capsys.readouterr().out
+    assert cli.main(["info"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(cli.examples_text())
