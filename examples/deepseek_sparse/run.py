@@ -245,10 +245,18 @@ def check(params, seqs, lens, plan, cfg, ops, xla, tol: float) -> dict:
     steps_xla, answers_xla, pool_xla = xla
     decode = len(steps_ops) - 1
     out = {"tolerance": tol}
-    # 1. ops vs the plain-XLA twin: every step's output, the selected pages, the pools
-    pairs = list(zip(steps_ops, steps_xla, strict=True))
-    out["vs_xla_output"] = max(rel_l2(a["o_latent"], b["o_latent"]) for a, b in pairs)
-    out["vs_xla_same_pages"] = all(np.array_equal(a["indices"], b["indices"]) for a, b in pairs)
+    # 1. ops vs the plain-XLA twin: every step's selected pages (two programs may round
+    # the indexer's scores apart and break a near-tie differently: the share of queries
+    # with the same pages, and the outputs of those), the scores, the pools
+    pairs = [jax.tree.map(np.asarray, ab) for ab in zip(steps_ops, steps_xla, strict=True)]
+    same = [np.all(a["indices"] == b["indices"], -1) for a, b in pairs]
+    out["vs_xla_same_pages"] = float(np.mean(np.concatenate(same)))
+    out["vs_xla_output"] = max(
+        rel_l2(a["o_latent"][m], b["o_latent"][m]) for (a, b), m in zip(pairs, same, strict=True)
+    )
+    out["vs_xla_scores"] = max(
+        rel_l2(*(np.where(np.isfinite(x["scores"]), x["scores"], 0) for x in ab)) for ab in pairs
+    )
     out["vs_xla_same_answers"] = bool(np.array_equal(answers, answers_xla))
     written = step_tables(plan, 0 * lens, lens + decode, cfg)["loc"]
 
@@ -281,7 +289,8 @@ def check(params, seqs, lens, plan, cfg, ops, xla, tol: float) -> dict:
     out["vs_flat_scores"] = rel_l2(np.where(np.isfinite(a), a, 0), np.where(np.isfinite(b), b, 0))
     out["ok"] = bool(
         out["vs_xla_output"] <= tol
-        and out["vs_xla_same_pages"]
+        and out["vs_xla_same_pages"] >= 0.999
+        and out["vs_xla_scores"] <= tol
         and out["vs_xla_pool"] <= tol
         and out["vs_flat_output"] <= tol
         and out["vs_flat_same_valid_pages"]
@@ -397,8 +406,8 @@ def main(argv=None) -> int:
     )
     result = check(params, seqs, lens, plan, cfg, ops, xla, shape["tol"])
     print(
-        f"check: ops vs plain XLA rel L2 {result['vs_xla_output']:.1e} (pages "
-        f"{'same' if result['vs_xla_same_pages'] else 'DIFFER'}, pool "
+        f"check: ops vs plain XLA rel L2 {result['vs_xla_output']:.1e} (the same pages for "
+        f"{result['vs_xla_same_pages']:.1%} of the queries, pool "
         f"{result['vs_xla_pool']:.1e}); paged serving vs the flat training forward "
         f"{result['vs_flat_output']:.1e}, indexer scores {result['vs_flat_scores']:.1e}; "
         f"tolerance {result['tolerance']:g}: {'ok' if result['ok'] else 'FAILED'}"
