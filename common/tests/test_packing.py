@@ -165,7 +165,7 @@ def check_packing_padded(p: PackedUsers, hist, cand):
     [
         (dict(users_per_row=0), "users_per_row: got 0"),
         (dict(users_per_row=True), "users_per_row: got True"),
-        (dict(flat_len=5), "flat_len: got 5, the users have 9 tokens"),
+        (dict(flat_len=5), "flat_len: got 5, expected at least the users' 9 tokens"),
         (dict(flat_len=12.0), "flat_len: got 12.0"),
     ],
 )

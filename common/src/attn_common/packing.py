@@ -256,7 +256,8 @@ def pack_users(
             raise ValueError(f"flat_len: got {flat_len!r}, expected an int >= the token count")
         if flat_len < total:
             raise ValueError(
-                f"flat_len: got {flat_len}, the users have {total} tokens (history + candidates)"
+                f"flat_len: got {flat_len}, expected at least the users' {total} tokens "
+                "(history + candidates)"
             )
 
     order = np.argsort(-length, kind="stable")  # longest first, ties by index
