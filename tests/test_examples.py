@@ -77,6 +77,7 @@ def test_ranker_small(tmp_path):
         assert "matplotlib not installed: no plot" in stdout
 
 
+@pytest.mark.slow  # 9.0 s on one quiet core (seven programs to compile): tests-cpu-full
 @needs_optax
 def test_deepseek_sparse_small(tmp_path):
     assert "python examples/deepseek_sparse/run.py --small" in readme_commands("deepseek_sparse")
