@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,9 @@ SHAPES = {
         decode=6,  # ... then this many greedy decode steps
         tol=1e-4,  # relative L2 tolerance of the checks (float32)
         bench_repeats=3,
+        kernel=dict(  # --implementation mosaic-gpu or pallas-tpu: sizes the kernels take
+            layer=dict(kv_lora=128, rope=64, dtype="bfloat16"), tol=2e-2
+        ),
     ),
     "full": dict(  # DeepSeek V3.2's attention sizes (one layer)
         task=dict(keys=2048, values=4, pairs=2048, questions=2048),
@@ -99,6 +103,30 @@ SHAPES = {
         bench_repeats=10,
     ),
 }
+
+
+KERNEL_BACKENDS = ("mosaic-gpu", "pallas-tpu")
+
+
+def _enough_xla_cpu_threads() -> None:
+    """The Mosaic GPU interpreter (``--interpret``) runs each warpgroup as its own program
+    on an XLA CPU thread, and they wait on each other: with fewer threads than programs it
+    hangs. Raise the pool to 16 (as ``attn`` does) before JAX creates its CPU client."""
+    if int(os.environ.get("NPROC", "0") or 0) < 16:
+        os.environ["NPROC"] = "16"
+
+
+def pick_shape(shapes: dict, small: bool, implementation: str | None) -> dict:
+    """The shape: ``full``, or ``small``; with a kernel backend named, ``small`` takes the
+    smallest sizes the kernels accept (its ``kernel`` entry)."""
+    if not small:
+        return shapes["full"]
+    shape = dict(shapes["small"])
+    kernel = shape.pop("kernel")
+    if implementation in KERNEL_BACKENDS:
+        for key, value in kernel.items():
+            shape[key] = {**shape[key], **value} if isinstance(value, dict) else value
+    return shape
 
 
 def vocab_size(task: dict) -> int:
@@ -356,7 +384,9 @@ def main(argv=None) -> int:
         help="folder for deepseek_sparse.json (default: %(default)s)",
     )
     args = ap.parse_args(argv)
-    shape = SHAPES["small" if args.small else "full"]
+    if args.interpret:
+        _enough_xla_cpu_threads()
+    shape = pick_shape(SHAPES, args.small, args.implementation)
     task = shape["task"]
     cfg = L.LayerConfig(
         vocab=vocab_size(task),
@@ -364,7 +394,9 @@ def main(argv=None) -> int:
         implementation=args.implementation,
         interpret=args.interpret,
     )
-    backend, _ = select_backend("sparse_mla_attention", args.implementation)
+    backend, _ = select_backend(
+        "sparse_mla_attention", args.implementation, interpret=args.interpret
+    )
     device = jax.devices()[0].device_kind
     steps = args.steps if args.steps is not None else shape["steps"]
     print(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,7 @@ SHAPES = {
         lr=1e-2,
         bench_steps=5,
         attn_dtype="float32",
+        kernel=dict(model=dict(head_dim=64), attn_dtype="bfloat16"),  # --implementation
     ),
     "full": dict(
         model=dict(
@@ -83,6 +85,30 @@ SHAPES = {
         attn_dtype="bfloat16",
     ),
 }
+
+
+KERNEL_BACKENDS = ("mosaic-gpu", "pallas-tpu")
+
+
+def _enough_xla_cpu_threads() -> None:
+    """The Mosaic GPU interpreter (``--interpret``) runs each warpgroup as its own program
+    on an XLA CPU thread, and they wait on each other: with fewer threads than programs it
+    hangs. Raise the pool to 16 (as ``attn`` does) before JAX creates its CPU client."""
+    if int(os.environ.get("NPROC", "0") or 0) < 16:
+        os.environ["NPROC"] = "16"
+
+
+def pick_shape(shapes: dict, small: bool, implementation: str | None) -> dict:
+    """The shape: ``full``, or ``small``; with a kernel backend named, ``small`` takes the
+    smallest sizes the kernels accept (its ``kernel`` entry)."""
+    if not small:
+        return shapes["full"]
+    shape = dict(shapes["small"])
+    kernel = shape.pop("kernel")
+    if implementation in KERNEL_BACKENDS:
+        for key, value in kernel.items():
+            shape[key] = {**shape[key], **value} if isinstance(value, dict) else value
+    return shape
 
 
 class Users:
@@ -295,14 +321,16 @@ def main(argv=None) -> int:
         help="folder for ranker.json and ranker.png (default: %(default)s)",
     )
     args = ap.parse_args(argv)
-    shape = SHAPES["small" if args.small else "full"]
+    if args.interpret:
+        _enough_xla_cpu_threads()
+    shape = pick_shape(SHAPES, args.small, args.implementation)
     cfg = ModelConfig(
         **shape["model"],
         attn_dtype=shape["attn_dtype"],
         implementation=args.implementation,
         interpret=args.interpret,
     )
-    backend, _ = select_backend("ranker_attention", args.implementation)
+    backend, _ = select_backend("ranker_attention", args.implementation, interpret=args.interpret)
     device = jax.devices()[0].device_kind
     users = Users(
         args.seed, cfg.num_items, cfg.num_categories, shape["history"], shape["candidates"]
