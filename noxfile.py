@@ -28,7 +28,15 @@ nox.options.sessions = ["lint", "tests-cpu"]
 PYTHON = "3.12"
 JAX_VERSION = "0.11.2"
 RUFF_VERSION = "0.17.6"
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5")
+# optax: the examples' extra (examples/*/), which tests/test_examples.py runs; it is in no
+# wheel's dependencies. Without it those tests skip, saying so.
+TEST_DEPS = (
+    "pytest>=8",
+    "hypothesis>=6.100",
+    "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",
+    "optax>=0.2.8",
+)
 # pytest-xdist workers on the CPU sessions: the interpret-mode tests are single-threaded
 # Python for most of their time, so two workers keep both cores of a CI machine busy.
 CPU_WORKERS = "2"

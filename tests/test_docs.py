@@ -4,10 +4,17 @@ Each block runs alone in a fresh interpreter (``sys.executable -c``) with
 ``JAX_PLATFORMS=cpu``, so a block must define its own inputs. A block whose first line
 is ``# devices: N`` gets ``XLA_FLAGS=--xla_force_host_platform_device_count=N``. Shell
 blocks (```sh) and untagged blocks are not run. New docs are covered automatically.
+
+A block that imports an optional package (a backend other than the reference the
+install may lack, or an example's extra: ``OPTIONAL``) that is not installed is skipped,
+the reason naming the package and how to install it; any other import that fails is a
+failure (a typo must not turn into a skip).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
 import subprocess
@@ -20,6 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 DEVICES = re.compile(r"#\s*devices:\s*(\d+)\s*$")
+# Import name -> how to install it. attn_common is never optional: every install has it.
+OPTIONAL = {
+    "attn_reference": "pip install ./packages/attn-reference",
+    "attn_mosaic_gpu": "pip install ./packages/attn-mosaic-gpu",
+    "attn_pallas_tpu": "pip install ./packages/attn-pallas-tpu",
+    "optax": "pip install optax",
+    "flax": "pip install flax",
+    "matplotlib": "pip install matplotlib",
+}
 
 
 def python_blocks(path: Path) -> list[tuple[int, str]]:
@@ -48,6 +64,26 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
 BLOCKS = [(path, line, code) for path in DOC_FILES for line, code in python_blocks(path)]
 
 
+def imported_modules(code: str) -> list[str]:
+    """Top-level names of every module ``code`` imports (anywhere in it), in order."""
+    names = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module.split(".")[0])
+    return list(dict.fromkeys(names))
+
+
+def missing_optional(code: str, find_spec=importlib.util.find_spec) -> str | None:
+    """The skip reason for a block that imports an optional package not installed, else
+    ``None``."""
+    for name in imported_modules(code):
+        if name in OPTIONAL and find_spec(name) is None:
+            return f"needs {name}, which is not installed ({OPTIONAL[name]})"
+    return None
+
+
 def _id(path: Path, line: int) -> str:
     return f"{path.relative_to(ROOT)}:{line}"
 
@@ -55,6 +91,25 @@ def _id(path: Path, line: int) -> str:
 def test_blocks_found():
     """The guide has runnable examples, so an extraction bug cannot pass silently."""
     assert any(path.name == "guide.md" for path, _, _ in BLOCKS), "no python block found"
+
+
+def test_missing_optional_names_the_package():
+    code = "import jax\nfrom attn_pallas_tpu import TpuFp8LatentCache\nimport optax.tree\n"
+    assert imported_modules(code) == ["jax", "attn_pallas_tpu", "optax"]
+    present = {"jax", "attn_pallas_tpu", "optax"}
+
+    def finder(absent):
+        return lambda name: None if name in absent or name not in present else object()
+
+    assert missing_optional(code, finder(set())) is None
+    reason = missing_optional(code, finder({"attn_pallas_tpu"}))
+    assert reason == (
+        "needs attn_pallas_tpu, which is not installed (pip install ./packages/attn-pallas-tpu)"
+    )
+    assert missing_optional(code, finder({"optax"})).startswith("needs optax,")
+    # a module outside OPTIONAL that is missing is not a skip: the block runs and fails
+    assert missing_optional("import attn_comon\n", finder({"attn_comon"})) is None
+    assert missing_optional("from . import x\n", finder(set())) is None
 
 
 def test_extraction(tmp_path):
@@ -67,6 +122,9 @@ def test_extraction(tmp_path):
     ("path", "line", "code"), BLOCKS, ids=[_id(path, line) for path, line, _ in BLOCKS]
 )
 def test_doc_block_runs(path: Path, line: int, code: str, tmp_path):
+    reason = missing_optional(code)
+    if reason:
+        pytest.skip(f"{_id(path, line)} {reason}")
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     first = code.lstrip().splitlines()[0] if code.strip() else ""

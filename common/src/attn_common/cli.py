@@ -530,6 +530,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         except BackendUnavailableError:
             name = "none installed"
         print(f"  {op:<40} -> {name}")
+    print(f"\n{examples_text()}")
     return 0
 
 
@@ -601,6 +602,24 @@ def _run_epilog() -> str:
     )
 
 
+# The examples live in the source repository (not in the wheels): models built on the ops.
+EXAMPLES = (
+    ("examples/ranker", "python examples/ranker/train.py --small",
+     "a phoenix-style ranker block trained with optax on packed users"),
+    ("examples/deepseek_sparse", "python examples/deepseek_sparse/run.py --small",
+     "a DeepSeek-V3.2-style layer: indexer, MLA, paged cache, prefill then decode"),
+)  # fmt: skip
+
+
+def examples_text() -> str:
+    """Where the examples are and how to run them (``attn --help``, ``attn info``)."""
+    lines = ["examples (in the source repository; they need optax, each README says more):"]
+    for path, command, what in EXAMPLES:
+        lines.append(f"  {path + '/':<26} {what}")
+        lines.append(f"  {'':<26} {command}")
+    return "\n".join(lines)
+
+
 def build_parser(*, backend_commands_too: bool = True) -> argparse.ArgumentParser:
     """The ``attn`` parser; ``backend_commands_too=False`` leaves the installed backends'
     commands out (importing them takes seconds; ``attn run`` and ``attn info`` need
@@ -608,7 +627,7 @@ def build_parser(*, backend_commands_too: bool = True) -> argparse.ArgumentParse
     parser = OneLineParser(
         prog="attn",
         description="Ranker attention and sparse MLA kernels for JAX.",
-        epilog=_backend_commands_epilog(),
+        epilog=_backend_commands_epilog() + "\n\n" + examples_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
