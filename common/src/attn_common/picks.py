@@ -69,15 +69,21 @@ def _fill(rng, row: list, avail: int, k: int) -> np.ndarray:
     return np.asarray(out + [-1] * (k - len(out)), np.int32)
 
 
-def random_picks(rng: np.random.Generator, positions, *, unit: int, k: int) -> np.ndarray:
-    """Each query picks ``k`` distinct units among the ``position // unit + 1`` it may see."""
-    avail = np.asarray(positions, np.int64) // unit + 1
+def distinct_choices(rng: np.random.Generator, avail, k: int) -> np.ndarray:
+    """``[N, k]`` int32: row ``i`` holds ``min(avail[i], k)`` distinct random ids in
+    ``[0, avail[i])`` (random order), then ``-1``."""
+    avail = np.asarray(avail, np.int64)
     out = np.full((len(avail), k), -1, np.int32)
     for i, n in enumerate(avail):
         m = int(min(max(n, 0), k))
         if m:
             out[i, :m] = rng.choice(int(n), m, replace=False)
     return out
+
+
+def random_picks(rng: np.random.Generator, positions, *, unit: int, k: int) -> np.ndarray:
+    """Each query picks ``k`` distinct units among the ``position // unit + 1`` it may see."""
+    return distinct_choices(rng, np.asarray(positions, np.int64) // unit + 1, k)
 
 
 def overlapping_picks(
@@ -138,4 +144,10 @@ def decode_picks(
     return out
 
 
-__all__ = ["OverlapParams", "decode_picks", "overlapping_picks", "random_picks"]
+__all__ = [
+    "OverlapParams",
+    "decode_picks",
+    "distinct_choices",
+    "overlapping_picks",
+    "random_picks",
+]

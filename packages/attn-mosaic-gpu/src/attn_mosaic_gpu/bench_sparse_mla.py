@@ -96,6 +96,7 @@ from attn_common.cli_args import (
     seed_int,
 )
 from attn_common.dispatch import device_class, load_backend
+from attn_common.picks import distinct_choices
 from attn_common.sparse_mla import padded_dk
 from attn_common.tables import kv_packing
 from attn_mosaic_gpu.bench import ceilings, device_ms
@@ -157,17 +158,6 @@ SMOKE_CASES = (
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def distinct_choices(rng: np.random.Generator, avail: np.ndarray, k: int) -> np.ndarray:
-    """``[N, k]`` int32: row ``i`` holds ``min(avail[i], k)`` distinct random ids in
-    ``[0, avail[i])`` (random order), then ``-1``."""
-    out = np.full((len(avail), k), -1, np.int32)
-    for i, n in enumerate(np.asarray(avail, np.int64)):
-        m = int(min(max(n, 0), k))
-        if m:
-            out[i, :m] = rng.choice(int(n), m, replace=False)
-    return out
 
 
 def paged_layout(

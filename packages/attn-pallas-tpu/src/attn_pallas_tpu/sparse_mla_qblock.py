@@ -406,6 +406,22 @@ def sparse_mla_attention_qblock(
     return sparse_mla_result(call, forward, interpret=interpret, config=cfg)
 
 
+def _plan_shape(problem, kv, cfg) -> dict:
+    """The planner's shape keywords (``plan.PlanShape``) of a call over ``kv``."""
+    return dict(
+        heads=problem.heads,
+        top_k=problem.top_k,
+        num_units=problem.num_units,
+        read_block=problem.read_block,
+        dk_pad=problem.dk_pad,
+        dv=problem.dv,
+        itemsize=query_dtype(kv).itemsize,
+        row_bytes=row_bytes(kv, problem.dk_pad),
+        chip=default_chip(),
+        config=cfg,
+    )
+
+
 def _host_values(call: SparseMlaCall) -> bool:
     """Every array of the call holds values (an eager call), the query one array."""
     ragged = call.ragged_kwargs()
@@ -444,16 +460,7 @@ def _host_planned(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg):
         distinct_per_query=host_distinct_units(keys),
         union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),
         max_rows=max_rows,
-        heads=problem.heads,
-        top_k=problem.top_k,
-        num_units=problem.num_units,
-        read_block=problem.read_block,
-        dk_pad=problem.dk_pad,
-        dv=problem.dv,
-        itemsize=query_dtype(kv).itemsize,
-        row_bytes=row_bytes(kv, problem.dk_pad),
-        chip=default_chip(),
-        config=cfg,
+        **_plan_shape(problem, kv, cfg),
     )
     static = dict(
         sm_scale=problem.sm_scale,
@@ -493,18 +500,7 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, c
         _qblock, problem, q, space, interpret=interpret, cfg=cfg,
         page_indices=ragged["page_indices"],
     )  # fmt: skip
-    shape_args = dict(
-        heads=problem.heads,
-        top_k=problem.top_k,
-        num_units=problem.num_units,
-        read_block=problem.read_block,
-        dk_pad=problem.dk_pad,
-        dv=problem.dv,
-        itemsize=query_dtype(kv).itemsize,
-        row_bytes=row_bytes(kv, problem.dk_pad),
-        chip=default_chip(),
-        config=cfg,
-    )
+    shape_args = _plan_shape(problem, kv, cfg)
     if query_block is not None or head_block is not None:  # explicit tiling: no fallback
         qb = query_block or static_qblock_config(**shape_args, max_rows=max_rows)[0]
         hb = _head_group(problem.heads, qb, head_block, max_rows)
