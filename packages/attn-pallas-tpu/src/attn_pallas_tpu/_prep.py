@@ -233,21 +233,17 @@ def unit_space(
     """Build the row store and per-query unit keys/addresses for flat or ragged mode."""
     batch, seq = problem.batch, problem.num_queries
     rb = problem.read_block
-    dk, dk_pad = problem.dk, problem.dk_pad
     if not problem.ragged:
-        # Flat: pad features to Dk_pad (lane width) and tokens to whole units, then merge
-        # the batch into the row axis. When either pad is needed this is one XLA copy of
-        # the whole kv per call (B * T * Dk_pad * itemsize bytes read and written),
-        # counted in docs/tpu_sparse_mla.md; serving caches use the ragged paged mode,
-        # which reads the cache in place. Aligned inputs are only reshaped.
-        # An Fp8LatentCache is padded in tokens only (its fields are lane-dense already).
+        # Flat: the cache's rows as they are (``Dk`` features: an HBM row is lane-padded
+        # by its tiled layout already, and Mosaic masks a contraction's lane padding), the
+        # tokens padded to whole units, the batch merged into the row axis: only a
+        # reshape unless ``T`` is not a multiple of ``read_block`` (then one XLA copy of
+        # the cache per call). A padded copy would also be an XLA temporary that XLA may
+        # place in VMEM, where the kernels' DMAs from it ran 1.7x slower on a v5e.
         t = problem.kv_len
         tp = problem.num_units * rb
-        if isinstance(kv, Fp8LatentCache):
-            if tp != t:
-                kv = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, tp - t), (0, 0))), kv)
-        elif tp != t or dk_pad != dk:
-            kv = jnp.pad(kv, ((0, 0), (0, tp - t), (0, dk_pad - dk)))
+        if tp != t:
+            kv = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, tp - t), (0, 0))), kv)
         store = Store("rows", _row_arrays(kv, batch * tp))
         keys = sanitize_unit_ids(indices, problem.num_units)
         addr, unit_ok = unit_source(keys, flat_rows_per_batch=tp, read_block=rb)

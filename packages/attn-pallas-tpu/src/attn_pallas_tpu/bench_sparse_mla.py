@@ -1,9 +1,12 @@
 """The TPU sparse-MLA benchmark suite (``attn bench sparse-mla`` on a TPU;
 ``benchmarks/tpu_sparse_mla.py``).
 
-Every row is timed in one run, wall clock (median of ``--iterations`` calls after a
-warm-up, each call waited for), against the XLA reference on the same inputs where it
-fits, and against the chip's bound, computed in the same run:
+Every row is timed in one run, two ways, each the median of ``--iterations`` calls after
+a warm-up: ``ms``, wall clock with each call waited for (on the v5e machine a jitted
+``x + 1`` takes 0.6 ms so, the host round trip), and ``device_ms``, the call's spans on
+the TPU in a ``jax.profiler`` trace (what a layer inside a larger jitted step costs).
+Both are set against the XLA reference on the same inputs where it fits, and against
+the chip's bound, computed in the same run:
 
 * ``bytes``: the HBM bytes the kernel must read (each selected unit's rows once per query
   for the per-query kernel; the block unions for the query-blocked one) at the chip's
@@ -44,6 +47,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -181,6 +185,42 @@ def wall_ms(fn, *args, iterations: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def device_ms(fn, *args, iterations: int) -> float | None:
+    """Median device-side ms of ``fn(*args)``: the TPU's "XLA Modules" spans in a profiler
+    trace of ``iterations`` waited calls (their mean per call when a call runs several
+    executables); ``None`` where the trace has no TPU plane (interpret mode, a CPU)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(iterations):
+                jax.block_until_ready(fn(*args))
+        paths = sorted(Path(d).rglob("*.xplane.pb"))
+        if not paths:
+            return None
+        data = jax.profiler.ProfileData.from_file(str(paths[0]))
+    spans = [
+        ev.duration_ns
+        for plane in data.planes
+        if plane.name.startswith("/device:TPU:0")
+        for line in plane.lines
+        if line.name == "XLA Modules"
+        for ev in line.events
+    ]
+    if not spans:
+        return None
+    if len(spans) == iterations:
+        return statistics.median(spans) / 1e6
+    return sum(spans) / iterations / 1e6
+
+
+def timed(fn, *args, iterations: int) -> dict:
+    """``{"ms": wall_ms, "device_ms": device_ms}`` of ``fn(*args)``."""
+    return {
+        "ms": wall_ms(fn, *args, iterations=iterations),
+        "device_ms": device_ms(fn, *args, iterations=iterations),
+    }
+
+
 def matmul_tflops(smoke: bool) -> float:
     """The bf16 matmul rate of this chip, measured (8192^3, random data)."""
     n = 256 if smoke else 8192
@@ -247,7 +287,7 @@ class Runner:
         f = self.fn(kernel, config, **knobs)
         jitted = jax.jit(lambda *a: f(*a, **kw))
         out = jitted(*args)
-        return wall_ms(jitted, *args, iterations=self.iterations), out
+        return timed(jitted, *args, iterations=self.iterations), out
 
     def bounds(self, case, inputs, plan=None) -> dict:
         idx, pos = inputs["idx"], inputs["pos"]
@@ -316,15 +356,17 @@ class Runner:
         tables = prep_j(args[1], args[2], args[3], ragged)
         space = unit_space(problem, args[1], args[2], args[3], **ragged)
         n_pad = tables.meta.shape[0] * cfg.queries_per_program
-        q = pad_features(args[0], problem.dk_pad).reshape(n, problem.heads, -1)
+        q = pad_features(args[0], space.store.width).reshape(n, problem.heads, -1)
         q = jnp.pad(q, ((0, n_pad - n), (0, 0), (0, 0)))
         static = dict(kind=space.store.kind, sm_scale=problem.sm_scale, dk=problem.dk,
                       dv=problem.dv, rb=problem.read_block, cfg=cfg, interpret=self.smoke)  # fmt: skip
         arrays = space.store.arrays
-        prep_ms = wall_ms(prep_j, args[1], args[2], args[3], ragged, iterations=self.iterations)
+        prep = timed(prep_j, args[1], args[2], args[3], ragged, iterations=self.iterations)
         kernel = jax.jit(lambda q, a, t: _per_query_call(q, a, t, **static))
-        kernel_ms = wall_ms(kernel, q, arrays, tables, iterations=self.iterations)
-        return {"prep_ms": prep_ms, "kernel_ms": kernel_ms}
+        run = timed(kernel, q, arrays, tables, iterations=self.iterations)
+        return {
+            f"{part}_{k}": v for part, t in (("prep", prep), ("kernel", run)) for k, v in t.items()
+        }
 
     def _forward_rows(self, case, inputs, base, bounds):
         if case.paged and not self.smoke:
@@ -336,12 +378,12 @@ class Runner:
                 base = dict(base, pool_pages=case.pool_pages, pool_ops=self.pool_ops(case, inputs))
             except Exception as e:
                 base = dict(base, pool_ops=_err(e))
-        xla_ms, want = self._xla(case, inputs)
+        xla, want = self._xla(case, inputs)
         for kernel in ("per-query", "qblock"):
-            ms, got = self.time_forward(case, inputs, kernel)
+            t, got = self.time_forward(case, inputs, kernel)
             err = rel_l2(got[0], want[0]) if want is not None else None
             bound = bounds["bytes_ms"] if kernel == "per-query" else None
-            row = dict(base, kernel=kernel, ms=ms, bound_ms=bound, xla_ms=xla_ms, err=err,
+            row = dict(base, kernel=kernel, **t, bound_ms=bound, **_xla_fields(xla), err=err,
                        **{k: v for k, v in bounds.items() if k != "unions"})  # fmt: skip
             if kernel == "qblock":
                 row.update(self._qblock_bounds(case, inputs, bounds))
@@ -380,8 +422,8 @@ class Runner:
     def _sweep(self, case, inputs, base, bounds):
         for cfg in sweep_configs(case):
             try:
-                ms, _ = self.time_forward(case, inputs, "per-query", cfg)
-                self.record(**base, kernel="per-query", sweep=True, ms=ms,
+                t, _ = self.time_forward(case, inputs, "per-query", cfg)
+                self.record(**base, kernel="per-query", sweep=True, **t,
                             config=dataclasses.asdict(cfg), bound_ms=bounds["bytes_ms"])  # fmt: skip
             except Exception as e:
                 self.record(**base, kernel="per-query", sweep=True, error=_err(e),
@@ -391,10 +433,8 @@ class Runner:
         for qb, hb, g in qblock_sweep(case):
             cfg = SparseMlaConfig(units_per_step=g, ring_slots=4)
             try:
-                ms, _ = self.time_forward(
-                    case, inputs, "qblock", cfg, query_block=qb, head_block=hb
-                )
-                self.record(**base, kernel="qblock", sweep=True, ms=ms, query_block=qb,
+                t, _ = self.time_forward(case, inputs, "qblock", cfg, query_block=qb, head_block=hb)
+                self.record(**base, kernel="qblock", sweep=True, **t, query_block=qb,
                             head_block=hb, config=dataclasses.asdict(cfg))  # fmt: skip
             except Exception as e:
                 self.record(**base, kernel="qblock", sweep=True, query_block=qb, head_block=hb,
@@ -414,20 +454,21 @@ class Runner:
 
             return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
-        xla_ms = want = None
+        xla = want = None
         try:
             g = loss_of("xla")
             want = g(q, kv)
-            xla_ms = wall_ms(g, q, kv, iterations=max(1, self.iterations // 2))
+            xla = timed(g, q, kv, iterations=max(1, self.iterations // 2))
         except Exception as e:
             print(f"xla grad {case.name}: {_err(e)}", flush=True)
         for kernel in ("per-query", "qblock"):
             g = loss_of(kernel)
             got = g(q, kv)
-            ms = wall_ms(g, q, kv, iterations=self.iterations)
-            fwd_ms, _ = self.time_forward(case, inputs, kernel)
+            t = timed(g, q, kv, iterations=self.iterations)
+            fwd, _ = self.time_forward(case, inputs, kernel)
             err = None if want is None else [rel_l2(a, b) for a, b in zip(got, want, strict=True)]
-            self.record(**base, kernel=kernel, ms=ms, fwd_ms=fwd_ms, xla_ms=xla_ms, err=err,
+            self.record(**base, kernel=kernel, **t, fwd_ms=fwd["ms"],
+                        fwd_device_ms=fwd["device_ms"], **_xla_fields(xla), err=err,
                         bound_ms=None, **{k: v for k, v in bounds.items() if k != "unions"})  # fmt: skip
 
     def _eager_rows(self, case, inputs, base, bounds):
@@ -444,9 +485,9 @@ class Runner:
             jax.block_until_ready(f(*host, **kw))
             times.append(time.perf_counter() - t0)
         eager_ms = statistics.median(times) * 1e3
-        jit_ms, _ = self.time_forward(case, inputs, "qblock")
-        self.record(**base, kernel="qblock", ms=eager_ms, jit_ms=jit_ms,
-                    host_ms=eager_ms - jit_ms, bound_ms=None, xla_ms=None)  # fmt: skip
+        jit, _ = self.time_forward(case, inputs, "qblock")
+        self.record(**base, kernel="qblock", ms=eager_ms, jit_ms=jit["ms"],
+                    host_ms=eager_ms - jit["ms"], bound_ms=None, xla_ms=None)  # fmt: skip
 
 
 def sweep_configs(case: Case) -> list[SparseMlaConfig]:
@@ -478,6 +519,12 @@ def qblock_sweep(case: Case) -> list[tuple[int, int, int]]:
     return out
 
 
+def _xla_fields(xla: dict | None) -> dict:
+    """The XLA reference's times as row fields (``None`` where it did not run)."""
+    xla = xla or {}
+    return {"xla_ms": xla.get("ms"), "xla_device_ms": xla.get("device_ms")}
+
+
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
@@ -490,21 +537,27 @@ def write_report(result: dict, out: Path) -> Path:
         "",
         f"Device {result.get('device')}, jax {result.get('jax')}, commit "
         f"{result.get('commit')}; bf16 matmul {result.get('matmul_tflops', 0):.0f} TFLOP/s "
-        f"measured, HBM {result.get('hbm_gbps', 0):.0f} GB/s. Wall clock, median.",
+        f"measured, HBM {result.get('hbm_gbps', 0):.0f} GB/s. Medians: `wall ms` each call "
+        "waited for, `device ms` the call's spans on the chip (profiler); the ratios use "
+        "device ms where measured (wall clock otherwise), XLA's likewise.",
         "",
-        "| case | kernel | ms | bound ms | x bound | XLA ms | x XLA | notes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | kernel | wall ms | device ms | bound ms | x bound | XLA device ms | x XLA "
+        "| notes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ms, bound, xla = r.get("ms"), r.get("bound_ms"), r.get("xla_ms")
+        ms = r.get("device_ms") or r.get("ms")
+        bound = r.get("bound_ms")
+        xla = r.get("xla_device_ms") or r.get("xla_ms")
         notes = []
-        for key in ("plan", "fwd_ms", "prep_ms", "kernel_ms", "jit_ms", "host_ms", "err"):
+        for key in ("plan", "fwd_device_ms", "prep_device_ms", "kernel_device_ms", "jit_ms",
+                    "host_ms", "err"):  # fmt: skip
             if r.get(key) is not None:
                 v = r[key]
                 notes.append(f"{key} {v:.3g}" if isinstance(v, float) else f"{key} {v}")
         lines.append(
-            f"| {r['case']} | {r['kernel']} | {_f(ms)} | {_f(bound)} | "
-            f"{_f(ms / bound if ms and bound else None)} | {_f(xla)} | "
+            f"| {r['case']} | {r['kernel']} | {_f(r.get('ms'))} | {_f(r.get('device_ms'))} | "
+            f"{_f(bound)} | {_f(ms / bound if ms and bound else None)} | {_f(xla)} | "
             f"{_f(xla / ms if ms and xla else None)} | {'; '.join(notes)} |"
         )
     path = out / f"{RESULT}.md"

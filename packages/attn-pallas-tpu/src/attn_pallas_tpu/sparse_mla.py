@@ -79,6 +79,7 @@ from attn_pallas_tpu.unit_ring import (
     Store,
     UnitRing,
     entry_positions,
+    in_hbm,
     query_step_specs,
     ring_scratch,
 )
@@ -180,7 +181,7 @@ def _per_query_call(q, arrays, tables, *, kind, sm_scale, dk, dv, rb, cfg, inter
             dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit(need, physical)
         ),
         interpret=interpret,
-    )(*tables, q, *arrays)
+    )(*tables, q, *in_hbm(*arrays))
 
 
 def resolve_config(problem, config: SparseMlaConfig | None) -> SparseMlaConfig:
@@ -247,7 +248,7 @@ def _per_query(problem, q, kv, indices, positions, *, interpret, config, **ragge
     n = batch * seq
     rb = problem.read_block
     tables, n_pad = program_tables(space, rb, config, n)
-    q_pad = pad_features(q.astype(query_dtype(kv)), problem.dk_pad).reshape(n, heads, -1)
+    q_pad = pad_features(q.astype(query_dtype(kv)), space.store.width).reshape(n, heads, -1)
     q_pad = jnp.pad(q_pad, ((0, n_pad - n), (0, 0), (0, 0)))
     out, lse = _per_query_call(
         q_pad,

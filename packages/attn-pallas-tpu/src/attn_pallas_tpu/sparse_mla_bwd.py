@@ -94,6 +94,7 @@ from attn_pallas_tpu.unit_ring import (
     Store,
     UnitRing,
     entry_positions,
+    in_hbm,
     query_step_specs,
     ring_scratch,
 )
@@ -246,7 +247,7 @@ def _dq_call(q, do, stats, store: Store, tables, *, sm_scale, dk, dv, rb, cfg, i
             dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit(need, _physical())
         ),
         interpret=interpret,
-    )(*tables, q, do, stats, *store.arrays)
+    )(*tables, q, do, stats, *in_hbm(*store.arrays))
 
 
 def _physical() -> int:
@@ -442,7 +443,7 @@ def _dkv_call(inv: InvertedSelection, blocks, q, do, stats, *, sm_scale, dk, dv,
             dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit(need, _physical())
         ),
         interpret=interpret,
-    )(inv.block, inv.meta, inv.qid, inv.nvalid, blocks, q, do, stats)
+    )(inv.block, inv.meta, inv.qid, inv.nvalid, blocks, *in_hbm(q, do, stats))
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -455,12 +456,12 @@ def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config)
     kv = call.kv
     space = unit_space(problem, kv, call.indices, call.positions, **call.ragged_kwargs())
     batch, seq, heads, rb = problem.batch, problem.num_queries, problem.heads, problem.read_block
-    dk, dv, dk_pad = problem.dk, problem.dv, problem.dk_pad
+    dk, dv, width = problem.dk, problem.dv, space.store.width
     n = batch * seq
     cfg = config
     tables, n_pad = program_tables(space, rb, cfg, n)
     dtype = space.store.dtype
-    q = pad_features(call.q.astype(dtype), dk_pad).reshape(n, heads, dk_pad)
+    q = pad_features(call.q.astype(dtype), width).reshape(n, heads, width)
     d_out = d_out.astype(jnp.float32)
     delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1) - d_lse.astype(jnp.float32)
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32)  # -inf: no valid key
@@ -484,7 +485,7 @@ def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config)
     if problem.ragged:
         return dq, dstore.reshape(kv.shape)
     tp = problem.num_units * rb
-    return dq, dstore.reshape(batch, tp, dk_pad)[:, : problem.kv_len, :dk]
+    return dq, dstore.reshape(batch, tp, width)[:, : problem.kv_len]
 
 
 def kernel_covers(call: SparseMlaCall) -> bool:

@@ -114,7 +114,7 @@ from attn_pallas_tpu.plan import (
 )
 from attn_pallas_tpu.sparse_mla import _per_query, resolve_config, sparse_mla_attention
 from attn_pallas_tpu.sparse_mla_bwd import sparse_mla_result
-from attn_pallas_tpu.unit_ring import FAR, RingWalk, Store, UnitRing, ring_scratch
+from attn_pallas_tpu.unit_ring import FAR, RingWalk, Store, UnitRing, in_hbm, ring_scratch
 
 
 def _lane_tile(x, times: int):
@@ -342,7 +342,7 @@ def _qblock_call(
             vmem_limit_bytes=vmem_limit(need, physical),
         ),
         interpret=interpret,
-    )(unions, kb, addr, lim, member, q5, *arrays)
+    )(unions, kb, addr, lim, member, q5, *in_hbm(*arrays))
 
 
 @public_op(sparse_mla_call)
@@ -529,7 +529,7 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, c
 def _qblock(problem, q, space, *, query_block, head_block, u_max, interpret, cfg, page_indices):
     """Build the chunked union tables and run the query-blocked kernel."""
     batch, seq, heads = problem.batch, problem.num_queries, problem.heads
-    rb, dk_pad, dv = problem.read_block, problem.dk_pad, problem.dv
+    rb, dv = problem.read_block, problem.dv
     groups = heads // head_block
     u_max = resolve_u_max(
         u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
@@ -565,11 +565,11 @@ def _qblock(problem, q, space, *, query_block, head_block, u_max, interpret, cfg
     seq_pad = n_blocks * query_block
     lim = jnp.pad(space.lim, ((0, 0), (0, seq_pad - seq)))  # padded queries: lim 0
     lim = lim.reshape(batch, n_blocks, 1, query_block)
-    q5 = pad_features(q.astype(store.dtype), dk_pad)
+    q5 = pad_features(q.astype(store.dtype), store.width)
     q5 = jnp.pad(q5, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0)))
-    q5 = q5.reshape(batch, n_blocks, query_block, groups, head_block, dk_pad)
+    q5 = q5.reshape(batch, n_blocks, query_block, groups, head_block, store.width)
     q5 = q5.transpose(0, 1, 3, 4, 2, 5)
-    q5 = q5.reshape(batch, n_blocks, groups, head_block * query_block, dk_pad)
+    q5 = q5.reshape(batch, n_blocks, groups, head_block * query_block, store.width)
 
     out, lse = _qblock_call(
         q5,

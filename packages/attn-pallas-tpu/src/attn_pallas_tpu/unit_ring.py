@@ -71,6 +71,14 @@ class Store(NamedTuple):
         return a.shape[0] if self.kind == "pages" else a.shape[0] // rb
 
 
+def in_hbm(*arrays) -> tuple:
+    """``arrays`` constrained to HBM as a kernel's operands (the ones it DMAs from).
+    Without it XLA may place an operand that is a temporary of the same program (the
+    cache relaid out from its parameter layout, a padded copy) in VMEM, and the ring's
+    copies from there are slower than from HBM."""
+    return tuple(pltpu.with_memory_space_constraint(a, pltpu.HBM) for a in arrays)
+
+
 def ring_scratch(store: Store, *, rb: int, group: int, slots: int) -> list:
     """VMEM ring buffers for ``store`` (one per array), then the DMA semaphores
     ``[len(arrays), slots]``."""
