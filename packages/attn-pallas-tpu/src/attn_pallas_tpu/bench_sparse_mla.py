@@ -185,39 +185,38 @@ def wall_ms(fn, *args, iterations: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def device_ms(fn, *args, iterations: int) -> float | None:
-    """Median device-side ms of ``fn(*args)``: the TPU's "XLA Modules" spans in a profiler
-    trace of ``iterations`` waited calls (their mean per call when a call runs several
-    executables); ``None`` where the trace has no TPU plane (interpret mode, a CPU)."""
+def device_ms(fn, *args, iterations: int) -> dict:
+    """Device-side times of ``fn(*args)`` from a profiler trace of ``iterations`` waited
+    calls: ``device_ms``, the median of the TPU's "XLA Modules" spans (their mean per
+    call when a call runs several executables), and ``kernel_device_ms``, the mean per
+    call of its Pallas kernels' ops (custom calls) on the "XLA Ops" line; ``None`` where
+    the trace has no TPU plane (interpret mode, a CPU)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(iterations):
                 jax.block_until_ready(fn(*args))
         paths = sorted(Path(d).rglob("*.xplane.pb"))
-        if not paths:
-            return None
-        data = jax.profiler.ProfileData.from_file(str(paths[0]))
-    spans = [
-        ev.duration_ns
-        for plane in data.planes
+        data = jax.profiler.ProfileData.from_file(str(paths[0])) if paths else None
+    lines = {
+        line.name: [(ev.name, ev.duration_ns) for ev in line.events]
+        for plane in (data.planes if data else ())
         if plane.name.startswith("/device:TPU:0")
         for line in plane.lines
-        if line.name == "XLA Modules"
-        for ev in line.events
-    ]
+    }
+    spans = [ns for _, ns in lines.get("XLA Modules", ())]
     if not spans:
-        return None
-    if len(spans) == iterations:
-        return statistics.median(spans) / 1e6
-    return sum(spans) / iterations / 1e6
+        return {"device_ms": None, "kernel_device_ms": None}
+    per_call = statistics.median(spans) if len(spans) == iterations else sum(spans) / iterations
+    kernels = sum(ns for name, ns in lines.get("XLA Ops", ()) if " custom-call(" in name)
+    return {"device_ms": per_call / 1e6, "kernel_device_ms": kernels / iterations / 1e6}
 
 
 def timed(fn, *args, iterations: int) -> dict:
-    """``{"ms": wall_ms, "device_ms": device_ms}`` of ``fn(*args)``."""
+    """``ms`` (wall clock) and :func:`device_ms`'s fields of ``fn(*args)``."""
     return {
         "ms": wall_ms(fn, *args, iterations=iterations),
-        "device_ms": device_ms(fn, *args, iterations=iterations),
+        **device_ms(fn, *args, iterations=iterations),
     }
 
 
@@ -335,45 +334,8 @@ class Runner:
         key = f"[{case.pool_pages},"
         return [ln.strip()[:160] for ln in text.splitlines() if key in ln and " = " in ln][:20]
 
-    def split_ms(self, case, inputs) -> dict:
-        """The per-query call's parts, each jitted alone: the XLA-side tables (unit
-        space, compaction, step tables) and the kernel on prebuilt tables."""
-        from attn_common.spec import sparse_mla_call
-        from attn_pallas_tpu._prep import pad_features, program_tables, unit_space
-        from attn_pallas_tpu.sparse_mla import _per_query_call, resolve_config
-
-        args, kw = inputs["args"], inputs["kwargs"]
-        call = sparse_mla_call(*args, **kw)
-        problem, cfg = call.problem, resolve_config(call.problem, None)
-        ragged = call.ragged_kwargs()
-        n = problem.batch * problem.num_queries
-
-        def prep(kv, idx, pos, ragged):
-            space = unit_space(problem, kv, idx, pos, **ragged)
-            return program_tables(space, problem.read_block, cfg, n)[0]
-
-        prep_j = jax.jit(prep)
-        tables = prep_j(args[1], args[2], args[3], ragged)
-        space = unit_space(problem, args[1], args[2], args[3], **ragged)
-        n_pad = tables.meta.shape[0] * cfg.queries_per_program
-        q = pad_features(args[0], space.store.width).reshape(n, problem.heads, -1)
-        q = jnp.pad(q, ((0, n_pad - n), (0, 0), (0, 0)))
-        static = dict(kind=space.store.kind, sm_scale=problem.sm_scale, dk=problem.dk,
-                      dv=problem.dv, rb=problem.read_block, cfg=cfg, interpret=self.smoke)  # fmt: skip
-        arrays = space.store.arrays
-        prep = timed(prep_j, args[1], args[2], args[3], ragged, iterations=self.iterations)
-        kernel = jax.jit(lambda q, a, t: _per_query_call(q, a, t, **static))
-        run = timed(kernel, q, arrays, tables, iterations=self.iterations)
-        return {
-            f"{part}_{k}": v for part, t in (("prep", prep), ("kernel", run)) for k, v in t.items()
-        }
-
     def _forward_rows(self, case, inputs, base, bounds):
         if case.paged and not self.smoke:
-            try:
-                base = dict(base, **self.split_ms(case, inputs))
-            except Exception as e:
-                base = dict(base, split_error=_err(e))
             try:
                 base = dict(base, pool_pages=case.pool_pages, pool_ops=self.pool_ops(case, inputs))
             except Exception as e:
@@ -468,7 +430,8 @@ class Runner:
             fwd, _ = self.time_forward(case, inputs, kernel)
             err = None if want is None else [rel_l2(a, b) for a, b in zip(got, want, strict=True)]
             self.record(**base, kernel=kernel, **t, fwd_ms=fwd["ms"],
-                        fwd_device_ms=fwd["device_ms"], **_xla_fields(xla), err=err,
+                        fwd_device_ms=fwd["device_ms"],
+                        fwd_kernel_device_ms=fwd["kernel_device_ms"], **_xla_fields(xla), err=err,
                         bound_ms=None, **{k: v for k, v in bounds.items() if k != "unions"})  # fmt: skip
 
     def _eager_rows(self, case, inputs, base, bounds):
@@ -550,8 +513,8 @@ def write_report(result: dict, out: Path) -> Path:
         bound = r.get("bound_ms")
         xla = r.get("xla_device_ms") or r.get("xla_ms")
         notes = []
-        for key in ("plan", "fwd_device_ms", "prep_device_ms", "kernel_device_ms", "jit_ms",
-                    "host_ms", "err"):  # fmt: skip
+        for key in ("plan", "kernel_device_ms", "fwd_device_ms", "fwd_kernel_device_ms",
+                    "jit_ms", "host_ms", "err"):  # fmt: skip
             if r.get(key) is not None:
                 v = r[key]
                 notes.append(f"{key} {v:.3g}" if isinstance(v, float) else f"{key} {v}")
