@@ -1,7 +1,7 @@
 """Preprocessing shared by the sparse-MLA kernels: validation, the KV row store, unit keys.
 
 Everything here is plain ``jnp`` that runs outside the kernels. The kernels see the KV
-cache as a store in HBM (``unit_ring.Store``): row arrays ``[R, Dk_pad]`` (the flat
+cache as a store in HBM (``unit_ring.Store``): row arrays ``[R, Dk]`` (the flat
 cache, float32 or bfloat16; an ``Fp8LatentCache`` as ``(latent [R, 512], side [R,
 128])``, dequantized in VMEM: ``attn_pallas_tpu.fp8_rows``), or the paged cache in its
 own layout ``[P, PS / pk, pk, Dk_pad]``, read in place. They address a unit by
@@ -149,7 +149,7 @@ def query_dtype(kv) -> jnp.dtype:
 
 
 def _row_arrays(kv, rows: int) -> tuple:
-    """The row arrays of ``kv`` on ``rows`` token rows: ``kv [.., Dk_pad]`` reshaped, or
+    """The row arrays of ``kv`` on ``rows`` token rows: ``kv [.., Dk]`` reshaped, or
     an ``Fp8LatentCache``'s ``(latent [R, 512], side [R, 128])`` (``fp8_rows``)."""
     if isinstance(kv, Fp8LatentCache):
         return kv.latent.reshape(rows, -1), side_rows(kv).reshape(rows, -1)

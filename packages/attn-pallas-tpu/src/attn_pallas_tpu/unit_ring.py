@@ -4,7 +4,7 @@ tables of the per-query kernels.
 A *store* is the KV cache as the kernels see it in HBM (``_prep.Store``):
 
 * ``rows``: 2-D row arrays ``[R, W]``; a unit is ``read_block`` rows from row ``addr``.
-  The flat cache (``[R, Dk_pad]``) and an FP8 cache (``latent [R, 512]`` and bf16
+  The flat cache (``[R, Dk]``, its own width) and an FP8 cache (``latent [R, 512]`` and bf16
   ``side [R, 128]``, dequantized in VMEM: ``fp8_rows``).
 * ``pages``: the paged cache in its own layout ``[P, PS / pk, pk, Dk_pad]`` (``pk`` tokens
   of a 32-bit word per packed row: 2 for bf16, 1 for float32), read in place; a unit is
@@ -55,7 +55,8 @@ class Store(NamedTuple):
 
     @property
     def width(self) -> int:
-        """``Dk_pad``: features of a row as the kernels compute on it."""
+        """Features of a row as the kernels compute on it (the flat cache's ``Dk``, a paged
+        cache's ``Dk_pad``, 640 for an FP8 store)."""
         if len(self.arrays) == 2:
             return sum(a.shape[-1] for a in self.arrays)  # FP8: 512 latent + 128 side lanes
         return self.arrays[0].shape[-1]
