@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One TPU machine session: the TPU backend's conformance and isolation tests natively on
-# the chip, then the sparse-MLA benchmark suite (attn_pallas_tpu.bench_sparse_mla, the
-# TPU's `attn bench sparse-mla`) with this script's arguments. Logs and results go to
+# the chip, then the sparse-MLA benchmark suite, `attn bench sparse-mla` (the TPU
+# backend's: attn_pallas_tpu.bench_sparse_mla; run as `python3 -m attn_common.cli`, the
+# `attn` command, which is not installed here) with this script's arguments (the suite's
+# flags: `attn bench sparse-mla --help`). Logs and results go to
 # $OUT (tpu_env.log, tpu_tests.log, tpu_sparse_mla.{json,md,svg} and tpu_bench.log). The
 # TPU ranker's native timings are benchmarks/tpu_check.py's (run it alone: its sparse-MLA
 # rows are superseded by the suite).
@@ -38,7 +40,7 @@ if [ "$files" != none ]; then
   echo "tests rc=$?" | tee -a "$OUT/tpu_tests.log"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tpu_tests.log" | tail -n 40
 fi
-timeout "${BENCH_LIMIT:-330}" python3 -m attn_pallas_tpu.bench_sparse_mla --out "$OUT" "$@" \
+timeout "${BENCH_LIMIT:-330}" python3 -m attn_common.cli bench sparse-mla --out "$OUT" "$@" \
   >"$OUT/tpu_bench.log" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/tpu_bench.log"
 grep -v '"sweep": true' "$OUT/tpu_bench.log" | tail -n 25

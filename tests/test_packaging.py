@@ -217,14 +217,15 @@ def test_common_imports_no_backend():
 # the `attn` command. A backend is one implementation; it calls no other.
 FRONT_DOOR = ("attn_common.dispatch", "attn_common.sharding", "attn_common.cli")
 # The backends' tools, which may use the front door: `attn bench` / `attn tune` (registered
-# by attn-mosaic-gpu), the TPU's sparse-MLA suite (`python -m
-# attn_pallas_tpu.bench_sparse_mla`) and `python -m attn_reference.demo` (= `attn run all
-# --implementation reference`).
+# by attn-mosaic-gpu), the TPU's sparse-MLA suite (`attn bench sparse-mla` on a TPU,
+# registered by attn-pallas-tpu; also `python -m attn_pallas_tpu.bench_sparse_mla`) and
+# `python -m attn_reference.demo` (= `attn run all --implementation reference`).
 BACKEND_TOOLS = {
     "attn_mosaic_gpu.cli",
     "attn_mosaic_gpu.bench",
     "attn_mosaic_gpu.bench_sparse_mla",
     "attn_mosaic_gpu.tuner",
+    "attn_pallas_tpu.cli",
     "attn_pallas_tpu.bench_sparse_mla",
     "attn_reference.demo",
 }
@@ -265,6 +266,26 @@ def test_backends_import_no_other_backend_and_no_front_door():
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
             checked += 1
     assert checked > 20, checked
+
+
+def test_backend_commands_live_in_listed_tools():
+    """A backend that adds `attn` subcommands does so through its entry point module's
+    ``cli_commands()`` (what ``attn_common.cli.backend_commands`` looks for), which
+    imports them from one of ``BACKEND_TOOLS``."""
+    adders = {}
+    for package, src in sorted(PACKAGE_SOURCES.items()):
+        tree = ast.parse((src / "__init__.py").read_text())
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name == "cli_commands":
+                adders[package] = {
+                    f"{node.module}.{a.name}"
+                    for node in ast.walk(fn)
+                    if isinstance(node, ast.ImportFrom)
+                    for a in node.names
+                }
+    assert set(adders) == {"attn_mosaic_gpu", "attn_pallas_tpu"}
+    for package, modules in adders.items():
+        assert modules and modules <= BACKEND_TOOLS, (package, modules)
 
 
 def test_backend_rule_check_catches_offenders(tmp_path):

@@ -155,16 +155,40 @@ def test_run_sparse_mla_small(capsys):
 
 @pytest.mark.parametrize("command", sorted(cli.BACKEND_COMMANDS))
 def test_backend_command_without_its_backend_says_what_to_install(command, capsys, monkeypatch):
-    """`attn bench` / `attn tune` without attn-mosaic-gpu: one line naming the wheel and
-    its install command (argparse alone said "invalid choice: 'bench'")."""
+    """`attn bench` / `attn tune` without a backend that adds them: one line naming the
+    wheels and their install commands (argparse alone said "invalid choice: 'bench'")."""
     monkeypatch.setattr(cli, "installed_backends", lambda: {"reference": "attn_reference"})
-    install = dispatch.KNOWN_BACKENDS["mosaic-gpu"]["install"]
-    assert_cli_usage_error(
-        [command], f"comes with attn-mosaic-gpu, which is not installed: {install}", capsys
-    )
-    monkeypatch.setattr(cli, "installed_backends", lambda: {"mosaic-gpu": "attn_mosaic_gpu"})
+    backends = cli.BACKEND_COMMANDS[command]
+    assert cli_exit_code([command]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "error: " in err, err
+    for backend in backends:
+        info = dispatch.KNOWN_BACKENDS[backend]
+        assert info["dist"] in err and info["install"] in err, err
+    assert "is not installed" in err or "neither of which is installed" in err, err
+    monkeypatch.setattr(cli, "installed_backends", lambda: {backends[-1]: "module"})
     monkeypatch.setattr(cli, "backend_commands", lambda: {})
     assert_cli_usage_error([command, "--help"], "installed but did not load", capsys)
+
+
+def test_a_command_two_backends_add_goes_to_the_default_devices(monkeypatch):
+    """`attn bench` from attn-mosaic-gpu and attn-pallas-tpu: the TPU backend's on a TPU,
+    the Hopper backend's (the first by name) on any other device; a command one backend
+    adds never asks for the device."""
+    claims = [("mosaic-gpu", "add_gpu"), ("pallas-tpu", "add_tpu")]
+    for device, want in [("tpu", "pallas-tpu"), ("hopper", "mosaic-gpu"), ("gpu", "mosaic-gpu"),
+                         ("cpu", "mosaic-gpu")]:  # fmt: skip
+        monkeypatch.setattr(cli, "device_class", lambda *a, d=device: d)
+        assert cli._claim_for_this_device(claims)[0] == want, device
+    monkeypatch.setattr(cli, "device_class", lambda *a: pytest.fail("device looked up"))
+    assert cli._claim_for_this_device(claims[1:]) == ("pallas-tpu", "add_tpu")
+
+
+def test_help_says_who_adds_bench(capsys):
+    assert cli_exit_code(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "`attn bench` comes with the pallas-tpu backend (attn-pallas-tpu, for a TPU)" in out
+    assert "with both installed, `attn bench` is pallas-tpu's on a TPU, else mosaic-gpu's" in out
 
 
 def test_sparse_mla_row_names_use_one_meaning_per_letter(monkeypatch):
@@ -210,7 +234,7 @@ def test_help_lists_shapes_choices_and_defaults(capsys):
     assert cli_exit_code(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--version" in out
-    assert "`attn bench` and `attn tune` come with the mosaic-gpu backend (attn-mosaic-gpu)" in out
+    assert "`attn bench` and `attn tune` come with the mosaic-gpu backend (attn-mosaic-gpu" in out
     assert "S query tokens (the new tokens, in ragged rows), T cache tokens" in " ".join(
         cli._run_epilog().split()
     )

@@ -19,7 +19,11 @@
   ``attn_mosaic_gpu.bench`` and docs/design.md, "Benchmarks". ``attn bench sparse-mla``:
   the sparse MLA prefill benchmark (ours vs XLA gather + einsum), see
   ``attn_mosaic_gpu.bench_sparse_mla`` and docs/sparse_mla_gpu.md. Off a GPU both run a
-  smoke run only (tiny shapes, not a measurement).
+  smoke run only (tiny shapes, not a measurement). On a TPU, with attn-pallas-tpu
+  installed, ``attn bench sparse-mla`` is the TPU suite instead
+  (``attn_pallas_tpu.bench_sparse_mla``, docs/tpu_sparse_mla.md): a backend's commands
+  come from its entry point, and a command two backends add goes to the default device's
+  (:func:`backend_commands`).
 
 ``--implementation NAME`` pins a backend (default: the dispatch choice, see
 ``attn_common.dispatch``). Arguments are validated by argparse (one-line errors, exit
@@ -762,36 +766,53 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 BUILT_IN_COMMANDS = ("info", "run")
-# Commands a backend adds, and the backend: named here so that `attn bench` without it
-# says what to install (argparse alone would say "invalid choice: 'bench'").
-BACKEND_COMMANDS = {"bench": "mosaic-gpu", "tune": "mosaic-gpu"}
+# Commands backends add, and the backends that add them: named here so that `attn bench`
+# without any of them says what to install (argparse alone would say "invalid choice:
+# 'bench'"). Where several are installed, backend_commands() picks one per command.
+BACKEND_COMMANDS = {"bench": ("mosaic-gpu", "pallas-tpu"), "tune": ("mosaic-gpu",)}
 
 
 def _backend_commands_epilog() -> str:
     by_backend: dict[str, list[str]] = {}
-    for name, backend in BACKEND_COMMANDS.items():
-        by_backend.setdefault(backend, []).append(f"`attn {name}`")
+    for name, backends in BACKEND_COMMANDS.items():
+        for backend in backends:
+            by_backend.setdefault(backend, []).append(f"`attn {name}`")
     lines = [
         f"{' and '.join(names)} {'come' if len(names) > 1 else 'comes'} with the {backend} "
-        f"backend ({KNOWN_BACKENDS[backend]['dist']});"
+        f"backend ({KNOWN_BACKENDS[backend]['dist']}, for {_device_words(backend)});"
         for backend, names in by_backend.items()
     ]
+    for name, (first, *others) in BACKEND_COMMANDS.items():
+        if others:
+            on = ", ".join(f"{b}'s on {_device_words(b)}" for b in others)
+            lines.append(f"with both installed, `attn {name}` is {on}, else {first}'s;")
     return "\n".join([*lines, "`attn info` lists the installed backends."])
 
 
+def _device_words(backend: str) -> str:
+    """``"a TPU"``: the devices a known backend's kernels run on, in words."""
+    named = {"hopper": "a Hopper GPU", "tpu": "a TPU"}
+    devices = KNOWN_BACKENDS[backend].get("devices") or ("any device",)
+    return " or ".join(named.get(d, d) for d in devices)
+
+
 def _missing_backend_command(name: str) -> str:
-    """The error for ``attn NAME`` when the backend that adds NAME did not add it."""
-    backend = BACKEND_COMMANDS[name]
-    dist = KNOWN_BACKENDS[backend]["dist"]
-    if backend in installed_backends():
+    """The error for ``attn NAME`` when no backend that adds NAME added it."""
+    backends = BACKEND_COMMANDS[name]
+    dists = " or ".join(KNOWN_BACKENDS[b]["dist"] for b in backends)
+    loaded = [b for b in backends if b in installed_backends()]
+    if loaded:
         return (
-            f"`attn {name}` comes with {dist}, which is installed but did not load "
-            "(`attn info` says why)"
+            f"`attn {name}` comes with {dists}; {KNOWN_BACKENDS[loaded[0]]['dist']} is "
+            "installed but did not load (`attn info` says why)"
         )
-    return (
-        f"`attn {name}` comes with {dist}, which is not installed: "
-        f"{KNOWN_BACKENDS[backend]['install']}"
+    if len(backends) == 1:
+        info = KNOWN_BACKENDS[backends[0]]
+        return f"`attn {name}` comes with {info['dist']}, which is not installed: {info['install']}"
+    installs = " or ".join(
+        f"{KNOWN_BACKENDS[b]['install']} (for {_device_words(b)})" for b in backends
     )
+    return f"`attn {name}` comes with {dists}, neither of which is installed: {installs}"
 
 
 def _innermost_parser(parser: OneLineParser, argv: list[str]) -> OneLineParser:
@@ -805,14 +826,17 @@ def _innermost_parser(parser: OneLineParser, argv: list[str]) -> OneLineParser:
 
 
 def backend_commands() -> dict:
-    """The subcommands installed backends add (``attn bench``, ``attn tune`` from the
-    Hopper backend): name -> (backend, function adding the subparser).
+    """The subcommands installed backends add (``attn bench`` and ``attn tune`` from the
+    Hopper backend, ``attn bench`` from the TPU one): name -> (backend, function adding
+    the subparser).
 
     Each backend's ``attn.backends`` entry point module may define ``cli_commands()``;
     it is loaded through the entry point (``dispatch.load_backend``), so attn-common
-    names no backend module. The first backend (in name order) to claim a name keeps it.
+    names no backend module. A name that several backends claim goes to the one whose
+    devices (``KNOWN_BACKENDS``) include the default device's class (``device_class``:
+    only then is the device looked up), else to the first in name order.
     """
-    found: dict = {}
+    claims: dict[str, list] = {}
     for backend in sorted(installed_backends()):
         try:
             module = load_backend(backend)
@@ -822,8 +846,20 @@ def backend_commands() -> dict:
         if commands is None:
             continue
         for name, add in commands().items():
-            found.setdefault(name, (backend, add))
-    return found
+            claims.setdefault(name, []).append((backend, add))
+    return {name: _claim_for_this_device(found) for name, found in claims.items()}
+
+
+def _claim_for_this_device(claims: list):
+    """The ``(backend, add)`` claim of a command for the default device (see
+    :func:`backend_commands`)."""
+    if len(claims) == 1:
+        return claims[0]
+    here = device_class()
+    for backend, add in claims:
+        if here in (KNOWN_BACKENDS.get(backend, {}).get("devices") or ()):
+            return backend, add
+    return claims[0]
 
 
 # XLA's CPU client runs programs on an intra-op pool of NPROC threads (else one per usable

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tier_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import attn_pallas_tpu.plan as plan_module
+from attn_common import SparseMlaProblem
 from attn_common.tables import build_block_unit_tables, lossless_u_max
+from attn_pallas_tpu._prep import host_unit_keys, unit_space
 from attn_pallas_tpu.config import SparseMlaConfig, default_config, qblock_vmem_bytes
 from attn_pallas_tpu.plan import (
+    AUTO_QUERY_BLOCKS,
     TPU_CHIPS,
     PlanShape,
     SparseMlaPlan,
@@ -20,6 +27,8 @@ from attn_pallas_tpu.plan import (
     chip_for_device_kind,
     choose_plan,
     distinct_units_per_query,
+    host_distinct_units,
+    host_union_sizes,
     per_query_seconds,
     predict_per_query,
     predict_qblock,
@@ -89,19 +98,155 @@ def test_block_union_sizes_match_tables_and_brute_force(p, query_block):
         np.testing.assert_array_equal(got[b], np.asarray(tables.counts))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(key_arrays())
-def test_host_counts_match_brute_force(p):
-    """The eager front door's numpy counts: unions of every query block at once (the
-    presence table) and distinct units per query."""
-    from attn_pallas_tpu.plan import host_distinct_units, host_union_sizes
+@st.composite
+def host_key_arrays(draw):
+    """Keys as the eager planner counts them, and worse: ``-1`` and other negative ids,
+    duplicates inside a query, queries repeating their neighbour's keys, ids far past
+    the rest (a wide presence table), ``S`` not a multiple of the blocks."""
+    batch = draw(st.integers(1, 2))
+    seq = draw(st.sampled_from([1, 13, 40, 130]))
+    top_k = draw(st.sampled_from([1, 5, 32]))
+    high = draw(st.sampled_from([1, 20, 3000]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    keys = rng.integers(-3, high, (batch, seq, top_k)).astype(np.int32)
+    if top_k > 1 and draw(st.booleans()):
+        keys[..., 1] = keys[..., 0]
+    if seq > 1 and draw(st.booleans()):
+        keys[:, 1:] = keys[:, :-1].copy()
+    return keys
 
-    keys, _ = p
-    blocks = (8, 16, 32, 64)
-    got = host_union_sizes(keys, blocks)
-    for qb in blocks:
-        np.testing.assert_array_equal(got[qb], unions_brute(keys, qb))
-    np.testing.assert_array_equal(host_distinct_units(keys), distinct_brute(keys))
+
+@settings(
+    max_examples=tier_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(host_key_arrays(), st.sampled_from([AUTO_QUERY_BLOCKS, (8,), (16, 48), (8, 24, 40)]))
+def test_host_counts_match_the_jit_definitions(keys, query_blocks):
+    """The eager front door's numpy counts equal the jnp definitions under jit: unions of
+    every query block at once (the presence table) and distinct units per query."""
+    got = host_union_sizes(keys, query_blocks)
+    assert sorted(got) == sorted(query_blocks)
+    for qb in query_blocks:
+        want = np.asarray(_unions_jit(jnp.asarray(keys), query_block=qb))
+        np.testing.assert_array_equal(got[qb], want, strict=True)
+    want = np.asarray(_distinct_jit(jnp.asarray(keys)))
+    np.testing.assert_array_equal(host_distinct_units(keys), want, strict=True)
+
+
+def test_host_union_sizes_in_slices(monkeypatch):
+    """A presence table over the byte budget is built one slice of queries at a time,
+    with the same counts."""
+    keys = np.random.default_rng(0).integers(-1, 500, (2, 700, 6)).astype(np.int32)
+    whole = host_union_sizes(keys, AUTO_QUERY_BLOCKS)
+    monkeypatch.setattr(plan_module, "_TABLE_BYTES", 1)  # one slice per 256 queries
+    sliced = host_union_sizes(keys, AUTO_QUERY_BLOCKS)
+    for qb in AUTO_QUERY_BLOCKS:
+        np.testing.assert_array_equal(sliced[qb], whole[qb], strict=True)
+    np.testing.assert_array_equal(whole[8], unions_brute(keys, 8))
+
+
+def test_host_counts_edge_shapes():
+    empty = np.zeros((1, 0, 4), np.int32)
+    assert host_union_sizes(empty, (8, 16))[16].shape == (1, 0)
+    assert host_distinct_units(empty).shape == (1, 0)
+    no_picks = np.zeros((2, 5, 0), np.int32)
+    np.testing.assert_array_equal(host_union_sizes(no_picks, (8,))[8], [[0], [0]])
+    np.testing.assert_array_equal(host_distinct_units(no_picks), np.zeros((2, 5)))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        host_union_sizes(empty, (16, 24))
+
+
+@pytest.mark.parametrize("picks", ["random", "overlapping"])
+def test_host_counts_at_the_benchmark_shapes(picks):
+    """bench_sparse_mla's prefill selections: the counts the eager plan is made of."""
+    keys = _bench_keys(picks)
+    got = host_union_sizes(keys, AUTO_QUERY_BLOCKS)
+    for qb in AUTO_QUERY_BLOCKS:
+        want = np.asarray(_unions_jit(jnp.asarray(keys), query_block=qb))
+        np.testing.assert_array_equal(got[qb], want, strict=True)
+    want = np.asarray(_distinct_jit(jnp.asarray(keys)))
+    np.testing.assert_array_equal(host_distinct_units(keys), want, strict=True)
+
+
+def _bench_keys(picks: str) -> np.ndarray:
+    """``[1, S, 32]`` unit ids of bench_sparse_mla's prefill cases: 1024 queries at the
+    end of a 32K cache (random) or 2048 at the end of 110,592 tokens (overlapping)."""
+    from attn_common.picks import overlapping_picks, random_picks
+
+    queries, kv_len = (1024, 32768) if picks == "random" else (2048, 110592)
+    pick = random_picks if picks == "random" else overlapping_picks
+    pos = np.arange(kv_len - queries, kv_len)
+    return pick(np.random.default_rng(0), pos, unit=64, k=32)[None]
+
+
+# --------------------------------------------------------------------------------------
+# host_unit_keys: the eager plan's keys, numpy on host values
+
+
+@functools.partial(jax.jit, static_argnames=("problem", "page_size"))
+def _readable_keys_jit(problem, page_size, kv, indices, tables):
+    """The definition: ``unit_space``'s keys where the unit is readable, else -1."""
+    positions = jnp.zeros(indices.shape[:2], jnp.int32)
+    space = unit_space(problem, kv, indices, positions, page_size=page_size, **tables)
+    return jnp.where(space.unit_ok, space.keys, -1)
+
+
+def _problem(batch, seq, top_k, *, ragged, num_units, kv_len):
+    return SparseMlaProblem(
+        batch=batch, num_queries=seq, heads=1, dk=64, dv=64, top_k=top_k, read_block=16,
+        sm_scale=1.0, ragged=ragged, num_units=num_units, kv_len=kv_len,
+    )  # fmt: skip
+
+
+@settings(
+    max_examples=tier_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(st.data())
+def test_host_unit_keys_flat_match_unit_space(data):
+    batch, seq = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([1, 9]))
+    top_k, kv_len = data.draw(st.sampled_from([1, 4])), data.draw(st.sampled_from([16, 88]))
+    num_units = -(-kv_len // 16)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    dtype = data.draw(st.sampled_from([np.int32, np.int64]))
+    low = data.draw(st.sampled_from([-1, -3]))  # -1 and in range: returned as given
+    idx = rng.integers(low, num_units + data.draw(st.sampled_from([0, 3])), (batch, seq, top_k))
+    idx = idx.astype(dtype)
+    problem = _problem(batch, seq, top_k, ragged=False, num_units=num_units, kv_len=kv_len)
+    kv = np.zeros((batch, kv_len, 64), np.float32)
+    none = dict(page_size=None, q_seq_id=None, seq_lens=None, cu_kv_lens=None, page_indices=None)
+    got = host_unit_keys(problem, kv, idx, **none)
+    tables = {k: v for k, v in none.items() if k != "page_size"}
+    want = np.asarray(_readable_keys_jit(problem, None, kv, jnp.asarray(idx), tables))
+    np.testing.assert_array_equal(got, want, strict=True)
+
+
+@settings(
+    max_examples=tier_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(st.data())
+def test_host_unit_keys_ragged_match_unit_space(data):
+    """Request-local pages lifted to page-table slots; ids past the request's extent,
+    negative ids, out-of-range request ids (clipped) and page-table entries outside the
+    cache all read as -1, as in ``unit_space``."""
+    ps = 16
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    n_seq = data.draw(st.integers(1, 3))
+    extents = rng.integers(0, 4, n_seq)
+    cu = np.concatenate([[0], np.cumsum(extents)]).astype(np.int32) * ps
+    total_pages = int(extents.sum()) + data.draw(st.integers(1, 2))  # spare slots
+    num_pages = data.draw(st.sampled_from([2, 8]))
+    seq, top_k = data.draw(st.sampled_from([1, 7])), data.draw(st.sampled_from([1, 3]))
+    tables = dict(
+        q_seq_id=rng.integers(-1, n_seq + 1, seq).astype(np.int32),
+        seq_lens=(extents * ps).astype(np.int32),
+        cu_kv_lens=cu,
+        page_indices=rng.integers(-2, num_pages + 2, total_pages).astype(np.int32),
+    )
+    idx = rng.integers(-2, 6, (1, seq, top_k)).astype(np.int32)
+    problem = _problem(1, seq, top_k, ragged=True, num_units=total_pages, kv_len=num_pages * ps)
+    kv = np.zeros((num_pages, ps, 1, 128), np.float32)
+    got = host_unit_keys(problem, kv, idx, page_size=ps, **tables)
+    want = np.asarray(_readable_keys_jit(problem, ps, kv, jnp.asarray(idx), tables))
+    np.testing.assert_array_equal(got, want, strict=True)
 
 
 def test_block_union_sizes_eager_example():
@@ -443,17 +588,12 @@ V5E_FASTER = {("random", 16): "per_query", ("random", 64): "per_query",
 
 @pytest.mark.parametrize(("picks", "heads"), sorted(V5E_FASTER))
 def test_plan_picks_the_kernel_the_v5e_ran_faster(picks, heads):
-    from attn_common.picks import overlapping_picks, random_picks
-    from attn_pallas_tpu.plan import host_distinct_units, host_union_sizes
-
-    queries, kv_len = (1024, 32768) if picks == "random" else (2048, 110592)
-    pick = random_picks if picks == "random" else overlapping_picks
-    pos = np.arange(kv_len - queries, kv_len)
-    keys = pick(np.random.default_rng(0), pos, unit=64, k=32)[None]
+    keys = _bench_keys(picks)
+    queries, kv_len = keys.shape[1], 32768 if picks == "random" else 110592
     cfg = default_config(read_block=64, top_k=32, num_queries=queries)
     plan = choose_plan(
         distinct_per_query=host_distinct_units(keys),
-        union_sizes=host_union_sizes(keys, (8, 16, 32, 64, 128, 256)),
+        union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),
         heads=heads, top_k=32, num_units=kv_len // 64, read_block=64, chip=TPU_CHIPS["v5e"],
         config=cfg, **SHAPE,
     )  # fmt: skip

@@ -19,6 +19,8 @@ Exported under the shared names of docs/design.md#public-api:
   ``Fp8LatentCache`` is taken too (its side rows built per call; ``fp8_rows``).
 * ``supports``: tells ``attn_common``'s dispatch which inputs these kernels take (the
   rest falls back to the reference).
+* ``cli_commands``: the ``attn`` subcommand this backend adds (``attn bench sparse-mla``,
+  the TPU suite; ``attn_pallas_tpu.cli``).
 
 Every function accepts ``interpret=True`` or a ``pltpu.InterpretParams`` to run in TPU
 interpret mode on the CPU.
@@ -37,6 +39,16 @@ from attn_pallas_tpu.ranker import ranker_attention
 from attn_pallas_tpu.sparse_mla import sparse_mla_attention
 from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
 
+
+def cli_commands() -> dict:
+    """The ``attn`` subcommands this backend adds (``attn bench``: its sparse-mla suite):
+    name -> a function that adds the subparser. ``attn_common.cli`` calls this through
+    the ``attn.backends`` entry point; the benchmark code is imported only then."""
+    from attn_pallas_tpu import cli
+
+    return dict(cli.COMMANDS)
+
+
 try:
     __version__: str = version("attn-pallas-tpu")
 except PackageNotFoundError:  # imported from a source tree that was never installed
@@ -44,6 +56,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 __all__: list[str] = [
     "TpuFp8LatentCache",
+    "cli_commands",
     "paged_write_back",
     "prefill_write_and_attend_ragged",
     "prefill_write_and_attend_ragged_qblock",

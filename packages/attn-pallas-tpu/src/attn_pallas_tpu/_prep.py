@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import SparseMlaProblem
@@ -264,6 +265,47 @@ def unit_space(
     base_tok = info.base_page * page_size
     lim = base_tok + _limit(positions[0], info.kv_len)
     return UnitSpace(store, keys, addr, unit_ok, base_tok[None], lim[None])
+
+
+def host_unit_keys(
+    problem: SparseMlaProblem,
+    kv,
+    indices,
+    *,
+    page_size,
+    q_seq_id,
+    seq_lens,
+    cu_kv_lens,
+    page_indices,
+) -> np.ndarray:
+    """:func:`unit_space`'s readable keys, ``where(unit_ok, keys, -1)`` int32 ``[B, S,
+    K]``, computed in numpy from host values (device arrays are copied to the host).
+
+    Flat: ids outside ``[0, num_units)`` are ``-1``. Ragged: request-local pages lifted to
+    global page-table slots (``attn_common.lift_ragged_indices``), ``-1`` where the page
+    is outside the request's extent or the page table, or its physical page is outside
+    ``[0, num_pages)``. Ids are cast to int32 first, as the jnp path does.
+    """
+    idx = np.asarray(indices).astype(np.int32, copy=False)
+    if not problem.ragged:
+        if idx.min(initial=-1) >= -1 and idx.max(initial=-1) < problem.num_units:
+            return idx  # already -1 or in range (the caller's array, not copied)
+        return np.where((idx >= 0) & (idx < problem.num_units), idx, np.int32(-1))
+    n_seq = np.shape(seq_lens)[0]
+    sid = np.clip(np.asarray(q_seq_id).astype(np.int32, copy=False), 0, n_seq - 1)
+    cu = np.asarray(cu_kv_lens).astype(np.int32, copy=False)
+    base = cu[sid] // page_size
+    pages = np.maximum(cu[sid + 1] // page_size - base, 0)
+    local = idx[0]
+    key = local + base[:, None]
+    lifted = (local >= 0) & (local < pages[:, None]) & (key < problem.num_units)
+    key = np.where(lifted, key, np.int32(-1))
+    table = np.asarray(page_indices).astype(np.int32, copy=False)
+    if not table.size:
+        return np.full((1, *key.shape), -1, np.int32)
+    phys = table[np.maximum(key, 0)]
+    ok = (key >= 0) & (phys >= 0) & (phys < kv.shape[0])
+    return np.where(ok, key, np.int32(-1))[None]
 
 
 def store_blocks(store: Store, rb: int) -> jax.Array:

@@ -1,5 +1,6 @@
-"""The TPU sparse-MLA benchmark suite (``attn bench sparse-mla`` on a TPU;
-``benchmarks/tpu_sparse_mla.py``).
+"""The TPU sparse-MLA benchmark suite: ``attn bench sparse-mla`` on a TPU, or ``python
+-m attn_pallas_tpu.bench_sparse_mla`` (the same flags; ``benchmarks/tpu_run.sh`` runs it
+after the TPU tests).
 
 Every row is timed in one run, two ways, each the median of ``--iterations`` calls after
 a warm-up: ``ms``, wall clock with each call waited for (on the v5e machine even a jitted
@@ -35,9 +36,11 @@ overlapping family's parameters):
 ``--sweep`` also times a grid of tilings per case (``SparseMlaConfig``, and the
 query-blocked kernel's query blocks and head groups), the data the cost model is fitted
 to (``attn_pallas_tpu.plan``). ``--smoke`` runs tiny shapes in interpret mode (any
-machine). Writes ``tpu_sparse_mla.json`` (rows with ``kernel``, ``mode``, ``picks``,
-``unit``, ``heads``, ``ms``, ``bound_ms``, ``xla_ms``; top-level ``commit``, ``device``)
-and ``.md`` (and ``.svg`` with matplotlib) under ``--out``.
+machine); without it the default device must be a TPU. Writes ``tpu_sparse_mla.json``
+(rows with ``kernel``, ``mode``, ``picks``, ``unit``, ``heads``, ``ms``, ``bound_ms``,
+``xla_ms``; top-level ``commit``, ``device``) and ``.md`` (and ``.svg`` with matplotlib)
+under ``--out``. Exit status 1 when a case failed (sweep rows that failed do not count:
+some tilings do not fit a chip).
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ import numpy as np
 
 import attn_pallas_tpu as tpu
 from attn_common import padded_dk
-from attn_common.cli_args import provenance
-from attn_common.dispatch import load_backend
+from attn_common.cli_args import iterations_int, out_path, provenance
+from attn_common.dispatch import device_class, load_backend
 from attn_common.picks import decode_picks, overlapping_picks, random_picks
 from attn_common.tables import kv_packing
 from attn_pallas_tpu._prep import default_chip
@@ -581,15 +584,45 @@ def _f(x) -> str:
     return "" if x is None else f"{x:.3g}"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the results")
-    p.add_argument("--iterations", type=int, default=10, help="timed calls per row (median)")
-    p.add_argument("--cases", nargs="*", help="substrings of case names to run (default all)")
-    p.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode")
-    p.add_argument("--report", metavar="JSON", help="only rewrite the .md and .svg of a JSON")
-    args = p.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The suite's flags (``python -m attn_pallas_tpu.bench_sparse_mla`` and ``attn bench
+    sparse-mla`` on a TPU take the same)."""
+    parser.add_argument(
+        "--out",
+        type=out_path,
+        default=Path(os.environ.get("OUT", ".")),
+        help="folder for the results (default: $OUT, else the working directory)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=iterations_int,
+        default=10,
+        help="timed calls per row, 1..10000 (median; default: 10, 1 in a smoke run)",
+    )
+    parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)"
+    )
+    parser.add_argument(
+        "--report", metavar="JSON", help="only rewrite the .md and .svg of a results JSON"
+    )
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The one-line error for arguments the suite cannot run, or None: the real cases
+    time a TPU (``--smoke`` and ``--report`` run anywhere)."""
+    here = device_class()
+    if args.report or args.smoke or here == "tpu":
+        return None
+    return (
+        f"the suite times a TPU and the default device is {here}; --smoke runs its tiny "
+        "cases in interpret mode on any device"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite (or only rewrite a report); 1 when a case failed, else 0."""
     if args.report:
         result = json.loads(Path(args.report).read_text())
         out = Path(args.out)
@@ -609,7 +642,17 @@ def main(argv=None) -> int:
     result = {**runner.meta, "rows": runner.rows}
     write_report(result, runner.out)
     write_plot(result, runner.out / f"{RESULT}.svg")
-    return 0
+    return 1 if any("error" in r and not r.get("sweep") for r in runner.rows) else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        p.error(problem)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,9 @@ wrapper's run-time guard.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import types
 from collections.abc import Mapping
 
 import jax
@@ -143,6 +146,8 @@ STATIC_ROWS = 2048  # static_qblock_config's score rows (QB * H)
 MAX_STATIC_QUERY_BLOCK = 128  # measured: QB 64-128 fastest at overlapping picks
 U_MAX_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SENTINEL = int(np.iinfo(np.int32).max)
+_WORD_BITS = 64  # host_union_sizes packs its presence table into uint64 words
+_TABLE_BYTES = 1 << 24  # host_union_sizes' presence table per slice of queries
 _MIB = 1 << 20
 
 
@@ -243,27 +248,72 @@ def block_union_sizes(keys: jax.Array, *, query_block: int) -> jax.Array:
 
 
 def host_union_sizes(keys: np.ndarray, query_blocks) -> dict[int, np.ndarray]:
-    """:func:`block_union_sizes` on host keys ``[B, S, K]`` for several query blocks at
-    once (each a multiple of the smallest, itself a multiple of 8): a presence table of
-    the smallest blocks' units, OR-reduced into the larger ones. ``O(B S K + blocks x
-    units)`` numpy, no sort: the eager front door's planning cost."""
+    """:func:`block_union_sizes` on host keys for several query blocks at once.
+
+    Args:
+      keys: int ``[B, S, K]`` unit keys per query (numpy); negative = no selection;
+        duplicates count once.
+      query_blocks: the block sizes, each a multiple of the smallest.
+
+    Returns:
+      ``{query_block: int32 [B, ceil(S / query_block)]}``.
+
+    Every valid key is scattered once into a presence table of the smallest blocks (a
+    bit per unit once packed); each larger block's bits are the OR of its sub-blocks'
+    (from the previous size when it divides, else from the smallest) and a block's
+    union size is its popcount. No sort: ``O(B S K + blocks x units / 8)``; queries are
+    taken in slices whose table stays within ``_TABLE_BYTES``.
+    """
     keys = np.asarray(keys)
+    qbs = sorted(set(query_blocks))
+    if any(qb % qbs[0] for qb in qbs):
+        raise ValueError(f"query_blocks: {qbs} are not all multiples of {qbs[0]}")
     batch, seq, _ = keys.shape
-    qbs = sorted(query_blocks)
+    width = _round_up(int(keys.max(initial=-1)) + 2, _WORD_BITS)  # column 0: no selection
+    span = math.lcm(*qbs)  # queries of one slice are a whole number of every block size
+    base_rows = span // qbs[0]
+    step = span * max(1, _TABLE_BYTES // max(batch * base_rows * width, 1))
+    if seq <= step:
+        return _slice_union_sizes(keys, qbs, width, span)
+    parts = [
+        _slice_union_sizes(keys[:, i : i + step], qbs, width, span) for i in range(0, seq, step)
+    ]
+    return {qb: np.concatenate([p[qb] for p in parts], axis=1) for qb in qbs}
+
+
+def _slice_union_sizes(keys: np.ndarray, qbs: list[int], width: int, span: int) -> dict:
+    """:func:`host_union_sizes` of keys ``[B, S, K]`` with ids below ``width - 1``
+    (``qbs`` sorted; the tail is padded with empty queries to a multiple of ``span``)."""
+    batch, seq, _ = keys.shape
     base = qbs[0]
-    top = max(qbs)
-    n_top = -(-seq // top)
-    n_base = n_top * (top // base)
-    units = int(keys.max(initial=-1)) + 1
-    out = {}
-    present = np.zeros((batch, n_base, max(units, 1)), bool)
-    b, s, _ = np.nonzero(keys >= 0)
-    present[b, s // base, keys[keys >= 0]] = True
+    rows = -(-seq // span) * (span // base)  # smallest blocks per batch row
+    if keys.min(initial=0) < -1:
+        keys = np.maximum(keys, -1)
+    table = np.zeros((batch * rows, width), bool)
+    table.reshape(-1)[(keys + _table_offsets(batch, seq, base, rows, width)).reshape(-1)] = True
+    table[:, 0] = False  # where the no-selection keys landed
+    smallest = np.packbits(table, axis=-1).view(np.uint64)  # [B * rows, width / 64]
+    out, bits, level = {}, smallest, base
     for qb in qbs:
-        if qb % base:
-            raise ValueError(f"query_blocks: {qb} is not a multiple of {base}")
-        grouped = present.reshape(batch, n_base * base // qb, qb // base, -1).any(axis=2)
-        out[qb] = grouped.sum(axis=-1).astype(np.int32)[:, : -(-seq // qb)]
+        if qb % level:
+            bits, level = smallest, base
+        if qb != level:
+            bits = np.bitwise_or.reduce(bits.reshape(-1, qb // level, bits.shape[-1]), axis=1)
+        level = qb
+        counts = np.bitwise_count(bits).sum(axis=-1, dtype=np.int32)
+        out[qb] = counts.reshape(batch, -1)[:, : -(-seq // qb)]
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _table_offsets(batch: int, seq: int, base: int, rows: int, width: int) -> np.ndarray:
+    """int64 ``[B, S, 1]``: where key ``-1`` of each query lands in a flattened presence
+    table of ``rows`` blocks of ``base`` queries per batch row and ``width`` columns a
+    block (its block's column 0; key ``u`` lands in column ``u + 1``). Read-only
+    (cached)."""
+    block = np.arange(batch)[:, None] * rows + np.arange(seq)[None, :] // base
+    out = (block.astype(np.int64) * width + 1)[:, :, None]
+    out.flags.writeable = False
     return out
 
 
@@ -306,10 +356,18 @@ def sparse_mla_union_sizes(
 
 
 def host_distinct_units(keys: np.ndarray) -> np.ndarray:
-    """:func:`distinct_units_per_query` on host keys (numpy)."""
+    """:func:`distinct_units_per_query` on host keys ``[..., K]`` (numpy): each query's
+    keys sorted, a key counts where it is valid (``>= 0``) and differs from the one
+    before it."""
     s = np.sort(np.asarray(keys), axis=-1)
-    first = np.concatenate([np.ones((*s.shape[:-1], 1), bool), s[..., 1:] != s[..., :-1]], -1)
-    return (first & (s >= 0)).sum(axis=-1).astype(np.int32)
+    if s.size == 0:
+        return np.zeros(s.shape[:-1], np.int32)
+    new = np.empty(s.shape, bool)
+    flat = s.reshape(-1)
+    np.not_equal(flat[1:], flat[:-1], out=new.reshape(-1)[1:])  # one pass, across rows
+    new[..., 0] = True  # a query's smallest key differs from nothing before it
+    new &= s >= 0
+    return np.einsum("...k->...", new.view(np.uint8), dtype=np.int32)
 
 
 def distinct_units_per_query(keys: jax.Array) -> jax.Array:
@@ -427,32 +485,56 @@ def _per_query_seconds(xp, d, s: PlanShape):
     """The per-query model on a float array ``d`` of distinct units per query (``xp`` is
     numpy or jax.numpy): seconds."""
     g = s.config.units_per_step
-    steps = xp.ceil(d / g).sum()
-    units = d.sum()
+    return _per_query_model(xp, xp.ceil(d / g).sum(), d.sum(), d.size, s)
+
+
+def _per_query_model(xp, steps, units, queries: int, s: PlanShape):
+    """The per-query model from its sums over the queries: ``steps`` (of ``ceil(distinct
+    / G)``), ``units`` (of distinct units) and the number of ``queries``: seconds."""
     unit_s = PQ_UNIT_S + s.read_block * row_seconds(s.heads) + _dequant_seconds(s)
     compute = (steps * PQ_STEP_S + units * unit_s) / s.chip.cores
     kv = units * s.unit_bytes
-    other = d.size * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
+    other = queries * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
     return CALL_S + xp.maximum(compute, (kv + other) / s.chip.hbm_bytes_per_s)
 
 
-def _qblock_seconds(xp, u, s: PlanShape, *, query_block: int, head_block: int, u_max: int):
+def _qblock_seconds(xp, u, s: PlanShape, *, query_block: int, head_block: int):
     """The query-blocked model on a float array ``u`` of union sizes per block: seconds."""
+    g = s.config.units_per_step
+    return _qblock_model(
+        xp, xp.ceil(u / g).sum(), u.sum(), u.size, s, query_block=query_block,
+        head_block=head_block,
+    )  # fmt: skip
+
+
+def _qblock_model(xp, steps, units, blocks: int, s: PlanShape, *, query_block, head_block):
+    """The query-blocked model from its sums over the blocks of one head group: ``steps``
+    (of ``ceil(union / G)``), ``units`` (of union sizes) and the number of ``blocks``:
+    seconds."""
     if s.heads % head_block:
         raise ValueError(f"head_block {head_block} does not divide heads {s.heads}")
     groups = s.heads // head_block
     rows = head_block * query_block
     g = s.config.units_per_step
-    steps = xp.ceil(u / g).sum() * groups
-    units = u.sum() * groups
+    steps = steps * groups
+    units = units * groups
     work = (
         steps * (QB_STEP_S + g * s.read_block * rows * QB_SCORE_S + rows * s.dv * QB_ACC_S)
         + units * (QB_UNIT_S + _dequant_seconds(s))
-        + u.size * query_block * QB_QUERY_S
+        + blocks * query_block * QB_QUERY_S
     )
     kv = units * s.unit_bytes
-    other = u.size * query_block * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
+    other = blocks * query_block * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
     return CALL_S + xp.maximum(work / s.chip.cores, (kv + other) / s.chip.hbm_bytes_per_s)
+
+
+_SCALAR = types.SimpleNamespace(maximum=max)  # the models' ``xp`` on Python floats
+
+
+def _host_sums(x: np.ndarray, g: int) -> tuple[int, int, int]:
+    """``(sum ceil(x / g), sum x, x.size)`` of a non-negative int array, exactly (the
+    models' float sums of these integers are exact, so the seconds are the same)."""
+    return int(((x + (g - 1)) // g).sum()), int(x.sum()), x.size
 
 
 def predict_per_query(*, distinct_per_query: np.ndarray, **shape) -> SparseMlaPlan:
@@ -469,8 +551,8 @@ def predict_per_query(*, distinct_per_query: np.ndarray, **shape) -> SparseMlaPl
     """
     s = PlanShape(**shape)
     d = np.asarray(distinct_per_query, np.int64).ravel()
-    units = int(d.sum())
-    t = _per_query_seconds(np, d.astype(np.float64), s)
+    steps, units, queries = _host_sums(d, s.config.units_per_step)
+    t = _per_query_model(_SCALAR, float(steps), float(units), queries, s)
     return SparseMlaPlan(
         "per_query", None, None, None, units * s.unit_bytes, units, float(t), s.chip.name
     )
@@ -498,9 +580,16 @@ def predict_qblock(
 
 def _predict_qblock(union_sizes, s: PlanShape, query_block: int, head_block: int, u_max: int):
     u = np.asarray(union_sizes, np.int64).ravel()
-    cfg = dict(query_block=query_block, head_block=head_block, u_max=u_max)
-    t = _qblock_seconds(np, u.astype(np.float64), s, **cfg)
-    units = int(u.sum()) * (s.heads // head_block)
+    sums = _host_sums(u, s.config.units_per_step)
+    return _qblock_plan(sums, s, query_block, head_block, u_max)
+
+
+def _qblock_plan(sums, s: PlanShape, query_block: int, head_block: int, u_max: int):
+    """The qblock :class:`SparseMlaPlan` of one config from the blocks' :func:`_host_sums`."""
+    steps, units, blocks = sums
+    cfg = dict(query_block=query_block, head_block=head_block)
+    t = _qblock_model(_SCALAR, float(steps), float(units), blocks, s, **cfg)
+    units *= s.heads // head_block
     return SparseMlaPlan(
         "qblock", query_block, head_block, u_max, units * s.unit_bytes, units, float(t), s.chip.name
     )
@@ -526,7 +615,7 @@ def qblock_seconds(
     the keywords as in :func:`predict_qblock`.
     """
     u = jnp.asarray(union_sizes).astype(jnp.float32).ravel()
-    cfg = dict(query_block=query_block, head_block=head_block, u_max=u_max)
+    cfg = dict(query_block=query_block, head_block=head_block)
     return _qblock_seconds(jnp, u, PlanShape(**shape), **cfg).astype(jnp.float32)
 
 
@@ -576,38 +665,54 @@ def choose_plan(
     most ``chip.vmem_bytes``; drops configs that do not move at most ``1 / MIN_SHARING``
     of per-query's KV bytes (with less sharing the per-query kernel was measured as fast
     or faster). Returns the fastest of them if it is predicted strictly
-    faster than per-query, else the per-query plan (also for empty inputs).
+    faster than per-query, else the per-query plan (also for empty inputs). The
+    ``(Hb, u_max)`` candidates of a shape are cached (:func:`_qblock_candidates`); each
+    config's seconds come from three integer sums of the unions (:func:`_host_sums`).
     """
     s = PlanShape(**shape)
     per_query = predict_per_query(distinct_per_query=distinct_per_query, **shape)
     if per_query.kv_bytes == 0:
         return per_query
-    best: SparseMlaPlan | None = None
+    best = None  # ((seconds, kv_bytes), sums, QB, Hb, u_max) of the fastest config
     for query_block in sorted(union_sizes):
         _check_query_block(query_block)
-        u = np.asarray(union_sizes[query_block], np.int64)
+        u = np.asarray(union_sizes[query_block], np.int64).ravel()
         if u.size == 0 or u.max() <= 0:
             continue
-        if int(u.sum()) * s.unit_bytes * MIN_SHARING > per_query.kv_bytes:
+        sums = _host_sums(u, s.config.units_per_step)
+        if sums[1] * s.unit_bytes * MIN_SHARING > per_query.kv_bytes:
             continue  # the blocks share too little: even one head group saves too few bytes
-        for head_block in (d for d in range(1, s.heads + 1) if s.heads % d == 0):
-            rows = head_block * query_block
-            if rows > max_rows:
-                break
-            u_max = _widest_fitting(s, int(u.max()), rows=rows, query_block=query_block)
-            if u_max is None:
+        top = _round_up(int(u.max()), MEMBER_TILE)
+        for head_block, u_max in _qblock_candidates(s, max_rows, query_block, top):
+            kv_bytes = sums[1] * (s.heads // head_block) * s.unit_bytes
+            if kv_bytes * MIN_SHARING > per_query.kv_bytes:
                 continue
-            plan = _predict_qblock(u, s, query_block, head_block, u_max)
-            if plan.kv_bytes * MIN_SHARING > per_query.kv_bytes:
-                continue
-            if best is None or (plan.predicted_s, plan.kv_bytes) < (
-                best.predicted_s,
-                best.kv_bytes,
-            ):
-                best = plan
-    if best is not None and best.predicted_s < per_query.predicted_s:
-        return best
-    return per_query
+            cfg = dict(query_block=query_block, head_block=head_block)
+            t = float(_qblock_model(_SCALAR, float(sums[0]), float(sums[1]), sums[2], s, **cfg))
+            if best is None or (t, kv_bytes) < best[0]:
+                best = ((t, kv_bytes), sums, query_block, head_block, u_max)
+    if best is None or best[0][0] >= per_query.predicted_s:
+        return per_query
+    _, sums, query_block, head_block, u_max = best
+    return _qblock_plan(sums, s, query_block, head_block, u_max)
+
+
+@functools.lru_cache(maxsize=256)
+def _qblock_candidates(
+    s: PlanShape, max_rows: int, query_block: int, largest: int
+) -> tuple[tuple[int, int], ...]:
+    """``(head_block, u_max)`` per divisor ``head_block`` of ``heads`` (ascending) with
+    ``head_block * query_block <= max_rows`` and a chunk that fits, ``u_max`` the widest
+    (:func:`_widest_fitting` for unions of at most ``largest``). Shapes only: cached."""
+    out = []
+    for head_block in (d for d in range(1, s.heads + 1) if s.heads % d == 0):
+        rows = head_block * query_block
+        if rows > max_rows:
+            break
+        u_max = _widest_fitting(s, largest, rows=rows, query_block=query_block)
+        if u_max is not None:
+            out.append((head_block, u_max))
+    return tuple(out)
 
 
 def static_qblock_config(*, max_rows: int = 4096, **shape) -> tuple[int, int, int]:

@@ -71,7 +71,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -84,6 +83,7 @@ from attn_pallas_tpu._prep import (
     SUBLANE,
     default_chip,
     fp8_copy,
+    host_unit_keys,
     pad_features,
     query_dtype,
     require_tpu_kernels,
@@ -430,13 +430,6 @@ def _host_values(call: SparseMlaCall) -> bool:
     return not call.problem.is_empty and not isinstance(call.q, tuple) and is_concrete(*arrays)
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "page_size"))
-def _live_keys(problem, page_size, kv, indices, positions, tables):
-    """Every query's unit keys ``[B, S, K]``, ``-1`` where none or not readable."""
-    space = unit_space(problem, kv, indices, positions, page_size=page_size, **tables)
-    return jnp.where(space.unit_ok, space.keys, -1)
-
-
 @functools.lru_cache(maxsize=64)
 def _jitted_op(per_query: bool, static: tuple):
     """The per-query or query-blocked op with the keywords ``static`` fixed, jitted."""
@@ -445,16 +438,19 @@ def _jitted_op(per_query: bool, static: tuple):
 
 
 def _host_planned(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg):
-    """An eager call with automatic tiling: the plan from host-side counts (numpy), then
-    the planned kernel and its tables under one ``jax.jit`` (dispatching the table
-    building op by op cost ~120 ms on a v5e; the plan's counting is ``O(S K + blocks x
-    units)`` numpy)."""
+    """An eager call with automatic tiling: the plan from host-side counts, then the
+    planned kernel and its tables under one ``jax.jit`` (dispatching the table building
+    op by op cost ~120 ms on a v5e).
+
+    The counts are numpy on the host (:func:`host_unit_keys`, ``plan.host_distinct_units``
+    and ``plan.host_union_sizes`` for every ``AUTO_QUERY_BLOCKS`` size): ``O(S K + blocks
+    x units / 8)`` work and a sort of each query's ``K`` keys, no device round trip for
+    host-value indices.
+    """
     problem = call.problem
     ragged = call.ragged_kwargs()
     tables = {k: v for k, v in ragged.items() if k != "page_size"}
-    keys = np.asarray(
-        _live_keys(problem, ragged["page_size"], call.kv, call.indices, call.positions, tables)
-    )
+    keys = host_unit_keys(problem, call.kv, call.indices, **ragged)
     kv = call.kv
     plan = choose_plan(
         distinct_per_query=host_distinct_units(keys),

@@ -1,0 +1,108 @@
+"""``attn bench sparse-mla`` on a TPU is this backend's suite (``attn_pallas_tpu.cli``,
+reached through the backend's entry point): the command goes to it when the default
+device is a TPU, its flags reach ``bench_sparse_mla``, and off a TPU it refuses in one
+line. The device query is monkeypatched and the suite itself is not run (its smoke run
+is test_bench_sparse_mla.py's)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_cli_usage_error, cli_exit_code
+
+from attn_common import cli
+from attn_pallas_tpu import bench_sparse_mla
+
+
+@pytest.fixture
+def only_tpu_backend(monkeypatch):
+    """The installed backends as on a TPU host: the reference and attn-pallas-tpu."""
+    monkeypatch.setattr(
+        cli, "installed_backends", lambda: {"pallas-tpu": "attn_pallas_tpu", "reference": "x"}
+    )
+
+
+@pytest.fixture
+def suite_calls(monkeypatch) -> list:
+    """``bench_sparse_mla.run`` replaced by a recorder of its arguments (exit 0)."""
+    calls: list = []
+    monkeypatch.setattr(bench_sparse_mla, "run", lambda args: calls.append(args) or 0)
+    return calls
+
+
+def _on(monkeypatch, device: str) -> None:
+    """The default device's class as ``attn`` and the suite see it."""
+    monkeypatch.setattr(cli, "device_class", lambda *a: device)
+    monkeypatch.setattr(bench_sparse_mla, "device_class", lambda *a: device)
+
+
+def test_bench_is_the_tpu_backends_on_a_tpu(monkeypatch):
+    """Whatever else is installed (attn-mosaic-gpu adds `attn bench` too)."""
+    _on(monkeypatch, "tpu")
+    assert cli.backend_commands()["bench"][0] == "pallas-tpu"
+
+
+def test_attn_bench_sparse_mla_runs_the_tpu_suite_with_its_flags(
+    monkeypatch, suite_calls, tmp_path
+):
+    _on(monkeypatch, "tpu")
+    argv = ["bench", "sparse-mla", "--iterations", "3", "--cases", "overlap", "eager",
+            "--sweep", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    (args,) = suite_calls
+    assert (args.iterations, args.cases, args.sweep, args.smoke) == (3, ["overlap", "eager"],
+                                                                     True, False)  # fmt: skip
+    assert args.out == tmp_path and args.report is None
+
+
+def test_the_suites_defaults_are_python_m_s(monkeypatch, suite_calls):
+    """`attn bench sparse-mla` and `python -m attn_pallas_tpu.bench_sparse_mla` parse the
+    same flags to the same defaults."""
+    import argparse
+
+    _on(monkeypatch, "tpu")
+    assert cli.main(["bench", "sparse-mla"]) == 0
+    parser = argparse.ArgumentParser()
+    bench_sparse_mla.add_arguments(parser)
+    want = vars(parser.parse_args([]))
+    assert {k: v for k, v in vars(suite_calls[0]).items() if k in want} == want
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_off_a_tpu_the_suite_refuses_in_one_line(
+    monkeypatch, only_tpu_backend, suite_calls, capsys, device
+):
+    _on(monkeypatch, device)
+    assert_cli_usage_error(
+        ["bench", "sparse-mla"],
+        f"attn bench sparse-mla: error: the suite times a TPU and the default device is "
+        f"{device}; --smoke",
+        capsys,
+    )
+    assert cli_exit_code(["bench", "sparse-mla", "--smoke", "--iterations", "2"]) == 0
+    assert [a.smoke for a in suite_calls] == [True]
+
+
+def test_bench_without_the_suite_name_is_a_one_line_error(
+    monkeypatch, only_tpu_backend, suite_calls, capsys
+):
+    _on(monkeypatch, "tpu")
+    assert_cli_usage_error(["bench"], "one suite: attn bench sparse-mla", capsys)
+    assert not suite_calls
+
+
+def test_help_names_the_suite_and_its_flags(monkeypatch, only_tpu_backend, capsys):
+    _on(monkeypatch, "tpu")
+    assert cli_exit_code(["bench", "sparse-mla", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: attn bench sparse-mla ")
+    for flag in ("--out", "--iterations", "--cases", "--sweep", "--smoke", "--report"):
+        assert flag in out, flag
+    assert "bytes and MXU bounds" in out
+
+
+def test_python_m_refuses_off_a_tpu(monkeypatch, capsys):
+    monkeypatch.setattr(bench_sparse_mla, "device_class", lambda *a: "cpu")
+    with pytest.raises(SystemExit) as e:
+        bench_sparse_mla.main([])
+    assert e.value.code == 2
+    assert "the suite times a TPU" in capsys.readouterr().err
