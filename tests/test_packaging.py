@@ -226,6 +226,7 @@ BACKEND_TOOLS = {
     "attn_mosaic_gpu.bench_sparse_mla",
     "attn_mosaic_gpu.tuner",
     "attn_pallas_tpu.cli",
+    "attn_pallas_tpu.bench_ranker",
     "attn_pallas_tpu.bench_sparse_mla",
     "attn_reference.demo",
 }

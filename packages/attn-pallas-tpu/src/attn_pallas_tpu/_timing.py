@@ -75,5 +75,6 @@ def matmul_tflops(smoke: bool) -> float:
 def rel_l2(got, want) -> float:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     finite = np.isfinite(want)
-    num = np.linalg.norm(np.where(finite, got - want, 0.0))
+    with np.errstate(invalid="ignore"):  # inf - inf where both are non-finite
+        num = np.linalg.norm(np.where(finite, got - want, 0.0))
     return float(num / max(np.linalg.norm(np.where(finite, want, 0.0)), 1e-30))
