@@ -116,3 +116,24 @@ def test_smoke_suite_times_padded_and_packed_rows(tmp_path):
     assert by["padded", "fwd"]["model_ms"] > 0
     assert np.isfinite(result["matmul_tflops"]) and result["matmul_tflops"] > 0
     assert (tmp_path / "tpu_ranker.md").read_text().count("| ragged-smoke |") == 4
+
+
+@pytest.mark.slow  # interpret-mode kernels, ~15 s
+def test_smoke_sweep_times_each_tiling(tmp_path, monkeypatch):
+    from attn_common import KernelConfig
+
+    grid = [KernelConfig(block_q=128, block_kv=128), KernelConfig(block_q=256, block_kv=128)]
+    monkeypatch.setattr(bench_ranker, "sweep_configs", lambda case: grid)
+    argv = ["--smoke", "--out", str(tmp_path), "--cases", "small-d64", "--modes", "fwd",
+            "--sweep"]  # fmt: skip
+    assert bench_ranker.main(argv) == 0
+    rows = json.loads((tmp_path / "tpu_ranker.json").read_text())["rows"]
+    assert [(r["mode"], r.get("sweep", False)) for r in rows] == [("fwd", False)] + [
+        ("fwd", True)
+    ] * 2
+    sweep = [r for r in rows if r.get("sweep")]
+    assert [(r["block_q"], r["block_kv"]) for r in sweep] == [(128, 128), (256, 128)]
+    for r in sweep:
+        assert "error" not in r and r["ms"] > 0 and r["model_ms"] > 0, r
+    assert sweep[0]["model_ms"] != sweep[1]["model_ms"]  # predicted per tiling
+    assert "## Sweep: best tiling" in (tmp_path / "tpu_ranker.md").read_text()

@@ -128,11 +128,12 @@ def test_attn_bench_ranker_runs_the_tpu_ranker_suite_with_its_flags(
 ):
     _on(monkeypatch, "tpu")
     argv = ["bench", "ranker", "--iterations", "4", "--cases", "phoenix", "--sweep",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--modes", "fwd", "--out", str(tmp_path)]  # fmt: skip
     assert cli.main(argv) == 0
     (args,) = ranker_calls
     assert not suite_calls  # not the sparse-MLA suite
     assert (args.iterations, args.cases, args.sweep, args.smoke) == (4, ["phoenix"], True, False)
+    assert args.modes == ["fwd"]
     assert args.out == tmp_path and args.report is None
 
 

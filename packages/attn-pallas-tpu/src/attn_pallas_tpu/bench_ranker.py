@@ -27,6 +27,8 @@ one-user-a-row layout; ``per_user_us`` on both rows compares them.
 whose VMEM model (``vmem_bytes``, all three kernels) fits ``VMEM_LIMIT_BYTES``, forward
 and forward + backward, each with the model's prediction (rows with ``sweep: true``):
 the data an ``attn tune`` twin for the TPU and a refit of the cost model need.
+``--modes`` restricts the rows to ``fwd`` or ``fwd+bwd`` (a sweep of every case and both
+modes is ~200 compiles: split it over calls with ``--cases`` / ``--modes``).
 ``--smoke`` runs tiny cases in interpret mode (any machine); without it the default
 device must be a TPU. Writes ``tpu_ranker.json`` (top-level ``commit``, ``device``,
 ``jax``, ``matmul_tflops``) and ``.md`` (and ``.svg`` with matplotlib) under ``--out``.
@@ -139,6 +141,8 @@ class Runner:
         self.extra = {"interpret": True} if args.smoke else {}
         self.out = Path(args.out)
         self.sweep = args.sweep
+        self.modes = tuple(getattr(args, "modes", None) or MODES)
+        self.costs: dict = {}
         self.rows: list[dict] = []
         self.chip = default_chip()
         self.mxu = matmul_tflops(self.smoke)
@@ -196,12 +200,21 @@ class Runner:
         return row, got
 
     def model_ms(self, case, config, mode) -> float | None:
+        """``ranker_model.predict``'s ms for ``mode`` (one prediction per case and tiling:
+        it counts the visits on the host, ~1 s at full batch)."""
         from attn_pallas_tpu.ranker_model import predict
 
-        try:
-            cost = predict(case, self.chip, block_q=config.block_q, block_kv=config.block_kv)
-        except Exception as e:  # the model is a side column; its failure costs no row
-            print(f"model {case.name}: {_err(e)}", flush=True)
+        key = (case.name, config.block_q, config.block_kv)
+        if key not in self.costs:
+            try:
+                self.costs[key] = predict(
+                    case, self.chip, block_q=config.block_q, block_kv=config.block_kv
+                )
+            except Exception as e:  # the model is a side column; its failure costs no row
+                print(f"model {case.name}: {_err(e)}", flush=True)
+                self.costs[key] = None
+        cost = self.costs[key]
+        if cost is None:
             return None
         return (cost.fwd_s if mode == "fwd" else cost.fwd_s + cost.bwd_s) * 1e3
 
@@ -226,7 +239,7 @@ class Runner:
                     seq_len=case.seq_len, q_heads=case.q_heads, kv_heads=case.kv_heads,
                     head_dim=case.head_dim, cap=case.cap.method.value,
                     block_q=config.block_q, block_kv=config.block_kv)  # fmt: skip
-        for mode in MODES:
+        for mode in self.modes:
             self.one_row(case, mode, args, bounds, base, model_ms=self.model_ms(case, config, mode))
         if case.ragged:
             p = packed_inputs(case)
@@ -236,11 +249,11 @@ class Runner:
             pbase = dict(base, layout="packed", batch=int(p["bounds"].shape[0]),
                          users=p["users"], users_per_row=int(p["bounds"].shape[1]),
                          block_q=pcfg.block_q, block_kv=pcfg.block_kv)  # fmt: skip
-            for mode in MODES:
+            for mode in self.modes:
                 self.one_row(case, mode, pargs, p["bounds"], pbase, model_ms=None)
         if self.sweep:
             for cfg in sweep_configs(case):
-                for mode in MODES:
+                for mode in self.modes:
                     srow = dict(base, sweep=True, block_q=cfg.block_q, block_kv=cfg.block_kv,
                                 model_ms=self.model_ms(case, cfg, mode), mode=mode)  # fmt: skip
                     try:
@@ -394,6 +407,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
     parser.add_argument(
         "--sweep", action="store_true", help="also time every (block_q, block_kv) that fits VMEM"
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="what to time: fwd and/or fwd+bwd (default: both)",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)"
