@@ -10,11 +10,13 @@
 # the ranker suite at full batch, writing tpu_ranker.{json,md,svg} and
 # tpu_bench_ranker.log). Each suite gets this script's arguments and its own
 # BENCH_LIMIT; with both, pass only flags both take (--sweep, --iterations, --smoke;
-# --cases names differ per suite). benchmarks/tpu_check.py's ranker rows (reduced batch,
-# wall clock only) are superseded by the ranker suite.
+# --cases names differ per suite); the tests and both suites at their default limits
+# exceed one 10-minute device call, so the ranker suite alone is the second line below.
+# benchmarks/tpu_check.py's ranker rows (reduced batch, wall clock only) are superseded
+# by the ranker suite.
 #
 #   OUT=/tmp/tpu bash benchmarks/tpu_run.sh [--sweep] [--cases NAME ...]
-#   SUITES="sparse-mla ranker" TEST_FILES=none OUT=/tmp/tpu bash benchmarks/tpu_run.sh
+#   SUITES=ranker TEST_FILES=none OUT=/tmp/tpu bash benchmarks/tpu_run.sh [--modes fwd]
 #
 # TEST_FILES (default: the four conformance/isolation files) and TEST_K (pytest -k,
 # default "tpu") select the tests; TEST_FILES=none skips them. TEST_LIMIT and

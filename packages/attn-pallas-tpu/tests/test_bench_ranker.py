@@ -49,6 +49,7 @@ def test_sweep_times_exactly_the_tilings_that_fit():
 def _row(case, mode, layout="padded", **kw):
     row = dict(case=case, mode=mode, layout=layout, block_q=384, block_kv=384, ms=2.0,
                device_ms=1.0, kernel_device_ms=0.8, tflops=50.0, peak_fraction=0.25,
+               chip_peak_fraction=0.2,
                model_ms=0.7, per_user_us=15.6, xla_ms=4.0, xla_device_ms=3.0,
                err={"out": 2.4e-3, "lse": 1e-7})  # fmt: skip
     return {**row, **kw}
@@ -60,6 +61,8 @@ def test_report_from_a_synthetic_result(tmp_path):
         "device": "TPU v5 lite",
         "jax": "0.10.2",
         "matmul_tflops": 197.0,
+        "chip": "v5e",
+        "chip_peak_tflops": 250.0,
         "rows": [
             _row("phoenix", "fwd"),
             _row(
@@ -84,14 +87,15 @@ def test_report_from_a_synthetic_result(tmp_path):
     lines = md.splitlines()
     fwd = next(ln for ln in lines if ln.startswith("| phoenix | padded | fwd |"))
     cells = [c.strip() for c in fwd.strip("|").split("|")]
-    # wall, device, kernel, TFLOP/s, % peak, model, per user, XLA device, x XLA
-    assert cells[4:13] == ["2", "1", "0.8", "50", "25", "0.7", "15.6", "3", "3"]
+    # wall, device, kernel, TFLOP/s, % peak, % chip, model, per user, XLA device, x XLA
+    assert cells[4:14] == ["2", "1", "0.8", "50", "25", "20", "0.7", "15.6", "3", "3"]
     assert "out 0.0024, lse 1e-07" in fwd
     assert "XLA: XlaRuntimeError: RESOURCE_EXHAUSTED" in md
     assert "| ragged | packed | fwd |" in md and "ValueError: boom" in md
     best = next(ln for ln in lines if ln.startswith("| phoenix | fwd | "))
     assert "| 640x640 | 0.9 | 384x384 | 1 | 2 |" in best  # the failed tiling is not counted
-    assert "197 TFLOP/s" in md and "abc1234" in md
+    assert "197 TFLOP/s" in md and "v5e datasheet bf16 peak (250 TFLOP/s)" in md
+    assert "abc1234" in md
 
 
 @pytest.mark.slow  # interpret-mode kernels, ~50 s
@@ -108,6 +112,8 @@ def test_smoke_suite_times_padded_and_packed_rows(tmp_path):
     for r in rows:
         assert "error" not in r and r["ms"] > 0 and r["tflops"] > 0, r
         assert r["peak_fraction"] == pytest.approx(r["tflops"] / result["matmul_tflops"])
+        want = r["tflops"] / result["chip_peak_tflops"]
+        assert r["chip_peak_fraction"] == pytest.approx(want)
         assert r["err"] and max(r["err"].values()) < 1e-2, r["err"]
         assert r["per_user_us"] == pytest.approx((r["device_ms"] or r["ms"]) * 1e3 / case.batch)
     assert by["packed", "fwd"]["batch"] < by["padded", "fwd"]["batch"] == case.batch

@@ -12,7 +12,9 @@ spans on the TPU in a ``jax.profiler`` trace; ``kernel_device_ms``, its Pallas k
 share. ``tflops`` counts allowed (query, key) pairs only (``attn_common.ranker_flops``;
 forward + backward 3.5x the forward, the project's convention) over ``device_ms`` where
 the trace has it (wall clock otherwise: ``tflops_basis``); ``peak_fraction`` sets it
-against the bf16 matmul rate measured in the same run (an 8192^3 product). ``model_ms``
+against the bf16 matmul rate measured in the same run (an 8192^3 product) and
+``chip_peak_fraction`` against the chip's datasheet bf16 peak (``plan.TPU_CHIPS``, the
+figure docs/tpu_ranker.md's targets use). ``model_ms``
 is ``ranker_model.predict``'s time for the same tiling on this chip (the cost model's
 assumption, next to the measurement). ``xla_ms`` / ``xla_device_ms``: the reference
 (``attn_reference``, dense scores) on the same inputs where it fits (``None`` and
@@ -152,6 +154,7 @@ class Runner:
             "jax": jax.__version__,
             "chip": self.chip.name,
             "matmul_tflops": self.mxu,
+            "chip_peak_tflops": self.chip.mxu_flops / 1e12,
             "flop_convention": "allowed pairs, attn_common.ranker_flops; fwd+bwd 3.5x fwd",
         }
         print(json.dumps(self.meta), flush=True)
@@ -196,6 +199,7 @@ class Runner:
             "tflops": tflops,
             "tflops_basis": "device" if t["device_ms"] else "wall",
             "peak_fraction": tflops / self.mxu,
+            "chip_peak_fraction": tflops / (self.chip.mxu_flops / 1e12),
         }
         return row, got
 
@@ -298,16 +302,18 @@ def write_report(result: dict, out: Path) -> Path:
         "measured in the same run. Medians: `wall ms` each call waited for, `device ms` "
         "the call's spans on the chip (profiler), `kernel ms` its Pallas kernels. TFLOP/s "
         "on allowed pairs (`attn_common.ranker_flops`, fwd+bwd 3.5x) over device ms where "
-        "measured (wall clock otherwise); `% peak` of the measured matmul rate; `model "
-        "ms` the cost model's prediction (`ranker_model.predict`).",
+        "measured (wall clock otherwise); `% peak` of the measured matmul rate, `% chip` of "
+        f"the {result.get('chip')} datasheet bf16 peak "
+        f"({_f(result.get('chip_peak_tflops'))} TFLOP/s); `model ms` the cost model's "
+        "prediction (`ranker_model.predict`).",
         "",
         "| case | layout | mode | blocks | wall ms | device ms | kernel ms | TFLOP/s | % peak "
-        "| model ms | per user us | XLA device ms | x XLA | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| % chip | model ms | per user us | XLA device ms | x XLA | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | | {r.get('mode', '')} | | | | | | | | | | | "
+            lines.append(f"| {r['case']} | | {r.get('mode', '')} | | | | | | | | | | | | "
                          f"{r['error']} |")  # fmt: skip
             continue
         ms = r.get("device_ms") or r.get("ms")
@@ -316,12 +322,13 @@ def write_report(result: dict, out: Path) -> Path:
         err_s = ", ".join(f"{k} {v:.2g}" for k, v in err.items()) if err else ""
         if xla is None and r.get("xla_error"):
             err_s = f"XLA: {r['xla_error'][:60]}"
-        peak = r.get("peak_fraction")
+        peak, chip = r.get("peak_fraction"), r.get("chip_peak_fraction")
         lines.append(
             f"| {r['case']} | {r.get('layout', '')} | {r['mode']} | "
             f"{r.get('block_q')}x{r.get('block_kv')} | {_f(r.get('ms'))} | "
             f"{_f(r.get('device_ms'))} | {_f(r.get('kernel_device_ms'))} | "
             f"{_f(r.get('tflops'))} | {_f(None if peak is None else 100 * peak)} | "
+            f"{_f(None if chip is None else 100 * chip)} | "
             f"{_f(r.get('model_ms'))} | {_f(r.get('per_user_us'))} | {_f(xla)} | "
             f"{_f(xla / ms if ms and xla else None)} | {err_s} |"
         )
