@@ -4,15 +4,24 @@
 # backend's: attn_pallas_tpu.bench_sparse_mla; run as `python3 -m attn_common.cli`, the
 # `attn` command, which is not installed here) with this script's arguments (the suite's
 # flags: `attn bench sparse-mla --help`). Logs and results go to
-# $OUT (tpu_env.log, tpu_tests.log, tpu_sparse_mla.{json,md,svg} and tpu_bench.log). The
-# TPU ranker's native timings are benchmarks/tpu_check.py's (run it alone: its sparse-MLA
-# rows are superseded by the suite).
+# $OUT (tpu_env.log, tpu_tests.log, tpu_sparse_mla.{json,md,svg} and tpu_bench.log).
+# SUITES (default "sparse-mla") names the benchmark suites to run, in order, after the
+# tests: "sparse-mla" and/or "ranker" (`attn bench ranker`: attn_pallas_tpu.bench_ranker,
+# the ranker suite at full batch, writing tpu_ranker.{json,md,svg} and
+# tpu_bench_ranker.log). Each suite gets this script's arguments and its own
+# BENCH_LIMIT; with both, pass only flags both take (--sweep, --iterations, --smoke;
+# --cases names differ per suite); the tests and both suites at their default limits
+# exceed one 10-minute device call, so the ranker suite alone is the second line below.
+# benchmarks/tpu_check.py's ranker rows (reduced batch, wall clock only) are superseded
+# by the ranker suite.
 #
 #   OUT=/tmp/tpu bash benchmarks/tpu_run.sh [--sweep] [--cases NAME ...]
+#   SUITES=ranker TEST_FILES=none OUT=/tmp/tpu bash benchmarks/tpu_run.sh [--modes fwd]
 #
 # TEST_FILES (default: the four conformance/isolation files) and TEST_K (pytest -k,
 # default "tpu") select the tests; TEST_FILES=none skips them. TEST_LIMIT and
-# BENCH_LIMIT (seconds, default 230 and 330) bound the two steps. Set
+# BENCH_LIMIT (seconds, default 230 and 330; BENCH_LIMIT bounds each suite) bound the
+# steps. Set
 # ATTN_PROVENANCE_COMMIT to the commit under test: the device copy's git metadata may be
 # the session's starting commit, not the tree's.
 # The device image's TPU machine has Python 3.11 and jax 0.10.2 (the packages ask for
@@ -40,7 +49,14 @@ if [ "$files" != none ]; then
   echo "tests rc=$?" | tee -a "$OUT/tpu_tests.log"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tpu_tests.log" | tail -n 40
 fi
-timeout "${BENCH_LIMIT:-330}" python3 -m attn_common.cli bench sparse-mla --out "$OUT" "$@" \
-  >"$OUT/tpu_bench.log" 2>&1
-echo "bench rc=$?" | tee -a "$OUT/tpu_bench.log"
-grep -v '"sweep": true' "$OUT/tpu_bench.log" | tail -n 25
+for suite in ${SUITES:-sparse-mla}; do
+  case $suite in
+    sparse-mla) log=$OUT/tpu_bench.log ;;
+    ranker) log=$OUT/tpu_bench_ranker.log ;;
+    *) echo "SUITES: unknown suite '$suite' (sparse-mla, ranker)"; continue ;;
+  esac
+  timeout "${BENCH_LIMIT:-330}" python3 -m attn_common.cli bench "$suite" --out "$OUT" "$@" \
+    >"$log" 2>&1
+  echo "bench $suite rc=$?" | tee -a "$log"
+  grep -v '"sweep": true' "$log" | tail -n 25
+done

@@ -217,8 +217,9 @@ def test_common_imports_no_backend():
 # the `attn` command. A backend is one implementation; it calls no other.
 FRONT_DOOR = ("attn_common.dispatch", "attn_common.sharding", "attn_common.cli")
 # The backends' tools, which may use the front door: `attn bench` / `attn tune` (registered
-# by attn-mosaic-gpu), the TPU's sparse-MLA suite (`attn bench sparse-mla` on a TPU,
-# registered by attn-pallas-tpu; also `python -m attn_pallas_tpu.bench_sparse_mla`) and
+# by attn-mosaic-gpu), the TPU's sparse-MLA and ranker suites (`attn bench sparse-mla` /
+# `attn bench ranker` on a TPU, registered by attn-pallas-tpu; also `python -m
+# attn_pallas_tpu.bench_sparse_mla` / `bench_ranker`) and
 # `python -m attn_reference.demo` (= `attn run all --implementation reference`).
 BACKEND_TOOLS = {
     "attn_mosaic_gpu.cli",
@@ -226,6 +227,7 @@ BACKEND_TOOLS = {
     "attn_mosaic_gpu.bench_sparse_mla",
     "attn_mosaic_gpu.tuner",
     "attn_pallas_tpu.cli",
+    "attn_pallas_tpu.bench_ranker",
     "attn_pallas_tpu.bench_sparse_mla",
     "attn_reference.demo",
 }

@@ -2,7 +2,8 @@
 reached through the backend's entry point): the command goes to it when the default
 device is a TPU, its flags reach ``bench_sparse_mla``, and off a TPU it refuses in one
 line. The device query is monkeypatched and the suite itself is not run (its smoke run
-is test_bench_sparse_mla.py's)."""
+is test_bench_sparse_mla.py's). The same for ``attn bench ranker`` (``bench_ranker``,
+smoked in test_bench_ranker.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from helpers import assert_cli_usage_error, cli_exit_code
 
 from attn_common import cli
-from attn_pallas_tpu import bench_sparse_mla
+from attn_pallas_tpu import bench_ranker, bench_sparse_mla
 
 
 @pytest.fixture
@@ -33,6 +34,7 @@ def _on(monkeypatch, device: str) -> None:
     """The default device's class as ``attn`` and the suite see it."""
     monkeypatch.setattr(cli, "device_class", lambda *a: device)
     monkeypatch.setattr(bench_sparse_mla, "device_class", lambda *a: device)
+    monkeypatch.setattr(bench_ranker, "device_class", lambda *a: device)
 
 
 def test_bench_is_the_tpu_backends_on_a_tpu(monkeypatch):
@@ -86,7 +88,9 @@ def test_bench_without_the_suite_name_is_a_one_line_error(
     monkeypatch, only_tpu_backend, suite_calls, capsys
 ):
     _on(monkeypatch, "tpu")
-    assert_cli_usage_error(["bench"], "one suite: attn bench sparse-mla", capsys)
+    assert_cli_usage_error(
+        ["bench"], "needs a suite name: attn bench sparse-mla or attn bench ranker", capsys
+    )
     assert not suite_calls
 
 
@@ -104,5 +108,74 @@ def test_python_m_refuses_off_a_tpu(monkeypatch, capsys):
     monkeypatch.setattr(bench_sparse_mla, "device_class", lambda *a: "cpu")
     with pytest.raises(SystemExit) as e:
         bench_sparse_mla.main([])
+    assert e.value.code == 2
+    assert "the suite times a TPU" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- attn bench ranker
+
+
+@pytest.fixture
+def ranker_calls(monkeypatch) -> list:
+    """``bench_ranker.run`` replaced by a recorder of its arguments (exit 0)."""
+    calls: list = []
+    monkeypatch.setattr(bench_ranker, "run", lambda args: calls.append(args) or 0)
+    return calls
+
+
+def test_attn_bench_ranker_runs_the_tpu_ranker_suite_with_its_flags(
+    monkeypatch, ranker_calls, suite_calls, tmp_path
+):
+    _on(monkeypatch, "tpu")
+    argv = ["bench", "ranker", "--iterations", "4", "--cases", "phoenix", "--sweep",
+            "--modes", "fwd", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    (args,) = ranker_calls
+    assert not suite_calls  # not the sparse-MLA suite
+    assert (args.iterations, args.cases, args.sweep, args.smoke) == (4, ["phoenix"], True, False)
+    assert args.modes == ["fwd"]
+    assert args.out == tmp_path and args.report is None
+
+
+def test_the_ranker_suites_defaults_are_python_m_s(monkeypatch, ranker_calls):
+    import argparse
+
+    _on(monkeypatch, "tpu")
+    assert cli.main(["bench", "ranker"]) == 0
+    parser = argparse.ArgumentParser()
+    bench_ranker.add_arguments(parser)
+    want = vars(parser.parse_args([]))
+    assert {k: v for k, v in vars(ranker_calls[0]).items() if k in want} == want
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_off_a_tpu_the_ranker_suite_refuses_in_one_line(
+    monkeypatch, only_tpu_backend, ranker_calls, capsys, device
+):
+    _on(monkeypatch, device)
+    assert_cli_usage_error(
+        ["bench", "ranker"],
+        f"attn bench ranker: error: the suite times a TPU and the default device is "
+        f"{device}; --smoke",
+        capsys,
+    )
+    assert cli_exit_code(["bench", "ranker", "--smoke"]) == 0
+    assert [a.smoke for a in ranker_calls] == [True]
+
+
+def test_ranker_help_names_the_suite_and_its_flags(monkeypatch, only_tpu_backend, capsys):
+    _on(monkeypatch, "tpu")
+    assert cli_exit_code(["bench", "ranker", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: attn bench ranker ")
+    for flag in ("--out", "--iterations", "--cases", "--sweep", "--smoke", "--report"):
+        assert flag in out, flag
+    assert "the XLA reference where it fits" in out
+
+
+def test_python_m_bench_ranker_refuses_off_a_tpu(monkeypatch, capsys):
+    monkeypatch.setattr(bench_ranker, "device_class", lambda *a: "cpu")
+    with pytest.raises(SystemExit) as e:
+        bench_ranker.main([])
     assert e.value.code == 2
     assert "the suite times a TPU" in capsys.readouterr().err

@@ -19,8 +19,8 @@ Exported under the shared names of docs/design.md#public-api:
   ``Fp8LatentCache`` is taken too (its side rows built per call; ``fp8_rows``).
 * ``supports``: tells ``attn_common``'s dispatch which inputs these kernels take (the
   rest falls back to the reference).
-* ``cli_commands``: the ``attn`` subcommand this backend adds (``attn bench sparse-mla``,
-  the TPU suite; ``attn_pallas_tpu.cli``).
+* ``cli_commands``: the ``attn`` subcommand this backend adds (``attn bench sparse-mla``
+  and ``attn bench ranker``, the TPU suites; ``attn_pallas_tpu.cli``).
 
 Every function accepts ``interpret=True`` or a ``pltpu.InterpretParams`` to run in TPU
 interpret mode on the CPU.
@@ -41,7 +41,8 @@ from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
 
 
 def cli_commands() -> dict:
-    """The ``attn`` subcommands this backend adds (``attn bench``: its sparse-mla suite):
+    """The ``attn`` subcommands this backend adds (``attn bench``: its sparse-mla and
+    ranker suites):
     name -> a function that adds the subparser. ``attn_common.cli`` calls this through
     the ``attn.backends`` entry point; the benchmark code is imported only then."""
     from attn_pallas_tpu import cli

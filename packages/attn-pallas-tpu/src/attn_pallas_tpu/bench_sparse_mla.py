@@ -51,7 +51,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -67,6 +66,7 @@ from attn_common.dispatch import device_class, load_backend
 from attn_common.picks import decode_picks, overlapping_picks, random_picks
 from attn_common.tables import kv_packing
 from attn_pallas_tpu._prep import default_chip
+from attn_pallas_tpu._timing import matmul_tflops, rel_l2, timed
 from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.plan import host_union_sizes
 
@@ -173,72 +173,6 @@ def _valid_tokens(case: Case, idx, pos) -> int:
     first = np.where(sel, idx * case.unit, 0)
     per = np.clip(pos[:, None] - first + 1, 0, case.unit)
     return int(np.where(sel, per, 0).sum())
-
-
-# ------------------------------------------------------------------------------ timing
-
-
-def wall_ms(fn, *args, iterations: int) -> float:
-    """Median wall-clock ms of ``fn(*args)`` after one warm-up call, each call waited."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def device_ms(fn, *args, iterations: int) -> dict:
-    """Device-side times of ``fn(*args)`` from a profiler trace of ``iterations`` waited
-    calls: ``device_ms``, the median of the TPU's "XLA Modules" spans (their mean per
-    call when a call runs several executables), and ``kernel_device_ms``, the mean per
-    call of its Pallas kernels' ops (custom calls) on the "XLA Ops" line; ``None`` where
-    the trace has no TPU plane (interpret mode, a CPU)."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(iterations):
-                jax.block_until_ready(fn(*args))
-        paths = sorted(Path(d).rglob("*.xplane.pb"))
-        data = jax.profiler.ProfileData.from_file(str(paths[0])) if paths else None
-    lines = {
-        line.name: [(ev.name, ev.duration_ns) for ev in line.events]
-        for plane in (data.planes if data else ())
-        if plane.name.startswith("/device:TPU:0")
-        for line in plane.lines
-    }
-    spans = [ns for _, ns in lines.get("XLA Modules", ())]
-    if not spans:
-        return {"device_ms": None, "kernel_device_ms": None}
-    per_call = statistics.median(spans) if len(spans) == iterations else sum(spans) / iterations
-    kernels = sum(ns for name, ns in lines.get("XLA Ops", ()) if " custom-call(" in name)
-    return {"device_ms": per_call / 1e6, "kernel_device_ms": kernels / iterations / 1e6}
-
-
-def timed(fn, *args, iterations: int) -> dict:
-    """``ms`` (wall clock) and :func:`device_ms`'s fields of ``fn(*args)``."""
-    return {
-        "ms": wall_ms(fn, *args, iterations=iterations),
-        **device_ms(fn, *args, iterations=iterations),
-    }
-
-
-def matmul_tflops(smoke: bool) -> float:
-    """The bf16 matmul rate of this chip, measured (8192^3, random data)."""
-    n = 256 if smoke else 8192
-    a = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
-    ms = wall_ms(f, a, b, iterations=3 if smoke else 10)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
-def rel_l2(got, want) -> float:
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    finite = np.isfinite(want)
-    num = np.linalg.norm(np.where(finite, got - want, 0.0))
-    return float(num / max(np.linalg.norm(np.where(finite, want, 0.0)), 1e-30))
 
 
 # ------------------------------------------------------------------------------ the suite

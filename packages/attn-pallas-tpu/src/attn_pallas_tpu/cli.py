@@ -1,19 +1,22 @@
 """The ``attn`` subcommand this backend adds: ``attn bench sparse-mla``, the TPU
 sparse-MLA suite (``attn_pallas_tpu.bench_sparse_mla``, also ``python -m
-attn_pallas_tpu.bench_sparse_mla``, with the same flags).
+attn_pallas_tpu.bench_sparse_mla``, with the same flags), and ``attn bench ranker``, the
+TPU ranker suite (``attn_pallas_tpu.bench_ranker``, likewise).
 
 ``attn_common.cli`` finds it through the backend's ``attn.backends`` entry point
 (``attn_pallas_tpu.cli_commands()``): attn-common never imports a backend by name. With
 attn-mosaic-gpu installed too, ``attn bench`` is this backend's when the default device
 is a TPU and the Hopper backend's elsewhere (``attn_common.cli.backend_commands``). Off a
 TPU the suite's real cases refuse to start (one line; ``--smoke`` runs in interpret mode
-anywhere). The ranker suite (``attn bench`` with no suite name) is the Hopper backend's.
+anywhere). On a TPU the suite name is required (the Hopper backend's ``attn bench``
+alone is its ranker suite).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from attn_pallas_tpu import bench_ranker as _bench_ranker
 from attn_pallas_tpu import bench_sparse_mla as _bench_sparse_mla
 
 # --------------------------------------------------------------------------- attn bench
@@ -26,33 +29,49 @@ SPARSE_DESCRIPTION = (
     "--smoke runs tiny cases in interpret mode anywhere. Exit status 1 when a case fails."
 )
 
+RANKER_DESCRIPTION = (
+    "The TPU ranker suite (attn_pallas_tpu.bench_ranker): attn_common.RANKER_SUITE at "
+    "full batch, forward and forward+backward, wall and device time, allowed-pair TFLOP/s "
+    "against the bf16 matmul rate measured in the same run and the cost model's "
+    "prediction, the XLA reference where it fits, packed against padded ragged users; "
+    "--sweep also times the (block_q, block_kv) grid that fits VMEM. Needs a TPU; --smoke "
+    "runs tiny cases in interpret mode anywhere. Exit status 1 when a case fails."
+)
+SUITES = {"sparse-mla": _bench_sparse_mla, "ranker": _bench_ranker}
+
+
+def _suite(args: argparse.Namespace):
+    """The module of the named suite."""
+    return SUITES[args.suite]
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``attn bench sparse-mla``: run the TPU suite; 1 when a case failed."""
-    return _bench_sparse_mla.run(args)
+    """``attn bench sparse-mla`` / ``attn bench ranker``: run the TPU suite; 1 when a case
+    failed."""
+    return _suite(args).run(args)
 
 
 def check_bench(args: argparse.Namespace) -> str | None:
     """The one-line error for ``attn bench`` without the suite this backend has, or the
     suite's own check."""
-    if args.suite != "sparse-mla":
+    if args.suite not in SUITES:
         return (
-            "attn-pallas-tpu's `attn bench` has one suite: attn bench sparse-mla (the ranker "
-            "suite comes with attn-mosaic-gpu, for a GPU)"
+            "attn-pallas-tpu's `attn bench` needs a suite name: attn bench sparse-mla or "
+            "attn bench ranker"
         )
-    args.error_prog = "attn bench sparse-mla"
-    return _bench_sparse_mla.check_args(args)
+    args.error_prog = f"attn bench {args.suite}"
+    return _suite(args).check_args(args)
 
 
 def add_bench(sub) -> None:
     b = sub.add_parser(
         "bench",
-        usage="%(prog)s sparse-mla [-h] [flags: attn bench sparse-mla --help]",
-        help="the TPU sparse-MLA benchmark suite: attn bench sparse-mla",
+        usage="%(prog)s {sparse-mla,ranker} [-h] [flags: attn bench SUITE --help]",
+        help="the TPU benchmark suites: attn bench sparse-mla, attn bench ranker",
         description="Benchmark suites of the TPU backend: sparse-mla (`attn bench "
-        "sparse-mla --help`).",
+        "sparse-mla --help`) and ranker (`attn bench ranker --help`).",
     )
-    suites = b.add_subparsers(dest="suite", metavar="{sparse-mla}", prog="attn bench")
+    suites = b.add_subparsers(dest="suite", metavar="{sparse-mla,ranker}", prog="attn bench")
     sparse = suites.add_parser(
         "sparse-mla",
         help="the TPU sparse-MLA suite against the XLA reference and the chip's bounds",
@@ -60,6 +79,13 @@ def add_bench(sub) -> None:
         epilog="Same flags as `python -m attn_pallas_tpu.bench_sparse_mla`.",
     )
     _bench_sparse_mla.add_arguments(sparse)
+    ranker = suites.add_parser(
+        "ranker",
+        help="the TPU ranker suite against the XLA reference and the measured matmul rate",
+        description=RANKER_DESCRIPTION,
+        epilog="Same flags as `python -m attn_pallas_tpu.bench_ranker`.",
+    )
+    _bench_ranker.add_arguments(ranker)
     b.set_defaults(func=cmd_bench, check=check_bench, error_prog="attn bench", suite=None)
 
 
