@@ -5,7 +5,8 @@ documented ranges, the output-path rules, and a report's provenance.
   line (``attn run: error: --batch: got 0, expected ...``), exit status 2, no usage block.
 * ``bounded_int(lo, hi)``: an argparse type; a value outside ``[lo, hi]`` (or not plain
   decimal digits) is refused with one line naming the range, so the command exits 2
-  before it allocates. ``out_path``: a path argument that is not empty.
+  before it allocates. ``bounded_float(lo, hi)``: the same for a plain decimal number in
+  ``[lo, hi)``. ``out_path``: a path argument that is not empty.
 * ``check_out_dir`` (a results folder, ``--out``) and ``check_out_file`` (one file,
   ``--json``) follow one rule: a missing folder is created; a file that exists is never
   replaced without ``--overwrite``; an unwritable place is refused up front.
@@ -70,6 +71,30 @@ def bounded_int(lo: int, hi: int, what: str = "an int"):
         return value
 
     parse.__name__ = f"int in [{lo}, {hi}]"
+    return parse
+
+
+# A decimal number as a user types one: digits with an optional fraction and exponent.
+# Python's float() also takes "0.0_1", " 0.5", "nan", "inf" and non-ASCII digits.
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def bounded_float(lo: float, hi: float, what: str = "a number"):
+    """argparse type: a float in ``[lo, hi)``, written as a plain decimal number (``1.5``,
+    ``.5``, ``1e-3``; ``0.0_1``, `` 0.5``, ``nan`` and ``inf`` are refused, though
+    ``float()`` takes them); the message names the range; argparse adds the flag and
+    exits 2."""
+
+    def parse(text: str) -> float:
+        shown = text if len(text) <= 24 else text[:21] + "..."
+        if not _DECIMAL.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"got {shown!r}, expected {what} (a decimal number)")
+        value = float(text)
+        if not lo <= value < hi:
+            raise argparse.ArgumentTypeError(f"got {shown}, expected {lo:g} <= value < {hi:g}")
+        return value
+
+    parse.__name__ = f"float in [{lo:g}, {hi:g})"
     return parse
 
 
