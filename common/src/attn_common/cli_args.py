@@ -12,6 +12,8 @@ documented ranges, the output-path rules, and a report's provenance.
   replaced without ``--overwrite``; an unwritable place is refused up front.
 * ``provenance``: the commit of the git checkout in the working directory (else of the
   package's own source tree), ``+dirty`` with local changes, and the command line.
+* ``wall_times``: the wall times of a jitted call, after a warm-up call (the
+  benchmarks' and the examples' timer on any device).
 """
 
 from __future__ import annotations
@@ -231,6 +233,22 @@ _T0 = time.perf_counter()
 def progress(message: str) -> None:
     """A progress line on stderr, with the seconds since the command started."""
     print(f"  [{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def wall_times(fn, *args, repeats: int, warmup: bool = True) -> list[float]:
+    """Wall times (seconds) of ``repeats`` calls of ``fn(*args)``, each waited for
+    (``jax.block_until_ready``), after one untimed call that compiles and warms up (none
+    with ``warmup=False``)."""
+    import jax
+
+    if warmup:
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def available_memory(device=None) -> tuple[int, str] | None:
