@@ -5,7 +5,10 @@ For the phoenix, long and small-d64 shapes, times the forward kernel over tiling
 the same shape (bf16 inputs cast to fp16) as the unmasked, uncapped speed. Device time
 from CUPTI, median of iterations (``benchmarks/ranker_gpu.py``'s ``device_ms``).
 
-Usage: ``python benchmarks/ranker_sweep.py --out DIR`` writes ``ranker_sweep.json`` / ``.md``.
+Usage: ``python benchmarks/ranker_sweep.py --out DIR`` writes ``ranker_sweep.json`` / ``.md``
+(default ``attn-results/ranker_sweep``). The shipped tilings come from ``attn tune``
+(docs/ranker_gpu.md, "Tuned configs"); this sweep's last committed run (a18cffc, before
+the tuned table) is in git history.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def main() -> None:
     import attn_mosaic_gpu
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("attn-results/ranker_sweep"))
     parser.add_argument("--cases", nargs="*", default=["phoenix", "long", "small-d64"])
     args = parser.parse_args()
     rows = []

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 import traceback
 
 import jax
@@ -34,7 +33,7 @@ import numpy as np
 import attn_pallas_tpu as tpu
 import attn_reference as ref
 from attn_common import dequantize_latent_cache, quantize_latent_cache
-from attn_common.cli_args import provenance
+from attn_common.cli_args import provenance, wall_times
 from attn_common.suite import ranker_case
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -50,13 +49,7 @@ print(jax.__version__, jax.devices(), flush=True)
 
 def wall_ms(f, *args, n: int = 1 if SMOKE else 10) -> float:
     """Median wall-clock time of ``f(*args)`` over ``n`` calls after one warm-up, in ms."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(wall_times(f, *args, repeats=n)) * 1e3
 
 
 def rel(got, want) -> tuple[float, int]:

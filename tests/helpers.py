@@ -42,6 +42,17 @@ def tier_examples(n: int) -> int:
     return max(min(n, 10), n // 4) if os.environ.get("ATTN_TEST_TIER") == "quick" else n
 
 
+def property_settings(n: int):
+    """``hypothesis.settings`` of a property test whose examples are slow to draw or to
+    run (compiled code): ``tier_examples(n)`` examples, no deadline (the first example
+    compiles) and no too-slow health check."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(
+        max_examples=tier_examples(n), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+
+
 def rng_for(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
@@ -531,6 +542,42 @@ def ragged_positional(op, **kw):
     return fn
 
 
+def flat_call_structs(cache, num_q: int, heads: int, top_k: int, *, dk: int = 576) -> tuple:
+    """A flat sparse-MLA call's arguments as ``ShapeDtypeStruct``s, for export: bf16 ``q
+    [1, num_q, heads, dk]``, ``cache`` (given: its form varies), int32 ``indices [1,
+    num_q, top_k]`` and ``positions [1, num_q]``."""
+    i32 = np.int32
+    return sds((1, num_q, heads, dk)), cache, sds((1, num_q, top_k), i32), sds((1, num_q), i32)
+
+
+def ragged_call_structs(
+    cache, num_q: int, heads: int, top_k: int, num_seqs: int, table_pages: int, *, dk: int = 576
+) -> tuple:
+    """A ragged paged sparse-MLA call's arguments in ``ragged_positional``'s order:
+    ``flat_call_structs``, then int32 ``q_seq_id [num_q]``, ``seq_lens [num_seqs]``,
+    ``cu_kv_lens [num_seqs + 1]`` and ``page_indices [table_pages]``."""
+    i32 = np.int32
+    tables = (sds((num_q,), i32), sds((num_seqs,), i32), sds((num_seqs + 1,), i32))
+    flat = flat_call_structs(cache, num_q, heads, top_k, dk=dk)
+    return (*flat, *tables, sds((table_pages,), i32))
+
+
+def prefill_call_structs(
+    cache, num_q: int, heads: int, top_k: int, num_seqs: int, table_pages: int, *,
+    dv: int = 512, rope: int = 64,
+) -> tuple:  # fmt: skip
+    """``prefill_write_and_attend_ragged``'s arguments as ``ShapeDtypeStruct``s: bf16
+    ``q_latent [num_q, heads, dv]``, ``q_rope [num_q, heads, rope]``, the new rows
+    ``kv_latent [num_q, dv]`` and ``k_rope [num_q, rope]``, ``cache``, int32 ``indices
+    [num_q, top_k]``, ``positions`` and ``loc [num_q]``, ``seq_lens [num_seqs]``,
+    ``cu_q_lens`` and ``cu_kv_lens [num_seqs + 1]``, ``page_indices [table_pages]``."""
+    i32 = np.int32
+    new = (sds((num_q, heads, dv)), sds((num_q, heads, rope)), sds((num_q, dv)), sds((num_q, rope)))
+    per_token = (sds((num_q, top_k), i32), sds((num_q,), i32), sds((num_q,), i32))
+    cu = sds((num_seqs + 1,), i32)
+    return (*new, cache, *per_token, sds((num_seqs,), i32), cu, cu, sds((table_pages,), i32))
+
+
 def export_tpu(fn, *structs, kernels: int):
     """``jax.export`` of ``fn`` for TPU (on any host) at ``structs``, whose module must hold
     exactly ``kernels`` Mosaic TPU kernels (a ``lax.cond`` holds one per branch)."""
@@ -773,6 +820,31 @@ def hopper_small_config():
     from attn_common import KernelConfig
 
     return KernelConfig(block_q=64, block_kv=64, num_stages=2)
+
+
+def assert_static_value(a, b, other, field: str) -> None:
+    """A frozen dataclass that serves as a static ``jax.jit`` argument: ``a`` and ``b``
+    equal with equal hashes, ``other`` different; setting ``field`` raises; passed as a
+    static argument, ``b`` reuses ``a``'s trace and ``other`` traces again."""
+    import dataclasses
+
+    import jax
+
+    assert a == b and hash(a) == hash(b)
+    assert a != other
+    assert len({a, b, other}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(a, field, getattr(other, field))
+    traces = []
+
+    def f(x, value):
+        traces.append(value)
+        return x
+
+    jf = jax.jit(f, static_argnames="value")
+    for value, count in ((a, 1), (b, 1), (other, 2)):
+        jf(np.float32(0), value=value)
+        assert len(traces) == count, (value, traces)
 
 
 def jit_cache_size(fn) -> int:

@@ -79,16 +79,9 @@ def check_sparse_mla(mesh, **kw):
     np.testing.assert_allclose(got_mass, want_mass, rtol=1e-5, atol=1e-6)  # over all heads
 
     # Gradients: the cache is replicated over the head shards, its cotangent summed.
-    def loss(attend):
-        def f(q, kv):
-            out, lse, _ = attend(q, kv)
-            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-        return jax.grad(f, argnums=(0, 1))
-
-    want_g = loss(lambda q, kv: sparse_mla_attention(q, kv, indices, positions, **args))(q, kv)
+    want_g = _grads(lambda q, kv: sparse_mla_attention(q, kv, indices, positions, **args))(q, kv)
     with jax.set_mesh(mesh):  # the scalar loss over sharded values needs the mesh
-        got_g = loss(lambda q, kv: sharded(q, kv, indices, positions))(q, kv)
+        got_g = _grads(lambda q, kv: sharded(q, kv, indices, positions))(q, kv)
     for g, w in zip(got_g, want_g, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -152,6 +145,30 @@ def check_sparse_mla_fp8(mesh):
     got = shard_sparse_mla_attention_ragged(mesh, head_axis="model", **opts)(*ragged)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+
+
+def _grads(attend, fp8: bool = False, weights=None):
+    """``jax.grad`` over ``(q, cache)`` (``q`` alone for an FP8 cache) of ``sum(out *
+    weights) + sum(finite lse)``, ``attend(q, cache) -> (out, lse, ...)``; ``weights``
+    ``None``: ``out`` itself (``sum(out**2)``)."""
+
+    def f(q, cache):
+        out, lse, *_ = attend(q, cache)
+        w = out if weights is None else weights
+        return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    return jax.grad(f, argnums=(0,) if fp8 else (0, 1))
+
+
+def _check_flat_grads(mesh, sharded, one_device, q, cache, indices, positions, label):
+    """Flat mode: the gradients through ``sharded`` against ``one_device(q, cache)``."""
+    fp8 = not isinstance(cache, jax.Array)
+    with jax.set_mesh(mesh):  # the scalar loss over sharded values needs the mesh
+        got_g = _grads(lambda q, c: sharded(q, c, indices, positions), fp8)(q, cache)
+    want_g = _grads(one_device, fp8)(q, cache)
+    _close(got_g[0], want_g[0], rtol=1e-2, atol=1e-2, label=f"{label}: dq")
+    if not fp8:
+        _close_summed(got_g[1], want_g[1], label=f"{label}: dcache")
 
 
 def _close(got, want, *, rtol=1e-5, atol=1e-5, label=""):
@@ -293,16 +310,9 @@ def check_sparse_mla_requests(
     w = jax.random.normal(jax.random.PRNGKey(11), got[0].shape, jnp.float32)
     w_one = jnp.concatenate([w[i, : len(r)] for i, r in enumerate(rows)])[None]
 
-    def loss(attend, weights):
-        def f(q, cache):
-            out, lse, _ = attend(q, cache)
-            return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-        return jax.grad(f, argnums=(0,) if fp8 else (0, 1))
-
     with jax.set_mesh(mesh):  # the scalar loss over sharded values needs the mesh
-        got_g = loss(lambda q, c: sharded(q, c, *tables(pool)), w)(q, cache)
-    want_g = loss(one_device, w_one)(q_one, cache)
+        got_g = _grads(lambda q, c: sharded(q, c, *tables(pool)), fp8, w)(q, cache)
+    want_g = _grads(one_device, fp8, w_one)(q_one, cache)
     dq, want_dq = np.asarray(got_g[0], np.float32), np.asarray(want_g[0], np.float32)
     for i, r in enumerate(rows):
         _close(dq[i, : len(r)], want_dq[0, r], rtol=1e-2, atol=1e-2, label=f"{label}: dq")
@@ -332,19 +342,10 @@ def _check_flat_cache(mesh, q, cache, indices, positions, kw):
     for x, y in zip(got, want, strict=True):
         _close(x, y, label=f"flat, fp8 {fp8}")
 
-    def loss(attend):
-        def f(q, cache):
-            out, lse = attend(q, cache)
-            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    def one_device(q, cache):
+        return sparse_mla_attention(q, cache, indices, positions, **args)
 
-        return jax.grad(f, argnums=(0,) if fp8 else (0, 1))
-
-    with jax.set_mesh(mesh):
-        got_g = loss(lambda q, c: sharded(q, c, indices, positions))(q, cache)
-    want_g = loss(lambda q, c: sparse_mla_attention(q, c, indices, positions, **args))(q, cache)
-    _close(got_g[0], want_g[0], rtol=1e-2, atol=1e-2, label=f"flat, fp8 {fp8}: dq")
-    if not fp8:
-        _close_summed(got_g[1], want_g[1], label="flat: dcache")
+    _check_flat_grads(mesh, sharded, one_device, q, cache, indices, positions, f"flat, fp8 {fp8}")
 
 
 def check_kernel_flat(
@@ -372,20 +373,7 @@ def check_kernel_flat(
     got = sharded(q, cache, indices, positions)
     for x, y in zip(got, one_device(q, cache), strict=True):
         _close(x, y, rtol=1e-5, atol=1e-5, label=label)
-
-    def loss(attend):
-        def f(q, cache):
-            out, lse = attend(q, cache)
-            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-        return jax.grad(f, argnums=(0,) if fp8 else (0, 1))
-
-    with jax.set_mesh(mesh):
-        got_g = loss(lambda q, c: sharded(q, c, indices, positions))(q, cache)
-    want_g = loss(one_device)(q, cache)
-    _close(got_g[0], want_g[0], rtol=1e-2, atol=1e-2, label=f"{label}: dq")
-    if not fp8:
-        _close_summed(got_g[1], want_g[1], label=f"{label}: dkv")
+    _check_flat_grads(mesh, sharded, one_device, q, cache, indices, positions, label)
 
 
 def check_kernels_interpret():

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gpu_interpret, hopper_small_config, rng_for
+from helpers import gpu_interpret, hopper_small_config, rng_for, tpu_interpret
 
 from attn_common import CapMethod, CapParams, KernelConfig
 
@@ -62,17 +62,14 @@ BATCH = len(CASES)
 
 
 def _tpu():
-    from jax.experimental.pallas import tpu as pltpu
-
     attn_pallas_tpu = pytest.importorskip(
         "attn_pallas_tpu", reason="not installed: pip install ./packages/attn-pallas-tpu"
     )
 
-    interpret = pltpu.InterpretParams(
-        detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-    )
     config = KernelConfig(block_q=128, block_kv=128)
-    return functools.partial(attn_pallas_tpu.ranker_attention, config=config, interpret=interpret)
+    return functools.partial(
+        attn_pallas_tpu.ranker_attention, config=config, interpret=tpu_interpret()
+    )
 
 
 def _gpu():

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import segment_bounds, tier_examples
-from hypothesis import HealthCheck, given, settings
+from helpers import property_settings, segment_bounds, tier_examples
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_common import normalize_bounds
@@ -98,9 +98,7 @@ def problems(draw):
     [(ranker_kv_block_ranges, expected_kv_blocks), (ranker_q_block_ranges, expected_q_blocks)],
     ids=["kv", "q"],
 )
-@settings(
-    max_examples=tier_examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@property_settings(300)
 @given(problems())
 def test_block_ranges_match_brute_force(ranges, expected, p):
     """KV blocks of a query tile, or query blocks of a KV tile."""

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tier_examples
+from helpers import assert_static_value, tier_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -220,30 +219,19 @@ def test_capparams_bad_method(method, exc):
 
 def test_capparams_frozen_and_hashable():
     a = CapParams("tanh", 30)
-    b = CapParams(CapMethod.TANH, 30.0)
-    assert a == b and hash(a) == hash(b)
     assert a != CapParams("tanh", 31.0)
-    assert a != CapParams("soft_sign", 30.0)
-    assert len({a, b, CapParams("soft_sign", 30.0)}) == 2
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        a.value = 2.0
+    assert_static_value(a, CapParams(CapMethod.TANH, 30.0), CapParams("soft_sign", 30.0), "value")
 
 
 def test_capparams_static_jit_arg():
-    traces = []
-
-    def f(x, cap):
-        traces.append(cap)
-        return cap_forward(x, cap)
-
-    jf = jax.jit(f, static_argnames="cap")
+    """Equal caps share a compile (``assert_static_value``) and compute the same; a
+    different cap computes its own function."""
+    jf = jax.jit(cap_forward, static_argnames="cap")
     x = jnp.linspace(-50, 50, 11)
     y1 = jf(x, cap=CapParams("tanh", 30))
-    y2 = jf(x, cap=CapParams(CapMethod.TANH, 30.0))  # equal -> cache hit
-    assert len(traces) == 1
+    y2 = jf(x, cap=CapParams(CapMethod.TANH, 30.0))
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
     y3 = jf(x, cap=CapParams("soft_sign", 30.0))
-    assert len(traces) == 2
     np.testing.assert_allclose(
         np.asarray(y3), forward_np(np.asarray(x), CapMethod.SOFT_SIGN, 30.0), rtol=1e-6
     )

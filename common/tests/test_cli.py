@@ -2,6 +2,7 @@
 ``attn bench sparse-mla``), argument errors, exit status, output folders, timing,
 --json, --version and the help texts."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -74,6 +75,41 @@ def test_version(capsys):
 )
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys):
     assert_cli_usage_error(argv, needle, capsys)
+
+
+@pytest.mark.parametrize("text", ["0", "0.01", ".25", "0.", "1e-3", "4.9E-1", "-0"])
+def test_bounded_float_takes_plain_decimals(text):
+    assert cli_args.bounded_float(0.0, 0.5)(text) == float(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    # float() takes every one of these but the last four
+    [
+        "0.0_1",
+        "1_0e-2",
+        " 0.1",
+        "0.1\n",
+        "+0.1",
+        "nan",
+        "inf",
+        "-inf",
+        "\u0660.1",
+        "",
+        ".",
+        "1e",
+        "0x1",
+    ],
+)
+def test_bounded_float_refuses_what_is_not_a_plain_decimal(text):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected a number \(a decimal number\)"):
+        cli_args.bounded_float(0.0, 0.5)(text)
+
+
+@pytest.mark.parametrize("text", ["0.5", "0.7", "-0.01", "1e9"])
+def test_bounded_float_refuses_out_of_range(text):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected 0 <= value < 0.5$"):
+        cli_args.bounded_float(0.0, 0.5)(text)
 
 
 def test_run_ranker_small(tmp_path, capsys):

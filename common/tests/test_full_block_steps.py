@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import segment_bounds, tier_examples
-from hypothesis import HealthCheck, assume, given, settings
+from helpers import property_settings, segment_bounds
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from attn_common import ranker_mask
@@ -67,9 +67,7 @@ def _check(ranges, lo, hi, full_block, *, complete=True):
             assert not full, f"step {s} (block {int(ranges.block_at(s))}) is fully allowed"
 
 
-@settings(
-    max_examples=tier_examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@property_settings(400)
 @given(problems())
 def test_full_kv_steps_sound_and_complete(p):
     seq_len, block, bounds, (ts, te), (rs, re) = p
@@ -81,9 +79,7 @@ def test_full_kv_steps_sound_and_complete(p):
     _check(ranges, lo, hi, lambda b: allowed[rs:re, b * block : (b + 1) * block].all())
 
 
-@settings(
-    max_examples=tier_examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@property_settings(400)
 @given(problems())
 def test_full_q_steps_sound_and_complete(p):
     seq_len, block, bounds, (ts, te), (ks, ke) = p

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tier_examples
-from hypothesis import HealthCheck, given, settings
+from helpers import property_settings, tier_examples
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import checkify
 
@@ -43,9 +43,7 @@ from attn_common.packed import (
 )
 
 BLOCKS = (4, 8, 16, 32)
-SETTINGS = settings(
-    max_examples=tier_examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = property_settings(150)
 
 
 def _cdiv(a, b):

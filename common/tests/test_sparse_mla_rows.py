@@ -21,6 +21,7 @@ from helpers import (
     randn,
     random_page_selection,
     rng_for,
+    sparse_mla_ragged_case,
     tier_examples,
     upcast,
 )
@@ -453,22 +454,19 @@ def test_flat_attention_over_rows_equals_reference(read_block):
 
 
 def test_ragged_attention_over_rows_equals_reference():
-    page_size, heads, dk, dv, dk_pad, top_k = 16, 4, 40, 32, 128, 5
-    rng = rng_for(20)
-    layout = build_ragged_layout(
-        rng,
+    page_size, dv, dk_pad = 16, 32, 128
+    layout, cache, q, idx, pos = sparse_mla_ragged_case(
+        20,
         seq_lens=[37, 64, 5, 50],
         new_lens=[9, 16, 0, 5],
         extra_pages=[1, 0, 2, 0],
         page_size=page_size,
+        heads=4,
+        top_k=5,
+        dk=40,
+        dk_pad=dk_pad,
+        dtype="float32",  # pk = 1
     )
-    cache = randn(rng, (layout["num_pages"], page_size, 1, dk_pad))  # float32: pk = 1
-    num_q = int(layout["q_seq_id"].shape[0])
-    q = randn(rng, (1, num_q, heads, dk))
-    idx = random_page_selection(rng, layout, top_k, page_size)
-    idx[3] = -1
-    pos = layout["positions"].copy()
-    pos[5] += 40  # kv_len binds
     tables = {k: layout[k] for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")}
     kw = {"sm_scale": 0.19, "kv_lora_rank": dv, "read_block": page_size, "page_size": page_size}
     want_out, want_lse = sparse_mla_attention(

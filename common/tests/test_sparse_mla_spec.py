@@ -76,6 +76,11 @@ def test_flat_concrete_arrays_and_int_dtypes():
 
 def _flat_bad_cases():
     q, kv, idx, pos = flat()
+
+    def bad_keyword(exc, **kw):  # the call with one bad keyword: the error names it
+        (name,) = kw
+        return (q, kv, idx, pos), kw, exc, name
+
     return {
         "q rank": ((sds((2, 8, 576)), kv, idx, pos), {}, ValueError, "q"),
         "q int dtype": ((sds(q.shape, jnp.int32), kv, idx, pos), {}, TypeError, "q"),
@@ -93,52 +98,22 @@ def _flat_bad_cases():
         "kv rank": ((q, sds((2, 300, 1, 576)), idx, pos), {}, ValueError, "kv"),
         "kv batch": ((q, sds((3, 300, 576)), idx, pos), {}, ValueError, "kv"),
         "kv dk": ((q, sds((2, 300, 512)), idx, pos), {}, ValueError, "kv"),
-        "kv_lora_rank > Dk": ((q, kv, idx, pos), {"kv_lora_rank": 640}, ValueError, "kv_lora_rank"),
-        "kv_lora_rank Dk + 1": (
-            (q, kv, idx, pos),
-            {"kv_lora_rank": 577},
-            ValueError,
-            "kv_lora_rank",
-        ),
-        "kv_lora_rank 0": ((q, kv, idx, pos), {"kv_lora_rank": 0}, ValueError, "kv_lora_rank"),
-        "kv_lora_rank float": (
-            (q, kv, idx, pos),
-            {"kv_lora_rank": 512.0},
-            TypeError,
-            "kv_lora_rank",
-        ),
-        "read_block 0": ((q, kv, idx, pos), {"read_block": 0}, ValueError, "read_block"),
-        "read_block bool": ((q, kv, idx, pos), {"read_block": True}, TypeError, "read_block"),
-        "page_size in flat mode": ((q, kv, idx, pos), {"page_size": 16}, ValueError, "page_size"),
-        "read_block negative": ((q, kv, idx, pos), {"read_block": -128}, ValueError, "read_block"),
-        "sm_scale None": ((q, kv, idx, pos), {"sm_scale": None}, ValueError, "sm_scale"),
-        "sm_scale 0": ((q, kv, idx, pos), {"sm_scale": 0.0}, ValueError, "sm_scale"),
-        "sm_scale negative": ((q, kv, idx, pos), {"sm_scale": -1.0}, ValueError, "sm_scale"),
-        "sm_scale nan": ((q, kv, idx, pos), {"sm_scale": float("nan")}, ValueError, "sm_scale"),
-        "sm_scale array": (
-            (q, kv, idx, pos),
-            {"sm_scale": jnp.float32(0.1)},
-            TypeError,
-            "sm_scale",
-        ),
-        "seq_lens without q_seq_id": (
-            (q, kv, idx, pos),
-            {"seq_lens": sds((2,), jnp.int32)},
-            ValueError,
-            "seq_lens",
-        ),
-        "cu_kv_lens without q_seq_id": (
-            (q, kv, idx, pos),
-            {"cu_kv_lens": sds((3,), jnp.int32)},
-            ValueError,
-            "cu_kv_lens",
-        ),
-        "page_indices without q_seq_id": (
-            (q, kv, idx, pos),
-            {"page_indices": sds((4,), jnp.int32)},
-            ValueError,
-            "page_indices",
-        ),
+        "kv_lora_rank > Dk": bad_keyword(ValueError, kv_lora_rank=640),
+        "kv_lora_rank Dk + 1": bad_keyword(ValueError, kv_lora_rank=577),
+        "kv_lora_rank 0": bad_keyword(ValueError, kv_lora_rank=0),
+        "kv_lora_rank float": bad_keyword(TypeError, kv_lora_rank=512.0),
+        "read_block 0": bad_keyword(ValueError, read_block=0),
+        "read_block bool": bad_keyword(TypeError, read_block=True),
+        "page_size in flat mode": bad_keyword(ValueError, page_size=16),
+        "read_block negative": bad_keyword(ValueError, read_block=-128),
+        "sm_scale None": bad_keyword(ValueError, sm_scale=None),
+        "sm_scale 0": bad_keyword(ValueError, sm_scale=0.0),
+        "sm_scale negative": bad_keyword(ValueError, sm_scale=-1.0),
+        "sm_scale nan": bad_keyword(ValueError, sm_scale=float("nan")),
+        "sm_scale array": bad_keyword(TypeError, sm_scale=jnp.float32(0.1)),
+        "seq_lens without q_seq_id": bad_keyword(ValueError, seq_lens=sds((2,), jnp.int32)),
+        "cu_kv_lens without q_seq_id": bad_keyword(ValueError, cu_kv_lens=sds((3,), jnp.int32)),
+        "page_indices without q_seq_id": bad_keyword(ValueError, page_indices=sds((4,), jnp.int32)),
     }
 
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tier_examples
-from hypothesis import HealthCheck, given, settings
+from helpers import property_settings, tier_examples
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attn_common import kv_packing
@@ -52,7 +52,9 @@ def block_tables_brute(sel: np.ndarray, query_block: int, u_max: int):
     return units, member, counts
 
 
-def check_block_tables(sel, query_block, u_max, out):
+def check_block_tables(sel, query_block: int, u_max: int):
+    """``build_block_unit_tables`` (jitted) of ``sel`` against brute force; returns it."""
+    out = _tables_jit(jnp.asarray(sel), query_block=query_block, u_max=u_max)
     num_tokens, _ = sel.shape
     n_blocks = -(-num_tokens // query_block)
     assert out.units.shape == (n_blocks, u_max) and out.units.dtype == jnp.int32
@@ -66,6 +68,7 @@ def check_block_tables(sel, query_block, u_max, out):
     tail = n_blocks * query_block - num_tokens
     if tail:
         assert not np.asarray(out.member)[-1, query_block - tail :].any()
+    return out
 
 
 @st.composite
@@ -95,14 +98,10 @@ def unit_problems(draw):
     return sel, query_block, u_max
 
 
-@settings(
-    max_examples=tier_examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@property_settings(30)
 @given(unit_problems())
 def test_block_unit_tables_match_brute_force(p):
-    sel, query_block, u_max = p
-    out = _tables_jit(jnp.asarray(sel), query_block=query_block, u_max=u_max)
-    check_block_tables(sel, query_block, u_max, out)
+    check_block_tables(*p)
 
 
 @pytest.mark.parametrize("query_block, u_max", [(4, 5), (4, 12), (4, 2), (16, 12)])
@@ -113,8 +112,7 @@ def test_block_unit_tables_fixed_shape_many_inputs(query_block, u_max):
         sel = rng.integers(-3, 12, size=(37, 5)).astype(np.int32)
         # force duplicates within a query and across queries
         sel[:, 1] = np.where(rng.random(37) < 0.4, sel[:, 0], sel[:, 1])
-        out = _tables_jit(jnp.asarray(sel), query_block=query_block, u_max=u_max)
-        check_block_tables(sel, query_block, u_max, out)
+        check_block_tables(sel, query_block, u_max)
 
 
 def test_block_unit_tables_eager_example():
@@ -271,7 +269,9 @@ def apply_table(table, pk, rows, cache):
     return src_cov, dst_cov
 
 
-def check_write_runs(loc, pk, r_cap, out):
+def check_write_runs(loc, pk: int, r_cap: int):
+    """``build_write_runs`` (jitted) of ``loc`` against brute force; returns it."""
+    out = _runs_jit(jnp.asarray(loc, jnp.int32), kv_packing=pk, r_cap=r_cap)
     loc = np.asarray(loc, np.int64)
     num_tokens = loc.shape[0]
     table = np.asarray(out.table)
@@ -318,6 +318,7 @@ def check_write_runs(loc, pk, r_cap, out):
         np.testing.assert_array_equal(cache[written], expected[written])
         assert src_cov.max(initial=0) <= 1
         assert src_cov.sum() == sum(n for _, _, n in runs[:r_cap])
+    return out
 
 
 @st.composite
@@ -352,14 +353,10 @@ def loc_problems(draw, bucket=True):
 
 
 @pytest.mark.slow  # ~10 s on 2 cores; the fixed examples below stay in the quick subset
-@settings(
-    max_examples=tier_examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@property_settings(50)
 @given(loc_problems())
 def test_write_runs_match_scatter(p):
-    loc, pk, r_cap = p
-    out = _runs_jit(jnp.asarray(loc), kv_packing=pk, r_cap=r_cap)
-    check_write_runs(loc, pk, r_cap, out)
+    check_write_runs(*p)
 
 
 @pytest.mark.parametrize("length, pk", [(1, 2), (3, 4), (7, 1), (13, 2), (13, 4)])
@@ -371,8 +368,7 @@ def test_write_runs_odd_lengths(length, pk):
             if rng.random() < 0.5:  # one contiguous run at a random phase
                 loc = (np.arange(length) + rng.integers(0, 9)).astype(np.int32)
             loc[rng.random(length) < 0.2] = -1
-            out = _runs_jit(jnp.asarray(loc), kv_packing=pk, r_cap=r_cap)
-            check_write_runs(loc, pk, r_cap, out)
+            check_write_runs(loc, pk, r_cap)
 
 
 def test_write_runs_examples():
@@ -384,18 +380,15 @@ def test_write_runs_examples():
         [[TOKEN_RUN, 0, 10, 0], [WORD_RUN, 0, 5, 5], [TOKEN_RUN, 10, 20, 0]],
     )
     # same-phase but unaligned: head token, words, tail token
-    loc = jnp.array([-1, 5, 6, 7, 8, 9, 10], jnp.int32)  # src 1 -> dst 5 (phase 1 both)
-    out = _runs_jit(loc, kv_packing=2, r_cap=1)
+    loc = np.array([-1, 5, 6, 7, 8, 9, 10], np.int32)  # src 1 -> dst 5 (phase 1 both)
+    out = check_write_runs(loc, 2, 1)
     np.testing.assert_array_equal(
         np.asarray(out.table), [[TOKEN_RUN, 1, 5, 1], [WORD_RUN, 1, 3, 2], [TOKEN_RUN, 6, 10, 1]]
     )
-    check_write_runs(np.asarray(loc), 2, 1, out)
     # different phase: all tokens
-    loc = jnp.array([4, 5, 6, 7, 8], jnp.int32)  # src 0 -> dst 4, pk=4 same; use pk=4 + shift
-    out = _runs_jit(loc + 1, kv_packing=4, r_cap=1)
-    tab = np.asarray(out.table)
+    loc = np.array([4, 5, 6, 7, 8], np.int32)  # src 0 -> dst 4, pk=4 same; use pk=4 + shift
+    tab = np.asarray(check_write_runs(loc + 1, 4, 1).table)
     assert tab[1, 3] == 0 and tab[0, 3] + tab[2, 3] == 5
-    check_write_runs(np.asarray(loc + 1), 4, 1, out)
 
 
 @pytest.mark.parametrize(
@@ -410,24 +403,21 @@ def test_write_runs_examples():
 )
 def test_write_runs_hole_edges(loc, n_runs):
     loc = np.array(loc, np.int32)
-    out = _runs_jit(jnp.asarray(loc), kv_packing=2, r_cap=4)
+    out = check_write_runs(loc, 2, 4)
     assert int(out.num_runs) == n_runs
-    check_write_runs(loc, 2, 4, out)
 
 
 def test_write_runs_exactly_r_cap_runs():
     loc = np.array([0, 1, 2, 10, 11, 20, -1, 30, 31, 32, 33], np.int32)  # 4 runs
-    out = _runs_jit(jnp.asarray(loc), kv_packing=2, r_cap=4)
+    out = check_write_runs(loc, 2, 4)
     assert int(out.num_runs) == 4
-    check_write_runs(loc, 2, 4, out)
 
 
 @pytest.mark.parametrize("pk", [1, 2, 4])
 def test_write_runs_overflow(pk):
     loc = (np.arange(24) * 3).astype(np.int32)  # every token its own run
-    out = _runs_jit(jnp.asarray(loc), kv_packing=pk, r_cap=5)
+    out = check_write_runs(loc, pk, 5)
     assert int(out.num_runs) == 24 > 5
-    check_write_runs(loc, pk, 5, out)
 
 
 def test_write_runs_all_holes():
@@ -439,9 +429,8 @@ def test_write_runs_all_holes():
 
 def test_write_runs_reversed_is_many_runs():
     loc = np.arange(16)[::-1].astype(np.int32)  # descending: 16 runs of 1
-    out = _runs_jit(jnp.asarray(loc), kv_packing=2, r_cap=16)
+    out = check_write_runs(loc, 2, 16)
     assert int(out.num_runs) == 16
-    check_write_runs(loc, 2, 16, out)
 
 
 # --------------------------------------------------------------------------------------

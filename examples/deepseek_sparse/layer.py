@@ -75,6 +75,14 @@ class LayerConfig:
     def ops(self) -> dict:
         return {"implementation": self.implementation, "interpret": self.interpret}
 
+    @property
+    def attend(self) -> dict:
+        """The keywords of every ``sparse_mla_attention`` call: scale, latent width, one
+        page per selected unit, and the ops' backend."""
+        return dict(
+            sm_scale=self.sm_scale, kv_lora_rank=self.kv_lora, read_block=self.page_size, **self.ops
+        )
+
 
 def init_params(seed: int, cfg: LayerConfig) -> dict:
     rng = np.random.default_rng(seed)
@@ -245,6 +253,25 @@ def paged_page_scores(q_idx, w_idx, idx_pool, req: dict, positions, q_seq_id, cf
 # ---------------------------------------------------------------------------- training
 
 
+def _flat_inputs(params, tokens, cfg: LayerConfig):
+    """A flat batch ``tokens [B, T]`` (token ``t`` at position ``t``): ``(positions,
+    x, projections, the indexer's page scores [B, T, pages])``."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = params["embed"][tokens]
+    pr = project(params, x, positions, cfg)
+    return positions, x, pr, flat_page_scores(pr, positions, cfg)
+
+
+def _flat_attend(pr: Projections, indices, positions, cfg: LayerConfig, **extra):
+    """``sparse_mla_attention`` in flat mode over the batch's own latents: queries
+    ``[B, T, H, Dk]``, rows ``[B, T, Dk]``, the pages ``indices [B, T, K]``."""
+    dt = jnp.dtype(cfg.dtype)
+    q = jnp.concatenate([pr.ql, pr.qpe], axis=-1).astype(dt)
+    kv = jnp.concatenate([pr.kvc, pr.kpe], axis=-1).astype(dt)
+    return sparse_mla_attention(q, kv, indices, positions, **cfg.attend, **extra)
+
+
 def train_loss(params, tokens, targets, keep, cfg: LayerConfig):
     """Cross-entropy of a flat batch ``tokens [B, T]`` against ``targets [B, T]`` (``-1``:
     no loss there) plus the indexer's KL; each query attends its ``keep`` best pages.
@@ -259,28 +286,12 @@ def train_loss(params, tokens, targets, keep, cfg: LayerConfig):
     attention mass, ``stop_gradient``, to the indexer's distribution over the selected
     pages) trains the indexer alone.
     """
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = params["embed"][tokens]
-    pr = project(params, x, positions, cfg)
-    scores = flat_page_scores(pr, positions, cfg)  # [B, T, pages]
+    positions, x, pr, scores = _flat_inputs(params, tokens, cfg)  # scores [B, T, pages]
     ranked = top_pages(scores, scores.shape[-1])  # every page, best first; -1 = invalid
     slots = jnp.arange(ranked.shape[-1])
     indices = jnp.where(slots < keep, ranked, -1)  # [B, T, pages]
-    dt = jnp.dtype(cfg.dtype)
-    q = jnp.concatenate([pr.ql, pr.qpe], axis=-1).astype(dt)  # [B, T, H, Dk]
-    kv = jnp.concatenate([pr.kvc, pr.kpe], axis=-1).astype(dt)  # [B, T, Dk]
-    o_lat, _, mass = sparse_mla_attention(
-        q,
-        kv,
-        indices,
-        positions,
-        sm_scale=cfg.sm_scale,
-        kv_lora_rank=cfg.kv_lora,
-        read_block=cfg.page_size,
-        return_lse=True,
-        return_attn_mass=True,
-        **cfg.ops,
+    o_lat, _, mass = _flat_attend(
+        pr, indices, positions, cfg, return_lse=True, return_attn_mass=True
     )
     h = output(params, x, o_lat)
     logits = lm_logits(params, h)
@@ -303,27 +314,10 @@ def train_loss(params, tokens, targets, keep, cfg: LayerConfig):
 def flat_forward(params, tokens, cfg: LayerConfig, indices=None):
     """The layer on a flat batch ``tokens [B, T]``: ``(o_latent [B, T, H, r], page
     scores, indices)``; ``indices`` given: use them instead of the indexer's."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = params["embed"][tokens]
-    pr = project(params, x, positions, cfg)
-    scores = flat_page_scores(pr, positions, cfg)
+    positions, _, pr, scores = _flat_inputs(params, tokens, cfg)
     if indices is None:
         indices = top_pages(scores, cfg.top_k)
-    dt = jnp.dtype(cfg.dtype)
-    q = jnp.concatenate([pr.ql, pr.qpe], axis=-1).astype(dt)
-    kv = jnp.concatenate([pr.kvc, pr.kpe], axis=-1).astype(dt)
-    o_lat = sparse_mla_attention(
-        q,
-        kv,
-        indices,
-        positions,
-        sm_scale=cfg.sm_scale,
-        kv_lora_rank=cfg.kv_lora,
-        read_block=cfg.page_size,
-        **cfg.ops,
-    )
-    return o_lat, scores, indices
+    return _flat_attend(pr, indices, positions, cfg), scores, indices
 
 
 # ----------------------------------------------------------------------------- serving
@@ -403,15 +397,12 @@ def attend_pool(pr: Projections, pool: Pool, indices, req: dict, cfg: LayerConfi
         pool.cache,
         indices[None],
         req["positions"][None],
-        sm_scale=cfg.sm_scale,
-        kv_lora_rank=cfg.kv_lora,
-        read_block=cfg.page_size,
+        **cfg.attend,
         page_size=cfg.page_size,
         q_seq_id=req["q_seq_id"],
         seq_lens=req["seq_lens"],
         cu_kv_lens=req["cu_kv_lens"],
         page_indices=req["page_indices"],
-        **cfg.ops,
     )[0]
 
 

@@ -27,12 +27,8 @@ Writes ``deepseek_sparse.json`` into ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -44,9 +40,9 @@ try:
 except ModuleNotFoundError:  # an example's extra, not a dependency of the wheels
     sys.exit("examples/deepseek_sparse needs optax: pip install optax")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: harness.py
+import harness
 import layer as L
-
-from attn_common import select_backend
 
 SHAPES = {
     "small": dict(
@@ -103,30 +99,6 @@ SHAPES = {
         bench_repeats=10,
     ),
 }
-
-
-KERNEL_BACKENDS = ("mosaic-gpu", "pallas-tpu")
-
-
-def _enough_xla_cpu_threads() -> None:
-    """The Mosaic GPU interpreter (``--interpret``) runs each warpgroup as its own program
-    on an XLA CPU thread, and they wait on each other: with fewer threads than programs it
-    hangs. Raise the pool to 16 (as ``attn`` does) before JAX creates its CPU client."""
-    if int(os.environ.get("NPROC", "0") or 0) < 16:
-        os.environ["NPROC"] = "16"
-
-
-def pick_shape(shapes: dict, small: bool, implementation: str | None) -> dict:
-    """The shape: ``full``, or ``small``; with a kernel backend named, ``small`` takes the
-    smallest sizes the kernels accept (its ``kernel`` entry)."""
-    if not small:
-        return shapes["full"]
-    shape = dict(shapes["small"])
-    kernel = shape.pop("kernel")
-    if implementation in KERNEL_BACKENDS:
-        for key, value in kernel.items():
-            shape[key] = {**shape[key], **value} if isinstance(value, dict) else value
-    return shape
 
 
 def vocab_size(task: dict) -> int:
@@ -327,16 +299,6 @@ def check(params, seqs, lens, plan, cfg, ops, xla, tol: float) -> dict:
     return out
 
 
-def _timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile, warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def bench(params, seqs, lens, plan, cfg, fns: dict, repeats: int) -> dict:
     """Prefill of every prompt and one decode step (at the prompts' end), ms, ops vs
     plain XLA; the same jitted layer functions the serving run used."""
@@ -349,26 +311,19 @@ def bench(params, seqs, lens, plan, cfg, fns: dict, repeats: int) -> dict:
     out = {}
     for name in ("ops", "xla"):
         prefill, decode = fns[f"prefill {name}"], fns[f"decode {name}"]
-        out[f"prefill {name}"] = 1e3 * _timed(prefill, params, tokens, pool, pre, repeats=repeats)
-        out[f"decode {name}"] = 1e3 * _timed(decode, params, fed, filled, dec, repeats=repeats)
+        out[f"prefill {name}"] = 1e3 * harness.timed(
+            prefill, params, tokens, pool, pre, repeats=repeats
+        )
+        out[f"decode {name}"] = 1e3 * harness.timed(
+            decode, params, fed, filled, dec, repeats=repeats
+        )
     out["prefill speedup"] = out["prefill xla"] / out["prefill ops"]
     out["decode speedup"] = out["decode xla"] / out["decode ops"]
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", action="store_true", help="CPU shapes: seconds")
-    ap.add_argument(
-        "--implementation",
-        default=None,
-        choices=("reference", "mosaic-gpu", "pallas-tpu"),
-        help="the ops' backend (default: the best installed for the device)",
-    )
-    ap.add_argument(
-        "--interpret", action="store_true", help="a kernel backend in interpret mode (CPU, slow)"
-    )
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default: per shape)")
+    ap = harness.parser(__doc__, "deepseek_sparse", "the ops'", "deepseek_sparse.json")
     ap.add_argument(
         "--warmup",
         type=int,
@@ -376,17 +331,8 @@ def main(argv=None) -> int:
         help="of those, dense warm-up steps: every page attended (default: half)",
     )
     ap.add_argument("--no-bench", action="store_true", help="skip the timing")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=Path("attn-results/examples/deepseek_sparse"),
-        help="folder for deepseek_sparse.json (default: %(default)s)",
-    )
     args = ap.parse_args(argv)
-    if args.interpret:
-        _enough_xla_cpu_threads()
-    shape = pick_shape(SHAPES, args.small, args.implementation)
+    shape, report = harness.start(args, SHAPES, "sparse_mla_attention")
     task = shape["task"]
     cfg = L.LayerConfig(
         vocab=vocab_size(task),
@@ -394,13 +340,10 @@ def main(argv=None) -> int:
         implementation=args.implementation,
         interpret=args.interpret,
     )
-    backend, _ = select_backend(
-        "sparse_mla_attention", args.implementation, interpret=args.interpret
-    )
-    device = jax.devices()[0].device_kind
     steps = args.steps if args.steps is not None else shape["steps"]
     print(
-        f"deepseek_sparse example: {backend} backend on {device}; H {cfg.heads}, latent "
+        f"deepseek_sparse example: {report['backend']} backend on {report['device']}; "
+        f"H {cfg.heads}, latent "
         f"{cfg.kv_lora} + rope {cfg.rope}, pages of {cfg.page_size}, top-{cfg.top_k} pages"
     )
     params = L.init_params(args.seed, cfg)
@@ -453,12 +396,8 @@ def main(argv=None) -> int:
             f"{timing['decode ops']:.2f} ms (plain XLA {timing['decode xla']:.2f} ms: "
             f"{timing['decode speedup']:.2f}x)"
         )
-        if jax.default_backend() == "cpu":
-            print("  (CPU timings: a smoke run of the code path, not a measurement)")
-    report = {
-        "backend": backend,
-        "device": device,
-        "shape": "small" if args.small else "full",
+        harness.cpu_timing_note()
+    report |= {
         "config": dataclasses.asdict(cfg),
         "train": {
             "main_loss": [h[0] for h in history],
@@ -469,9 +408,7 @@ def main(argv=None) -> int:
         "check": result,
         "time_ms": timing,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "deepseek_sparse.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out / 'deepseek_sparse.json'}")
+    print(f"wrote {harness.write_report(args.out, 'deepseek_sparse.json', report)}")
     return 0 if result["ok"] else 1
 
 

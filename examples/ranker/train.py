@@ -19,9 +19,6 @@ shapes, over the step's time). It writes ``ranker.json`` and, with matplotlib, `
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,9 +32,11 @@ try:
 except ModuleNotFoundError:  # an example's extra, not a dependency of the wheels
     sys.exit("examples/ranker needs optax: pip install optax")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: harness.py
+import harness
 from model import ModelConfig, init_params, loss_fn, ranker
 
-from attn_common import pack_users, select_backend
+from attn_common import pack_users
 
 # The shapes: --small for a CPU (seconds), the full ones for an accelerator.
 SHAPES = {
@@ -85,30 +84,6 @@ SHAPES = {
         attn_dtype="bfloat16",
     ),
 }
-
-
-KERNEL_BACKENDS = ("mosaic-gpu", "pallas-tpu")
-
-
-def _enough_xla_cpu_threads() -> None:
-    """The Mosaic GPU interpreter (``--interpret``) runs each warpgroup as its own program
-    on an XLA CPU thread, and they wait on each other: with fewer threads than programs it
-    hangs. Raise the pool to 16 (as ``attn`` does) before JAX creates its CPU client."""
-    if int(os.environ.get("NPROC", "0") or 0) < 16:
-        os.environ["NPROC"] = "16"
-
-
-def pick_shape(shapes: dict, small: bool, implementation: str | None) -> dict:
-    """The shape: ``full``, or ``small``; with a kernel backend named, ``small`` takes the
-    smallest sizes the kernels accept (its ``kernel`` entry)."""
-    if not small:
-        return shapes["full"]
-    shape = dict(shapes["small"])
-    kernel = shape.pop("kernel")
-    if implementation in KERNEL_BACKENDS:
-        for key, value in kernel.items():
-            shape[key] = {**shape[key], **value} if isinstance(value, dict) else value
-    return shape
 
 
 class Users:
@@ -226,17 +201,6 @@ def make_attention_fwd_bwd(cfg: ModelConfig):
     return fwd_bwd
 
 
-def _timed(fn, *args, repeats: int) -> float:
-    """Median wall time of ``fn(*args)`` (seconds), after one untimed call (compile)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def bench(step, params, opt_state, users: Users, shape: dict, cfg: ModelConfig) -> dict:
     """Users per second of the step on packed and on padded rows (the same ``[B, S]``
     and the same compiled step), and the share of the step's time in attention."""
@@ -265,7 +229,7 @@ def bench(step, params, opt_state, users: Users, shape: dict, cfg: ModelConfig) 
             for h in (cfg.q_heads, cfg.kv_heads, cfg.kv_heads)
         )
         bounds = jax.device_put(p0.bounds)
-        attn_s = cfg.layers * _timed(fwd_bwd, q, k, v, bounds, repeats=n)
+        attn_s = cfg.layers * harness.timed(fwd_bwd, q, k, v, bounds, repeats=n)
         result[mode] = {
             "users_per_step": n_users,
             "step_ms": 1e3 * step_s,
@@ -301,37 +265,15 @@ def plot(report: dict, path: Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", action="store_true", help="CPU shapes: seconds")
-    ap.add_argument(
-        "--implementation",
-        default=None,
-        choices=("reference", "mosaic-gpu", "pallas-tpu"),
-        help="the attention backend (default: the best installed for the device)",
-    )
-    ap.add_argument(
-        "--interpret", action="store_true", help="a kernel backend in interpret mode (CPU, slow)"
-    )
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default: per shape)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=Path("attn-results/examples/ranker"),
-        help="folder for ranker.json and ranker.png (default: %(default)s)",
-    )
+    ap = harness.parser(__doc__, "ranker", "the attention", "ranker.json and ranker.png")
     args = ap.parse_args(argv)
-    if args.interpret:
-        _enough_xla_cpu_threads()
-    shape = pick_shape(SHAPES, args.small, args.implementation)
+    shape, report = harness.start(args, SHAPES, "ranker_attention")
     cfg = ModelConfig(
         **shape["model"],
         attn_dtype=shape["attn_dtype"],
         implementation=args.implementation,
         interpret=args.interpret,
     )
-    backend, _ = select_backend("ranker_attention", args.implementation, interpret=args.interpret)
-    device = jax.devices()[0].device_kind
     users = Users(
         args.seed, cfg.num_items, cfg.num_categories, shape["history"], shape["candidates"]
     )
@@ -340,7 +282,10 @@ def main(argv=None) -> int:
     opt_state = jax.jit(opt.init)(params)
     step = make_step(cfg, opt)
     steps = args.steps or shape["steps"]
-    print(f"ranker example: {backend} backend on {device}, {steps} steps on packed users")
+    print(
+        f"ranker example: {report['backend']} backend on {report['device']}, "
+        f"{steps} steps on packed users"
+    )
 
     losses, hits, t0 = [], [], time.perf_counter()
     for i in range(steps):
@@ -373,20 +318,15 @@ def main(argv=None) -> int:
             f"(host packing {r['host_plan_ms']:.1f} ms/batch)"
         )
     print(f"  packed / padded users/s: {result['speedup']:.2f}x")
-    if jax.default_backend() == "cpu":
-        print("  (CPU timings: a smoke run of the code path, not a measurement)")
+    harness.cpu_timing_note()
 
-    report = {
-        "backend": backend,
-        "device": device,
-        "shape": "small" if args.small else "full",
+    report |= {
         "loss": losses,
         "accuracy": acc,
         "bench": result,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ranker.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out / 'ranker.json'}; {plot(report, args.out / 'ranker.png')}")
+    path = harness.write_report(args.out, "ranker.json", report)
+    print(f"wrote {path}; {plot(report, args.out / 'ranker.png')}")
     return 0
 
 

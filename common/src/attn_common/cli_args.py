@@ -5,12 +5,15 @@ documented ranges, the output-path rules, and a report's provenance.
   line (``attn run: error: --batch: got 0, expected ...``), exit status 2, no usage block.
 * ``bounded_int(lo, hi)``: an argparse type; a value outside ``[lo, hi]`` (or not plain
   decimal digits) is refused with one line naming the range, so the command exits 2
-  before it allocates. ``out_path``: a path argument that is not empty.
+  before it allocates. ``bounded_float(lo, hi)``: the same for a plain decimal number in
+  ``[lo, hi)``. ``out_path``: a path argument that is not empty.
 * ``check_out_dir`` (a results folder, ``--out``) and ``check_out_file`` (one file,
   ``--json``) follow one rule: a missing folder is created; a file that exists is never
   replaced without ``--overwrite``; an unwritable place is refused up front.
 * ``provenance``: the commit of the git checkout in the working directory (else of the
   package's own source tree), ``+dirty`` with local changes, and the command line.
+* ``wall_times``: the wall times of a jitted call, after a warm-up call (the
+  benchmarks' and the examples' timer on any device).
 """
 
 from __future__ import annotations
@@ -70,6 +73,30 @@ def bounded_int(lo: int, hi: int, what: str = "an int"):
         return value
 
     parse.__name__ = f"int in [{lo}, {hi}]"
+    return parse
+
+
+# A decimal number as a user types one: digits with an optional fraction and exponent.
+# Python's float() also takes "0.0_1", " 0.5", "nan", "inf" and non-ASCII digits.
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def bounded_float(lo: float, hi: float, what: str = "a number"):
+    """argparse type: a float in ``[lo, hi)``, written as a plain decimal number (``1.5``,
+    ``.5``, ``1e-3``; ``0.0_1``, `` 0.5``, ``nan`` and ``inf`` are refused, though
+    ``float()`` takes them); the message names the range; argparse adds the flag and
+    exits 2."""
+
+    def parse(text: str) -> float:
+        shown = text if len(text) <= 24 else text[:21] + "..."
+        if not _DECIMAL.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"got {shown!r}, expected {what} (a decimal number)")
+        value = float(text)
+        if not lo <= value < hi:
+            raise argparse.ArgumentTypeError(f"got {shown}, expected {lo:g} <= value < {hi:g}")
+        return value
+
+    parse.__name__ = f"float in [{lo:g}, {hi:g})"
     return parse
 
 
@@ -206,6 +233,22 @@ _T0 = time.perf_counter()
 def progress(message: str) -> None:
     """A progress line on stderr, with the seconds since the command started."""
     print(f"  [{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def wall_times(fn, *args, repeats: int, warmup: bool = True) -> list[float]:
+    """Wall times (seconds) of ``repeats`` calls of ``fn(*args)``, each waited for
+    (``jax.block_until_ready``), after one untimed call that compiles and warms up (none
+    with ``warmup=False``)."""
+    import jax
+
+    if warmup:
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def available_memory(device=None) -> tuple[int, str] | None:

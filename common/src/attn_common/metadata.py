@@ -54,6 +54,17 @@ def is_concrete(*arrays) -> bool:
     )
 
 
+def _non_decreasing(name: str, cu) -> tuple[str, str, object, object, int]:
+    """The rule that a cumulative table ``cu`` never decreases (checked from entry 1)."""
+    return (
+        name,
+        f"expected non-decreasing ({name}[r] <= {name}[r + 1])",
+        cu[1:] >= cu[:-1],
+        cu[1:],
+        1,
+    )
+
+
 def _rules(
     xp, q_seq_id, seq_lens, cu_kv_lens, page_indices, cu_q_lens, *, page_size, num_pages,
     num_tokens,
@@ -64,13 +75,7 @@ def _rules(
     num_seqs = seq_lens.shape[0]
     total_pages = page_indices.shape[0]
     yield "cu_kv_lens", "expected >= 0", cu >= 0, cu, 0
-    yield (
-        "cu_kv_lens",
-        "expected non-decreasing (cu_kv_lens[r] <= cu_kv_lens[r + 1])",
-        cu[1:] >= cu[:-1],
-        cu[1:],
-        1,
-    )
+    yield _non_decreasing("cu_kv_lens", cu)
     yield (
         "cu_kv_lens",
         f"expected a multiple of page_size = {page_size} (a request owns whole pages)",
@@ -138,13 +143,7 @@ def _rules(
     )
     if cu_q_lens is not None:
         yield "cu_q_lens", "expected cu_q_lens[0] == 0", cu_q_lens[:1] == 0, cu_q_lens[:1], 0
-        yield (
-            "cu_q_lens",
-            "expected non-decreasing (cu_q_lens[r] <= cu_q_lens[r + 1])",
-            cu_q_lens[1:] >= cu_q_lens[:-1],
-            cu_q_lens[1:],
-            1,
-        )
+        yield _non_decreasing("cu_q_lens", cu_q_lens)
         yield (
             "cu_q_lens",
             f"expected the last entry == the number of query tokens T = {num_tokens}",

@@ -167,7 +167,8 @@ def kernel_vjp(forward: Callable, backward: Callable) -> Callable:
     a hashable tuple of ``(name, value)`` pairs (static). The result is a
     ``jax.custom_vjp`` returning ``(out, lse)`` whose residuals are ``q, k, v, bounds,
     out, lse``: the LSE is always computed (the backward needs it) and its cotangent
-    reaches the backward, so a loss on the LSE is differentiable. ``bounds`` (integers)
+    reaches the backward (the kernels fold it in as ``delta' = rowsum(dO * O) - dlse``),
+    so a loss on the LSE (``return_lse=True``) is differentiable. ``bounds`` (integers)
     gets no cotangent.
     """
 

@@ -212,10 +212,7 @@ def validate_sparse_mla(
                 )
         kv_len = kv_shape[0] * page_size
         ragged = ragged_batch(
-            q_seq_id=q_seq_id,
-            seq_lens=seq_lens,
-            cu_kv_lens=cu_kv_lens,
-            page_indices=page_indices,
+            **ragged_args,
             page_size=page_size,
             num_pages=kv_shape[0],
             num_tokens=num_queries,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_cli_usage_error
 
 from attn_common import CapMethod, CapParams, KernelConfig, ranker_case
 from attn_common.cli import main as attn_main
@@ -300,7 +301,22 @@ def test_tune_keeps_the_incumbent_within_noise():
 def test_attn_tune_needs_a_hopper_gpu(capsys):
     assert attn_main(["tune"]) == 2
     assert "needs a Hopper GPU" in capsys.readouterr().err
-    assert attn_main(["tune", "--min-gain", "0.7"]) == 2
+
+
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ("0.7", "--min-gain: got 0.7, expected 0 <= value < 0.5"),
+        ("0.5", "--min-gain: got 0.5, expected 0 <= value < 0.5"),
+        ("-0.01", "--min-gain: got -0.01, expected 0 <= value < 0.5"),
+        # float() reads these (0.001, nan): a typo must not become a threshold
+        ("0.0_1", "--min-gain: got '0.0_1', expected a fraction (a decimal number)"),
+        ("nan", "--min-gain: got 'nan', expected a fraction (a decimal number)"),
+    ],
+)
+def test_attn_tune_refuses_a_bad_min_gain(value, needle, capsys):
+    """Refused while the arguments are parsed, before the GPU check, in one line."""
+    assert_cli_usage_error(["tune", "--min-gain", value], needle, capsys)
 
 
 def test_backward_tuning_knobs_are_checked():

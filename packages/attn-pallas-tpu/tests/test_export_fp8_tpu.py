@@ -21,7 +21,13 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import export_tpu, ragged_positional
+from helpers import (
+    export_tpu,
+    flat_call_structs,
+    prefill_call_structs,
+    ragged_call_structs,
+    ragged_positional,
+)
 
 from attn_common import Fp8LatentCache
 from attn_pallas_tpu import (
@@ -33,8 +39,8 @@ from attn_pallas_tpu import (
 )
 
 SD = jax.ShapeDtypeStruct
-BF16, I32 = jnp.bfloat16, jnp.int32
-DK, DV, ROPE = 576, 512, 64
+BF16 = jnp.bfloat16
+DV, ROPE = 512, 64
 UNIT, SELECTED, T = 64, 2048, 32768
 TOP_K = SELECTED // UNIT
 PREFILL_Q, PREFILL_SEQS = 4096, 4
@@ -78,10 +84,7 @@ def test_export_flat_prefill(kernel, heads, form):
     fn, count = KERNELS[kernel]
     exported = export_tpu(
         functools.partial(fn, sm_scale=0.04, read_block=UNIT, return_lse=True),
-        SD((1, PREFILL_Q, heads, DK), BF16),
-        _cache(form, 1, T),
-        SD((1, PREFILL_Q, TOP_K), I32),
-        SD((1, PREFILL_Q), I32),
+        *flat_call_structs(_cache(form, 1, T), PREFILL_Q, heads, TOP_K),
         kernels=count,
     )
     _check(exported, form, (1, T))
@@ -93,14 +96,9 @@ def _ragged(kernel, num_q, heads, num_seqs, form):
     kw = dict(sm_scale=0.04, read_block=UNIT, page_size=UNIT, return_lse=True)
     exported = export_tpu(
         ragged_positional(fn, **kw),
-        SD((1, num_q, heads, DK), BF16),
-        _cache(form, num_pages, UNIT),
-        SD((1, num_q, TOP_K), I32),
-        SD((1, num_q), I32),
-        SD((num_q,), I32),
-        SD((num_seqs,), I32),
-        SD((num_seqs + 1,), I32),
-        SD((num_pages - 8,), I32),
+        *ragged_call_structs(
+            _cache(form, num_pages, UNIT), num_q, heads, TOP_K, num_seqs, num_pages - 8
+        ),
         kernels=count,
     )
     _check(exported, form, (num_pages, UNIT))
@@ -127,20 +125,10 @@ def test_export_ragged_decode(kernel, heads, form):
 def test_export_write_then_attend(fn, count, form):
     """The write is the XLA scatter of the quantized rows; the attention the kernel."""
     heads, num_pages = 16, PREFILL_SEQS * (T // UNIT) + 8
-    exported = export_tpu(
+    cache = _cache(form, num_pages, UNIT)
+    exported = export_tpu(  # latent DV = 512, rope ROPE = 64
         functools.partial(fn, kv_lora_rank=DV, page_size=UNIT, sm_scale=0.04),
-        SD((PREFILL_Q, heads, DV), BF16),
-        SD((PREFILL_Q, heads, ROPE), BF16),
-        SD((PREFILL_Q, DV), BF16),
-        SD((PREFILL_Q, ROPE), BF16),
-        _cache(form, num_pages, UNIT),
-        SD((PREFILL_Q, TOP_K), I32),
-        SD((PREFILL_Q,), I32),
-        SD((PREFILL_Q,), I32),
-        SD((PREFILL_SEQS,), I32),
-        SD((PREFILL_SEQS + 1,), I32),
-        SD((PREFILL_SEQS + 1,), I32),
-        SD((num_pages - 8,), I32),
+        *prefill_call_structs(cache, PREFILL_Q, heads, TOP_K, PREFILL_SEQS, num_pages - 8),
         kernels=count,
     )
     _check(exported, form, (num_pages, UNIT))
@@ -153,10 +141,7 @@ def test_export_copy_path(kernel):
     fn = {"per_query": sparse_mla_attention, "qblock": sparse_mla_attention_qblock}[kernel]
     exported = export_tpu(
         functools.partial(fn, sm_scale=0.04, read_block=UNIT, return_lse=True),
-        SD((1, PREFILL_Q, 16, DK), BF16),
-        _cache("tpu", 1, T),
-        SD((1, PREFILL_Q, TOP_K), I32),
-        SD((1, PREFILL_Q), I32),
+        *flat_call_structs(_cache("tpu", 1, T), PREFILL_Q, 16, TOP_K),
         kernels=KERNELS[kernel][1],
     )
     _check(exported, "tpu", (1, T))

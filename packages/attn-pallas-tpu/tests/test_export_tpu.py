@@ -12,7 +12,13 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import export_tpu, ragged_positional
+from helpers import (
+    export_tpu,
+    flat_call_structs,
+    prefill_call_structs,
+    ragged_call_structs,
+    ragged_positional,
+)
 
 from attn_pallas_tpu import (
     paged_write_back,
@@ -51,12 +57,10 @@ EXPORT_CASES = pytest.mark.parametrize(
 @EXPORT_CASES
 def test_export_flat(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
+    kv = SD((1, T_FLAT, DK), BF16)
     export_tpu(
         functools.partial(fn, sm_scale=0.04, read_block=unit, return_lse=True, **extra),
-        SD((1, NUM_Q, heads, DK), BF16),
-        SD((1, T_FLAT, DK), BF16),
-        SD((1, NUM_Q, SELECTED // unit), I32),
-        SD((1, NUM_Q), I32),
+        *flat_call_structs(kv, NUM_Q, heads, SELECTED // unit),
         kernels=count,
     )
 
@@ -65,16 +69,10 @@ def test_export_flat(kernel, unit, heads):
 def test_export_ragged(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
     kw = dict(sm_scale=0.04, read_block=unit, page_size=unit, return_lse=True, **extra)
+    cache = SD((NUM_PAGES, unit // 2, 2, DK_PAD), BF16)
     export_tpu(
         ragged_positional(fn, **kw),
-        SD((1, NUM_Q, heads, DK), BF16),
-        SD((NUM_PAGES, unit // 2, 2, DK_PAD), BF16),
-        SD((1, NUM_Q, SELECTED // unit), I32),
-        SD((1, NUM_Q), I32),
-        SD((NUM_Q,), I32),
-        SD((NUM_SEQS,), I32),
-        SD((NUM_SEQS + 1,), I32),
-        SD((NUM_PAGES - 8,), I32),
+        *ragged_call_structs(cache, NUM_Q, heads, SELECTED // unit, NUM_SEQS, NUM_PAGES - 8),
         kernels=count,
     )
 
@@ -97,19 +95,9 @@ def test_export_prefill_write_and_attend(fn):
     heads, page_size, top_k = 16, 64, SELECTED // 64
     # write-back + attention; the query-blocked twin plans automatically under jit, so its
     # attention is a lax.cond over two kernels.
-    export_tpu(
+    cache = SD((NUM_PAGES, page_size // 2, 2, DK_PAD), BF16)
+    export_tpu(  # latent DV = 512, rope DK - DV = 64
         functools.partial(fn, kv_lora_rank=DV, page_size=page_size, sm_scale=0.04),
-        SD((NUM_Q, heads, DV), BF16),
-        SD((NUM_Q, heads, DK - DV), BF16),
-        SD((NUM_Q, DV), BF16),
-        SD((NUM_Q, DK - DV), BF16),
-        SD((NUM_PAGES, page_size // 2, 2, DK_PAD), BF16),
-        SD((NUM_Q, top_k), I32),
-        SD((NUM_Q,), I32),
-        SD((NUM_Q,), I32),
-        SD((NUM_SEQS,), I32),
-        SD((NUM_SEQS + 1,), I32),
-        SD((NUM_SEQS + 1,), I32),
-        SD((NUM_PAGES - 8,), I32),
+        *prefill_call_structs(cache, NUM_Q, heads, top_k, NUM_SEQS, NUM_PAGES - 8),
         kernels=2 if fn is prefill_write_and_attend_ragged else 3,
     )

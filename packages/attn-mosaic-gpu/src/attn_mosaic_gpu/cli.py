@@ -4,9 +4,9 @@
 ``attn_common.cli`` finds them through the backend's ``attn.backends`` entry point
 (``attn_mosaic_gpu.cli_commands()``): attn-common never imports a backend by name. Each
 ``COMMANDS`` value adds its subparser to the ``attn`` parser and sets ``func`` (runs the
-command, returns the exit status), ``check`` (argument checks argparse cannot express:
-the one-line error, or None; the command then exits 2) and ``error_prog`` (the prefix
-of that error).
+command, returns the exit status), ``error_prog`` (the prefix of its errors) and, where
+argparse cannot express a check, ``check`` (the one-line error, or None; the command
+then exits 2).
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ import textwrap
 
 import jax
 
-from attn_common.cli_args import iterations_int, out_path, positive_int, progress, provenance
+from attn_common.cli_args import (
+    bounded_float,
+    iterations_int,
+    out_path,
+    positive_int,
+    progress,
+    provenance,
+)
 from attn_common.dispatch import device_class
 from attn_common.suite import RANKER_SUITE, ranker_case
 from attn_mosaic_gpu import bench as _bench
@@ -177,12 +184,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_tune(args: argparse.Namespace) -> str | None:
-    if not 0.0 <= args.min_gain < 0.5:
-        return f"--min-gain: got {args.min_gain}, expected 0 <= value < 0.5"
-    return None
-
-
 def add_tune(sub) -> None:
     t = sub.add_parser(
         "tune",
@@ -215,7 +216,7 @@ def add_tune(sub) -> None:
     )
     t.add_argument(
         "--min-gain",
-        type=float,
+        type=bounded_float(0.0, 0.5, "a fraction"),
         default=0.01,
         help="keep a knob value only if it is this much faster, 0 <= value < 0.5 "
         "(default: 0.01 = 1%%)",
@@ -229,7 +230,7 @@ def add_tune(sub) -> None:
         "keys are kept",
     )
     t.add_argument("--allow-any-device", action="store_true", help=argparse.SUPPRESS)
-    t.set_defaults(func=cmd_tune, check=check_tune, error_prog="attn tune")
+    t.set_defaults(func=cmd_tune, error_prog="attn tune")
 
 
 COMMANDS = {"bench": add_bench, "tune": add_tune}

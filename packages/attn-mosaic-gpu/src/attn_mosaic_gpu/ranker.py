@@ -1,11 +1,8 @@
 """Public ranker attention for Hopper: forward and backward kernels behind the shared API name.
 
-``ranker_attention`` is a ``jax.custom_vjp`` of the function returning ``(out, lse)``:
-the forward runs ``ranker_fwd.ranker_attention_fwd`` (always computing the LSE, which the
-backward needs) and the backward runs the dq and dk/dv kernels of ``ranker_bwd``. The
-residuals are ``q, k, v, bounds, out, lse``. With ``return_lse=True`` the LSE is
-differentiable: its cotangent enters the backward through ``delta' = rowsum(dO * O) -
-dlse``. ``bounds`` (integers) gets no cotangent. The kernels accumulate in a fixed order
+``ranker_attention`` is ``attn_common.ranker.kernel_vjp`` (the custom VJP shared with the
+TPU backend: its residuals, the LSE's cotangent) over ``ranker_fwd.ranker_attention_fwd``
+and the dq and dk/dv kernels of ``ranker_bwd``. The kernels accumulate in a fixed order
 without atomics, so gradients are bitwise deterministic (checked on an H200).
 """
 

@@ -353,6 +353,19 @@ def _latent_chunks(buf: BackwardBuffers, lo: int, hi: int):
     return [(c.start, buf.q_lat.at[:, c], buf.do.at[:, c]) for c in cols]
 
 
+def _hand_over(b, value, dst, free, ready):
+    """Block ``b``'s ``value`` to the other compute warpgroup: wait until it has freed
+    ``dst`` (block 1 on), store the value as bf16, then arrive on ``ready``."""
+
+    @pl.when(b > 0)
+    def _wait_free():
+        plgpu.barrier_wait(free)
+
+    dst[...] = value.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ready)
+
+
 def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     """WG0's block ``b``: S and P, its dq columns (latent 0-255, rope), its key
     gradient columns."""
@@ -369,14 +382,7 @@ def _wg0_block(prog: _Program, refs, b, dq, masked: bool):
     )
     probs = jnp.exp2(s * (st.sm_scale * LOG2E) - _row_stat(prog, 0))
     probs = _masked(prog, b, probs, masked)
-
-    @pl.when(b > 0)
-    def _wait_p_free():
-        plgpu.barrier_wait(bar.p_free)
-
-    buf.p16[...] = probs.astype(jnp.bfloat16)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(bar.p_ready)
+    _hand_over(b, probs, buf.p16, bar.p_free, bar.p_ready)
     plgpu.barrier_wait(bar.ds_ready)
     half = st.dv // 2
     dq_lat, dq_rope = dq
@@ -400,14 +406,7 @@ def _wg1_block(prog: _Program, refs, b, dq, masked: bool):
     plgpu.barrier_wait(bar.p_ready)
     probs = plgpu.load(buf.p16, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     ds = probs * (dp - _row_stat(prog, 1)) * st.sm_scale
-
-    @pl.when(b > 0)
-    def _wait_ds_free():
-        plgpu.barrier_wait(bar.ds_free)
-
-    buf.ds16[...] = ds.astype(jnp.bfloat16)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(bar.ds_ready)
+    _hand_over(b, ds, buf.ds16, bar.ds_free, bar.ds_ready)
     half = st.dv // 2
     (dq_lat,) = dq
     dq_lat = _accumulate(prog, dq_lat, [(buf.ds16, k_lat.at[:, pl.ds(half, half)])])

@@ -1,12 +1,9 @@
 """Public ranker attention for TPU: forward and backward kernels behind the shared API name.
 
-``ranker_attention`` is a ``jax.custom_vjp`` of the function returning ``(out, lse)``:
-the forward runs ``ranker_fwd.kernel_forward`` (always computing the LSE, which the
-backward needs) and the backward runs the dq and dk/dv kernels of ``ranker_bwd``. The
-residuals are ``q, k, v, bounds, out, lse``. With ``return_lse=True`` the LSE is
-differentiable: its cotangent enters the backward through ``delta' = rowsum(dO * O) -
-dlse``. ``bounds`` (integers) gets no cotangent. The kernels accumulate in a fixed order
-without atomics, so gradients are deterministic.
+``ranker_attention`` is ``attn_common.ranker.kernel_vjp`` (the custom VJP shared with the
+Hopper backend: its residuals, the LSE's cotangent) over ``ranker_fwd.kernel_forward`` and
+the dq and dk/dv kernels of ``ranker_bwd``, which accumulate in a fixed order without
+atomics: gradients are deterministic.
 
 Validation happens before tracing (``attn_common.spec.ranker_call`` plus the TPU
 rules: bf16 or fp32, D in {64, 128, 256}, blocks that are multiples of 128), and errors
