@@ -11,7 +11,7 @@ import pytest
 from helpers import assert_cli_usage_error, cli_exit_code
 
 from attn_common import cli
-from attn_pallas_tpu import bench_ranker, bench_sparse_mla
+from attn_pallas_tpu import _suite, bench_ranker, bench_sparse_mla
 
 
 @pytest.fixture
@@ -33,8 +33,7 @@ def suite_calls(monkeypatch) -> list:
 def _on(monkeypatch, device: str) -> None:
     """The default device's class as ``attn`` and the suite see it."""
     monkeypatch.setattr(cli, "device_class", lambda *a: device)
-    monkeypatch.setattr(bench_sparse_mla, "device_class", lambda *a: device)
-    monkeypatch.setattr(bench_ranker, "device_class", lambda *a: device)
+    monkeypatch.setattr(_suite, "device_class", lambda *a: device)
 
 
 def test_bench_is_the_tpu_backends_on_a_tpu(monkeypatch):
@@ -105,7 +104,7 @@ def test_help_names_the_suite_and_its_flags(monkeypatch, only_tpu_backend, capsy
 
 
 def test_python_m_refuses_off_a_tpu(monkeypatch, capsys):
-    monkeypatch.setattr(bench_sparse_mla, "device_class", lambda *a: "cpu")
+    monkeypatch.setattr(_suite, "device_class", lambda *a: "cpu")
     with pytest.raises(SystemExit) as e:
         bench_sparse_mla.main([])
     assert e.value.code == 2
@@ -174,7 +173,7 @@ def test_ranker_help_names_the_suite_and_its_flags(monkeypatch, only_tpu_backend
 
 
 def test_python_m_bench_ranker_refuses_off_a_tpu(monkeypatch, capsys):
-    monkeypatch.setattr(bench_ranker, "device_class", lambda *a: "cpu")
+    monkeypatch.setattr(_suite, "device_class", lambda *a: "cpu")
     with pytest.raises(SystemExit) as e:
         bench_ranker.main([])
     assert e.value.code == 2

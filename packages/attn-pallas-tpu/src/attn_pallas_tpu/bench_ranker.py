@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import traceback
 from pathlib import Path
 
 import jax
@@ -53,11 +51,12 @@ import numpy as np
 import attn_pallas_tpu as tpu
 from attn_common import KernelConfig
 from attn_common.cap import CapMethod, CapParams
-from attn_common.cli_args import iterations_int, out_path, provenance
-from attn_common.dispatch import device_class, load_backend
+from attn_common.cli_args import provenance
+from attn_common.dispatch import load_backend
 from attn_common.packing import pack_users
 from attn_common.ranker import ranker_flops
 from attn_common.suite import RANKER_SUITE, RankerCase
+from attn_pallas_tpu import _suite
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu._timing import matmul_tflops, rel_l2, timed
 from attn_pallas_tpu.ranker_config import (
@@ -215,7 +214,7 @@ class Runner:
                     case, self.chip, block_q=config.block_q, block_kv=config.block_kv
                 )
             except Exception as e:  # the model is a side column; its failure costs no row
-                print(f"model {case.name}: {_err(e)}", flush=True)
+                print(f"model {case.name}: {_suite.error_line(e)}", flush=True)
                 self.costs[key] = None
         cost = self.costs[key]
         if cost is None:
@@ -231,8 +230,8 @@ class Runner:
             t = timed(f, *args, iterations=self.iterations)
             return {"xla_ms": t["ms"], "xla_device_ms": t["device_ms"]}, want
         except Exception as e:
-            print(f"xla {case.name} {mode}: {_err(e)}", flush=True)
-            return {"xla_ms": None, "xla_device_ms": None, "xla_error": _err(e)}, None
+            print(f"xla {case.name} {mode}: {_suite.error_line(e)}", flush=True)
+            return {"xla_ms": None, "xla_device_ms": None, "xla_error": _suite.error_line(e)}, None
 
     def run_case(self, case: RankerCase) -> None:
         q, k, v, do = case.inputs(0)
@@ -264,7 +263,7 @@ class Runner:
                         t, _ = self.measure(case, mode, args, bounds, cfg)
                         self.record(**srow, **t)
                     except Exception as e:
-                        self.record(**srow, error=_err(e))
+                        self.record(**srow, error=_suite.error_line(e))
 
     def one_row(self, case, mode, args, bounds, base, model_ms) -> None:
         xla, want = self.xla(case, mode, args)
@@ -277,10 +276,6 @@ class Runner:
         ms = t["device_ms"] or t["ms"]
         self.record(**base, mode=mode, **t, per_user_us=ms * 1e3 / base["users"],
                     model_ms=model_ms, **xla, err=err)  # fmt: skip
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def _f(x) -> str:
@@ -399,21 +394,8 @@ def write_plot(result: dict, path: Path) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's flags (``python -m attn_pallas_tpu.bench_ranker`` and ``attn bench
     ranker`` on a TPU take the same)."""
-    parser.add_argument(
-        "--out",
-        type=out_path,
-        default=Path(os.environ.get("OUT", ".")),
-        help="folder for the results (default: $OUT, else the working directory)",
-    )
-    parser.add_argument(
-        "--iterations",
-        type=iterations_int,
-        default=10,
-        help="timed calls per row, 1..10000 (median; default: 10, 1 in a smoke run)",
-    )
-    parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
-    parser.add_argument(
-        "--sweep", action="store_true", help="also time every (block_q, block_kv) that fits VMEM"
+    _suite.add_common_arguments(
+        parser, sweep_help="also time every (block_q, block_kv) that fits VMEM"
     )
     parser.add_argument(
         "--modes",
@@ -422,59 +404,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(MODES),
         help="what to time: fwd and/or fwd+bwd (default: both)",
     )
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)"
-    )
-    parser.add_argument(
-        "--report", metavar="JSON", help="only rewrite the .md and .svg of a results JSON"
-    )
 
 
-def check_args(args: argparse.Namespace) -> str | None:
-    """The one-line error for arguments the suite cannot run, or None: the real cases
-    time a TPU (``--smoke`` and ``--report`` run anywhere)."""
-    here = device_class()
-    if args.report or args.smoke or here == "tpu":
-        return None
-    return (
-        f"the suite times a TPU and the default device is {here}; --smoke runs its tiny "
-        "cases in interpret mode on any device"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the suite (or only rewrite a report); 1 when a case failed, else 0."""
-    if args.report:
-        result = json.loads(Path(args.report).read_text())
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_report(result, out)
-        write_plot(result, out / f"{RESULT}.svg")
-        return 0
-    cases = SMOKE_CASES if args.smoke else CASES
-    if args.cases:
-        cases = [c for c in cases if any(s in c.name for s in args.cases)]
-    runner = Runner(args)
-    for case in cases:
-        try:
-            runner.run_case(case)
-        except Exception as e:
-            traceback.print_exc()
-            runner.record(case=case.name, error=_err(e))
-    result = {**runner.meta, "rows": runner.rows}
-    write_report(result, runner.out)
-    write_plot(result, runner.out / f"{RESULT}.svg")
-    return 1 if any("error" in r and not r.get("sweep") for r in runner.rows) else 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    problem = check_args(args)
-    if problem:
-        p.error(problem)
-    return run(args)
+check_args = _suite.check_args
+SUITE = _suite.Suite(
+    description=__doc__.split("\n\n")[0], add_arguments=add_arguments, runner_cls=Runner,
+    cases=CASES, smoke_cases=SMOKE_CASES, write_report=write_report, write_plot=write_plot,
+    result=RESULT,
+)  # fmt: skip
+run, main = SUITE.run, SUITE.main
 
 
 if __name__ == "__main__":

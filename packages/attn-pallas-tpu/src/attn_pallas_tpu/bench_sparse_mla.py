@@ -49,10 +49,8 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import time
-import traceback
 from pathlib import Path
 
 import jax
@@ -61,10 +59,11 @@ import numpy as np
 
 import attn_pallas_tpu as tpu
 from attn_common import padded_dk
-from attn_common.cli_args import iterations_int, out_path, provenance
-from attn_common.dispatch import device_class, load_backend
+from attn_common.cli_args import provenance
+from attn_common.dispatch import load_backend
 from attn_common.picks import decode_picks, overlapping_picks, random_picks
 from attn_common.tables import kv_packing
+from attn_pallas_tpu import _suite
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu._timing import matmul_tflops, rel_l2, timed
 from attn_pallas_tpu.config import SparseMlaConfig
@@ -277,7 +276,7 @@ class Runner:
             try:
                 base = dict(base, pool_pages=case.pool_pages, pool_ops=self.pool_ops(case, inputs))
             except Exception as e:
-                base = dict(base, pool_ops=_err(e))
+                base = dict(base, pool_ops=_suite.error_line(e))
         xla, want = self._xla(case, inputs)
         for kernel in ("per-query", "qblock"):
             t, got = self.time_forward(case, inputs, kernel)
@@ -326,7 +325,7 @@ class Runner:
                 self.record(**base, kernel="per-query", sweep=True, **t,
                             config=dataclasses.asdict(cfg), bound_ms=bounds["bytes_ms"])  # fmt: skip
             except Exception as e:
-                self.record(**base, kernel="per-query", sweep=True, error=_err(e),
+                self.record(**base, kernel="per-query", sweep=True, error=_suite.error_line(e),
                             config=dataclasses.asdict(cfg))  # fmt: skip
         if case.paged:
             return
@@ -338,7 +337,7 @@ class Runner:
                             head_block=hb, config=dataclasses.asdict(cfg))  # fmt: skip
             except Exception as e:
                 self.record(**base, kernel="qblock", sweep=True, query_block=qb, head_block=hb,
-                            error=_err(e), config=dataclasses.asdict(cfg))  # fmt: skip
+                            error=_suite.error_line(e), config=dataclasses.asdict(cfg))  # fmt: skip
 
     def _train_rows(self, case, inputs, base, bounds):
         args, kw = inputs["args"], dict(inputs["kwargs"], return_lse=True)
@@ -360,7 +359,7 @@ class Runner:
             want = g(q, kv)
             xla = timed(g, q, kv, iterations=max(1, self.iterations // 2))
         except Exception as e:
-            print(f"xla grad {case.name}: {_err(e)}", flush=True)
+            print(f"xla grad {case.name}: {_suite.error_line(e)}", flush=True)
         for kernel in ("per-query", "qblock"):
             g = loss_of(kernel)
             got = g(q, kv)
@@ -424,10 +423,6 @@ def _xla_fields(xla: dict | None) -> dict:
     """The XLA reference's times as row fields (``None`` where it did not run)."""
     xla = xla or {}
     return {"xla_ms": xla.get("ms"), "xla_device_ms": xla.get("device_ms")}
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def write_report(result: dict, out: Path) -> Path:
@@ -521,72 +516,16 @@ def _f(x) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's flags (``python -m attn_pallas_tpu.bench_sparse_mla`` and ``attn bench
     sparse-mla`` on a TPU take the same)."""
-    parser.add_argument(
-        "--out",
-        type=out_path,
-        default=Path(os.environ.get("OUT", ".")),
-        help="folder for the results (default: $OUT, else the working directory)",
-    )
-    parser.add_argument(
-        "--iterations",
-        type=iterations_int,
-        default=10,
-        help="timed calls per row, 1..10000 (median; default: 10, 1 in a smoke run)",
-    )
-    parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of tilings")
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)"
-    )
-    parser.add_argument(
-        "--report", metavar="JSON", help="only rewrite the .md and .svg of a results JSON"
-    )
+    _suite.add_common_arguments(parser, sweep_help="also time a grid of tilings")
 
 
-def check_args(args: argparse.Namespace) -> str | None:
-    """The one-line error for arguments the suite cannot run, or None: the real cases
-    time a TPU (``--smoke`` and ``--report`` run anywhere)."""
-    here = device_class()
-    if args.report or args.smoke or here == "tpu":
-        return None
-    return (
-        f"the suite times a TPU and the default device is {here}; --smoke runs its tiny "
-        "cases in interpret mode on any device"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the suite (or only rewrite a report); 1 when a case failed, else 0."""
-    if args.report:
-        result = json.loads(Path(args.report).read_text())
-        out = Path(args.out)
-        write_report(result, out)
-        write_plot(result, out / f"{RESULT}.svg")
-        return 0
-    cases = SMOKE_CASES if args.smoke else CASES
-    if args.cases:
-        cases = [c for c in cases if any(s in c.name for s in args.cases)]
-    runner = Runner(args)
-    for case in cases:
-        try:
-            runner.run_case(case)
-        except Exception as e:
-            traceback.print_exc()
-            runner.record(case=case.name, mode=case.mode, error=_err(e))
-    result = {**runner.meta, "rows": runner.rows}
-    write_report(result, runner.out)
-    write_plot(result, runner.out / f"{RESULT}.svg")
-    return 1 if any("error" in r and not r.get("sweep") for r in runner.rows) else 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    problem = check_args(args)
-    if problem:
-        p.error(problem)
-    return run(args)
+check_args = _suite.check_args
+SUITE = _suite.Suite(
+    description=__doc__.split("\n\n")[0], add_arguments=add_arguments, runner_cls=Runner,
+    cases=CASES, smoke_cases=SMOKE_CASES, write_report=write_report, write_plot=write_plot,
+    result=RESULT,
+)  # fmt: skip
+run, main = SUITE.run, SUITE.main
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""What the TPU benchmark suites (``bench_sparse_mla``, ``bench_ranker``) share: their
+common flags, the refusal off a TPU, and the loop that runs the cases and writes the
+report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from attn_common.cli_args import iterations_int, out_path
+from attn_common.dispatch import device_class
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, sweep_help: str) -> None:
+    """``--out``, ``--iterations``, ``--cases``, ``--sweep``, ``--smoke``, ``--report``."""
+    parser.add_argument(
+        "--out",
+        type=out_path,
+        default=Path(os.environ.get("OUT", ".")),
+        help="folder for the results (default: $OUT, else the working directory)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=iterations_int,
+        default=10,
+        help="timed calls per row, 1..10000 (median; default: 10, 1 in a smoke run)",
+    )
+    parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
+    parser.add_argument("--sweep", action="store_true", help=sweep_help)
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)"
+    )
+    parser.add_argument(
+        "--report", metavar="JSON", help="only rewrite the .md and .svg of a results JSON"
+    )
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The one-line error for arguments a suite cannot run, or None: the real cases
+    time a TPU (``--smoke`` and ``--report`` run anywhere)."""
+    here = device_class()
+    if args.report or args.smoke or here == "tpu":
+        return None
+    return (
+        f"the suite times a TPU and the default device is {here}; --smoke runs its tiny "
+        "cases in interpret mode on any device"
+    )
+
+
+def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot, result: str):
+    """Run the selected cases with ``runner_cls(args)`` (a case that raises is recorded
+    as an error row) and write the report, or only rewrite the report of
+    ``args.report``; 1 when a case failed (sweep rows aside), else 0."""
+    if args.report:
+        data = json.loads(Path(args.report).read_text())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_report(data, out)
+        write_plot(data, out / f"{result}.svg")
+        return 0
+    cases = smoke_cases if args.smoke else cases
+    if args.cases:
+        cases = [c for c in cases if any(s in c.name for s in args.cases)]
+    runner = runner_cls(args)
+    for case in cases:
+        try:
+            runner.run_case(case)
+        except Exception as e:
+            traceback.print_exc()
+            mode = {"mode": case.mode} if hasattr(case, "mode") else {}
+            runner.record(case=case.name, **mode, error=error_line(e))
+    data = {**runner.meta, "rows": runner.rows}
+    write_report(data, runner.out)
+    write_plot(data, runner.out / f"{result}.svg")
+    return 1 if any("error" in r and not r.get("sweep") for r in runner.rows) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """A suite's entry points from its parts: ``run(args)`` (:func:`run_suite`) and
+    ``main(argv)`` (``python -m``: parse, refuse off a TPU in one line, run)."""
+
+    description: str
+    add_arguments: Callable
+    runner_cls: type
+    cases: tuple
+    smoke_cases: tuple
+    write_report: Callable
+    write_plot: Callable
+    result: str
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Run the suite (or only rewrite a report); 1 when a case failed, else 0."""
+        return run_suite(
+            args, runner_cls=self.runner_cls, cases=self.cases, smoke_cases=self.smoke_cases,
+            write_report=self.write_report, write_plot=self.write_plot, result=self.result,
+        )  # fmt: skip
+
+    def main(self, argv=None) -> int:
+        p = argparse.ArgumentParser(description=self.description)
+        self.add_arguments(p)
+        args = p.parse_args(argv)
+        problem = check_args(args)
+        if problem:
+            p.error(problem)
+        return self.run(args)
+
+
+def error_line(e: BaseException) -> str:
+    """An exception as one line (type and the first line of its message)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
