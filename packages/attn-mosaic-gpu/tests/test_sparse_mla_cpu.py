@@ -67,7 +67,7 @@ def _check(got, want):
 # Flat mode
 
 
-def flat_case(seed, *, batch=2, seq=9, heads=3, kv_len=88, rb=16, top_k=4):
+def flat_case(seed, *, batch=2, seq=7, heads=3, kv_len=88, rb=16, top_k=4):
     """bf16 inputs with -1, duplicate and out-of-range ids, empty queries, a tail unit."""
     return sparse_mla_flat_case(
         seed, dk=DK, batch=batch, seq=seq, heads=heads, kv_len=kv_len, rb=rb, top_k=top_k,
@@ -93,7 +93,8 @@ def test_flat_units_vs_reference():
 
 
 def test_qblock_twin_same_result_and_knobs_checked():
-    case = flat_case(3, batch=1, seq=7)
+    q, kv, idx, pos = flat_case(3, batch=1)
+    case = (q[:, :3], kv, idx[:, :3], pos[:, :3])  # a duplicate and a triplicate id
     a = _run(_flat, gpu.sparse_mla_attention, case)
     with pytest.warns(DeprecationWarning, match="sparse_mla_attention_qblock is deprecated"):
         b = _run(_flat, functools.partial(gpu.sparse_mla_attention_qblock, query_block=8), case)
@@ -127,9 +128,9 @@ NEW_LENS = [6, 7, 5]
 EXTRA_PAGES = [1, 0, 2]
 
 
-def ragged_case(seed, page_size=16, heads=2, top_k=4):
+def ragged_case(seed, page_size=16, heads=2, top_k=4, new_lens=NEW_LENS):
     return sparse_mla_ragged_case(
-        seed, seq_lens=SEQ_LENS, new_lens=NEW_LENS, extra_pages=EXTRA_PAGES,
+        seed, seq_lens=SEQ_LENS, new_lens=new_lens, extra_pages=EXTRA_PAGES,
         page_size=page_size, heads=heads, top_k=top_k, dk=DK, dk_pad=256, dtype="bfloat16",
     )  # fmt: skip
 
@@ -152,7 +153,7 @@ def test_ragged_poisoned_vs_reference():
 
 
 def test_write_back_bit_identical_and_prefill_wrapper():
-    layout, cache, q, idx, positions = ragged_case(11)
+    layout, cache, q, idx, positions = ragged_case(11, new_lens=[2, 3, 1])
     rng = rng_for(11)
     num_q = q.shape[1]
     rows = randn(rng, (num_q, 256), "bfloat16")
@@ -266,39 +267,42 @@ def test_kernel_reads_q_rope_apart():
         sparse_mla_rows_attention(q[..., :DV], *args, sm_scale=SM_SCALE, dv=DV, q_rope=q[..., :32])
 
 
-@pytest.mark.parametrize("order", ["rising", "falling", "jump"])
-def test_kernel_running_max_moves(order):
+def test_kernel_running_max_moves():
     """Scores whose row maxima rise from pair to pair by small steps and by large ones
     (keys scaled up along the selection), fall (the first pair holds every maximum) or
     jump once by far more: WG0's rescale of its P and accumulator by the pair's max,
     against float64 math on the same bf16 inputs; 64 heads, 4 pairs, a partial last
-    block, race detection."""
+    block, race detection. One token (one program) per order, each over its own block
+    of store rows, in one launch."""
     rng = np.random.default_rng(11)
-    tokens, heads, count, store_rows = 2, 64, 420, 480
-    rows = np.full((tokens, 512), -1, np.int32)
-    for n in range(tokens):
-        rows[n, :count] = rng.choice(store_rows, count, replace=False)
-    # Key row r's scale: how large the scores of the r-th selected row are.
-    position = np.empty(store_rows)
-    position[rows[0, :count]] = np.arange(count)
-    position[np.setdiff1d(np.arange(store_rows), rows[0, :count])] = 0
-    key_scale = {
-        "rising": 1.0 + position / 40.0,  # each pair's maxima ~2 log2 units above the last
-        "falling": 4.0 - 3.0 * position / count,
-        "jump": np.where(position >= 200, 6.0, 1.0),
-    }[order]
-    q = jnp.asarray(rng.standard_normal((tokens, heads, DK)), jnp.bfloat16)
-    store = rng.standard_normal((store_rows, DK)) * key_scale[:, None]
-    store = jnp.asarray(store, jnp.bfloat16)
-    counts = np.full((tokens,), count, np.int32)
-    s = _rows_vs_float64(q, store, rows, counts)[0]
-    # Token 0's selection is ordered by key scale: the max moves as meant.
-    block_max = s[:, : 13 * 32].reshape(heads, 13, 32).max(2) * np.log2(np.e)
-    steps = np.diff(np.maximum.accumulate(block_max, 1), axis=1)
-    if order == "rising":
-        assert ((steps > 0) & (steps < _LARGE_MAX_STEP)).any()
-    if order == "jump":
-        assert (steps > _LARGE_MAX_STEP).any()
+    orders, heads, count, block_rows = ("rising", "falling", "jump"), 64, 420, 480
+    rows = np.full((len(orders), 512), -1, np.int32)
+    store = np.empty((len(orders) * block_rows, DK))
+    for n, order in enumerate(orders):
+        own = n * block_rows + rng.choice(block_rows, count, replace=False)
+        rows[n, :count] = own
+        # A key row's scale: how large the scores of the r-th selected row are.
+        position = np.zeros(block_rows)
+        position[own - n * block_rows] = np.arange(count)
+        key_scale = {
+            "rising": 1.0 + position / 40.0,  # each pair's maxima ~2 log2 units above the last
+            "falling": 4.0 - 3.0 * position / count,
+            "jump": np.where(position >= 200, 6.0, 1.0),
+        }[order]
+        store[n * block_rows : (n + 1) * block_rows] = (
+            rng.standard_normal((block_rows, DK)) * key_scale[:, None]
+        )
+    q = jnp.asarray(rng.standard_normal((len(orders), heads, DK)), jnp.bfloat16)
+    counts = np.full((len(orders),), count, np.int32)
+    scores = _rows_vs_float64(q, jnp.asarray(store, jnp.bfloat16), rows, counts)
+    for order, s in zip(orders, scores, strict=True):
+        # Each token's selection is ordered by key scale: the max moves as meant.
+        block_max = s[:, : 13 * 32].reshape(heads, 13, 32).max(2) * np.log2(np.e)
+        steps = np.diff(np.maximum.accumulate(block_max, 1), axis=1)
+        if order == "rising":
+            assert ((steps > 0) & (steps < _LARGE_MAX_STEP)).any()
+        if order == "jump":
+            assert (steps > _LARGE_MAX_STEP).any()
 
 
 # ------------------------------------------------------------------------------------
