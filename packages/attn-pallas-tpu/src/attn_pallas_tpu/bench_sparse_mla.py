@@ -396,7 +396,7 @@ def sweep_configs(case: Case) -> list[SparseMlaConfig]:
     a program."""
     out = [SparseMlaConfig(units_per_step=1, ring_slots=4, queries_per_program=1)]
     qp = min(8, case.queries)
-    for g in (1, 2, 4, 8, 16):
+    for g in (1, 2, 4, 8, 16, 32):
         if g * case.unit > 1024 or g > case.top_k:
             continue
         for slots in (3,):
