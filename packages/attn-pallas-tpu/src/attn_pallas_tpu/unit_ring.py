@@ -123,23 +123,6 @@ class UnitRing:
         for c in self._copies(addr, slot, entry):
             c.wait()
 
-    def wait_slot(self, addrs, slot) -> None:
-        """Wait for a slot whose every entry was started (``addrs``, one per entry). Row
-        stores: one wait per array on the whole slot (a semaphore counts bytes, and a wait
-        names only the bytes it needs: the source rows here are a same-shaped stand-in,
-        the store's first ``G * RB`` rows); the paged store, and a store smaller than a
-        slot, wait entry by entry, unconditionally."""
-        pairs = zip(self.hbm, self.bufs, strict=True)
-        if self.kind == "pages" or any(h.shape[0] < b.shape[1] for h, b in pairs):
-            for e, addr in enumerate(addrs):
-                self.wait(addr, slot, e)
-            return
-        slot = jnp.int32(slot)
-        for i, (h, b) in enumerate(zip(self.hbm, self.bufs, strict=True)):
-            rows = b.shape[1]
-            src, dst = h.at[pl.ds(0, rows)], b.at[slot]
-            pltpu.make_async_copy(src, dst, self.sems.at[jnp.int32(i), slot]).wait()
-
     def words(self, slot) -> jax.Array:
         """The slot as uint32 words ``[G * RB / pk, Dk_pad]`` (FP8: dequantized first)."""
         if len(self.bufs) == 2:
@@ -161,11 +144,6 @@ def entry_positions(kbs, *, rb: int, shape, axis: int, stride: int = 1) -> jax.A
     """Global key position of token ``t = stride * iota(axis)`` of a step whose entry
     ``e`` starts at position ``kbs[e]`` (``FAR`` for an entry with no unit): ``kbs[e] + t
     - e * rb`` for ``e = t // rb``. ``len(kbs)`` selects, no division."""
-    per_entry = rb // stride  # positions of one entry along ``axis``
-    if axis == 0 and shape[1] == 1 and per_entry % 8 == 0 and shape[0] == len(kbs) * per_entry:
-        # Each entry is whole sublane tiles: one broadcast add per entry, O(G) work.
-        local = jax.lax.broadcasted_iota(jnp.int32, (per_entry, 1), 0) * stride
-        return jnp.concatenate([kb + local for kb in kbs], axis=0)
     t = jax.lax.broadcasted_iota(jnp.int32, shape, axis) * stride
     base = jnp.full(shape, FAR, jnp.int32)
     for e, kb in enumerate(kbs):
@@ -263,29 +241,11 @@ class RingWalk:
         self.ring, self.entries, self.n_steps, self.slots = ring, entries, n_steps, slots
 
     def _dma(self, t, slot, start: bool):
-        # Live entries are a prefix of the step. A full step (the common one) issues or
-        # waits for its copies without a branch per entry (one wait per array for row
-        # stores: UnitRing.wait_slot); a partial one (a query's or a chunk's last) guards
-        # each entry.
-        entries = self.entries(t)
-        n_live = sum(jnp.where(live, 1, 0) for _, _, live in entries)
-        full = n_live == len(entries)
+        for e, (addr, _, live) in enumerate(self.entries(t)):
 
-        @pl.when(full)
-        def _():
-            if not start:
-                self.ring.wait_slot([addr for addr, _, _ in entries], slot)
-                return
-            for e, (addr, _, _) in enumerate(entries):
-                self.ring.start(addr, slot, e)
-
-        @pl.when(jnp.logical_not(full))
-        def _():
-            for e, (addr, _, live) in enumerate(entries):
-
-                @pl.when(live)
-                def _(addr=addr, e=e):
-                    (self.ring.start if start else self.ring.wait)(addr, slot, e)
+            @pl.when(live)
+            def _(addr=addr, e=e):
+                (self.ring.start if start else self.ring.wait)(addr, slot, e)
 
     def prologue(self):
         for d in range(self.slots - 1):
