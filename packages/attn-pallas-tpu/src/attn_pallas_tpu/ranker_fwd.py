@@ -377,23 +377,12 @@ def scaled_capped(raw, st: RankerStatic):
 
 
 def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
-    """Ranker mask of a tile whose query positions run along ``q_axis``.
-
-    The positions are a column and a row (``[n, 1]`` and ``[1, m]``), not full tiles: the
-    mask's range tests are per row or per column, so they cost a vector each, and only
-    the tests that pair a query with a key (``q == k`` and the ANDs that combine the
-    sides) run on the whole tile."""
-    q_shape = [1, 1]
-    q_shape[q_axis] = shape[q_axis]
-    kv_shape = [1, 1]
-    kv_shape[1 - q_axis] = shape[1 - q_axis]
-    q_ids = q0 + lax.broadcasted_iota(jnp.int32, tuple(q_shape), q_axis)
-    kv_ids = kv0 + lax.broadcasted_iota(jnp.int32, tuple(kv_shape), 1 - q_axis)
+    """Ranker mask of a tile whose query positions run along ``q_axis``."""
+    q_ids = q0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    kv_ids = kv0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     if bounds and isinstance(bounds[0], tuple):  # packed: OR over the row's users
-        allowed = ranker_mask_users(q_ids, kv_ids, bounds)
-    else:
-        allowed = ranker_mask(q_ids, kv_ids, *bounds)
-    return jnp.broadcast_to(allowed, shape)
+        return ranker_mask_users(q_ids, kv_ids, bounds)
+    return ranker_mask(q_ids, kv_ids, *bounds)
 
 
 # ----------------------------------------------------------------------------- kernel
