@@ -120,7 +120,7 @@ def test_run_ranker_small(tmp_path, capsys):
     out = captured.out
     assert "ranker B2 S256" in out and "grads finite: True" in out
     assert "fwd GFLOP/s" in out and "fwd+bwd GFLOP/s" in out and "min/median/max" in out
-    assert "forward+backward, compile" in captured.err  # progress lines
+    assert "forward+backward, compile + 2 timed calls" in captured.err  # progress lines
     err = float(out.split("dense f64 rel err ")[1].split(";")[0].split(",")[0])
     assert err < 2e-2
     doc = json.loads(path.read_text())
@@ -155,6 +155,18 @@ def test_run_failed_check_exits_non_zero(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "FAIL (tol 0)" in captured.out and "row(s) failed" in captured.err
     assert "wall clock over 1 call after" in captured.out
+    # the progress lines count in the singular too (they said "compile + 1 timed calls")
+    assert "forward, compile + 1 timed call\n" in captured.err
+    assert "forward+backward, compile + 1 timed call\n" in captured.err
+    assert "1 timed calls" not in captured.err
+
+
+def test_timing_note_counts_calls_and_says_when_compile_is_included():
+    """Interpret mode has no warm-up call: its first timed call compiles."""
+    assert cli._timing_note(1, False) == "compile + 1 timed call"
+    assert cli._timing_note(3, False) == "compile + 3 timed calls"
+    assert cli._timing_note(1, True) == "1 timed call (compile included)"
+    assert cli._timing_note(2, True) == "2 timed calls (compile included)"
 
 
 def test_run_json_path_checked_before_running(tmp_path, capsys):

@@ -108,6 +108,18 @@ def _shape_name(small: bool, interpret: bool) -> str:
     return "small-interpret" if interpret else "small"
 
 
+def _calls(n: int, what: str = "call") -> str:
+    """``"1 call"``, ``"3 calls"``."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _timing_note(iterations: int, interpret: bool) -> str:
+    """What a progress line says is timed: ``compile + 3 timed calls``, or in interpret
+    mode, which has no warm-up call, ``1 timed call (compile included)``."""
+    calls = _calls(iterations, "timed call")
+    return f"{calls} (compile included)" if interpret else f"compile + {calls}"
+
+
 def _times(
     fn, *args, repeats: int = 3, keep: list | None = None, warmup: bool = True
 ) -> list[float]:
@@ -243,7 +255,7 @@ def run_ranker(
         return ranker_attention(q, k, v, b, cap=cap, **extra)
 
     fwd = jax.jit(attend)
-    _progress(f"{name} on {backend}: forward, compile + {iterations} timed calls")
+    _progress(f"{name} on {backend}: forward, {_timing_note(iterations, interpret)}")
     t_fwd, out = _timed(fwd, q, k, v, bounds, repeats=iterations, interpret=interpret)
     # One jitted value_and_grad: it contains the forward, so its time is forward+backward.
     fwd_bwd = jax.jit(
@@ -252,7 +264,7 @@ def run_ranker(
         )
     )
     ok = True
-    _progress(f"{name} on {backend}: forward+backward, compile + {iterations} timed calls")
+    _progress(f"{name} on {backend}: forward+backward, {_timing_note(iterations, interpret)}")
     try:
         t_fwd_bwd, (_, grads) = _timed(
             fwd_bwd, q, k, v, bounds, repeats=iterations, interpret=interpret
@@ -336,7 +348,7 @@ def run_sparse_mla(
     flat_kw = dict(sm_scale=scale, kv_lora_rank=dv, read_block=rb)
     flat = jax.jit(lambda q, kv, i, p: sparse_mla_attention(q, kv, i, p, **flat_kw, **extra))
     flat_name = f"sparse MLA flat S{seq} T{ctx} H{heads} K{top_k}x{rb}"
-    _progress(f"{flat_name} on {backend}: forward, compile + {iterations} timed calls")
+    _progress(f"{flat_name} on {backend}: forward, {_timing_note(iterations, interpret)}")
     t_flat, out = _timed(flat, q, kv, indices, positions, repeats=iterations, interpret=interpret)
     # spot check one query against a dense float64 computation
     qi = min(7, seq - 1)
@@ -384,7 +396,7 @@ def run_sparse_mla(
     )
     ragged = jax.jit(ragged_call(sparse_mla_attention, **extra))
     ragged_name = f"sparse MLA ragged {len(lens)} reqs S{total} T{sum(lens)} H{heads} K{top_k}x{ps}"
-    _progress(f"{ragged_name} on {backend}: forward, compile + {iterations} timed calls")
+    _progress(f"{ragged_name} on {backend}: forward, {_timing_note(iterations, interpret)}")
     t_ragged, out_r = _timed(ragged, *args, repeats=iterations, interpret=interpret)
     # dense check of one query: its request's selected pages, physical via the page table
     store = np.asarray(cache, np.float64).reshape(-1, cache.shape[-1])
@@ -469,9 +481,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "interpret mode: the kernel ran in the Pallas interpreter (the first call, "
             "compile included); the times are the interpreter's, not a measurement"
         )
-    calls = "1 call" if args.iterations == 1 else f"{args.iterations} calls"
     print(
-        f"times: wall clock over {calls}"
+        f"times: wall clock over {_calls(args.iterations)}"
         + ("" if args.interpret else " after a compile + warm-up call")
         + "; fwd = the jitted forward, fwd+bwd = one jitted value_and_grad (it contains the "
         "forward);\nGFLOP/s: effective (allowed pairs only) at the median time, fwd+bwd "

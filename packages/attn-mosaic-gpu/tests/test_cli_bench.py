@@ -165,6 +165,7 @@ def test_bench_sparse_mla_smoke_off_gpu(tmp_path, capsys, monkeypatch):
     assert cli.main(["bench", "sparse-mla", "--iterations", "1"]) == 0
     out = capsys.readouterr().out
     assert "meant for a Hopper GPU" in out and "not a measurement" in out
+    assert "(tiny shapes, 1 iteration, wall clock)" in out  # was "1 iterations"
     (folder,) = (tmp_path / "attn-results").iterdir()
     assert sorted(p.name for p in folder.iterdir()) == [
         "sparse_mla_gpu.json", "sparse_mla_gpu.md", "sparse_mla_gpu.svg"

@@ -1027,7 +1027,8 @@ def run(args: argparse.Namespace) -> dict:
         print(
             "The sparse MLA benchmark is meant for a Hopper GPU; the default device is "
             f"{device_class()}. Running a smoke run only (tiny shapes, {iterations} "
-            "iterations, wall clock): not a measurement; --full runs the real cases anyway."
+            f"iteration{'' if iterations == 1 else 's'}, wall clock): not a measurement; "
+            "--full runs the real cases anyway."
         )
     ceil = {}
     if not smoke and not args.no_ceilings:
