@@ -40,6 +40,7 @@ Exit status 1 when a case failed (failed sweep rows do not count).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -53,7 +54,7 @@ from attn_common.cap import CapMethod, CapParams
 from attn_common.dispatch import load_backend
 from attn_common.packing import pack_users
 from attn_common.ranker import ranker_flops
-from attn_common.suite import RANKER_SUITE, RankerCase
+from attn_common.suite import RANKER_SUITE, RankerCase, ranker_case
 from attn_pallas_tpu import _suite
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu._timing import matmul_tflops, rel_l2, timed
@@ -81,19 +82,9 @@ SMOKE_CASES: tuple[RankerCase, ...] = (
         CapParams(CapMethod.SOFT_SIGN, 80.0),
     ),
     RankerCase("small-d64-smoke", 2, 256, 2, 2, 64, (0, 128), (128, 256), CapParams()),
-    # 4 ragged users (histories 889, 697, 584, 367): 3 packed rows, one holding two.
-    RankerCase(
-        "ragged-smoke",
-        4,
-        1152,
-        1,
-        1,
-        128,
-        (0, 0),
-        (0, 64),
-        CapParams(CapMethod.SOFT_SIGN, 80.0),
-        ragged=True,
-    ),
+    # The suite's ragged case at 4 users (histories 889, 697, 584, 367: 3 packed rows,
+    # one holding two) and one head.
+    dataclasses.replace(ranker_case("ragged"), name="ragged-smoke", batch=4, q_heads=1, kv_heads=1),
 )
 
 
