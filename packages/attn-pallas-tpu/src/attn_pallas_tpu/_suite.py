@@ -166,6 +166,16 @@ class Suite:
         return self.run(args)
 
 
+def report_provenance(result: dict, tflops_format: str) -> str:
+    """How a report begins: the run's device, jax, commit and measured bf16 matmul rate
+    (``tflops_format``: its format spec), up to ``TFLOP/s `` inclusive."""
+    tflops = result.get("matmul_tflops", 0)
+    return (
+        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
+        f"{result.get('commit')}; bf16 matmul {tflops:{tflops_format}} TFLOP/s "
+    )
+
+
 def write_markdown(out: Path, result: str, lines: list[str]) -> Path:
     """``out/RESULT.md`` from the report's lines; its path."""
     path = out / f"{result}.md"

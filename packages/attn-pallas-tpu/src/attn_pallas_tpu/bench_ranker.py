@@ -263,9 +263,8 @@ def write_report(result: dict, out: Path) -> Path:
     lines = [
         "# TPU ranker attention: results",
         "",
-        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
-        f"{result.get('commit')}; bf16 matmul {result.get('matmul_tflops', 0):.3g} TFLOP/s "
-        "measured in the same run. Medians: `wall ms` each call waited for, `device ms` "
+        _suite.report_provenance(result, ".3g")
+        + "measured in the same run. Medians: `wall ms` each call waited for, `device ms` "
         "the call's spans on the chip (profiler), `kernel ms` its Pallas kernels. TFLOP/s "
         "on allowed pairs (`attn_common.ranker_flops`, fwd+bwd 3.5x) over device ms where "
         "measured (wall clock otherwise); `% peak` of the measured matmul rate, `% chip` of "

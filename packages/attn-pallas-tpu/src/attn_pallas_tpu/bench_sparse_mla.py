@@ -408,9 +408,8 @@ def write_report(result: dict, out: Path) -> Path:
     lines = [
         "# TPU sparse MLA: results",
         "",
-        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
-        f"{result.get('commit')}; bf16 matmul {result.get('matmul_tflops', 0):.0f} TFLOP/s "
-        f"measured, HBM {result.get('hbm_gbps', 0):.0f} GB/s. Medians: `wall ms` each call "
+        _suite.report_provenance(result, ".0f")
+        + f"measured, HBM {result.get('hbm_gbps', 0):.0f} GB/s. Medians: `wall ms` each call "
         "waited for, `device ms` the call's spans on the chip (profiler); the ratios use "
         "device ms where measured (wall clock otherwise), XLA's likewise.",
         *(["", result["note"]] if result.get("note") else []),
