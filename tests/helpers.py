@@ -129,6 +129,19 @@ def assert_ranker_close(q, got, want, *, rtol_l2: float, atol: float, lse_atol: 
     assert_exact_zero_rows(np.moveaxis(out, 2, 1), lse)
 
 
+def check_ranker_against_oracle(oracle, q, k, v, bounds, got, *, cap, sm_scale, dtype):
+    """Ranker ``got = (out, lse)`` on ``q, k, v, bounds`` against ``oracle`` (a float64
+    ranker oracle) on the upcast inputs, at the tolerances of ``dtype``
+    (``assert_ranker_close``); the oracle's ``(out, lse)``."""
+    want = oracle(
+        upcast(q), upcast(k), upcast(v), bounds, sm_scale=sm_scale, **oracle_cap_args(cap)
+    )
+    rtol, atol = RANKER_TOL[dtype]
+    lse_atol = 1e-4 if dtype == "float32" else 1e-3
+    assert_ranker_close(q, got, want, rtol_l2=rtol, atol=atol, lse_atol=lse_atol)
+    return want
+
+
 def assert_sparse_mla_close(got, want, *, rtol_l2: float, atol: float, lse_atol: float):
     """Sparse-MLA ``(out, lse)`` against ``want``: both float32, ``out`` by
     ``assert_close``, ``lse`` by ``assert_lse_close``, rows with no key exactly 0."""

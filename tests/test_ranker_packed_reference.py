@@ -13,15 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
-    RANKER_TOL,
     assert_close,
     assert_lse_close,
-    assert_ranker_close,
+    check_ranker_against_oracle,
     jit_cache_size,
     oracle_cap_args,
     ranker_inputs,
     rng_for,
-    upcast,
 )
 from jax.experimental import checkify
 from oracle import ranker_allowed_packed, ranker_oracle_packed, ranker_oracle_packed_grad
@@ -65,12 +63,9 @@ CAPS = {
 def _check(q, k, v, bounds, *, cap=None, sm_scale=None, dtype="float32"):
     out, lse = ranker_attention(q, k, v, bounds, cap=cap, sm_scale=sm_scale, return_lse=True)
     out, lse = np.asarray(out), np.asarray(lse)
-    want = ranker_oracle_packed(
-        upcast(q), upcast(k), upcast(v), bounds, sm_scale=sm_scale, **oracle_cap_args(cap)
+    check_ranker_against_oracle(
+        ranker_oracle_packed, q, k, v, bounds, (out, lse), cap=cap, sm_scale=sm_scale, dtype=dtype
     )
-    rtol, atol = RANKER_TOL[dtype]
-    lse_atol = 1e-4 if dtype == "float32" else 1e-3
-    assert_ranker_close(q, (out, lse), want, rtol_l2=rtol, atol=atol, lse_atol=lse_atol)
     return out, lse
 
 

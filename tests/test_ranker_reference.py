@@ -9,15 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
-    RANKER_TOL,
     assert_close,
     assert_lse_close,
-    assert_ranker_close,
+    check_ranker_against_oracle,
     jit_cache_size,
     oracle_cap_args,
     ranker_inputs,
     rng_for,
-    upcast,
 )
 from jax.test_util import check_grads
 from oracle import ranker_allowed, ranker_oracle, ranker_oracle_grad
@@ -58,18 +56,16 @@ def _check_against_oracle(
     q, k, v, bounds, *, cap=None, sm_scale=None, dtype="float32", ref_bounds=None, **kw
 ):
     out, lse = _run(q, k, v, bounds, cap=cap, sm_scale=sm_scale, **kw)
-    want_out, want_lse = ranker_oracle(
-        upcast(q),
-        upcast(k),
-        upcast(v),
+    want_out, want_lse = check_ranker_against_oracle(
+        ranker_oracle,
+        q,
+        k,
+        v,
         bounds if ref_bounds is None else ref_bounds,
+        (out, lse),
+        cap=cap,
         sm_scale=sm_scale,
-        **oracle_cap_args(cap),
-    )
-    rtol, atol = RANKER_TOL[dtype]
-    lse_atol = 1e-4 if dtype == "float32" else 1e-3
-    assert_ranker_close(
-        q, (out, lse), (want_out, want_lse), rtol_l2=rtol, atol=atol, lse_atol=lse_atol
+        dtype=dtype,
     )
     return out, lse, want_out, want_lse
 

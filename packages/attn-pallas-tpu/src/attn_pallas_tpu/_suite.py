@@ -1,6 +1,6 @@
 """What the TPU benchmark suites (``bench_sparse_mla``, ``bench_ranker``) share: their
-common flags, the refusal off a TPU, and the loop that runs the cases and writes the
-report."""
+common flags, the refusal off a TPU, the base of their runners, and the loop that runs
+the cases and writes the report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from attn_common.cli_args import iterations_int, out_path
+import jax
+
+from attn_common.cli_args import iterations_int, out_path, provenance
 from attn_common.dispatch import device_class
 
 
@@ -50,6 +52,42 @@ def check_args(args: argparse.Namespace) -> str | None:
         f"the suite times a TPU and the default device is {here}; --smoke runs its tiny "
         "cases in interpret mode on any device"
     )
+
+
+class Runner:
+    """The base of a suite's runner: the flags every suite reads, the run's metadata
+    (:meth:`start`) and :meth:`record`. A suite's ``Runner(args)`` adds ``run_case``."""
+
+    def __init__(self, args: argparse.Namespace, *, result: str, write_report: Callable):
+        self.smoke = args.smoke
+        self.iterations = 1 if args.smoke else args.iterations
+        self.extra = {"interpret": True} if args.smoke else {}
+        self.out = Path(args.out)
+        self.sweep = args.sweep
+        self.rows: list[dict] = []
+        self.result, self.write_report = result, write_report
+
+    def start(self, chip, **meta) -> None:
+        """The run's metadata (provenance, device, jax, the chip's name, then ``meta``),
+        printed as the first JSON line."""
+        self.meta = {
+            **provenance(),
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "chip": chip.name,
+            **meta,
+        }
+        print(json.dumps(self.meta), flush=True)
+
+    def record(self, **row) -> None:
+        """Print a row and rewrite ``RESULT.json`` and the report with it."""
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        result = {**self.meta, "rows": self.rows}
+        with open(self.out / f"{self.result}.json", "w") as f:
+            json.dump(result, f, indent=1)
+        self.write_report(result, self.out)  # a cut run keeps its rows
 
 
 def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot, result: str):
@@ -94,6 +132,23 @@ class Suite:
     write_plot: Callable
     result: str
 
+    @classmethod
+    def of(cls, namespace: dict) -> Suite:
+        """The suite of a module from the names every suite module defines (pass its
+        ``globals()``): the first paragraph of its docstring, ``add_arguments``,
+        ``Runner``, ``CASES``, ``SMOKE_CASES``, ``write_report``, ``write_plot`` and
+        ``RESULT``."""
+        return cls(
+            description=namespace["__doc__"].split("\n\n")[0],
+            add_arguments=namespace["add_arguments"],
+            runner_cls=namespace["Runner"],
+            cases=namespace["CASES"],
+            smoke_cases=namespace["SMOKE_CASES"],
+            write_report=namespace["write_report"],
+            write_plot=namespace["write_plot"],
+            result=namespace["RESULT"],
+        )
+
     def run(self, args: argparse.Namespace) -> int:
         """Run the suite (or only rewrite a report); 1 when a case failed, else 0."""
         return run_suite(
@@ -109,6 +164,36 @@ class Suite:
         if problem:
             p.error(problem)
         return self.run(args)
+
+
+def report_provenance(result: dict, tflops_format: str) -> str:
+    """How a report begins: the run's device, jax, commit and measured bf16 matmul rate
+    (``tflops_format``: its format spec), up to ``TFLOP/s `` inclusive."""
+    tflops = result.get("matmul_tflops", 0)
+    return (
+        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
+        f"{result.get('commit')}; bf16 matmul {tflops:{tflops_format}} TFLOP/s "
+    )
+
+
+def write_markdown(out: Path, result: str, lines: list[str]) -> Path:
+    """``out/RESULT.md`` from the report's lines; its path."""
+    path = out / f"{result}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only), or None without
+    matplotlib: a suite's plot is optional."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def error_line(e: BaseException) -> str:

@@ -40,8 +40,8 @@ Exit status 1 when a case failed (failed sweep rows do not count).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
-import json
 from pathlib import Path
 
 import jax
@@ -51,11 +51,10 @@ import numpy as np
 import attn_pallas_tpu as tpu
 from attn_common import KernelConfig
 from attn_common.cap import CapMethod, CapParams
-from attn_common.cli_args import provenance
 from attn_common.dispatch import load_backend
 from attn_common.packing import pack_users
 from attn_common.ranker import ranker_flops
-from attn_common.suite import RANKER_SUITE, RankerCase
+from attn_common.suite import RANKER_SUITE, RankerCase, ranker_case
 from attn_pallas_tpu import _suite
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu._timing import matmul_tflops, rel_l2, timed
@@ -83,19 +82,9 @@ SMOKE_CASES: tuple[RankerCase, ...] = (
         CapParams(CapMethod.SOFT_SIGN, 80.0),
     ),
     RankerCase("small-d64-smoke", 2, 256, 2, 2, 64, (0, 128), (128, 256), CapParams()),
-    # 4 ragged users (histories 889, 697, 584, 367): 3 packed rows, one holding two.
-    RankerCase(
-        "ragged-smoke",
-        4,
-        1152,
-        1,
-        1,
-        128,
-        (0, 0),
-        (0, 64),
-        CapParams(CapMethod.SOFT_SIGN, 80.0),
-        ragged=True,
-    ),
+    # The suite's ragged case at 4 users (histories 889, 697, 584, 367: 3 packed rows,
+    # one holding two) and one head.
+    dataclasses.replace(ranker_case("ragged"), name="ragged-smoke", batch=4, q_heads=1, kv_heads=1),
 )
 
 
@@ -135,37 +124,19 @@ def sweep_configs(case: RankerCase, limit: int = VMEM_LIMIT_BYTES) -> list[Kerne
 # ------------------------------------------------------------------------------ the suite
 
 
-class Runner:
+class Runner(_suite.Runner):
     def __init__(self, args):
-        self.smoke = args.smoke
-        self.iterations = 1 if args.smoke else args.iterations
-        self.extra = {"interpret": True} if args.smoke else {}
-        self.out = Path(args.out)
-        self.sweep = args.sweep
+        super().__init__(args, result=RESULT, write_report=write_report)
         self.modes = tuple(getattr(args, "modes", None) or MODES)
         self.costs: dict = {}
-        self.rows: list[dict] = []
         self.chip = default_chip()
         self.mxu = matmul_tflops(self.smoke)
-        self.meta = {
-            **provenance(),
-            "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__,
-            "chip": self.chip.name,
-            "matmul_tflops": self.mxu,
-            "chip_peak_tflops": self.chip.mxu_flops / 1e12,
-            "flop_convention": "allowed pairs, attn_common.ranker_flops; fwd+bwd 3.5x fwd",
-        }
-        print(json.dumps(self.meta), flush=True)
-
-    def record(self, **row) -> None:
-        self.rows.append(row)
-        print(json.dumps(row), flush=True)
-        self.out.mkdir(parents=True, exist_ok=True)
-        result = {**self.meta, "rows": self.rows}
-        with open(self.out / f"{RESULT}.json", "w") as f:
-            json.dump(result, f, indent=1)
-        write_report(result, self.out)  # a cut run keeps its rows
+        self.start(
+            self.chip,
+            matmul_tflops=self.mxu,
+            chip_peak_tflops=self.chip.mxu_flops / 1e12,
+            flop_convention="allowed pairs, attn_common.ranker_flops; fwd+bwd 3.5x fwd",
+        )
 
     def fn(self, case: RankerCase, mode: str, impl: str, config=None):
         """The jitted call of ``mode`` on ``impl`` ("tpu" or "xla", the reference)."""
@@ -292,9 +263,8 @@ def write_report(result: dict, out: Path) -> Path:
     lines = [
         "# TPU ranker attention: results",
         "",
-        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
-        f"{result.get('commit')}; bf16 matmul {result.get('matmul_tflops', 0):.3g} TFLOP/s "
-        "measured in the same run. Medians: `wall ms` each call waited for, `device ms` "
+        _suite.report_provenance(result, ".3g")
+        + "measured in the same run. Medians: `wall ms` each call waited for, `device ms` "
         "the call's spans on the chip (profiler), `kernel ms` its Pallas kernels. TFLOP/s "
         "on allowed pairs (`attn_common.ranker_flops`, fwd+bwd 3.5x) over device ms where "
         "measured (wall clock otherwise); `% peak` of the measured matmul rate, `% chip` of "
@@ -342,9 +312,7 @@ def write_report(result: dict, out: Path) -> Path:
                 f"{default.get('block_q')}x{default.get('block_kv')} | "
                 f"{_f(default.get('device_ms') or default.get('ms'))} | {len(group)} |"
             )
-    path = out / f"{RESULT}.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return _suite.write_markdown(out, RESULT, lines)
 
 
 def _groups(rows) -> dict:
@@ -357,12 +325,8 @@ def _groups(rows) -> dict:
 def write_plot(result: dict, path: Path) -> bool:
     """``tpu_ranker.svg``: per case and mode the kernels' fraction of the measured matmul
     rate (padded and packed layouts); ``False`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _suite.pyplot()
+    if plt is None:
         return False
     rows = [r for r in result["rows"] if not r.get("sweep") and r.get("peak_fraction")]
     labels = list(dict.fromkeys(f"{r['case']} {r['mode']}" for r in rows))
@@ -406,13 +370,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-check_args = _suite.check_args
-SUITE = _suite.Suite(
-    description=__doc__.split("\n\n")[0], add_arguments=add_arguments, runner_cls=Runner,
-    cases=CASES, smoke_cases=SMOKE_CASES, write_report=write_report, write_plot=write_plot,
-    result=RESULT,
-)  # fmt: skip
-run, main = SUITE.run, SUITE.main
+SUITE = _suite.Suite.of(globals())
+check_args, run, main = _suite.check_args, SUITE.run, SUITE.main
 
 
 if __name__ == "__main__":

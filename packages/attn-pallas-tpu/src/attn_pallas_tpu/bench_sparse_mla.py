@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -59,7 +58,6 @@ import numpy as np
 
 import attn_pallas_tpu as tpu
 from attn_common import padded_dk
-from attn_common.cli_args import provenance
 from attn_common.dispatch import load_backend
 from attn_common.picks import decode_picks, overlapping_picks, random_picks
 from attn_common.tables import kv_packing
@@ -177,34 +175,13 @@ def _valid_tokens(case: Case, idx, pos) -> int:
 # ------------------------------------------------------------------------------ the suite
 
 
-class Runner:
+class Runner(_suite.Runner):
     def __init__(self, args):
-        self.smoke = args.smoke
-        self.iterations = 1 if args.smoke else args.iterations
-        self.extra = {"interpret": True} if args.smoke else {}
-        self.out = Path(args.out)
-        self.sweep = args.sweep
-        self.rows: list[dict] = []
+        super().__init__(args, result=RESULT, write_report=write_report)
         chip = default_chip()
         self.hbm = chip.hbm_bytes_per_s
         self.mxu = matmul_tflops(self.smoke) * 1e12
-        self.meta = {
-            **provenance(),
-            "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__,
-            "chip": chip.name,
-            "matmul_tflops": self.mxu / 1e12,
-            "hbm_gbps": self.hbm / 1e9,
-        }
-        print(json.dumps(self.meta), flush=True)
-
-    def record(self, **row) -> None:
-        self.rows.append(row)
-        print(json.dumps(row), flush=True)
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / f"{RESULT}.json", "w") as f:
-            json.dump({**self.meta, "rows": self.rows}, f, indent=1)
-        write_report({**self.meta, "rows": self.rows}, self.out)  # a cut run keeps its rows
+        self.start(chip, matmul_tflops=self.mxu / 1e12, hbm_gbps=self.hbm / 1e9)
 
     def fn(self, kernel: str, config=None, **knobs):
         extra = dict(self.extra, **knobs)
@@ -431,9 +408,8 @@ def write_report(result: dict, out: Path) -> Path:
     lines = [
         "# TPU sparse MLA: results",
         "",
-        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
-        f"{result.get('commit')}; bf16 matmul {result.get('matmul_tflops', 0):.0f} TFLOP/s "
-        f"measured, HBM {result.get('hbm_gbps', 0):.0f} GB/s. Medians: `wall ms` each call "
+        _suite.report_provenance(result, ".0f")
+        + f"measured, HBM {result.get('hbm_gbps', 0):.0f} GB/s. Medians: `wall ms` each call "
         "waited for, `device ms` the call's spans on the chip (profiler); the ratios use "
         "device ms where measured (wall clock otherwise), XLA's likewise.",
         *(["", result["note"]] if result.get("note") else []),
@@ -457,20 +433,14 @@ def write_report(result: dict, out: Path) -> Path:
             f"{_f(bound)} | {_f(ms / bound if ms and bound else None)} | {_f(xla)} | "
             f"{_f(xla / ms if ms and xla else None)} | {'; '.join(notes)} |"
         )
-    path = out / f"{RESULT}.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return _suite.write_markdown(out, RESULT, lines)
 
 
 def write_plot(result: dict, path: Path) -> bool:
     """``tpu_sparse_mla.svg``: per case the kernels' ms against the bound and XLA (log
     scale); ``False`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _suite.pyplot()
+    if plt is None:
         return False
     rows = [r for r in result["rows"] if not r.get("sweep") and r.get("ms") is not None]
     rows = [dict(r, ms=r.get("device_ms") or r["ms"], xla_ms=_xla_ms(r)) for r in rows]
@@ -519,13 +489,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _suite.add_common_arguments(parser, sweep_help="also time a grid of tilings")
 
 
-check_args = _suite.check_args
-SUITE = _suite.Suite(
-    description=__doc__.split("\n\n")[0], add_arguments=add_arguments, runner_cls=Runner,
-    cases=CASES, smoke_cases=SMOKE_CASES, write_report=write_report, write_plot=write_plot,
-    result=RESULT,
-)  # fmt: skip
-run, main = SUITE.run, SUITE.main
+SUITE = _suite.Suite.of(globals())
+check_args, run, main = _suite.check_args, SUITE.run, SUITE.main
 
 
 if __name__ == "__main__":

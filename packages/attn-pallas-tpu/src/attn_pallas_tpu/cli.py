@@ -38,6 +38,17 @@ RANKER_DESCRIPTION = (
     "runs tiny cases in interpret mode anywhere. Exit status 1 when a case fails."
 )
 SUITES = {"sparse-mla": _bench_sparse_mla, "ranker": _bench_ranker}
+# suite -> (its one-line help in `attn bench --help`, its --help description)
+HELP = {
+    "sparse-mla": (
+        "the TPU sparse-MLA suite against the XLA reference and the chip's bounds",
+        SPARSE_DESCRIPTION,
+    ),
+    "ranker": (
+        "the TPU ranker suite against the XLA reference and the measured matmul rate",
+        RANKER_DESCRIPTION,
+    ),
+}
 
 
 def _suite(args: argparse.Namespace):
@@ -72,20 +83,15 @@ def add_bench(sub) -> None:
         "sparse-mla --help`) and ranker (`attn bench ranker --help`).",
     )
     suites = b.add_subparsers(dest="suite", metavar="{sparse-mla,ranker}", prog="attn bench")
-    sparse = suites.add_parser(
-        "sparse-mla",
-        help="the TPU sparse-MLA suite against the XLA reference and the chip's bounds",
-        description=SPARSE_DESCRIPTION,
-        epilog="Same flags as `python -m attn_pallas_tpu.bench_sparse_mla`.",
-    )
-    _bench_sparse_mla.add_arguments(sparse)
-    ranker = suites.add_parser(
-        "ranker",
-        help="the TPU ranker suite against the XLA reference and the measured matmul rate",
-        description=RANKER_DESCRIPTION,
-        epilog="Same flags as `python -m attn_pallas_tpu.bench_ranker`.",
-    )
-    _bench_ranker.add_arguments(ranker)
+    for name, module in SUITES.items():
+        one_line, description = HELP[name]
+        suite = suites.add_parser(
+            name,
+            help=one_line,
+            description=description,
+            epilog=f"Same flags as `python -m {module.__name__}`.",
+        )
+        module.add_arguments(suite)
     b.set_defaults(func=cmd_bench, check=check_bench, error_prog="attn bench", suite=None)
 
 
