@@ -229,6 +229,7 @@ BACKEND_TOOLS = {
     "attn_pallas_tpu.cli",
     "attn_pallas_tpu.bench_ranker",
     "attn_pallas_tpu.bench_sparse_mla",
+    "attn_pallas_tpu.tune_ranker",
     "attn_pallas_tpu._suite",
     "attn_reference.demo",
 }

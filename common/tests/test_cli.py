@@ -232,11 +232,17 @@ def test_a_command_two_backends_add_goes_to_the_default_devices(monkeypatch):
     assert cli._claim_for_this_device(claims[1:]) == ("pallas-tpu", "add_tpu")
 
 
-def test_help_says_who_adds_bench(capsys):
+def test_help_says_who_adds_bench_and_tune(capsys):
     assert cli_exit_code(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "`attn bench` comes with the pallas-tpu backend (attn-pallas-tpu, for a TPU)" in out
-    assert "with both installed, `attn bench` is pallas-tpu's on a TPU, else mosaic-gpu's" in out
+    assert (
+        "`attn bench` and `attn tune` come with the pallas-tpu backend (attn-pallas-tpu, for a "
+        "TPU)" in out
+    )
+    for name in ("bench", "tune"):
+        assert (
+            f"with both installed, `attn {name}` is pallas-tpu's on a TPU, else mosaic-gpu's" in out
+        )
 
 
 def test_sparse_mla_row_names_use_one_meaning_per_letter(monkeypatch):

@@ -780,7 +780,7 @@ BUILT_IN_COMMANDS = ("info", "run")
 # Commands backends add, and the backends that add them: named here so that `attn bench`
 # without any of them says what to install (argparse alone would say "invalid choice:
 # 'bench'"). Where several are installed, backend_commands() picks one per command.
-BACKEND_COMMANDS = {"bench": ("mosaic-gpu", "pallas-tpu"), "tune": ("mosaic-gpu",)}
+BACKEND_COMMANDS = {"bench": ("mosaic-gpu", "pallas-tpu"), "tune": ("mosaic-gpu", "pallas-tpu")}
 
 
 def _backend_commands_epilog() -> str:

@@ -12,12 +12,12 @@ then exits 2).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 
 import jax
 
+from attn_common import tuned_table
 from attn_common.cli_args import (
     bounded_float,
     iterations_int,
@@ -162,15 +162,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         )
         table["provenance"] = prov
         entries += table["entries"]
-        old = None
-        if out.exists():
-            try:
-                old = json.loads(out.read_text())
-            except ValueError:
-                old = None
-        merged = tuning.merge_tables(old, table)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(merged, indent=1) + "\n")
+        merged = tuned_table.write_merged(out, table)
     print(f"{'case':<10} {'forward config':<58} {'fwd ms':>8}  backward knobs (bwd ms)")
     for e in entries:
         fwd = ", ".join(f"{k}={v}" for k, v in e["forward"].items())

@@ -21,16 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from attn_common import CapMethod, KernelConfig
+from attn_common.tuned_table import TABLE_FORMAT, cap_method
 from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.ranker import ranker_attention
 from attn_mosaic_gpu.ranker_bwd_pipelined import PIPELINED_HEAD_DIMS, pipelined_stages
-from attn_mosaic_gpu.tuning import (
-    _TABLE_FORMAT,
-    BackwardTuning,
-    _cap_method,
-    merge_tables,
-    seq_bucket,
-)
+from attn_mosaic_gpu.tuning import BackwardTuning, merge_tables, seq_bucket
 
 __all__ = ["merge_tables", "tune"]
 
@@ -114,7 +109,7 @@ def tune(
         entry, trial = _tune_case(case, timer, min_gain, progress)
         entries.append({"device_kind": device_kind, **entry})
         trials.append(trial)
-    return {"format": _TABLE_FORMAT, "entries": entries, "trials": trials}
+    return {"format": TABLE_FORMAT, "entries": entries, "trials": trials}
 
 
 def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tuple[dict, dict]:
@@ -194,7 +189,7 @@ def _tune_case(case, timer: Callable, min_gain: float, progress: Callable) -> tu
     entry = {
         "dtype": "bfloat16",
         "head_dim": d,
-        "cap": _cap_method(case.cap),
+        "cap": cap_method(case.cap),
         "seq_bucket": seq_bucket(s),
         "case": case.name,
         "forward": {"block_q": 64, **forward},

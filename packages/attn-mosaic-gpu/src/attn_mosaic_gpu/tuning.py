@@ -11,7 +11,8 @@ of two >= S, at least 256). Two tables are read, the first hit wins:
 2. the table shipped in the package (``tuned_configs.json``), measured on an H200 by the
    same sweep (each entry records the commit and command that produced it).
 
-In each table an exact key wins; else the same device, head dim and cap at the nearest
+The format and the matching are ``attn_common.tuned_table``'s (the TPU backend's table
+shares them). In each table an exact key wins; else the same device, head dim and cap at the nearest
 sequence bucket (either 2-byte dtype). A problem neither table covers (another GPU, a
 new head dim) gets ``ranker_fwd.default_config`` and the backward's defaults: never an
 error. An explicit ``config=`` always wins over the tables for the forward.
@@ -28,17 +29,12 @@ the incumbent by more than ``min_gain`` (1%), so noise cannot pick a variant.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
-from attn_common import CapMethod, CapParams, KernelConfig
+from attn_common import CapParams, KernelConfig, tuned_table
 from attn_mosaic_gpu.ranker_config import BackwardTuning
 
 __all__ = [
@@ -51,8 +47,6 @@ __all__ = [
 ]
 
 PACKAGE_TABLE = Path(__file__).with_name("tuned_configs.json")
-_TABLE_FORMAT = 1
-_MIN_BUCKET = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,78 +60,22 @@ class RankerTuning:
 
 def seq_bucket(seq_len: int) -> int:
     """The table's sequence bucket of ``seq_len``: the power of two >= it, at least 256."""
-    bucket = _MIN_BUCKET
-    while bucket < seq_len:
-        bucket *= 2
-    return bucket
+    return tuned_table.seq_bucket(seq_len)
 
 
 def user_table_path() -> Path:
     """Where ``attn tune`` writes and ``lookup`` first reads (see the module docstring)."""
-    explicit = os.environ.get("ATTN_TUNED_CONFIGS")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "attn" / "hopper_ranker_tuned.json"
+    return tuned_table.user_path("ATTN_TUNED_CONFIGS", "hopper_ranker_tuned.json")
 
 
-def _cap_method(cap: CapParams | None) -> str:
-    return (cap.method if cap is not None else CapMethod.NONE).value
-
-
-def _entry_key(entry: dict) -> tuple:
-    return (
-        entry["device_kind"],
-        entry["dtype"],
-        int(entry["head_dim"]),
-        entry["cap"],
-        int(entry["seq_bucket"]),
-    )
+def _tuning_of(entry: dict) -> RankerTuning:
+    forward = KernelConfig(**entry["forward"])
+    backward = BackwardTuning(**entry.get("backward", {}))
+    return RankerTuning(forward, backward, "")
 
 
 def _parse_entry(entry: dict) -> tuple[tuple, RankerTuning]:
-    key = _entry_key(entry)
-    forward = KernelConfig(**entry["forward"])
-    backward = BackwardTuning(**entry.get("backward", {}))
-    return key, RankerTuning(forward, backward, "")
-
-
-@functools.lru_cache(maxsize=8)
-def _read_table(path: str, mtime_ns: int) -> tuple[tuple[tuple, RankerTuning], ...]:
-    del mtime_ns  # part of the cache key: an edited file is read again
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != _TABLE_FORMAT:
-        raise ValueError(f"format: got {data.get('format')!r}, expected {_TABLE_FORMAT}")
-    return tuple(_parse_entry(e) for e in data["entries"])
-
-
-def _load(path: Path) -> tuple[tuple[tuple, RankerTuning], ...]:
-    try:
-        stat = path.stat()
-    except OSError:
-        return ()
-    try:
-        return _read_table(str(path), stat.st_mtime_ns)
-    except (ValueError, KeyError, TypeError) as e:  # a broken file must not stop training
-        warnings.warn(
-            f"ignoring the tuned-config table {path}: {type(e).__name__}: {e} "
-            "(re-run `attn tune` or delete the file)",
-            stacklevel=3,
-        )
-        return ()
-
-
-def _match(entries, key: tuple) -> RankerTuning | None:
-    device, _, head_dim, cap, bucket = key
-    exact = [t for k, t in entries if k == key]
-    if exact:
-        return exact[0]
-    near = [
-        (abs(k[4].bit_length() - bucket.bit_length()), k[4], t)
-        for k, t in entries
-        if (k[0], k[2], k[3]) == (device, head_dim, cap)
-    ]
-    return min(near, key=lambda x: (x[0], x[1]))[2] if near else None
+    return tuned_table.entry_key(entry), _tuning_of(entry)
 
 
 def lookup(
@@ -155,11 +93,13 @@ def lookup(
     """
     if device_kind is None:
         device_kind = jax.devices()[0].device_kind
-    key = (device_kind, jnp.dtype(dtype).name, int(head_dim), _cap_method(cap), seq_bucket(seq_len))
-    for path, label in ((user_table_path(), "user table"), (PACKAGE_TABLE, "package table")):
-        found = _match(_load(path), key)
-        if found is not None:
-            return dataclasses.replace(found, source=f"{label} {path}")
+    tables = ((user_table_path(), "user table"), (PACKAGE_TABLE, "package table"))
+    found, source = tuned_table.lookup(
+        tables, _tuning_of, device_kind=device_kind, dtype=dtype, head_dim=head_dim, cap=cap,
+        seq_len=seq_len,
+    )  # fmt: skip
+    if found is not None:
+        return dataclasses.replace(found, source=source)
     if default_forward is None:
         from attn_mosaic_gpu.ranker_fwd import default_config
 
@@ -170,13 +110,4 @@ def lookup(
 def merge_tables(old: dict | None, new: dict) -> dict:
     """``new``'s entries (and trials) replace ``old``'s with the same key (case); the
     rest of ``old`` stays."""
-    keep, keep_trials = [], []
-    if old and old.get("format") == _TABLE_FORMAT:
-        new_keys = {_entry_key(e) for e in new["entries"]}
-        keep = [e for e in old.get("entries", []) if _entry_key(e) not in new_keys]
-        new_cases = {t["case"] for t in new.get("trials", [])}
-        keep_trials = [t for t in old.get("trials", []) if t.get("case") not in new_cases]
-    merged = dict(new)
-    merged["entries"] = keep + list(new["entries"])
-    merged["trials"] = keep_trials + list(new.get("trials", []))
-    return merged
+    return tuned_table.merge_tables(old, new)

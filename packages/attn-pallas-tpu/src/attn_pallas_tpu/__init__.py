@@ -42,7 +42,7 @@ from attn_pallas_tpu.sparse_mla_qblock import sparse_mla_attention_qblock
 
 def cli_commands() -> dict:
     """The ``attn`` subcommands this backend adds (``attn bench``: its sparse-mla and
-    ranker suites):
+    ranker suites; ``attn tune``: the ranker kernels' tilings):
     name -> a function that adds the subparser. ``attn_common.cli`` calls this through
     the ``attn.backends`` entry point; the benchmark code is imported only then."""
     from attn_pallas_tpu import cli

@@ -1,4 +1,5 @@
-"""The ``attn`` subcommand this backend adds: ``attn bench sparse-mla``, the TPU
+"""The ``attn`` subcommands this backend adds: ``attn tune``, the TPU ranker kernels'
+tiling search (``attn_pallas_tpu.tune_ranker``); ``attn bench sparse-mla``, the TPU
 sparse-MLA suite (``attn_pallas_tpu.bench_sparse_mla``, also ``python -m
 attn_pallas_tpu.bench_sparse_mla``, with the same flags), and ``attn bench ranker``, the
 TPU ranker suite (``attn_pallas_tpu.bench_ranker``, likewise).
@@ -18,6 +19,7 @@ import argparse
 
 from attn_pallas_tpu import bench_ranker as _bench_ranker
 from attn_pallas_tpu import bench_sparse_mla as _bench_sparse_mla
+from attn_pallas_tpu import tune_ranker as _tune_ranker
 
 # --------------------------------------------------------------------------- attn bench
 
@@ -95,4 +97,23 @@ def add_bench(sub) -> None:
     b.set_defaults(func=cmd_bench, check=check_bench, error_prog="attn bench", suite=None)
 
 
-COMMANDS = {"bench": add_bench}
+# --------------------------------------------------------------------------- attn tune
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """``attn tune`` on a TPU: the ranker kernels' tilings, timed; the user's table."""
+    return _tune_ranker.run(args)
+
+
+def add_tune(sub) -> None:
+    t = sub.add_parser(
+        "tune",
+        help="time the TPU ranker kernels' tilings on this TPU; write the user's table",
+        description=_tune_ranker.__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog=f"Same flags as `python -m {_tune_ranker.__name__}`.",
+    )
+    _tune_ranker.add_arguments(t)
+    t.set_defaults(func=cmd_tune, check=_tune_ranker.check_args, error_prog="attn tune")
+
+
+COMMANDS = {"bench": add_bench, "tune": add_tune}

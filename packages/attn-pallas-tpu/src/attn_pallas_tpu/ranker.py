@@ -36,7 +36,8 @@ def ranker_attention(call: RankerCall):
     ``[B, U, 4]`` run on the packed step tables (``2U`` block runs per tile, the mask
     the OR over the row's users; one compile per ``U`` serves every batch). ``config``
     (block_q, block_kv: multiples of 128) is shared by the forward and both backward
-    kernels; default ``ranker_fwd.default_config(S, D)``. ``interpret``: ``True`` or a
+    kernels; default the tuned table's tiling (``ranker_tuning.config_for``), else
+    ``ranker_fwd.default_config(S, D)``. ``interpret``: ``True`` or a
     ``pltpu.InterpretParams`` runs the kernels in Pallas TPU interpret mode (CPU).
     """
     call.require(dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS, kernels="TPU ranker")

@@ -95,6 +95,7 @@ from attn_common.packed import (
     ranker_mask_users,
 )
 from attn_common.spec import RankerCall, public_op, ranker_call
+from attn_pallas_tpu import ranker_tuning
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import resolve_interpret
 from attn_pallas_tpu.ranker_config import (
@@ -490,7 +491,9 @@ def prepare(q, k, v, bounds, *, sm_scale, cap, config):
         q, k, v, sm_scale=sm_scale, cap=cap, dtypes=SUPPORTED_DTYPES, head_dims=SUPPORTED_HEAD_DIMS
     )
     if config is None:
-        config = default_config(problem.seq_len, problem.head_dim)
+        config = ranker_tuning.config_for(
+            seq_len=problem.seq_len, head_dim=problem.head_dim, dtype=q.dtype, cap=cap
+        )
     validate_config(config)
     # Every [B, U, 4] (U = 1 too) takes the packed step tables on TPU.
     clipped, packed_users = normalize_ranker_bounds(
@@ -522,7 +525,9 @@ def ranker_attention_fwd(call: RankerCall):
 
     The kernel takes bf16 or fp32 and D in {64, 128, 256}, any ``S``. ``config``:
     ``block_q`` and ``block_kv`` must be multiples of 128 (``num_stages`` is not used:
-    the Pallas TPU pipeline double-buffers); default ``default_config(S, D)``.
+    the Pallas TPU pipeline double-buffers); default: the tuned table's tiling for the
+    chip and shape (``attn_pallas_tpu.ranker_tuning``, written by ``attn tune`` on a TPU),
+    else ``default_config(S, D)``.
     ``interpret``: ``True`` or a ``pltpu.InterpretParams`` runs the kernel on the CPU.
     Not differentiable on its own: ``attn_pallas_tpu.ranker_attention`` is the
     differentiable entry.
