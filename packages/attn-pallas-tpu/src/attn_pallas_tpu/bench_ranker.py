@@ -4,7 +4,8 @@ the TPU tests with ``SUITES="sparse-mla ranker"``). The measurements docs/tpu_ra
 targets are stated in.
 
 Cases: ``attn_common.RANKER_SUITE`` at full batch, bf16, each case's own cap, with the
-kernels' default tiling (``ranker_config.default_config``). Modes: ``fwd`` (the jitted
+tiling ``config=None`` runs (``ranker_tuning.config_for``: a tuned table's, else
+``ranker_config.default_config``). Modes: ``fwd`` (the jitted
 op) and ``fwd+bwd`` (the jitted ``jax.grad`` of ``sum(out * dout)`` w.r.t. q, k, v).
 Every row is timed as ``bench_sparse_mla``'s (``attn_pallas_tpu._timing``): ``ms``, wall
 clock, median of ``--iterations`` waited calls after a warm-up; ``device_ms``, the call's
@@ -55,13 +56,12 @@ from attn_common.dispatch import load_backend
 from attn_common.packing import pack_users
 from attn_common.ranker import ranker_flops
 from attn_common.suite import RANKER_SUITE, RankerCase, ranker_case
-from attn_pallas_tpu import _suite
+from attn_pallas_tpu import _suite, ranker_tuning
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu._timing import matmul_tflops, rel_l2, timed
 from attn_pallas_tpu.ranker_config import (
     BLOCK_CHOICES,
     VMEM_LIMIT_BYTES,
-    default_config,
     vmem_bytes,
 )
 
@@ -173,6 +173,14 @@ class Runner(_suite.Runner):
         }
         return row, got
 
+    @staticmethod
+    def config_for(case: RankerCase) -> KernelConfig:
+        """The tiling ``config=None`` runs for the case (a tuned table's, else the
+        default: ``ranker_tuning.config_for``)."""
+        return ranker_tuning.config_for(
+            seq_len=case.seq_len, head_dim=case.head_dim, dtype=jnp.bfloat16, cap=case.cap
+        )
+
     def model_ms(self, case, config, mode) -> float | None:
         """``ranker_model.predict``'s ms for ``mode`` (one prediction per case and tiling:
         it counts the visits on the host, ~1 s at full batch)."""
@@ -208,7 +216,7 @@ class Runner(_suite.Runner):
         q, k, v, do = case.inputs(0)
         bounds = case.bounds(0)
         args = (q, k, v, jnp.asarray(bounds), do)
-        config = default_config(case.seq_len, case.head_dim)
+        config = self.config_for(case)
         base = dict(case=case.name, layout="padded", batch=case.batch, users=case.batch,
                     seq_len=case.seq_len, q_heads=case.q_heads, kv_heads=case.kv_heads,
                     head_dim=case.head_dim, cap=case.cap.method.value,
@@ -219,7 +227,7 @@ class Runner(_suite.Runner):
             p = packed_inputs(case)
             pq, pk, pv, pdo = p["arrays"]
             pargs = (pq, pk, pv, jnp.asarray(p["bounds"]), pdo)
-            pcfg = default_config(case.seq_len, case.head_dim)
+            pcfg = self.config_for(case)
             pbase = dict(base, layout="packed", batch=int(p["bounds"].shape[0]),
                          users=p["users"], users_per_row=int(p["bounds"].shape[1]),
                          block_q=pcfg.block_q, block_kv=pcfg.block_kv)  # fmt: skip
