@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from attn_common import CapMethod, CapParams, KernelConfig
+from attn_common.suite import RANKER_SUITE
 from attn_pallas_tpu import ranker_tuning, tune_ranker
 from attn_pallas_tpu.ranker_config import default_config
 from attn_pallas_tpu.ranker_fwd import prepare
@@ -30,6 +31,8 @@ def _entry(block_q=256, block_kv=512, *, bucket=2048, device=DEVICE, cap="soft_s
 def user_table(tmp_path, monkeypatch):
     path = tmp_path / "tpu_ranker_tuned.json"
     monkeypatch.setenv("ATTN_TPU_TUNED_CONFIGS", str(path))
+    # Only this table: the package's own (a v5e's entries) is tested below.
+    monkeypatch.setattr(ranker_tuning, "PACKAGE_TABLE", tmp_path / "no_package_table.json")
 
     def write(*entries, fmt=1):
         path.write_text(json.dumps({"format": fmt, "entries": list(entries)}))
@@ -88,6 +91,25 @@ def test_the_op_runs_the_tabled_tiling(user_table):
     explicit = KernelConfig(block_q=256, block_kv=128)
     _, st, _ = prepare(q, q, q, bounds, sm_scale=0.1, cap=None, config=explicit)
     assert (st.block_q, st.block_kv) == (256, 128)
+
+
+def test_the_shipped_table_covers_the_suite_on_a_v5e(tmp_path, monkeypatch):
+    """The package's table (measured on a v5e): each suite case's key has an entry that
+    validates and fits, and with no user table ``config_for`` returns it."""
+    monkeypatch.setenv("ATTN_TPU_TUNED_CONFIGS", str(tmp_path / "none.json"))
+    table = json.loads(ranker_tuning.PACKAGE_TABLE.read_text())
+    assert table["provenance"]["device"] == DEVICE and table["entries"]
+    for case in RANKER_SUITE:
+        got, source = ranker_tuning.lookup(
+            head_dim=case.head_dim, dtype=jnp.bfloat16, cap=case.cap, seq_len=case.seq_len,
+            device_kind=DEVICE,
+        )  # fmt: skip
+        assert source.startswith("package table"), case.name
+        assert ranker_tuning.fits(got, head_dim=case.head_dim, dtype=jnp.bfloat16), case.name
+    for entry in table["entries"]:  # the timed tiling it names, never faster than claimed
+        assert entry["ms"] <= entry["default_ms"]
+        timed = [t for t in table["trials"] if t["case"] == entry["case"]]
+        assert min(t["ms"] for t in timed) == entry["ms"] or entry["ms"] == entry["default_ms"]
 
 
 def _row(case, ms, bq=384, bkv=384, *, sweep=False, mode="fwd+bwd", **extra):

@@ -9,7 +9,7 @@ backend's table). Two tables are read, the first hit wins:
    the file named by ``$ATTN_TPU_TUNED_CONFIGS``, else
    ``$XDG_CONFIG_HOME/attn/tpu_ranker_tuned.json`` (``~/.config/...`` without it);
 2. the table shipped in the package (``ranker_tuned.json``), written by the same tool on a
-   TPU, each entry with its commit and command; none ships until one is measured.
+   TPU, with the commits and commands that measured it (a v5e's entries ship).
 
 A tiling from a table is used only if it is valid and its VMEM model fits at the call's
 dtype (``ranker_config.vmem_bytes``); otherwise, and for a problem no table covers,
