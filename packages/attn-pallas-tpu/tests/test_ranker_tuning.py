@@ -54,23 +54,33 @@ def test_no_table_gives_the_default(user_table):
 
 
 def test_user_entry_exact_and_nearest_bucket(user_table):
-    user_table(_entry(256, 512, bucket=2048), _entry(128, 128, bucket=8192))
-    assert _config(1152) == KernelConfig(block_q=256, block_kv=512)  # bucket 2048
+    user_table(_entry(128, 384, bucket=2048), _entry(128, 128, bucket=8192))
+    assert _config(1152) == KernelConfig(block_q=128, block_kv=384)  # bucket 2048
     assert _config(5000) == KernelConfig(block_q=128, block_kv=128)  # bucket 8192
-    assert _config(3000) == KernelConfig(block_q=256, block_kv=512)  # 4096: nearer 2048
-    assert _config(1152, dtype=jnp.float32) == KernelConfig(block_q=256, block_kv=512)
+    assert _config(3000) == KernelConfig(block_q=128, block_kv=384)  # 4096: nearer 2048
+    assert _config(1152, dtype=jnp.float32) == KernelConfig(block_q=128, block_kv=384)
     # another chip, head dim or cap: not this entry
     assert _config(device="TPU v6 lite") == default_config(1152, 128)
     assert _config(dim=64) == default_config(1152, 64)
     assert _config(cap=None) == default_config(1152, 128)
 
 
+def test_an_entry_that_pads_far_more_than_the_default_is_not_taken(user_table):
+    """The nearest bucket may be a longer problem's: its blocks are taken only while they
+    pad ``S`` at most ``PAD_SLACK`` times the default's padding."""
+    user_table(_entry(640, 640, bucket=2048))
+    assert _config(1152) == KernelConfig(block_q=640, block_kv=640)  # 1280 vs 1152 rows
+    assert _config(300) == default_config(300, 128)  # bucket 512 -> 2048: 640 vs 384 rows
+    assert _config(700) == default_config(700, 128)  # 1280 vs 768 rows
+    assert _config(1900) == KernelConfig(block_q=640, block_kv=640)  # 1920 either way
+
+
 def test_entries_that_do_not_fit_or_are_invalid_fall_back(user_table):
     user_table(_entry(144, 128, dim=256))  # a KernelConfig, but not a multiple of 128
     assert _config(dim=256) == default_config(1152, 256)
     user_table(_entry(1024, 1024, dim=256))  # fits the VMEM model in bf16, not in f32
-    assert _config(dim=256) == KernelConfig(block_q=1024, block_kv=1024)
-    assert _config(dim=256, dtype=jnp.float32) == default_config(1152, 256)
+    assert _config(2048, dim=256) == KernelConfig(block_q=1024, block_kv=1024)
+    assert _config(2048, dim=256, dtype=jnp.float32) == default_config(2048, 256)
 
 
 def test_broken_table_warns_and_falls_back(user_table):

@@ -11,8 +11,9 @@ backend's table). Two tables are read, the first hit wins:
 2. the table shipped in the package (``ranker_tuned.json``), written by the same tool on a
    TPU, with the commits and commands that measured it (a v5e's entries ship).
 
-A tiling from a table is used only if it is valid and its VMEM model fits at the call's
-dtype (``ranker_config.vmem_bytes``); otherwise, and for a problem no table covers,
+A tiling from a table is used only if it is valid, its VMEM model fits at the call's
+dtype (``ranker_config.vmem_bytes``) and it pads ``S`` at most ``PAD_SLACK`` times what
+the default tiling does; otherwise, and for a problem no table covers,
 ``ranker_config.default_config``. An explicit ``config=`` always wins. The three kernels
 (forward, dq, dk/dv) share the one tiling.
 """
@@ -27,13 +28,19 @@ from attn_common import CapParams, KernelConfig, tuned_table
 from attn_pallas_tpu.ranker_config import (
     VMEM_LIMIT_BYTES,
     default_config,
+    padded_len,
     validate_config,
     vmem_bytes,
 )
 
-__all__ = ["PACKAGE_TABLE", "config_for", "fits", "lookup", "user_table_path"]
+__all__ = ["PACKAGE_TABLE", "PAD_SLACK", "config_for", "fits", "lookup", "user_table_path"]
 
 PACKAGE_TABLE = Path(__file__).with_name("ranker_tuned.json")
+# A tabled tiling may pad S at most this much more than the default tiling does. The
+# nearest-bucket rule can hand a short problem the blocks of a longer one (640 x 640 for
+# S = 128 pads it 5x); the v5e table's own gain came at 1.11x the default's padding
+# (phoenix, S = 1152: 1280 rows against 1152, 3.6 % faster).
+PAD_SLACK = 1.125
 
 
 def user_table_path() -> Path:
@@ -72,10 +79,15 @@ def fits(config: KernelConfig, head_dim: int, dtype) -> bool:
 def config_for(
     *, seq_len: int, head_dim: int, dtype, cap: CapParams | None, device_kind: str | None = None
 ) -> KernelConfig:
-    """The tiling ``config=None`` runs: the tabled one if it fits, else the default."""
+    """The tiling ``config=None`` runs: the tabled one if it fits and pads ``S`` at most
+    ``PAD_SLACK`` times the default's padding, else the default."""
     found, _ = lookup(
         head_dim=head_dim, dtype=dtype, cap=cap, seq_len=seq_len, device_kind=device_kind
     )
-    if found is not None and fits(found, head_dim, dtype):
-        return found
-    return default_config(seq_len, head_dim)
+    default = default_config(seq_len, head_dim)
+    if found is None or not fits(found, head_dim, dtype):
+        return default
+    pad = padded_len(seq_len, found.block_q, found.block_kv)
+    if pad > PAD_SLACK * padded_len(seq_len, default.block_q, default.block_kv):
+        return default
+    return found
