@@ -32,3 +32,16 @@ def test_smoke_suite_writes_rows_and_reports(tmp_path):
         if r["mode"] in ("prefill", "decode"):
             assert r["ms"] > 0 and r["bound_ms"] > 0 and r["err"] < 2e-2
     assert (tmp_path / "tpu_sparse_mla.md").read_text().count("| decode-smoke |") == 2
+
+
+def test_inputs_are_placed_row_major_and_jit_keeps_them():
+    """The suite hands q and the cache over row-major (a v5e lays a fresh ``[1, T, 576]``
+    array out ``T``-minor) and its jit takes each argument in the layout it has."""
+    import jax
+    import jax.numpy as jnp
+
+    kv = bench_sparse_mla.row_major(jnp.arange(2 * 8 * 5, dtype=jnp.float32).reshape(2, 8, 5))
+    assert kv.format.layout.major_to_minor == (0, 1, 2)
+    f = bench_sparse_mla.jit_placed(lambda a, b: a.sum() + b, kv, jnp.float32(1.0))
+    assert float(f(kv, jnp.float32(1.0))) == float(kv.sum()) + 1.0
+    assert jax.tree.leaves(f.lower(kv, jnp.float32(1.0)).compile().input_formats)[0] == kv.format
