@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from attn_pallas_tpu import bench_sparse_mla
@@ -37,9 +39,6 @@ def test_smoke_suite_writes_rows_and_reports(tmp_path):
 def test_inputs_are_placed_row_major_and_jit_keeps_them():
     """The suite hands q and the cache over row-major (a v5e lays a fresh ``[1, T, 576]``
     array out ``T``-minor) and its jit takes each argument in the layout it has."""
-    import jax
-    import jax.numpy as jnp
-
     kv = bench_sparse_mla.row_major(jnp.arange(2 * 8 * 5, dtype=jnp.float32).reshape(2, 8, 5))
     assert kv.format.layout.major_to_minor == (0, 1, 2)
     f = bench_sparse_mla.jit_placed(lambda a, b: a.sum() + b, kv, jnp.float32(1.0))
