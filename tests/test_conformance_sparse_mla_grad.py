@@ -12,9 +12,12 @@ shuffled pages), on a cache whose unattended rows hold NaN/Inf (and NaN feature 
 * ``return_attn_mass`` against the reference's (max-abs within the LSE tolerance, since
   a kernel's mass is ``exp(s - lse)`` with its own LSE), 0 wherever the reference's is.
 
-The reference's own gradient is checked against float64 finite differences in
-``test_sparse_mla_grad.py``. Kernel cases other than TPU's per-query kernel are ``slow``
-(the Hopper interpreter, and the package tests cover them in the default tier).
+TPU's query-blocked op has a backward of its own (``attn_pallas_tpu.sparse_mla_qblock_bwd``),
+so it runs here too, at 8-query blocks (every union of these shapes fits its partial
+buffer: the blocked kernels run, not the per-query fallback). The reference's own
+gradient is checked against float64 finite differences in ``test_sparse_mla_grad.py``.
+Kernel cases other than TPU's are ``slow`` (the Hopper interpreter, and the package
+tests cover them in the default tier).
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ import attn_reference as ref
 SM_SCALE = 0.07
 
 
+# The kernel ops and their knobs: TPU's query-blocked op at blocks of 8 queries.
+QBLOCK = ("sparse_mla_attention_qblock", {"query_block": 8})
+PLAIN = ("sparse_mla_attention", {})
+
+
 def _cases(mode: str):
     out = []
     for backend in SPARSE_MLA:
@@ -60,20 +68,24 @@ def _cases(mode: str):
             dtype = backend.dtypes[-1]  # bf16 where the backend takes it (the kernels' case)
             slow = backend.name == "mosaic-gpu" or (backend.name == "pallas-tpu" and rb == 1)
             marks = [pytest.mark.slow] if slow else []
-            ident = f"{backend}-{dtype}-rb{rb}"
-            out.append(pytest.param(backend, dtype, rb, id=ident, marks=marks))
+            ops = [PLAIN, QBLOCK] if backend.name == "pallas-tpu" and rb > 1 else [PLAIN]
+            for op in ops:
+                name = f"{backend}-{op[0].removeprefix('sparse_mla_attention') or 'plain'}"
+                ident = f"{name}-{dtype}-rb{rb}"
+                out.append(pytest.param(backend, op, dtype, rb, id=ident, marks=marks))
     return out
 
 
-def _check(backend, dtype, q, kv, idx, pos, keep_rows, **kw):
+def _check(backend, op, dtype, q, kv, idx, pos, keep_rows, **kw):
     dv = backend.sparse_dims[0]
     rng = rng_for(7)
     w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], dv)), jnp.float32)
     w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-    fn = backend.module().sparse_mla_attention
+    name, knobs = op
+    fn = getattr(backend.module(), name)
     grad = functools.partial(sparse_mla_loss_grad, sm_scale=SM_SCALE, dv=dv)
     (dq, dkv), (_, _, mass) = run_interpret(
-        grad(fn, idx, pos, w_out, w_lse, **kw, **backend.call_kwargs()), q, kv
+        grad(fn, idx, pos, w_out, w_lse, **kw, **knobs, **backend.call_kwargs()), q, kv
     )
     kv32 = np.asarray(kv, np.float32)
     if kv.ndim == 4:  # the paged cache: a float32 one holds one token per packed row
@@ -99,8 +111,8 @@ def _check(backend, dtype, q, kv, idx, pos, keep_rows, **kw):
     assert np.all(mass[want_mass == 0.0] == 0.0)
 
 
-@pytest.mark.parametrize(("backend", "dtype", "rb"), _cases("flat"))
-def test_flat_grad(backend, dtype, rb):
+@pytest.mark.parametrize(("backend", "op", "dtype", "rb"), _cases("flat"))
+def test_flat_grad(backend, op, dtype, rb):
     backend.require()
     batch, seq, heads, kv_len, top_k = FLAT[rb]
     dv, rope = backend.sparse_dims
@@ -117,13 +129,13 @@ def test_flat_grad(backend, dtype, rb):
         kv = randn(rng, (batch, kv_len, dv + rope), dtype)
         keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=rb)
         dirty = poison_rows(kv, keep, seed=seed)
-        _check(backend, dtype, q, dirty, idx, pos, keep, read_block=rb)
+        _check(backend, op, dtype, q, dirty, idx, pos, keep, read_block=rb)
 
     example(sel=_flat_edges(rb), seed=1)(check)()
 
 
-@pytest.mark.parametrize(("backend", "dtype", "rb"), _cases("ragged"))
-def test_ragged_grad(backend, dtype, rb):
+@pytest.mark.parametrize(("backend", "op", "dtype", "rb"), _cases("ragged"))
+def test_ragged_grad(backend, op, dtype, rb):
     backend.require()
     dv, rope = backend.sparse_dims
 
@@ -135,7 +147,7 @@ def test_ragged_grad(backend, dtype, rb):
             layout, seed, dv, rope, dtype, bind_kv_len=False
         )
         _check(
-            backend, dtype, q, dirty, idx[None], positions[None], keep,
+            backend, op, dtype, q, dirty, idx[None], positions[None], keep,
             read_block=PAGE, page_size=PAGE, **tables,
         )  # fmt: skip
 

@@ -46,8 +46,9 @@ import attn_reference as ref
 from attn_common.fp8_cache import quantize_latent_cache
 from attn_common.sparse_mla_xla import xla_sparse_mla
 from attn_common.spec import sparse_mla_call
-from attn_pallas_tpu import sparse_mla_bwd
+from attn_pallas_tpu import sparse_mla_bwd, sparse_mla_qblock, sparse_mla_qblock_bwd
 from attn_pallas_tpu.config import SparseMlaConfig
+from attn_pallas_tpu.plan import block_union_sizes
 from attn_pallas_tpu.sparse_mla_bwd import invert_selection
 
 INTERPRET = pltpu.InterpretParams(
@@ -139,25 +140,26 @@ def test_ragged_gradients_through_the_kernels(kernel, dtype):
 
 
 # Per-query kernel; query-blocked with QB 64; automatic tiling (a lax.cond between the
-# two kernels under jit).
+# two kernels under jit). Forward kernels, backward kernels: the per-query op's dq and
+# dKV; the query-blocked op's block and sum kernels in a lax.cond with dq and dKV.
 EXPORTED = {
-    "per_query": (tpu.sparse_mla_attention, {}, 1),
-    "qblock_qb64": (tpu.sparse_mla_attention_qblock, {"query_block": 64}, 1),
-    "qblock_auto": (tpu.sparse_mla_attention_qblock, {}, 2),
+    "per_query": (tpu.sparse_mla_attention, {}, 1, 2),
+    "qblock_qb64": (tpu.sparse_mla_attention_qblock, {"query_block": 64}, 1, 4),
+    "qblock_auto": (tpu.sparse_mla_attention_qblock, {}, 2, 4),
 }
-BACKWARD_KERNELS = 2  # dq and dKV
+BACKWARD_KERNELS = 2  # the per-query op's: dq and dKV
 
 
 @pytest.mark.parametrize("kernel", list(EXPORTED))
 def test_grad_cross_lowers_for_tpu(kernel):
     """``jax.grad`` through out and lse, plus the mass: 512 tokens, 128 heads, top-16
     units of 128 tokens of a 16K flat cache, Dk 576 / Dv 512."""
-    fn, knobs, count = EXPORTED[kernel]
+    fn, knobs, forward, backward = EXPORTED[kernel]
     text = export_sparse_mla_grad(
         fn, "tpu", tokens=512, heads=128, cache=16384, top_k=16, sm_scale=0.04, read_block=128,
         **knobs,
     )  # fmt: skip
-    assert text.count("tpu_custom_call") == count + BACKWARD_KERNELS
+    assert text.count("tpu_custom_call") == forward + backward
 
 
 def test_integer_inputs_get_float0_cotangents():
@@ -259,6 +261,79 @@ def test_gradients_bitwise_reproducible(monkeypatch):
     first = _flat_grads()
     monkeypatch.setattr(sparse_mla_bwd, "PAIR_CHUNK", 2)
     chunked = _flat_grads()
+    for a, b in zip(first, chunked, strict=True):
+        assert a.tobytes() == b.tobytes()
+    assert np.any(first[1] != 0.0)
+
+
+# ------------------------------------------------------------- the query-blocked backward
+
+
+def _nan_gradients(monkeypatch, module, name: str):
+    """``module.name`` (a backward) made to return NaN gradients: a test that still
+    matches the reference did not take it."""
+    real = getattr(module, name)
+
+    def nan(*args, **kw):
+        dq, dkv = real(*args, **kw)
+        return jnp.full_like(dq, jnp.nan), jnp.full_like(dkv, jnp.nan)
+
+    monkeypatch.setattr(module, name, nan)
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=_SLOW)])
+def test_qblock_backward_walks_block_unions(monkeypatch, dtype):
+    """The query-blocked op's gradients come from its own kernels (the per-query backward
+    returns NaN here): 3 query blocks of 16 (the last one partial), 2 head groups, unions
+    of up to 64 slots walked in 2 chunks (``BACKWARD_SHARING`` 1: every union fits), 2
+    units a step, every edge of ``sparse_mla_flat_case`` over a poisoned cache."""
+    _nan_gradients(monkeypatch, sparse_mla_qblock, "per_query_backward")
+    monkeypatch.setattr(sparse_mla_qblock_bwd, "BACKWARD_SHARING", 1)
+    q, kv, idx, pos = sparse_mla_flat_case(
+        11, dk=DV + ROPE, batch=2, seq=40, heads=4, kv_len=1000, rb=16, top_k=4, dtype=dtype
+    )
+    keep = attended_rows_flat(idx, pos, kv_len=1000, read_block=16)
+    cfg = SparseMlaConfig(units_per_step=2, ring_slots=2)
+    compare_sparse_mla_grads(
+        tpu.sparse_mla_attention_qblock, q, poison_rows(kv, keep, seed=11), idx, pos, keep,
+        kernel_kw=dict(interpret=INTERPRET, config=cfg, query_block=16, head_block=2),
+        sm_scale=SM_SCALE, dv=DV, grad_tol=GRAD_TOL[dtype], mass_atol=MASS_ATOL, read_block=16,
+    )  # fmt: skip
+    unions = np.asarray(block_union_sizes(jnp.asarray(np.where(idx < 63, idx, -1)), query_block=16))
+    assert unions.max() > 32  # two chunks
+
+
+def test_qblock_backward_over_the_paged_cache(monkeypatch):
+    """The same through a ragged paged cache read in place (NaN in the unattended rows and
+    in the feature padding, which gets exactly 0)."""
+    _nan_gradients(monkeypatch, sparse_mla_qblock, "per_query_backward")
+    q, cache, idx, pos, keep, tables = dirty_ragged_grad_case(
+        5, seq_lens=[37, 5, 20], new_lens=[4, 0, 3], extra_pages=[1, 0, 1], page_size=16,
+        heads=2, top_k=3, dk=DV + ROPE, dtype="bfloat16",
+    )  # fmt: skip
+    _, dcache = _compare("qblock", q, cache, idx, pos, keep, **tables)
+    assert np.all(dcache.reshape(keep.size, -1)[:, DV + ROPE :] == 0.0)
+
+
+def test_qblock_backward_falls_back_past_its_slots(monkeypatch):
+    """A union wider than the partial buffer takes the per-query backward (the blocked one
+    returns NaN here), decided at run time."""
+    _nan_gradients(monkeypatch, sparse_mla_qblock, "blocked_backward")
+    monkeypatch.setattr(sparse_mla_qblock, "backward_slots", lambda *shape: 0)
+    q, kv, idx, pos = sparse_mla_flat_case(
+        2, dk=DV + ROPE, batch=1, seq=8, heads=2, kv_len=64, rb=16, top_k=3, dtype="bfloat16"
+    )
+    keep = attended_rows_flat(idx, pos, kv_len=64, read_block=16)
+    _compare("qblock", q, poison_rows(kv, keep, seed=3), idx, pos, keep, read_block=16)
+
+
+def test_qblock_gradients_bitwise_reproducible(monkeypatch):
+    """The blocked backward twice, the second time with the sum kernel's partials cut into
+    chunks of 2 per program: equal bit for bit (each store block's partials are added
+    in the same order)."""
+    first = _flat_grads("qblock")
+    monkeypatch.setattr(sparse_mla_qblock_bwd, "PAIR_CHUNK", 2)
+    chunked = _flat_grads("qblock")
     for a, b in zip(first, chunked, strict=True):
         assert a.tobytes() == b.tobytes()
     assert np.any(first[1] != 0.0)

@@ -32,7 +32,7 @@ from attn_common.fp8_cache import Fp8LatentCache
 from attn_common.paged import copy_pages, named_pages
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.spec import SparseMlaCall, require_kernel
-from attn_common.tables import sanitize_unit_ids
+from attn_common.tables import build_block_unit_tables, sanitize_unit_ids
 from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.fp8_rows import ROW_BYTES, dequantize_rows, side_rows
 from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
@@ -353,3 +353,84 @@ def program_tables(space: UnitSpace, rb: int, cfg: SparseMlaConfig, n: int):
         flat(addr), flat(kb), flat(count), flat(space.lim), qp=qp, group=cfg.units_per_step
     )
     return tables, n_pad
+
+
+# ------------------------------------------------------------ query-blocked kernels' tables
+
+
+class UnionTables(NamedTuple):
+    """The query-blocked kernels' tables: per block of ``QB`` queries its sorted union of
+    units in ``C`` chunks of ``UC`` slots (all int32 but ``member``).
+
+    kb:     ``[B, nQB * C, 1, UC]`` first token position of each slot (an SMEM block per
+            (block, chunk): Mosaic wants the last two block dims equal to the array's).
+    addr:   ``[B, nQB * C, 1, UC]`` the slot's store address (``unit_source``).
+    unions: ``[B * nQB]`` true union sizes (scalar-prefetched).
+    lim:    ``[B, nQB, 1, QB]`` per query: key positions ``< lim`` are valid (0 past the
+            queries).
+    member: ``[B, nQB, C * UC, QB]`` int8, query ``q`` selected slot ``j``'s unit (0 where
+            the unit's physical page is invalid).
+    """
+
+    kb: jax.Array
+    addr: jax.Array
+    unions: jax.Array
+    lim: jax.Array
+    member: jax.Array
+
+
+def union_tables(
+    problem: SparseMlaProblem, space: UnitSpace, *, query_block: int, u_chunk: int,
+    n_chunks: int, page_indices,
+) -> UnionTables:  # fmt: skip
+    """:class:`UnionTables` of ``space`` at width ``n_chunks * u_chunk`` (a union wider than
+    that is cut; ``unions`` stays its true size, for the caller to check)."""
+    batch, seq, rb = problem.batch, problem.num_queries, problem.read_block
+    width = n_chunks * u_chunk
+    tables = jax.vmap(
+        lambda keys: build_block_unit_tables(keys, query_block=query_block, u_max=width)
+    )(space.keys)
+    n_blocks = tables.units.shape[1]
+    store = space.store
+    if problem.ragged:
+        addr, ok = unit_source(
+            tables.units,
+            page_indices=page_indices,
+            rows_per_page=rb if store.kind == "rows" else None,
+            num_pages=store.arrays[0].shape[0] // (rb if store.kind == "rows" else 1),
+        )
+    else:
+        addr, ok = unit_source(
+            tables.units, flat_rows_per_batch=problem.num_units * rb, read_block=rb
+        )
+    member = jnp.where(ok[:, :, None, :], tables.member, 0).astype(jnp.int8)
+    kb = (jnp.maximum(tables.units, 0) * rb).reshape(batch, n_blocks * n_chunks, 1, u_chunk)
+    lim = jnp.pad(space.lim, ((0, 0), (0, n_blocks * query_block - seq)))  # padded: lim 0
+    return UnionTables(
+        kb=kb,
+        addr=addr.reshape(batch, n_blocks * n_chunks, 1, u_chunk),
+        unions=tables.counts.reshape(batch * n_blocks),
+        lim=lim.reshape(batch, n_blocks, 1, query_block),
+        member=member.transpose(0, 1, 3, 2),
+    )
+
+
+def to_blocks(x, query_block: int, head_block: int):
+    """``[B, S, H, D] -> [B, nQB, G, Hb * QB, D]``: the query-blocked programs' rows ``h *
+    QB + q`` for the ``Hb`` heads of each head group (queries padded with zeros)."""
+    batch, seq, heads, d = x.shape
+    n_blocks = -(-seq // query_block)
+    groups = heads // head_block
+    x = jnp.pad(x, ((0, 0), (0, n_blocks * query_block - seq), (0, 0), (0, 0)))
+    x = x.reshape(batch, n_blocks, query_block, groups, head_block, d)
+    x = x.transpose(0, 1, 3, 4, 2, 5)
+    return x.reshape(batch, n_blocks, groups, head_block * query_block, d)
+
+
+def from_blocks(x, seq: int, query_block: int):
+    """The inverse of :func:`to_blocks`: ``[B, nQB, G, Hb * QB, D] -> [B, S, H, D]``."""
+    batch, n_blocks, groups, rows, d = x.shape
+    head_block = rows // query_block
+    x = x.reshape(batch, n_blocks, groups, head_block, query_block, d)
+    x = x.transpose(0, 1, 4, 2, 3, 5)
+    return x.reshape(batch, n_blocks * query_block, groups * head_block, d)[:, :seq]

@@ -22,6 +22,10 @@ The knobs, and why they exist (docs/tpu_sparse_mla.md has the measurements):
 * ``pairs_per_step`` (dKV): (store block, query) pairs whose query rows are stacked into
   one step's matmuls.
 
+The query-blocked backward (``attn_pallas_tpu.sparse_mla_qblock_bwd``) runs at the
+forward's ``query_block`` / ``head_block``, in chunks of ``MEMBER_TILE`` union slots, with
+the same ring; its partial-gradient buffer is sized by ``BACKWARD_SHARING``.
+
 Fixed by the hardware, not config: ``MEMBER_TILE`` (the int8 sublane tile that aligns the
 query-blocked membership windows).
 """
@@ -40,6 +44,14 @@ MAX_DEFAULT_UNITS = 16
 RING_SLOTS = 3  # 3 and 6 slots measured alike: the copies are hidden at 2 steps in flight
 MAX_ROWS = 4096  # default cap on the query-blocked kernel's score rows (Hb * QB)
 PAIR_CHUNK = 128  # dKV (store block, query) pairs per program: bounds its SMEM tables
+# The query-blocked backward's partial-gradient buffer: slots per (query block, head
+# group) for a block's ``QB * K`` pairs shared at least this many ways (a wider union
+# takes the per-query backward). ``RB * Dk_pad * 4`` bytes a slot: 0.67 GB for 2048
+# queries x 32 units of 64 at ``Dk_pad`` 640.
+BACKWARD_SHARING = 16
+# Rows of the store one program of the query-blocked backward's sum kernel writes (whole
+# store blocks): one program per store block cost 0.63 ms of grid steps at 1,728 blocks.
+SUM_ROWS = 512
 
 
 def _positive(name: str, value) -> int:
@@ -164,6 +176,30 @@ def qblock_vmem_bytes(
         temps += gr * dk_pad * (4 + 2)
     ring = ring_bytes(config, read_block=read_block, row_bytes=row_bytes)
     return 2 * blocks + ring + temps + 2 * rows * 4
+
+
+def qblock_bwd_vmem_bytes(
+    config: SparseMlaConfig,
+    *,
+    rows: int,
+    read_block: int,
+    dk_pad: int,
+    dv: int,
+    itemsize: int,
+    row_bytes: int,
+) -> int:
+    """One query-blocked backward program: the forward's blocks (:func:`qblock_vmem_bytes`)
+    plus double-buffered ``dO [rows, Dv]``, the float32 ``dq [rows, Dk_pad]`` and the
+    chunk's float32 partials ``[u_chunk * read_block, Dk_pad]``, and the step's further
+    temporaries (``dp``, ``ds``, the finite keys, ``dK`` / ``dV`` of the step)."""
+    gr = config.step_rows(read_block)
+    fwd = qblock_vmem_bytes(
+        config, rows=rows, read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize,
+        row_bytes=row_bytes,
+    )  # fmt: skip
+    blocks = rows * dv * itemsize + rows * dk_pad * 4 + config.u_chunk() * read_block * dk_pad * 4
+    temps = 3 * gr * rows * 4 + gr * dk_pad * (4 + itemsize) + gr * (dk_pad + dv) * 4
+    return fwd + 2 * blocks + temps
 
 
 def vmem_limit(need: int, physical: int) -> int:

@@ -449,8 +449,8 @@ def _dkv_call(inv: InvertedSelection, blocks, q, do, stats, *, sm_scale, dk, dv,
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config):
-    """``(dq, dkv)`` of a validated call (float32 or bfloat16 cache) from the forward's
+def per_query_backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config):
+    """``(dq, dkv)`` through the dq and dKV kernels, of a validated call (float32 or bfloat16 cache) from the forward's
     ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` (float32) and their cotangents."""
     problem = call.problem
     kv = call.kv
@@ -495,27 +495,34 @@ def kernel_covers(call: SparseMlaCall) -> bool:
     return not isinstance(kv, Fp8LatentCache) and jnp.dtype(kv.dtype) in KERNEL_DTYPES
 
 
-def with_kernel_backward(forward, *, interpret, config: SparseMlaConfig):
+def with_kernel_backward(forward, *, interpret, config: SparseMlaConfig, backward=None):
     """A kernel ``forward(call) -> (out, lse)`` made differentiable in ``call.q`` and
-    ``call.kv`` (``attn_common.sparse_mla_xla.with_saved_backward``) with the two kernels
-    above as its backward, from the residuals ``q``, the cache, the integer tables and
-    the forward's ``out`` and ``lse``."""
+    ``call.kv`` (``attn_common.sparse_mla_xla.with_saved_backward``) from the residuals
+    ``q``, the cache, the integer tables and the forward's ``out`` and ``lse``: through
+    ``backward(call, out, lse, d_out, d_lse, interpret=, config=) -> (dq, dkv)``, by
+    default :func:`per_query_backward` (the two kernels above)."""
+    backward = backward or per_query_backward
 
-    def backward(call, out, lse, cotangents):
-        return _backward(call, out, lse, *cotangents, interpret=interpret, config=config)
+    def vjp(call, out, lse, cotangents):
+        return backward(call, out, lse, *cotangents, interpret=interpret, config=config)
 
-    return with_saved_backward(forward, backward)
+    return with_saved_backward(forward, vjp)
 
 
-def sparse_mla_result(call: SparseMlaCall, forward, *, interpret, config: SparseMlaConfig):
+def sparse_mla_result(
+    call: SparseMlaCall, forward, *, interpret, config: SparseMlaConfig, backward=None
+):
     """The op's result for a TPU forward kernel ``forward(call) -> (out, lse)``: the empty
     result for an empty problem; else the kernel's ``out`` and ``lse``, differentiable
-    through the backward kernels (:func:`with_kernel_backward`; a cache they do not take:
-    the XLA backward, ``with_xla_backward``), plus the attention mass from the LSE."""
+    through the backward kernels (:func:`with_kernel_backward`, ``backward`` as there; a
+    cache they do not take: the XLA backward, ``with_xla_backward``), plus the attention
+    mass from the LSE."""
     if call.problem.is_empty:
         return empty_result(call.problem, call.return_lse, call.return_attn_mass)
     if kernel_covers(call):
-        out, lse = with_kernel_backward(forward, interpret=interpret, config=config)(call)
+        out, lse = with_kernel_backward(
+            forward, interpret=interpret, config=config, backward=backward
+        )(call)
     else:
         out, lse = with_xla_backward(forward)(call)
     mass = attn_mass_from_lse(call, lse) if call.return_attn_mass else None
@@ -525,6 +532,7 @@ def sparse_mla_result(call: SparseMlaCall, forward, *, interpret, config: Sparse
 __all__ = [
     "PAIR_CHUNK",
     "invert_selection",
+    "per_query_backward",
     "sparse_mla_result",
     "with_kernel_backward",
 ]

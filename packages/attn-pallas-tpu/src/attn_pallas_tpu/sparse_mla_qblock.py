@@ -77,19 +77,21 @@ from jax.experimental.pallas import tpu as pltpu
 from attn_common.metadata import is_concrete
 from attn_common.paged import check_fp8_dequantize
 from attn_common.spec import SparseMlaCall, public_op, sparse_mla_call
-from attn_common.tables import build_block_unit_tables, lossless_u_max, resolve_u_max
+from attn_common.tables import lossless_u_max, resolve_u_max
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
     default_chip,
     fp8_copy,
+    from_blocks,
     host_unit_keys,
     pad_features,
     query_dtype,
     require_tpu_kernels,
     resolve_interpret,
     row_bytes,
-    unit_source,
+    to_blocks,
+    union_tables,
     unit_space,
 )
 from attn_pallas_tpu.config import (
@@ -113,13 +115,18 @@ from attn_pallas_tpu.plan import (
     static_qblock_config,
 )
 from attn_pallas_tpu.sparse_mla import _per_query, resolve_config, sparse_mla_attention
-from attn_pallas_tpu.sparse_mla_bwd import sparse_mla_result
-from attn_pallas_tpu.unit_ring import FAR, RingWalk, Store, UnitRing, in_hbm, ring_scratch
-
-
-def _lane_tile(x, times: int):
-    """``[1, n] -> [1, times * n]`` by lane concatenation (row r reads x[r % n])."""
-    return x if times == 1 else jnp.concatenate([x] * times, axis=1)
+from attn_pallas_tpu.sparse_mla_bwd import per_query_backward, sparse_mla_result
+from attn_pallas_tpu.sparse_mla_qblock_bwd import backward_slots, blocked_backward
+from attn_pallas_tpu.unit_ring import (
+    FAR,
+    RingWalk,
+    Store,
+    UnitRing,
+    in_hbm,
+    lane_tile,
+    member_rows,
+    ring_scratch,
+)
 
 
 def _qblock_kernel(
@@ -179,20 +186,6 @@ def _qblock_kernel(
         lse_ref[0, 0, 0] = jnp.where(empty, -jnp.inf, m_i + jnp.log(safe_l))[None, :]
 
 
-def _members(mem_ref, j, g: int, heads_per_group: int) -> list:
-    """Membership lane rows ``[1, rows]`` of union slots ``j .. j + g - 1`` (``j`` a
-    multiple of ``g``, ``g`` dividing the int8 tile): one aligned 32-row window, then an
-    iota select per slot."""
-    j0 = pl.multiple_of(jax.lax.div(j, jnp.int32(MEMBER_TILE)) * MEMBER_TILE, MEMBER_TILE)
-    win = mem_ref[0, 0, pl.ds(j0, MEMBER_TILE), :].astype(jnp.int32)  # [32, QB]
-    win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
-    out = []
-    for e in range(g):
-        row = jnp.max(jnp.where(win_row == j - j0 + e, win, 0), axis=0, keepdims=True)
-        out.append(_lane_tile(row, heads_per_group))
-    return out
-
-
 def _walk_chunk(
     count, q_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, o_ref, m_i, l_i, *,
     sm_scale, dk, dv, rb, heads_per_group, cfg,
@@ -201,7 +194,7 @@ def _walk_chunk(
     returns the new ``(m, l)``."""
     g = cfg.units_per_step
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
-    lim = _lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
+    lim = lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
     u_chunk = kb_ref.shape[-1]
 
     def entries(t):
@@ -230,7 +223,7 @@ def _walk_chunk(
         finite = jnp.isfinite(values.astype(jnp.float32))  # Mosaic's is_finite takes f32
         values = jnp.where(finite, values, jnp.zeros_like(values))
         s = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [G RB, rows]
-        members = _members(mem_ref, t * g, g, heads_per_group)
+        members = member_rows(mem_ref, t * g, g, heads_per_group)
         pieces = []
         for e, (member, kb) in enumerate(zip(members, kbs, strict=True)):
             valid = (member > 0) & ((kb + key_row) < lim)  # [RB, rows]
@@ -403,7 +396,8 @@ def sparse_mla_attention_qblock(
     forward = functools.partial(
         _forward, max_rows=max_rows, fp8_dequantize=fp8_dequantize, interpret=interpret, cfg=cfg
     )
-    return sparse_mla_result(call, forward, interpret=interpret, config=cfg)
+    backward = functools.partial(_backward, max_rows=max_rows)
+    return sparse_mla_result(call, forward, interpret=interpret, config=cfg, backward=backward)
 
 
 def _plan_shape(problem, kv, cfg) -> dict:
@@ -481,111 +475,111 @@ def _host_planned(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg):
     return fn(call.q, kv, call.indices, call.positions, **tables)
 
 
+def _tiling(call: SparseMlaCall, kv, *, max_rows: int, cfg):
+    """``(query_block, head_block, u_max, explicit)`` of a validated call: the call's own
+    tiling where it sets ``query_block`` or ``head_block`` (``explicit``), else the one the
+    shapes give (``static_qblock_config``, the query block cut to the queries)."""
+    problem = call.problem
+    shape_args = _plan_shape(problem, kv, cfg)
+    if call.query_block is not None or call.head_block is not None:
+        qb = call.query_block or static_qblock_config(**shape_args, max_rows=max_rows)[0]
+        hb = _head_group(problem.heads, qb, call.head_block, max_rows)
+        return qb, hb, call.u_max, True
+    qb, hb, u_max = static_qblock_config(**shape_args, max_rows=max_rows)
+    qb = min(qb, -(-problem.num_queries // SUBLANE) * SUBLANE)  # no block past the queries
+    return qb, hb, call.u_max if call.u_max is not None else u_max, False
+
+
 def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, cfg):
     """The planned kernel's ``(out, lse)`` for a validated call."""
     problem = call.problem
     q, indices, positions = call.q, call.indices, call.positions
-    query_block, u_max, head_block = call.query_block, call.u_max, call.head_block
     kv, ragged = fp8_copy(problem, call.kv, call.ragged_kwargs(), fp8_dequantize)
     space = unit_space(problem, kv, indices, positions, **ragged)
     per_query = functools.partial(
         _per_query, problem, q, kv, indices, positions, interpret=interpret, config=cfg,
         **ragged,
     )  # fmt: skip
+    qb, hb, u_max, explicit = _tiling(call, kv, max_rows=max_rows, cfg=cfg)
     qblock = functools.partial(
-        _qblock, problem, q, space, interpret=interpret, cfg=cfg,
-        page_indices=ragged["page_indices"],
+        _qblock, problem, q, space, query_block=qb, head_block=hb, u_max=u_max,
+        interpret=interpret, cfg=cfg, page_indices=ragged["page_indices"],
     )  # fmt: skip
+    if explicit:  # no fallback
+        return qblock()
+    # Under jit the unions are data: decide at run time. The query-blocked kernel runs
+    # only if it moves fewer KV bytes (DMAs of one unit each) and the model predicts it
+    # faster; otherwise (and on ties) the per-query kernel.
     shape_args = _plan_shape(problem, kv, cfg)
-    if query_block is not None or head_block is not None:  # explicit tiling: no fallback
-        qb = query_block or static_qblock_config(**shape_args, max_rows=max_rows)[0]
-        hb = _head_group(problem.heads, qb, head_block, max_rows)
-        return qblock(query_block=qb, head_block=hb, u_max=u_max)
-
-    live_keys = jnp.where(space.unit_ok, space.keys, -1)
-    # Under jit the unions are data: plan from the shapes, then decide at run time. The
-    # query-blocked kernel runs only if it moves fewer KV bytes (DMAs of one unit each)
-    # and the model predicts it faster; otherwise (and on ties) the per-query kernel.
-    qb, hb, plan_u_max = static_qblock_config(**shape_args, max_rows=max_rows)
-    qb = min(qb, -(-problem.num_queries // SUBLANE) * SUBLANE)  # no block past the queries
-    plan_u_max = u_max if u_max is not None else plan_u_max
     unions = block_union_sizes(space.keys, query_block=qb)
-    distinct = distinct_units_per_query(live_keys)
-    qblock_dmas = (problem.heads // hb) * jnp.sum(unions)
-    per_query_dmas = jnp.sum(distinct)
-    qblock_s = qblock_seconds(unions, query_block=qb, head_block=hb, u_max=plan_u_max, **shape_args)
+    distinct = distinct_units_per_query(jnp.where(space.unit_ok, space.keys, -1))
+    qblock_s = qblock_seconds(unions, query_block=qb, head_block=hb, u_max=u_max, **shape_args)
     per_query_s = per_query_seconds(distinct, **shape_args)
+    shares = _shares(unions, distinct, groups=problem.heads // hb)
+    return jax.lax.cond(shares & (qblock_s < per_query_s), qblock, per_query)
+
+
+def _shares(unions, distinct, *, groups: int):
+    """Whether the blocks' unions (re-read per head group) are at most ``1 / MIN_SHARING``
+    of the per-query kernel's unit DMAs."""
+    return groups * jnp.sum(unions) * MIN_SHARING <= jnp.sum(distinct)
+
+
+def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, max_rows: int, interpret, config):
+    """``(dq, dkv)``: the query-blocked backward (``sparse_mla_qblock_bwd``) at the
+    forward's tiling where every block's union fits its partial buffer and (automatic
+    tiling) the blocks share as the forward requires; else the per-query backward.
+    Decided at run time."""
+    problem = call.problem
+    space = unit_space(problem, call.kv, call.indices, call.positions, **call.ragged_kwargs())
+    qb, hb, _, explicit = _tiling(call, call.kv, max_rows=max_rows, cfg=config)
+    unions = block_union_sizes(space.keys, query_block=qb)
+    take = jnp.max(unions) <= backward_slots(qb, problem.top_k, problem.num_units)
+    if not explicit:
+        distinct = distinct_units_per_query(jnp.where(space.unit_ok, space.keys, -1))
+        take = take & _shares(unions, distinct, groups=problem.heads // hb)
+    grads = (call, out, lse, d_out, d_lse)
+    kw = dict(interpret=interpret, config=config)
     return jax.lax.cond(
-        (qblock_dmas * MIN_SHARING <= per_query_dmas) & (qblock_s < per_query_s),
-        lambda: qblock(query_block=qb, head_block=hb, u_max=plan_u_max),
-        per_query,
+        take,
+        lambda: blocked_backward(*grads, query_block=qb, head_block=hb, **kw),
+        lambda: per_query_backward(*grads, **kw),
     )
 
 
 def _qblock(problem, q, space, *, query_block, head_block, u_max, interpret, cfg, page_indices):
     """Build the chunked union tables and run the query-blocked kernel."""
-    batch, seq, heads = problem.batch, problem.num_queries, problem.heads
-    rb, dv = problem.read_block, problem.dv
-    groups = heads // head_block
     u_max = resolve_u_max(
         u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
     )
     u_chunk = -(-u_max // MEMBER_TILE) * MEMBER_TILE
     widest = lossless_u_max(query_block, problem.top_k, problem.num_units)
-    n_chunks = -(-widest // u_chunk)
-    width = n_chunks * u_chunk  # >= every union: nothing is dropped
-    tables = jax.vmap(
-        functools.partial(build_block_unit_tables, query_block=query_block, u_max=width)
-    )(space.keys)
-    n_blocks = tables.units.shape[1]
+    tables = union_tables(
+        problem, space, query_block=query_block, u_chunk=u_chunk, n_chunks=-(-widest // u_chunk),
+        page_indices=page_indices,
+    )  # fmt: skip
+    # (the width is >= every union: nothing is dropped)
     store = space.store
-    if problem.ragged:
-        addr, ok = unit_source(
-            tables.units,
-            page_indices=page_indices,
-            rows_per_page=rb if store.kind == "rows" else None,
-            num_pages=store.arrays[0].shape[0] // (rb if store.kind == "rows" else 1),
-        )
-    else:
-        addr, ok = unit_source(
-            tables.units, flat_rows_per_batch=problem.num_units * rb, read_block=rb
-        )
-    member = jnp.where(ok[:, :, None, :], tables.member, 0).astype(jnp.int8)
-    member = member.transpose(0, 1, 3, 2)  # [B, nQB, width, QB]
-    # Unit tables [B, nQB * C, 1, UC]: a (1, UC) SMEM block per (block, chunk) keeps the
-    # last two block dims equal to the array's, as Mosaic requires.
-    kb = (jnp.maximum(tables.units, 0) * rb).reshape(batch, n_blocks * n_chunks, 1, u_chunk)
-    addr = addr.reshape(batch, n_blocks * n_chunks, 1, u_chunk)
-    unions = tables.counts.reshape(batch * n_blocks)
-
-    seq_pad = n_blocks * query_block
-    lim = jnp.pad(space.lim, ((0, 0), (0, seq_pad - seq)))  # padded queries: lim 0
-    lim = lim.reshape(batch, n_blocks, 1, query_block)
-    q5 = pad_features(q.astype(store.dtype), store.width)
-    q5 = jnp.pad(q5, ((0, 0), (0, seq_pad - seq), (0, 0), (0, 0)))
-    q5 = q5.reshape(batch, n_blocks, query_block, groups, head_block, store.width)
-    q5 = q5.transpose(0, 1, 3, 4, 2, 5)
-    q5 = q5.reshape(batch, n_blocks, groups, head_block * query_block, store.width)
-
+    q5 = to_blocks(pad_features(q.astype(store.dtype), store.width), query_block, head_block)
     out, lse = _qblock_call(
         q5,
         store.arrays,
-        kb,
-        addr,
-        unions,
-        lim,
-        member,
+        tables.kb,
+        tables.addr,
+        tables.unions,
+        tables.lim,
+        tables.member,
         kind=store.kind,
         sm_scale=problem.sm_scale,
         dk=problem.dk,
-        dv=dv,
-        rb=rb,
+        dv=problem.dv,
+        rb=problem.read_block,
         heads_per_group=head_block,
         cfg=cfg,
         interpret=interpret,
     )
-    out = out.reshape(batch, n_blocks, groups, head_block, query_block, dv)
-    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, seq_pad, heads, dv)[:, :seq]
-    lse = lse.reshape(batch, n_blocks, groups, head_block, query_block)
-    lse = lse.transpose(0, 1, 4, 2, 3).reshape(batch, seq_pad, heads)[:, :seq]
-    return out, lse
+    seq = problem.num_queries
+    return (
+        from_blocks(out, seq, query_block),
+        from_blocks(lse.swapaxes(-1, -2), seq, query_block)[..., 0],
+    )

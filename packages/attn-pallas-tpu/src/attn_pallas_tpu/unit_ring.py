@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from attn_pallas_tpu.config import MEMBER_TILE
 from attn_pallas_tpu.fp8_rows import dequantize_rows
 
 FAR = 1 << 30  # position of a step entry that holds no unit: never < any lim
@@ -149,6 +150,27 @@ def entry_positions(kbs, *, rb: int, shape, axis: int, stride: int = 1) -> jax.A
     for e, kb in enumerate(kbs):
         base = jnp.where(t >= e * rb, kb - e * rb, base)
     return base + t
+
+
+def lane_tile(x, times: int):
+    """``[1, n] -> [1, times * n]`` by lane concatenation (row r reads x[r % n]): a
+    query-blocked program's per-query lane row for its ``times`` heads."""
+    return x if times == 1 else jnp.concatenate([x] * times, axis=1)
+
+
+def member_rows(mem_ref, j, g: int, heads_per_group: int) -> list:
+    """The query-blocked kernels' membership lane rows ``[1, rows]`` of union slots ``j ..
+    j + g - 1`` (``j`` a multiple of ``g``, ``g`` dividing the int8 tile) from the chunk's
+    ``[1, 1, UC, QB]`` int8 block: one aligned 32-row window, then an iota select per
+    slot (a dynamic sublane offset into int8 must be a multiple of its 32-row tile)."""
+    j0 = pl.multiple_of(jax.lax.div(j, jnp.int32(MEMBER_TILE)) * MEMBER_TILE, MEMBER_TILE)
+    win = mem_ref[0, 0, pl.ds(j0, MEMBER_TILE), :].astype(jnp.int32)  # [32, QB]
+    win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
+    out = []
+    for e in range(g):
+        row = jnp.max(jnp.where(win_row == j - j0 + e, win, 0), axis=0, keepdims=True)
+        out.append(lane_tile(row, heads_per_group))
+    return out
 
 
 def keep_words(pos_first, lim, pk: int) -> jax.Array:
