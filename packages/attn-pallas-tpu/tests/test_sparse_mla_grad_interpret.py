@@ -328,15 +328,22 @@ def test_qblock_backward_falls_back_past_its_slots(monkeypatch):
 
 
 def test_qblock_gradients_bitwise_reproducible(monkeypatch):
-    """The blocked backward twice, the second time with the sum kernel's partials cut into
-    chunks of 2 per program: equal bit for bit (each store block's partials are added
-    in the same order)."""
+    """The blocked backward twice, the second time with the sum kernel writing one store
+    block a program: equal bit for bit (each store block's partials are added in the same
+    order)."""
     first = _flat_grads("qblock")
-    monkeypatch.setattr(sparse_mla_qblock_bwd, "PAIR_CHUNK", 2)
+    monkeypatch.setattr(sparse_mla_qblock_bwd, "SUM_ROWS", 1)
     chunked = _flat_grads("qblock")
     for a, b in zip(first, chunked, strict=True):
         assert a.tobytes() == b.tobytes()
     assert np.any(first[1] != 0.0)
+
+
+def test_sum_span_divides_the_store():
+    """The sum kernel's span: the largest divisor of the store's blocks within its rows."""
+    span = sparse_mla_qblock_bwd.sum_span
+    assert span(1728, 64) == 8 and span(1728, 16) == 32 and span(126, 16) == 21
+    assert span(127, 16) == 1 and span(3, 16) == 3 and span(1, 128) == 1
 
 
 # The production shape of issue 40: S 4096, 2048 selected tokens per query from a 32K

@@ -50,7 +50,8 @@ PAIR_CHUNK = 128  # dKV (store block, query) pairs per program: bounds its SMEM 
 # queries x 32 units of 64 at ``Dk_pad`` 640.
 BACKWARD_SHARING = 16
 # Rows of the store one program of the query-blocked backward's sum kernel writes (whole
-# store blocks): one program per store block cost 0.63 ms of grid steps at 1,728 blocks.
+# store blocks): a program per store block paid a grid step for each, most of them only
+# writing zeros.
 SUM_ROWS = 512
 
 

@@ -29,14 +29,13 @@ is skipped, as in the forward. The partial slots past the union are never writte
 never read.
 
 **Sum kernel**: a union slot's partial belongs to one store block, and several blocks and
-head groups send partials to the same store block. ``sparse_mla_bwd.invert_selection``
-(one "query" per partial slot, a span of ``sum_span`` store blocks as its "unit") lists
-each span's partials in ascending slot order, cut into chunks; one program per chunk
-(sequential) DMAs them through a ring of ``S`` float32 tiles ``[RB, Dk_pad]`` and adds
-each into its store block's rows of a VMEM accumulator ``[span RB, Dk_pad]`` that lives
-from the span's first chunk to its last, then writes the span once in the store dtype.
-Every span is visited, so a store block no query attends is written exactly 0. The order
-is fixed (no atomics): two runs are equal bit for bit.
+head groups send partials to the same store block. One program per span of ``sum_span``
+store blocks: the used partials sorted by (span, slot) and each span's run in that list
+are scalar-prefetched; the program DMAs its run through a ring of ``S`` float32 tiles
+``[RB, Dk_pad]``, adds each into its store block's rows of a VMEM accumulator ``[span
+RB, Dk_pad]`` and writes the span once in the store dtype. Every span is written, so a
+store block no query attends is exactly 0. The order is fixed (no atomics): two runs are
+equal bit for bit. SMEM holds one int32 per partial slot and per span.
 
 Dirty caches. Rows some queries of the block may not see can hold NaN/Inf: ``p`` and
 ``ds`` are selected (never multiplied) to 0 there, and the key tile that ``dq`` multiplies
@@ -80,14 +79,12 @@ from attn_pallas_tpu._prep import (
 from attn_pallas_tpu.config import (
     BACKWARD_SHARING,
     MEMBER_TILE,
-    PAIR_CHUNK,
     SUM_ROWS,
     SparseMlaConfig,
     qblock_bwd_vmem_bytes,
     vmem_limit,
 )
 from attn_pallas_tpu.plan import VMEM_USABLE_FRACTION
-from attn_pallas_tpu.sparse_mla_bwd import invert_selection
 from attn_pallas_tpu.unit_ring import (
     FAR,
     RingWalk,
@@ -310,100 +307,75 @@ def _block_call(
 
 
 def _sum_kernel(
-    block_ref,  # scalar prefetch SMEM [NC]: the span of each chunk (index maps)
-    meta_ref,  # SMEM [1, 1, 3]: (partials, first, last) of this chunk
-    pid_ref,  # SMEM [1, 1, PC]: the partial slot of each entry
-    sub_ref,  # SMEM [1, 1, PC]: its store block's place in the span
+    starts_ref,  # scalar prefetch SMEM [spans + 1]: each span's run in the sorted list
+    order_ref,  # scalar prefetch SMEM [P]: partial slot * span + block's place, sorted
     part_hbm,  # HBM [P, RB, Dk_pad] float32
-    out_ref,  # VMEM [1, SPAN RB, Dk_pad] in the store dtype
+    out_ref,  # VMEM [1, span RB, Dk_pad] in the store dtype
     ring,  # VMEM [S, RB, Dk_pad] float32
     sems,  # DMA semaphores [S]
-    acc,  # VMEM [SPAN RB, Dk_pad] float32: the span's sums, across its chunks
+    acc,  # VMEM [span RB, Dk_pad] float32
     *,
+    span: int,
     slots: int,
 ):
-    del block_ref  # read by the index maps only
-    count = meta_ref[0, 0, 0]
     rb = ring.shape[1]
-
-    @pl.when(meta_ref[0, 0, 1] == 1)  # the span's first chunk
-    def _():
-        acc[...] = jnp.zeros_like(acc)
+    first = starts_ref[pl.program_id(0)]
+    count = starts_ref[pl.program_id(0) + 1] - first
+    acc[...] = jnp.zeros_like(acc)
 
     def copy(j, slot):
-        src = part_hbm.at[pid_ref[0, 0, jnp.minimum(j, count - 1)]]
-        return pltpu.make_async_copy(src, ring.at[slot], sems.at[slot])
+        pid = jax.lax.div(order_ref[first + jnp.minimum(j, count - 1)], jnp.int32(span))
+        return pltpu.make_async_copy(part_hbm.at[pid], ring.at[slot], sems.at[slot])
 
-    @pl.when(count > 0)
-    def _():
-        for d in range(slots - 1):  # prologue: fill the ring
+    for d in range(slots - 1):  # prologue: fill the ring
 
-            @pl.when(d < count)
-            def _(d=d):
-                copy(d, jnp.int32(d)).start()
+        @pl.when(d < count)
+        def _(d=d):
+            copy(d, jnp.int32(d)).start()
 
-        def body(j, carry):
-            nxt = j + slots - 1
+    def body(j, carry):
+        nxt = j + slots - 1
 
-            @pl.when(nxt < count)
-            def _():
-                copy(nxt, jax.lax.rem(nxt, jnp.int32(slots))).start()
+        @pl.when(nxt < count)
+        def _():
+            copy(nxt, jax.lax.rem(nxt, jnp.int32(slots))).start()
 
-            slot = jax.lax.rem(j, jnp.int32(slots))
-            copy(j, slot).wait()
-            rows = pl.ds(pl.multiple_of(sub_ref[0, 0, j] * rb, rb), rb)
-            acc[rows, :] = acc[rows, :] + ring[slot]
-            return carry
+        slot = jax.lax.rem(j, jnp.int32(slots))
+        copy(j, slot).wait()
+        sub = jax.lax.rem(order_ref[first + j], jnp.int32(span))
+        rows = pl.ds(pl.multiple_of(sub * rb, rb), rb)
+        acc[rows, :] = acc[rows, :] + ring[slot]
+        return carry
 
-        jax.lax.fori_loop(0, count, body, 0)
-
-    @pl.when(meta_ref[0, 0, 2] == 1)  # the span's last chunk: write it once
-    def _():
-        out_ref[0] = acc[...].astype(out_ref.dtype)
+    jax.lax.fori_loop(0, count, body, 0)
+    out_ref[0] = acc[...].astype(out_ref.dtype)
 
 
 def sum_span(num_blocks: int, rb: int) -> int:
     """Store blocks one sum program writes: the largest divisor of ``num_blocks`` with at
-    most ``SUM_ROWS`` rows (programs over single blocks paid a grid step per store
-    block, most of them only writing zeros)."""
+    most ``SUM_ROWS`` rows."""
     top = max(1, SUM_ROWS // rb)
     return next(k for k in range(min(top, num_blocks), 0, -1) if num_blocks % k == 0)
 
 
 def _sum_call(partials, block, used, *, num_blocks: int, dtype, cfg, interpret):
     """The store's gradient ``[num_blocks, RB, Dk_pad]``: partial ``p`` (``used[p]``) added
-    to store block ``block[p]``, each block's partials in ascending ``p``."""
-    _, rb, dk_pad = partials.shape
+    to store block ``block[p]``, each block's partials in ascending ``p``. One program per
+    span of :func:`sum_span` store blocks; the used partials sorted by (span, ``p``) and
+    each span's run are scalar-prefetched (a sort and a search, no gather)."""
+    n, rb, dk_pad = partials.shape
     span = sum_span(num_blocks, rb)
-    inv = invert_selection(
-        (block // span)[:, None],
-        jnp.zeros_like(block)[:, None],
-        used,
-        jnp.full(used.shape, rb, jnp.int32),
-        rb=rb,
-        num_blocks=num_blocks // span,
-        chunk=PAIR_CHUNK,
-    )  # fmt: skip
-    sub = (block % span)[inv.qid]  # [NC, 1, PC]
-    n_chunks, _, chunk = inv.qid.shape
+    spans = num_blocks // span
+    key = jnp.where(used > 0, block // span, spans)
+    order = jnp.arange(n, dtype=jnp.int32) * span + block % span
+    key, order = jax.lax.sort((key, order), num_keys=2)
+    starts = jnp.searchsorted(key, jnp.arange(spans + 1, dtype=jnp.int32)).astype(jnp.int32)
     slots = cfg.ring_slots
-
-    def per_chunk(c, spans):
-        return (c, 0, 0)
-
-    def span_of(c, spans):
-        return (spans[c], 0, 0)
-
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(n_chunks,),
-        in_specs=[
-            pl.BlockSpec((1, 1, 3), per_chunk, memory_space=pltpu.SMEM),
-            pl.BlockSpec((1, 1, chunk), per_chunk, memory_space=pltpu.SMEM),
-            pl.BlockSpec((1, 1, chunk), per_chunk, memory_space=pltpu.SMEM),
-            pl.BlockSpec(memory_space=pltpu.HBM),
-        ],
-        out_specs=pl.BlockSpec((1, span * rb, dk_pad), span_of),
+        num_scalar_prefetch=2,
+        grid=(spans,),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+        out_specs=pl.BlockSpec((1, span * rb, dk_pad), lambda s, starts, order: (s, 0, 0)),
         scratch_shapes=[
             pltpu.VMEM((slots, rb, dk_pad), jnp.float32),
             pltpu.SemaphoreType.DMA((slots,)),
@@ -413,14 +385,14 @@ def _sum_call(partials, block, used, *, num_blocks: int, dtype, cfg, interpret):
     itemsize = jnp.dtype(dtype).itemsize
     need = (slots + 2 * span) * rb * dk_pad * 4 + 2 * span * rb * dk_pad * itemsize
     out = pl.pallas_call(
-        functools.partial(_sum_kernel, slots=slots),
+        functools.partial(_sum_kernel, span=span, slots=slots),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((num_blocks // span, span * rb, dk_pad), dtype),
+        out_shape=jax.ShapeDtypeStruct((spans, span * rb, dk_pad), dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_limit(need, _physical())
+            dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit(need, _physical())
         ),
         interpret=interpret,
-    )(inv.block, inv.meta, inv.qid, sub, *in_hbm(partials))
+    )(starts, order, *in_hbm(partials))
     return out.reshape(num_blocks, rb, dk_pad)
 
 
