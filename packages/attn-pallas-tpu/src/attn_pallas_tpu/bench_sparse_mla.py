@@ -451,7 +451,7 @@ def write_report(result: dict, out: Path) -> Path:
         ms = r.get("device_ms") or r.get("ms")
         bound = r.get("bound_ms")
         xla = r.get("xla_device_ms") or r.get("xla_ms")
-        notes = []
+        notes = [f"commit {r['commit'][:7]}"] if r.get("commit") else []
         for key in ("plan", "kernel_device_ms", "fwd_device_ms", "fwd_kernel_device_ms",
                     "jit_ms", "jit_host_args_ms", "host_ms", "err"):  # fmt: skip
             if r.get(key) is not None:
