@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_common import SparseMlaProblem
@@ -413,6 +414,51 @@ def union_tables(
         lim=lim.reshape(batch, n_blocks, 1, query_block),
         member=member.transpose(0, 1, 3, 2),
     )
+
+
+class UnionGrid(NamedTuple):
+    """The query-blocked kernels' grid ``(B, nQB, G, C)`` (batch row, query block, head
+    group, union chunk) over :class:`UnionTables`, with the unions scalar-prefetched: its
+    index maps, and the block specs of the four tables."""
+
+    n_blocks: int
+    n_chunks: int
+    u_chunk: int
+
+    def chunk(self, b, n, c, unions_ref):
+        """Chunk ``c``, or the block's last real chunk past its union: the pipeline sees
+        the same block index and fetches nothing, and the kernel skips the step. (lax.div,
+        not //: the union is >= 0, and jnp's floor division lowers through sign(), which
+        asks for the TPU generation, absent when cross-lowering.)"""
+        union = unions_ref[b * self.n_blocks + n]
+        u = self.u_chunk
+        last = jnp.maximum(jax.lax.div(union + u - 1, jnp.int32(u)) - 1, 0)
+        return jnp.minimum(c, last)
+
+    def per_chunk(self, b, n, g, c, unions_ref):  # membership [B, nQB, C * UC, QB]
+        return b, n, self.chunk(b, n, c, unions_ref), 0
+
+    def per_chunk_smem(self, b, n, g, c, unions_ref):  # unit tables [B, nQB * C, 1, UC]
+        return b, n * self.n_chunks + self.chunk(b, n, c, unions_ref), 0, 0
+
+    def per_block(self, b, n, g, c, unions_ref):
+        return b, n, 0, 0
+
+    def per_group(self, b, n, g, c, unions_ref):  # [B, nQB, G, ...] blocks of a program
+        return b, n, g, 0, 0
+
+    def per_group_chunk(self, b, n, g, c, unions_ref):  # [B, nQB, G, C * X, ...]
+        return b, n, g, self.chunk(b, n, c, unions_ref), 0
+
+    def table_specs(self, query_block: int) -> list:
+        """Specs of ``kb``, ``addr`` (SMEM), ``lim`` and ``member``, in that order."""
+        smem, u = pltpu.SMEM, self.u_chunk
+        return [
+            pl.BlockSpec((1, 1, 1, u), self.per_chunk_smem, memory_space=smem),
+            pl.BlockSpec((1, 1, 1, u), self.per_chunk_smem, memory_space=smem),
+            pl.BlockSpec((1, 1, 1, query_block), self.per_block),
+            pl.BlockSpec((1, 1, u, query_block), self.per_chunk),
+        ]
 
 
 def to_blocks(x, query_block: int, head_block: int):

@@ -179,28 +179,18 @@ def qblock_vmem_bytes(
     return 2 * blocks + ring + temps + 2 * rows * 4
 
 
-def qblock_bwd_vmem_bytes(
-    config: SparseMlaConfig,
-    *,
-    rows: int,
-    read_block: int,
-    dk_pad: int,
-    dv: int,
-    itemsize: int,
-    row_bytes: int,
-) -> int:
-    """One query-blocked backward program: the forward's blocks (:func:`qblock_vmem_bytes`)
-    plus double-buffered ``dO [rows, Dv]``, the float32 ``dq [rows, Dk_pad]`` and the
-    chunk's float32 partials ``[u_chunk * read_block, Dk_pad]``, and the step's further
-    temporaries (``dp``, ``ds``, the finite keys, ``dK`` / ``dV`` of the step)."""
-    gr = config.step_rows(read_block)
-    fwd = qblock_vmem_bytes(
-        config, rows=rows, read_block=read_block, dk_pad=dk_pad, dv=dv, itemsize=itemsize,
-        row_bytes=row_bytes,
-    )  # fmt: skip
-    blocks = rows * dv * itemsize + rows * dk_pad * 4 + config.u_chunk() * read_block * dk_pad * 4
+def qblock_bwd_vmem_bytes(config: SparseMlaConfig, **shape) -> int:
+    """One query-blocked backward program (``shape``: :func:`qblock_vmem_bytes`'s keywords
+    but ``dequantize``): the forward's blocks plus double-buffered ``dO [rows, Dv]``, the
+    float32 ``dq [rows, Dk_pad]`` and the chunk's float32 partials ``[u_chunk *
+    read_block, Dk_pad]``, and the step's further temporaries (``dp``, ``ds``, the finite
+    keys, ``dK`` / ``dV`` of the step)."""
+    rows, dk_pad, dv, itemsize = shape["rows"], shape["dk_pad"], shape["dv"], shape["itemsize"]
+    rb = shape["read_block"]
+    gr = config.step_rows(rb)
+    blocks = rows * dv * itemsize + rows * dk_pad * 4 + config.u_chunk() * rb * dk_pad * 4
     temps = 3 * gr * rows * 4 + gr * dk_pad * (4 + itemsize) + gr * (dk_pad + dv) * 4
-    return fwd + 2 * blocks + temps
+    return qblock_vmem_bytes(config, **shape) + 2 * blocks + temps
 
 
 def vmem_limit(need: int, physical: int) -> int:

@@ -81,6 +81,7 @@ from attn_common.tables import lossless_u_max, resolve_u_max
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
+    UnionGrid,
     default_chip,
     fp8_copy,
     from_blocks,
@@ -118,9 +119,8 @@ from attn_pallas_tpu.sparse_mla import _per_query, resolve_config, sparse_mla_at
 from attn_pallas_tpu.sparse_mla_bwd import per_query_backward, sparse_mla_result
 from attn_pallas_tpu.sparse_mla_qblock_bwd import backward_slots, blocked_backward
 from attn_pallas_tpu.unit_ring import (
-    FAR,
-    RingWalk,
     Store,
+    UnionWalk,
     UnitRing,
     in_hbm,
     lane_tile,
@@ -195,19 +195,7 @@ def _walk_chunk(
     g = cfg.units_per_step
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
     lim = lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
-    u_chunk = kb_ref.shape[-1]
-
-    def entries(t):
-        out = []
-        for e in range(g):
-            j = jnp.minimum(t * g + e, u_chunk - 1)
-            live = t * g + e < count
-            kb = jnp.where(live, kb_ref[0, 0, 0, j], FAR)
-            out.append((addr_ref[0, 0, 0, j], kb, live))
-        return out
-
-    n_steps = jax.lax.div(count + g - 1, jnp.int32(g))  # lax.div: // lowers through sign()
-    walk = RingWalk(ring, entries, n_steps, slots=cfg.ring_slots)
+    walk = UnionWalk(ring, kb_ref, addr_ref, count, group=g, slots=cfg.ring_slots)
     walk.prologue()
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
 
@@ -273,28 +261,7 @@ def _qblock_call(
         n_store=len(arrays), cfg=cfg, interpret=bool(interpret),
     )  # fmt: skip
 
-    def chunk_of(b, n, c, unions_ref):
-        # Chunks past the block's union repeat its last real chunk: the pipeline sees the
-        # same block index and fetches nothing, and the kernel skips the step.
-        # lax.div, not //: the union is >= 0, and jnp's floor division lowers through
-        # sign(), which asks for the TPU generation (absent when cross-lowering).
-        union = unions_ref[b * n_blocks + n]
-        last = jnp.maximum(jax.lax.div(union + u_chunk - 1, jnp.int32(u_chunk)) - 1, 0)
-        return jnp.minimum(c, last)
-
-    def per_chunk(b, n, g, c, unions_ref):  # membership [B, nQB, C * UC, QB]
-        return b, n, chunk_of(b, n, c, unions_ref), 0
-
-    def per_chunk_smem(b, n, g, c, unions_ref):  # unit tables [B, nQB * C, 1, UC]
-        return b, n * n_chunks + chunk_of(b, n, c, unions_ref), 0, 0
-
-    def per_block(b, n, g, c, unions_ref):
-        return b, n, 0, 0
-
-    def per_group(b, n, g, c, unions_ref):
-        return b, n, g, 0, 0
-
-    smem = pltpu.SMEM
+    grid = UnionGrid(n_blocks, n_chunks, u_chunk)
     physical = int(default_chip().vmem_bytes / VMEM_USABLE_FRACTION)  # a core's VMEM
     need = qblock_vmem_bytes(
         cfg.replace(query_block=query_block, u_max=u_chunk), rows=rows, read_block=rb,
@@ -305,16 +272,13 @@ def _qblock_call(
         num_scalar_prefetch=1,
         grid=(batch, n_blocks, groups, n_chunks),
         in_specs=[
-            pl.BlockSpec((1, 1, 1, u_chunk), per_chunk_smem, memory_space=smem),
-            pl.BlockSpec((1, 1, 1, u_chunk), per_chunk_smem, memory_space=smem),
-            pl.BlockSpec((1, 1, 1, query_block), per_block),
-            pl.BlockSpec((1, 1, u_chunk, query_block), per_chunk),
-            pl.BlockSpec((1, 1, 1, rows, dk_pad), per_group),
+            *grid.table_specs(query_block),
+            pl.BlockSpec((1, 1, 1, rows, dk_pad), grid.per_group),
             *[pl.BlockSpec(memory_space=pltpu.HBM) for _ in arrays],
         ],
         out_specs=[
-            pl.BlockSpec((1, 1, 1, rows, dv), per_group),
-            pl.BlockSpec((1, 1, 1, 1, rows), per_group),
+            pl.BlockSpec((1, 1, 1, rows, dv), grid.per_group),
+            pl.BlockSpec((1, 1, 1, 1, rows), grid.per_group),
         ],
         scratch_shapes=[
             *ring_scratch(store, rb=rb, group=cfg.units_per_step, slots=cfg.ring_slots),

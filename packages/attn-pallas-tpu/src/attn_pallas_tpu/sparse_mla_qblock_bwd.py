@@ -69,6 +69,7 @@ from jax.experimental.pallas import tpu as pltpu
 from attn_common.spec import SparseMlaCall
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
+    UnionGrid,
     default_chip,
     from_blocks,
     pad_features,
@@ -86,9 +87,8 @@ from attn_pallas_tpu.config import (
 )
 from attn_pallas_tpu.plan import VMEM_USABLE_FRACTION
 from attn_pallas_tpu.unit_ring import (
-    FAR,
-    RingWalk,
     Store,
+    UnionWalk,
     UnitRing,
     in_hbm,
     lane_tile,
@@ -170,19 +170,7 @@ def _walk_chunk(
     do = do_ref[0, 0, 0]  # [rows, Dv]
     lse, delta = st_ref[0, 0, 0, 0:1, :], st_ref[0, 0, 0, 1:2, :]  # [1, rows] each
     lim = lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
-    u_chunk = kb_ref.shape[-1]
-
-    def entries(t):
-        out = []
-        for e in range(g):
-            j = jnp.minimum(t * g + e, u_chunk - 1)
-            live = t * g + e < count
-            kb = jnp.where(live, kb_ref[0, 0, 0, j], FAR)
-            out.append((addr_ref[0, 0, 0, j], kb, live))
-        return out
-
-    n_steps = jax.lax.div(count + g - 1, jnp.int32(g))  # lax.div: // lowers through sign()
-    walk = RingWalk(ring, entries, n_steps, slots=cfg.ring_slots)
+    walk = UnionWalk(ring, kb_ref, addr_ref, count, group=g, slots=cfg.ring_slots)
     walk.prologue()
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
 
@@ -241,47 +229,25 @@ def _block_call(
         interpret=bool(interpret),
     )  # fmt: skip
 
-    def chunk_of(b, n, c, unions_ref):  # chunks past the union repeat the last real one
-        union = unions_ref[b * n_blocks + n]
-        last = jnp.maximum(jax.lax.div(union + u_chunk - 1, jnp.int32(u_chunk)) - 1, 0)
-        return jnp.minimum(c, last)
-
-    def per_chunk(b, n, g, c, unions_ref):  # membership [B, nQB, C * UC, QB]
-        return b, n, chunk_of(b, n, c, unions_ref), 0
-
-    def per_chunk_smem(b, n, g, c, unions_ref):  # unit tables [B, nQB * C, 1, UC]
-        return b, n * n_chunks + chunk_of(b, n, c, unions_ref), 0, 0
-
-    def per_group_chunk(b, n, g, c, unions_ref):  # partials [B, nQB, G, C * UC RB, Dk_pad]
-        return b, n, g, chunk_of(b, n, c, unions_ref), 0
-
-    def per_block(b, n, g, c, unions_ref):
-        return b, n, 0, 0
-
-    def per_group(b, n, g, c, unions_ref):
-        return b, n, g, 0, 0
+    grid = UnionGrid(n_blocks, n_chunks, u_chunk)
 
     need = qblock_bwd_vmem_bytes(
         cfg.replace(query_block=query_block, u_max=u_chunk), rows=rows, read_block=rb,
         dk_pad=dk_pad, dv=dv, itemsize=q5.dtype.itemsize, row_bytes=store.row_bytes,
     )  # fmt: skip
-    smem = pltpu.SMEM
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, n_blocks, groups, n_chunks),
         in_specs=[
-            pl.BlockSpec((1, 1, 1, u_chunk), per_chunk_smem, memory_space=smem),
-            pl.BlockSpec((1, 1, 1, u_chunk), per_chunk_smem, memory_space=smem),
-            pl.BlockSpec((1, 1, 1, query_block), per_block),
-            pl.BlockSpec((1, 1, u_chunk, query_block), per_chunk),
-            pl.BlockSpec((1, 1, 1, rows, dk_pad), per_group),
-            pl.BlockSpec((1, 1, 1, rows, dv), per_group),
-            pl.BlockSpec((1, 1, 1, 2, rows), per_group),
+            *grid.table_specs(query_block),
+            pl.BlockSpec((1, 1, 1, rows, dk_pad), grid.per_group),
+            pl.BlockSpec((1, 1, 1, rows, dv), grid.per_group),
+            pl.BlockSpec((1, 1, 1, 2, rows), grid.per_group),
             pl.BlockSpec(memory_space=pltpu.HBM),
         ],
         out_specs=[
-            pl.BlockSpec((1, 1, 1, rows, dk_pad), per_group),
-            pl.BlockSpec((1, 1, 1, u_chunk * rb, dk_pad), per_group_chunk),
+            pl.BlockSpec((1, 1, 1, rows, dk_pad), grid.per_group),
+            pl.BlockSpec((1, 1, 1, u_chunk * rb, dk_pad), grid.per_group_chunk),
         ],
         scratch_shapes=ring_scratch(store, rb=rb, group=cfg.units_per_step, slots=cfg.ring_slots),
     )

@@ -301,6 +301,27 @@ class RingWalk:
         return rows_of(words, dtype, keep, feat), kbs
 
 
+class UnionWalk(RingWalk):
+    """A query-blocked program's walk over ``count`` union slots of its chunk, ``group``
+    a step, from the chunk's SMEM tables ``kb_ref`` / ``addr_ref`` ``[1, 1, 1, UC]``
+    (first token position and store address of each slot); slots past ``count`` start
+    no copy and have ``kb = FAR``. Shared by the forward and backward kernels."""
+
+    def __init__(self, ring: UnitRing, kb_ref, addr_ref, count, *, group: int, slots: int):
+        self.kb, self.addr, self.count, self.g = kb_ref, addr_ref, count, group
+        n_steps = jax.lax.div(count + group - 1, jnp.int32(group))  # //: through sign()
+        super().__init__(ring, self._entries, n_steps, slots=slots)
+
+    def _entries(self, t):
+        u_chunk, out = self.kb.shape[-1], []
+        for e in range(self.g):
+            j = jnp.minimum(t * self.g + e, u_chunk - 1)
+            live = t * self.g + e < self.count
+            kb = jnp.where(live, self.kb[0, 0, 0, j], FAR)
+            out.append((self.addr[0, 0, 0, j], kb, live))
+        return out
+
+
 class StepWalk(RingWalk):
     """A per-query program's steps over the :class:`QuerySteps` tables: step ``t``
     covers units ``first_unit(t) ..`` of query ``query(t)`` (shared with the dq kernel)."""
