@@ -315,6 +315,40 @@ def test_qblock_backward_over_the_paged_cache(monkeypatch):
     assert np.all(dcache.reshape(keep.size, -1)[:, DV + ROPE :] == 0.0)
 
 
+def _shared_case(seed: int, *, shared: bool):
+    """8 queries at the end of 1024 tokens, 2 heads, 4 units of 16 each: the query's own
+    unit and 3 of 5 (a sink, 4 shared: the block's union at most 6 units) or 3 of all 64
+    at random; over a poisoned cache."""
+    rng = rng_for(seed)
+    q, kv, _, _ = sparse_mla_flat_case(
+        seed, dk=DV + ROPE, batch=1, seq=8, heads=2, kv_len=1024, rb=16, top_k=4,
+        dtype="float32",
+    )  # fmt: skip
+    pos = np.arange(1016, 1024, dtype=np.int32)[None]
+    pool = np.array([0, 50, 51, 52, 53]) if shared else np.arange(63)
+    idx = np.stack([rng.choice(pool, 4, replace=False) for _ in range(8)])[None]
+    idx[0, :, 0] = 63  # the queries' own unit
+    idx = idx.astype(np.int32)
+    keep = attended_rows_flat(idx, pos, kv_len=1024, read_block=16)
+    return q, poison_rows(kv, keep, seed=seed), idx, pos, keep
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_qblock_backward_under_automatic_tiling(monkeypatch, shared):
+    """Under ``jax.grad`` the automatic tiling (no ``query_block``) decides at run time:
+    blocks whose picks repeat take the blocked backward (the per-query one returns NaN
+    here); random picks, which share too little, the per-query backward (the blocked one
+    returns NaN)."""
+    other = "per_query_backward" if shared else "blocked_backward"
+    _nan_gradients(monkeypatch, sparse_mla_qblock, other)
+    q, kv, idx, pos, keep = _shared_case(21, shared=shared)
+    compare_sparse_mla_grads(
+        tpu.sparse_mla_attention_qblock, q, kv, idx, pos, keep,
+        kernel_kw=dict(interpret=INTERPRET), sm_scale=SM_SCALE, dv=DV,
+        grad_tol=GRAD_TOL["float32"], mass_atol=MASS_ATOL, read_block=16,
+    )  # fmt: skip
+
+
 def test_qblock_backward_falls_back_past_its_slots(monkeypatch):
     """A union wider than the partial buffer takes the per-query backward (the blocked one
     returns NaN here), decided at run time."""
