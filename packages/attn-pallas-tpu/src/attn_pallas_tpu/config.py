@@ -1,9 +1,10 @@
 """The one config of the TPU sparse-MLA kernel family, its heuristics and its VMEM estimates.
 
-Every tiling knob of the four sparse-MLA kernels (the per-query forward, the
-query-blocked forward, the dq and dKV backward kernels) lives in
-:class:`SparseMlaConfig`; buffer shapes are derived from it, the kernels read nothing
-else, and the cost model (``attn_pallas_tpu.plan``) prices the same values.
+Every tiling knob of the six sparse-MLA kernels (the per-query forward, the
+query-blocked forward, the per-query backward's dq and dKV kernels, the query-blocked
+backward's block and sum kernels) lives in :class:`SparseMlaConfig` or, where fixed, in a
+constant here; buffer shapes are derived from them, the kernels read nothing else, and
+the cost model (``attn_pallas_tpu.plan``) prices the same values.
 
 The knobs, and why they exist (docs/tpu_sparse_mla.md has the measurements):
 

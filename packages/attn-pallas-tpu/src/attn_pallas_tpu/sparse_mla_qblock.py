@@ -11,7 +11,7 @@ online softmax over ``Hb * QB`` score rows.
 Preprocessing (plain ``jnp``, outside the kernel). Unit keys (flat: unit ids; ragged:
 request-local pages lifted to global page-table slots with
 ``attn_common.lift_ragged_indices``, so a block may straddle requests) go through
-``attn_common.build_block_unit_tables`` at a width ``C * UC`` that no union can exceed
+``_prep.union_tables`` (``attn_common.build_block_unit_tables``) at a width ``C * UC`` that no union can exceed
 (``UC`` = ``u_max`` rounded up to 32, ``C = ceil(min(QB * K, num_units) / UC)``): per
 block the sorted union ``units``, the membership ``member[q, slot]`` indexed by union
 slot (scatter-free) and the true union size. Units whose physical page is invalid keep
@@ -337,9 +337,11 @@ def sparse_mla_attention_qblock(
     ``fp8_dequantize``: as for the per-query function (the plan then prices the rows
     the kernels read).
 
-    Differentiable in ``q`` and ``kv`` with the backward kernels of
-    ``attn_pallas_tpu.sparse_mla_bwd``, and ``return_attn_mass`` from the kernel's LSE,
-    as the per-query function.
+    Differentiable in ``q`` and ``kv``: the query-blocked backward
+    (``attn_pallas_tpu.sparse_mla_qblock_bwd``, at the forward's tiling) where every
+    block's union fits its partial buffer and (automatic tiling) the blocks share, else
+    the per-query backward kernels (``attn_pallas_tpu.sparse_mla_bwd``), decided at run
+    time. ``return_attn_mass`` from the kernel's LSE, as the per-query function.
     """
     problem = require_tpu_kernels(call)
     cfg = resolve_config(problem, config)
