@@ -147,7 +147,6 @@ EXPORTED = {
     "qblock_qb64": (tpu.sparse_mla_attention_qblock, {"query_block": 64}, 1, 4),
     "qblock_auto": (tpu.sparse_mla_attention_qblock, {}, 2, 4),
 }
-BACKWARD_KERNELS = 2  # the per-query op's: dq and dKV
 
 
 @pytest.mark.parametrize("kernel", list(EXPORTED))
@@ -384,12 +383,16 @@ def test_sum_span_divides_the_store():
 # flat cache, Dk 576 / Dv 512. The TPU kernels need read_block % 16 == 0, so token-level
 # selections (read_block 1) are not theirs: 2048 tokens as 128 units of 16.
 @pytest.mark.parametrize("heads", [64, 128])
-def test_grad_cross_lowers_at_the_production_shape(heads):
+@pytest.mark.parametrize("kernel", ["per_query", "qblock_auto"])
+def test_grad_cross_lowers_at_the_production_shape(kernel, heads):
+    """Both ops; the query-blocked one with its lax.cond forward and backward pairs (its
+    partial buffer and sorted-slot table at this shape: 32K slots at H 128)."""
+    fn, knobs, forward, backward = EXPORTED[kernel]
     text = export_sparse_mla_grad(
-        tpu.sparse_mla_attention, "tpu", tokens=4096, heads=heads, cache=32768, top_k=128,
-        sm_scale=0.04, read_block=16,
+        fn, "tpu", tokens=4096, heads=heads, cache=32768, top_k=128, sm_scale=0.04,
+        read_block=16, **knobs,
     )  # fmt: skip
-    assert text.count("tpu_custom_call") == 1 + BACKWARD_KERNELS
+    assert text.count("tpu_custom_call") == forward + backward
 
 
 @pytest.mark.slow  # the write-back, forward and both backward kernels interpreted
@@ -404,16 +407,19 @@ def test_prefill_wrapper_gradient_reaches_the_query_parts():
 
 
 @pytest.mark.parametrize(("page", "heads"), [(16, 64), (64, 128)])
-def test_ragged_grad_cross_lowers_at_the_production_shape(page, heads):
+@pytest.mark.parametrize("kernel", ["per_query", "qblock_auto"])
+def test_ragged_grad_cross_lowers_at_the_production_shape(kernel, page, heads):
     """``jax.grad`` w.r.t. ``q`` and the paged bf16 cache ``[P, page / 2, 2, 640]`` (32K
     rows) through ``out`` and the LSE: 4096 queries of 3 requests, 2048 selected tokens
-    each as ``2048 / page`` pages; three Mosaic kernels; the gradients keep the shapes."""
+    each as ``2048 / page`` pages, through either op (each op's kernels, both branches of
+    the query-blocked op's runtime choices); the gradients keep the shapes."""
     sd, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     n, pages, seqs = 4096, 32768 // page, 3
+    fn, _, forward, backward = EXPORTED[kernel]
 
     def f(q, cache, idx, pos, sid, seq_lens, cu_kv, table):
         def loss(q, cache):
-            out, lse = tpu.sparse_mla_attention(
+            out, lse = fn(
                 q, cache, idx, pos, sm_scale=0.04, read_block=page, page_size=page,
                 q_seq_id=sid, seq_lens=seq_lens, cu_kv_lens=cu_kv, page_indices=table,
                 return_lse=True,
@@ -429,7 +435,7 @@ def test_ragged_grad_cross_lowers_at_the_production_shape(page, heads):
     )  # fmt: skip
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*avals)
     assert [a.shape for a in exported.out_avals] == [avals[0].shape, avals[1].shape]
-    assert exported.mlir_module().count("tpu_custom_call") == 1 + BACKWARD_KERNELS
+    assert exported.mlir_module().count("tpu_custom_call") == forward + backward
 
 
 def _fp8_case():

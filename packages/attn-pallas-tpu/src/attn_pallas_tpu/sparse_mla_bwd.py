@@ -449,9 +449,20 @@ def _dkv_call(inv: InvertedSelection, blocks, q, do, stats, *, sm_scale, dk, dv,
 # ----------------------------------------------------------------------------- wrapper
 
 
+def softmax_stats(out, lse, d_out, d_lse):
+    """``[B, S, H, 2]`` float32 per query and head: the forward's LSE (0 where ``-inf``:
+    the query has no valid key, so its ``p`` is 0 throughout) and ``delta = rowsum(dO *
+    O) - dlse``, what both backwards' kernels read beside ``q`` and ``dO``."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = delta - d_lse.astype(jnp.float32)
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32)
+    return jnp.stack([lse_safe, delta], axis=-1)
+
+
 def per_query_backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config):
-    """``(dq, dkv)`` through the dq and dKV kernels, of a validated call (float32 or bfloat16 cache) from the forward's
-    ``out [B, S, H, Dv]`` and ``lse [B, S, H]`` (float32) and their cotangents."""
+    """``(dq, dkv)`` through the dq and dKV kernels, of a validated call (float32 or
+    bfloat16 cache) from the forward's ``out [B, S, H, Dv]`` and ``lse [B, S, H]``
+    (float32) and their cotangents."""
     problem = call.problem
     kv = call.kv
     space = unit_space(problem, kv, call.indices, call.positions, **call.ragged_kwargs())
@@ -462,11 +473,8 @@ def per_query_backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret
     tables, n_pad = program_tables(space, rb, cfg, n)
     dtype = space.store.dtype
     q = pad_features(call.q.astype(dtype), width).reshape(n, heads, width)
-    d_out = d_out.astype(jnp.float32)
-    delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1) - d_lse.astype(jnp.float32)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32)  # -inf: no valid key
-    stats = jnp.stack([lse_safe, delta], axis=-1).reshape(n, heads, 2)
-    do = d_out.astype(dtype).reshape(n, heads, dv)
+    stats = softmax_stats(out, lse, d_out, d_lse).reshape(n, heads, 2)
+    do = d_out.astype(jnp.float32).astype(dtype).reshape(n, heads, dv)
     kw = dict(sm_scale=problem.sm_scale, dk=dk, dv=dv, interpret=interpret, cfg=cfg)
 
     def pad(x):
@@ -533,6 +541,7 @@ __all__ = [
     "PAIR_CHUNK",
     "invert_selection",
     "per_query_backward",
+    "softmax_stats",
     "sparse_mla_result",
     "with_kernel_backward",
 ]

@@ -11,13 +11,14 @@ online softmax over ``Hb * QB`` score rows.
 Preprocessing (plain ``jnp``, outside the kernel). Unit keys (flat: unit ids; ragged:
 request-local pages lifted to global page-table slots with
 ``attn_common.lift_ragged_indices``, so a block may straddle requests) go through
-``_prep.union_tables`` (``attn_common.build_block_unit_tables``) at a width ``C * UC`` that no union can exceed
-(``UC`` = ``u_max`` rounded up to 32, ``C = ceil(min(QB * K, num_units) / UC)``): per
-block the sorted union ``units``, the membership ``member[q, slot]`` indexed by union
-slot (scatter-free) and the true union size. Units whose physical page is invalid keep
-their slot but get membership 0. Per query one int32 ``lim`` folds the causal bound and
-the kv length (key position ``p`` valid iff ``p < lim``; in ragged mode positions are
-global, ``key * page_size + r``, and ``lim`` carries the request's base).
+``_prep.union_tables`` (``attn_common.build_block_unit_tables``) at a width ``C * UC``
+that no union can exceed (``UC`` = ``u_max`` rounded up to 32, ``C = ceil(min(QB * K,
+num_units) / UC)``): per block the sorted union ``units``, the membership ``member[q,
+slot]`` indexed by union slot (scatter-free) and the true union size. Units whose
+physical page is invalid keep their slot but get membership 0. Per query one int32
+``lim`` folds the causal bound and the kv length (key position ``p`` valid iff ``p <
+lim``; in ragged mode positions are global, ``key * page_size + r``, and ``lim``
+carries the request's base).
 
 Grid ``(B, nQB, G, C)``: batch row, query block, head group of ``Hb = H / G`` heads (the
 score rows of one program are ``r = h * QB + q`` for the group's heads ``h``), and the

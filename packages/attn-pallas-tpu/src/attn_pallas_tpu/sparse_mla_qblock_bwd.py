@@ -86,6 +86,7 @@ from attn_pallas_tpu.config import (
     vmem_limit,
 )
 from attn_pallas_tpu.plan import VMEM_USABLE_FRACTION
+from attn_pallas_tpu.sparse_mla_bwd import softmax_stats
 from attn_pallas_tpu.unit_ring import (
     Store,
     UnionWalk,
@@ -385,12 +386,9 @@ def blocked_backward(
         n_chunks=slots // MEMBER_TILE, page_indices=ragged["page_indices"],
     )  # fmt: skip
     dtype = store.dtype
-    d_out = d_out.astype(jnp.float32)
-    delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1) - d_lse.astype(jnp.float32)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32)  # -inf: no valid key
-    stats = jnp.stack([lse_safe, delta], axis=-1)  # [B, S, H, 2]
+    stats = softmax_stats(out, lse, d_out, d_lse)  # [B, S, H, 2]
     q5 = to_blocks(pad_features(call.q.astype(dtype), store.width), query_block, head_block)
-    do5 = to_blocks(d_out.astype(dtype), query_block, head_block)
+    do5 = to_blocks(d_out.astype(jnp.float32).astype(dtype), query_block, head_block)
     st5 = to_blocks(stats, query_block, head_block).swapaxes(-1, -2)  # [B, nQB, G, 2, rows]
     dq5, partials = _block_call(
         q5, do5, st5, array, tables.kb, tables.addr, tables.unions, tables.lim, tables.member,
