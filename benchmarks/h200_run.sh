@@ -6,13 +6,16 @@
 #   PARTS="bwd fwd sparse" XDIST=4 COMMIT=$(git rev-parse --short HEAD) bash benchmarks/h200_run.sh
 #
 # PARTS picks what runs, in this order on one GPU (default: "bwd bench sweep fwd
-# sparse"; "variants", "train", "fp8" and "suite" on request): the backward test file,
+# sparse"; "variants", "train", "fp8", "qblock" and "suite" on request): the backward test file,
 # `attn bench`, the backward knob sweep, the sparse-MLA kernel variants, the sparse-MLA
 # training-step benchmark (benchmarks/sparse_mla_train.py; TRAIN_ARGS: its options), the forward and the
 # sparse-MLA test files. PARTS=fp8 runs the FP8-cache sparse-MLA GPU tests (FP8_TEST_LIMIT,
 # default 240 s; log h200_sparse_mla_fp8_tests.log), then benchmarks/sparse_mla_fp8.py
 # (bf16 and FP8 caches in the same run, FP8_LIMIT default 300 s; sparse_mla_fp8.{json,md,svg}
-# and sparse_mla_fp8.log in $OUT). PARTS=suite runs the whole GPU test suite instead, in one pytest call sized for
+# and sparse_mla_fp8.log in $OUT). PARTS=qblock runs benchmarks/sparse_mla_qblock_gpu.py (the
+# query-blocked sparse-MLA kernel against the per-query one; QBLOCK_ARGS: its options, e.g.
+# --cases; QBLOCK_LIMIT default 300 s; sparse_mla_qblock_gpu.{json,md,svg} and .log in
+# $OUT). PARTS=suite runs the whole GPU test suite instead, in one pytest call sized for
 # one 600 s device call on one H200 (16 cores): every packages/attn-mosaic-gpu/tests/
 # *_gpu.py file and the conformance, isolation and bad-input tests of tests/, with
 # -n ${XDIST:-14} workers (worksteal: an idle worker takes queued tests from a busy one),
@@ -103,19 +106,23 @@ fp8() {  # the FP8-cache tests first, then the bf16-vs-FP8 benchmark
   header "$OUT/sparse_mla_fp8.log"; timeout "${FP8_LIMIT:-300}" \
     python3 "$root/benchmarks/sparse_mla_fp8.py" --out "$OUT" --iterations "${ITERATIONS:-10}" \
     >>"$OUT/sparse_mla_fp8.log" 2>&1; echo "sparse_mla_fp8 rc=$?"; }
+qblock() { want qblock || return 0; header "$OUT/sparse_mla_qblock_gpu.log"
+  timeout "${QBLOCK_LIMIT:-300}" python3 "$root/benchmarks/sparse_mla_qblock_gpu.py" --out "$OUT" \
+    --iterations "${ITERATIONS:-10}" ${QBLOCK_ARGS:-} >>"$OUT/sparse_mla_qblock_gpu.log" 2>&1
+  echo "sparse_mla_qblock_gpu rc=$?"; }
 variants() { want variants || return 0; header "$OUT/variants.log"; timeout "${VARIANTS_LIMIT:-200}" \
   python3 "$root/benchmarks/sparse_mla_variants.py" --out "$OUT" >>"$OUT/variants.log" 2>&1
   echo "variants rc=$?"; }
 
 if [ "$gpus" -ge 2 ]; then
   (export CUDA_VISIBLE_DEVICES=0; suite_tests; bwd_tests; fwd_tests; sparse_tests; fp8) &
-  (export CUDA_VISIBLE_DEVICES=1; bench; sweep; variants; train) &
+  (export CUDA_VISIBLE_DEVICES=1; bench; sweep; variants; train; qblock) &
   wait
   if want sharding || [ "$PARTS" = "bwd bench sweep fwd sparse" ]; then
     timeout "${SHARD_LIMIT:-150}" python3 "$root/tests/sharding_gpu_check.py" --out "$OUT" \
       >"$OUT/sharding_gpu.log" 2>&1; echo "sharding rc=$?"
   fi
 else
-  suite_tests; bwd_tests; bench; sweep; variants; train; fwd_tests; sparse_tests; fp8
+  suite_tests; qblock; bwd_tests; bench; sweep; variants; train; fwd_tests; sparse_tests; fp8
 fi
 for f in "$OUT"/*.log; do echo "== $f"; tail -n 3 "$f"; done

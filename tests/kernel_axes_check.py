@@ -112,10 +112,11 @@ def kernel_cases() -> list[tuple[str, object, tuple, int]]:
         ("ranker-d64-grad", *_ranker_grad(64), 3),  # forward, pipelined dq and dk/dv
         ("ranker-d256-grad", *_ranker_grad(256), 3),  # forward, the D 256 dq and dk/dv
         ("ranker-persistent-grad", *_ranker_grad(128, **persistent), 3),
-        # row sort (forward and backward row tables), forward, backward with atomics
-        ("sparse-mla-token-grad", *_sparse_grad(1, 512), 4),
-        ("sparse-mla-unit-deterministic-grad", *_sparse_grad(16, 4, deterministic=True), 2),
-        ("sparse-mla-fp8-forward", *_sparse_fp8_forward(), 2),  # row sort, FP8 forward
+        # row sort (forward and backward row tables), the per-query and the query-blocked
+        # forward (at 2 heads the op picks one on the device), backward with atomics
+        ("sparse-mla-token-grad", *_sparse_grad(1, 512), 5),
+        ("sparse-mla-unit-deterministic-grad", *_sparse_grad(16, 4, deterministic=True), 3),
+        ("sparse-mla-fp8-forward", *_sparse_fp8_forward(), 3),  # row sort, the two FP8 forwards
     ]
 
 

@@ -193,7 +193,7 @@ def test_front_door_refuses_before_choosing_a_backend(case, backend):
 
 
 def test_qblock_twins_share_the_spec():
-    """The ``_qblock`` names validate through the same spec (Hopper's is deprecated)."""
+    """The ``_qblock`` names validate through the same spec."""
     for backend in BACKENDS:
         module = _backend(backend)
         for op, twin in (
@@ -202,12 +202,7 @@ def test_qblock_twins_share_the_spec():
         ):
             changes = {"kv_lora_rank": 600} if op == "sparse_mla_attention" else {
                 "ql": np.zeros((2, 1, 256), BF16)}  # fmt: skip
-            with (
-                pytest.warns(DeprecationWarning)
-                if (backend == "mosaic-gpu" and twin == "sparse_mla_attention_qblock")
-                else _no_warning(),
-                pytest.raises(ValueError, match=r"^(kv_lora_rank|ql): got"),
-            ):
+            with _no_warning(), pytest.raises(ValueError, match=r"^(kv_lora_rank|ql): got"):
                 _call(getattr(module, twin), op, changes)
 
 

@@ -16,7 +16,8 @@ nothing selected, positions before, inside and past the cache), the ragged metad
 (request lengths, new tokens per request, shuffled physical pages) and fresh random
 inputs at fixed small shapes; every cache row no query attends holds NaN or +-Inf (and
 the paged cache's feature padding NaN), so a kernel reading one fails. Examples are few
-and derandomized; the ``_qblock`` twins and more examples are in the ``slow`` tier.
+and derandomized; the reference's ``_qblock`` twin and more examples are in the ``slow``
+tier.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ PAGE, PAGES_PER_REQUEST, NUM_Q, SPARE_PAGES, RAGGED_TOP_K, RAGGED_HEADS = 16, 3,
 def _cases(mode: str):
     """(backend, function, dtype, read_block) the backend supports; the first of each
     backend runs in the default tier with the plain function; the ``_qblock`` twins and
-    other dtypes are ``slow``, except where the twin is a kernel of its own (TPU)."""
+    other dtypes are ``slow``, except where the twin is a kernel of its own (the TPU's
+    and Hopper's query-blocked kernels)."""
     out = []
     for backend in SPARSE_MLA:
         blocks = [16] if mode == "ragged" else [16, 1]
@@ -65,7 +67,7 @@ def _cases(mode: str):
                 continue
             for i, dtype in enumerate(backend.dtypes):
                 for fn in FNS:
-                    own_kernel = fn == FNS[0] or backend.name == "pallas-tpu"
+                    own_kernel = fn == FNS[0] or backend.name != "reference"
                     slow = i > 0 or not own_kernel
                     marks = [pytest.mark.slow] if slow else []
                     name = f"{backend}-{fn.removeprefix('sparse_mla_attention') or 'plain'}"

@@ -10,7 +10,10 @@ of them, flattened):
   and request-local position of each unit's first token, plus the query's position and
   kv length); ``sparse_mla_units`` picks the mode and also returns the store;
 * ``selected_rows``: the token rows it attends, as a sorted, duplicate-free row table
-  ``[N, Kp]`` padded with ``-1`` and a count per query (what a row-gather kernel reads).
+  ``[N, Kp]`` padded with ``-1`` and a count per query (what a row-gather kernel reads);
+* ``block_union``: per block of ``query_block`` consecutive queries, the union of their
+  rows, each once, with a bit per query saying who attends it (what a query-blocked
+  row-gather kernel reads); ``sampled_union_pairs`` estimates its size from a few blocks.
 
 Token ``first_pos + r`` (``r < read_block``) of a selected unit is a key of the query iff
 ``first_pos + r <= position`` and ``< kv_len``; a selection is a set, so a unit listed
@@ -307,3 +310,78 @@ def selected_rows(
     row0 = jnp.take_along_axis(key, owner, axis=1)
     rows = row0 + slot - jnp.take_along_axis(start, owner, axis=1)
     return jnp.where(slot < counts[:, None], rows, -1), counts
+
+
+class BlockUnion(NamedTuple):
+    """The rows a block of queries attends (``block_union``), all int32."""
+
+    rows: jax.Array  # [NB, Up]: the block's distinct rows, ascending, then -1
+    counts: jax.Array  # [NB]: how many
+    member: jax.Array  # [NB, Up]: bit j set iff query j of the block attends the row
+
+
+def union_width(query_block: int, width: int, block: int = 64) -> int:
+    """``Up``: a block union table's width, ``query_block * width`` rounded up to ``block``."""
+    return -(-query_block * width // block) * block
+
+
+def block_union(
+    rows: jax.Array,
+    counts: jax.Array,
+    query_block: int,
+    *,
+    block: int = 64,
+    num_rows: int | None = None,
+) -> BlockUnion:
+    """The union of the row tables of each block of ``query_block`` consecutive queries.
+
+    ``rows [N, Kp]`` / ``counts [N]`` as ``selected_rows`` returns them (``N`` a multiple
+    of ``query_block``; a query's rows distinct, or repeats ignored). Block ``b`` attends
+    ``BlockUnion.rows[b, :counts[b]]`` (ascending, each row once, then ``-1``); bit ``j``
+    of ``member[b, m]`` is set iff query ``b * query_block + j`` attends row ``rows[b,
+    m]`` (``0`` past the count), so a kernel restores each query's own selection by
+    masking. One sort of ``[NB, query_block * Kp]`` keys ``row * query_block + j``, a
+    prefix sum and two scatters; jit-friendly. ``query_block`` at most 32 (the bits of
+    an int32); ``num_rows`` (static, optional) a bound on the store rows, checked to
+    keep the keys below ``2**31 - 1``.
+    """
+    n, kp = rows.shape
+    qb = query_block
+    if isinstance(qb, bool) or not isinstance(qb, int) or not 1 <= qb <= 32 or n % qb:
+        raise ValueError(f"query_block: got {qb!r}, expected an int in [1, 32] dividing N = {n}")
+    if num_rows is not None and num_rows * qb >= ABSENT:
+        raise ValueError(f"num_rows: {num_rows} rows x {qb} queries exceed the int32 sort keys")
+    nb, width = n // qb, union_width(qb, kp, block)
+    j = jnp.arange(n, dtype=jnp.int32) % qb
+    valid = jnp.arange(kp, dtype=jnp.int32)[None, :] < counts[:, None]
+    key = jnp.where(valid, rows.astype(jnp.int32) * qb + j[:, None], ABSENT)
+    key = jnp.sort(key.reshape(nb, qb * kp), axis=1)
+    live = key != ABSENT
+    prev = jnp.concatenate([jnp.full((nb, 1), -1, jnp.int32), key[:, :-1]], axis=1)
+    row = key // qb
+    first = live & (row != jnp.where(prev >= 0, prev // qb, -1))  # a new row
+    fresh = live & (key != prev)  # a new (row, query): a repeat adds no bit
+    pos = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
+    b = jnp.arange(nb, dtype=jnp.int32)[:, None]
+    union = jnp.full((nb, width), -1, jnp.int32)
+    union = union.at[b, jnp.where(first, pos, width)].set(row, mode="drop")
+    # Distinct powers of two: their int32 sum (wrapping at bit 31) is their OR.
+    bit = jnp.left_shift(jnp.int32(1), key % qb)
+    member = jnp.zeros((nb, width), jnp.int32)
+    member = member.at[b, jnp.where(fresh, pos, width)].add(bit, mode="drop")
+    return BlockUnion(union, first.sum(axis=1, dtype=jnp.int32), member)
+
+
+def sampled_union_pairs(
+    rows: jax.Array, counts: jax.Array, query_block: int, *, samples: int, pair: int
+) -> jax.Array:
+    """An estimate of ``sum over blocks of ceil(union / pair)`` (``block_union``'s blocks)
+    from ``samples`` evenly spaced blocks, scaled to all of them: float32, traced. Costs a
+    union of ``samples`` blocks, whatever ``N``."""
+    nb = rows.shape[0] // query_block
+    take = min(samples, nb)
+    picked = (jnp.arange(take, dtype=jnp.int32) * nb) // take
+    members = (picked[:, None] * query_block + jnp.arange(query_block, dtype=jnp.int32)).ravel()
+    sample = block_union(rows[members], counts[members], query_block, block=pair)
+    per_block = (sample.counts + pair - 1) // pair
+    return per_block.sum().astype(jnp.float32) * (nb / take)

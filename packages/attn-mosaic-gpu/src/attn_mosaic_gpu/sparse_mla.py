@@ -10,10 +10,16 @@ gather-attend kernel of ``sparse_mla_kernel`` (over a bf16 cache, or an
 ``Fp8LatentCache`` whose three arrays the row ids index alike, dequantized on chip, or
 first dequantized by XLA, ragged only the pages the page table names, where that
 costs less: ``dequantize_store_first``).
-``sparse_mla_attention_qblock`` is a
-deprecated second name for it: the query-blocked union schedule is a TPU design, and on
-Hopper each program gathers its own token's rows, so the TPU knobs are validated and do
-not change anything. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
+
+At ``H <= 32`` heads the kernel also runs query-blocked: ``query_block_for(H)``
+consecutive queries share a program's 64 rows, and their union of rows
+(``attn_common.sparse_mla_rows.block_union``) is gathered once, each query restoring
+its own selection by a membership mask. ``sparse_mla_attention`` picks per call
+(``_prefer_blocked``: the union of ``PROBE_BLOCKS`` sampled blocks against the
+queries' own rows, on the device, under ``jit``), so overlapping picks (sinks, local
+window, a shared hot set, multi-token decode) take the blocked kernel and random ones
+the per-query kernel; ``sparse_mla_attention_qblock`` always runs the blocked one
+(``H <= 32``). ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
 and the two ``prefill_write_and_attend_ragged`` wrappers compose it with the kernel,
 which reads their ``ql`` and ``qpe`` apart (no joined copy of Q).
 """
@@ -21,8 +27,6 @@ which reads their ``ql`` and ``qpe`` apart (no joined copy of Q).
 from __future__ import annotations
 
 import functools
-import inspect
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +39,14 @@ from attn_common.paged import (
     write_back_by_scatter,
     write_then_attend,
 )
-from attn_common.sparse_mla_rows import row_table_width, selected_rows, sparse_mla_units
+from attn_common.sparse_mla_rows import (
+    ABSENT,
+    block_union,
+    row_table_width,
+    sampled_union_pairs,
+    selected_rows,
+    sparse_mla_units,
+)
 from attn_common.sparse_mla_xla import kernel_result
 from attn_common.spec import (
     PrefillCall,
@@ -56,7 +67,11 @@ from attn_mosaic_gpu.sparse_mla_config import (
     SparseMlaKernelConfig,
     unsupported_dv,
 )
-from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
+from attn_mosaic_gpu.sparse_mla_kernel import (
+    query_block_for,
+    sparse_mla_rows_attention,
+    sparse_mla_union_attention,
+)
 
 __all__ = [
     "dequantize_store_first",
@@ -69,6 +84,12 @@ __all__ = [
 ]
 
 KERNEL_DTYPE = jnp.bfloat16
+# The automatic choice (``_prefer_blocked``): blocks whose union is measured exactly,
+# evenly spaced over the call, and the share of the per-query kernel's row pairs up to
+# which the query-blocked kernel's estimated pairs make it the faster one (both move
+# one pair of 64-row blocks per step; the blocked one also builds the union tables).
+PROBE_BLOCKS = 16
+BLOCKED_PAIR_SHARE = 0.75
 # A whole FP8 store dequantized by XLA costs about as much per store row as the kernel's
 # on-chip dequantization per this many gathered rows and 64-head group. H200, 5484fde
 # (docs/results/sparse_mla_fp8.json): 0.88 ns a store row (128 x 32K tokens in 3.68 ms
@@ -136,8 +157,10 @@ def sparse_mla_attention(
     ``dequantize_latent_cache(cache).astype(bfloat16)``), ``Dk = kv_lora_rank + 64`` with
     ``kv_lora_rank`` a multiple of 128, and any ``H`` (padded to 64-head
     groups); ``read_block = 1`` serves token-level selections. Cache rows no query
-    attends may hold anything (NaN, Inf). The query-blocked knobs are validated and
-    change nothing (each program gathers its own token's rows). ``config``:
+    attends may hold anything (NaN, Inf). At ``H <= 32`` it runs the query-blocked
+    kernel where the call's picks overlap enough (the union of a few sampled query
+    blocks against their own rows, measured on the device), else the per-query kernel;
+    the TPU's query-blocked knobs are validated and change nothing. ``config``:
     ``SparseMlaKernelConfig()`` or ``None``, the one schedule (it has no knobs). ``interpret=True`` runs the kernel in Mosaic GPU
     interpret mode on the CPU.
 
@@ -161,6 +184,45 @@ def sparse_mla_attention(
     (``attn_mass_from_lse``: the gather and ``Q K^T`` again, no softmax pass, no value
     product).
     """
+    return _sparse_mla(call, config, fp8_dequantize, deterministic, schedule="auto")
+
+
+@public_op(sparse_mla_call)
+def sparse_mla_attention_qblock(
+    call: SparseMlaCall,
+    *,
+    config: SparseMlaKernelConfig | None = None,
+    fp8_dequantize: bool | None = None,
+    deterministic: bool = False,
+):
+    """:func:`sparse_mla_attention` with the query-blocked kernel always (``H <= 32``).
+
+    ``query_block_for(H)`` consecutive queries (``64 / H``, heads padded to a power of
+    two) share one program; their union of selected rows is gathered once and each
+    query keeps its own by a membership mask. The same result as the per-query kernel
+    (to rounding: keys meet the softmax in another order), the same contract, backward
+    and ``return_attn_mass``; at ``H > 32`` it is the per-query kernel.
+    ``sparse_mla_attention`` chooses between the two per call; this name is for a
+    caller who knows their picks overlap (and for tests).
+    """
+    return _sparse_mla(call, config, fp8_dequantize, deterministic, schedule="qblock")
+
+
+def scheduled(schedule: str):
+    """``sparse_mla_attention`` with its kernel fixed: ``"per-query"``, ``"qblock"`` or
+    ``"auto"`` (the default). For benchmarks that time both kernels on one call; not an
+    API (the op picks per call)."""
+    if schedule not in ("per-query", "qblock", "auto"):
+        raise ValueError(f"schedule: got {schedule!r}, expected per-query, qblock or auto")
+
+    @public_op(sparse_mla_call)
+    def op(call: SparseMlaCall, *, fp8_dequantize: bool | None = None):
+        return _sparse_mla(call, None, fp8_dequantize, False, schedule=schedule)
+
+    return op
+
+
+def _sparse_mla(call: SparseMlaCall, config, fp8_dequantize, deterministic, *, schedule):
     problem = call.problem
     # (latent, rope): the write-then-attend wrappers' query, read apart by the kernel.
     names = ("qpe", "cache") if isinstance(call.q, tuple) else ("q", "kv")
@@ -178,12 +240,14 @@ def sparse_mla_attention(
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
     target = resolve_target(call.interpret)
-    forward = functools.partial(_kernel_forward, fp8_dequantize=fp8_dequantize, target=target)
+    forward = functools.partial(
+        _kernel_forward, fp8_dequantize=fp8_dequantize, target=target, schedule=schedule
+    )
     backward = functools.partial(_kernel_backward, deterministic=deterministic, target=target)
     return kernel_result(call, forward, backward)
 
 
-def _kernel_forward(call: SparseMlaCall, *, fp8_dequantize, target):
+def _kernel_forward(call: SparseMlaCall, *, fp8_dequantize, target, schedule):
     """The kernel's ``(out [B, S, H, Dv], lse [B, S, H])`` (the LSE always)."""
     problem = call.problem
     q, q_rope = call.q if isinstance(call.q, tuple) else (call.q, None)
@@ -202,6 +266,7 @@ def _kernel_forward(call: SparseMlaCall, *, fp8_dequantize, target):
         dv=problem.dv,
         read_block=problem.read_block,
         target=target,
+        schedule=schedule,
     )
     shape = (problem.batch, problem.num_queries, problem.heads)
     return out.reshape(*shape, problem.dv), lse.reshape(shape)
@@ -255,33 +320,51 @@ def _fp8_store(problem, cache: Fp8LatentCache, ragged: dict, fp8_dequantize, *, 
     return dequantize_latent_cache(cache).astype(jnp.bfloat16), ragged
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "target"))
-def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, target):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "read_block", "target", "schedule"))
+def _attend(q, q_rope, store, units, *, sm_scale, dv, read_block, target, schedule):
+    """``(out [N, H, Dv], lse [N, H])``: ``schedule`` ``"qblock"`` (the blocked kernel
+    where ``H <= 32``), ``"auto"`` (``_prefer_blocked`` picks, on the device) or
+    ``"per-query"``."""
     rows, counts = _row_table(units, read_block, store.shape[0], target)
-    return sparse_mla_rows_attention(
-        q, store, rows, counts, sm_scale=sm_scale, dv=dv, q_rope=q_rope, interpret=target
-    )
+    kw = dict(sm_scale=sm_scale, dv=dv, q_rope=q_rope, interpret=target)
+    qb = query_block_for(q.shape[1])
+    # Nothing to block, keys past int32, or the per-query kernel asked for (benchmarks).
+    if qb == 1 or store.shape[0] * qb >= ABSENT or schedule == "per-query":
+        return sparse_mla_rows_attention(q, store, rows, counts, **kw)
+    tokens = q.shape[0]
+    pad = -tokens % qb
+    if pad:  # the last block's missing queries attend nothing
+        rows = jnp.pad(rows, ((0, pad), (0, 0)), constant_values=-1)
+        counts = jnp.pad(counts, (0, pad))
+
+    def blocked():
+        def padded(x):
+            return None if x is None else jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
+
+        union = block_union(rows, counts, qb, block=PAIR_ROWS, num_rows=store.shape[0])
+        out, lse = sparse_mla_union_attention(
+            padded(q), store, union, **{**kw, "q_rope": padded(q_rope)}
+        )
+        return out[:tokens], lse[:tokens]
+
+    if schedule == "qblock":
+        return blocked()
+
+    def per_query():
+        return sparse_mla_rows_attention(q, store, rows[:tokens], counts[:tokens], **kw)
+
+    return jax.lax.cond(_prefer_blocked(rows, counts, qb), blocked, per_query)
 
 
-def sparse_mla_attention_qblock(*args, **kwargs):
-    """Deprecated: the same kernel as :func:`sparse_mla_attention` under a second name.
-
-    The query-blocked schedule is a TPU design; on Hopper ``query_block``, ``u_max`` and
-    ``head_block`` are validated and change nothing, and ``sparse_mla_attention`` takes
-    them too. Call that instead; this name goes in the next release. (The front door's
-    ``attn_common.sparse_mla_attention_qblock`` keeps working and runs the same kernel.)
-    """
-    warnings.warn(
-        "attn_mosaic_gpu.sparse_mla_attention_qblock is deprecated: it is the same kernel as "
-        "attn_mosaic_gpu.sparse_mla_attention, which takes the same arguments; use that",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return sparse_mla_attention(*args, **kwargs)
-
-
-sparse_mla_attention_qblock.__signature__ = inspect.signature(sparse_mla_attention)
-sparse_mla_attention_qblock.impl = sparse_mla_attention.impl  # the front door's entry
+def _prefer_blocked(rows, counts, query_block: int) -> jax.Array:
+    """Whether the query-blocked kernel is the faster on this row table (traced bool):
+    its row pairs, estimated from the exact unions of ``PROBE_BLOCKS`` evenly spaced
+    blocks, at most ``BLOCKED_PAIR_SHARE`` of the per-query kernel's (each query's own
+    pairs). Random picks share almost nothing (the union is ``query_block`` times a
+    query's rows) and keep the per-query kernel; overlapping ones take the blocked."""
+    blocked = sampled_union_pairs(rows, counts, query_block, samples=PROBE_BLOCKS, pair=PAIR_ROWS)
+    own = ((counts + PAIR_ROWS - 1) // PAIR_ROWS).sum().astype(jnp.float32)
+    return blocked <= BLOCKED_PAIR_SHARE * own
 
 
 @public_op(write_back_call)
@@ -305,19 +388,33 @@ def prefill_write_and_attend_ragged(
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (ragged mode).
 
+    The attention is :func:`sparse_mla_attention`'s (the kernel chosen per call);
     ``query_block`` / ``u_max`` are validated and change nothing on Hopper. The kernel
     reads ``ql`` and ``qpe`` where they are: joining them first would copy all of Q
     (0.3-0.4 ms for 4096 tokens x 128 heads on the H200, docs/sparse_mla_gpu.md).
     ``config``, ``fp8_dequantize`` and ``deterministic``: as for
     :func:`sparse_mla_attention` (the cache attended is the one written).
     """
+    return _write_then_attend(sparse_mla_attention, call, config, fp8_dequantize, deterministic)
+
+
+@public_op(prefill_call)
+def prefill_write_and_attend_ragged_qblock(
+    call: PrefillCall,
+    *,
+    config: SparseMlaKernelConfig | None = None,
+    fp8_dequantize: bool | None = None,
+    deterministic: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`prefill_write_and_attend_ragged` attending with
+    :func:`sparse_mla_attention_qblock` (the query-blocked kernel always, ``H <= 32``)."""
+    return _write_then_attend(
+        sparse_mla_attention_qblock, call, config, fp8_dequantize, deterministic
+    )
+
+
+def _write_then_attend(op, call: PrefillCall, config, fp8_dequantize, deterministic):
     attend = functools.partial(
-        sparse_mla_attention.impl,
-        config=config,
-        fp8_dequantize=fp8_dequantize,
-        deterministic=deterministic,
+        op.impl, config=config, fp8_dequantize=fp8_dequantize, deterministic=deterministic
     )
     return write_then_attend(paged_write_back.impl, attend, call, split_q=True)
-
-
-prefill_write_and_attend_ragged_qblock = prefill_write_and_attend_ragged

@@ -92,6 +92,18 @@ for a staging buffer, so each part is staged inside its own slot:
   the owner's dequantization. The kernel is then bound by the compute WGs
   (docs/fp8_cache.md).
 
+Query-blocked (``sparse_mla_union_attention``, ``query_block > 1``; ``H <= 32``): a
+program's "token" is a block of ``query_block = 64 / Hq`` consecutive queries (``Hq``
+each query's heads, padded to a power of two), its 64 rows their heads query-major (Q
+``[N, Hq, Dk]`` reshaped to ``[N / query_block, 64, Dk]``), its row table the block's
+union (``attn_common.sparse_mla_rows.block_union``), gathered once by WG2 as above.
+Each compute WG loads the 64 int32 membership words of its block of pair ``p`` from
+global memory (``_member_words``, in the score tile's column layout; issued before the
+scores are waited for) and masks ``S[r, c]`` to ``-inf`` where bit ``r / Hq`` of word
+``c`` is clear (``_masked_scores``), on every pair: the words past the union's count
+are 0, so no count compare is needed. Nothing else changes: the barriers, the
+exchanges and the FP8 path are the per-query schedule's.
+
 Interpret mode (``interpret=True``, the CPU tests) runs the same schedule and barriers
 (``_interpret.Target``); the interpreter runs no inline Mosaic GPU code, so rows are
 copied by plain loads and stores and the memory WG publishes them on ``part_ready``, and
@@ -112,6 +124,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_common.fp8_cache import LATENT as FP8_LATENT
 from attn_common.fp8_cache import Fp8LatentCache, check_fp8_cache
+from attn_common.sparse_mla_rows import BlockUnion
 from attn_mosaic_gpu import _axes
 from attn_mosaic_gpu._interpret import Target, resolve_interpret, resolve_target
 from attn_mosaic_gpu._registers import memory_registers
@@ -136,7 +149,13 @@ from attn_mosaic_gpu.sparse_mla_config import (
     unsupported_dv,
 )
 
-__all__ = ["SparseMlaKernelConfig", "resolve_interpret", "sparse_mla_rows_attention"]
+__all__ = [
+    "SparseMlaKernelConfig",
+    "query_block_for",
+    "resolve_interpret",
+    "sparse_mla_rows_attention",
+    "sparse_mla_union_attention",
+]
 
 _AXIS_PROGRAM = _axes.PROGRAMS
 _AXIS_WG = _axes.WARPGROUP
@@ -157,6 +176,9 @@ class _SparseMlaStatics:
     # The store is an FP8 latent cache (latent / scale / rope arrays, one row per token):
     # staged in the key slots by cp.async, dequantized there by the compute WGs.
     fp8: bool = False
+    # Queries per program (query-blocked: a "token" is a block of this many queries, its
+    # 64 rows their heads query-major, its row table their union; 1: one query).
+    query_block: int = 1
 
 
 _HALVES = ("L", "R")
@@ -177,6 +199,7 @@ class _Program:
     q_rope_ref: Any
     stores: tuple  # (store,) bf16, or an FP8 cache's (latent, scale, rope) row arrays
     rows_ref: Any
+    member_ref: Any  # query-blocked: [NB, Up] int32 membership bits; else None
     out_ref: Any
     lse_ref: Any
     q_dst: tuple[Any, Any]  # Q's latent and rope features' TMA destinations
@@ -263,6 +286,8 @@ def _walk_pairs(prog: _Program, step, init):
     query's row count, whose columns are all rows and need no mask (no column iota,
     compare and select per score, nor the registers they hold), then the last, partial
     pair, if any, masked."""
+    if prog.st.query_block > 1:  # every pair masked, by membership
+        return lax.fori_loop(0, prog.num_pairs, functools.partial(step, masked=True), init)
     full = lax.div(prog.count, jnp.int32(PAIR_ROWS))
     carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
     return lax.fori_loop(full, prog.num_pairs, functools.partial(step, masked=True), carry)
@@ -278,7 +303,9 @@ def _pair_step(prog: _Program, w: int, init: _RowInit, s_ref, acc_ref, p, carry,
     # This WG's P buffer and the other's: WG0's P where block 0's rope features were.
     p_mine = buf.k_rope.at[o] if w == 0 else buf.p_wg1.at[o]
     p_theirs = buf.p_wg1.at[o] if w == 0 else buf.k_rope.at[o]
-    s = _masked_scores(prog, p, _scores(prog, w, init, s_ref, o, p), masked)
+    # Query-blocked: the block's membership words, loaded before the scores are waited for.
+    words = _member_words(prog, p) if masked and prog.st.query_block > 1 else None
+    s = _masked_scores(prog, p, _scores(prog, w, init, s_ref, o, p), masked, words)
     cols = pl.ds(w * prog.half, prog.half)
     own_v = buf.k_lat.at[w + o].at[:, cols]
     their_v = buf.k_lat.at[1 - w + o].at[:, cols]
@@ -366,11 +393,29 @@ def _scores(prog: _Program, w: int, init: _RowInit, s_ref, o, p):
     return prog.target.product(s_ref, (HEADS_PER_PROGRAM, BLOCK_K), qk, zero=init.s_zero)
 
 
-def _masked_scores(prog: _Program, p, s, masked: bool):
+def _member_words(prog: _Program, p):
+    """Query-blocked: the membership words of this WG's 64 rows of pair ``p`` (``[64]``
+    int32, one per key row, in the layout of a score tile's columns)."""
+    cols = pl.ds((2 * p + prog.wg) * BLOCK_K, BLOCK_K)
+    return plgpu.load(
+        prog.member_ref.at[prog.token, cols], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False
+    )
+
+
+def _masked_scores(prog: _Program, p, s, masked: bool, words=None):
     """This WG's scores of pair ``p``, ``-inf`` past the query's row count (``masked``;
-    a pair wholly below the count is returned as it is)."""
+    a pair wholly below the count is returned as it is); query-blocked, ``-inf`` where
+    the row's query does not attend the key (bit ``row // heads_per_query`` of the key's
+    membership word; the words past the union's count are 0)."""
     if not masked:
         return s
+    if words is not None:
+        shape = (HEADS_PER_PROGRAM, BLOCK_K)
+        row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        shift = (HEADS_PER_PROGRAM // prog.st.query_block).bit_length() - 1
+        query = lax.shift_right_logical(row, jnp.int32(shift))
+        bits = lax.shift_right_logical(lax.broadcast_in_dim(words, shape, [1]), query)
+        return jnp.where(lax.bitwise_and(bits, jnp.int32(1)) != 0, s, -jnp.inf)
     col = (2 * p + prog.wg) * BLOCK_K + plgpu.broadcasted_iota(
         jnp.int32, (HEADS_PER_PROGRAM, BLOCK_K), 1, layout=plgpu.Layout.WGMMA
     )
@@ -453,13 +498,17 @@ def _kernel(st: _SparseMlaStatics, target: Target):
     (the module docstring has the schedule)."""
 
     def kernel(*refs):
+        # inputs (global memory): q_ref [N, Hp, Dv + 64] bf16, or Q's latent features
+        # [N, Hp, Dv]; q_rope_ref [N, Hp, 64] bf16 Q's rope features, or q_ref (from
+        # st.rope_at); the stores: (store [R, W] bf16,) or (latent [R, 512] e4m3,
+        # scale [R, 4] f32, rope [R, 64] bf16).
+        stores_end = 2 + (3 if st.fp8 else 1)
+        q_ref, q_rope_ref = refs[:2]
+        stores = refs[2:stores_end]
         (
-            # inputs (global memory)
-            q_ref,  # [N, Hp, Dv + 64] bf16, or Q's latent features [N, Hp, Dv]
-            q_rope_ref,  # [N, Hp, 64] bf16 Q's rope features, or q_ref (from st.rope_at)
-            *stores,  # (store [R, W] bf16,) or (latent [R, 512] e4m3, scale [R, 4] f32, rope [R, 64] bf16)
             rows_ref,  # [N, Kp] int32: each query's rows, valid first, -1 after
             counts_ref,  # [N] int32: each query's valid rows
+            *member,  # query-blocked: ([NB, Up] int32 membership bits,); else ()
             zero_ref,  # [1] int32: holds 0 (opaque_zero)
             # outputs (global memory)
             out_ref,  # [N, Hp, Dv] f32
@@ -467,7 +516,7 @@ def _kernel(st: _SparseMlaStatics, target: Target):
             # scratch (shared memory)
             buf,  # ForwardBuffers
             bar,  # ForwardBarriers
-        ) = refs
+        ) = refs[stores_end:]
         # Q's TMA destinations (the buffers' leading axis of 1 is for `p & opaque_zero`).
         q_dst = (buf.q_lat.at[0], buf.q_rope.at[0])
         group, token = lagged_program(lax.axis_index(_AXIS_PROGRAM), TOKEN_LAG, st)
@@ -482,6 +531,7 @@ def _kernel(st: _SparseMlaStatics, target: Target):
             q_rope_ref=q_rope_ref,
             stores=stores,
             rows_ref=rows_ref,
+            member_ref=member[0] if member else None,
             out_ref=out_ref,
             lse_ref=lse_ref,
             q_dst=q_dst,
@@ -507,8 +557,9 @@ def _kernel(st: _SparseMlaStatics, target: Target):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "target"))
-def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, target: Target):
-    """The kernel on ``stores``: ``(store,)``, or an FP8 cache's ``(latent, scale, rope)``."""
+def _launch(q, q_rope, stores, rows, counts, member, *, st: _SparseMlaStatics, target: Target):
+    """The kernel on ``stores``: ``(store,)``, or an FP8 cache's ``(latent, scale, rope)``;
+    ``member``: ``(bits,)`` query-blocked, else ``()``."""
     out_type = (
         jax.ShapeDtypeStruct((st.tokens, st.heads, st.dv), jnp.float32),
         jax.ShapeDtypeStruct((st.tokens, st.heads), jnp.float32),
@@ -516,7 +567,7 @@ def _launch(q, q_rope, stores, rows, counts, *, st: _SparseMlaStatics, target: T
     scratch = forward_scratch(st.dv, interpret=target.interpret)
     launch = launch_args(_kernel(st, target), st, target, scratch)
     call = plgpu.kernel(out_type=out_type, **launch)
-    return call(q, q_rope, *stores, rows, counts, jnp.zeros((1,), jnp.int32))
+    return call(q, q_rope, *stores, rows, counts, *member, jnp.zeros((1,), jnp.int32))
 
 
 def _padded_static(
@@ -545,6 +596,49 @@ def _padded_static(
         fp8=isinstance(store, Fp8LatentCache),
     )
     return q, q if q_rope is None else q_rope, st
+
+
+def _checked(q, store, q_rope, dv: int, config) -> int:
+    """Validate the inputs both public functions share; ``Dk`` (with ``q_rope``'s)."""
+    if config is not None and not isinstance(config, SparseMlaKernelConfig):
+        raise TypeError(
+            f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
+        )
+    tokens, heads, dk = q.shape
+    fp8 = isinstance(store, Fp8LatentCache)
+    if fp8:
+        check_fp8_cache(store, "store", grid=(None,), hint="[R]")
+    store_dtype = store.rope.dtype if fp8 else store.dtype
+    if q.dtype != jnp.bfloat16 or store_dtype != jnp.bfloat16:
+        raise TypeError(f"q, store: got {q.dtype}, {store_dtype}, expected bfloat16")
+    if q_rope is not None:
+        if q_rope.dtype != jnp.bfloat16 or q_rope.shape != (tokens, heads, ROPE):
+            raise ValueError(
+                f"q_rope: got {q_rope.dtype} {q_rope.shape}, expected bfloat16 "
+                f"{(tokens, heads, ROPE)}"
+            )
+        dk += ROPE
+    if dk != dv + ROPE:
+        raise NotImplementedError(
+            f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}"
+        )
+    if (reason := unsupported_dv(dv)) is not None:
+        raise NotImplementedError(reason)
+    if fp8 and dv != FP8_LATENT:
+        raise NotImplementedError(
+            f"dv: got {dv}, an Fp8LatentCache store holds {FP8_LATENT} latent values per row"
+        )
+    if not fp8 and (store.ndim != 2 or store.shape[1] < dk or store.shape[1] % CHUNK):
+        raise ValueError(
+            f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {CHUNK} == 0"
+        )
+    return dk
+
+
+def _store_arrays(store) -> tuple:
+    if isinstance(store, Fp8LatentCache):
+        return (store.latent, store.scale, store.rope)
+    return (store,)
 
 
 def sparse_mla_rows_attention(
@@ -581,38 +675,8 @@ def sparse_mla_rows_attention(
     Returns:
       ``out [N, H, dv]`` float32 and ``lse [N, H]`` float32.
     """
-    if config is not None and not isinstance(config, SparseMlaKernelConfig):
-        raise TypeError(
-            f"config: got {type(config).__name__}, expected SparseMlaKernelConfig or None"
-        )
-    tokens, heads, dk = q.shape
-    fp8 = isinstance(store, Fp8LatentCache)
-    if fp8:
-        check_fp8_cache(store, "store", grid=(None,), hint="[R]")
-    store_dtype = store.rope.dtype if fp8 else store.dtype
-    if q.dtype != jnp.bfloat16 or store_dtype != jnp.bfloat16:
-        raise TypeError(f"q, store: got {q.dtype}, {store_dtype}, expected bfloat16")
-    if q_rope is not None:
-        if q_rope.dtype != jnp.bfloat16 or q_rope.shape != (tokens, heads, ROPE):
-            raise ValueError(
-                f"q_rope: got {q_rope.dtype} {q_rope.shape}, expected bfloat16 "
-                f"{(tokens, heads, ROPE)}"
-            )
-        dk += ROPE
-    if dk != dv + ROPE:
-        raise NotImplementedError(
-            f"q: head dim {dk} with dv={dv}; the Hopper kernel takes Dk = Dv + {ROPE}"
-        )
-    if (reason := unsupported_dv(dv)) is not None:
-        raise NotImplementedError(reason)
-    if fp8 and dv != FP8_LATENT:
-        raise NotImplementedError(
-            f"dv: got {dv}, an Fp8LatentCache store holds {FP8_LATENT} latent values per row"
-        )
-    if not fp8 and (store.ndim != 2 or store.shape[1] < dk or store.shape[1] % CHUNK):
-        raise ValueError(
-            f"store: got shape {store.shape}, expected [R, W] with W >= {dk}, W % {CHUNK} == 0"
-        )
+    _checked(q, store, q_rope, dv, config)
+    tokens, heads, _ = q.shape
     kp = rows.shape[1]
     if rows.shape[0] != tokens or kp % PAIR_ROWS:
         raise ValueError(
@@ -623,10 +687,87 @@ def sparse_mla_rows_attention(
     out, lse = _launch(
         q,
         q_rope,
-        (store.latent, store.scale, store.rope) if fp8 else (store,),
+        _store_arrays(store),
         rows.astype(jnp.int32),
         counts.astype(jnp.int32),
+        (),
         st=st,
         target=resolve_target(interpret),
     )
     return out[:, :heads], lse[:, :heads]
+
+
+def query_block_for(heads: int) -> int:
+    """The query-blocked kernel's queries per program at ``heads`` heads: ``64 // Hq``,
+    ``Hq`` the power of two ``>= max(heads, 2)`` its query's heads are padded to (1 at
+    ``heads > 32``: nothing to block, each query fills its own program)."""
+    hq = 1 << max(int(heads) - 1, 1).bit_length()
+    return max(HEADS_PER_PROGRAM // hq, 1)
+
+
+def sparse_mla_union_attention(
+    q: jax.Array,
+    store: jax.Array | Fp8LatentCache,
+    union: BlockUnion,
+    *,
+    sm_scale: float,
+    dv: int = 512,
+    q_rope: jax.Array | None = None,
+    config: SparseMlaKernelConfig | None = None,
+    interpret: object = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Query-blocked: attend each block's union of rows, each query its own (module docstring).
+
+    ``q``, ``store``, ``q_rope``, ``config``, ``interpret``: as for
+    :func:`sparse_mla_rows_attention`, with ``H <= 32`` and ``N`` a multiple of
+    ``query_block_for(H)``; ``union``: ``attn_common.sparse_mla_rows.block_union`` of the
+    queries' row tables at that query block (``Up % 128 == 0``). Each query's heads are
+    padded to ``Hq = 64 // query_block``, so a block's queries fill one program's 64
+    rows. Returns ``out [N, H, dv]`` and ``lse [N, H]`` float32, the same as the
+    per-query kernel on the queries' own rows.
+    """
+    _checked(q, store, q_rope, dv, config)
+    tokens, heads, _ = q.shape
+    qb = query_block_for(heads)
+    hq = HEADS_PER_PROGRAM // qb
+    nb, up = union.rows.shape
+    if qb == 1:
+        raise ValueError(f"q: {heads} heads fill a program alone; there is no query block")
+    if tokens != nb * qb or union.member.shape != (nb, up) or union.counts.shape != (nb,):
+        raise ValueError(
+            f"union: got rows {union.rows.shape}, member {union.member.shape}, counts "
+            f"{union.counts.shape}, expected [{tokens // qb}, Up] twice and [{tokens // qb}] "
+            f"for {tokens} queries in blocks of {qb}"
+        )
+    if up % PAIR_ROWS:
+        raise ValueError(f"union: width {up} is not a multiple of {PAIR_ROWS}")
+
+    def packed(x):  # [N, H, D] -> [NB, 64, D]: a block's queries' heads, padded to hq
+        x = jnp.pad(x, ((0, 0), (0, hq - heads), (0, 0))) if hq != heads else x
+        return x.reshape(nb, HEADS_PER_PROGRAM, x.shape[-1])
+
+    qp = packed(q)
+    st = _SparseMlaStatics(
+        tokens=nb,
+        heads=HEADS_PER_PROGRAM,
+        dv=dv,
+        width=_store_arrays(store)[0].shape[1],
+        sm_scale=float(sm_scale),
+        rope_at=dv if q_rope is None else 0,
+        fp8=isinstance(store, Fp8LatentCache),
+        query_block=qb,
+    )
+    out, lse = _launch(
+        qp,
+        qp if q_rope is None else packed(q_rope),
+        _store_arrays(store),
+        union.rows.astype(jnp.int32),
+        union.counts.astype(jnp.int32),
+        (union.member.astype(jnp.int32),),
+        st=st,
+        target=resolve_target(interpret),
+    )
+    return (
+        out.reshape(tokens, hq, dv)[:, :heads],
+        lse.reshape(tokens, hq)[:, :heads],
+    )

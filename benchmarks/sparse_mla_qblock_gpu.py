@@ -1,0 +1,377 @@
+"""The query-blocked Hopper sparse-MLA kernel against the per-query one, same picks, same run.
+
+``attn_mosaic_gpu.sparse_mla_attention`` runs one of two kernels per call: the per-query
+kernel (each program one query's 64-head group, its own rows) and, at ``H <= 32``, the
+query-blocked one (``64 / H`` queries share a program; their union of rows is gathered
+once, membership masks restore each query's selection). Here the same inputs run
+through each kernel forced (``attn_mosaic_gpu.sparse_mla.scheduled``) and through the
+op's own choice (``auto``). Cases (``Dk = 576``, ``Dv = 512``, ``sm_scale = 1 /
+sqrt(192)``; picks by ``attn_common.picks``, the generator the TPU benchmark uses):
+
+* ``prefill-overlap-h{H}``: flat, 4096 queries at the end of a 32K-token cache, each
+  selecting 2048 tokens as 32 units of 64 (``overlapping_picks`` defaults: 2 sinks, a
+  window of 4, 26 from a 32-unit hot set shared per 64 queries drifting by an eighth),
+  passed token by token (``read_block = 1``, DeepSeek V3.2's indexer output);
+* ``prefill-random-h{H}``: the same with 2048 distinct random tokens per query;
+* ``decode-x{T}-h{H}``: ragged paged, 128 requests of about 32K tokens, ``T`` query
+  tokens each (multi-token prediction) sharing 90 % of their 32 picked pages
+  (``decode_picks``), 64-token pages;
+
+for H in {16, 32, 64, 128} (prefill; the blocked kernel exists at ``H <= 32`` only, so
+the larger H rows are the per-query kernel under both names) and {16, 128} (decode, T
+in {2, 4}); FP8 rows (``Fp8LatentCache``, dequantized on chip: ``fp8_dequantize=False``)
+for prefill-overlap at H 16 / 32 and decode at H 16 / 128.
+
+Per row: CUPTI device time (median of ``--iterations`` after a warm-up; the row table,
+the union tables and the choice included); TFLOP/s counting ``2 H (576 + 512)`` per
+valid (query, key token); the rows gathered (per-query: each query's valid rows once per
+64-head group; query-blocked: each block's union once) at 1,152 bytes (656 FP8) over the
+time against the copy ceiling; the matrix work issued (64-row programs x gathered rows x
+``2 (576 + 512)``, padded heads and masked keys included) against the measured bf16
+rate. Each case's ``qblock`` and ``auto`` rows add the speed-up over ``per-query``.
+
+    python benchmarks/sparse_mla_qblock_gpu.py --out docs/results      # on the H200
+    python benchmarks/sparse_mla_qblock_gpu.py --smoke --out /tmp/s    # CPU, interpret mode
+
+Writes ``sparse_mla_qblock_gpu.{json,md,svg}`` into ``--out`` (top-level ``commit``;
+rows carry ``kernel`` ("qblock" / "per-query" / "auto"), ``mode``, ``picks``,
+``heads``, ``cache``, ``ms``, ``tflops``, ``gather_tbps``). Exit status 1 when a row
+failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_common import quantize_latent_cache
+from attn_common.cli_args import provenance
+from attn_common.picks import decode_picks, distinct_choices, overlapping_picks
+from attn_mosaic_gpu.bench import ceilings, device_ms
+from attn_mosaic_gpu.bench_sparse_mla import SM_SCALE, jit_call, paged_layout, rel_l2
+from attn_mosaic_gpu.sparse_mla import scheduled
+from attn_mosaic_gpu.sparse_mla_kernel import query_block_for
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = "sparse_mla_qblock_gpu"
+DK, DV = 576, 512
+BYTES_PER_ROW = {"bf16": 2 * DK, "fp8": DV + 4 * 4 + 2 * 64}  # 1152, 656
+PROGRAM_ROWS = 64  # rows of one program's matrices (heads, or a block's queries x heads)
+KERNELS = ("per-query", "qblock", "auto")
+# Issue 56's targets: the blocked kernel over the per-query one.
+TARGETS = {
+    ("prefill", "overlap", 16): 2.5,
+    ("prefill", "overlap", 32): 2.0,
+    ("prefill", "overlap", 64): 1.3,
+    ("prefill", "overlap", 128): 1.0,
+    ("decode", "decode", 16): 1.6,
+    ("decode", "decode", 128): 1.1,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str  # "prefill" | "decode"
+    picks: str  # "overlap" | "random" | "decode" (tokens sharing 90 %)
+    heads: int
+    cache: str = "bf16"  # "bf16" | "fp8"
+    kv_len: int = 32768
+    num_queries: int = 4096
+    requests: int = 1
+    tokens: int = 1  # decode: query tokens per request
+    unit: int = 64
+    top_k_units: int = 32
+
+
+def cases(smoke: bool) -> list[Case]:
+    if smoke:  # tiny shapes for a CPU run end to end (interpret mode)
+        return [
+            Case("prefill-overlap-h16", "prefill", "overlap", 16, kv_len=600, num_queries=8,
+                 unit=16, top_k_units=6),
+            Case("decode-x2-h16", "decode", "decode", 16, kv_len=300, num_queries=8, requests=4,
+                 tokens=2, unit=16, top_k_units=4),
+        ]  # fmt: skip
+    out = []
+    for picks in ("overlap", "random"):
+        out += [Case(f"prefill-{picks}-h{h}", "prefill", picks, h) for h in (16, 32, 64, 128)]
+    out += [
+        Case(f"prefill-overlap-h{h}-fp8", "prefill", "overlap", h, cache="fp8") for h in (16, 32)
+    ]
+    for t in (2, 4):
+        for h in (16, 128):
+            out.append(
+                Case(f"decode-x{t}-h{h}", "decode", "decode", h, num_queries=128 * t,
+                     requests=128, tokens=t)
+            )  # fmt: skip
+    out += [
+        Case(f"decode-x2-h{h}-fp8", "decode", "decode", h, cache="fp8", num_queries=256,
+             requests=128, tokens=2)
+        for h in (16, 128)
+    ]  # fmt: skip
+    return out
+
+
+def _union_rows(keys: list[np.ndarray], block: int) -> int:
+    """Sum over blocks of ``block`` consecutive queries of their distinct keys."""
+    total = 0
+    for i in range(0, len(keys), block):
+        total += len(np.unique(np.concatenate(keys[i : i + block])))
+    return total
+
+
+def make_inputs(case: Case, seed: int = 0):
+    """``(args, kwargs, per-query key ids)``: the op's arrays and keywords, and each
+    query's attended keys (flat: token ids; ragged: request * 2**20 + token) to count
+    the gathered rows."""
+    rng = np.random.default_rng(seed)
+    k_q, k_kv = jax.random.split(jax.random.PRNGKey(seed))
+    s, h, t = case.num_queries, case.heads, case.kv_len
+    q = jax.random.normal(k_q, (1, s, h, DK), jnp.bfloat16)
+    kw = {"sm_scale": SM_SCALE}
+    if case.mode == "prefill":
+        pos = np.arange(t - s, t, dtype=np.int32)
+        if case.picks == "overlap":
+            units = overlapping_picks(rng, pos, unit=case.unit, k=case.top_k_units)
+            tok = units[:, :, None] * case.unit + np.arange(case.unit)
+            idx = np.where(units[:, :, None] >= 0, tok, -1).reshape(s, -1).astype(np.int32)
+        else:
+            idx = distinct_choices(rng, pos + 1, case.top_k_units * case.unit)
+        keys = [np.unique(r[(r >= 0) & (r <= p)]) for r, p in zip(idx, pos, strict=True)]
+        kv = jax.random.normal(k_kv, (1, t, DK), jnp.bfloat16)
+        if case.cache == "fp8":
+            kv = quantize_latent_cache(kv)
+        rest = (jnp.asarray(idx)[None], jnp.asarray(pos)[None])
+        return (q, kv, *rest), {**kw, "read_block": 1}, keys
+    ps, n = case.unit, case.requests
+    lens = [t - 3 * r for r in range(n)]
+    layout = paged_layout(rng, lens, [case.tokens] * n, page_size=ps)
+    pos = layout["positions"]
+    idx = decode_picks(rng, pos, unit=ps, k=case.top_k_units, tokens=case.tokens)
+    keys = []
+    for i in range(s):
+        pages = np.unique(idx[i][idx[i] >= 0])
+        tok = (pages[:, None] * ps + np.arange(ps)).ravel()
+        keys.append(int(layout["q_seq_id"][i]) * 2**20 + tok[tok <= pos[i]])
+    rows = jax.random.normal(k_kv, (layout["num_pages"], ps, DK), jnp.bfloat16)
+    if case.cache == "fp8":
+        kv = quantize_latent_cache(rows)
+    else:
+        kv = jnp.pad(rows, ((0, 0), (0, 0), (0, 640 - DK))).reshape(-1, ps // 2, 2, 640)
+    del rows
+    tables = {
+        k: jnp.asarray(layout[k]) for k in ("q_seq_id", "seq_lens", "cu_kv_lens", "page_indices")
+    }
+    rest = (jnp.asarray(idx)[None], jnp.asarray(pos)[None])
+    return (q, kv, *rest), {**kw, "read_block": ps, "page_size": ps, **tables}, keys
+
+
+def run_case(case: Case, *, iterations: int, ceil: dict, interpret: bool) -> list[dict]:
+    """The three kernels' rows of one case; a failure is recorded in the row."""
+    t0 = time.perf_counter()
+    args, kw, keys = make_inputs(case)
+    if interpret:
+        kw = {**kw, "interpret": True}
+    if case.cache == "fp8":
+        kw = {**kw, "fp8_dequantize": False}
+    pairs = sum(len(k) for k in keys)
+    qb = query_block_for(case.heads)
+    groups = -(-case.heads // PROGRAM_ROWS)
+    gathered = {"per-query": groups * pairs, "qblock": _union_rows(keys, qb) if qb > 1 else None}
+    gathered["qblock"] = gathered["qblock"] or gathered["per-query"]
+    flops = 2.0 * case.heads * (DK + DV) * pairs
+    print(f"{case.name}: {pairs / case.num_queries:.0f} keys/query, query block {qb}, union "
+          f"rows {gathered['qblock'] / max(gathered['per-query'], 1):.3f} of the per-query "
+          f"({time.perf_counter() - t0:.1f} s inputs)")  # fmt: skip
+    rows, outs = [], {}
+    for kernel in KERNELS:
+        rows_read = gathered["qblock" if kernel == "qblock" else "per-query"]
+        row = {
+            "case": case.name, "kernel": kernel, "mode": case.mode, "picks": case.picks,
+            "heads": case.heads, "cache": case.cache, "query_block": qb,
+            "num_queries": case.num_queries, "requests": case.requests, "tokens": case.tokens,
+            "kv_len": case.kv_len, "valid_pairs": pairs, "flops": flops,
+            "gathered_rows": rows_read, "ms": None, "tflops": None, "gather_tbps": None,
+        }  # fmt: skip
+        try:
+            jitted, call_args = jit_call(scheduled(kernel), args, kw)
+            outs[kernel] = jitted(*call_args)
+            ms, method = device_ms(jitted, *call_args, iterations=iterations)
+            rate = rows_read * BYTES_PER_ROW[case.cache] / ms / 1e9
+            issued = 2.0 * PROGRAM_ROWS * (DK + DV) * rows_read
+            row.update(
+                ms=ms, timing=method, tflops=flops / ms / 1e9, gather_tbps=rate,
+                gather_vs_copy=rate / ceil["copy_tbps"] if ceil else None,
+                issued_tflops=issued / ms / 1e9,
+                issued_vs_matmul=issued / ms / 1e9 / ceil["matmul_bf16_tflops"] if ceil else None,
+                useful_share=flops / issued,
+            )  # fmt: skip
+            print(f"  {kernel:>9}: {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s, gather "
+                  f"{rate:5.2f} TB/s ({method})")  # fmt: skip
+        except Exception as e:  # recorded, never raised: the other rows still run
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+        rows.append(row)
+    base = rows[0]
+    for row in rows[1:]:
+        if base["ms"] and row["ms"]:
+            row["speedup_vs_per_query"] = base["ms"] / row["ms"]
+            row["out_rel_l2_vs_per_query"] = rel_l2(outs[row["kernel"]], outs["per-query"])
+        if row["kernel"] == "qblock":
+            row["target_speedup"] = TARGETS.get((case.mode, case.picks, case.heads))
+    return rows
+
+
+def write_reports(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{RESULT}.json", out / f"{RESULT}.md", out / f"{RESULT}.svg"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    prov, ceil = result["provenance"], result["ceilings"]
+    timing = ", ".join(sorted({r["timing"] for r in result["rows"] if r.get("timing")})) or "none"
+    lines = [
+        "# Sparse MLA on Hopper: the query-blocked kernel against the per-query one",
+        "",
+        f"Commit `{prov['commit']}`, {prov['date']}, device {result['device']}; command "
+        f"`{prov['command']}`. Time: {timing} "
+        f"({'device time' if timing == 'cupti' else 'not a device time'}), median of "
+        f"{result['iterations']} calls after a warm-up, row and union tables included. "
+        "Same inputs for the three kernels: `per-query` (today's kernel), `qblock` (the "
+        "query-blocked kernel forced; at H > 32 there is none and this is the per-query "
+        "kernel) and `auto` (the op's own choice). Union: rows gathered by the blocked "
+        "kernel over the per-query kernel's. Gather: rows gathered x 1,152 bytes (656 "
+        f"FP8) over the time; copy ceiling {ceil.get('copy_tbps', float('nan')):.2f} TB/s. "
+        "Issued: 64-row programs' matrix work (padded heads and masked keys included) "
+        f"against the bf16 matmul rate {ceil.get('matmul_bf16_tflops', float('nan')):.0f} "
+        "TFLOP/s (same run). Target: issue 56's blocked over per-query.",
+        "",
+        "| case | cache | H | block | union | per-query ms | qblock ms | speed-up | target "
+        "| auto ms | auto speed-up | TFLOP/s (best) | gather TB/s per-query / qblock (of copy) "
+        "| issued TFLOP/s qblock (of matmul, useful share) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.0f} %"
+
+    by_case: dict[str, dict] = {}
+    for row in result["rows"]:
+        by_case.setdefault(row["case"], {})[row["kernel"]] = row
+    for name, rows in by_case.items():
+        p, b, a = rows.get("per-query", {}), rows.get("qblock", {}), rows.get("auto", {})
+        speed, target = b.get("speedup_vs_per_query"), b.get("target_speedup")
+        met = (
+            ""
+            if speed is None or target is None or result.get("smoke")
+            else (" met" if speed >= target else " **not met**")
+        )
+        union = (b.get("gathered_rows") or 0) / max(p.get("gathered_rows") or 1, 1)
+        best = max([r.get("tflops") or 0 for r in rows.values()])
+        lines.append(
+            f"| {name} | {p.get('cache')} | {p.get('heads')} | {p.get('query_block')} "
+            f"| {union:.3f} | {f(p.get('ms'), '.3f')} | {f(b.get('ms'), '.3f')} "
+            f"| {f(speed, '.2f')}x | {f(target, '.1f')}x{met} | {f(a.get('ms'), '.3f')} "
+            f"| {f(a.get('speedup_vs_per_query'), '.2f')}x | {best:.0f} "
+            f"| {f(p.get('gather_tbps'), '.2f')} ({pct(p.get('gather_vs_copy'))}) / "
+            f"{f(b.get('gather_tbps'), '.2f')} ({pct(b.get('gather_vs_copy'))}) "
+            f"| {f(b.get('issued_tflops'), '.0f')} ({pct(b.get('issued_vs_matmul'))}, "
+            f"{pct(b.get('useful_share'))}) |"
+        )
+    errors = [f"- {r['case']} {r['kernel']}: {r['error']}" for r in result["rows"] if "error" in r]
+    if errors:
+        lines += ["", "Failed rows:", "", *errors]
+    paths[1].write_text("\n".join(lines) + "\n")
+    write_plot(by_case, paths[2])
+    return paths
+
+
+def write_plot(by_case: dict, path: Path) -> None:
+    """Bars: the blocked and the automatic choice's speed-up over the per-query kernel."""
+    names = list(by_case)
+    width, height, left, base, bar = 60 + 80 * len(names), 320, 50, 250, 24
+    speeds = [
+        by_case[n].get(k, {}).get("speedup_vs_per_query") or 0 for n in names for k in KERNELS[1:]
+    ]
+    top = max([2.0, *speeds])
+
+    def y(v):
+        return base - (base - 30) * v / top
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="10">',
+        '<text x="10" y="15">Speed-up over the per-query Hopper kernel (blue: query-blocked, '
+        "orange: automatic choice; tick: target)</text>",
+        f'<line x1="{left}" y1="{y(1):.1f}" x2="{width - 10}" y2="{y(1):.1f}" stroke="#999"/>',
+    ]
+    for i, name in enumerate(names):
+        x = left + 10 + 80 * i
+        for j, (kernel, color) in enumerate((("qblock", "#4c78a8"), ("auto", "#f58518"))):
+            v = by_case[name].get(kernel, {}).get("speedup_vs_per_query")
+            if v is not None:
+                xx = x + j * bar
+                parts.append(
+                    f'<rect x="{xx}" y="{y(v):.1f}" width="{bar - 2}" height="{base - y(v):.1f}" '
+                    f'fill="{color}"/><text x="{xx}" y="{y(v) - 3:.1f}">{v:.2f}</text>'
+                )
+        t = by_case[name].get("qblock", {}).get("target_speedup")
+        if t is not None:
+            parts.append(
+                f'<line x1="{x - 4}" y1="{y(t):.1f}" x2="{x + 2 * bar + 4}" y2="{y(t):.1f}" '
+                'stroke="#e45756" stroke-width="2"/>'
+            )
+        label = html.escape(name.replace("prefill-", "p-").replace("decode-", "d-"))
+        parts.append(
+            f'<text x="{x}" y="{base + 14}" transform="rotate(30 {x} {base + 14})">{label}</text>'
+        )
+    parts.append("</svg>")
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    args = parser.parse_args(argv)
+    selected = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
+    if not selected:
+        parser.error(
+            f"--cases: got {args.cases}, expected names of {[c.name for c in cases(args.smoke)]}"
+        )
+    ceil = {} if args.smoke else ceilings()
+    print(f"ceilings: {ceil}")
+    rows = []
+    for case in selected:
+        rows += run_case(case, iterations=args.iterations, ceil=ceil, interpret=args.smoke)
+    result = {
+        "provenance": provenance(argv),
+        "commit": None,
+        "device": str(jax.devices()[0].device_kind),
+        "iterations": args.iterations,
+        "smoke": args.smoke,
+        "ceilings": ceil,
+        "rows": rows,
+        "failed": sum("error" in r for r in rows),
+    }
+    result["commit"] = result["provenance"]["commit"]
+    for path in write_reports(result, args.out):
+        print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main()["failed"] else 0)

@@ -1,0 +1,205 @@
+"""H200 checks of the query-blocked Hopper sparse-MLA kernel against the reference.
+
+Skipped unless JAX's default backend is a GPU. ``attn_mosaic_gpu.sparse_mla_attention_qblock``
+(always the query-blocked kernel at ``H <= 32``) and ``sparse_mla_attention`` (the
+kernel chosen per call) against ``attn_reference.sparse_mla_attention`` on the same bf16
+inputs, at the per-query kernel's tolerances: picks that overlap (sinks, local window,
+a shared hot set: ``attn_common.picks``) and picks with ``-1``, duplicates, ids past the
+cache and causally empty queries; dirty caches (every row no query attends NaN/Inf); a
+NaN block handed to the output allocator first; ``N`` not a multiple of the query block;
+H in {8, 12, 16, 32}; ragged paged mode; the FP8 cache; the write-then-attend wrapper;
+``return_attn_mass`` and the gradient (the per-query backward from the blocked
+forward's ``out`` and ``lse``).
+
+Run (on the H200, from the repository root):
+
+    PYTHONPATH=common/src:packages/attn-reference/src:packages/attn-mosaic-gpu/src:tests \
+        python -m pytest packages/attn-mosaic-gpu/tests/test_sparse_mla_qblock_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
+
+from helpers import (
+    assert_close,
+    assert_sparse_mla_close,
+    attended_rows_flat,
+    build_ragged_layout,
+    poison_ragged_case,
+    poison_rows,
+    randn,
+    rng_for,
+    sparse_mla_ragged_call,
+)
+
+import attn_mosaic_gpu as gpu
+import attn_reference as ref
+from attn_common import dequantize_latent_cache, quantize_latent_cache
+from attn_common.picks import decode_picks, overlapping_picks
+
+DV, DK = 512, 576
+SM_SCALE = 1.0 / np.sqrt(192.0)
+TOL = dict(rtol_l2=1e-2, atol=3e-2)
+LSE_ATOL = 2e-3
+
+
+def _poison(nbytes):
+    x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
+
+
+def _check(got, want):
+    assert_sparse_mla_close(got, want, **TOL, lse_atol=LSE_ATOL)
+
+
+def _overlap_case(seed, *, seq, heads, kv_len, rb, top_k):
+    """Flat overlapping picks of ``top_k`` units of ``rb`` tokens for the last ``seq``
+    positions, with edges: a query with nothing, duplicates, ids past the cache, a
+    causally empty query."""
+    rng = np.random.default_rng(seed)
+    pos = np.arange(kv_len - seq, kv_len, dtype=np.int32)
+    idx = overlapping_picks(rng, pos, unit=rb, k=top_k)
+    idx[3] = -1
+    idx[5, 1:4] = idx[5, 0]
+    idx[6, :2] = [kv_len // rb + 1, 2**30]
+    pos = pos.copy()
+    pos[7] = -1
+    q = randn(rng_for(seed), (1, seq, heads, DK), "bfloat16")
+    kv = randn(rng_for(seed + 1), (1, kv_len, DK), "bfloat16")
+    return q, kv, idx[None], pos[None]
+
+
+def _flat(fn, case, rb, **kw):
+    q, kv, idx, pos = case
+    return fn(q, kv, idx, pos, sm_scale=SM_SCALE, read_block=rb, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("heads", [8, 12, 16, 32])
+@pytest.mark.parametrize("op", ["sparse_mla_attention_qblock", "sparse_mla_attention"])
+def test_flat_overlapping_dirty(op, heads):
+    rb, seq, kv_len = 16, 61, 6000  # 61 queries: the last block partly padded
+    case = _overlap_case(heads, seq=seq, heads=heads, kv_len=kv_len, rb=rb, top_k=40)
+    want = _flat(ref.sparse_mla_attention, case, rb)
+    keep = attended_rows_flat(case[2], case[3], kv_len=kv_len, read_block=rb)
+    dirty = (case[0], poison_rows(case[1], keep, seed=heads), case[2], case[3])
+    _poison(seq * heads * DV * 4)
+    _check(_flat(getattr(gpu, op), dirty, rb), want)
+
+
+def test_flat_token_level_random_picks():
+    """Token ids (``read_block = 1``), random: blocks share little, unions are wide."""
+    rng = rng_for(21)
+    seq, heads, kv_len, top_k = 40, 16, 4096, 700
+    q = randn(rng, (1, seq, heads, DK), "bfloat16")
+    kv = randn(rng, (1, kv_len, DK), "bfloat16")
+    pos = np.sort(rng.integers(0, kv_len, size=seq)).astype(np.int32)[None]
+    idx = np.stack([rng.permutation(kv_len)[:top_k] for _ in range(seq)])[None].astype(np.int32)
+    idx[0, 1, ::5] = -1
+    case = (q, kv, idx, pos)
+    _check(
+        _flat(gpu.sparse_mla_attention_qblock, case, 1), _flat(ref.sparse_mla_attention, case, 1)
+    )
+
+
+def _decode_case(seed, *, heads, tokens, page_size=64, top_k=32):
+    """Ragged paged decode: 8 requests of ``tokens`` new tokens each sharing 90 % of
+    their page picks (``decode_picks``), shuffled pages."""
+    rng = rng_for(seed)
+    seq_lens = [3000, 700, 2048, 4000, 1500, 128, 2600, 900]
+    layout = build_ragged_layout(
+        rng, seq_lens=seq_lens, new_lens=[tokens] * 8, extra_pages=[1, 0, 2, 0, 1, 0, 0, 3],
+        page_size=page_size,
+    )  # fmt: skip
+    cache = randn(rng, (layout["num_pages"], page_size // 2, 2, 640), "bfloat16")
+    num_q = int(layout["q_seq_id"].shape[0])
+    q = randn(rng, (1, num_q, heads, DK), "bfloat16")
+    pos = layout["positions"].copy()
+    idx = decode_picks(np.random.default_rng(seed), pos, unit=page_size, k=top_k, tokens=tokens)
+    idx[4] = -1
+    return layout, cache, q, idx, pos
+
+
+def _ragged(fn, case, **kw):
+    return sparse_mla_ragged_call(fn, case, 64, sm_scale=SM_SCALE, dv=DV, **kw)
+
+
+@pytest.mark.parametrize("tokens", [2, 4])
+def test_ragged_decode_dirty(tokens):
+    case = _decode_case(30 + tokens, heads=16, tokens=tokens)
+    want = _ragged(ref.sparse_mla_attention, case)
+    dirty = poison_ragged_case(case, 64, dk=DK, seed=tokens)
+    for op in (gpu.sparse_mla_attention_qblock, gpu.sparse_mla_attention):
+        _check(_ragged(op, dirty), want)
+
+
+def test_fp8_cache():
+    """The FP8 latent cache, dequantized on chip by the blocked kernel: the bits of the
+    blocked kernel on ``dequantize_latent_cache(cache).astype(bfloat16)``, and the
+    reference on that cache."""
+    layout, cache, q, idx, pos = _decode_case(40, heads=32, tokens=2)
+    rows = jnp.asarray(cache, jnp.float32).reshape(cache.shape[0], 64, 640)[..., :DK]
+    fp8 = quantize_latent_cache(rows)  # on the (pages, page) grid
+    bf16 = jnp.pad(dequantize_latent_cache(fp8).astype(jnp.bfloat16), ((0, 0),) * 2 + ((0, 64),))
+    bf16 = bf16.reshape(cache.shape)
+    got = _ragged(gpu.sparse_mla_attention_qblock, (layout, fp8, q, idx, pos), fp8_dequantize=False)
+    same = _ragged(gpu.sparse_mla_attention_qblock, (layout, bf16, q, idx, pos))
+    for a, b in zip(got, same, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _check(got, _ragged(ref.sparse_mla_attention, (layout, bf16, q, idx, pos)))
+
+
+def test_prefill_wrapper():
+    layout, cache, q, idx, positions = _decode_case(50, heads=16, tokens=4)
+    rng = rng_for(50)
+    num_q = q.shape[1]
+    slot_page = layout["page_indices"][
+        layout["cu_kv_lens"][layout["q_seq_id"]] // 64 + positions // 64
+    ]
+    loc = (slot_page * 64 + positions % 64).astype(np.int32)
+    ql, qpe = q[0, :, :, :DV], q[0, :, :, DV:]
+    kvc, kpe = randn(rng, (num_q, DV), "bfloat16"), randn(rng, (num_q, 64), "bfloat16")
+    args = (ql, qpe, kvc, kpe, cache, idx, positions, loc, layout["seq_lens"],
+            layout["cu_q_lens"], layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
+    kw = dict(kv_lora_rank=DV, page_size=64, sm_scale=SM_SCALE)
+    out, new_cache = gpu.prefill_write_and_attend_ragged_qblock(*args, **kw)
+    want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
+    np.testing.assert_array_equal(
+        np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
+    )
+    assert_close(np.asarray(out), np.asarray(want_out), **TOL)
+
+
+def test_attn_mass_and_gradient():
+    rb = 16
+    case = _overlap_case(60, seq=24, heads=16, kv_len=2000, rb=rb, top_k=24)
+    q, kv, idx, pos = case
+    kw = dict(sm_scale=SM_SCALE, read_block=rb)
+    _, _, mass = gpu.sparse_mla_attention_qblock(
+        q, kv, idx, pos, return_lse=True, return_attn_mass=True, **kw
+    )
+    _, _, want_mass = ref.sparse_mla_attention(
+        q, kv, idx, pos, return_lse=True, return_attn_mass=True, **kw
+    )
+    assert_close(np.asarray(mass), np.asarray(want_mass), rtol_l2=1e-2, atol=1e-2)
+
+    def loss(fn, q, kv):
+        out = fn(q, kv, idx, pos, **kw)
+        return jnp.sum(out * jnp.cos(jnp.arange(out.shape[-1], dtype=jnp.float32)))
+
+    grads = jax.grad(functools.partial(loss, gpu.sparse_mla_attention_qblock), (0, 1))(q, kv)
+    f32 = (jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32))
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(functools.partial(loss, ref.sparse_mla_attention), (0, 1))(*f32)
+    for g, w in zip(grads, want, strict=True):
+        w = np.asarray(w)
+        assert_close(np.asarray(g, np.float32), w, rtol_l2=3e-2, atol=0.15 * np.abs(w).max())
