@@ -33,6 +33,11 @@ rate. Each case's ``qblock`` and ``auto`` rows add the speed-up over ``per-query
     python benchmarks/sparse_mla_qblock_gpu.py --out docs/results      # on the H200
     python benchmarks/sparse_mla_qblock_gpu.py --smoke --out /tmp/s    # CPU, interpret mode
 
+``--merge a.json b.json --out DIR`` writes one report from runs of the same commit on
+the same kind of device (a device call's time limit splits the cases over calls): each
+case's rows come from one run (a later file's case replaces an earlier one's), and name
+it (``run``, an index into the report's ``runs``).
+
 Writes ``sparse_mla_qblock_gpu.{json,md,svg}`` into ``--out`` (top-level ``commit``;
 rows carry ``kernel`` ("qblock" / "per-query" / "auto"), ``mode``, ``picks``,
 ``heads``, ``cache``, ``ms``, ``tflops``, ``gather_tbps``). Exit status 1 when a row
@@ -194,10 +199,11 @@ def run_case(case: Case, *, iterations: int, ceil: dict, interpret: bool) -> lis
           f"rows {gathered['qblock'] / max(gathered['per-query'], 1):.3f} of the per-query "
           f"({time.perf_counter() - t0:.1f} s inputs)")  # fmt: skip
     rows, outs = [], {}
-    for kernel in KERNELS:
+    # At H > 32 there is no query block: "qblock" would be the per-query kernel again.
+    for kernel in KERNELS if qb > 1 else ("per-query", "auto"):
         rows_read = gathered["qblock" if kernel == "qblock" else "per-query"]
         row = {
-            "case": case.name, "kernel": kernel, "mode": case.mode, "picks": case.picks,
+            "case": case.name, "run": 0, "kernel": kernel, "mode": case.mode, "picks": case.picks,
             "heads": case.heads, "cache": case.cache, "query_block": qb,
             "num_queries": case.num_queries, "requests": case.requests, "tokens": case.tokens,
             "kv_len": case.kv_len, "valid_pairs": pairs, "flops": flops,
@@ -230,6 +236,31 @@ def run_case(case: Case, *, iterations: int, ceil: dict, interpret: bool) -> lis
         if row["kernel"] == "qblock":
             row["target_speedup"] = TARGETS.get((case.mode, case.picks, case.heads))
     return rows
+
+
+def merge(paths: list[Path]) -> dict:
+    """One report from several runs (module docstring)."""
+    results = [json.loads(Path(f).read_text()) for f in paths]
+    first = results[0]
+    for r in results[1:]:
+        for key in ("commit", "device", "iterations", "ceilings"):
+            if key != "ceilings" and r[key] != first[key]:
+                raise ValueError(f"{key} differs: {first[key]!r} against {r[key]!r}")
+    by_case: dict[str, list] = {}
+    for i, r in enumerate(results):
+        for name in dict.fromkeys(row["case"] for row in r["rows"]):
+            by_case[name] = [{**row, "run": i} for row in r["rows"] if row["case"] == name]
+    rows = [row for case in by_case.values() for row in case]
+    runs = [{**r["provenance"], "ceilings": r["ceilings"]} for r in results]
+    return {
+        **{k: first[k] for k in ("commit", "device", "iterations", "smoke")},
+        "provenance": {**first["provenance"], "command": "; ".join(
+            f"run {i}: {r['command']}" for i, r in enumerate(runs))},
+        "ceilings": first["ceilings"],
+        "runs": runs,
+        "rows": rows,
+        "failed": sum("error" in row for row in rows),
+    }  # fmt: skip
 
 
 def write_reports(result: dict, out: Path) -> list[Path]:
@@ -346,7 +377,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON", help="merge runs")
     args = parser.parse_args(argv)
+    if args.merge:
+        result = merge(args.merge)
+        for path in write_reports(result, args.out):
+            print(f"wrote {path}")
+        return result
     selected = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
     if not selected:
         parser.error(

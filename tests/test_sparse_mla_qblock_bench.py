@@ -89,3 +89,26 @@ def test_smoke_runs(bench, tmp_path):
             assert r["out_rel_l2_vs_per_query"] < 1e-2  # the same attention, keys reordered
         if r["kernel"] == "qblock":  # overlapping picks: the union is smaller
             assert r["gathered_rows"] < r["valid_pairs"]
+
+
+def test_merge_keeps_each_case_from_one_run(bench, tmp_path):
+    def result(command, rows):
+        return {"provenance": {"commit": "abc1234", "command": command, "date": "d"},
+                "commit": "abc1234", "device": "H200", "iterations": 10, "smoke": False,
+                "ceilings": {"copy_tbps": 4.0, "matmul_bf16_tflops": 800.0}, "rows": rows}  # fmt: skip
+
+    first = result("a", [_row("per-query", 2.0), _row("qblock", 1.0),
+                         {**_row("per-query", 3.0), "case": "decode-x2-h16"}])  # fmt: skip
+    second = result("b", [_row("per-query", 2.2), _row("qblock", 1.1)])
+    paths = []
+    for i, r in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    merged = bench.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
+    got = {(r["case"], r["kernel"]): (r["ms"], r["run"]) for r in merged["rows"]}
+    assert got == {
+        ("prefill-overlap-h16", "per-query"): (2.2, 1),
+        ("prefill-overlap-h16", "qblock"): (1.1, 1),
+        ("decode-x2-h16", "per-query"): (3.0, 0),
+    }
+    assert "run 0: a; run 1: b" in (tmp_path / "m" / "sparse_mla_qblock_gpu.md").read_text()
