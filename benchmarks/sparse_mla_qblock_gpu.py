@@ -391,9 +391,6 @@ def main(argv: list[str] | None = None) -> dict:
         )
     ceil = {} if args.smoke else ceilings()
     print(f"ceilings: {ceil}")
-    rows = []
-    for case in selected:
-        rows += run_case(case, iterations=args.iterations, ceil=ceil, interpret=args.smoke)
     result = {
         "provenance": provenance(argv),
         "commit": None,
@@ -401,11 +398,17 @@ def main(argv: list[str] | None = None) -> dict:
         "iterations": args.iterations,
         "smoke": args.smoke,
         "ceilings": ceil,
-        "rows": rows,
-        "failed": sum("error" in r for r in rows),
+        "rows": [],
+        "failed": 0,
     }
     result["commit"] = result["provenance"]["commit"]
-    for path in write_reports(result, args.out):
+    for case in selected:  # the reports rewritten after each case: a killed run keeps them
+        result["rows"] += run_case(
+            case, iterations=args.iterations, ceil=ceil, interpret=args.smoke
+        )
+        result["failed"] = sum("error" in r for r in result["rows"])
+        paths = write_reports(result, args.out)
+    for path in paths:
         print(f"wrote {path}")
     return result
 
