@@ -65,12 +65,12 @@ def _ranker_grad(head_dim, **kw):
     return grads, (q, kv, kv, sds((1, 4), i32))
 
 
-def _sparse_grad(read_block, top_k, **kw):
+def _sparse_grad(read_block, top_k, op="sparse_mla_attention", **kw):
     import attn_mosaic_gpu as gpu
 
     def grads(q, kv, indices, positions):
         def loss(q, kv):
-            out, lse = gpu.sparse_mla_attention(
+            out, lse = getattr(gpu, op)(
                 q, kv, indices, positions, sm_scale=0.07, read_block=read_block,
                 return_lse=True, **kw,
             )  # fmt: skip
@@ -112,11 +112,12 @@ def kernel_cases() -> list[tuple[str, object, tuple, int]]:
         ("ranker-d64-grad", *_ranker_grad(64), 3),  # forward, pipelined dq and dk/dv
         ("ranker-d256-grad", *_ranker_grad(256), 3),  # forward, the D 256 dq and dk/dv
         ("ranker-persistent-grad", *_ranker_grad(128, **persistent), 3),
-        # row sort (forward and backward row tables), the per-query and the query-blocked
-        # forward (at 2 heads the op picks one on the device), backward with atomics
-        ("sparse-mla-token-grad", *_sparse_grad(1, 512), 5),
-        ("sparse-mla-unit-deterministic-grad", *_sparse_grad(16, 4, deterministic=True), 3),
-        ("sparse-mla-fp8-forward", *_sparse_fp8_forward(), 3),  # row sort, the two FP8 forwards
+        # row sort (forward and backward row tables), forward, backward with atomics
+        ("sparse-mla-token-grad", *_sparse_grad(1, 512), 4),
+        ("sparse-mla-unit-deterministic-grad", *_sparse_grad(16, 4, deterministic=True), 2),
+        ("sparse-mla-fp8-forward", *_sparse_fp8_forward(), 2),  # row sort, FP8 forward
+        # the query-blocked forward (at 2 heads: blocks of 32), the backward
+        ("sparse-mla-qblock-grad", *_sparse_grad(16, 4, op="sparse_mla_attention_qblock"), 2),
     ]
 
 

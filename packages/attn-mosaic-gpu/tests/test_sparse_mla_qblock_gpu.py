@@ -1,7 +1,7 @@
 """H200 checks of the query-blocked Hopper sparse-MLA kernel against the reference.
 
 Skipped unless JAX's default backend is a GPU. ``attn_mosaic_gpu.sparse_mla_attention_qblock``
-(always the query-blocked kernel at ``H <= 32``) and ``sparse_mla_attention`` (the
+(the query-blocked kernel at ``H <= 32``) and ``sparse_mla.scheduled("auto")`` (the
 kernel chosen per call) against ``attn_reference.sparse_mla_attention`` on the same bf16
 inputs, at the per-query kernel's tolerances: picks that overlap (sinks, local window,
 a shared hot set: ``attn_common.picks``) and picks with ``-1``, duplicates, ids past the
@@ -45,6 +45,7 @@ import attn_mosaic_gpu as gpu
 import attn_reference as ref
 from attn_common import dequantize_latent_cache, quantize_latent_cache
 from attn_common.picks import decode_picks, overlapping_picks
+from attn_mosaic_gpu.sparse_mla import scheduled
 
 DV, DK = 512, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
@@ -85,7 +86,7 @@ def _flat(fn, case, rb, **kw):
 
 
 @pytest.mark.parametrize("heads", [8, 12, 16, 32])
-@pytest.mark.parametrize("op", ["sparse_mla_attention_qblock", "sparse_mla_attention"])
+@pytest.mark.parametrize("op", ["qblock", "auto"])
 def test_flat_overlapping_dirty(op, heads):
     rb, seq, kv_len = 16, 61, 6000  # 61 queries: the last block partly padded
     case = _overlap_case(heads, seq=seq, heads=heads, kv_len=kv_len, rb=rb, top_k=40)
@@ -93,7 +94,7 @@ def test_flat_overlapping_dirty(op, heads):
     keep = attended_rows_flat(case[2], case[3], kv_len=kv_len, read_block=rb)
     dirty = (case[0], poison_rows(case[1], keep, seed=heads), case[2], case[3])
     _poison(seq * heads * DV * 4)
-    _check(_flat(getattr(gpu, op), dirty, rb), want)
+    _check(_flat(scheduled(op), dirty, rb), want)
 
 
 def test_flat_token_level_random_picks():
@@ -138,7 +139,7 @@ def test_ragged_decode_dirty(tokens):
     case = _decode_case(30 + tokens, heads=16, tokens=tokens)
     want = _ragged(ref.sparse_mla_attention, case)
     dirty = poison_ragged_case(case, 64, dk=DK, seed=tokens)
-    for op in (gpu.sparse_mla_attention_qblock, gpu.sparse_mla_attention):
+    for op in (gpu.sparse_mla_attention_qblock, scheduled("auto")):
         _check(_ragged(op, dirty), want)
 
 

@@ -14,12 +14,12 @@ costs less: ``dequantize_store_first``).
 At ``H <= 32`` heads the kernel also runs query-blocked: ``query_block_for(H)``
 consecutive queries share a program's 64 rows, and their union of rows
 (``attn_common.sparse_mla_rows.block_union``) is gathered once, each query restoring
-its own selection by a membership mask. ``sparse_mla_attention`` picks per call
+its own selection by a membership mask. ``sparse_mla_attention_qblock`` runs it;
+``sparse_mla_attention`` keeps the per-query kernel until the blocked one has run on
+a GPU. ``scheduled("auto")`` is the per-call choice meant to replace that
 (``_prefer_blocked``: the union of ``PROBE_BLOCKS`` sampled blocks against the
-queries' own rows, on the device, under ``jit``), so overlapping picks (sinks, local
-window, a shared hot set, multi-token decode) take the blocked kernel and random ones
-the per-query kernel; ``sparse_mla_attention_qblock`` always runs the blocked one
-(``H <= 32``). ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
+queries' own rows, on the device, under ``jit``: overlapping picks take the blocked
+kernel, random ones the per-query kernel), benchmarked beside both kernels. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
 and the two ``prefill_write_and_attend_ragged`` wrappers compose it with the kernel,
 which reads their ``ql`` and ``qpe`` apart (no joined copy of Q).
 """
@@ -157,10 +157,10 @@ def sparse_mla_attention(
     ``dequantize_latent_cache(cache).astype(bfloat16)``), ``Dk = kv_lora_rank + 64`` with
     ``kv_lora_rank`` a multiple of 128, and any ``H`` (padded to 64-head
     groups); ``read_block = 1`` serves token-level selections. Cache rows no query
-    attends may hold anything (NaN, Inf). At ``H <= 32`` it runs the query-blocked
-    kernel where the call's picks overlap enough (the union of a few sampled query
-    blocks against their own rows, measured on the device), else the per-query kernel;
-    the TPU's query-blocked knobs are validated and change nothing. ``config``:
+    attends may hold anything (NaN, Inf). It runs the per-query kernel; at ``H <= 32``
+    :func:`sparse_mla_attention_qblock` runs the query-blocked one (not yet run on a
+    GPU, so not chosen here); the TPU's query-blocked knobs are validated and change
+    nothing. ``config``:
     ``SparseMlaKernelConfig()`` or ``None``, the one schedule (it has no knobs). ``interpret=True`` runs the kernel in Mosaic GPU
     interpret mode on the CPU.
 
@@ -184,7 +184,7 @@ def sparse_mla_attention(
     (``attn_mass_from_lse``: the gather and ``Q K^T`` again, no softmax pass, no value
     product).
     """
-    return _sparse_mla(call, config, fp8_dequantize, deterministic, schedule="auto")
+    return _sparse_mla(call, config, fp8_dequantize, deterministic, schedule="per-query")
 
 
 @public_op(sparse_mla_call)
@@ -201,17 +201,19 @@ def sparse_mla_attention_qblock(
     two) share one program; their union of selected rows is gathered once and each
     query keeps its own by a membership mask. The same result as the per-query kernel
     (to rounding: keys meet the softmax in another order), the same contract, backward
-    and ``return_attn_mass``; at ``H > 32`` it is the per-query kernel.
-    ``sparse_mla_attention`` chooses between the two per call; this name is for a
-    caller who knows their picks overlap (and for tests).
+    and ``return_attn_mass``; at ``H > 32`` it is the per-query kernel. Interpret-tested
+    and cross-lowered for CUDA; not yet run on a GPU. Where picks overlap (sinks, a
+    local window, a shared hot set, multi-token decode) it gathers a fraction of the
+    rows (0.29-0.57 of them on the benchmark's overlapping picks at H 16 / 32).
     """
     return _sparse_mla(call, config, fp8_dequantize, deterministic, schedule="qblock")
 
 
 def scheduled(schedule: str):
-    """``sparse_mla_attention`` with its kernel fixed: ``"per-query"``, ``"qblock"`` or
-    ``"auto"`` (the default). For benchmarks that time both kernels on one call; not an
-    API (the op picks per call)."""
+    """``sparse_mla_attention`` with its kernel fixed: ``"per-query"`` (what
+    ``sparse_mla_attention`` runs), ``"qblock"`` (``sparse_mla_attention_qblock``) or
+    ``"auto"`` (the per-call choice, ``_prefer_blocked``). For the benchmark that times
+    them on the same call and the tests; not an API."""
     if schedule not in ("per-query", "qblock", "auto"):
         raise ValueError(f"schedule: got {schedule!r}, expected per-query, qblock or auto")
 
@@ -388,7 +390,7 @@ def prefill_write_and_attend_ragged(
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' latents into the paged cache, then attend (ragged mode).
 
-    The attention is :func:`sparse_mla_attention`'s (the kernel chosen per call);
+    The attention is :func:`sparse_mla_attention`'s (the per-query kernel);
     ``query_block`` / ``u_max`` are validated and change nothing on Hopper. The kernel
     reads ``ql`` and ``qpe`` where they are: joining them first would copy all of Q
     (0.3-0.4 ms for 4096 tokens x 128 heads on the H200, docs/sparse_mla_gpu.md).
