@@ -75,9 +75,10 @@ def _equal(got, want):
 def row_tables(draw):
     """``(rows [N, Kp], counts [N], query_block)``: rows ascending below 40, repeats in
     some queries, empty queries."""
-    qb = draw(st.sampled_from([1, 2, 3, 4, 8, 32]))
-    blocks = draw(st.integers(1, 3))
-    kp = draw(st.sampled_from([4, 8]))
+    # Few distinct shapes (each one compiles): blocks of 1, 3, 8 and 32, one or two of them.
+    qb = draw(st.sampled_from([1, 3, 8, 32]))
+    blocks = draw(st.integers(1, 2))
+    kp = 8
     n = qb * blocks
     rows = np.full((n, kp), -1, np.int32)
     counts = np.zeros(n, np.int32)
@@ -88,7 +89,7 @@ def row_tables(draw):
     return rows, counts, qb
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@settings(max_examples=20, deadline=None, derandomize=True, database=None)
 @given(row_tables())
 def test_block_union_matches_numpy(table):
     rows, counts, qb = table
