@@ -29,12 +29,14 @@ from helpers import (
     tpu_interpret,
 )
 
+import attn_pallas_tpu.sparse_mla_qblock as sq
 import attn_reference as ref
 from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu.plan import (
     MIN_SHARING,
     block_union_sizes,
+    choose_plan,
     distinct_units_per_query,
     per_query_seconds,
     qblock_seconds,
@@ -298,6 +300,63 @@ def test_auto_tiling_under_jit_takes_both_branches():
         got = jax.jit(lambda q, kv, i, p: _flat_call(AUTO, (q, kv, i, p)))(*c)
         assert_no_races()
         _check(got, _flat_call(ref.sparse_mla_attention, c), "float32")
+
+
+def test_eager_plan_cache_routes_calls(monkeypatch):
+    """The eager front door's routing, kernels stubbed: the first call of a shape runs
+    the planned op; later ones the guarded op at the kept tiling (``None`` after a
+    per-query plan); an empty call keeps nothing; a new dtype or shape plans again."""
+    ran = []
+    monkeypatch.setattr(sq, "_jitted_op", lambda pq, st: lambda *a, **k: ran.append(("op", pq)))
+    monkeypatch.setattr(
+        sq, "_jitted_guarded", lambda st, tiling: lambda *a, **k: ran.append(("kept", tiling))
+    )
+    monkeypatch.setattr(sq, "_EAGER_PLANS", {})
+    rng = rng_for(25)
+    seq, units = 64, 400
+    q = randn(rng, (1, seq, 2, DK), "float32")
+    kv = randn(rng, (1, units * 16, DK), "float32")
+    pos = np.full((1, seq), units * 16 - 1, np.int32)
+    shared = np.broadcast_to(np.arange(0, 256, 4, dtype=np.int32), (1, seq, 64)).copy()
+    random = np.full_like(shared, -1)
+    random[0, :, :8] = np.stack([rng.permutation(units)[:8] for _ in range(seq)])
+    for sel in (np.full_like(shared, -1), shared, random, shared, shared.astype(np.int64)):
+        _flat_call(AUTO, (q, kv, sel, pos))
+    (qb, hb, u_max), kept = ran[3][1], ("kept", ran[3][1])
+    assert ran == [("op", True), ("op", False), kept, kept, ("op", False)]
+    assert qb % 8 == 0 and hb == 2 and u_max >= 16  # 16 shared units
+    monkeypatch.setattr(sq, "_EAGER_PLANS", {})
+    ran.clear()
+    for sel in (random, shared):
+        _flat_call(AUTO, (q, kv, sel, pos))
+    assert ran == [("op", True), ("kept", None)]  # per-query plan: the shapes' tiling
+
+
+@pytest.mark.slow  # ~16 s
+def test_eager_plan_kept_per_shape(monkeypatch):
+    """An eager call plans on the host once per shape: later calls of the shape reuse the
+    tiling behind the run-time guard, stay exact when their selections no longer share,
+    and a warm-up call with no selection plans nothing for them."""
+    rng = rng_for(24)
+    seq, top_k, units = 24, 64, 100
+    q = randn(rng, (1, seq, 2, DK), "float32")
+    kv = randn(rng, (1, units * 16, DK), "float32")
+    pos = np.full((1, seq), units * 16 - 1, np.int32)
+    shared = np.broadcast_to(rng.permutation(units)[:top_k], (1, seq, top_k)).copy()
+    disjoint = np.full_like(shared, -1)  # the same dtype: the same shape key
+    disjoint[0, :, :4] = np.arange(seq * 4).reshape(seq, 4)
+    plans = []
+    monkeypatch.setattr(sq, "choose_plan", lambda **kw: plans.append(1) or choose_plan(**kw))
+    monkeypatch.setattr(sq, "_EAGER_PLANS", {})
+    for sel, planned in ((np.full_like(shared, -1), 1), (shared, 2), (disjoint, 2), (shared, 2)):
+        c = (q, kv, sel, pos)
+        _check(_flat_call(AUTO, c), _flat_call(ref.sparse_mla_attention, c), "float32")
+        assert_no_races()
+        assert len(plans) == planned  # the empty call's plan is not kept
+    ((_, tiling),) = sq._EAGER_PLANS.items()
+    assert tiling is not None and tiling[0] % 8 == 0  # the shared picks' query-blocked plan
+    _flat_call(AUTO, (q[:, :16], kv, shared[:, :16], pos[:, :16]))  # another shape: plans
+    assert len(plans) == 3 and len(sq._EAGER_PLANS) == 2
 
 
 # ------------------------------------------------------------------------------------

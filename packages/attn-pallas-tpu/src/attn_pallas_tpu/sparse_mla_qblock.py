@@ -359,11 +359,20 @@ def sparse_mla_attention_qblock(
     check_fp8_dequantize(fp8_dequantize)
     if query_block is None and head_block is None and _host_values(call):
         return _host_planned(call, max_rows=max_rows, fp8_dequantize=fp8_dequantize, cfg=cfg)
+    return _attend(call, max_rows=max_rows, fp8_dequantize=fp8_dequantize, cfg=cfg)
+
+
+def _attend(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg, planned=None):
+    """The op's result for a validated call. ``planned``: ``(query_block, head_block,
+    u_max)`` an earlier eager call planned for this shape (see :func:`_host_planned`),
+    used in place of the shape-only tiling and still guarded at run time; ``None``: the
+    call's own tiling or the shapes'."""
     interpret = resolve_interpret(call.interpret)
     forward = functools.partial(
-        _forward, max_rows=max_rows, fp8_dequantize=fp8_dequantize, interpret=interpret, cfg=cfg
-    )
-    backward = functools.partial(_backward, max_rows=max_rows)
+        _forward, max_rows=max_rows, fp8_dequantize=fp8_dequantize, interpret=interpret,
+        cfg=cfg, planned=planned,
+    )  # fmt: skip
+    backward = functools.partial(_backward, max_rows=max_rows, planned=planned)
     return sparse_mla_result(call, forward, interpret=interpret, config=cfg, backward=backward)
 
 
@@ -398,28 +407,56 @@ def _jitted_op(per_query: bool, static: tuple):
     return jax.jit(functools.partial(op, **dict(static)))
 
 
-def _host_planned(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg):
-    """An eager call with automatic tiling: the plan from host-side counts, then the
-    planned kernel and its tables under one ``jax.jit`` (dispatching the table building
-    op by op cost ~120 ms on a v5e).
+_OWN_KEYWORDS = ("fp8_dequantize", "config", "max_rows")  # the op's, not the spec's
 
-    The counts are numpy on the host (:func:`host_unit_keys`, ``plan.host_distinct_units``
-    and ``plan.host_union_sizes`` for every ``AUTO_QUERY_BLOCKS`` size): ``O(S K + blocks
-    x units / 8)`` work and a sort of each query's ``K`` keys, no device round trip for
-    host-value indices.
+
+@functools.lru_cache(maxsize=64)
+def _jitted_guarded(static: tuple, planned: tuple | None):
+    """The query-blocked op at the ``planned`` tiling (``None``: the shapes') with the
+    run-time guard of a jitted call (:func:`_forward`), the keywords ``static`` fixed."""
+    spec = {k: v for k, v in static if k not in _OWN_KEYWORDS}
+    own = dict((k, v) for k, v in static if k in _OWN_KEYWORDS)
+
+    def run(q, kv, indices, positions, **tables):
+        call = sparse_mla_call(q, kv, indices, positions, **spec, **tables)
+        return _attend(
+            call, max_rows=own["max_rows"], fp8_dequantize=own["fp8_dequantize"],
+            cfg=own["config"], planned=planned,
+        )  # fmt: skip
+
+    return jax.jit(run)
+
+
+_EAGER_PLANS: dict = {}  # shape key -> the tiling its first eager call planned
+_EAGER_PLANS_MAX = 256
+
+
+def _shape_key(call: SparseMlaCall, static: tuple) -> tuple:
+    """What an eager call's plan depends on besides the selections: the keywords and
+    every array's shape and dtype (the cache's pytree structure too)."""
+    arrays = (call.q, call.kv, call.indices, call.positions, call.ragged_kwargs())
+    leaves, tree = jax.tree.flatten(arrays)
+    return static, tree, tuple((jnp.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
+
+
+def _host_planned(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg):
+    """An eager call with automatic tiling.
+
+    The first call of a shape (:func:`_shape_key`) plans on host-side counts: numpy
+    (:func:`host_unit_keys`, ``plan.host_distinct_units`` and ``plan.host_union_sizes``
+    for every ``AUTO_QUERY_BLOCKS`` size; ``O(S K + blocks x units / 8)`` work and a
+    sort of each query's ``K`` keys, no device round trip for host-value indices), then
+    runs the planned kernel and its tables under one ``jax.jit`` (dispatching the table
+    building op by op cost ~120 ms on a v5e). The counts cost milliseconds on a v5e's
+    host, more than the kernel at small shapes, so the plan's tiling is kept per shape:
+    later calls of that shape run the query-blocked kernel at it (the per-query plan
+    keeps the shapes' tiling) behind the run-time guard of a jitted call, which takes
+    the per-query kernel for selections that share too little. No host counting then.
     """
     problem = call.problem
     ragged = call.ragged_kwargs()
     tables = {k: v for k, v in ragged.items() if k != "page_size"}
-    keys = host_unit_keys(problem, call.kv, call.indices, **ragged)
-    kv = call.kv
-    plan = choose_plan(
-        distinct_per_query=host_distinct_units(keys),
-        union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),
-        max_rows=max_rows,
-        **_plan_shape(problem, kv, cfg),
-    )
-    static = dict(
+    static = tuple(sorted(dict(
         sm_scale=problem.sm_scale,
         kv_lora_rank=problem.dv,
         read_block=problem.read_block,
@@ -430,34 +467,54 @@ def _host_planned(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, cfg):
         interpret=call.interpret,
         fp8_dequantize=fp8_dequantize,
         config=cfg,
+        max_rows=max_rows,
+    ).items()))  # fmt: skip
+    args = (call.q, call.kv, call.indices, call.positions)
+    key = _shape_key(call, static)
+    if key in _EAGER_PLANS:
+        return _jitted_guarded(static, _EAGER_PLANS[key])(*args, **tables)
+    keys = host_unit_keys(problem, call.kv, call.indices, **ragged)
+    plan = choose_plan(
+        distinct_per_query=host_distinct_units(keys),
+        union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),
+        max_rows=max_rows,
+        **_plan_shape(problem, call.kv, cfg),
     )
     per_query = plan.kernel == "per_query"
-    if not per_query:
+    run = dict(static)
+    if per_query:
+        tiling = None
+        del run["max_rows"]
+    else:
         u_max = call.u_max if call.u_max is not None else plan.u_max
-        static.update(
-            query_block=plan.query_block, head_block=plan.head_block, u_max=u_max,
-            max_rows=max_rows,
-        )  # fmt: skip
-    fn = _jitted_op(per_query, tuple(sorted(static.items())))
-    return fn(call.q, kv, call.indices, call.positions, **tables)
+        tiling = (plan.query_block, plan.head_block, u_max)
+        run.update(query_block=plan.query_block, head_block=plan.head_block, u_max=u_max)
+    if plan.kv_bytes:  # a warm-up call with no selection plans nothing for later calls
+        if len(_EAGER_PLANS) >= _EAGER_PLANS_MAX:
+            _EAGER_PLANS.pop(next(iter(_EAGER_PLANS)))  # the oldest
+        _EAGER_PLANS[key] = tiling
+    return _jitted_op(per_query, tuple(sorted(run.items())))(*args, **tables)
 
 
-def _tiling(call: SparseMlaCall, kv, *, max_rows: int, cfg):
+def _tiling(call: SparseMlaCall, kv, *, max_rows: int, cfg, planned=None):
     """``(query_block, head_block, u_max, explicit)`` of a validated call: the call's own
-    tiling where it sets ``query_block`` or ``head_block`` (``explicit``), else the one the
-    shapes give (``static_qblock_config``, the query block cut to the queries)."""
+    tiling where it sets ``query_block`` or ``head_block`` (``explicit``), else
+    ``planned`` (an earlier eager call's plan), else the one the shapes give
+    (``static_qblock_config``, the query block cut to the queries)."""
     problem = call.problem
     shape_args = _plan_shape(problem, kv, cfg)
     if call.query_block is not None or call.head_block is not None:
         qb = call.query_block or static_qblock_config(**shape_args, max_rows=max_rows)[0]
         hb = _head_group(problem.heads, qb, call.head_block, max_rows)
         return qb, hb, call.u_max, True
+    if planned is not None:
+        return (*planned, False)
     qb, hb, u_max = static_qblock_config(**shape_args, max_rows=max_rows)
     qb = min(qb, -(-problem.num_queries // SUBLANE) * SUBLANE)  # no block past the queries
     return qb, hb, call.u_max if call.u_max is not None else u_max, False
 
 
-def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, cfg):
+def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, cfg, planned):
     """The planned kernel's ``(out, lse)`` for a validated call."""
     problem = call.problem
     q, indices, positions = call.q, call.indices, call.positions
@@ -467,7 +524,7 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, c
         _per_query, problem, q, kv, indices, positions, interpret=interpret, config=cfg,
         **ragged,
     )  # fmt: skip
-    qb, hb, u_max, explicit = _tiling(call, kv, max_rows=max_rows, cfg=cfg)
+    qb, hb, u_max, explicit = _tiling(call, kv, max_rows=max_rows, cfg=cfg, planned=planned)
     qblock = functools.partial(
         _qblock, problem, q, space, query_block=qb, head_block=hb, u_max=u_max,
         interpret=interpret, cfg=cfg, page_indices=ragged["page_indices"],
@@ -492,14 +549,16 @@ def _shares(unions, distinct, *, groups: int):
     return groups * jnp.sum(unions) * MIN_SHARING <= jnp.sum(distinct)
 
 
-def _backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, max_rows: int, interpret, config):
+def _backward(
+    call: SparseMlaCall, out, lse, d_out, d_lse, *, max_rows: int, planned, interpret, config
+):
     """``(dq, dkv)``: the query-blocked backward (``sparse_mla_qblock_bwd``) at the
     forward's tiling where every block's union fits its partial buffer and (automatic
     tiling) the blocks share as the forward requires; else the per-query backward.
     Decided at run time."""
     problem = call.problem
     space = unit_space(problem, call.kv, call.indices, call.positions, **call.ragged_kwargs())
-    qb, hb, _, explicit = _tiling(call, call.kv, max_rows=max_rows, cfg=config)
+    qb, hb, _, explicit = _tiling(call, call.kv, max_rows=max_rows, cfg=config, planned=planned)
     unions = block_union_sizes(space.keys, query_block=qb)
     take = jnp.max(unions) <= backward_slots(qb, problem.top_k, problem.num_units)
     if not explicit:
