@@ -45,10 +45,8 @@ status 1 when a row failed.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import html
 import json
 import sys
 import time
@@ -60,15 +58,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common import quantize_latent_cache
-from attn_common.cli_args import provenance
 from attn_common.paged import copy_pages
-from attn_mosaic_gpu.bench import ceilings, device_ms
+from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.bench_sparse_mla import (
     SM_SCALE,
     distinct_choices,
     jit_call,
     paged_layout,
     rel_l2,
+    script_run,
+    speedup_svg,
 )
 from attn_mosaic_gpu.sparse_mla import dequantize_store_first
 
@@ -264,73 +263,20 @@ def write_reports(result: dict, out: Path) -> list[Path]:
 def write_plot(by_case: dict, path: Path) -> None:
     """Bars: FP8 speed-up over bf16 per case, the target as a tick."""
     names = list(by_case)
-    width, height, left, base, bar = 60 + 70 * len(names), 300, 50, 240, 30
-    top = max([2.0] + [by_case[n].get("fp8", {}).get("speedup_vs_bf16") or 0 for n in names])
-
-    def y(v):
-        return base - (base - 30) * v / top
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        'font-family="sans-serif" font-size="10">',
-        '<text x="10" y="15">FP8 cache speed-up over bf16 (Hopper sparse MLA; tick: target)</text>',
-        f'<line x1="{left}" y1="{y(1):.1f}" x2="{width - 10}" y2="{y(1):.1f}" stroke="#999"/>',
-    ]
-    for i, name in enumerate(names):
-        e = by_case[name].get("fp8", {})
-        x = left + 10 + 70 * i
-        v, t = e.get("speedup_vs_bf16"), e.get("target_speedup")
-        if v is not None:
-            parts.append(
-                f'<rect x="{x}" y="{y(v):.1f}" width="{bar}" height="{base - y(v):.1f}" '
-                f'fill="#4c78a8"/><text x="{x}" y="{y(v) - 3:.1f}">{v:.2f}x</text>'
-            )
-        if t is not None:
-            parts.append(
-                f'<line x1="{x - 4}" y1="{y(t):.1f}" x2="{x + bar + 4}" y2="{y(t):.1f}" '
-                'stroke="#e45756" stroke-width="2"/>'
-            )
-        label = html.escape(name.replace("prefill-", "p-").replace("decode-", "d-"))
-        parts.append(
-            f'<text x="{x}" y="{base + 14}" transform="rotate(30 {x} {base + 14})">{label}</text>'
-        )
-    parts.append("</svg>")
-    path.write_text("\n".join(parts) + "\n")
+    fp8 = [by_case[n].get("fp8", {}) for n in names]
+    series = [("#4c78a8", [e.get("speedup_vs_bf16") for e in fp8])]
+    title = "FP8 cache speed-up over bf16 (Hopper sparse MLA; tick: target)"
+    speedup_svg(path, title, names, series, [e.get("target_speedup") for e in fp8])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
-    args = parser.parse_args(argv)
-    selected = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
-    if not selected:
-        parser.error(
-            f"--cases: got {args.cases}, expected names of {[c.name for c in cases(args.smoke)]}"
-        )
-    ceil = {} if args.smoke else ceilings()
-    print(f"ceilings: {ceil}")
-    rows = []
+    args, selected, result = script_run(argv, __doc__, cases, out=ROOT / "docs" / "results")
+    copy_tbps = result["ceilings"].get("copy_tbps", 0.0)
     for case in selected:
-        rows += run_case(
-            case,
-            iterations=args.iterations,
-            copy_tbps=ceil.get("copy_tbps", 0.0),
-            interpret=args.smoke,
+        result["rows"] += run_case(
+            case, iterations=args.iterations, copy_tbps=copy_tbps, interpret=args.smoke
         )
-    result = {
-        "provenance": provenance(argv),
-        "commit": None,
-        "device": str(jax.devices()[0].device_kind),
-        "iterations": args.iterations,
-        "smoke": args.smoke,
-        "ceilings": ceil,
-        "rows": rows,
-        "failed": sum("error" in r for r in rows),
-    }
-    result["commit"] = result["provenance"]["commit"]
+    result["failed"] = sum("error" in r for r in result["rows"])
     for path in write_reports(result, args.out):
         print(f"wrote {path}")
     return result

@@ -46,9 +46,7 @@ failed.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import html
 import json
 import sys
 import time
@@ -60,10 +58,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common import quantize_latent_cache
-from attn_common.cli_args import provenance
 from attn_common.picks import decode_picks, distinct_choices, overlapping_picks
-from attn_mosaic_gpu.bench import ceilings, device_ms
-from attn_mosaic_gpu.bench_sparse_mla import SM_SCALE, jit_call, paged_layout, rel_l2
+from attn_mosaic_gpu.bench import device_ms
+from attn_mosaic_gpu.bench_sparse_mla import (
+    SM_SCALE,
+    jit_call,
+    paged_layout,
+    rel_l2,
+    script_run,
+    speedup_svg,
+)
 from attn_mosaic_gpu.sparse_mla import scheduled
 from attn_mosaic_gpu.sparse_mla_kernel import query_block_for
 
@@ -331,80 +335,30 @@ def write_reports(result: dict, out: Path) -> list[Path]:
 def write_plot(by_case: dict, path: Path) -> None:
     """Bars: the blocked and the automatic choice's speed-up over the per-query kernel."""
     names = list(by_case)
-    width, height, left, base, bar = 60 + 80 * len(names), 320, 50, 250, 24
-    speeds = [
-        by_case[n].get(k, {}).get("speedup_vs_per_query") or 0 for n in names for k in KERNELS[1:]
+    series = [
+        (color, [by_case[n].get(k, {}).get("speedup_vs_per_query") for n in names])
+        for k, color in (("qblock", "#4c78a8"), ("auto", "#f58518"))
     ]
-    top = max([2.0, *speeds])
-
-    def y(v):
-        return base - (base - 30) * v / top
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        'font-family="sans-serif" font-size="10">',
-        '<text x="10" y="15">Speed-up over the per-query Hopper kernel (blue: query-blocked, '
-        "orange: automatic choice; tick: target)</text>",
-        f'<line x1="{left}" y1="{y(1):.1f}" x2="{width - 10}" y2="{y(1):.1f}" stroke="#999"/>',
-    ]
-    for i, name in enumerate(names):
-        x = left + 10 + 80 * i
-        for j, (kernel, color) in enumerate((("qblock", "#4c78a8"), ("auto", "#f58518"))):
-            v = by_case[name].get(kernel, {}).get("speedup_vs_per_query")
-            if v is not None:
-                xx = x + j * bar
-                parts.append(
-                    f'<rect x="{xx}" y="{y(v):.1f}" width="{bar - 2}" height="{base - y(v):.1f}" '
-                    f'fill="{color}"/><text x="{xx}" y="{y(v) - 3:.1f}">{v:.2f}</text>'
-                )
-        t = by_case[name].get("qblock", {}).get("target_speedup")
-        if t is not None:
-            parts.append(
-                f'<line x1="{x - 4}" y1="{y(t):.1f}" x2="{x + 2 * bar + 4}" y2="{y(t):.1f}" '
-                'stroke="#e45756" stroke-width="2"/>'
-            )
-        label = html.escape(name.replace("prefill-", "p-").replace("decode-", "d-"))
-        parts.append(
-            f'<text x="{x}" y="{base + 14}" transform="rotate(30 {x} {base + 14})">{label}</text>'
-        )
-    parts.append("</svg>")
-    path.write_text("\n".join(parts) + "\n")
+    targets = [by_case[n].get("qblock", {}).get("target_speedup") for n in names]
+    title = (
+        "Speed-up over the per-query Hopper kernel (blue: query-blocked, orange: automatic "
+        "choice; tick: target)"
+    )
+    speedup_svg(path, title, names, series, targets)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
-    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON", help="merge runs")
-    args = parser.parse_args(argv)
+    args, selected, result = script_run(
+        argv, __doc__, cases, out=ROOT / "docs" / "results", merge=True
+    )
     if args.merge:
         result = merge(args.merge)
         for path in write_reports(result, args.out):
             print(f"wrote {path}")
         return result
-    selected = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
-    if not selected:
-        parser.error(
-            f"--cases: got {args.cases}, expected names of {[c.name for c in cases(args.smoke)]}"
-        )
-    ceil = {} if args.smoke else ceilings()
-    print(f"ceilings: {ceil}")
-    result = {
-        "provenance": provenance(argv),
-        "commit": None,
-        "device": str(jax.devices()[0].device_kind),
-        "iterations": args.iterations,
-        "smoke": args.smoke,
-        "ceilings": ceil,
-        "rows": [],
-        "failed": 0,
-    }
-    result["commit"] = result["provenance"]["commit"]
     for case in selected:  # the reports rewritten after each case: a killed run keeps them
         result["rows"] += run_case(
-            case, iterations=args.iterations, ceil=ceil, interpret=args.smoke
+            case, iterations=args.iterations, ceil=result["ceilings"], interpret=args.smoke
         )
         result["failed"] = sum("error" in r for r in result["rows"])
         paths = write_reports(result, args.out)

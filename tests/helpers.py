@@ -153,6 +153,28 @@ def assert_sparse_mla_close(got, want, *, rtol_l2: float, atol: float, lse_atol:
     assert_exact_zero_rows(out, lse)
 
 
+# The Hopper sparse-MLA GPU tests' bf16 tolerances against the float32 reference.
+GPU_SPARSE_MLA_TOL = dict(rtol_l2=1e-2, atol=3e-2)
+GPU_SPARSE_MLA_LSE_ATOL = 2e-3
+
+
+def check_gpu_sparse_mla(got, want) -> None:
+    """A Hopper sparse-MLA ``(out, lse)`` against the reference's, at
+    :data:`GPU_SPARSE_MLA_TOL` and :data:`GPU_SPARSE_MLA_LSE_ATOL`."""
+    assert_sparse_mla_close(got, want, **GPU_SPARSE_MLA_TOL, lse_atol=GPU_SPARSE_MLA_LSE_ATOL)
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Allocate ``nbytes`` of NaN on the default device and free them, so that the next
+    allocation of that size likely reuses NaN memory: an output element a kernel leaves
+    unwritten then fails the check."""
+    import jax.numpy as jnp
+
+    x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
+
+
 # --------------------------------------------------------------------------------------
 # Ranker inputs
 
@@ -965,6 +987,24 @@ def load_script(path: Path, name: str) -> Iterator[object]:
         yield module
     finally:
         sys.modules.pop(name, None)
+
+
+def gpu_bench_script(name: str):
+    """A module-scoped fixture: ``benchmarks/<name>.py`` loaded as module ``name``
+    (:func:`load_script`); the test is skipped where attn-mosaic-gpu, which the Hopper
+    benchmark scripts import, is not installed."""
+
+    @pytest.fixture(scope="module")
+    def bench():
+        pytest.importorskip(
+            "attn_mosaic_gpu",
+            reason="attn-mosaic-gpu is not installed (pip install ./packages/attn-mosaic-gpu)",
+        )
+        root = Path(__file__).resolve().parents[1]
+        with load_script(root / "benchmarks" / f"{name}.py", name) as module:
+            yield module
+
+    return bench
 
 
 def wrapper_query_grads(fn, *, dv: int, sm_scale: float, **kw):

@@ -5,23 +5,11 @@ interpret mode at tiny shapes."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from helpers import load_script
+from helpers import gpu_bench_script
 
-pytest.importorskip(
-    "attn_mosaic_gpu",
-    reason="attn-mosaic-gpu is not installed (pip install ./packages/attn-mosaic-gpu)",
-)
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "sparse_mla_fp8.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    with load_script(SCRIPT, "sparse_mla_fp8") as module:
-        yield module
+bench = gpu_bench_script("sparse_mla_fp8")
 
 
 def test_cases_are_the_issue_shapes(bench):

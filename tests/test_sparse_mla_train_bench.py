@@ -4,23 +4,13 @@ device call's time limit, a shape's cases always from a single run."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from helpers import load_script
+from helpers import gpu_bench_script
 
-pytest.importorskip(
-    "attn_mosaic_gpu",
-    reason="attn-mosaic-gpu is not installed (pip install ./packages/attn-mosaic-gpu)",
-)
 pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib (common[bench])")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_mla_train.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    with load_script(SCRIPT, "sparse_mla_train") as module:
-        yield module
+bench = gpu_bench_script("sparse_mla_train")
 
 
 def _case(impl, kv_len, heads, step_ms):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import jit_cache_size, packed_user_bounds, ranker_reference_f32
+from helpers import jit_cache_size, packed_user_bounds, poison_allocator, ranker_reference_f32
 
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
@@ -63,12 +63,6 @@ def _inputs(seed, batch, seq, q_heads, kv_heads, head_dim, dtype, scale=1.0):
     return q, k, v
 
 
-def _poison_allocator(nbytes: int) -> None:
-    x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
-    x.block_until_ready()
-    del x
-
-
 def _errors(out, want):
     """(rel L2, max-abs) of ``out`` against the f32 reference output."""
     o = np.asarray(out.astype(jnp.float32), np.float64)
@@ -80,7 +74,7 @@ def _check(q, k, v, bounds, *, cap=None, config=None, sm_scale=None, return_lse=
     b, s, hq, d = q.shape
     if config is None:  # what users get: the tuned table's config (resolve_tuning)
         config = resolve_tuning(q, cap, None, None, bounds=bounds)[0]
-    _poison_allocator(b * s * hq * (d * q.dtype.itemsize + 4))
+    poison_allocator(b * s * hq * (d * q.dtype.itemsize + 4))
     got = ranker_attention_fwd(
         q, k, v, bounds, cap=cap, config=config, sm_scale=sm_scale, return_lse=return_lse
     )

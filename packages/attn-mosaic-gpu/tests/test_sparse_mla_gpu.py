@@ -20,7 +20,6 @@ Run (on the H200, from the repository root):
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,10 +27,12 @@ if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
 
 from helpers import (
+    GPU_SPARSE_MLA_TOL,
     assert_close,
-    assert_sparse_mla_close,
     attended_rows_flat,
     build_ragged_layout,
+    check_gpu_sparse_mla,
+    poison_allocator,
     poison_ragged_case,
     poison_rows,
     randn,
@@ -45,18 +46,6 @@ import attn_reference as ref
 
 DV, DK = 512, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
-TOL = dict(rtol_l2=1e-2, atol=3e-2)
-LSE_ATOL = 2e-3
-
-
-def _poison(nbytes):
-    x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
-    x.block_until_ready()
-    del x
-
-
-def _check(got, want):
-    assert_sparse_mla_close(got, want, **TOL, lse_atol=LSE_ATOL)
 
 
 def _token_case(seed, *, seq, heads, kv_len, top_k):
@@ -88,9 +77,9 @@ def test_flat_token_level(heads, top_k, kv_len):
     want = _flat(ref.sparse_mla_attention, case, 1)
     keep = attended_rows_flat(case[2], case[3], kv_len=kv_len, read_block=1)
     dirty = (case[0], poison_rows(case[1], keep, seed=heads), case[2], case[3])
-    _poison(48 * heads * DV * 4)
+    poison_allocator(48 * heads * DV * 4)
     got = _flat(gpu.sparse_mla_attention, dirty, 1)
-    _check(got, want)
+    check_gpu_sparse_mla(got, want)
 
 
 def test_flat_units_batch2():
@@ -105,7 +94,7 @@ def test_flat_units_batch2():
     want = _flat(ref.sparse_mla_attention, case, rb)
     keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=rb)
     got = _flat(gpu.sparse_mla_attention, (q, poison_rows(kv, keep, seed=5), idx, pos), rb)
-    _check(got, want)
+    check_gpu_sparse_mla(got, want)
 
 
 def _ragged_case(seed, page_size=64, heads=128, top_k=32):
@@ -134,7 +123,7 @@ def test_ragged_paged_dirty_cache():
     want = _ragged(ref.sparse_mla_attention, case)
     dirty = poison_ragged_case(case, 64, dk=DK, seed=11)
     got = _ragged(gpu.sparse_mla_attention, dirty)
-    _check(got, want)
+    check_gpu_sparse_mla(got, want)
 
 
 def test_prefill_wrapper_and_write_back():
@@ -155,7 +144,7 @@ def test_prefill_wrapper_and_write_back():
         np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
     )
     assert np.isfinite(np.asarray(out)).all()
-    assert_close(np.asarray(out), np.asarray(want_out), **TOL)
+    assert_close(np.asarray(out), np.asarray(want_out), **GPU_SPARSE_MLA_TOL)
 
 
 def test_dispatch_picks_hopper_kernel():

@@ -23,6 +23,8 @@ import pytest
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
 
+from helpers import poison_allocator
+
 from attn_mosaic_gpu.sparse_mla_kernel import sparse_mla_rows_attention
 
 DV = 512
@@ -69,12 +71,6 @@ def _oracle(q, store, rows, counts, sm_scale):
     return out, lse
 
 
-def _poison(nbytes):
-    x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
-    x.block_until_ready()
-    del x
-
-
 @pytest.mark.parametrize(
     "heads,kp,counts",
     [
@@ -89,7 +85,7 @@ def test_kernel_matches_oracle(heads, kp, counts, width):
     q, store, rows, counts_a = _problem(
         len(counts) + heads, len(counts), heads, kp, 4096, width, counts
     )
-    _poison(len(counts) * heads * DV * 4)
+    poison_allocator(len(counts) * heads * DV * 4)
     out, lse = sparse_mla_rows_attention(q, store, rows, counts_a, sm_scale=sm_scale)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     want_out, want_lse = _oracle(q, store, rows, counts_a, sm_scale)

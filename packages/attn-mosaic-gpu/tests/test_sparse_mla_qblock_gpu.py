@@ -30,10 +30,12 @@ if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
 
 from helpers import (
+    GPU_SPARSE_MLA_TOL,
     assert_close,
-    assert_sparse_mla_close,
     attended_rows_flat,
     build_ragged_layout,
+    check_gpu_sparse_mla,
+    poison_allocator,
     poison_ragged_case,
     poison_rows,
     randn,
@@ -49,18 +51,6 @@ from attn_mosaic_gpu.sparse_mla import scheduled
 
 DV, DK = 512, 576
 SM_SCALE = 1.0 / np.sqrt(192.0)
-TOL = dict(rtol_l2=1e-2, atol=3e-2)
-LSE_ATOL = 2e-3
-
-
-def _poison(nbytes):
-    x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
-    x.block_until_ready()
-    del x
-
-
-def _check(got, want):
-    assert_sparse_mla_close(got, want, **TOL, lse_atol=LSE_ATOL)
 
 
 def _overlap_case(seed, *, seq, heads, kv_len, rb, top_k):
@@ -93,8 +83,8 @@ def test_flat_overlapping_dirty(op, heads):
     want = _flat(ref.sparse_mla_attention, case, rb)
     keep = attended_rows_flat(case[2], case[3], kv_len=kv_len, read_block=rb)
     dirty = (case[0], poison_rows(case[1], keep, seed=heads), case[2], case[3])
-    _poison(seq * heads * DV * 4)
-    _check(_flat(scheduled(op), dirty, rb), want)
+    poison_allocator(seq * heads * DV * 4)
+    check_gpu_sparse_mla(_flat(scheduled(op), dirty, rb), want)
 
 
 def test_flat_token_level_random_picks():
@@ -107,7 +97,7 @@ def test_flat_token_level_random_picks():
     idx = np.stack([rng.permutation(kv_len)[:top_k] for _ in range(seq)])[None].astype(np.int32)
     idx[0, 1, ::5] = -1
     case = (q, kv, idx, pos)
-    _check(
+    check_gpu_sparse_mla(
         _flat(gpu.sparse_mla_attention_qblock, case, 1), _flat(ref.sparse_mla_attention, case, 1)
     )
 
@@ -140,7 +130,7 @@ def test_ragged_decode_dirty(tokens):
     want = _ragged(ref.sparse_mla_attention, case)
     dirty = poison_ragged_case(case, 64, dk=DK, seed=tokens)
     for op in (gpu.sparse_mla_attention_qblock, scheduled("auto")):
-        _check(_ragged(op, dirty), want)
+        check_gpu_sparse_mla(_ragged(op, dirty), want)
 
 
 def test_fp8_cache():
@@ -156,7 +146,7 @@ def test_fp8_cache():
     same = _ragged(gpu.sparse_mla_attention_qblock, (layout, bf16, q, idx, pos))
     for a, b in zip(got, same, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    _check(got, _ragged(ref.sparse_mla_attention, (layout, bf16, q, idx, pos)))
+    check_gpu_sparse_mla(got, _ragged(ref.sparse_mla_attention, (layout, bf16, q, idx, pos)))
 
 
 def test_prefill_wrapper():
@@ -177,7 +167,7 @@ def test_prefill_wrapper():
     np.testing.assert_array_equal(
         np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
     )
-    assert_close(np.asarray(out), np.asarray(want_out), **TOL)
+    assert_close(np.asarray(out), np.asarray(want_out), **GPU_SPARSE_MLA_TOL)
 
 
 def test_attn_mass_and_gradient():

@@ -837,6 +837,80 @@ def write_plot(result: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- arguments
 
 
+def script_run(
+    argv: list[str] | None,
+    doc: str,
+    cases: Callable[[bool], list],
+    *,
+    out: Path,
+    merge: bool = False,
+) -> tuple[argparse.Namespace, list, dict]:
+    """The command line of a ``benchmarks/sparse_mla_*.py`` script: ``(args, the selected
+    cases, the result so far)``. Flags ``--out`` (default ``out``), ``--iterations``,
+    ``--cases`` (names of ``cases(smoke)``), ``--smoke`` and with ``merge`` ``--merge``
+    (``args.merge``: JSON files; no cases then). The result holds the provenance, the
+    device, the ceilings (none in a smoke run) and no rows yet."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    if merge:
+        parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON", help="merge runs")
+    args = parser.parse_args(argv)
+    if getattr(args, "merge", None):
+        return args, [], {}
+    names = [c.name for c in cases(args.smoke)]
+    selected = [c for c in cases(args.smoke) if not args.cases or c.name in args.cases]
+    if not selected:
+        parser.error(f"--cases: got {args.cases}, expected names of {names}")
+    ceil = {} if args.smoke else ceilings()
+    print(f"ceilings: {ceil}")
+    prov = provenance(argv)
+    result = dict(provenance=prov, commit=prov["commit"], device=jax.devices()[0].device_kind,
+                  iterations=args.iterations, smoke=args.smoke, ceilings=ceil, rows=[],
+                  failed=0)  # fmt: skip
+    return args, selected, result
+
+
+def speedup_svg(path: Path, title: str, names: list[str], series: list, targets: list) -> None:
+    """An SVG bar chart of speed-ups: per case name, one bar per ``(color, values)`` of
+    ``series`` (``values[i]`` for ``names[i]``, ``None`` draws none), a red tick at
+    ``targets[i]`` (``None``: none), and a grey line at 1."""
+    bar = 24
+    pitch = 32 + bar * len(series)
+    width, height, left, base = 60 + pitch * len(names), 320, 50, 250
+    top = max([2.0, *(v or 0 for _, values in series for v in values)])
+
+    def y(v):
+        return base - (base - 30) * v / top
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="10"><text x="10" y="15">{html.escape(title)}</text>',
+        f'<line x1="{left}" y1="{y(1):.1f}" x2="{width - 10}" y2="{y(1):.1f}" stroke="#999"/>',
+    ]
+    for i, name in enumerate(names):
+        x = left + 10 + pitch * i
+        for j, (color, values) in enumerate(series):
+            if (v := values[i]) is not None:
+                xx = x + j * bar
+                parts.append(
+                    f'<rect x="{xx}" y="{y(v):.1f}" width="{bar - 2}" height="{base - y(v):.1f}" '
+                    f'fill="{color}"/><text x="{xx}" y="{y(v) - 3:.1f}">{v:.2f}</text>'
+                )
+        if (t := targets[i]) is not None:
+            parts.append(
+                f'<line x1="{x - 4}" y1="{y(t):.1f}" x2="{x + bar * len(series) + 4}" '
+                f'y2="{y(t):.1f}" stroke="#e45756" stroke-width="2"/>'
+            )
+        label = html.escape(name.replace("prefill-", "p-").replace("decode-", "d-"))
+        parts.append(
+            f'<text x="{x}" y="{base + 14}" transform="rotate(30 {x} {base + 14})">{label}</text>'
+        )
+    path.write_text("\n".join([*parts, "</svg>"]) + "\n")
+
+
 def select_cases(patterns: list[str] | None, smoke: bool) -> list[Case]:
     """Cases whose name matches any glob of ``patterns`` (all when None)."""
     pool = SMOKE_CASES if smoke else CASES
