@@ -282,18 +282,26 @@ def _jit_guard_picks_qblock(sel, *, heads, dk_pad, itemsize):
     return fewer_bytes and faster
 
 
-@pytest.mark.slow
-def test_auto_tiling_under_jit_takes_both_branches():
-    """Shared selections -> the query-blocked branch; disjoint ones -> per-query (too
-    little sharing). Both must equal the reference."""
-    rng = rng_for(23)
+def _sharing_case(seed):
+    """``(q, kv, pos, shared, disjoint)``: 24 queries at the end of 100 units of 16 (H 2);
+    ``shared``: every query picks the same 64 units; ``disjoint``: 4 units each, none
+    shared (96 in all, -1 padded to 64). Both selections have one dtype."""
+    rng = rng_for(seed)
     seq, top_k, units = 24, 64, 100
     q = randn(rng, (1, seq, 2, DK), "float32")
     kv = randn(rng, (1, units * 16, DK), "float32")
     pos = np.full((1, seq), units * 16 - 1, np.int32)
     shared = np.broadcast_to(rng.permutation(units)[:top_k], (1, seq, top_k)).copy()
-    disjoint = np.full((1, seq, top_k), -1, np.int32)
-    disjoint[0, :, :4] = np.arange(seq * 4).reshape(seq, 4)  # 96 units, none shared
+    disjoint = np.full_like(shared, -1)
+    disjoint[0, :, :4] = np.arange(seq * 4).reshape(seq, 4)
+    return q, kv, pos, shared, disjoint
+
+
+@pytest.mark.slow
+def test_auto_tiling_under_jit_takes_both_branches():
+    """Shared selections -> the query-blocked branch; disjoint ones -> per-query (too
+    little sharing). Both must equal the reference."""
+    q, kv, pos, shared, disjoint = _sharing_case(23)
     for sel, want_qblock in ((shared, True), (disjoint, False)):
         assert _jit_guard_picks_qblock(sel, heads=2, dk_pad=256, itemsize=4) == want_qblock
         c = (q, kv, sel, pos)
@@ -335,22 +343,18 @@ def test_eager_plan_cache_routes_calls(monkeypatch):
 @pytest.mark.slow  # ~16 s
 def test_eager_plan_kept_per_shape(monkeypatch):
     """An eager call plans on the host once per shape: later calls of the shape reuse the
-    tiling behind the run-time guard, stay exact when their selections no longer share,
-    and a warm-up call with no selection plans nothing for them."""
-    rng = rng_for(24)
-    seq, top_k, units = 24, 64, 100
-    q = randn(rng, (1, seq, 2, DK), "float32")
-    kv = randn(rng, (1, units * 16, DK), "float32")
-    pos = np.full((1, seq), units * 16 - 1, np.int32)
-    shared = np.broadcast_to(rng.permutation(units)[:top_k], (1, seq, top_k)).copy()
-    disjoint = np.full_like(shared, -1)  # the same dtype: the same shape key
-    disjoint[0, :, :4] = np.arange(seq * 4).reshape(seq, 4)
+    tiling behind the run-time guard, stay exact (unattended rows poisoned) when their
+    selections no longer share, and a warm-up call with no selection plans nothing for
+    them."""
+    q, kv, pos, shared, disjoint = _sharing_case(24)
     plans = []
     monkeypatch.setattr(sq, "choose_plan", lambda **kw: plans.append(1) or choose_plan(**kw))
     monkeypatch.setattr(sq, "_EAGER_PLANS", {})
     for sel, planned in ((np.full_like(shared, -1), 1), (shared, 2), (disjoint, 2), (shared, 2)):
-        c = (q, kv, sel, pos)
-        _check(_flat_call(AUTO, c), _flat_call(ref.sparse_mla_attention, c), "float32")
+        want = _flat_call(ref.sparse_mla_attention, (q, kv, sel, pos))
+        keep = attended_rows_flat(sel, pos, kv_len=kv.shape[1], read_block=16)
+        dirty = poison_rows(kv, keep, seed=planned)  # rows no query attends: NaN / Inf
+        _check(_flat_call(AUTO, (q, dirty, sel, pos)), want, "float32")
         assert_no_races()
         assert len(plans) == planned  # the empty call's plan is not kept
     ((_, tiling),) = sq._EAGER_PLANS.items()

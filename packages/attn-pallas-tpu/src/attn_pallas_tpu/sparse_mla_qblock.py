@@ -415,7 +415,7 @@ def _jitted_guarded(static: tuple, planned: tuple | None):
     """The query-blocked op at the ``planned`` tiling (``None``: the shapes') with the
     run-time guard of a jitted call (:func:`_forward`), the keywords ``static`` fixed."""
     spec = {k: v for k, v in static if k not in _OWN_KEYWORDS}
-    own = dict((k, v) for k, v in static if k in _OWN_KEYWORDS)
+    own = {k: v for k, v in static if k in _OWN_KEYWORDS}
 
     def run(q, kv, indices, positions, **tables):
         call = sparse_mla_call(q, kv, indices, positions, **spec, **tables)
