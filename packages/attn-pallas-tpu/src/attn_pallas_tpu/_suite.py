@@ -131,6 +131,7 @@ class Suite:
     write_report: Callable
     write_plot: Callable
     result: str
+    sweep: Suite | None = None  # what ``--sweep`` runs instead, where it differs
 
     @classmethod
     def of(cls, namespace: dict) -> Suite:
@@ -151,6 +152,8 @@ class Suite:
 
     def run(self, args: argparse.Namespace) -> int:
         """Run the suite (or only rewrite a report); 1 when a case failed, else 0."""
+        if args.sweep and self.sweep is not None:
+            return self.sweep.run(args)
         return run_suite(
             args, runner_cls=self.runner_cls, cases=self.cases, smoke_cases=self.smoke_cases,
             write_report=self.write_report, write_plot=self.write_plot, result=self.result,

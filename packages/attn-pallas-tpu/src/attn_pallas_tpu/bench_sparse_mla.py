@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -72,13 +73,34 @@ from attn_common.tables import kv_packing
 from attn_pallas_tpu import _suite
 from attn_pallas_tpu._prep import default_chip
 from attn_pallas_tpu._timing import matmul_tflops, rel_l2, timed, wall_ms
-from attn_pallas_tpu.config import SparseMlaConfig
-from attn_pallas_tpu.plan import host_union_sizes
+from attn_pallas_tpu.config import (
+    MAX_ROWS,
+    MAX_UNITS_PER_STEP,
+    SparseMlaConfig,
+    default_config,
+)
+from attn_pallas_tpu.plan import (
+    AUTO_QUERY_BLOCKS,
+    MIN_SHARING,
+    PlanShape,
+    choose_plan,
+    describe_plan,
+    distinct_units_per_query,
+    host_distinct_units,
+    host_union_sizes,
+    per_query_bytes,
+    per_query_terms,
+    qblock_bytes,
+    qblock_terms,
+    static_qblock_config,
+    widest_head_group,
+)
 from attn_pallas_tpu.sparse_mla_qblock import _EAGER_PLANS
 
 DK, DV = 576, 512
 SM_SCALE = 1.0 / math.sqrt(192.0)
 RESULT = "tpu_sparse_mla"
+SWEEP_RESULT = "tpu_sparse_mla_sweep"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +147,36 @@ def _cases() -> tuple[Case, ...]:
 
 
 CASES = _cases()
+
+
+def _sweep_cases() -> tuple[Case, ...]:
+    """The cost model's cells (``--sweep``), most telling first (a cut run keeps its
+    rows): overlapping and random prefill at units of 16-128 and H 4-128, decode, and
+    training steps. Shapes as the suite's."""
+    cells = []
+    for picks, unit, h in (("overlapping", 64, 16), ("random", 64, 16), ("overlapping", 64, 4),
+                           ("overlapping", 64, 64), ("random", 16, 16), ("random", 32, 64),
+                           ("overlapping", 32, 16), ("overlapping", 128, 16),
+                           ("random", 128, 64), ("overlapping", 64, 128), ("random", 64, 128),
+                           ("random", 64, 4), ("overlapping", 16, 16)):  # fmt: skip
+        q, kv_len = (2048, 110592) if picks == "overlapping" else (1024, 32768)
+        name = f"prefill-{picks[:7]}-u{unit}-h{h}"
+        cells.append(Case(name, "prefill", picks, unit, h, q, kv_len, 2048))
+    for unit, h in ((64, 16), (64, 128), (32, 64), (128, 16)):
+        cells.append(Case(f"decode-u{unit}-h{h}", "decode", "random", unit, h, 128, 32768, 2048,
+                          requests=64, pool_pages=64 * (32768 // unit)))  # fmt: skip
+    for picks, h in (("overlapping", 16), ("random", 16), ("overlapping", 64)):
+        q, kv_len = (2048, 110592) if picks == "overlapping" else (1024, 32768)
+        cells.append(Case(f"train-{picks[:7]}-u64-h{h}", "train", picks, 64, h, q, kv_len, 2048))
+    return tuple(cells)
+
+
+SWEEP_CASES = _sweep_cases()
+SWEEP_SMOKE_CASES = (
+    Case("prefill-overlap-smoke", "prefill", "overlapping", 16, 2, 16, 256, 64),
+    Case("decode-smoke", "decode", "random", 16, 2, 4, 256, 64, requests=2, pool_pages=40),
+    Case("train-overlap-smoke", "train", "overlapping", 16, 2, 16, 256, 64),
+)
 SMOKE_CASES = (
     Case("prefill-random-smoke", "prefill", "random", 16, 2, 16, 256, 64),
     Case("prefill-overlap-smoke", "prefill", "overlapping", 16, 2, 16, 256, 64),
@@ -200,7 +252,10 @@ def _valid_tokens(case: Case, idx, pos) -> int:
 
 class Runner(_suite.Runner):
     def __init__(self, args):
-        super().__init__(args, result=RESULT, write_report=write_report)
+        if args.sweep:
+            super().__init__(args, result=SWEEP_RESULT, write_report=write_sweep_report)
+        else:
+            super().__init__(args, result=RESULT, write_report=write_report)
         chip = default_chip()
         self.hbm = chip.hbm_bytes_per_s
         self.mxu = matmul_tflops(self.smoke) * 1e12
@@ -250,7 +305,9 @@ class Runner(_suite.Runner):
         base = dict(case=case.name, mode=case.mode, picks=case.picks, unit=case.unit,
                     heads=case.heads, queries=case.queries)  # fmt: skip
         bounds = self.bounds(case, inputs)
-        if case.mode in ("prefill", "decode"):
+        if self.sweep:
+            self._sweep_cell(case, inputs, dict(base, bytes_ms=bounds["bytes_ms"]))
+        elif case.mode in ("prefill", "decode"):
             self._forward_rows(case, inputs, base, bounds)
         elif case.mode == "train":
             self._train_rows(case, inputs, base, bounds)
@@ -291,13 +348,9 @@ class Runner(_suite.Runner):
             if kernel == "qblock":
                 row.update(self._qblock_bounds(case, inputs, bounds))
             self.record(**row)
-        if self.sweep:
-            self._sweep(case, inputs, base, bounds)
 
     def _qblock_bounds(self, case, inputs, bounds) -> dict:
         """The automatic plan of the query-blocked front door and its masked MXU bound."""
-        from attn_pallas_tpu.plan import describe_plan
-
         plan = self.plan(case, inputs)
         row = {"plan": describe_plan(plan), "plan_ms_model": plan.predicted_s * 1e3}
         if plan.kernel == "qblock":
@@ -311,8 +364,6 @@ class Runner(_suite.Runner):
         return row
 
     def plan(self, case, inputs):
-        from attn_pallas_tpu.plan import choose_plan, distinct_units_per_query
-
         idx = inputs["idx"]
         keys = np.where(idx >= 0, idx, -1)[None]
         return choose_plan(
@@ -322,41 +373,49 @@ class Runner(_suite.Runner):
             read_block=case.unit, dk_pad=padded_dk(DK), dv=DV, itemsize=2, chip=default_chip(),
         )  # fmt: skip
 
-    def _sweep(self, case, inputs, base, bounds):
-        for cfg in sweep_configs(case):
-            try:
-                t, _ = self.time_forward(case, inputs, "per-query", cfg)
-                self.record(**base, kernel="per-query", sweep=True, **t,
-                            config=dataclasses.asdict(cfg), bound_ms=bounds["bytes_ms"])  # fmt: skip
-            except Exception as e:
-                self.record(**base, kernel="per-query", sweep=True, error=_suite.error_line(e),
-                            config=dataclasses.asdict(cfg))  # fmt: skip
-        if case.paged:
+    def _sweep_cell(self, case, inputs, base):
+        """One cell of the cost model's sweep: every tiling of :func:`sweep_tilings`
+        timed (``role: "tiling"``, with the model's terms), then the front door's own
+        jitted call (``role: "auto"``: the shapes' tiling behind the run-time guard;
+        its ``plan``, the eager call's choice, and the guard's query-blocked tiling
+        priced as the tilings are). A training cell times the gradient through the
+        per-query kernel (``role: "grad"``) and through the front door (``"auto"``)."""
+        if case.mode == "train":
+            q, kv = inputs["placed"][:2]
+            for kernel, role in (("per-query", "grad"), ("qblock", "auto")):
+                t = timed(self.grad_fn(inputs, kernel), q, kv, iterations=self.iterations)
+                self.record(**base, kernel=kernel, role=role, sweep=True, **t)
             return
-        for qb, hb, g in qblock_sweep(case):
-            cfg = SparseMlaConfig(units_per_step=g, ring_slots=4)
+        tilings, static = sweep_tilings(case, inputs["idx"])
+        for row in tilings:
+            knobs = row.pop("knobs")
             try:
-                t, _ = self.time_forward(case, inputs, "qblock", cfg, query_block=qb, head_block=hb)
-                self.record(**base, kernel="qblock", sweep=True, **t, query_block=qb,
-                            head_block=hb, config=dataclasses.asdict(cfg))  # fmt: skip
+                t, _ = self.time_forward(case, inputs, row["kernel"], **knobs)
+                self.record(**base, **row, role="tiling", sweep=True, **t)
             except Exception as e:
-                self.record(**base, kernel="qblock", sweep=True, query_block=qb, head_block=hb,
-                            error=_suite.error_line(e), config=dataclasses.asdict(cfg))  # fmt: skip
+                self.record(**base, **row, role="tiling", sweep=True, error=_suite.error_line(e))
+        t, _ = self.time_forward(case, inputs, "qblock")
+        plan = None if case.paged else describe_plan(self.plan(case, inputs))
+        self.record(**base, kernel="qblock", role="auto", sweep=True, plan=plan, static=static,
+                    **t)  # fmt: skip
 
-    def _train_rows(self, case, inputs, base, bounds):
+    def grad_fn(self, inputs, kernel: str):
+        """The jitted gradient of a loss on out and LSE w.r.t. q and the cache through
+        ``kernel`` (its automatic tiling)."""
         args, kw = inputs["placed"], dict(inputs["kwargs"], return_lse=True)
         q, kv = args[:2]
         cot = jax.random.normal(jax.random.PRNGKey(7), (*q.shape[:3], DV), jnp.float32)
+        f = self.fn(kernel)
 
-        def loss_of(kernel):
-            f = self.fn(kernel)
+        def loss(q, kv):
+            out, lse = f(q, kv, *args[2:], **kw)
+            return jnp.sum(out * cot) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-            def loss(q, kv):
-                out, lse = f(q, kv, *args[2:], **kw)
-                return jnp.sum(out * cot) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        return jit_placed(jax.grad(loss, argnums=(0, 1)), q, kv)
 
-            return jit_placed(jax.grad(loss, argnums=(0, 1)), q, kv)
-
+    def _train_rows(self, case, inputs, base, bounds):
+        q, kv = inputs["placed"][:2]
+        loss_of = functools.partial(self.grad_fn, inputs)
         xla = want = None
         try:
             g = loss_of("xla")
@@ -409,33 +468,76 @@ class Runner(_suite.Runner):
                     xla_ms=None)  # fmt: skip
 
 
-def sweep_configs(case: Case) -> list[SparseMlaConfig]:
-    """Per-query tilings the sweep times: one query a program with a 4-slot ring of one
-    unit (the earlier kernel's schedule), then units per step x ring slots at 8 queries
-    a program."""
-    out = [SparseMlaConfig(units_per_step=1, ring_slots=4, queries_per_program=1)]
-    qp = min(8, case.queries)
-    for g in (1, 2, 4, 8, 16, 32):
-        if g * case.unit > 1024 or g > case.top_k:
-            continue
-        for slots in (3,):
-            out.append(SparseMlaConfig(units_per_step=g, ring_slots=slots, queries_per_program=qp))
-    return out
+def plan_shape(case: Case, config: SparseMlaConfig) -> dict:
+    """The planner's shape keywords (``plan.PlanShape``) of a case at ``config``."""
+    return dict(heads=case.heads, top_k=case.top_k, num_units=-(-case.kv_len // case.unit),
+                read_block=case.unit, dk_pad=padded_dk(DK), dv=DV, itemsize=2,
+                chip=default_chip(), config=config)  # fmt: skip
 
 
-def qblock_sweep(case: Case) -> list[tuple[int, int, int]]:
-    """(query_block, head_block, units_per_step) the sweep times for the query-blocked
-    kernel."""
-    out = []
-    for qb in (32, 64, 128):
-        if qb > case.queries:
+def sweep_tilings(case: Case, idx: np.ndarray) -> tuple[list[dict], dict | None]:
+    """The tilings a sweep cell times, and the jitted call's query-blocked tiling.
+
+    Per-query: the default units per step ``G`` (``config.default_config``; the tiling
+    the plan prices) and half and twice it. Flat caches also: the query-blocked kernel
+    at every ``plan.AUTO_QUERY_BLOCKS`` size with the plan's head group and chunk there
+    (``plan.widest_head_group``), where it reads at most the per-query kernel's KV bytes
+    (``plan.MIN_SHARING`` of them is the plan's own filter; ``shares`` says whether it
+    passes). Each row carries the model's ``terms`` and ``model_bytes`` for
+    ``attn_pallas_tpu.fit_plan`` and ``knobs`` for the timed call. The second value
+    prices ``static_qblock_config``'s tiling, the one the run-time guard of a jitted
+    call weighs against the default per-query tiling (``None`` for a paged cache).
+    """
+    cfg0 = default_config(read_block=case.unit, top_k=case.top_k, num_queries=case.queries)
+    keys = np.where(idx >= 0, idx, -1)[None]
+    distinct = host_distinct_units(keys).astype(np.int64)
+    g0, pq_units = cfg0.units_per_step, int(distinct.sum())
+    rows = []
+    for g in sorted({max(1, g0 // 2), g0, min(2 * g0, MAX_UNITS_PER_STEP)}):
+        cfg = cfg0.replace(units_per_step=g)
+        shape = PlanShape(**plan_shape(case, cfg))
+        steps = int(((distinct + g - 1) // g).sum())
+        rows.append(dict(
+            kernel="per-query", config=dataclasses.asdict(cfg), default=g == g0,
+            terms=_floats(per_query_terms(steps, pq_units, shape)),
+            model_bytes=float(per_query_bytes(pq_units, distinct.size, shape)),
+            knobs={"config": cfg},
+        ))  # fmt: skip
+    if case.paged:
+        return rows, None
+    shape = PlanShape(**plan_shape(case, cfg0))
+    unions = host_union_sizes(keys, AUTO_QUERY_BLOCKS)
+
+    def priced(qb, hb, u_max):
+        u = unions[qb].ravel().astype(np.int64)
+        steps, units = int(((u + g0 - 1) // g0).sum()), int(u.sum())
+        cfg = dict(query_block=qb, head_block=hb)
+        read = units * (case.heads // hb)
+        return dict(kernel="qblock", config=dict(dataclasses.asdict(cfg0), **cfg, u_max=u_max),
+                    terms=_floats(qblock_terms(steps, units, u.size, shape, **cfg)),
+                    model_bytes=float(qblock_bytes(units, u.size, shape, **cfg)),
+                    shares=read * MIN_SHARING <= pq_units, reads=read)  # fmt: skip
+
+    for qb in AUTO_QUERY_BLOCKS:
+        fit = widest_head_group(query_block=qb, largest_union=int(unions[qb].max()),
+                                **plan_shape(case, cfg0))  # fmt: skip
+        if fit is None:
             continue
-        hb = case.heads
-        while hb * qb > 4096:
-            hb //= 2
-        for g in (4, 8, 16):
-            out.append((qb, hb, g))
-    return out
+        row = priced(qb, *fit)
+        if row.pop("reads") <= pq_units:
+            row["knobs"] = dict(config=cfg0, query_block=qb, head_block=fit[0], u_max=fit[1])
+            rows.append(row)
+    qb, hb, u_max = static_qblock_config(**plan_shape(case, cfg0), max_rows=MAX_ROWS)
+    qb = min(qb, -(-case.queries // 8) * 8)
+    if qb not in unions:
+        unions.update(host_union_sizes(keys, (qb,)))
+    static = priced(qb, hb, u_max)
+    static.pop("reads")
+    return rows, static
+
+
+def _floats(terms: dict) -> dict:
+    return {k: float(v) for k, v in terms.items()}
 
 
 def _xla_fields(xla: dict | None) -> dict:
@@ -477,6 +579,51 @@ def write_report(result: dict, out: Path) -> Path:
             f"{_f(xla / ms if ms and xla else None)} | {'; '.join(notes)} |"
         )
     return _suite.write_markdown(out, RESULT, lines)
+
+
+def write_sweep_report(result: dict, out: Path) -> Path:
+    """``tpu_sparse_mla_sweep.md``: every cell's timed rows, each against the cell's
+    fastest tiling (device time where profiled)."""
+    lines = [
+        "# TPU sparse MLA: the cost model's sweep",
+        "",
+        _suite.report_provenance(result, ".0f")
+        + "measured. Medians; `x best` against the cell's fastest tiling (device ms where "
+        "profiled). `auto` is the front door's jitted call (the shapes' tiling behind "
+        "the run-time guard); `plan` the eager call's choice. `python -m "
+        "attn_pallas_tpu.fit_plan` fits the cost model to these rows.",
+        "",
+        "| cell | kernel | tiling | wall ms | device ms | x best | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = [r for r in result["rows"] if r.get("sweep")]
+    for cell in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == cell]
+        timed = [_ms(r) for r in mine if r.get("role") in ("tiling", "grad") and _ms(r)]
+        best = min(timed, default=None)
+        for r in mine:
+            ms = _ms(r)
+            notes = [r["error"]] if "error" in r else []
+            notes += [f"plan {r['plan']}"] if r.get("plan") else []
+            lines.append(
+                f"| {cell} | {r.get('kernel', '')} | {_tiling_label(r)} | {_f(r.get('ms'))} | "
+                f"{_f(r.get('device_ms'))} | {_f(ms / best if ms and best else None)} | "
+                f"{'; '.join(notes)} |"
+            )
+    return _suite.write_markdown(out, SWEEP_RESULT, lines)
+
+
+def _ms(row: dict):
+    return row.get("device_ms") or row.get("ms")
+
+
+def _tiling_label(row: dict) -> str:
+    if row.get("role") == "auto":
+        return "auto"
+    c = row.get("config") or {}
+    if row.get("kernel") == "qblock":
+        return f"QB {c.get('query_block')} Hb {c.get('head_block')} u_max {c.get('u_max')}"
+    return f"G {c.get('units_per_step')}" + (" (default)" if row.get("default") else "")
 
 
 def write_plot(result: dict, path: Path) -> bool:
@@ -532,7 +679,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _suite.add_common_arguments(parser, sweep_help="also time a grid of tilings")
 
 
-SUITE = _suite.Suite.of(globals())
+_SWEEP = dataclasses.replace(
+    _suite.Suite.of(globals()), cases=SWEEP_CASES, smoke_cases=SWEEP_SMOKE_CASES,
+    write_report=write_sweep_report, write_plot=lambda result, path: False, result=SWEEP_RESULT,
+)  # fmt: skip
+SUITE = dataclasses.replace(_suite.Suite.of(globals()), sweep=_SWEEP)
 check_args, run, main = _suite.check_args, SUITE.run, SUITE.main
 
 

@@ -17,18 +17,23 @@ model (the wrapper imports :func:`choose_plan`, :func:`static_qblock_config` and
 jit-able :func:`per_query_seconds` / :func:`qblock_seconds`; the tilings' knobs and VMEM
 estimates are ``attn_pallas_tpu.config``'s).
 
-Model of one layer call (fitted to a TPU v5e; the constants below and
-docs/tpu_sparse_mla.md, "Cost model")
---------------------------------------------------------------------------------
+Model of one layer call (fitted to a TPU v5e; docs/tpu_sparse_mla.md, "Cost model")
+------------------------------------------------------------------------------------
 
-* Per-query: ``steps * PQ_STEP_S + units * (PQ_UNIT_S + read_block * row_seconds(H))``
-  (plus FP8 dequantization at the VPU rate), spread over the chip's TensorCores.
-* Query-blocked: ``steps * (QB_STEP_S + G read_block rows QB_SCORE_S + rows Dv
-  QB_ACC_S) + units * QB_UNIT_S + queries * QB_QUERY_S``; ``steps`` counts ``G`` union
-  slots of every block and head group.
-* Both: ``CALL_S`` per call, and floored by all HBM bytes (KV units, q, the float32
-  output) at the chip's HBM bandwidth. The v5e sweep found no cost from ring depth or
-  queries per program (the copies hide), so neither is priced.
+A call costs ``costs["call"]`` plus the larger of its work and its HBM bytes (KV units,
+q, the float32 output) at the chip's HBM bandwidth; the work is a sum of counted terms
+times fitted seconds (:data:`PER_QUERY_COSTS`, :data:`QBLOCK_COSTS`; FP8 dequantization
+at the VPU rate on top), spread over the chip's TensorCores:
+
+* Per-query (:func:`per_query_terms`): ring steps (``ceil(distinct / G)`` per query),
+  units, key rows, and key rows times ``H`` (the score rows a key row meets).
+* Query-blocked (:func:`qblock_terms`): steps of ``G`` union slots of every block and
+  head group, (key, score row) pairs of those steps, accumulator elements rescaled per
+  step, union units per head group, queries.
+
+``attn_pallas_tpu.fit_plan`` fits the costs to a sweep of timed tilings on the chip.
+The v5e sweeps found no cost from ring depth or queries per program (the copies hide),
+so neither is priced.
 
 Chips (:data:`TPU_CHIPS`; public peak numbers per chip, ``cores`` TensorCores share
 the ``parallel`` grid):
@@ -94,6 +99,8 @@ __all__ = [
     "AUTO_QUERY_BLOCKS",
     "DEQUANT_OPS_PER_VALUE",
     "MIN_SHARING",
+    "PER_QUERY_COSTS",
+    "QBLOCK_COSTS",
     "STATIC_U_MAX_CAP",
     "STEP_OVERHEAD_S",
     "TPU_CHIPS",
@@ -108,33 +115,39 @@ __all__ = [
     "distinct_units_per_query",
     "host_distinct_units",
     "host_union_sizes",
+    "model_seconds",
+    "per_query_bytes",
     "per_query_seconds",
+    "per_query_terms",
     "predict_per_query",
     "predict_qblock",
+    "qblock_bytes",
     "qblock_seconds",
+    "qblock_terms",
     "sparse_mla_union_sizes",
     "static_qblock_config",
+    "widest_head_group",
 ]
 
-# Fitted on a TPU v5e (jax 0.10.2; docs/tpu_sparse_mla.md, "Cost model"): wall-clock
-# times of the per-query kernel at 16-64-token units, H 4-64, 1-16 units a step, and of
-# the query-blocked kernel at QB 8-256, 1-16 units a step, over random and overlapping
-# picks. Per-query: each step ``PQ_STEP_S``, each unit ``PQ_UNIT_S``, each key row of a
-# unit the per-row cost at the query's head count (interpolated in log2 H between the
-# fitted points, clamped outside). Query-blocked: each step ``QB_STEP_S``, each unit
-# ``QB_UNIT_S``, each (key, score row) pair ``QB_SCORE_S`` (masked scores included), each
-# accumulator element rescaled per step ``QB_ACC_S``, each query ``QB_QUERY_S`` (its
-# tables and the program's blocks). ``CALL_S``: what a call costs outside the steps
-# (XLA-side tables, launch), alike for both.
-PQ_STEP_S = 0.29e-6
-PQ_UNIT_S = 0.02e-6
-PQ_ROW_S = ((16, 2.8e-9), (64, 2.1e-9))  # (heads, seconds per key row)
-QB_STEP_S = 0.56e-6
-QB_UNIT_S = 0.02e-6
-QB_SCORE_S = 12.6e-12
-QB_ACC_S = 1.09e-12
-QB_QUERY_S = 1.9e-6
-CALL_S = 0.6e-3
+# The model's fitted costs (seconds per unit of each term; :func:`per_query_terms` and
+# :func:`qblock_terms` count the terms), fitted to a TPU v5e (jax 0.10.2) by
+# ``attn_pallas_tpu.fit_plan`` on the sweep of ``docs/results/tpu_sparse_mla_sweep.json``
+# (docs/tpu_sparse_mla.md, "Cost model"): the device time of every timed tiling.
+PER_QUERY_COSTS = {
+    "call": 0.6e-3,  # a call: launch, the XLA-side tables
+    "step": 0.29e-6,  # a ring step (ceil(distinct / G) per query)
+    "unit": 0.02e-6,  # a unit's DMA
+    "key_row": 2.8e-9,  # a key row of a unit
+    "key_row_head": 0.0,  # a key row per score row (head)
+}
+QBLOCK_COSTS = {
+    "call": 0.6e-3,
+    "step": 0.56e-6,  # a step of G union slots, per head group
+    "score": 12.6e-12,  # a (key, score row) pair, masked ones included
+    "acc": 1.09e-12,  # an accumulator element rescaled per step
+    "unit": 0.02e-6,  # a union unit's DMA, per head group
+    "query": 1.9e-6,  # a query: its tables and its block's share
+}
 STEP_OVERHEAD_S = 0.35e-6  # per grid step (the ranker model's too)
 DEQUANT_OPS_PER_VALUE = 4  # FP8 cache: VPU ops per dequantized value (once per unit)
 AUTO_QUERY_BLOCKS = (8, 16, 32, 64, 128, 256)  # query blocks the automatic tiling compares
@@ -467,18 +480,56 @@ class PlanShape:
         return self.num_units
 
 
-def row_seconds(heads: int) -> float:
-    """The per-query kernel's seconds per key row at ``heads`` heads (:data:`PQ_ROW_S`)."""
-    (h0, t0), (h1, t1) = PQ_ROW_S
-    x = min(max(np.log2(max(heads, 1)), np.log2(h0)), np.log2(h1))
-    return t0 + (t1 - t0) * (x - np.log2(h0)) / (np.log2(h1) - np.log2(h0))
-
-
 def _dequant_seconds(s: PlanShape) -> float:
     """FP8: the VPU work of dequantizing one unit (once per unit)."""
     if not s.fp8:
         return 0.0
     return DEQUANT_OPS_PER_VALUE * s.read_block * s.dk_pad / (s.chip.vpu_ops / s.chip.cores)
+
+
+def per_query_terms(steps, units, s: PlanShape) -> dict:
+    """The per-query model's terms (:data:`PER_QUERY_COSTS`' keys) from its sums over
+    the queries: ``steps`` (of ``ceil(distinct / G)``) and ``units`` (of distinct units)."""
+    rows = units * s.read_block
+    return {"call": 1.0, "step": steps, "unit": units, "key_row": rows,
+            "key_row_head": rows * s.heads}  # fmt: skip
+
+
+def qblock_terms(steps, units, blocks: int, s: PlanShape, *, query_block, head_block) -> dict:
+    """The query-blocked model's terms (:data:`QBLOCK_COSTS`' keys) from its sums over the
+    blocks of one head group: ``steps`` (of ``ceil(union / G)``), ``units`` (of union
+    sizes) and the number of ``blocks``; every head group walks them again."""
+    if s.heads % head_block:
+        raise ValueError(f"head_block {head_block} does not divide heads {s.heads}")
+    groups = s.heads // head_block
+    rows = head_block * query_block
+    steps = steps * groups
+    return {"call": 1.0, "step": steps, "score": steps * s.config.units_per_step *
+            s.read_block * rows, "acc": steps * rows * s.dv, "unit": units * groups,
+            "query": blocks * query_block}  # fmt: skip
+
+
+def per_query_bytes(units, queries: int, s: PlanShape):
+    """HBM bytes of a per-query call: its units, q, the float32 output and the LSE."""
+    return units * s.unit_bytes + queries * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
+
+
+def qblock_bytes(units, blocks: int, s: PlanShape, *, query_block, head_block):
+    """HBM bytes of a query-blocked call: its union units per head group, q, the float32
+    output and the LSE."""
+    queries = blocks * query_block
+    return units * (s.heads // head_block) * s.unit_bytes + queries * s.heads * (
+        s.dk_pad * s.itemsize + s.dv * 4 + 4
+    )
+
+
+def model_seconds(xp, terms: dict, costs: Mapping[str, float], hbm_bytes, s: PlanShape,
+                  extra_s=0.0):  # fmt: skip
+    """One call's modelled seconds: ``costs["call"]`` plus the larger of the other
+    ``terms`` priced at ``costs`` (and ``extra_s``), spread over the chip's cores, and
+    ``hbm_bytes`` at its HBM rate."""
+    work = sum(costs[k] * v for k, v in terms.items() if k != "call") + extra_s
+    return costs["call"] + xp.maximum(work / s.chip.cores, hbm_bytes / s.chip.hbm_bytes_per_s)
 
 
 def _per_query_seconds(xp, d, s: PlanShape):
@@ -491,11 +542,9 @@ def _per_query_seconds(xp, d, s: PlanShape):
 def _per_query_model(xp, steps, units, queries: int, s: PlanShape):
     """The per-query model from its sums over the queries: ``steps`` (of ``ceil(distinct
     / G)``), ``units`` (of distinct units) and the number of ``queries``: seconds."""
-    unit_s = PQ_UNIT_S + s.read_block * row_seconds(s.heads) + _dequant_seconds(s)
-    compute = (steps * PQ_STEP_S + units * unit_s) / s.chip.cores
-    kv = units * s.unit_bytes
-    other = queries * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
-    return CALL_S + xp.maximum(compute, (kv + other) / s.chip.hbm_bytes_per_s)
+    terms = per_query_terms(steps, units, s)
+    bytes_ = per_query_bytes(units, queries, s)
+    return model_seconds(xp, terms, PER_QUERY_COSTS, bytes_, s, units * _dequant_seconds(s))
 
 
 def _qblock_seconds(xp, u, s: PlanShape, *, query_block: int, head_block: int):
@@ -511,21 +560,10 @@ def _qblock_model(xp, steps, units, blocks: int, s: PlanShape, *, query_block, h
     """The query-blocked model from its sums over the blocks of one head group: ``steps``
     (of ``ceil(union / G)``), ``units`` (of union sizes) and the number of ``blocks``:
     seconds."""
-    if s.heads % head_block:
-        raise ValueError(f"head_block {head_block} does not divide heads {s.heads}")
-    groups = s.heads // head_block
-    rows = head_block * query_block
-    g = s.config.units_per_step
-    steps = steps * groups
-    units = units * groups
-    work = (
-        steps * (QB_STEP_S + g * s.read_block * rows * QB_SCORE_S + rows * s.dv * QB_ACC_S)
-        + units * (QB_UNIT_S + _dequant_seconds(s))
-        + blocks * query_block * QB_QUERY_S
-    )
-    kv = units * s.unit_bytes
-    other = blocks * query_block * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
-    return CALL_S + xp.maximum(work / s.chip.cores, (kv + other) / s.chip.hbm_bytes_per_s)
+    cfg = dict(query_block=query_block, head_block=head_block)
+    terms = qblock_terms(steps, units, blocks, s, **cfg)
+    dequant = terms["unit"] * _dequant_seconds(s)
+    return model_seconds(xp, terms, QBLOCK_COSTS, qblock_bytes(units, blocks, s, **cfg), s, dequant)
 
 
 _SCALAR = types.SimpleNamespace(maximum=max)  # the models' ``xp`` on Python floats
@@ -713,6 +751,19 @@ def _qblock_candidates(
         if u_max is not None:
             out.append((head_block, u_max))
     return tuple(out)
+
+
+def widest_head_group(
+    *, query_block: int, largest_union: int, max_rows: int = 4096, **shape
+) -> tuple[int, int] | None:
+    """``(head_block, u_max)`` :func:`choose_plan` takes at ``query_block`` for unions of
+    at most ``largest_union`` units: the most heads per program that fit (every cost of
+    the model grows with the head groups), with the widest chunk; ``None`` if nothing
+    fits. ``**shape``: the fields of :class:`PlanShape`."""
+    _check_query_block(query_block)
+    top = _round_up(max(largest_union, 1), MEMBER_TILE)
+    found = _qblock_candidates(PlanShape(**shape), max_rows, query_block, top)
+    return found[-1] if found else None
 
 
 def static_qblock_config(*, max_rows: int = 4096, **shape) -> tuple[int, int, int]:
