@@ -306,7 +306,9 @@ class Runner(_suite.Runner):
                     heads=case.heads, queries=case.queries)  # fmt: skip
         bounds = self.bounds(case, inputs)
         if self.sweep:
-            self._sweep_cell(case, inputs, dict(base, bytes_ms=bounds["bytes_ms"]))
+            self._sweep_cell(
+                case, inputs, dict(base, top_k=case.top_k, bytes_ms=bounds["bytes_ms"])
+            )
         elif case.mode in ("prefill", "decode"):
             self._forward_rows(case, inputs, base, bounds)
         elif case.mode == "train":

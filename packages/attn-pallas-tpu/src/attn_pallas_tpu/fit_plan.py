@@ -9,7 +9,8 @@ terms (``plan.per_query_terms`` / ``plan.qblock_terms``) and HBM bytes. This fit
 kernel's costs (the :data:`plan.PER_QUERY_COSTS` / :data:`plan.QBLOCK_COSTS` keys) to the
 rows' device time by non-negative least squares on relative error, then scores the plan
 the way ``plan.choose_plan`` makes it: in each forward cell the modelled-fastest of the
-default per-query tiling and the query-blocked tilings that pass ``plan.MIN_SHARING``,
+default per-query tiling (``config.default_config``'s units per step now, whatever they
+were when timed) and the query-blocked tilings that pass ``plan.MIN_SHARING``,
 its measured time against the cell's fastest timed tiling. A cell is a hit within
 ``--tolerance`` (10 %). The scores are printed for the costs in ``plan`` now, for the
 fitted ones, and for fits that leave each cell out (the cell scored by a model that
@@ -29,6 +30,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from attn_pallas_tpu import plan
+from attn_pallas_tpu.config import default_config
 
 __all__ = ["fit_costs", "main", "pick", "score"]
 
@@ -71,7 +73,7 @@ def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float)
     """The tiling the plan takes in a forward cell at ``costs``: the fastest modelled
     query-blocked tiling that shares (``shares``) if strictly faster than the default
     per-query tiling, else that one (``plan.choose_plan``'s rule)."""
-    pq = next((r for r in cell if r["kernel"] == "per-query" and r.get("default")), None)
+    pq = next((r for r in cell if r["kernel"] == "per-query" and _default(r)), None)
     if pq is None:
         return None
     qb = [r for r in cell if r["kernel"] == "qblock" and r.get("shares")]
@@ -82,6 +84,13 @@ def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float)
     ):
         return best
     return pq
+
+
+def _default(row: dict) -> bool:
+    """Whether a per-query row is at the tiling ``config.default_config`` gives its cell
+    now (the plan's per-query candidate), whatever the default was when it was timed."""
+    cfg = default_config(read_block=row["unit"], top_k=row["top_k"], num_queries=row["queries"])
+    return row["config"]["units_per_step"] == cfg.units_per_step
 
 
 def cells(rows: list[dict]) -> dict[str, list[dict]]:
