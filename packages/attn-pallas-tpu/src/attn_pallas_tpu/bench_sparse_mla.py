@@ -40,10 +40,15 @@ overlapping family's parameters):
   given host values; ``first_call_ms`` is a shape's first call (host planning on the
   counts, then the planned kernel), ``first_host_ms`` its time past the same.
 
-``--sweep`` also times a grid of tilings per case (``SparseMlaConfig``, and the
-query-blocked kernel's query blocks and head groups), the data the cost model is fitted
-to (``attn_pallas_tpu.plan``). ``--smoke`` runs tiny shapes in interpret mode (any
-machine); without it the default device must be a TPU. Writes ``tpu_sparse_mla.json``
+``--sweep`` runs the cost model's cells instead (``SWEEP_CASES``: prefill with random
+and overlapping picks at units of 16-128 and H 4-128, decode, training): per cell every
+tiling the automatic plan chooses among, each row with the model's counted terms
+(:func:`sweep_tilings`), then the front door's own jitted call, into
+``tpu_sparse_mla_sweep.json`` and ``.md``; ``python -m attn_pallas_tpu.fit_plan`` fits
+the model (``attn_pallas_tpu.plan``) to them and scores the plan.
+
+``--smoke`` runs tiny shapes in interpret mode (any machine); without it the default
+device must be a TPU. Writes ``tpu_sparse_mla.json``
 (rows with ``kernel``, ``mode``, ``picks``, ``unit``, ``heads``, ``ms``, ``bound_ms``,
 ``xla_ms``; top-level ``commit``, ``device``) and ``.md`` (and ``.svg`` with matplotlib)
 under ``--out``. Exit status 1 when a case failed (sweep rows that failed do not count:
@@ -678,7 +683,9 @@ def _f(x) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's flags (``python -m attn_pallas_tpu.bench_sparse_mla`` and ``attn bench
     sparse-mla`` on a TPU take the same)."""
-    _suite.add_common_arguments(parser, sweep_help="also time a grid of tilings")
+    _suite.add_common_arguments(
+        parser, sweep_help="run the cost model's cells instead (tpu_sparse_mla_sweep.json)"
+    )
 
 
 _SWEEP = dataclasses.replace(

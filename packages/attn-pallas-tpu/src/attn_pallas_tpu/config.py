@@ -37,12 +37,11 @@ import dataclasses
 
 MEMBER_TILE = 32  # int8 sublane tile: membership windows and u_max align to it
 MAX_UNITS_PER_STEP = MEMBER_TILE  # a step's membership rows lie in one int8 tile
-# The heuristic's keys per step and units per step, from the v5e cost-model sweep
-# (docs/results/tpu_sparse_mla_sweep.json): the per-query kernel at 1024 keys a step was
-# fastest or within 3 % of it at every unit (16-128) and head count (4-128) swept; at 512
-# it was 11 % slower at units of 16 (H 16) and at H 128 (units of 64).
-STEP_ROWS = 1024
-MAX_DEFAULT_UNITS = MAX_UNITS_PER_STEP
+# The heuristic's keys per step and units per step, from a TPU v5e sweep (1024 queries x
+# 2048 tokens of 32K, H 16): time per step ~0.29 us + ~3 ns per key row whatever the ring
+# depth, so steps of 256-512 rows were fastest at 16-, 32- and 64-token units.
+STEP_ROWS = 512
+MAX_DEFAULT_UNITS = 16
 RING_SLOTS = 3  # 3 and 6 slots measured alike: the copies are hidden at 2 steps in flight
 MAX_ROWS = 4096  # default cap on the query-blocked kernel's score rows (Hb * QB)
 PAIR_CHUNK = 128  # dKV (store block, query) pairs per program: bounds its SMEM tables

@@ -72,12 +72,20 @@ def model_s(row: dict, costs: Mapping[str, float], hbm: float) -> float:
 def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float) -> dict | None:
     """The tiling the plan takes in a forward cell at ``costs``: the fastest modelled
     query-blocked tiling that shares (``shares``) if strictly faster than the default
-    per-query tiling, else that one (``plan.choose_plan``'s rule)."""
+    per-query tiling, else that one (``plan.choose_plan``'s rule); both at the default
+    units per step. ``None`` where the cell lacks the default per-query row, or has
+    query-blocked rows but none at the default units per step (the plan's candidates
+    were not timed)."""
     pq = next((r for r in cell if r["kernel"] == "per-query" and _default(r)), None)
     if pq is None:
         return None
-    qb = [r for r in cell if r["kernel"] == "qblock" and r.get("shares")]
-    best = min(qb, key=lambda r: (model_s(r, costs["qblock"], hbm), r["model_bytes"]),
+    g = pq["config"]["units_per_step"]
+    qb = [r for r in cell if r["kernel"] == "qblock"]
+    at_g = [r for r in qb if r["config"]["units_per_step"] == g]
+    if qb and not at_g:
+        return None
+    best = min((r for r in at_g if r.get("shares")),
+               key=lambda r: (model_s(r, costs["qblock"], hbm), r["model_bytes"]),
                default=None)  # fmt: skip
     if best is not None and model_s(best, costs["qblock"], hbm) < model_s(
         pq, costs["per-query"], hbm
@@ -114,6 +122,9 @@ def score(rows, costs, hbm: float, tolerance: float, *, leave_out: bool = False)
             if {"grad", "auto"} <= grads.keys():
                 ratio = grads["auto"] / min(grads.values())
                 out.append(_verdict(name, "front door (measured)", ratio, tolerance))
+            else:
+                out.append({"cell": name, "choice": "not scored: a gradient was not timed",
+                            "ratio": math.nan, "hit": None})  # fmt: skip
             continue
         timed = tiling_rows(cell)
         if not timed:
@@ -124,7 +135,10 @@ def score(rows, costs, hbm: float, tolerance: float, *, leave_out: bool = False)
             rest = [r for r in rows if r.get("case") != name]
             use = {k: fit_costs(rest, k) for k in COSTS}
         chosen = pick(timed, use, hbm)
-        if chosen is not None:
+        if chosen is None:
+            out.append({"cell": name, "choice": "not scored: the plan's candidates were not "
+                        "all timed", "ratio": math.nan, "hit": None})  # fmt: skip
+        else:
             out.append(_verdict(name, _label(chosen), seconds(chosen) / best, tolerance))
     return out
 
@@ -172,14 +186,21 @@ def report(data: dict, tolerance: float) -> tuple[str, dict]:
     }
     lines += ["| cell | " + " | ".join(scored) + " |", "|---" * (len(scored) + 1) + "|"]
     for i, v in enumerate(scored["now"]):
-        parts = [f"{s[i]['choice']}: {s[i]['ratio']:.2f}x" for s in scored.values()]
+        parts = [_cell_text(s[i]) for s in scored.values()]
         lines.append(f"| {v['cell']} | " + " | ".join(parts) + " |")
     lines.append("")
     for name, s in scored.items():
-        hits = sum(v["hit"] for v in s)
-        lines.append(f"- {name}: within {tolerance:.0%} of the fastest in {hits} of {len(s)} "
-                     "cells")  # fmt: skip
+        hits = sum(bool(v["hit"]) for v in s)
+        n = sum(v["hit"] is not None for v in s)
+        lines.append(f"- {name}: within {tolerance:.0%} of the fastest in {hits} of {n} "
+                     "scored cells")  # fmt: skip
     return "\n".join(lines) + "\n", fitted
+
+
+def _cell_text(v: dict) -> str:
+    if v["hit"] is None:
+        return v["choice"]
+    return f"{v['choice']}: {v['ratio']:.2f}x"
 
 
 def _sci(x: float) -> str:

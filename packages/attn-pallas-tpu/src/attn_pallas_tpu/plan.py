@@ -134,19 +134,19 @@ __all__ = [
 # ``attn_pallas_tpu.fit_plan`` on the sweep of ``docs/results/tpu_sparse_mla_sweep.json``
 # (docs/tpu_sparse_mla.md, "Cost model"): the device time of every timed tiling.
 PER_QUERY_COSTS = {
-    "call": 0.6e-3,  # a call: launch, the XLA-side tables
-    "step": 0.29e-6,  # a ring step (ceil(distinct / G) per query)
-    "unit": 0.02e-6,  # a unit's DMA
-    "key_row": 2.8e-9,  # a key row of a unit
-    "key_row_head": 0.0,  # a key row per score row (head)
+    "call": 0.19e-3,  # a call: launch, the XLA-side tables
+    "step": 0.167e-6,  # a ring step (ceil(distinct / G) per query)
+    "unit": 25.0e-9,  # a unit's DMA
+    "key_row": 1.03e-9,  # a key row of a unit
+    "key_row_head": 9.05e-12,  # a key row per score row (head)
 }
 QBLOCK_COSTS = {
-    "call": 0.6e-3,
-    "step": 0.56e-6,  # a step of G union slots, per head group
-    "score": 12.6e-12,  # a (key, score row) pair, masked ones included
-    "acc": 1.09e-12,  # an accumulator element rescaled per step
-    "unit": 0.02e-6,  # a union unit's DMA, per head group
-    "query": 1.9e-6,  # a query: its tables and its block's share
+    "call": 0.0,
+    "step": 0.697e-6,  # a step of G union slots, per head group
+    "score": 13.6e-12,  # a (key, score row) pair, masked ones included
+    "acc": 0.0,  # an accumulator element rescaled per step
+    "unit": 28.6e-9,  # a union unit's DMA, per head group
+    "query": 0.190e-6,  # a query: its tables and its block's share
 }
 STEP_OVERHEAD_S = 0.35e-6  # per grid step (the ranker model's too)
 DEQUANT_OPS_PER_VALUE = 4  # FP8 cache: VPU ops per dequantized value (once per unit)
