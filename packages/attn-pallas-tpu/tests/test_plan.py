@@ -578,8 +578,8 @@ def test_sparse_mla_union_sizes_from_op_arguments():
         sparse_mla_union_sizes(idx, query_block=2, read_block=16)
 
 
-# The v5e sweep (docs/results/tpu_sparse_mla.json's sweep rows): per case the kernel that
-# ran faster by a clear margin (>= 15 %) at the default tiling of each: 1024 queries at
+# The v5e sweep (docs/results/tpu_sparse_mla_sweep.json): per cell the kernel that ran
+# faster by a clear margin (>= 15 %) at the default tiling of each: 1024 queries at
 # the end of a 32K flat cache, 2048 random tokens (units of 64); 2048 queries at the
 # end of 110,592 tokens, 32 overlapping units of 64 (attn_common.picks).
 V5E_FASTER = {("random", 16): "per_query", ("random", 64): "per_query",

@@ -29,7 +29,8 @@ at the VPU rate on top), spread over the chip's TensorCores:
   units, key rows, and key rows times ``H`` (the score rows a key row meets).
 * Query-blocked (:func:`qblock_terms`): steps of ``G`` union slots of every block and
   head group, (key, score row) pairs of those steps, accumulator elements rescaled per
-  step, union units per head group, queries.
+  step, union units per head group, queries, and (query, head) pairs (the XLA-side
+  layout changes of q and the output).
 
 ``attn_pallas_tpu.fit_plan`` fits the costs to a sweep of timed tilings on the chip.
 The v5e sweeps found no cost from ring depth or queries per program (the copies hide),
@@ -141,12 +142,13 @@ PER_QUERY_COSTS = {
     "key_row_head": 9.05e-12,  # a key row per score row (head)
 }
 QBLOCK_COSTS = {
-    "call": 0.0,
-    "step": 0.697e-6,  # a step of G union slots, per head group
-    "score": 13.6e-12,  # a (key, score row) pair, masked ones included
+    "call": 0.175e-3,  # a call: launch, the XLA-side tables
+    "step": 0.624e-6,  # a step of G union slots, per head group
+    "score": 12.1e-12,  # a (key, score row) pair, masked ones included
     "acc": 0.0,  # an accumulator element rescaled per step
-    "unit": 28.6e-9,  # a union unit's DMA, per head group
-    "query": 0.190e-6,  # a query: its tables and its block's share
+    "unit": 37.6e-9,  # a union unit's DMA, per head group
+    "query": 17.0e-9,  # a query: its tables and its block's share
+    "query_head": 16.1e-9,  # a (query, head) pair: q in, the output out of score-row order
 }
 STEP_OVERHEAD_S = 0.35e-6  # per grid step (the ranker model's too)
 DEQUANT_OPS_PER_VALUE = 4  # FP8 cache: VPU ops per dequantized value (once per unit)
@@ -498,15 +500,18 @@ def per_query_terms(steps, units, s: PlanShape) -> dict:
 def qblock_terms(steps, units, blocks: int, s: PlanShape, *, query_block, head_block) -> dict:
     """The query-blocked model's terms (:data:`QBLOCK_COSTS`' keys) from its sums over the
     blocks of one head group: ``steps`` (of ``ceil(union / G)``), ``units`` (of union
-    sizes) and the number of ``blocks``; every head group walks them again."""
+    sizes) and the number of ``blocks``; every head group walks them again. ``query_head``
+    counts (query, head) pairs: q and the float32 output pass through XLA in score-row
+    order, once each way."""
     if s.heads % head_block:
         raise ValueError(f"head_block {head_block} does not divide heads {s.heads}")
     groups = s.heads // head_block
     rows = head_block * query_block
     steps = steps * groups
+    queries = blocks * query_block
     return {"call": 1.0, "step": steps, "score": steps * s.config.units_per_step *
             s.read_block * rows, "acc": steps * rows * s.dv, "unit": units * groups,
-            "query": blocks * query_block}  # fmt: skip
+            "query": queries, "query_head": queries * s.heads}  # fmt: skip
 
 
 def per_query_bytes(units, queries: int, s: PlanShape):
