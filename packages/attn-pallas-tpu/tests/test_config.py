@@ -23,6 +23,8 @@ from attn_pallas_tpu.unit_ring import FAR, entry_positions, query_steps
         (dict(query_block=12), "multiple of 8"),
         (dict(head_block=0), "positive"),
         (dict(u_max=-1), "positive"),
+        (dict(forward_units_per_step=12), "forward_units_per_step.*power of two"),
+        (dict(forward_units_per_step=0), "forward_units_per_step.*positive"),
     ],
 )
 def test_config_validates(kwargs, match):
@@ -39,13 +41,22 @@ def test_config_derived_sizes():
 
 @pytest.mark.parametrize(
     "read_block, top_k, queries, want",
-    [(16, 128, 1024, (16, 8)), (32, 64, 1024, (16, 8)), (64, 32, 1024, (8, 8)),
-     (128, 16, 4, (4, 4)), (64, 3, 1, (2, 1))],
+    [(16, 128, 1024, (16, 32, 8)), (32, 64, 1024, (16, 32, 8)), (64, 32, 1024, (8, 16, 8)),
+     (128, 16, 4, (4, 8, 4)), (64, 3, 1, (2, 2, 1)), (16, 16, 8, (16, 16, 8))],
 )  # fmt: skip
 def test_default_config(read_block, top_k, queries, want):
+    """``G`` up to 512 keys a step (16 units), the per-query forward's up to 1024 (32)."""
     cfg = default_config(read_block=read_block, top_k=top_k, num_queries=queries)
-    assert (cfg.units_per_step, cfg.queries_per_program) == want
+    got = (cfg.units_per_step, cfg.forward_units_per_step, cfg.queries_per_program)
+    assert got == want
     assert cfg.units_per_step * read_block <= 512
+    forward = cfg.per_query_forward()
+    assert forward.units_per_step == cfg.forward_units_per_step
+    assert forward.forward_units_per_step is None
+    assert forward.replace(units_per_step=cfg.units_per_step) == cfg.replace(
+        forward_units_per_step=None
+    )  # nothing else differs
+    assert SparseMlaConfig(units_per_step=8).per_query_forward().units_per_step == 8
 
 
 def _brute_steps(count, qp, g, k):

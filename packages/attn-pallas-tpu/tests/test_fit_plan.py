@@ -115,10 +115,12 @@ def _row(kernel, ms, g, *, terms, shares=True, qb=None, case="c", mode="prefill"
 
 
 def test_pick_and_score_follow_choose_plan():
-    g = default_config(read_block=64, top_k=32, num_queries=1024).units_per_step
+    cfg = default_config(read_block=64, top_k=32, num_queries=1024)
+    g, gf = cfg.units_per_step, cfg.forward_units_per_step  # query-blocked, per-query
+    assert g != gf
     costs = {"per-query": {"call": 0.0, "step": 1e-3}, "qblock": {"call": 0.0, "step": 1e-3}}
-    pq = _row("per-query", 5.0, g, terms={"call": 1, "step": 4})  # modelled 4 ms
-    other_g = _row("per-query", 3.0, 2 * g, terms={"call": 1, "step": 2})  # not the default
+    pq = _row("per-query", 5.0, gf, terms={"call": 1, "step": 4})  # modelled 4 ms
+    other_g = _row("per-query", 3.0, g, terms={"call": 1, "step": 2})  # not the default
     fast = _row("qblock", 2.0, g, terms={"call": 1, "step": 3}, qb=64)  # modelled 3 ms
     cheap = _row("qblock", 9.0, g, terms={"call": 1, "step": 1}, qb=8, shares=False)
     cell = [pq, other_g, fast, cheap]
@@ -129,7 +131,7 @@ def test_pick_and_score_follow_choose_plan():
     assert fit_plan.pick([pq, other_g, slow], costs, HBM) is pq
     verdict = fit_plan.score([pq, other_g, slow], costs, HBM, 0.1)[0]
     assert verdict["ratio"] == pytest.approx(5.0 / 2.0) and verdict["hit"] is False
-    moved = dict(fast, config=dict(fast["config"], units_per_step=2 * g))
+    moved = dict(fast, config=dict(fast["config"], units_per_step=gf))
     assert fit_plan.pick([pq, moved], costs, HBM) is None  # its candidates were not timed
     assert fit_plan.score([pq, moved], costs, HBM, 0.1)[0]["hit"] is None
 
@@ -148,7 +150,8 @@ def test_main_reports_and_writes_the_fit(tmp_path, capsys):
     rows = []
     for i, kernel in enumerate(("per-query", "qblock")):
         for r in _synthetic(rng, kernel, 12, fit_plan.COSTS[kernel]):
-            cfg = {"units_per_step": 8, "query_block": 64, "head_block": 4}
+            cfg = {"units_per_step": 8, "forward_units_per_step": 16, "query_block": 64,
+                   "head_block": 4}  # fmt: skip
             rows.append(dict(r, case=f"cell{i}", mode="prefill", sweep=True, unit=64, top_k=32,
                              queries=1024, config=cfg, shares=True))  # fmt: skip
     sweep = tmp_path / "sweep.json"

@@ -46,7 +46,7 @@ import attn_reference as ref
 from attn_common.fp8_cache import quantize_latent_cache
 from attn_common.sparse_mla_xla import xla_sparse_mla
 from attn_common.spec import sparse_mla_call
-from attn_pallas_tpu import sparse_mla_bwd, sparse_mla_qblock, sparse_mla_qblock_bwd
+from attn_pallas_tpu import sparse_mla, sparse_mla_bwd, sparse_mla_qblock, sparse_mla_qblock_bwd
 from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.plan import block_union_sizes
 from attn_pallas_tpu.sparse_mla_bwd import invert_selection
@@ -120,6 +120,32 @@ def test_dkv_stacks_pairs_when_heads_fill_tiles(dtype, heads):
         kernel_kw=dict(interpret=INTERPRET, config=cfg), sm_scale=SM_SCALE, dv=DV,
         grad_tol=GRAD_TOL[dtype], mass_atol=MASS_ATOL, read_block=16,
     )  # fmt: skip
+
+
+def test_forward_walks_its_own_units_per_step(monkeypatch):
+    """``forward_units_per_step`` is the per-query forward's ``G`` (4 units a step here,
+    the last step of most queries partial) and the backward keeps ``units_per_step`` (1):
+    both exact over a poisoned cache."""
+    seen = []
+    real = sparse_mla._per_query_call
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["cfg"].units_per_step)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sparse_mla, "_per_query_call", spy)
+    q, kv, idx, pos = sparse_mla_flat_case(
+        8, dk=DV + ROPE, batch=1, seq=12, heads=8, kv_len=128, rb=16, top_k=4, dtype="float32"
+    )
+    keep = attended_rows_flat(idx, pos, kv_len=128, read_block=16)
+    cfg = SparseMlaConfig(units_per_step=1, forward_units_per_step=4, ring_slots=2,
+                          queries_per_program=4)  # fmt: skip
+    compare_sparse_mla_grads(
+        tpu.sparse_mla_attention, q, poison_rows(kv, keep, seed=8), idx, pos, keep,
+        kernel_kw=dict(interpret=INTERPRET, config=cfg), sm_scale=SM_SCALE, dv=DV,
+        grad_tol=GRAD_TOL["float32"], mass_atol=MASS_ATOL, read_block=16,
+    )  # fmt: skip
+    assert seen and set(seen) == {4}
 
 
 @pytest.mark.parametrize(

@@ -485,8 +485,8 @@ def plan_shape(case: Case, config: SparseMlaConfig) -> dict:
 def sweep_tilings(case: Case, idx: np.ndarray) -> tuple[list[dict], dict | None]:
     """The tilings a sweep cell times, and the jitted call's query-blocked tiling.
 
-    Per-query: the default units per step ``G`` (``config.default_config``; the tiling
-    the plan prices) and half and twice it. Flat caches also: the query-blocked kernel
+    Per-query: the forward's default units per step ``G`` (``config.default_config``'s
+    ``forward_units_per_step``; the tiling the plan prices) and half and twice it. Flat caches also: the query-blocked kernel
     at every ``plan.AUTO_QUERY_BLOCKS`` size with the plan's head group and chunk there
     (``plan.widest_head_group``), where it reads at most the per-query kernel's KV bytes
     (``plan.MIN_SHARING`` of them is the plan's own filter; ``shares`` says whether it
@@ -498,10 +498,10 @@ def sweep_tilings(case: Case, idx: np.ndarray) -> tuple[list[dict], dict | None]
     cfg0 = default_config(read_block=case.unit, top_k=case.top_k, num_queries=case.queries)
     keys = np.where(idx >= 0, idx, -1)[None]
     distinct = host_distinct_units(keys).astype(np.int64)
-    g0, pq_units = cfg0.units_per_step, int(distinct.sum())
+    g0, pq_units = cfg0.per_query_forward().units_per_step, int(distinct.sum())
     rows = []
     for g in sorted({max(1, g0 // 2), g0, min(2 * g0, MAX_UNITS_PER_STEP)}):
-        cfg = cfg0.replace(units_per_step=g)
+        cfg = cfg0.replace(forward_units_per_step=g)
         shape = PlanShape(**plan_shape(case, cfg))
         steps = int(((distinct + g - 1) // g).sum())
         rows.append(dict(
@@ -515,9 +515,11 @@ def sweep_tilings(case: Case, idx: np.ndarray) -> tuple[list[dict], dict | None]
     shape = PlanShape(**plan_shape(case, cfg0))
     unions = host_union_sizes(keys, AUTO_QUERY_BLOCKS)
 
+    g = cfg0.units_per_step  # the query-blocked kernel's
+
     def priced(qb, hb, u_max):
         u = unions[qb].ravel().astype(np.int64)
-        steps, units = int(((u + g0 - 1) // g0).sum()), int(u.sum())
+        steps, units = int(((u + g - 1) // g).sum()), int(u.sum())
         cfg = dict(query_block=qb, head_block=hb)
         read = units * (case.heads // hb)
         return dict(kernel="qblock", config=dict(dataclasses.asdict(cfg0), **cfg, u_max=u_max),
@@ -630,7 +632,8 @@ def _tiling_label(row: dict) -> str:
     c = row.get("config") or {}
     if row.get("kernel") == "qblock":
         return f"QB {c.get('query_block')} Hb {c.get('head_block')} u_max {c.get('u_max')}"
-    return f"G {c.get('units_per_step')}" + (" (default)" if row.get("default") else "")
+    g = c.get("forward_units_per_step") or c.get("units_per_step")
+    return f"G {g}" + (" (default)" if row.get("default") else "")
 
 
 def write_plot(result: dict, path: Path) -> bool:

@@ -12,6 +12,10 @@ The knobs, and why they exist (docs/tpu_sparse_mla.md has the measurements):
   unit is ``read_block`` rows; a step's matmuls see ``G * read_block`` keys, which fills
   the MXU's 128-row weight tiles at 16-64-token units and pays the per-iteration costs
   (semaphore waits, the online-softmax rescale of the accumulator) once per ``G`` units.
+* ``forward_units_per_step``: the per-query forward kernel's own ``G`` (``None``: the
+  shared ``units_per_step``). Its default takes more keys a step than the other kernels':
+  the v5e sweep found the per-query forward fastest at 1024 keys a step, where the
+  query-blocked kernel, at the same ``G``, was 5 % slower than at 512.
 * ``ring_slots`` (``S``): steps held in the VMEM ring; ``(S - 1) * G`` unit copies are in
   flight behind the compute. A unit copy is latency-bound (about a microsecond on a
   v5e), so the ring must hold several to reach HBM bandwidth.
@@ -37,10 +41,14 @@ import dataclasses
 
 MEMBER_TILE = 32  # int8 sublane tile: membership windows and u_max align to it
 MAX_UNITS_PER_STEP = MEMBER_TILE  # a step's membership rows lie in one int8 tile
-# The heuristic's keys per step and units per step, from a TPU v5e sweep (1024 queries x
-# 2048 tokens of 32K, H 16): time per step ~0.29 us + ~3 ns per key row whatever the ring
-# depth, so steps of 256-512 rows were fastest at 16-, 32- and 64-token units.
+# The heuristic's keys per step and units per step, from the v5e sweeps (0311232's, then
+# the cost model's, docs/results/tpu_sparse_mla_sweep.json): every kernel pays ~0.2-0.7 us a
+# step, so steps of 512 keys; the per-query forward kernel at 1024 keys a step was fastest
+# or within 3 % of the fastest G in all 18 cells of the cost-model sweep (units of 16-128,
+# H 4-128; at 512 it was 11 % slower at units of 16, H 16 and at H 128, units of 64), the
+# query-blocked kernel 5 % slower at 1024 than at 512 (overlapping picks, H 16).
 STEP_ROWS = 512
+FORWARD_STEP_ROWS = 1024
 MAX_DEFAULT_UNITS = 16
 RING_SLOTS = 3  # 3 and 6 slots measured alike: the copies are hidden at 2 steps in flight
 MAX_ROWS = 4096  # default cap on the query-blocked kernel's score rows (Hb * QB)
@@ -72,6 +80,8 @@ class SparseMlaConfig:
     query_block / head_block / u_max: the query-blocked kernel's ``QB`` (a multiple of
       8), ``Hb`` (a divisor of ``H``) and union slots per chunk.
     pairs_per_step: dKV (store block, query) pairs per step.
+    forward_units_per_step: the per-query forward kernel's ``G`` (a power of two up to
+      32); ``None``: ``units_per_step``.
     """
 
     units_per_step: int = 4
@@ -81,13 +91,12 @@ class SparseMlaConfig:
     head_block: int | None = None
     u_max: int | None = None
     pairs_per_step: int = 8
+    forward_units_per_step: int | None = None
 
     def __post_init__(self):
-        g = _positive("units_per_step", self.units_per_step)
-        if g & (g - 1) or g > MAX_UNITS_PER_STEP:
-            raise ValueError(
-                f"units_per_step: got {g}, expected a power of two <= {MAX_UNITS_PER_STEP}"
-            )
+        _check_group("units_per_step", self.units_per_step)
+        if self.forward_units_per_step is not None:
+            _check_group("forward_units_per_step", self.forward_units_per_step)
         if _positive("ring_slots", self.ring_slots) < 2:
             raise ValueError(f"ring_slots: got {self.ring_slots}, expected >= 2")
         _positive("queries_per_program", self.queries_per_program)
@@ -101,6 +110,13 @@ class SparseMlaConfig:
 
     def replace(self, **changes) -> SparseMlaConfig:
         return dataclasses.replace(self, **changes)
+
+    def per_query_forward(self) -> SparseMlaConfig:
+        """The config the per-query forward kernel runs at: ``units_per_step`` set to
+        ``forward_units_per_step`` where that is given."""
+        if self.forward_units_per_step is None:
+            return self
+        return self.replace(units_per_step=self.forward_units_per_step, forward_units_per_step=None)
 
     @property
     def in_flight(self) -> int:
@@ -121,12 +137,26 @@ class SparseMlaConfig:
 
 def default_config(*, read_block: int, top_k: int, num_queries: int) -> SparseMlaConfig:
     """The heuristic tiling: ``G * read_block`` up to :data:`STEP_ROWS` keys (at most
-    :data:`MAX_DEFAULT_UNITS` units, never more than a query selects, a power of two),
-    :data:`RING_SLOTS` slots and 8 queries per program (fewer for fewer queries)."""
-    g = max(1, min(STEP_ROWS // read_block, MAX_DEFAULT_UNITS, _pow2_floor(max(top_k, 1))))
-    g = _pow2_floor(g)
+    :data:`MAX_DEFAULT_UNITS` units, never more than a query selects, a power of two), the
+    per-query forward's ``G`` likewise up to :data:`FORWARD_STEP_ROWS` keys (at most
+    :data:`MAX_UNITS_PER_STEP` units), :data:`RING_SLOTS` slots and 8 queries per program
+    (fewer for fewer queries)."""
+    g = _default_group(STEP_ROWS // read_block, MAX_DEFAULT_UNITS, top_k)
+    forward = _default_group(FORWARD_STEP_ROWS // read_block, MAX_UNITS_PER_STEP, top_k)
     qp = max(1, min(8, num_queries))
-    return SparseMlaConfig(units_per_step=g, ring_slots=RING_SLOTS, queries_per_program=qp)
+    return SparseMlaConfig(units_per_step=g, ring_slots=RING_SLOTS, queries_per_program=qp,
+                           forward_units_per_step=forward)  # fmt: skip
+
+
+def _default_group(units: int, cap: int, top_k: int) -> int:
+    """The largest power of two at most ``units``, ``cap`` and ``top_k`` (at least 1)."""
+    return _pow2_floor(max(1, min(units, cap, _pow2_floor(max(top_k, 1)))))
+
+
+def _check_group(name: str, g) -> None:
+    _positive(name, g)
+    if g & (g - 1) or g > MAX_UNITS_PER_STEP:
+        raise ValueError(f"{name}: got {g}, expected a power of two <= {MAX_UNITS_PER_STEP}")
 
 
 def _pow2_floor(x: int) -> int:

@@ -9,8 +9,9 @@ terms (``plan.per_query_terms`` / ``plan.qblock_terms``) and HBM bytes. This fit
 kernel's costs (the :data:`plan.PER_QUERY_COSTS` / :data:`plan.QBLOCK_COSTS` keys) to the
 rows' device time by non-negative least squares on relative error, then scores the plan
 the way ``plan.choose_plan`` makes it: in each forward cell the modelled-fastest of the
-default per-query tiling (``config.default_config``'s units per step now, whatever they
-were when timed) and the query-blocked tilings that pass ``plan.MIN_SHARING``,
+default per-query tiling (``config.default_config``'s forward units per step now, whatever
+they were when timed) and the query-blocked tilings that pass ``plan.MIN_SHARING`` (at
+its default units per step),
 its measured time against the cell's fastest timed tiling. A cell is a hit within
 ``--tolerance`` (10 %). The scores are printed for the costs in ``plan`` now, for the
 fitted ones, and for fits that leave each cell out (the cell scored by a model that
@@ -79,7 +80,7 @@ def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float)
     pq = next((r for r in cell if r["kernel"] == "per-query" and _default(r)), None)
     if pq is None:
         return None
-    g = pq["config"]["units_per_step"]
+    g = _config(pq).units_per_step  # the query-blocked kernel's default units per step
     qb = [r for r in cell if r["kernel"] == "qblock"]
     at_g = [r for r in qb if r["config"]["units_per_step"] == g]
     if qb and not at_g:
@@ -94,11 +95,21 @@ def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float)
     return pq
 
 
+def _config(row: dict):
+    """``config.default_config`` of a row's cell."""
+    return default_config(read_block=row["unit"], top_k=row["top_k"], num_queries=row["queries"])
+
+
+def _group(row: dict) -> int:
+    """The units per step a per-query row ran its forward at."""
+    c = row["config"]
+    return c.get("forward_units_per_step") or c["units_per_step"]
+
+
 def _default(row: dict) -> bool:
     """Whether a per-query row is at the tiling ``config.default_config`` gives its cell
     now (the plan's per-query candidate), whatever the default was when it was timed."""
-    cfg = default_config(read_block=row["unit"], top_k=row["top_k"], num_queries=row["queries"])
-    return row["config"]["units_per_step"] == cfg.units_per_step
+    return _group(row) == _config(row).per_query_forward().units_per_step
 
 
 def cells(rows: list[dict]) -> dict[str, list[dict]]:
@@ -151,7 +162,7 @@ def _label(row: dict) -> str:
     c = row["config"]
     if row["kernel"] == "qblock":
         return f"qblock QB {c['query_block']} Hb {c['head_block']}"
-    return f"per-query G {c['units_per_step']}"
+    return f"per-query G {_group(row)}"
 
 
 def errors(rows: list[dict], costs, hbm: float) -> dict[str, float]:

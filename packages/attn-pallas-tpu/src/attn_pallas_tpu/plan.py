@@ -491,7 +491,8 @@ def _dequant_seconds(s: PlanShape) -> float:
 
 def per_query_terms(steps, units, s: PlanShape) -> dict:
     """The per-query model's terms (:data:`PER_QUERY_COSTS`' keys) from its sums over
-    the queries: ``steps`` (of ``ceil(distinct / G)``) and ``units`` (of distinct units)."""
+    the queries: ``steps`` (of ``ceil(distinct / G)``, ``G`` the per-query forward's,
+    ``SparseMlaConfig.per_query_forward``) and ``units`` (of distinct units)."""
     rows = units * s.read_block
     return {"call": 1.0, "step": steps, "unit": units, "key_row": rows,
             "key_row_head": rows * s.heads}  # fmt: skip
@@ -540,7 +541,7 @@ def model_seconds(xp, terms: dict, costs: Mapping[str, float], hbm_bytes, s: Pla
 def _per_query_seconds(xp, d, s: PlanShape):
     """The per-query model on a float array ``d`` of distinct units per query (``xp`` is
     numpy or jax.numpy): seconds."""
-    g = s.config.units_per_step
+    g = s.config.per_query_forward().units_per_step
     return _per_query_model(xp, xp.ceil(d / g).sum(), d.sum(), d.size, s)
 
 
@@ -594,7 +595,7 @@ def predict_per_query(*, distinct_per_query: np.ndarray, **shape) -> SparseMlaPl
     """
     s = PlanShape(**shape)
     d = np.asarray(distinct_per_query, np.int64).ravel()
-    steps, units, queries = _host_sums(d, s.config.units_per_step)
+    steps, units, queries = _host_sums(d, s.config.per_query_forward().units_per_step)
     t = _per_query_model(_SCALAR, float(steps), float(units), queries, s)
     return SparseMlaPlan(
         "per_query", None, None, None, units * s.unit_bytes, units, float(t), s.chip.name

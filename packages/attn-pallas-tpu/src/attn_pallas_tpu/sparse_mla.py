@@ -242,7 +242,8 @@ def sparse_mla_attention(
 
 def _per_query(problem, q, kv, indices, positions, *, interpret, config, **ragged):
     """``(out, lse)`` of the per-query path after validation (also the query-blocked
-    wrapper's fallback)."""
+    wrapper's fallback), at the config's per-query forward tiling."""
+    config = config.per_query_forward()
     space = unit_space(problem, kv, indices, positions, **ragged)
     batch, seq, heads = problem.batch, problem.num_queries, problem.heads
     n = batch * seq
