@@ -90,7 +90,6 @@ from attn_pallas_tpu.plan import (
     PlanShape,
     choose_plan,
     describe_plan,
-    distinct_units_per_query,
     host_distinct_units,
     host_union_sizes,
     per_query_bytes,
@@ -371,14 +370,14 @@ class Runner(_suite.Runner):
         return row
 
     def plan(self, case, inputs):
-        idx = inputs["idx"]
-        keys = np.where(idx >= 0, idx, -1)[None]
+        """The eager call's plan (``plan.choose_plan`` on host counts, the default config)."""
+        keys = np.where(inputs["idx"] >= 0, inputs["idx"], -1)[None]
+        cfg = default_config(read_block=case.unit, top_k=case.top_k, num_queries=case.queries)
         return choose_plan(
-            distinct_per_query=np.asarray(distinct_units_per_query(jnp.asarray(keys))),
-            union_sizes=host_union_sizes(keys, (8, 16, 32, 64, 128, 256)),
-            heads=case.heads, top_k=case.top_k, num_units=-(-case.kv_len // case.unit),
-            read_block=case.unit, dk_pad=padded_dk(DK), dv=DV, itemsize=2, chip=default_chip(),
-        )  # fmt: skip
+            distinct_per_query=host_distinct_units(keys),
+            union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),
+            **plan_shape(case, cfg),
+        )
 
     def _sweep_cell(self, case, inputs, base):
         """One cell of the cost model's sweep: every tiling of :func:`sweep_tilings`

@@ -41,10 +41,10 @@ import dataclasses
 
 MEMBER_TILE = 32  # int8 sublane tile: membership windows and u_max align to it
 MAX_UNITS_PER_STEP = MEMBER_TILE  # a step's membership rows lie in one int8 tile
-# The heuristic's keys per step and units per step, from the v5e sweeps (0311232's, then
-# the cost model's, docs/results/tpu_sparse_mla_sweep.json): every kernel pays ~0.2-0.7 us a
-# step, so steps of 512 keys; the per-query forward kernel at 1024 keys a step was fastest
-# or within 3 % of the fastest G in all 18 cells of the cost-model sweep (units of 16-128,
+# The heuristic's keys per step and units per step, from v5e sweeps (the latest is
+# docs/results/tpu_sparse_mla_sweep.json): every kernel pays ~0.2-0.7 us a step, so
+# steps of 512 keys; the per-query forward kernel at 1024 keys a step was fastest or
+# within 3 % of the fastest G in all 18 cells of the cost-model sweep (units of 16-128,
 # H 4-128; at 512 it was 11 % slower at units of 16, H 16 and at H 128, units of 64), the
 # query-blocked kernel 5 % slower at 1024 than at 512 (overlapping picks, H 16).
 STEP_ROWS = 512
