@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import types
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from attn_pallas_tpu.config import default_config
 __all__ = ["fit_costs", "main", "pick", "score"]
 
 COSTS = {"per-query": plan.PER_QUERY_COSTS, "qblock": plan.QBLOCK_COSTS}
+_SCALAR = types.SimpleNamespace(maximum=max)  # plan.model_seconds on Python floats
 
 
 def seconds(row: dict) -> float | None:
@@ -65,9 +67,10 @@ def fit_costs(rows: list[dict], kernel: str) -> dict[str, float]:
 
 
 def model_s(row: dict, costs: Mapping[str, float], hbm: float) -> float:
-    """A row's modelled seconds at ``costs`` (``plan.model_seconds`` on one core)."""
-    work = sum(costs[k] * v for k, v in row["terms"].items() if k != "call")
-    return costs["call"] + max(work, row["model_bytes"] / hbm)
+    """A row's modelled seconds at ``costs``: ``plan.model_seconds`` on one core (the
+    sweep's chips) at ``hbm`` bytes per second."""
+    return plan.model_seconds(_SCALAR, row["terms"], costs, row["model_bytes"], cores=1,
+                              hbm_bytes_per_s=hbm)  # fmt: skip
 
 
 def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float) -> dict | None:

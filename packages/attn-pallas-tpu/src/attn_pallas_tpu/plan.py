@@ -515,27 +515,34 @@ def qblock_terms(steps, units, blocks: int, s: PlanShape, *, query_block, head_b
             "query": queries, "query_head": queries * s.heads}  # fmt: skip
 
 
+def _query_bytes(queries, s: PlanShape):
+    """HBM bytes of the queries' side of a call: q, the float32 output and the LSE."""
+    return queries * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
+
+
 def per_query_bytes(units, queries: int, s: PlanShape):
-    """HBM bytes of a per-query call: its units, q, the float32 output and the LSE."""
-    return units * s.unit_bytes + queries * s.heads * (s.dk_pad * s.itemsize + s.dv * 4 + 4)
+    """HBM bytes of a per-query call: its units and :func:`_query_bytes`."""
+    return units * s.unit_bytes + _query_bytes(queries, s)
 
 
 def qblock_bytes(units, blocks: int, s: PlanShape, *, query_block, head_block):
-    """HBM bytes of a query-blocked call: its union units per head group, q, the float32
-    output and the LSE."""
-    queries = blocks * query_block
-    return units * (s.heads // head_block) * s.unit_bytes + queries * s.heads * (
-        s.dk_pad * s.itemsize + s.dv * 4 + 4
-    )
+    """HBM bytes of a query-blocked call: its union units per head group and
+    :func:`_query_bytes`."""
+    return units * (s.heads // head_block) * s.unit_bytes + _query_bytes(blocks * query_block, s)
 
 
-def model_seconds(xp, terms: dict, costs: Mapping[str, float], hbm_bytes, s: PlanShape,
-                  extra_s=0.0):  # fmt: skip
+def model_seconds(xp, terms: Mapping, costs: Mapping[str, float], hbm_bytes, *, cores: int,
+                  hbm_bytes_per_s: float, extra_s=0.0):  # fmt: skip
     """One call's modelled seconds: ``costs["call"]`` plus the larger of the other
-    ``terms`` priced at ``costs`` (and ``extra_s``), spread over the chip's cores, and
-    ``hbm_bytes`` at its HBM rate."""
+    ``terms`` priced at ``costs`` (and ``extra_s``), spread over ``cores``, and
+    ``hbm_bytes`` at ``hbm_bytes_per_s``. ``xp``: numpy, jax.numpy or anything with a
+    ``maximum`` (the fit prices stored sweep rows with it too)."""
     work = sum(costs[k] * v for k, v in terms.items() if k != "call") + extra_s
-    return costs["call"] + xp.maximum(work / s.chip.cores, hbm_bytes / s.chip.hbm_bytes_per_s)
+    return costs["call"] + xp.maximum(work / cores, hbm_bytes / hbm_bytes_per_s)
+
+
+def _chip_rates(s: PlanShape) -> dict:
+    return {"cores": s.chip.cores, "hbm_bytes_per_s": s.chip.hbm_bytes_per_s}
 
 
 def _per_query_seconds(xp, d, s: PlanShape):
@@ -550,7 +557,8 @@ def _per_query_model(xp, steps, units, queries: int, s: PlanShape):
     / G)``), ``units`` (of distinct units) and the number of ``queries``: seconds."""
     terms = per_query_terms(steps, units, s)
     bytes_ = per_query_bytes(units, queries, s)
-    return model_seconds(xp, terms, PER_QUERY_COSTS, bytes_, s, units * _dequant_seconds(s))
+    dequant = units * _dequant_seconds(s)
+    return model_seconds(xp, terms, PER_QUERY_COSTS, bytes_, **_chip_rates(s), extra_s=dequant)
 
 
 def _qblock_seconds(xp, u, s: PlanShape, *, query_block: int, head_block: int):
@@ -569,7 +577,8 @@ def _qblock_model(xp, steps, units, blocks: int, s: PlanShape, *, query_block, h
     cfg = dict(query_block=query_block, head_block=head_block)
     terms = qblock_terms(steps, units, blocks, s, **cfg)
     dequant = terms["unit"] * _dequant_seconds(s)
-    return model_seconds(xp, terms, QBLOCK_COSTS, qblock_bytes(units, blocks, s, **cfg), s, dequant)
+    bytes_ = qblock_bytes(units, blocks, s, **cfg)
+    return model_seconds(xp, terms, QBLOCK_COSTS, bytes_, **_chip_rates(s), extra_s=dequant)
 
 
 _SCALAR = types.SimpleNamespace(maximum=max)  # the models' ``xp`` on Python floats
