@@ -33,6 +33,7 @@ import attn_pallas_tpu.sparse_mla_qblock as sq
 import attn_reference as ref
 from attn_pallas_tpu import sparse_mla_attention, sparse_mla_attention_qblock
 from attn_pallas_tpu._prep import default_chip
+from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.plan import (
     MIN_SHARING,
     block_union_sizes,
@@ -119,6 +120,27 @@ def test_flat_out_only():
             q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, read_block=16
         )
         assert_close(np.asarray(out), np.asarray(want), **TOL["float32"])
+
+
+@pytest.mark.parametrize("kernel", ["per_query", "qblock_qb8"])
+def test_ring_full_and_partial_steps(kernel):
+    """Queries selecting 0-9 distinct units, 4 units a step: full steps (copies started
+    unguarded, one wait for the slot's bytes) and partial ones (a copy and a wait per
+    live entry) interleave in one program's ring, and every slot is reused."""
+    rng = rng_for(11)
+    seq, top_k, rb, kv_len = 20, 9, 16, 320  # 20 units
+    q = randn(rng, (1, seq, 2, DK), "bfloat16")
+    kv = randn(rng, (1, kv_len, DK), "bfloat16")
+    pos = np.full((1, seq), kv_len - 1, np.int32)
+    idx = np.full((1, seq, top_k), -1, np.int32)
+    for i in range(seq):
+        n = (3 * i) % (top_k + 1)  # 0, 3, 6, 9, 2, 5, 8, 1, 4, 7, ...
+        idx[0, i, :n] = rng.choice(kv_len // rb, n, replace=False)
+    cfg = SparseMlaConfig(units_per_step=4, forward_units_per_step=4, ring_slots=2)
+    case = (q, kv, idx, pos)
+    got = _flat_call(KERNELS[kernel], case, config=cfg)
+    assert_no_races()
+    _check(got, _flat_call(ref.sparse_mla_attention, case), "bfloat16")
 
 
 def big_union_case(seed, dtype="float32"):

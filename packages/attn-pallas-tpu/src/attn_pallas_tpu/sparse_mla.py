@@ -21,7 +21,9 @@ rows ``[e RB, (e + 1) RB)``), signalling the slot's semaphore. The prologue star
 finished reading, then waits for its own copies: ``(S - 1) G`` unit copies stay in
 flight across the program's queries, and the ring drains once per program. Every
 started copy is waited for before the program ends. Entries past the query's count
-start no copy; their slot rows are stale and masked.
+start no copy; their slot rows are stale and masked. A full step (``G`` live entries)
+starts its copies without a branch each and waits once for the slot's bytes
+(``RingWalk``).
 
 Compute per step, for query ``i``: the slot as 32-bit words (``UnitRing.words``), ANDed
 with the rows' validity (``kb_e + r < lim``: causal, ``kv_len``, entries without a
