@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["device_ms", "matmul_tflops", "rel_l2", "timed", "wall_ms"]
+__all__ = ["device_ms", "matmul_tflops", "rel_l2", "timed", "trace_times", "wall_ms"]
 
 
 def wall_ms(fn, *args, iterations: int) -> float:
@@ -27,12 +27,15 @@ def wall_ms(fn, *args, iterations: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def device_ms(fn, *args, iterations: int) -> dict:
+def device_ms(fn, *args, iterations: int, top_ops: int = 8) -> dict:
     """Device-side times of ``fn(*args)`` from a profiler trace of ``iterations`` waited
     calls: ``device_ms``, the median of the TPU's "XLA Modules" spans (their mean per
-    call when a call runs several executables), and ``kernel_device_ms``, the mean per
-    call of its Pallas kernels' ops (custom calls) on the "XLA Ops" line; ``None`` where
-    the trace has no TPU plane (interpret mode, a CPU)."""
+    call when a call runs several executables), ``kernel_device_ms``, the mean per call
+    of its Pallas kernels' ops (custom calls) on the "XLA Ops" line, and ``xla_ops_ms``,
+    the ``top_ops`` other ops that took longest, ``[name, ms per call]`` with the name
+    cut to 160 characters (an op's HLO text: its shapes and layouts say what a copy or
+    a transpose moves); ``None`` where the trace has no TPU plane (interpret mode, a
+    CPU)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -46,12 +49,28 @@ def device_ms(fn, *args, iterations: int) -> dict:
         if plane.name.startswith("/device:TPU:0")
         for line in plane.lines
     }
+    return trace_times(lines, iterations=iterations, top_ops=top_ops)
+
+
+def trace_times(lines: dict, *, iterations: int, top_ops: int = 8) -> dict:
+    """:func:`device_ms`'s fields from a trace's TPU lines ``{line name: [(event name,
+    ns), ...]}`` of ``iterations`` calls."""
     spans = [ns for _, ns in lines.get("XLA Modules", ())]
     if not spans:
-        return {"device_ms": None, "kernel_device_ms": None}
+        return {"device_ms": None, "kernel_device_ms": None, "xla_ops_ms": None}
     per_call = statistics.median(spans) if len(spans) == iterations else sum(spans) / iterations
-    kernels = sum(ns for name, ns in lines.get("XLA Ops", ()) if " custom-call(" in name)
-    return {"device_ms": per_call / 1e6, "kernel_device_ms": kernels / iterations / 1e6}
+    kernels, others = 0, {}
+    for name, ns in lines.get("XLA Ops", ()):
+        if " custom-call(" in name:
+            kernels += ns
+        else:
+            others[name[:160]] = others.get(name[:160], 0) + ns
+    top = sorted(others.items(), key=lambda kv: -kv[1])[:top_ops]
+    return {
+        "device_ms": per_call / 1e6,
+        "kernel_device_ms": kernels / iterations / 1e6,
+        "xla_ops_ms": [[name, ns / iterations / 1e6] for name, ns in top],
+    }
 
 
 def timed(fn, *args, iterations: int) -> dict:

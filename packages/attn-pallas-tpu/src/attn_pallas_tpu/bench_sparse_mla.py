@@ -6,7 +6,8 @@ Every row is timed in one run, two ways, each the median of ``--iterations`` cal
 a warm-up: ``ms``, wall clock with each call waited for (on the v5e machine even a jitted
 ``x + 1`` takes 0.6 ms waited: the host round trip), and ``device_ms``, the call's spans
 on the TPU in a ``jax.profiler`` trace (what a layer inside a larger jitted step costs),
-with ``kernel_device_ms``, the share of its Pallas kernels.
+with ``kernel_device_ms``, the share of its Pallas kernels, and ``xla_ops_ms``, the XLA
+ops around them that took longest (name and ms per call: what the rest of the call is).
 q and the cache reach the jitted call row-major (``row_major``), as arrays made inside a
 step do, not in the layout the runtime gives a fresh ``[1, T, 576]`` array (``T``
 minor on a v5e, which each call would relay out first); the eager row keeps them as made.

@@ -1,0 +1,45 @@
+"""``_timing.trace_times``: a profiler trace's TPU lines to the suites' device times."""
+
+from __future__ import annotations
+
+import pytest
+
+from attn_pallas_tpu._timing import trace_times
+
+
+def test_trace_times_splits_kernels_from_the_xla_ops_around_them():
+    copy = "%copy.3 = bf16[64,1152,2560]{2,1,0:T(16,128)(2,1)} copy(%p.0)" + " " * 200
+    lines = {
+        "XLA Modules": [("jit_f", 4_000_000), ("jit_f", 5_000_000), ("jit_f", 9_000_000)],
+        "XLA Ops": [
+            ("%custom-call.1 = (f32[8,512]{1,0}) custom-call(%a), custom_call_target=", 3e6),
+            ("%custom-call.1 = (f32[8,512]{1,0}) custom-call(%a), custom_call_target=", 3e6),
+            (copy, 600_000),
+            (copy, 900_000),
+            ("%sort.2 = s32[16,4096]{1,0} sort(%x)", 1_200_000),
+            ("%fusion.7 = f32[8]{0} fusion(%y)", 30_000),
+        ],
+    }
+    got = trace_times(lines, iterations=3, top_ops=2)
+    assert got["device_ms"] == pytest.approx(5.0)  # the median span
+    assert got["kernel_device_ms"] == pytest.approx(2.0)  # 6 ms over 3 calls
+    assert (
+        got["xla_ops_ms"]
+        == [  # by time, the same op's events summed, names cut
+            [copy[:160], pytest.approx(0.5)],
+            ["%sort.2 = s32[16,4096]{1,0} sort(%x)", pytest.approx(0.4)],
+        ]
+    )
+
+
+def test_trace_times_without_a_tpu_plane():
+    assert trace_times({}, iterations=3) == {
+        "device_ms": None,
+        "kernel_device_ms": None,
+        "xla_ops_ms": None,
+    }
+
+
+def test_several_executables_a_call_take_the_mean():
+    lines = {"XLA Modules": [("a", 1e6), ("b", 2e6), ("a", 1e6), ("b", 4e6)]}
+    assert trace_times(lines, iterations=2)["device_ms"] == pytest.approx(4.0)
