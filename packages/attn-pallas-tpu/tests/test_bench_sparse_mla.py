@@ -36,6 +36,19 @@ def test_smoke_suite_writes_rows_and_reports(tmp_path):
     assert (tmp_path / "tpu_sparse_mla.md").read_text().count("| decode-smoke |") == 2
 
 
+def test_cases_run_in_the_order_named():
+    """``--cases`` substrings pick cases in their own order, each once, so a run cut by
+    its time limit has done what was named first."""
+    from attn_pallas_tpu._suite import select_cases
+
+    cases = bench_sparse_mla.SWEEP_CASES
+    got = [c.name for c in select_cases(cases, ["train", "u16-h16", "train-overlap"])]
+    trains = [c.name for c in cases if "train" in c.name]
+    assert got[: len(trains)] == trains  # the suite's order within one substring
+    assert got[len(trains) :] == [c.name for c in cases if "u16-h16" in c.name]
+    assert [c.name for c in select_cases(cases, None)] == [c.name for c in cases]
+
+
 def test_inputs_are_placed_row_major_and_jit_keeps_them():
     """The suite hands q and the cache over row-major (a v5e lays a fresh ``[1, T, 576]``
     array out ``T``-minor) and its jit takes each argument in the layout it has."""

@@ -32,7 +32,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, sweep_help: str) ->
         default=10,
         help="timed calls per row, 1..10000 (median; default: 10, 1 in a smoke run)",
     )
-    parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        help="substrings of case names to run, in that order (default: all, the suite's order)",
+    )
     parser.add_argument("--sweep", action="store_true", help=sweep_help)
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)"
@@ -90,6 +94,18 @@ class Runner:
         self.write_report(result, self.out)  # a cut run keeps its rows
 
 
+def select_cases(cases, substrings) -> list:
+    """The cases whose names hold one of ``substrings``, in the order of the substrings
+    (a time-limited run does the first named first), each once; every case, in the
+    suite's order, when none are given."""
+    if not substrings:
+        return list(cases)
+    picked = []
+    for s in substrings:
+        picked += [c for c in cases if s in c.name and c not in picked]
+    return picked
+
+
 def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot, result: str):
     """Run the selected cases with ``runner_cls(args)`` (a case that raises is recorded
     as an error row) and write the report, or only rewrite the report of
@@ -101,9 +117,7 @@ def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot,
         write_report(data, out)
         write_plot(data, out / f"{result}.svg")
         return 0
-    cases = smoke_cases if args.smoke else cases
-    if args.cases:
-        cases = [c for c in cases if any(s in c.name for s in args.cases)]
+    cases = select_cases(smoke_cases if args.smoke else cases, args.cases)
     runner = runner_cls(args)
     for case in cases:
         try:
