@@ -136,6 +136,24 @@ def test_pick_and_score_follow_choose_plan():
     assert fit_plan.score([pq, moved], costs, HBM, 0.1)[0]["hit"] is None
 
 
+def test_guard_takes_the_static_tiling_only_where_it_shares_and_is_faster():
+    cfg = default_config(read_block=64, top_k=32, num_queries=1024)
+    costs = {"per-query": {"call": 0.0, "step": 1e-3}, "qblock": {"call": 0.0, "step": 1e-3}}
+    pq = _row("per-query", 5.0, cfg.forward_units_per_step, terms={"call": 1, "step": 4})
+    tiled = _row("qblock", 2.0, cfg.units_per_step, terms={"call": 1, "step": 3}, qb=64)
+    static = {"config": {"query_block": 128, "head_block": 4}, "terms": {"call": 1, "step": 3},
+              "model_bytes": 0.0, "shares": True}  # fmt: skip
+    auto = {"case": "c", "mode": "prefill", "sweep": True, "role": "auto", "kernel": "qblock",
+            "device_ms": 2.5, "static": static}  # fmt: skip
+    (v,) = fit_plan.guard([pq, tiled, auto], costs, HBM)
+    assert v["guard"] == "qblock QB 128 Hb 4"
+    assert (v["auto_s"], v["per_query_s"], v["best_s"]) == pytest.approx((2.5e-3, 5e-3, 2e-3))
+    for change in ({"shares": False}, {"terms": {"call": 1, "step": 4}}):  # a tie: per-query
+        slow = dict(auto, static=dict(static, **change))
+        assert fit_plan.guard([pq, tiled, slow], costs, HBM)[0]["guard"] == "per-query"
+    assert fit_plan.guard([pq, tiled], costs, HBM) == []  # no front-door row
+
+
 def test_training_cells_score_the_front_door_as_measured():
     grad = {"case": "t", "mode": "train", "sweep": True, "kernel": "per-query", "role": "grad"}
     rows = [dict(grad, device_ms=10.0), dict(grad, kernel="qblock", role="auto", device_ms=10.5)]

@@ -16,7 +16,9 @@ its measured time against the cell's fastest timed tiling. A cell is a hit withi
 ``--tolerance`` (10 %). The scores are printed for the costs in ``plan`` now, for the
 fitted ones, and for fits that leave each cell out (the cell scored by a model that
 never saw it). Training cells are scored as measured (the front door's gradient
-against the per-query one's). Prints markdown; ``--json`` also writes the fitted costs.
+against the per-query one's). Last, what a jitted call's run-time guard takes at the
+costs now in each forward cell with a front-door row (:func:`guard`). Prints markdown;
+``--json`` also writes the fitted costs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from scipy.optimize import nnls
 from attn_pallas_tpu import plan
 from attn_pallas_tpu.config import default_config
 
-__all__ = ["fit_costs", "main", "pick", "score"]
+__all__ = ["fit_costs", "guard", "main", "pick", "score"]
 
 COSTS = {"per-query": plan.PER_QUERY_COSTS, "qblock": plan.QBLOCK_COSTS}
 _SCALAR = types.SimpleNamespace(maximum=max)  # plan.model_seconds on Python floats
@@ -157,6 +159,32 @@ def score(rows, costs, hbm: float, tolerance: float, *, leave_out: bool = False)
     return out
 
 
+def guard(rows, costs, hbm: float) -> list[dict]:
+    """Per forward cell with a front-door row: the kernel a jitted call's run-time guard
+    takes at ``costs`` (the shapes' query-blocked tiling, the row's ``static``, where it
+    shares and is modelled strictly faster than the default per-query tiling), beside the
+    front door's time as run (its guard priced at the run's costs, which may differ),
+    the default per-query tiling's and the cell's fastest."""
+    out = []
+    for name, cell in cells(rows).items():
+        auto = next((r for r in cell if r.get("role") == "auto" and r.get("static")), None)
+        pq = next((r for r in tiling_rows(cell) if r["kernel"] == "per-query" and _default(r)),
+                  None)  # fmt: skip
+        if auto is None or pq is None:
+            continue
+        st = auto["static"]
+        q_s, pq_s = model_s(st, costs["qblock"], hbm), model_s(pq, costs["per-query"], hbm)
+        c = st["config"]
+        out.append({
+            "cell": name,
+            "guard": (f"qblock QB {c['query_block']} Hb {c['head_block']}"
+                      if st["shares"] and q_s < pq_s else "per-query"),
+            "auto_s": seconds(auto), "per_query_s": seconds(pq),
+            "best_s": min(seconds(r) for r in tiling_rows(cell)),
+        })  # fmt: skip
+    return out
+
+
 def _verdict(cell: str, choice: str, ratio: float, tolerance: float) -> dict:
     return {"cell": cell, "choice": choice, "ratio": ratio, "hit": ratio <= 1 + tolerance}
 
@@ -208,6 +236,17 @@ def report(data: dict, tolerance: float) -> tuple[str, dict]:
         n = sum(v["hit"] is not None for v in s)
         lines.append(f"- {name}: within {tolerance:.0%} of the fastest in {hits} of {n} "
                      "scored cells")  # fmt: skip
+    lines += [
+        "",
+        "A jitted call's run-time guard at the costs now (ms; `auto` as run, its "
+        "guard at the run's costs):",
+        "",
+        "| cell | guard takes | auto | per-query default | fastest |",
+        "|---" * 5 + "|",
+    ]
+    for v in guard(rows, COSTS, hbm):
+        lines.append(f"| {v['cell']} | {v['guard']} | {v['auto_s'] * 1e3:.3g} | "
+                     f"{v['per_query_s'] * 1e3:.3g} | {v['best_s'] * 1e3:.3g} |")  # fmt: skip
     return "\n".join(lines) + "\n", fitted
 
 
