@@ -126,21 +126,25 @@ def test_flat_out_only():
 def test_ring_full_and_partial_steps(kernel):
     """Queries selecting 0-9 distinct units, 4 units a step: full steps (copies started
     unguarded, one wait for the slot's bytes) and partial ones (a copy and a wait per
-    live entry) interleave in one program's ring, and every slot is reused."""
+    live entry) interleave in one program's ring, and every slot is reused. Every cache
+    row no query attends (unselected, or past its query's position) is NaN/Inf."""
     rng = rng_for(11)
     seq, top_k, rb, kv_len = 20, 9, 16, 320  # 20 units
     q = randn(rng, (1, seq, 2, DK), "bfloat16")
     kv = randn(rng, (1, kv_len, DK), "bfloat16")
-    pos = np.full((1, seq), kv_len - 1, np.int32)
+    pos = rng.integers(kv_len // 2, kv_len, size=(1, seq)).astype(np.int32)
     idx = np.full((1, seq, top_k), -1, np.int32)
     for i in range(seq):
         n = (3 * i) % (top_k + 1)  # 0, 3, 6, 9, 2, 5, 8, 1, 4, 7, ...
         idx[0, i, :n] = rng.choice(kv_len // rb, n, replace=False)
+    keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=rb)
+    assert (~keep).any() and keep.any()
+    want = _flat_call(ref.sparse_mla_attention, (q, kv, idx, pos))
+    dirty = jnp.asarray(poison_rows(kv, keep, seed=11))
     cfg = SparseMlaConfig(units_per_step=4, forward_units_per_step=4, ring_slots=2)
-    case = (q, kv, idx, pos)
-    got = _flat_call(KERNELS[kernel], case, config=cfg)
+    got = _flat_call(KERNELS[kernel], (q, dirty, idx, pos), config=cfg)
     assert_no_races()
-    _check(got, _flat_call(ref.sparse_mla_attention, case), "bfloat16")
+    _check(got, want, "bfloat16")
 
 
 def big_union_case(seed, dtype="float32"):
