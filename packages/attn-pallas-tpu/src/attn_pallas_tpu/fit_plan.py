@@ -82,7 +82,7 @@ def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float)
     units per step. ``None`` where the cell lacks the default per-query row, or has
     query-blocked rows but none at the default units per step (the plan's candidates
     were not timed)."""
-    pq = next((r for r in cell if r["kernel"] == "per-query" and _default(r)), None)
+    pq = _default_per_query(cell)
     if pq is None:
         return None
     g = _config(pq).units_per_step  # the query-blocked kernel's default units per step
@@ -93,11 +93,20 @@ def pick(cell: list[dict], costs: Mapping[str, Mapping[str, float]], hbm: float)
     best = min((r for r in at_g if r.get("shares")),
                key=lambda r: (model_s(r, costs["qblock"], hbm), r["model_bytes"]),
                default=None)  # fmt: skip
-    if best is not None and model_s(best, costs["qblock"], hbm) < model_s(
-        pq, costs["per-query"], hbm
-    ):
-        return best
-    return pq
+    return best if best is not None and _blocked_wins(best, pq, costs, hbm) else pq
+
+
+def _default_per_query(cell: list[dict]) -> dict | None:
+    """The cell's per-query row at today's default tiling (the plan's candidate)."""
+    return next((r for r in cell if r["kernel"] == "per-query" and _default(r)), None)
+
+
+def _blocked_wins(qblock: dict, per_query: dict, costs, hbm: float) -> bool:
+    """The plan's and the run-time guard's one rule: a query-blocked tiling that shares
+    runs only where modelled strictly faster than the per-query one."""
+    return bool(qblock.get("shares")) and model_s(qblock, costs["qblock"], hbm) < model_s(
+        per_query, costs["per-query"], hbm
+    )
 
 
 def _config(row: dict):
@@ -168,17 +177,15 @@ def guard(rows, costs, hbm: float) -> list[dict]:
     out = []
     for name, cell in cells(rows).items():
         auto = next((r for r in cell if r.get("role") == "auto" and r.get("static")), None)
-        pq = next((r for r in tiling_rows(cell) if r["kernel"] == "per-query" and _default(r)),
-                  None)  # fmt: skip
+        pq = _default_per_query(tiling_rows(cell))
         if auto is None or pq is None:
             continue
         st = auto["static"]
-        q_s, pq_s = model_s(st, costs["qblock"], hbm), model_s(pq, costs["per-query"], hbm)
         c = st["config"]
         out.append({
             "cell": name,
             "guard": (f"qblock QB {c['query_block']} Hb {c['head_block']}"
-                      if st["shares"] and q_s < pq_s else "per-query"),
+                      if _blocked_wins(st, pq, costs, hbm) else "per-query"),
             "auto_s": seconds(auto), "per_query_s": seconds(pq),
             "best_s": min(seconds(r) for r in tiling_rows(cell)),
         })  # fmt: skip
