@@ -155,10 +155,18 @@ def invert_selection(
     first = real & (i == 0)
     last = real & (i == per_block[blk] - 1)
     lane = jnp.arange(chunk, dtype=jnp.int32)
-    idx = jnp.clip(starts[blk][:, None] + i[:, None] * chunk + lane, 0, n * k - 1)
     used = lane < cnt[:, None]
-    qid = jnp.where(used, query[idx], 0).reshape(n_chunks, 1, chunk)
-    nval = jnp.where(used, nvalid[idx], 0).reshape(n_chunks, 1, chunk)
+    # Each chunk is a window of ``chunk`` consecutive sorted pairs: one windowed gather
+    # per chunk (an index a chunk), not one a pair. Lanes past ``cnt`` are masked, so
+    # where the window runs past the pairs (its start clamped) does not matter.
+    start = starts[blk] + i * chunk
+
+    def windows(x):
+        x = jnp.pad(x, (0, chunk))
+        return jax.vmap(lambda s: jax.lax.dynamic_slice(x, (s,), (chunk,)))(start)
+
+    qid = jnp.where(used, windows(query), 0).reshape(n_chunks, 1, chunk)
+    nval = jnp.where(used, windows(nvalid), 0).reshape(n_chunks, 1, chunk)
     meta = jnp.stack([cnt, first.astype(jnp.int32), last.astype(jnp.int32)], axis=-1)
     return InvertedSelection(blk, meta.reshape(n_chunks, 1, 3).astype(jnp.int32), qid, nval)
 
