@@ -40,13 +40,17 @@ def test_config_derived_sizes():
 
 
 @pytest.mark.parametrize(
-    "read_block, top_k, queries, want",
-    [(16, 128, 1024, (16, 32, 8)), (32, 64, 1024, (16, 32, 8)), (64, 32, 1024, (8, 16, 8)),
-     (128, 16, 4, (4, 8, 4)), (64, 3, 1, (2, 2, 1)), (16, 16, 8, (16, 16, 8))],
+    "read_block, top_k, queries, heads, want",
+    [(16, 128, 1024, 64, (16, 32, 32)), (32, 64, 1024, 16, (16, 32, 32)),
+     (64, 32, 1024, 128, (8, 16, 16)), (128, 16, 4, 16, (4, 8, 4)), (64, 3, 1, 1, (2, 2, 1)),
+     (16, 16, 8, 16, (16, 16, 8)), (1, 2048, 1024, 16, (16, 32, 8)),
+     (64, 32, 40, 512, (8, 16, 8)), (16, 256, 1024, 16, (16, 32, 16))],
 )  # fmt: skip
-def test_default_config(read_block, top_k, queries, want):
-    """``G`` up to 512 keys a step (16 units), the per-query forward's up to 1024 (32)."""
-    cfg = default_config(read_block=read_block, top_k=top_k, num_queries=queries)
+def test_default_config(read_block, top_k, queries, heads, want):
+    """``G`` up to 512 keys a step (16 units), the per-query forward's up to 1024 (32);
+    ``QP`` 32 down to what the SMEM tables (``QP * K``) and blocks (``QP * H``) allow, not
+    below 8, not above the queries."""
+    cfg = default_config(read_block=read_block, top_k=top_k, num_queries=queries, heads=heads)
     got = (cfg.units_per_step, cfg.forward_units_per_step, cfg.queries_per_program)
     assert got == want
     assert cfg.units_per_step * read_block <= 512

@@ -72,7 +72,12 @@ def test_sweep_rows_price_as_the_plan_does(name, monkeypatch):
         qb, hb, _ = plan.static_qblock_config(
             **bench_sparse_mla.plan_shape(
                 case,
-                default_config(read_block=case.unit, top_k=case.top_k, num_queries=case.queries),
+                default_config(
+                    read_block=case.unit,
+                    top_k=case.top_k,
+                    num_queries=case.queries,
+                    heads=case.heads,
+                ),
             ),
             max_rows=4096,
         )
@@ -110,12 +115,12 @@ def test_fit_recovers_known_costs():
 def _row(kernel, ms, g, *, terms, shares=True, qb=None, case="c", mode="prefill"):
     cfg = {"units_per_step": g, "query_block": qb, "head_block": 4 if qb else None}
     return {"case": case, "mode": mode, "sweep": True, "role": "tiling", "kernel": kernel,
-            "unit": 64, "top_k": 32, "queries": 1024, "config": cfg, "terms": terms,
+            "unit": 64, "top_k": 32, "queries": 1024, "heads": 16, "config": cfg, "terms": terms,
             "model_bytes": 0.0, "device_ms": ms, "shares": shares}  # fmt: skip
 
 
 def test_pick_and_score_follow_choose_plan():
-    cfg = default_config(read_block=64, top_k=32, num_queries=1024)
+    cfg = default_config(read_block=64, top_k=32, num_queries=1024, heads=16)
     g, gf = cfg.units_per_step, cfg.forward_units_per_step  # query-blocked, per-query
     assert g != gf
     costs = {"per-query": {"call": 0.0, "step": 1e-3}, "qblock": {"call": 0.0, "step": 1e-3}}
@@ -137,7 +142,7 @@ def test_pick_and_score_follow_choose_plan():
 
 
 def test_guard_takes_the_static_tiling_only_where_it_shares_and_is_faster():
-    cfg = default_config(read_block=64, top_k=32, num_queries=1024)
+    cfg = default_config(read_block=64, top_k=32, num_queries=1024, heads=16)
     costs = {"per-query": {"call": 0.0, "step": 1e-3}, "qblock": {"call": 0.0, "step": 1e-3}}
     pq = _row("per-query", 5.0, cfg.forward_units_per_step, terms={"call": 1, "step": 4})
     tiled = _row("qblock", 2.0, cfg.units_per_step, terms={"call": 1, "step": 3}, qb=64)
@@ -170,7 +175,7 @@ def test_main_reports_and_writes_the_fit(tmp_path, capsys):
         for r in _synthetic(rng, kernel, 12, fit_plan.COSTS[kernel]):
             cfg = {"units_per_step": 8, "forward_units_per_step": 16, "query_block": 64,
                    "head_block": 4}  # fmt: skip
-            rows.append(dict(r, case=f"cell{i}", mode="prefill", sweep=True, unit=64, top_k=32,
+            rows.append(dict(r, case=f"cell{i}", mode="prefill", sweep=True, unit=64, top_k=32, heads=16,
                              queries=1024, config=cfg, shares=True))  # fmt: skip
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps({"device": "TPU v5 lite", "hbm_gbps": 819.0, "rows": rows}))

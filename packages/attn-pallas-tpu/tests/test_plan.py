@@ -590,7 +590,7 @@ V5E_FASTER = {("random", 16): "per_query", ("random", 64): "per_query",
 def test_plan_picks_the_kernel_the_v5e_ran_faster(picks, heads):
     keys = _bench_keys(picks)
     queries, kv_len = keys.shape[1], 32768 if picks == "random" else 110592
-    cfg = default_config(read_block=64, top_k=32, num_queries=queries)
+    cfg = default_config(read_block=64, top_k=32, num_queries=queries, heads=heads)
     plan = choose_plan(
         distinct_per_query=host_distinct_units(keys),
         union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),

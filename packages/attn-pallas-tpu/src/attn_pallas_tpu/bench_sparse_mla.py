@@ -373,7 +373,9 @@ class Runner(_suite.Runner):
     def plan(self, case, inputs):
         """The eager call's plan (``plan.choose_plan`` on host counts, the default config)."""
         keys = np.where(inputs["idx"] >= 0, inputs["idx"], -1)[None]
-        cfg = default_config(read_block=case.unit, top_k=case.top_k, num_queries=case.queries)
+        cfg = default_config(
+            read_block=case.unit, top_k=case.top_k, num_queries=case.queries, heads=case.heads
+        )
         return choose_plan(
             distinct_per_query=host_distinct_units(keys),
             union_sizes=host_union_sizes(keys, AUTO_QUERY_BLOCKS),
@@ -495,7 +497,9 @@ def sweep_tilings(case: Case, idx: np.ndarray) -> tuple[list[dict], dict | None]
     prices ``static_qblock_config``'s tiling, the one the run-time guard of a jitted
     call weighs against the default per-query tiling (``None`` for a paged cache).
     """
-    cfg0 = default_config(read_block=case.unit, top_k=case.top_k, num_queries=case.queries)
+    cfg0 = default_config(
+        read_block=case.unit, top_k=case.top_k, num_queries=case.queries, heads=case.heads
+    )
     keys = np.where(idx >= 0, idx, -1)[None]
     distinct = host_distinct_units(keys).astype(np.int64)
     g0, pq_units = cfg0.per_query_forward().units_per_step, int(distinct.sum())

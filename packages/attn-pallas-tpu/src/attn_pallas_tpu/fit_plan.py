@@ -111,7 +111,9 @@ def _blocked_wins(qblock: dict, per_query: dict, costs, hbm: float) -> bool:
 
 def _config(row: dict):
     """``config.default_config`` of a row's cell."""
-    return default_config(read_block=row["unit"], top_k=row["top_k"], num_queries=row["queries"])
+    return default_config(
+        read_block=row["unit"], top_k=row["top_k"], num_queries=row["queries"], heads=row["heads"]
+    )
 
 
 def _group(row: dict) -> int:

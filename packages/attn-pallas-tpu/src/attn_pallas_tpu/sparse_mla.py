@@ -193,7 +193,9 @@ def resolve_config(problem, config: SparseMlaConfig | None) -> SparseMlaConfig:
             raise TypeError(f"config: got {type(config).__name__}, expected SparseMlaConfig")
         return config
     n = problem.batch * problem.num_queries
-    return default_config(read_block=problem.read_block, top_k=problem.top_k, num_queries=n)
+    return default_config(
+        read_block=problem.read_block, top_k=problem.top_k, num_queries=n, heads=problem.heads
+    )
 
 
 @public_op(sparse_mla_call)
