@@ -52,11 +52,11 @@ MAX_UNITS_PER_STEP = MEMBER_TILE  # a step's membership rows lie in one int8 til
 STEP_ROWS = 512
 FORWARD_STEP_ROWS = 1024
 MAX_DEFAULT_UNITS = 16
-# The default queries per program: 32 (v5e, per-query forward, 32 against 8: 5-9 % less
-# device time at units of 16-64, H 16-64, and 7 % at decode), at most QP_TABLE_WORDS
-# words in each SMEM table (QP * K, K units a query) and QP_HEAD_ROWS rows (QP * H) of
-# q and out blocks, the largest both measured at (units of 16, H 64), never below the
-# 8 it was before.
+# The default queries per program: 32 (v5e at 179373b, against 8: 0.3-1.4 % less device
+# time for the per-query forward at units of 16-32, H 64, 2.7 % at decode, 1.3 % for the
+# random training step), at most QP_TABLE_WORDS words in each SMEM table (QP * K, K
+# units a query) and QP_HEAD_ROWS rows (QP * H) of q and out blocks, the largest both
+# were measured at (units of 16, H 64), never below the 8 it was before.
 MAX_QUERIES_PER_PROGRAM = 32
 MIN_DEFAULT_QP = 8
 QP_TABLE_WORDS = 4096
