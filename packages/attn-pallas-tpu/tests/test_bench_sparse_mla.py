@@ -36,6 +36,63 @@ def test_smoke_suite_writes_rows_and_reports(tmp_path):
     assert (tmp_path / "tpu_sparse_mla.md").read_text().count("| decode-smoke |") == 2
 
 
+def test_merge_results_replaces_the_rows_it_remeasures():
+    """A partial re-run's rows replace the same (case, kernel) rows in place and name
+    their run's commit; other rows stay; new ones are appended; commands and dates
+    become lists."""
+    from attn_pallas_tpu._suite import merge_results
+
+    base = {"commit": "a", "command": "first", "date": "d1", "note": "n",
+            "rows": [{"case": "x", "kernel": "per-query", "ms": 1.0},
+                     {"case": "x", "kernel": "qblock", "ms": 2.0, "commit": "old"},
+                     {"case": "y", "kernel": "per-query", "ms": 3.0}]}  # fmt: skip
+    run = {"commit": "b", "command": "second", "date": "d2",
+           "rows": [{"case": "x", "kernel": "qblock", "ms": 1.5},
+                    {"case": "z", "kernel": "per-query", "ms": 4.0}]}  # fmt: skip
+    got = merge_results(base, run)
+    assert [(r["case"], r["kernel"], r["ms"], r.get("commit")) for r in got["rows"]] == [
+        ("x", "per-query", 1.0, None), ("x", "qblock", 1.5, "b"), ("y", "per-query", 3.0, None),
+        ("z", "per-query", 4.0, "b"),
+    ]  # fmt: skip
+    assert got["command"] == ["first", "second"] and got["date"] == ["d1", "d2"]
+    assert got["commit"] == "a" and got["note"] == "n"
+    assert merge_results(got, run)["rows"] == got["rows"]  # merging twice changes no row
+    assert base["command"] == "first"  # the base is not modified
+
+
+def test_report_merge_into_rewrites_the_results_beside_it(tmp_path, capsys):
+    """``--report RUN.json --merge-into RESULTS.json`` merges and rewrites the JSON, its
+    .md and .svg; ``--merge-into`` alone is refused in one line."""
+    from pathlib import Path
+
+    committed = json.loads(
+        (Path(__file__).parents[3] / "docs/results/tpu_sparse_mla.json").read_text()
+    )
+    target = tmp_path / "res" / "tpu_sparse_mla.json"
+    target.parent.mkdir()
+    target.write_text(json.dumps(committed))
+    row = next(r for r in committed["rows"] if r["case"] == "decode-u64-h64")
+    run = {**{k: v for k, v in committed.items() if k != "rows"}, "commit": "f00d123",
+           "command": "attn bench sparse-mla --cases decode-u64-h64", "date": "2026-12-07",
+           "rows": [{**row, "device_ms": 0.5, "commit": None}]}  # fmt: skip
+    del run["rows"][0]["commit"]
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(run))
+    assert bench_sparse_mla.main(["--report", str(src), "--merge-into", str(target)]) == 0
+    merged = json.loads(target.read_text())
+    assert len(merged["rows"]) == len(committed["rows"])
+    got = next(
+        r for r in merged["rows"] if (r["case"], r["kernel"]) == (row["case"], row["kernel"])
+    )
+    assert got["device_ms"] == 0.5 and got["commit"] == "f00d123"
+    assert merged["command"][-1] == run["command"]
+    md = (target.parent / "tpu_sparse_mla.md").read_text()
+    assert "commit f00d123" in md
+    with pytest.raises(SystemExit):
+        bench_sparse_mla.main(["--merge-into", str(target)])
+    assert "--merge-into" in capsys.readouterr().err
+
+
 def test_cases_run_in_the_order_named():
     """``--cases`` substrings pick cases in their own order, each once, so a run cut by
     its time limit has done what was named first."""

@@ -19,7 +19,8 @@ from attn_common.dispatch import device_class
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, sweep_help: str) -> None:
-    """``--out``, ``--iterations``, ``--cases``, ``--sweep``, ``--smoke``, ``--report``."""
+    """``--out``, ``--iterations``, ``--cases``, ``--sweep``, ``--smoke``, ``--report``,
+    ``--merge-into``."""
     parser.add_argument(
         "--out",
         type=out_path,
@@ -44,11 +45,21 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, sweep_help: str) ->
     parser.add_argument(
         "--report", metavar="JSON", help="only rewrite the .md and .svg of a results JSON"
     )
+    parser.add_argument(
+        "--merge-into",
+        metavar="JSON",
+        help="with --report: merge that run's rows into this results JSON (each replaces "
+        "the row of its case and kernel, naming its run's commit) and rewrite the JSON "
+        "and its .md and .svg beside it",
+    )
 
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The one-line error for arguments a suite cannot run, or None: the real cases
-    time a TPU (``--smoke`` and ``--report`` run anywhere)."""
+    time a TPU (``--smoke`` and ``--report`` run anywhere); ``--merge-into`` needs
+    ``--report``."""
+    if getattr(args, "merge_into", None) and not args.report:
+        return "--merge-into: merges the run named by --report (--report RUN.json)"
     here = device_class()
     if args.report or args.smoke or here == "tpu":
         return None
@@ -113,6 +124,11 @@ def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot,
     if args.report:
         data = json.loads(Path(args.report).read_text())
         out = Path(args.out)
+        if args.merge_into:
+            target = Path(args.merge_into)
+            data = merge_results(json.loads(target.read_text()), data)
+            target.write_text(json.dumps(data, indent=1) + "\n")
+            out = target.parent
         out.mkdir(parents=True, exist_ok=True)
         write_report(data, out)
         write_plot(data, out / f"{result}.svg")
@@ -130,6 +146,28 @@ def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot,
     write_report(data, runner.out)
     write_plot(data, runner.out / f"{result}.svg")
     return 1 if any("error" in r and not r.get("sweep") for r in runner.rows) else 0
+
+
+def _row_key(row: dict) -> tuple:
+    return row.get("case"), row.get("kernel"), row.get("mode"), row.get("role")
+
+
+def merge_results(base: dict, run: dict) -> dict:
+    """``base`` (a results JSON) with ``run``'s rows merged in, for re-measuring some
+    cases of a suite: each of ``run``'s rows replaces ``base``'s row of the same case,
+    kernel, mode and role in its place (new ones are appended) and names ``run``'s
+    commit; ``base``'s commands and dates become lists with ``run``'s appended. Rows
+    ``run`` does not re-measure are kept as they are."""
+    commit = run.get("commit")
+    new = {_row_key(r): {**r, "commit": r.get("commit", commit)} for r in run["rows"]}
+    rows = [new.pop(_row_key(r), r) for r in base["rows"]]
+    rows += list(new.values())
+
+    def listed(key):
+        had = base.get(key, [])
+        return [*(had if isinstance(had, list) else [had]), run.get(key)]
+
+    return {**base, "command": listed("command"), "date": listed("date"), "rows": rows}
 
 
 @dataclasses.dataclass(frozen=True)
