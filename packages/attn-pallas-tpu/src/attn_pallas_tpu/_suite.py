@@ -58,7 +58,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     """The one-line error for arguments a suite cannot run, or None: the real cases
     time a TPU (``--smoke`` and ``--report`` run anywhere); ``--merge-into`` needs
     ``--report``."""
-    if getattr(args, "merge_into", None) and not args.report:
+    if args.merge_into and not args.report:
         return "--merge-into: merges the run named by --report (--report RUN.json)"
     here = device_class()
     if args.report or args.smoke or here == "tpu":

@@ -10,8 +10,9 @@ op) and ``fwd+bwd`` (the jitted ``jax.grad`` of ``sum(out * dout)`` w.r.t. q, k,
 Every row is timed as ``bench_sparse_mla``'s (``attn_pallas_tpu._timing``): ``ms``, wall
 clock, median of ``--iterations`` waited calls after a warm-up; ``device_ms``, the call's
 spans on the TPU in a ``jax.profiler`` trace; ``kernel_device_ms``, its Pallas kernels'
-share; ``xla_ops_ms``, the XLA ops around them that took longest. ``tflops`` counts allowed (query, key) pairs only (``attn_common.ranker_flops``;
-forward + backward 3.5x the forward, the project's convention) over ``device_ms`` where
+share; ``xla_ops_ms``, the XLA ops around them that took longest. ``tflops`` counts
+allowed (query, key) pairs only (``attn_common.ranker_flops``; forward + backward 3.5x
+the forward, the project's convention) over ``device_ms`` where
 the trace has it (wall clock otherwise: ``tflops_basis``); ``peak_fraction`` sets it
 against the bf16 matmul rate measured in the same run (an 8192^3 product) and
 ``chip_peak_fraction`` against the chip's datasheet bf16 peak (``plan.TPU_CHIPS``, the

@@ -56,7 +56,8 @@ MAX_DEFAULT_UNITS = 16
 # time for the per-query forward at units of 16-32, H 64, 2.7 % at decode, 1.3 % for the
 # random training step), at most QP_TABLE_WORDS words in each SMEM table (QP * K, K
 # units a query) and QP_HEAD_ROWS rows (QP * H) of q and out blocks, the largest both
-# were measured at (units of 16, H 64), never below the 8 it was before.
+# were measured at (units of 16, H 64); never below MIN_DEFAULT_QP, the value the v5e
+# sweeps and native tests ran at every K and H.
 MAX_QUERIES_PER_PROGRAM = 32
 MIN_DEFAULT_QP = 8
 QP_TABLE_WORDS = 4096

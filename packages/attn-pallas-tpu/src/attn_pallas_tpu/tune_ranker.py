@@ -116,14 +116,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The one-line error off a TPU (``--smoke`` runs anywhere), else ``None``."""
-    return _suite.check_args(argparse.Namespace(report=None, smoke=args.smoke))
+    return _suite.check_args(argparse.Namespace(report=None, merge_into=None, smoke=args.smoke))
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep, write the table; 1 when a case failed."""
     bench_args = argparse.Namespace(
         out=args.results, iterations=args.iterations, cases=list(args.cases), sweep=True,
-        smoke=args.smoke, report=None, modes=[args.objective],
+        smoke=args.smoke, report=None, merge_into=None, modes=[args.objective],
     )  # fmt: skip
     status = bench_ranker.run(bench_args)
     result = json.loads((Path(args.results) / f"{bench_ranker.RESULT}.json").read_text())
