@@ -20,10 +20,9 @@ rows ``[e RB, (e + 1) RB)``), signalling the slot's semaphore. The prologue star
 ``0 .. S - 2``; step ``t`` starts step ``t + S - 1`` into the slot step ``t - 1``
 finished reading, then waits for its own copies: ``(S - 1) G`` unit copies stay in
 flight across the program's queries, and the ring drains once per program. Every
-started copy is waited for before the program ends. Entries past the query's count
-start no copy; their slot rows are stale and masked. A full step (``G`` live entries)
-starts its copies without a branch each and waits once for the slot's bytes
-(``RingWalk``).
+started copy is waited for before the program ends. A step starts all ``G`` copies
+without a branch and waits once for the slot's bytes (``RingWalk``); entries past the
+query's count re-copy the step's first unit, and their rows are masked.
 
 Compute per step, for query ``i``: the slot as 32-bit words (``UnitRing.words``), ANDed
 with the rows' validity (``kb_e + r < lim``: causal, ``kv_len``, entries without a

@@ -13,9 +13,10 @@ A *store* is the KV cache as the kernels see it in HBM (``_prep.Store``):
 
 A ring holds ``S`` slots of ``G`` units (``config.SparseMlaConfig``). Entry ``e`` of a
 step is one DMA per store array into slot rows ``[e * RB, (e + 1) * RB)``, all entries
-of a slot signalling the slot's DMA semaphore (one per array). A step whose ``G`` entries
-all hold a unit starts its copies without a branch each and waits once for the slot's
-bytes (:meth:`UnitRing.wait_slot`); a step with fewer starts and waits per live entry.
+of a slot signalling the slot's DMA semaphore (one per array). Every step starts all
+``G`` copies without a branch, an entry that holds no unit re-copying the step's first
+unit (its rows are masked), and waits once for the slot's bytes
+(:meth:`UnitRing.wait_slot`).
 :meth:`UnitRing.words` reads a slot as 32-bit words ``[G * RB / pk, Dk_pad]``:
 word row ``i`` packs tokens ``i * pk .. i * pk + pk - 1`` (low half first), for both
 kinds (a bf16 row array's ``(16, 128)`` tile packs row pairs the same way), so one
@@ -272,28 +273,16 @@ class RingWalk:
         self.ring, self.entries, self.n_steps, self.slots = ring, entries, n_steps, slots
 
     def _dma(self, t, slot, start: bool):
-        """Start, or wait for, step ``t``'s copies. Entries are live in order (entry
-        ``e`` live implies ``e - 1`` live), so a step is full iff its last entry is: then
-        its copies start unguarded and one wait takes the slot (3-7 % faster than a
-        branch per copy at 16- and 32-token units on the v5e, docs/experiments.md)."""
+        """Start, or wait for, step ``t``'s copies: all ``G`` start without a branch, an
+        entry without a unit re-copying the step's first (a step has at least one live
+        entry, and entries are live in order), and one wait takes the slot's bytes."""
+        if not start:
+            self.ring.wait_slot(slot)
+            return
         entries = self.entries(t)
-        full = entries[-1][2]
-
-        @pl.when(full)
-        def _():
-            if not start:
-                self.ring.wait_slot(slot)
-                return
-            for e, (addr, _, _) in enumerate(entries):
-                self.ring.start(addr, slot, e)
-
-        @pl.when(jnp.logical_not(full))
-        def _():
-            for e, (addr, _, live) in enumerate(entries):
-
-                @pl.when(live)
-                def _(addr=addr, e=e):
-                    (self.ring.start if start else self.ring.wait)(addr, slot, e)
+        first = entries[0][0]
+        for e, (addr, _, live) in enumerate(entries):
+            self.ring.start(jnp.where(live, addr, first), slot, e)
 
     def prologue(self):
         for d in range(self.slots - 1):
