@@ -8,6 +8,7 @@ Shapes are small (interpret mode executes every kernel op one by one).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -124,10 +125,10 @@ def test_flat_out_only():
 
 @pytest.mark.parametrize("kernel", ["per_query", "qblock_qb8"])
 def test_ring_full_and_partial_steps(kernel):
-    """Queries selecting 0-9 distinct units, 4 units a step: full steps (copies started
-    unguarded, one wait for the slot's bytes) and partial ones (a copy and a wait per
-    live entry) interleave in one program's ring, and every slot is reused. Every cache
-    row no query attends (unselected, or past its query's position) is NaN/Inf."""
+    """Queries selecting 0-9 distinct units, 4 units a step: full steps and partial ones
+    (their dead entries re-copying the step's first unit, masked) interleave in one
+    program's ring, and every slot is reused. Every cache row no query attends
+    (unselected, or past its query's position) is NaN/Inf."""
     rng = rng_for(11)
     seq, top_k, rb, kv_len = 20, 9, 16, 320  # 20 units
     q = randn(rng, (1, seq, 2, DK), "bfloat16")
@@ -145,6 +146,49 @@ def test_ring_full_and_partial_steps(kernel):
     got = _flat_call(KERNELS[kernel], (q, dirty, idx, pos), config=cfg)
     assert_no_races()
     _check(got, want, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("op", "slots"),
+    [("per_query", 2), ("per_query", 3), ("per_query", 5), ("qblock", 2), ("qblock", 4)],
+)
+def test_kernels_wait_for_every_copy_they_start(op, slots, capfd):
+    """Run with DMAs executed when started, a copy nobody waits for leaves its
+    semaphore's count non-zero at kernel exit, which the interpreter reports (the chip
+    halts); the default mode runs a DMA only when waited for, so it cannot see one. The
+    forward and, through ``jax.vjp``, the backward kernels of each op: the per-query
+    forward starts spare copies past its program's last step and drains them, the others
+    guard each start. Programs of 4 queries: one without units (no steps), one with a
+    single step (fewer than ``S - 1``), one with many."""
+    rng = rng_for(5)
+    seq, top_k, rb, kv_len = 12, 6, 16, 192
+    q = randn(rng, (1, seq, 2, DK), "float32")
+    kv = randn(rng, (1, kv_len, DK), "float32")
+    pos = np.full((1, seq), kv_len - 1, np.int32)
+    idx = np.full((1, seq, top_k), -1, np.int32)
+    idx[0, 5, 0] = 3  # program 1: one unit; program 0: none
+    for i in range(8, seq):  # program 2: 6 units a query
+        idx[0, i] = rng.choice(kv_len // rb, top_k, replace=False)
+    cfg = SparseMlaConfig(
+        units_per_step=2, ring_slots=slots, queries_per_program=4, query_block=8, u_max=4
+    )
+    eager = dataclasses.replace(INTERPRET, dma_execution_mode="eager")
+    fn = sparse_mla_attention if op == "per_query" else sparse_mla_attention_qblock
+
+    def f(q, kv):
+        return fn(
+            q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, read_block=rb, config=cfg,
+            interpret=eager,
+        )  # fmt: skip
+
+    out, vjp = jax.vjp(f, q, kv)
+    grads = vjp(jnp.ones_like(out))
+    jax.block_until_ready((out, grads))
+    assert "non-zero count" not in capfd.readouterr().out
+    want = ref.sparse_mla_attention(
+        q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=DV, read_block=rb
+    )
+    assert_close(np.asarray(out), np.asarray(want), **TOL["float32"])
 
 
 def big_union_case(seed, dtype="float32"):

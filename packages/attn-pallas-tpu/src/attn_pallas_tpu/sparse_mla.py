@@ -17,11 +17,15 @@ unit), all in SMEM:
 DMA. The store stays in HBM (``unit_ring``: row arrays, or the paged cache read in
 place). Step ``t``'s ``G`` units are copied into ring slot ``t % S`` (entry ``e`` into
 rows ``[e RB, (e + 1) RB)``), signalling the slot's semaphore. The prologue starts steps
-``0 .. S - 2``; step ``t`` starts step ``t + S - 1`` into the slot step ``t - 1``
-finished reading, then waits for its own copies: ``(S - 1) G`` unit copies stay in
-flight across the program's queries, and the ring drains once per program. Every
-started copy is waited for before the program ends. A step starts all ``G`` copies
-without a branch and waits once for the slot's bytes (``RingWalk``); entries past the
+``0 .. S - 2``; step ``t`` waits for its own copies, computes, then starts step ``t + S
+- 1`` into the slot step ``t - 1`` finished reading: ``(S - 2) G`` to ``(S - 1) G`` unit
+copies stay in flight across the program's queries. That start has no branch: past the
+program's last step it repeats the last step's copies into the next slots, and after the
+loop the program waits for those ``S - 1`` spare slots, so every started copy is waited
+for before the program ends (``RingWalk.fill / start_ahead / drain``). On the v5e this
+order ran 4-9 % faster than starting before the wait or guarding the start at 64 heads,
+and 2 % slower at 64-token units and 16 heads (docs/experiments.md). A step starts all
+``G`` copies without a branch and waits once for the slot's bytes; entries past the
 query's count re-copy the step's first unit, and their rows are masked.
 
 Compute per step, for query ``i``: the slot as 32-bit words (``UnitRing.words``), ANDed
@@ -104,7 +108,7 @@ def _per_query_kernel(
     )  # fmt: skip
     o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)  # queries without units
     lse_ref[...] = jnp.full(lse_ref.shape, -jnp.inf, jnp.float32)
-    walk.prologue()
+    walk.fill()
     gr = cfg.units_per_step * rb
     init = (  # the carry at a query's first step
         jnp.full((heads, 1), -jnp.inf, jnp.float32),
@@ -113,7 +117,7 @@ def _per_query_kernel(
     )
 
     def body(t, carry):
-        slot = walk.advance(t)
+        slot = walk.wait(t)
         i = walk.query(t)
         lim = walk.lim(i)
         rows, kbs = walk.words(
@@ -131,6 +135,7 @@ def _per_query_kernel(
         l_new = l_i * alpha + jnp.sum(p, axis=1, keepdims=True)
         pv = mxu_dot(p.astype(rows.dtype), rows[:, :dv], (((1,), (0,)), ((), ())))
         acc_new = acc * alpha + pv
+        walk.start_ahead(t)  # after the step's compute, unguarded (docstring, "DMA")
 
         @pl.when(walk.last(t))
         def _():
@@ -141,6 +146,7 @@ def _per_query_kernel(
         return m_new, l_new, acc_new
 
     jax.lax.fori_loop(0, walk.n_steps, body, init)
+    walk.drain()
 
 
 @functools.partial(

@@ -285,23 +285,57 @@ class RingWalk:
             self.ring.start(jnp.where(live, addr, first), slot, e)
 
     def prologue(self):
+        """Start steps ``0 .. S - 2`` that exist, for :meth:`advance`."""
         for d in range(self.slots - 1):
 
             @pl.when(d < self.n_steps)
             def _(d=d):
                 self._dma(d, d, True)
 
+    def fill(self):
+        """The prologue of :meth:`start_ahead`'s order: steps ``0 .. S - 2``, each
+        clamped to the last step, into slots ``0 .. S - 2``, under one branch (a program
+        without steps starts nothing)."""
+        last = self.n_steps - 1
+
+        @pl.when(self.n_steps > 0)
+        def _():
+            for d in range(self.slots - 1):
+                self._dma(jnp.minimum(jnp.int32(d), last), d, True)
+
+    def start_ahead(self, t):
+        """Start step ``t + S - 1`` into its slot, the one step ``t - 1`` read, without a
+        branch: past the program's last step the copy repeats that step (rows nobody
+        reads), so the program's last ``S - 1`` steps start ``S - 1`` spare copies, which
+        :meth:`drain` waits for. After :meth:`fill` only."""
+        nxt = t + self.slots - 1
+        step = jnp.minimum(nxt, self.n_steps - 1)
+        self._dma(step, jax.lax.rem(nxt, jnp.int32(self.slots)), True)
+
+    def drain(self):
+        """Wait for the spare copies :meth:`start_ahead` started past the last step."""
+
+        @pl.when(self.n_steps > 0)
+        def _():
+            for d in range(self.slots - 1):
+                self._dma(None, jax.lax.rem(self.n_steps + d, jnp.int32(self.slots)), False)
+
+    def wait(self, t):
+        """Wait for step ``t``'s copies; returns its slot."""
+        slot = jax.lax.rem(t, jnp.int32(self.slots))
+        self._dma(t, slot, False)
+        return slot
+
     def advance(self, t):
-        """Start step ``t + S - 1`` and wait for step ``t``; returns ``t``'s slot."""
+        """After :meth:`prologue`: start step ``t + S - 1``, if there is one, and wait for
+        step ``t``; returns ``t``'s slot. Nothing is left to drain."""
         nxt = t + self.slots - 1
 
         @pl.when(nxt < self.n_steps)
         def _():
             self._dma(nxt, jax.lax.rem(nxt, jnp.int32(self.slots)), True)
 
-        slot = jax.lax.rem(t, jnp.int32(self.slots))
-        self._dma(t, slot, False)
-        return slot
+        return self.wait(t)
 
     def words(self, t, slot, *, rb: int, dtype, lim=None, dk: int | None = None):
         """The step's rows ``[G RB, Dk_pad]`` as ``dtype``: zero where a token's position
