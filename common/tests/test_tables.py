@@ -22,6 +22,8 @@ from attn_common.tables import (
     lossless_u_max,
     resolve_u_max,
     sanitize_unit_ids,
+    sort_block_selections,
+    union_counts,
 )
 
 _tables_jit = jax.jit(build_block_unit_tables, static_argnames=("query_block", "u_max"))
@@ -68,6 +70,13 @@ def check_block_tables(sel, query_block: int, u_max: int):
     tail = n_blocks * query_block - num_tokens
     if tail:
         assert not np.asarray(out.member)[-1, query_block - tail :].any()
+    # the shared first sort: the union counts from it, and the tables built from it
+    presorted = sort_block_selections(jnp.asarray(sel), query_block=query_block)
+    np.testing.assert_array_equal(np.asarray(union_counts(presorted[0])), counts)
+    again = _tables_jit(jnp.asarray(sel), query_block=query_block, u_max=u_max,
+                        presorted=presorted)  # fmt: skip
+    for got, want in zip(again, out, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     return out
 
 

@@ -66,8 +66,35 @@ def sanitize_unit_ids(indices: jax.Array, num_units) -> jax.Array:
     return jnp.where((indices >= 0) & (indices < num_units), indices, -1)
 
 
+def sort_block_selections(topk_units: jax.Array, *, query_block: int):
+    """Each block's selections sorted, with their places: ``(svals, place)``, int32
+    ``[nQB, QB * K]`` (``-1`` -> a sentinel above every id). The first step of
+    :func:`build_block_unit_tables`, for a caller that also needs
+    :func:`union_counts` (a jitted call's guard) to sort once."""
+    num_tokens, top_k = topk_units.shape
+    n_blocks = -(-num_tokens // query_block)
+    pad = n_blocks * query_block - num_tokens
+    sel = jnp.pad(topk_units.astype(jnp.int32), ((0, pad), (0, 0)), constant_values=-1)
+    vals = jnp.where(sel < 0, _SENTINEL, sel).reshape(n_blocks, query_block * top_k)
+    place = jax.lax.broadcasted_iota(jnp.int32, vals.shape, 1)
+    return jax.lax.sort((vals, place), dimension=1, num_keys=1)
+
+
+def _unique(svals: jax.Array) -> jax.Array:
+    """The first of each run of equal sorted ids, sentinels excluded."""
+    first = jnp.concatenate(
+        [jnp.ones((*svals.shape[:-1], 1), bool), svals[..., 1:] != svals[..., :-1]], axis=-1
+    )
+    return first & (svals != _SENTINEL)
+
+
+def union_counts(svals: jax.Array) -> jax.Array:
+    """int32 union size per block from :func:`sort_block_selections`'s ``svals``."""
+    return _unique(svals).sum(axis=-1).astype(jnp.int32)
+
+
 def build_block_unit_tables(
-    topk_units: jax.Array, *, query_block: int, u_max: int
+    topk_units: jax.Array, *, query_block: int, u_max: int, presorted=None
 ) -> BlockUnitTables:
     """Union and membership tables per block of ``query_block`` queries.
 
@@ -80,21 +107,20 @@ def build_block_unit_tables(
       query_block: queries per block (QB).
       u_max: static width of the union table; pass at least
         ``lossless_u_max(query_block, K, num_units)`` so that no union is truncated.
+      presorted: ``sort_block_selections(topk_units, query_block=query_block)``, where
+        the caller has it already (else it is computed here).
     """
     num_tokens, top_k = topk_units.shape
     n_blocks = -(-num_tokens // query_block)
-    pad = n_blocks * query_block - num_tokens
-    sel = jnp.pad(topk_units.astype(jnp.int32), ((0, pad), (0, 0)), constant_values=-1)
-    sel = sel.reshape(n_blocks, query_block, top_k)
+    shape = (n_blocks, query_block, top_k)
 
     # Sort the block's selections (-1 -> +inf sentinel) with their place, keep the first
     # of each run of equal ids, and sort again so the uniques come first: compaction
     # without a scatter.
-    vals = jnp.where(sel < 0, _SENTINEL, sel).reshape(n_blocks, query_block * top_k)
-    place = jax.lax.broadcasted_iota(jnp.int32, vals.shape, 1)
-    svals, place = jax.lax.sort((vals, place), dimension=1, num_keys=1)
-    first = jnp.concatenate([jnp.ones((n_blocks, 1), bool), svals[:, 1:] != svals[:, :-1]], axis=1)
-    unique = first & (svals != _SENTINEL)
+    if presorted is None:
+        presorted = sort_block_selections(topk_units, query_block=query_block)
+    svals, place = presorted
+    unique = _unique(svals)
     counts = unique.sum(axis=1).astype(jnp.int32)
     compact = jnp.sort(jnp.where(unique, svals, _SENTINEL), axis=1)
     width = compact.shape[1]
@@ -102,7 +128,7 @@ def build_block_unit_tables(
         compact = jnp.pad(compact, ((0, 0), (0, u_max - width)), constant_values=_SENTINEL)
     compact = compact[:, :u_max]
     units = jnp.where(compact == _SENTINEL, -1, compact)
-    return BlockUnitTables(units=units, member=_membership(svals, place, unique, sel.shape, u_max),
+    return BlockUnitTables(units=units, member=_membership(svals, place, unique, shape, u_max),
                            counts=counts)  # fmt: skip
 
 

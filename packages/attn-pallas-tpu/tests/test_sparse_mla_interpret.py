@@ -380,6 +380,28 @@ def test_auto_tiling_under_jit_takes_both_branches():
         _check(got, _flat_call(ref.sparse_mla_attention, c), "float32")
 
 
+def test_jitted_guard_and_tables_share_one_sort():
+    """Under jit the automatic op sorts each query block's picks once for the guard's
+    union sizes and the tables (three block-wide sorts in all: that one, the tables'
+    compaction and the membership's sort back), not a second time for the guard."""
+    q, kv, pos, shared, _ = _sharing_case(24)
+    jaxpr = jax.make_jaxpr(lambda q, kv, i, p: _flat_call(AUTO, (q, kv, i, p)))(q, kv, shared, pos)
+    top_k, widths = shared.shape[-1], []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "sort" and e.invars[0].aval.shape[-1] > top_k:
+                widths.append(e.invars[0].aval.shape)
+            for p in e.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    assert len(widths) == 3, widths
+
+
 def test_eager_plan_cache_routes_calls(monkeypatch):
     """The eager front door's routing, kernels stubbed: the first call of a shape runs
     the planned op; later ones the guarded op at the kept tiling (``None`` after a

@@ -33,7 +33,12 @@ from attn_common.fp8_cache import Fp8LatentCache
 from attn_common.paged import copy_pages, named_pages
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
 from attn_common.spec import SparseMlaCall, require_kernel
-from attn_common.tables import build_block_unit_tables, sanitize_unit_ids
+from attn_common.tables import (
+    build_block_unit_tables,
+    sanitize_unit_ids,
+    sort_block_selections,
+    union_counts,
+)
 from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.fp8_rows import ROW_BYTES, dequantize_rows, side_rows
 from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
@@ -380,17 +385,30 @@ class UnionTables(NamedTuple):
     member: jax.Array
 
 
+def sorted_picks(space: UnitSpace, *, query_block: int):
+    """Per batch row, each query block's picks sorted (``attn_common.sort_block_selections``,
+    ``[B, nQB, QB * K]`` twice) and the blocks' union sizes ``[B, nQB]``: one sort that
+    both a jitted call's guard and :func:`union_tables` use."""
+    picks = jax.vmap(lambda keys: sort_block_selections(keys, query_block=query_block))(space.keys)
+    return picks, union_counts(picks[0])
+
+
 def union_tables(
     problem: SparseMlaProblem, space: UnitSpace, *, query_block: int, u_chunk: int,
-    n_chunks: int, page_indices,
+    n_chunks: int, page_indices, picks=None,
 ) -> UnionTables:  # fmt: skip
     """:class:`UnionTables` of ``space`` at width ``n_chunks * u_chunk`` (a union wider than
-    that is cut; ``unions`` stays its true size, for the caller to check)."""
+    that is cut; ``unions`` stays its true size, for the caller to check). ``picks``:
+    :func:`sorted_picks`'s first value, where the caller has it."""
     batch, seq, rb = problem.batch, problem.num_queries, problem.read_block
     width = n_chunks * u_chunk
+    if picks is None:
+        picks = sorted_picks(space, query_block=query_block)[0]
     tables = jax.vmap(
-        lambda keys: build_block_unit_tables(keys, query_block=query_block, u_max=width)
-    )(space.keys)
+        lambda keys, svals, place: build_block_unit_tables(
+            keys, query_block=query_block, u_max=width, presorted=(svals, place)
+        )
+    )(space.keys, *picks)
     n_blocks = tables.units.shape[1]
     store = space.store
     if problem.ragged:

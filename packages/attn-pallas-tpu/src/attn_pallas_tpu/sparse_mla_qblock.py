@@ -92,6 +92,7 @@ from attn_pallas_tpu._prep import (
     require_tpu_kernels,
     resolve_interpret,
     row_bytes,
+    sorted_picks,
     to_blocks,
     union_tables,
     unit_space,
@@ -533,9 +534,11 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, c
         return qblock()
     # Under jit the unions are data: decide at run time. The query-blocked kernel runs
     # only if it moves fewer KV bytes (DMAs of one unit each) and the model predicts it
-    # faster; otherwise (and on ties) the per-query kernel.
+    # faster; otherwise (and on ties) the per-query kernel. The guard's union sizes come
+    # from the sort the tables start from, done once.
     shape_args = _plan_shape(problem, kv, cfg)
-    unions = block_union_sizes(space.keys, query_block=qb)
+    picks, unions = sorted_picks(space, query_block=qb)
+    qblock = functools.partial(qblock, picks=picks)
     distinct = distinct_units_per_query(jnp.where(space.unit_ok, space.keys, -1))
     qblock_s = qblock_seconds(unions, query_block=qb, head_block=hb, u_max=u_max, **shape_args)
     per_query_s = per_query_seconds(distinct, **shape_args)
@@ -573,8 +576,12 @@ def _backward(
     )
 
 
-def _qblock(problem, q, space, *, query_block, head_block, u_max, interpret, cfg, page_indices):
-    """Build the chunked union tables and run the query-blocked kernel."""
+def _qblock(
+    problem, q, space, *, query_block, head_block, u_max, interpret, cfg, page_indices,
+    picks=None,
+):  # fmt: skip
+    """Build the chunked union tables (from ``picks``, ``_prep.sorted_picks``, where the
+    caller has them) and run the query-blocked kernel."""
     u_max = resolve_u_max(
         u_max, query_block=query_block, top_k=problem.top_k, num_units=problem.num_units
     )
@@ -582,7 +589,7 @@ def _qblock(problem, q, space, *, query_block, head_block, u_max, interpret, cfg
     widest = lossless_u_max(query_block, problem.top_k, problem.num_units)
     tables = union_tables(
         problem, space, query_block=query_block, u_chunk=u_chunk, n_chunks=-(-widest // u_chunk),
-        page_indices=page_indices,
+        page_indices=page_indices, picks=picks,
     )  # fmt: skip
     # (the width is >= every union: nothing is dropped)
     store = space.store
