@@ -133,6 +133,33 @@ def test_forward_entry_takes_the_spec():
         ranker_attention_fwd(q, k, v, bounds, cap="tanh")
 
 
+@pytest.mark.parametrize(
+    ("seq", "dim", "q_padded"),
+    [(150, 128, False), (150, 64, False), (100, 128, True), (256, 128, False)],
+)
+def test_forward_pads_q_only_below_one_tile(seq, dim, q_padded):
+    """q and the outputs keep their ``S`` rows where one q tile fits (the last tile runs
+    past ``S``): the lowered forward pads only k and v then, and pads q below one tile;
+    the outputs keep ``S`` rows and match the reference."""
+    q, k, v = _inputs(4, 2, seq, 2, 1, dim, "float32")
+    bounds = jnp.array([[0, seq // 2, seq // 2, seq], [3, seq - 9, seq - 9, seq - 1]], jnp.int32)
+
+    def fwd(q, k, v):
+        return ranker_attention(q, k, v, bounds, config=SMALL, return_lse=True,
+                                interpret=INTERPRET)  # fmt: skip
+
+    hlo = jax.jit(fwd).lower(q, k, v).as_text()
+    pads = {line.split("->")[-1].strip() for line in hlo.splitlines() if "stablehlo.pad" in line}
+    seq_pad = -(-seq // 128) * 128
+    q_pad = f"tensor<2x{seq_pad}x2x{dim}xf32>"
+    kv_pad = f"tensor<2x{seq_pad}x1x{dim}xf32>"
+    assert any(q_pad in p for p in pads) == q_padded, pads
+    assert any(kv_pad in p for p in pads) == (seq != seq_pad), pads
+    out, lse = jax.block_until_ready(fwd(q, k, v))
+    assert out.shape == q.shape and lse.shape == (2, 2, seq)
+    _check_forward(q, k, v, bounds, cap=None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", list(CAPS))
 def test_forward_mixed_bounds_gqa5(cap):
