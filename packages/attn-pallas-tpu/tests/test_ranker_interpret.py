@@ -243,6 +243,26 @@ def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
     return got
 
 
+@pytest.mark.parametrize(
+    ("seq", "dim", "q_padded"), [(150, 128, False), (150, 64, False), (100, 128, True)]
+)
+def test_gradient_pads_q_only_below_one_tile(seq, dim, q_padded):
+    """The backward keeps q, dO, the LSE, delta' and dq at ``S`` rows as the forward
+    does (k and v padded): no q-shaped pad in the lowered gradient where one q tile
+    fits; the gradients match the reference and are exactly 0 where nothing is allowed."""
+    q, k, v = _inputs(5, 2, seq, 2, 1, dim, "float32")
+    bounds = jnp.array([[0, seq // 2, seq // 2, seq], [3, seq - 9, seq - 9, seq - 1]], jnp.int32)
+    w = jnp.ones(q.shape, jnp.float32)
+    loss = _loss(ranker_attention, bounds, w, cap=None, use_lse=True, config=SMALL,
+                 interpret=INTERPRET)  # fmt: skip
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    pads = {line.split("->")[-1].strip() for line in hlo.splitlines() if "stablehlo.pad" in line}
+    seq_pad = -(-seq // 128) * 128
+    assert any(f"tensor<2x{seq_pad}x2x{dim}xf32>" in p for p in pads) == q_padded, pads
+    assert any(f"tensor<2x{seq_pad}x1x{dim}xf32>" in p for p in pads), pads
+    _check_grads(q, k, v, bounds, cap=None, seed=seq)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", ["tanh", "soft_sign"])
 def test_grad_mixed_bounds_gqa5(cap):

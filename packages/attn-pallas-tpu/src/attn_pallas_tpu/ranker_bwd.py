@@ -7,7 +7,10 @@ here), ``ds = p * (dp - delta') * cap'(q.k * sm_scale)``; ``dq = sm_scale * sum_
 k_j``, ``dk_j = sm_scale * sum_{h in group, i} ds_ij q_i``, ``dv_j = sum_{h in group, i}
 p_ij dO_i``.
 
-Preprocessing (plain XLA, outside the kernels): ``delta'`` ``[B, Hq, 1, S_pad]`` f32;
+Preprocessing (plain XLA, outside the kernels): ``delta'`` ``[B, Hq, 1, R]`` f32 (``R``
+the forward's q rows, ``ranker_fwd.q_rows``: q, dO, the LSE, ``delta'`` and dq keep
+``S`` rows where one q tile fits, the last tile running past them; k, v, dk and dv are
+padded to ``S_pad``);
 the LSE of rows with no allowed key is replaced by ``+inf`` (so ``exp(y - lse) = 0``,
 never ``-inf - -inf``) and their LSE cotangent by 0, so their gradients are exactly 0.
 
@@ -37,7 +40,9 @@ Schedule
 
 Both kernels accumulate in a fixed order, so the gradients are deterministic (bitwise
 identical on repeated runs). Every program writes its whole output tile (zeros when it
-has no step), so padding rows and keys nobody attends get exactly 0.
+has no step), so padding rows and keys nobody attends get exactly 0. The rows of a last
+q tile past ``S`` (unspecified when read, dropped when written) attend no key, so,
+as any such row below, they only ever meet masked steps.
 
 Isolation (docs/semantics.md; the forward's docstring has the argument). On masked
 steps ``p`` and ``ds`` of a masked pair are selected to 0 (not multiplied: ``dP = dO
@@ -78,6 +83,7 @@ from attn_pallas_tpu.ranker_fwd import (
     kv_step_table,
     nan_where_attended,
     prepare,
+    q_rows,
     q_step_table,
     q_tile_index_maps,
     row_block_spec,
@@ -212,7 +218,8 @@ def _build_dkv_kernel(st: RankerStatic):
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret):
-    """Kernel-layout q/k/v/dO; lse, delta' ``[B, Hq, 1, S_pad]``; clipped bounds."""
+    """Kernel-layout q / dO (``R`` rows) and k / v (``S_pad``); lse, delta' ``[B, Hq, 1,
+    R]``; clipped bounds."""
     group, q_steps = st.group_size, st.q_tiles
     flat_bounds = bounds.reshape(-1)
     params = pltpu.CompilerParams(
@@ -235,7 +242,7 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
             out_specs=q_spec,
             scratch_shapes=dq_scratch(st.block_q, st.head_dim),
         ),
-        out_shape=jax.ShapeDtypeStruct(kernel_shape(st, st.q_heads), q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,
     )(flat_bounds, kv_tab, q, k, v, do, lse, delta)
@@ -295,14 +302,16 @@ def ranker_attention_bwd(
     delta = jnp.where(empty, 0.0, delta)
     lse = jnp.where(empty, jnp.inf, lse)
 
+    rows = q_rows(st, seq)
+
     def stat(x):
-        return jnp.pad(x, ((0, 0), (0, 0), (0, st.seq_pad - seq)))[:, :, None, :]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, rows - seq)))[:, :, None, :]
 
     dq, dk, dv = _bwd_padded(
-        to_kernel_layout(q, st),
+        to_kernel_layout(q, st, rows),
         to_kernel_layout(k, st),
         to_kernel_layout(v, st),
-        to_kernel_layout(dout.astype(q.dtype), st),
+        to_kernel_layout(dout.astype(q.dtype), st, rows),
         stat(lse),
         stat(delta),
         clipped,
