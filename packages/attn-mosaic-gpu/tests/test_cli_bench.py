@@ -210,3 +210,42 @@ def test_bench_failed_row_exits_non_zero(tmp_path, monkeypatch, capsys):
     assert "kernel exploded" in captured.out and "rows failed" in captured.err
     result = json.loads((tmp_path / "ranker_gpu.json").read_text())
     assert result["failed"] == 2
+
+
+class FakeCupti:
+    """CUPTI as ``bench`` reads it: each call runs kernels ``a`` (1 ms) and ``b`` (2 ms);
+    recorded back to back, ``b`` of a call is listed after the next call's ``a`` (a
+    conditional's kernel listed late), so equal slices of the record mix calls."""
+
+    def __init__(self, monkeypatch, *, late: bool):
+        self.late, self.calls, self.pending = late, 0, []
+        monkeypatch.setattr(bench, "mosaic_gpu_ext", lambda: None)
+        monkeypatch.setattr(bench, "cupti_init", self.init)
+        monkeypatch.setattr(bench, "cupti_timings", self.timings)
+        self.init()
+
+    def init(self):
+        self.record, self.held = [], None
+
+    def fn(self):
+        self.calls += 1
+        self.record.append(("a", 1.0))
+        if self.late and self.held is None:
+            self.held = ("b", 2.0)  # listed after the next call's first kernel
+        else:
+            self.record.append(("b", 2.0))
+        return self.calls
+
+    def timings(self, finalize):
+        assert finalize
+        if self.held is not None:
+            self.record.append(self.held)
+        return self.record
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_cupti_call_ms_per_call_device_time(monkeypatch, late):
+    fake = FakeCupti(monkeypatch, late=late)
+    assert bench.cupti_call_ms(fake.fn, (), 4) == [3.0] * 4
+    # the warm-up, 4 calls recorded together and, where their slices mix, 4 alone
+    assert fake.calls == (9 if late else 5)
