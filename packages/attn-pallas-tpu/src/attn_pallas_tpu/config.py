@@ -62,7 +62,10 @@ MAX_QUERIES_PER_PROGRAM = 32
 MIN_DEFAULT_QP = 8
 QP_TABLE_WORDS = 4096
 QP_HEAD_ROWS = 2048
-RING_SLOTS = 3  # 3 and 6 slots measured alike: the copies are hidden at 2 steps in flight
+# 3 and 6 slots measured alike when a step started its copies before its wait (2 steps in
+# flight); the per-query forward now starts them after its compute (1-2 in flight at 3
+# slots, 1.3-1.8x slower at 2; 4 not timed with that order).
+RING_SLOTS = 3
 MAX_ROWS = 4096  # default cap on the query-blocked kernel's score rows (Hb * QB)
 PAIR_CHUNK = 128  # dKV (store block, query) pairs per program: bounds its SMEM tables
 # The query-blocked backward's partial-gradient buffer: slots per (query block, head
