@@ -66,16 +66,24 @@ def sanitize_unit_ids(indices: jax.Array, num_units) -> jax.Array:
     return jnp.where((indices >= 0) & (indices < num_units), indices, -1)
 
 
+def block_selection_keys(topk_units: jax.Array, *, query_block: int) -> jax.Array:
+    """``[..., T, K]`` selections as int32 rows of ``query_block`` queries, ``[...,
+    nQB, QB * K]``: ``-1`` and the tail block's padding become a sentinel above every id,
+    so a sorted row holds the block's ids first (what :func:`union_counts` counts)."""
+    *lead, num_tokens, top_k = topk_units.shape
+    n_blocks = -(-num_tokens // query_block)
+    pad = n_blocks * query_block - num_tokens
+    widths = [(0, 0)] * len(lead) + [(0, pad), (0, 0)]
+    sel = jnp.pad(topk_units.astype(jnp.int32), widths, constant_values=-1)
+    return jnp.where(sel < 0, _SENTINEL, sel).reshape(*lead, n_blocks, query_block * top_k)
+
+
 def sort_block_selections(topk_units: jax.Array, *, query_block: int):
     """Each block's selections sorted, with their places: ``(svals, place)``, int32
     ``[nQB, QB * K]`` (``-1`` -> a sentinel above every id). The first step of
     :func:`build_block_unit_tables`, for a caller that also needs
     :func:`union_counts` (a jitted call's guard) to sort once."""
-    num_tokens, top_k = topk_units.shape
-    n_blocks = -(-num_tokens // query_block)
-    pad = n_blocks * query_block - num_tokens
-    sel = jnp.pad(topk_units.astype(jnp.int32), ((0, pad), (0, 0)), constant_values=-1)
-    vals = jnp.where(sel < 0, _SENTINEL, sel).reshape(n_blocks, query_block * top_k)
+    vals = block_selection_keys(topk_units, query_block=query_block)
     place = jax.lax.broadcasted_iota(jnp.int32, vals.shape, 1)
     return jax.lax.sort((vals, place), dimension=1, num_keys=1)
 
@@ -89,7 +97,8 @@ def _unique(svals: jax.Array) -> jax.Array:
 
 
 def union_counts(svals: jax.Array) -> jax.Array:
-    """int32 union size per block from :func:`sort_block_selections`'s ``svals``."""
+    """int32 union size per block from sorted :func:`block_selection_keys` rows (e.g.
+    :func:`sort_block_selections`'s ``svals``)."""
     return _unique(svals).sum(axis=-1).astype(jnp.int32)
 
 

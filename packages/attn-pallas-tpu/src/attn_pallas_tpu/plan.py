@@ -93,7 +93,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_common.sparse_mla import lift_ragged_indices, ragged_query_info
-from attn_common.tables import lossless_u_max, sanitize_unit_ids
+from attn_common.tables import (
+    block_selection_keys,
+    lossless_u_max,
+    sanitize_unit_ids,
+    union_counts,
+)
 from attn_pallas_tpu.config import MEMBER_TILE, SparseMlaConfig, qblock_vmem_bytes
 
 __all__ = [
@@ -160,7 +165,6 @@ MIN_SHARING = 2  # the query-blocked kernel must read at most half per-query's b
 STATIC_ROWS = 2048  # static_qblock_config's score rows (QB * H)
 MAX_STATIC_QUERY_BLOCK = 128  # measured: QB 64-128 fastest at overlapping picks
 U_MAX_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-_SENTINEL = int(np.iinfo(np.int32).max)
 _WORD_BITS = 64  # host_union_sizes packs its presence table into uint64 words
 _TABLE_BYTES = 1 << 24  # host_union_sizes' presence table per slice of queries
 _MIB = 1 << 20
@@ -249,17 +253,8 @@ def block_union_sizes(keys: jax.Array, *, query_block: int) -> jax.Array:
       ``build_block_unit_tables(keys[b], ...).counts``. Sort-based (no membership
       table), jit-able with ``query_block`` static.
     """
-    keys = jnp.asarray(keys).astype(jnp.int32)
-    batch, seq, top_k = keys.shape
-    n_blocks = -(-seq // query_block)
-    pad = n_blocks * query_block - seq
-    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)), constant_values=-1)
-    vals = jnp.where(keys < 0, _SENTINEL, keys).reshape(batch, n_blocks, query_block * top_k)
-    svals = jnp.sort(vals, axis=-1)
-    first = jnp.concatenate(
-        [jnp.ones((batch, n_blocks, 1), bool), svals[..., 1:] != svals[..., :-1]], axis=-1
-    )
-    return (first & (svals != _SENTINEL)).sum(axis=-1).astype(jnp.int32)
+    vals = block_selection_keys(jnp.asarray(keys), query_block=query_block)
+    return union_counts(jnp.sort(vals, axis=-1))
 
 
 def host_union_sizes(keys: np.ndarray, query_blocks) -> dict[int, np.ndarray]:
