@@ -39,8 +39,8 @@ in steps of ``G`` (``config.SparseMlaConfig.units_per_step``): step ``t``'s ``G`
 are copied into ring slot ``t % S`` (slot ``e`` of the step into rows ``[e RB, (e + 1)
 RB)``), all on that ring slot's semaphore; the prologue starts steps ``0 .. S - 2`` and
 step ``t`` starts step ``t + S - 1`` before waiting for its own copies. Slots past the
-chunk's count re-copy the step's first slot and are zeroed after the load. An FP8 cache's store is two
-arrays with a ring each, dequantized in VMEM after the wait.
+chunk's count re-copy the step's first slot and are zeroed after the load. An FP8
+cache's store is two arrays with a ring each, dequantized in VMEM after the wait.
 
 Compute per step, key-major: ``s = k [G RB, Dk_pad] . q^T -> [G RB, rows]`` (keys on
 sublanes, score rows on lanes), so the per-query membership and ``lim`` are lane rows
