@@ -25,6 +25,8 @@ from attn_pallas_tpu.unit_ring import FAR, entry_positions, query_steps
         (dict(u_max=-1), "positive"),
         (dict(forward_units_per_step=12), "forward_units_per_step.*power of two"),
         (dict(forward_units_per_step=0), "forward_units_per_step.*positive"),
+        (dict(forward_ring_slots=1), "forward_ring_slots.*>= 2"),
+        (dict(forward_ring_slots=0), "forward_ring_slots.*positive"),
     ],
 )
 def test_config_validates(kwargs, match):
@@ -49,18 +51,22 @@ def test_config_derived_sizes():
 def test_default_config(read_block, top_k, queries, heads, want):
     """``G`` up to 512 keys a step (16 units), the per-query forward's up to 1024 (32);
     ``QP`` 32 down to what the SMEM tables (``QP * K``) and blocks (``QP * H``) allow, not
-    below 8, not above the queries."""
+    below 8, not above the queries; the per-query forward's ring 4 slots from 64 heads,
+    the other kernels' 3."""
     cfg = default_config(read_block=read_block, top_k=top_k, num_queries=queries, heads=heads)
     got = (cfg.units_per_step, cfg.forward_units_per_step, cfg.queries_per_program)
     assert got == want
     assert cfg.units_per_step * read_block <= 512
+    assert cfg.ring_slots == 3 and cfg.forward_ring_slots == (4 if heads >= 64 else 3)
     forward = cfg.per_query_forward()
     assert forward.units_per_step == cfg.forward_units_per_step
-    assert forward.forward_units_per_step is None
-    assert forward.replace(units_per_step=cfg.units_per_step) == cfg.replace(
-        forward_units_per_step=None
+    assert forward.ring_slots == cfg.forward_ring_slots
+    assert forward.forward_units_per_step is None and forward.forward_ring_slots is None
+    assert forward.replace(units_per_step=cfg.units_per_step, ring_slots=3) == cfg.replace(
+        forward_units_per_step=None, forward_ring_slots=None
     )  # nothing else differs
-    assert SparseMlaConfig(units_per_step=8).per_query_forward().units_per_step == 8
+    plain = SparseMlaConfig(units_per_step=8, ring_slots=5).per_query_forward()
+    assert (plain.units_per_step, plain.ring_slots) == (8, 5)
 
 
 def _brute_steps(count, qp, g, k):

@@ -19,6 +19,9 @@ The knobs, and why they exist (docs/tpu_sparse_mla.md has the measurements):
 * ``ring_slots`` (``S``): steps held in the VMEM ring; ``(S - 1) * G`` unit copies are in
   flight behind the compute. A unit copy is latency-bound (about a microsecond on a
   v5e), so the ring must hold several to reach HBM bandwidth.
+* ``forward_ring_slots``: the per-query forward kernel's own ``S`` (``None``: the shared
+  ``ring_slots``). That kernel starts its copies after its compute, so its depth is
+  measured apart from the other kernels', which start theirs before their wait.
 * ``queries_per_program`` (``QP``, per-query forward and dq): queries one program walks
   back to back through one ring, so the ring fills and drains once per ``QP`` queries,
   not once per query, and the grid has ``N / QP`` steps. Its bounds: the program's SMEM
@@ -63,9 +66,13 @@ MIN_DEFAULT_QP = 8
 QP_TABLE_WORDS = 4096
 QP_HEAD_ROWS = 2048
 # 3 and 6 slots measured alike when a step started its copies before its wait (2 steps in
-# flight); the per-query forward now starts them after its compute (1-2 in flight at 3
-# slots, 1.3-1.8x slower at 2; 4 not timed with that order).
+# flight). The per-query forward starts them after its compute (1-2 steps in flight at 3
+# slots, 1.3-1.8x slower at 2). v5e at aa1c327, 4 slots against 3 for that kernel: H 64
+# 1.2 % (units of 32) and 0.3 % (units of 16) less device time; H 16 1.5 % (units of 64)
+# and 0.5 % (decode) more. So 4 from WIDE_HEADS heads on, where a step's compute is long.
 RING_SLOTS = 3
+FORWARD_RING_SLOTS_WIDE = 4
+WIDE_HEADS = 64
 MAX_ROWS = 4096  # default cap on the query-blocked kernel's score rows (Hb * QB)
 PAIR_CHUNK = 128  # dKV (store block, query) pairs per program: bounds its SMEM tables
 # The query-blocked backward's partial-gradient buffer: slots per (query block, head
@@ -97,6 +104,8 @@ class SparseMlaConfig:
     pairs_per_step: dKV (store block, query) pairs per step.
     forward_units_per_step: the per-query forward kernel's ``G`` (a power of two up to
       32); ``None``: ``units_per_step``.
+    forward_ring_slots: the per-query forward kernel's ``S`` (at least 2); ``None``:
+      ``ring_slots``.
     """
 
     units_per_step: int = 4
@@ -107,13 +116,16 @@ class SparseMlaConfig:
     u_max: int | None = None
     pairs_per_step: int = 8
     forward_units_per_step: int | None = None
+    forward_ring_slots: int | None = None
 
     def __post_init__(self):
         _check_group("units_per_step", self.units_per_step)
         if self.forward_units_per_step is not None:
             _check_group("forward_units_per_step", self.forward_units_per_step)
-        if _positive("ring_slots", self.ring_slots) < 2:
-            raise ValueError(f"ring_slots: got {self.ring_slots}, expected >= 2")
+        for name in ("ring_slots", "forward_ring_slots"):
+            slots = getattr(self, name)
+            if slots is not None and _positive(name, slots) < 2:
+                raise ValueError(f"{name}: got {slots}, expected >= 2")
         _positive("queries_per_program", self.queries_per_program)
         _positive("pairs_per_step", self.pairs_per_step)
         if self.query_block is not None and _positive("query_block", self.query_block) % 8:
@@ -127,11 +139,13 @@ class SparseMlaConfig:
         return dataclasses.replace(self, **changes)
 
     def per_query_forward(self) -> SparseMlaConfig:
-        """The config the per-query forward kernel runs at: ``units_per_step`` set to
-        ``forward_units_per_step`` where that is given."""
-        if self.forward_units_per_step is None:
-            return self
-        return self.replace(units_per_step=self.forward_units_per_step, forward_units_per_step=None)
+        """The config the per-query forward kernel runs at: ``units_per_step`` and
+        ``ring_slots`` set to ``forward_units_per_step`` and ``forward_ring_slots`` where
+        those are given."""
+        g = self.forward_units_per_step or self.units_per_step
+        s = self.forward_ring_slots or self.ring_slots
+        return self.replace(units_per_step=g, ring_slots=s, forward_units_per_step=None,
+                            forward_ring_slots=None)  # fmt: skip
 
     @property
     def in_flight(self) -> int:
@@ -154,13 +168,15 @@ def default_config(*, read_block: int, top_k: int, num_queries: int, heads: int)
     """The heuristic tiling: ``G * read_block`` up to :data:`STEP_ROWS` keys (at most
     :data:`MAX_DEFAULT_UNITS` units, never more than a query selects, a power of two), the
     per-query forward's ``G`` likewise up to :data:`FORWARD_STEP_ROWS` keys (at most
-    :data:`MAX_UNITS_PER_STEP` units), :data:`RING_SLOTS` slots and
+    :data:`MAX_UNITS_PER_STEP` units), :data:`RING_SLOTS` slots (the per-query forward
+    :data:`FORWARD_RING_SLOTS_WIDE` from :data:`WIDE_HEADS` heads) and
     :func:`default_queries_per_program`."""
     g = _default_group(STEP_ROWS // read_block, MAX_DEFAULT_UNITS, top_k)
     forward = _default_group(FORWARD_STEP_ROWS // read_block, MAX_UNITS_PER_STEP, top_k)
     qp = default_queries_per_program(top_k=top_k, num_queries=num_queries, heads=heads)
+    slots = FORWARD_RING_SLOTS_WIDE if heads >= WIDE_HEADS else RING_SLOTS
     return SparseMlaConfig(units_per_step=g, ring_slots=RING_SLOTS, queries_per_program=qp,
-                           forward_units_per_step=forward)  # fmt: skip
+                           forward_units_per_step=forward, forward_ring_slots=slots)  # fmt: skip
 
 
 def default_queries_per_program(*, top_k: int, num_queries: int, heads: int) -> int:
