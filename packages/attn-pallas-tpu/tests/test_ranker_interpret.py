@@ -291,6 +291,49 @@ def test_grad_d64_no_cap_out_only_deterministic():
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+# ------------------------------------------------------------- heads per program
+
+
+@pytest.mark.parametrize("dim", [128, pytest.param(64, marks=pytest.mark.slow)])
+def test_heads_per_program_bitwise(dim, monkeypatch):
+    """The forward and dq kernels at 4, 2 and 1 query heads a program (Hq 8, Hkv 2: at 2
+    a kv head's group spans two programs) give bitwise the same outputs, LSE and
+    gradients, with one-user and packed bounds, NaN in the K / V rows nobody attends and
+    cap; and each matches the reference."""
+    from attn_pallas_tpu import ranker_config
+
+    q, k, v = _inputs(6, 2, 150, 8, 2, dim, "bfloat16")
+    poison = jnp.zeros((2, 150, 1, 1), bool).at[0, :17].set(True)
+    k, v = (jnp.where(poison, jnp.nan, x) for x in (k, v))
+    one_user = jnp.array([[17, 100, 100, 150], [0, 60, 80, 140]], jnp.int32)
+    packed = jnp.array([[[17, 60, 60, 90], [90, 120, 120, 150]],
+                        [[0, 70, 70, 100], [100, 130, 130, 140]]], jnp.int32)  # fmt: skip
+    w = jnp.asarray(np.random.default_rng(6).standard_normal(q.shape), jnp.float32)
+    results = {}
+    for heads in (4, 2, 1):
+        monkeypatch.setattr(ranker_config, "MAX_HEADS_PER_PROGRAM", heads)
+        assert ranker_config.heads_per_program(4, 128, 128, dim) == heads
+        for name, bounds in (("one_user", one_user), ("packed", packed)):
+            fwd = ranker_attention(q, k, v, bounds, cap=CAPS["tanh"], config=SMALL,
+                                   return_lse=True, interpret=INTERPRET)  # fmt: skip
+            loss = _loss(ranker_attention, bounds, w, cap=CAPS["tanh"], use_lse=True,
+                         config=SMALL, interpret=INTERPRET)  # fmt: skip
+            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+            results[heads, name] = [np.asarray(x) for x in (*fwd, *grads)]
+            assert_no_races()
+    for name in ("one_user", "packed"):
+        for heads in (2, 1):
+            for a, b in zip(results[4, name], results[heads, name], strict=True):
+                np.testing.assert_array_equal(a, b)
+    assert np.isfinite(results[4, "one_user"][0]).all()
+    q0, k0, v0 = (jnp.where(poison, 0.0, x) if x is not q else x for x in (q, k, v))
+    _check_forward(q0, k0, v0, one_user, cap=CAPS["tanh"])
+    got = np.asarray(results[4, "one_user"][0], np.float32)
+    want = np.asarray(ranker_attention(q0, k0, v0, one_user, cap=CAPS["tanh"], config=SMALL,
+                                       interpret=INTERPRET), np.float32)  # fmt: skip
+    np.testing.assert_array_equal(got, want)  # poisoned rows nobody attends: no effect
+
+
 # ------------------------------------------------------------------ step tables
 
 

@@ -16,14 +16,16 @@ never ``-inf - -inf``) and their LSE cotangent by 0, so their gradients are exac
 
 Schedule
 --------
-* ``dq`` kernel, grid ``(B, Hq, q_tiles, kv_steps)`` (``parallel x 3, arbitrary``): the
-  forward's schedule. The same scalar-prefetched table of
-  ``attn_common.ranker_kv_block_ranges`` drives the K/V index maps (visit-once blocks;
-  steps past the tile's count clamp to its last block, so no DMA is issued, and
-  ``pl.when`` skips them). Q, dO, lse and delta' are fetched once per ``(b, h, i)``.
-  Per step: ``S = Q K^T``, ``dP = dO V^T`` on the MXU, the cap and its derivative
-  (``attn_common.cap_scaled_with_derivative``), the mask only on steps outside
-  ``attn_common.ranker_full_kv_steps``, then ``dQ += dS K`` into an f32 VMEM
+* ``dq`` kernel, grid ``(B, Hq / Hp, q_tiles, kv_steps)`` (``parallel x 3,
+  arbitrary``): the forward's schedule, ``Hp`` query heads of one kv head a program
+  (``RankerStatic.heads_per_program``). The same scalar-prefetched table of
+  ``attn_common.ranker_kv_block_ranges`` drives the K/V index maps (visit-once blocks,
+  fetched once for the ``Hp`` heads; steps past the tile's count clamp to its last
+  block, so no DMA is issued, and ``pl.when`` skips them). Q, dO, lse and delta' are
+  fetched once per ``(b, h, i)``. Per step and head: ``S = Q K^T``, ``dP = dO V^T`` on
+  the MXU, the cap and its derivative (``attn_common.cap_scaled_with_derivative``), the
+  mask (built once a step for the heads) only on steps outside
+  ``attn_common.ranker_full_kv_steps``, then ``dQ += dS K`` into the head's f32 VMEM
   accumulator, written (times ``sm_scale``) at the last step.
 * ``dk/dv`` kernel, grid ``(B, Hkv, kv_tiles, group * q_steps)`` (``parallel x 3,
   arbitrary``): a program row owns ``block_kv`` keys of one (batch row, kv head); its
@@ -79,6 +81,7 @@ from attn_pallas_tpu.ranker_fwd import (
     dot,
     finite_or_zero,
     from_kernel_layout,
+    head_of,
     kernel_shape,
     kv_step_table,
     nan_where_attended,
@@ -111,46 +114,47 @@ def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
 
 
 def _build_dq_kernel(st: RankerStatic):
-    bq, bkv = st.block_q, st.block_kv
+    bq, bkv, heads = st.block_q, st.block_kv, st.heads_per_program
 
     def kernel(
         # scalar prefetch (SMEM)
         bounds_ref,  # [B * 4] or [B * U * 4] int32: the clipped bounds
         tab_ref,  # [B * q_tiles * words] int32: each q tile's KV steps (kv_step_table)
-        # inputs (VMEM blocks)
-        q_ref,  # [block_q, D]
+        # inputs (VMEM blocks; head g of a heads block at head_of(st, g))
+        q_ref,  # [block_q, Hp * D] or [Hp, block_q, D]: Hp query heads of one kv head
         k_ref,  # [block_kv, D]
         v_ref,  # [block_kv, D]
-        do_ref,  # [block_q, D]
-        lse_ref,  # [1, block_q] f32 (+inf on rows with no key)
-        delta_ref,  # [1, block_q] f32
+        do_ref,  # as q_ref
+        lse_ref,  # [Hp, 1, block_q] f32 (+inf on rows with no key)
+        delta_ref,  # [Hp, 1, block_q] f32
         # outputs
-        dq_ref,  # [block_q, D]
+        dq_ref,  # as q_ref
         # scratch (dq_scratch)
-        acc,  # [block_q, D] f32
+        acc,  # [Hp, block_q, D] f32
     ):
         def init():
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
         def step(i, j, steps, bounds, masked: bool):
-            k = k_ref[...]
-            raw = dot(q_ref[...], k, trans_b=True)  # (bq, bkv)
-            dp = dot(do_ref[...], v_ref[...], trans_b=True)
-            allowed = None
-            if masked:
+            k, v = k_ref[...], v_ref[...]
+            allowed, k_clean, poison = None, k, 0.0
+            if masked:  # once for the heads; isolation: no 0 * NaN from unattended K rows
                 kv0 = steps.block_at(j) * bkv
                 allowed = tile_mask(bounds, i * bq, kv0, (bq, bkv), q_axis=0)
-            lse = row_to_col(lse_ref[...], bq)
-            delta = row_to_col(delta_ref[...], bq)
-            _, ds = _probs_and_dlogits(raw, lse, dp, delta, st, allowed)
-            poison = 0.0
-            if masked:  # isolation: no 0 * NaN from K rows a query does not attend
-                k, bad = finite_or_zero(k, bkv)
+                k_clean, bad = finite_or_zero(k, bkv)
                 poison = nan_where_attended(allowed, bad)
-            acc[...] += dot(ds.astype(k.dtype), k) + poison
+            for g in range(heads):
+                head = head_of(st, g)
+                raw = dot(q_ref[head], k, trans_b=True)  # (bq, bkv)
+                dp = dot(do_ref[head], v, trans_b=True)
+                lse = row_to_col(lse_ref[g], bq)
+                delta = row_to_col(delta_ref[g], bq)
+                _, ds = _probs_and_dlogits(raw, lse, dp, delta, st, allowed)
+                acc[g] += dot(ds.astype(k.dtype), k_clean) + poison
 
         def finish():
-            dq_ref[...] = (acc[...] * st.sm_scale).astype(dq_ref.dtype)
+            for g in range(heads):
+                dq_ref[head_of(st, g)] = (acc[g] * st.sm_scale).astype(dq_ref.dtype)
 
         walk_tile(
             st, tab_ref, bounds_ref, tiles=st.q_tiles, steps=st.kv_tiles, init=init, step=step,
@@ -230,9 +234,10 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
     kv_tab = kv_step_table(bounds, st)
     q_index, kv_index = q_tile_index_maps(st)
 
-    q_spec = row_block_spec(st, st.block_q, q_index)
+    heads = st.heads_per_program
+    q_spec = row_block_spec(st, st.block_q, q_index, heads)
     kv_spec = row_block_spec(st, st.block_kv, kv_index)
-    stat_spec = stat_block_spec(st.block_q, q_index)
+    stat_spec = stat_block_spec(st.block_q, q_index, heads)
     dq = pl.pallas_call(
         _build_dq_kernel(st),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -240,7 +245,7 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
             grid=st.grid("dq"),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec],
             out_specs=q_spec,
-            scratch_shapes=dq_scratch(st.block_q, st.head_dim),
+            scratch_shapes=dq_scratch(st.block_q, st.head_dim, heads),
         ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,

@@ -8,9 +8,12 @@ values.
   (``validate_config``) and ``num_stages`` is not read (the Pallas TPU pipeline
   double-buffers every block).
 * Shapes: ``RankerStatic`` (the padded problem and the tiles: ``q_tiles``, ``kv_tiles``,
-  the kernel layout, the step tables' ``runs``) and ``grids`` (the three kernels' grids,
-  which the cost model counts steps over); the scratch of each kernel
-  (``fwd_scratch``, ``dq_scratch``, ``dkv_scratch``).
+  ``heads_per_program``, the kernel layout, the step tables' ``runs``) and ``grids`` (the
+  three kernels' grids, which the cost model counts steps over); the scratch of each
+  kernel (``fwd_scratch``, ``dq_scratch``, ``dkv_scratch``).
+* Derived, not a knob: ``heads_per_program`` (``heads_per_program``), the query heads of
+  one kv head that one forward or dq program computes: the largest divisor of the GQA
+  group, at most ``MAX_HEADS_PER_PROGRAM``, whose VMEM estimate fits.
 * Heuristic: ``default_config``, the largest block of ``BLOCK_CHOICES`` that pads ``S``
   least, among those whose VMEM estimate (``vmem_bytes``) fits ``VMEM_LIMIT_BYTES``.
 """
@@ -31,6 +34,7 @@ __all__ = [
     "BLOCK_CHOICES",
     "DIMENSION_SEMANTICS",
     "LANES",
+    "MAX_HEADS_PER_PROGRAM",
     "SCORE_TEMPORARIES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
@@ -42,6 +46,7 @@ __all__ = [
     "dq_scratch",
     "fwd_scratch",
     "grids",
+    "heads_per_program",
     "make_static",
     "padded_len",
     "round_up",
@@ -62,6 +67,12 @@ SCORE_TEMPORARIES = 5
 # Grid axes: (batch, heads, tiles) parallel; the steps of a tile (the accumulators live
 # across them in VMEM scratch) arbitrary.
 DIMENSION_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+# Query heads of one kv head per forward / dq program (K / V fetched once for them, a
+# masked step's mask and V cleaning built once, the heads independent work in one step
+# body). v5e at aa1c327 (scratch, forward, 5 heads a program against 1, device ms,
+# bitwise equal): phoenix 25.55 -> 19.78, ragged 19.81 -> 15.50, ragged packed 19.02 ->
+# 13.10. Bounded because the step body is unrolled per head; 8 heads not measured.
+MAX_HEADS_PER_PROGRAM = 8
 
 
 def round_up(x: int, m: int) -> int:
@@ -73,11 +84,13 @@ def padded_len(seq_len: int, block_q: int, block_kv: int) -> int:
     return round_up(seq_len, math.lcm(block_q, block_kv))
 
 
-def grids(batch: int, q_heads: int, kv_heads: int, seq_pad: int, block_q: int, block_kv: int):
-    """The kernels' grids: ``fwd`` and ``dq`` ``(B, Hq, q_tiles, kv_tiles)``, ``dkv``
-    ``(B, Hkv, kv_tiles, group * q_tiles)`` (the group's query heads in turn)."""
+def grids(batch: int, q_heads: int, kv_heads: int, seq_pad: int, block_q: int, block_kv: int,
+          heads: int = 1):  # fmt: skip
+    """The kernels' grids: ``fwd`` and ``dq`` ``(B, Hq / heads, q_tiles, kv_tiles)``
+    (``heads`` query heads a program), ``dkv`` ``(B, Hkv, kv_tiles, group * q_tiles)``
+    (the group's query heads in turn)."""
     q_tiles, kv_tiles = seq_pad // block_q, seq_pad // block_kv
-    fwd = (batch, q_heads, q_tiles, kv_tiles)
+    fwd = (batch, q_heads // heads, q_tiles, kv_tiles)
     return {
         "fwd": fwd,
         "dq": fwd,
@@ -123,6 +136,7 @@ class RankerStatic(RankerKernelStatic):
     block_q: int
     block_kv: int
     packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
+    heads_per_program: int = 1  # query heads (of one kv head) per forward / dq program
 
     @property
     def runs(self) -> int:
@@ -146,18 +160,37 @@ class RankerStatic(RankerKernelStatic):
     def grid(self, kernel: str) -> tuple[int, int, int, int]:
         """The grid of ``kernel`` (``"fwd"``, ``"dq"`` or ``"dkv"``; see ``grids``)."""
         g = grids(
-            self.batch, self.q_heads, self.kv_heads, self.seq_pad, self.block_q, self.block_kv
-        )
+            self.batch, self.q_heads, self.kv_heads, self.seq_pad, self.block_q, self.block_kv,
+            self.heads_per_program,
+        )  # fmt: skip
         return g[kernel]
 
 
 def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerStatic:
+    group = problem.q_heads // problem.kv_heads
     return RankerStatic(
         **problem.padded(padded_len(problem.seq_len, config.block_q, config.block_kv)),
         block_q=config.block_q,
         block_kv=config.block_kv,
         packed_users=packed_users,
+        heads_per_program=heads_per_program(
+            group, config.block_q, config.block_kv, problem.head_dim
+        ),
     )
+
+
+def heads_per_program(group: int, block_q: int, block_kv: int, head_dim: int) -> int:
+    """Query heads a forward / dq program computes: the largest divisor of the GQA
+    ``group`` that is at most ``MAX_HEADS_PER_PROGRAM`` and whose forward and dq VMEM
+    estimates (``vmem_bytes`` at float32, as ``default_config``) fit
+    ``VMEM_LIMIT_BYTES``; 1 when none larger does."""
+    for heads in range(min(group, MAX_HEADS_PER_PROGRAM), 1, -1):
+        if group % heads:
+            continue
+        need = vmem_bytes(block_q, block_kv, head_dim, jnp.float32, heads=heads)
+        if max(need["fwd"], need["dq"]) <= VMEM_LIMIT_BYTES:
+            return heads
+    return 1
 
 
 def table_words(runs: int) -> int:
@@ -168,19 +201,19 @@ def table_words(runs: int) -> int:
 # ----------------------------------------------------------------------------- VMEM
 
 
-def fwd_scratch(block_q: int, head_dim: int) -> list:
-    """The forward's scratch: the running max and sum (lane-broadcast) and the f32
-    accumulator, which live across a tile's KV steps."""
+def fwd_scratch(block_q: int, head_dim: int, heads: int = 1) -> list:
+    """The forward's scratch, per head of the program: the running max and sum
+    (lane-broadcast) and the f32 accumulator, which live across a tile's KV steps."""
     return [
-        pltpu.VMEM((block_q, LANES), jnp.float32),
-        pltpu.VMEM((block_q, LANES), jnp.float32),
-        pltpu.VMEM((block_q, head_dim), jnp.float32),
+        pltpu.VMEM((heads, block_q, LANES), jnp.float32),
+        pltpu.VMEM((heads, block_q, LANES), jnp.float32),
+        pltpu.VMEM((heads, block_q, head_dim), jnp.float32),
     ]
 
 
-def dq_scratch(block_q: int, head_dim: int) -> list:
-    """The dq kernel's scratch: the f32 dQ accumulator."""
-    return [pltpu.VMEM((block_q, head_dim), jnp.float32)]
+def dq_scratch(block_q: int, head_dim: int, heads: int = 1) -> list:
+    """The dq kernel's scratch: the f32 dQ accumulator of each head of the program."""
+    return [pltpu.VMEM((heads, block_q, head_dim), jnp.float32)]
 
 
 def dkv_scratch(block_kv: int, head_dim: int) -> list:
@@ -188,13 +221,15 @@ def dkv_scratch(block_kv: int, head_dim: int) -> list:
     return [pltpu.VMEM((block_kv, head_dim), jnp.float32)] * 2
 
 
-def vmem_bytes(block_q: int, block_kv: int, head_dim: int, dtype) -> dict[str, int]:
+def vmem_bytes(block_q: int, block_kv: int, head_dim: int, dtype, heads: int = 1) -> dict[str, int]:
     """A model of each kernel's VMEM (bytes): its blocks, double-buffered by the Pallas
     pipeline (a ``(1, rows)`` f32 row statistic takes 8 sublanes), its scratch, and
-    ``SCORE_TEMPORARIES`` float32 score tiles. A model: Mosaic's own layouts and
-    temporaries are known only on a TPU."""
+    ``SCORE_TEMPORARIES`` float32 score tiles (once: the heads of a program take their
+    turns). ``heads``: query heads per forward / dq program (their q-side blocks and
+    scratch scale with it). A model: Mosaic's own layouts and temporaries are known only
+    on a TPU."""
     item = jnp.dtype(dtype).itemsize
-    bq, bkv, d = block_q, block_kv, head_dim
+    bq, bkv, d, h = block_q, block_kv, head_dim, heads
     stat = 8 * 4  # bytes per position of a (1, rows) f32 block
 
     def scratch(shapes):
@@ -202,13 +237,13 @@ def vmem_bytes(block_q: int, block_kv: int, head_dim: int, dtype) -> dict[str, i
 
     scores = SCORE_TEMPORARIES * bq * bkv * 4
     blocks = {
-        "fwd": (2 * bq * d + 2 * bkv * d) * item + bq * stat,  # q, o; k, v; lse
-        "dq": (3 * bq * d + 2 * bkv * d) * item + 2 * bq * stat,  # q, dO, dq; k, v; lse, delta
+        "fwd": (2 * h * bq * d + 2 * bkv * d) * item + h * bq * stat,  # q, o; k, v; lse
+        "dq": (3 * h * bq * d + 2 * bkv * d) * item + 2 * h * bq * stat,  # q, dO, dq; k, v; stats
         "dkv": (4 * bkv * d + 2 * bq * d) * item + 2 * bq * stat,  # k, v, dk, dv; q, dO; stats
     }
     scratches = {
-        "fwd": fwd_scratch(bq, d),
-        "dq": dq_scratch(bq, d),
+        "fwd": fwd_scratch(bq, d, h),
+        "dq": dq_scratch(bq, d, h),
         "dkv": dkv_scratch(bkv, d),
     }
     return {k: 2 * blocks[k] + scratch(scratches[k]) + scores for k in blocks}

@@ -8,11 +8,12 @@ allows it; logits ``cap(q.k * sm_scale)``; ``out [B,S,Hq,D]`` in q's dtype and
 
 Schedule
 --------
-Grid ``(B, Hq, q_tiles, kv_steps)``, dimension semantics ``(parallel, parallel,
-parallel, arbitrary)``. One program row ``(b, h, i)`` owns ``block_q`` query rows of one
-(batch row, query head) and walks ``kv_steps = S_pad / block_kv`` grid steps (the static
-maximum: bounds are data, so the number of blocks a tile visits is not known at trace
-time).
+Grid ``(B, Hq / Hp, q_tiles, kv_steps)``, dimension semantics ``(parallel, parallel,
+parallel, arbitrary)``. One program row ``(b, h, i)`` owns ``block_q`` query rows of
+``Hp`` query heads of one kv head (``RankerStatic.heads_per_program``: the largest
+divisor of the GQA group, up to 8, whose VMEM estimate fits) in one batch row, and walks
+``kv_steps = S_pad / block_kv`` grid steps (the static maximum: bounds are data, so the
+number of blocks a tile visits is not known at trace time).
 
 * Tables (built outside the kernel by plain ``jnp``, ``kv_step_table``): for every
   ``(b, i)`` the visit-once KV block ranges of ``attn_common.ranker_kv_block_ranges``
@@ -21,17 +22,20 @@ time).
   ``attn_common.ranker_full_kv_steps`` whose block every row of the tile may attend in
   full. The table and the clipped bounds are scalar-prefetched into SMEM
   (``pltpu.PrefetchScalarGridSpec``).
-* Who loads what: the Pallas pipeline DMAs the Q tile once per ``(b, h, i)`` (its
-  block index does not change along the KV axis). The K and V block specs' index maps
-  read the table: step ``j < steps`` fetches block ``BlockRanges.block_at(j)`` of kv
-  head ``h // (Hq / Hkv)`` (GQA reads the shared kv head in place: no per-query-head
-  copies of K/V exist anywhere); step ``j >= steps`` is clamped to the tile's last
-  visited block, so the block index does not change and the pipeline issues no DMA.
-  Blocks outside the ranges are never fetched.
-* Compute: ``pl.when(j < steps)``; the QK^T product on the MXU (f32 accumulation), the
-  scale and cap (``attn_common.cap_forward``), the ranker mask (``ranker_mask`` on the
-  tile iotas) only on steps outside ``[full_lo, full_hi)``, and an online softmax whose
-  running max / sum / f32 accumulator live in VMEM scratch across the KV axis.
+* Who loads what: the Pallas pipeline DMAs the ``Hp`` heads' Q tiles once per ``(b, h,
+  i)`` (their block index does not change along the KV axis). The K and V block specs'
+  index maps read the table: step ``j < steps`` fetches block ``BlockRanges.block_at(j)``
+  of the program's kv head, once for its ``Hp`` query heads (GQA reads the shared kv
+  head in place: no per-query-head copies of K/V exist anywhere); step ``j >= steps`` is
+  clamped to the tile's last visited block, so the block index does not change and the
+  pipeline issues no DMA. Blocks outside the ranges are never fetched.
+* Compute: ``pl.when(j < steps)``; per head, the QK^T product on the MXU (f32
+  accumulation), the scale and cap (``attn_common.cap_forward``), the ranker mask
+  (``ranker_mask`` on the tile iotas, built once a step for the ``Hp`` heads) only on
+  steps outside ``[full_lo, full_hi)``, and an online softmax whose running max / sum /
+  f32 accumulator live in VMEM scratch (one slab per head) across the KV axis. The
+  heads are independent chains in one step body, so one head's matmuls can overlap
+  another's softmax.
 * At the last KV step the program normalises and writes its whole O tile and its LSE
   row (also when it had no step), so every element of the outputs is written.
 
@@ -61,10 +65,11 @@ whose divide is guarded, giving ``out = 0`` and ``lse = -inf``. A q tile with no
 or candidate row has zero steps and writes zeros / ``-inf`` directly.
 
 Layouts: for ``D % 128 == 0`` q/k/v/out are viewed as ``[B, S, H*D]`` (a free
-reshape) and a head is a lane block of width ``D``; for ``D = 64`` (narrower than a lane
-tile) they are transposed to ``[B, H, S, D]`` by XLA outside the kernel. The LSE is
-stored as ``[B, Hq, 1, S]`` (lane-dense; the column of row statistics is transposed
-once per tile in the kernel).
+reshape), a head is a lane block of width ``D`` and a program's ``Hp`` heads (adjacent:
+query head ``h`` belongs to kv head ``h // (Hq / Hkv)``) one block of width ``Hp * D``;
+for ``D = 64`` (narrower than a lane tile) they are transposed to ``[B, H, S, D]`` by
+XLA outside the kernel. The LSE is stored as ``[B, Hq, 1, S]`` (lane-dense; the column
+of row statistics is transposed once per tile in the kernel).
 
 Any ``S``: k and v are zero-padded to a multiple of ``lcm(block_q, block_kv)``; q and
 the outputs keep their ``S`` rows where ``S >= block_q`` (:func:`q_rows`), the last q
@@ -120,6 +125,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "default_config",
+    "head_of",
     "kernel_forward",
     "kv_step_table",
     "program_tile",
@@ -173,31 +179,40 @@ def kernel_shape(st: RankerStatic, heads: int, rows: int | None = None) -> tuple
     return (st.batch, heads, rows, st.head_dim)
 
 
-def row_block_spec(st: RankerStatic, rows: int, index) -> pl.BlockSpec:
-    """Block of ``rows`` positions x one head; ``index(*grid, *refs) -> (b, head, blk)``."""
+def row_block_spec(st: RankerStatic, rows: int, index, heads: int | None = None) -> pl.BlockSpec:
+    """Block of ``rows`` positions x one head; ``index(*grid, *refs) -> (b, head, blk)``.
+    With ``heads``: ``heads`` adjacent heads, ``head`` counting blocks of them (a kernel
+    reads head ``g`` of the block at ``head_of(st, g)``)."""
     if st.flat:
 
         def flat_map(*args):
             b, head, blk = index(*args)
             return (b, blk, head)
 
-        return pl.BlockSpec((None, rows, st.head_dim), flat_map)
+        return pl.BlockSpec((None, rows, (heads or 1) * st.head_dim), flat_map)
 
     def heads_map(*args):
         b, head, blk = index(*args)
         return (b, head, blk, 0)
 
-    return pl.BlockSpec((None, None, rows, st.head_dim), heads_map)
+    return pl.BlockSpec((None, heads, rows, st.head_dim), heads_map)
 
 
-def stat_block_spec(rows: int, index) -> pl.BlockSpec:
-    """Block ``(1, rows)`` of a ``[B, Hq, 1, S_pad]`` f32 row statistic (lse, delta)."""
+def head_of(st: RankerStatic, g: int) -> tuple:
+    """The index of head ``g`` in a ``row_block_spec(..., heads=...)`` block."""
+    d = st.head_dim
+    return (slice(None), slice(g * d, (g + 1) * d)) if st.flat else (g,)
+
+
+def stat_block_spec(rows: int, index, heads: int | None = None) -> pl.BlockSpec:
+    """Block ``(1, rows)`` of a ``[B, Hq, 1, S_pad]`` f32 row statistic (lse, delta);
+    with ``heads``, ``(heads, 1, rows)`` (``head`` counting blocks of heads)."""
 
     def stat_map(*args):
         b, head, blk = index(*args)
         return (b, head, 0, blk)
 
-    return pl.BlockSpec((None, None, 1, rows), stat_map)
+    return pl.BlockSpec((None, heads, 1, rows), stat_map)
 
 
 def row_to_col(row, rows: int):
@@ -348,11 +363,12 @@ def run_step(steps: TileSteps, j, step) -> None:
 
 
 def q_tile_index_maps(st: RankerStatic):
-    """The index maps of the kernels that walk a q tile's KV steps (the forward and dq):
-    ``q_index`` the tile's own blocks (Q, O, dO and the row statistics, fetched once per
-    ``(b, h, i)``), ``kv_index`` the step's K/V block of the head's kv head (past the
-    tile's steps its last visited block, so no DMA is issued)."""
-    group = st.group_size
+    """The index maps of the kernels that walk a q tile's KV steps (the forward and dq,
+    ``st.heads_per_program`` query heads a program): ``q_index`` the tile's own blocks (Q,
+    O, dO and the row statistics, fetched once per ``(b, h, i)``; ``h`` counts blocks of
+    heads), ``kv_index`` the step's K/V block of the heads' kv head (past the tile's steps
+    its last visited block, so no DMA is issued)."""
+    group = st.group_size // st.heads_per_program  # head blocks per kv head
 
     def q_index(b, h, i, j, bounds_ref, tab_ref):
         return b, h, i
@@ -406,23 +422,23 @@ def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
 
 
 def _build_fwd_kernel(st: RankerStatic):
-    bq, bkv = st.block_q, st.block_kv
+    bq, bkv, heads = st.block_q, st.block_kv, st.heads_per_program
 
     def kernel(
         # scalar prefetch (SMEM)
         bounds_ref,  # [B * 4] or [B * U * 4] int32: the clipped bounds
         tab_ref,  # [B * q_tiles * words] int32: each q tile's KV steps (kv_step_table)
-        # inputs (VMEM blocks)
-        q_ref,  # [block_q, D]: the tile's queries of one head
-        k_ref,  # [block_kv, D]: the step's keys of the kv head
+        # inputs (VMEM blocks; head g of a heads block at head_of(st, g))
+        q_ref,  # [block_q, Hp * D] or [Hp, block_q, D]: the tile's queries of Hp heads
+        k_ref,  # [block_kv, D]: the step's keys of their kv head
         v_ref,  # [block_kv, D]
         # outputs
-        o_ref,  # [block_q, D]
-        lse_ref,  # [1, block_q] f32, natural log
-        # scratch (fwd_scratch)
-        m_sc,  # [block_q, 128] f32: running max, lane-broadcast
-        l_sc,  # [block_q, 128] f32: running sum
-        acc_sc,  # [block_q, D] f32
+        o_ref,  # as q_ref
+        lse_ref,  # [Hp, 1, block_q] f32, natural log
+        # scratch (fwd_scratch), one slab per head
+        m_sc,  # [Hp, block_q, 128] f32: running max, lane-broadcast
+        l_sc,  # [Hp, block_q, 128] f32: running sum
+        acc_sc,  # [Hp, block_q, D] f32
     ):
         def init():
             m_sc[...] = jnp.full(m_sc.shape, M_INIT, jnp.float32)
@@ -430,31 +446,33 @@ def _build_fwd_kernel(st: RankerStatic):
             acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
         def step(i, j, steps, bounds, masked: bool):
-            s = scaled_capped(dot(q_ref[...], k_ref[...], trans_b=True), st)
-            if masked:
+            k, v = k_ref[...], v_ref[...]
+            poison = 0.0
+            if masked:  # once for the heads; isolation: no 0 * NaN from unattended V rows
                 kv0 = steps.block_at(j) * bkv
                 allowed = tile_mask(bounds, i * bq, kv0, (bq, bkv), q_axis=0)
-                s = jnp.where(allowed, s, -jnp.inf)
-            m_prev = m_sc[...]  # (bq, 128), lane-broadcast
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - m_next[:, :1])
-            l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-            v = v_ref[...]
-            poison = 0.0
-            if masked:  # isolation: no 0 * NaN from V rows a query does not attend
                 v, bad = finite_or_zero(v, bkv)
                 poison = nan_where_attended(allowed, bad)
-            acc_sc[...] = acc_sc[...] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
-            m_sc[...] = m_next
+            for g in range(heads):
+                s = scaled_capped(dot(q_ref[head_of(st, g)], k, trans_b=True), st)
+                if masked:
+                    s = jnp.where(allowed, s, -jnp.inf)
+                m_prev = m_sc[g]  # (bq, 128), lane-broadcast
+                m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                alpha = jnp.exp(m_prev - m_next)
+                p = jnp.exp(s - m_next[:, :1])
+                l_sc[g] = alpha * l_sc[g] + jnp.sum(p, axis=1, keepdims=True)
+                acc_sc[g] = acc_sc[g] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
+                m_sc[g] = m_next
 
         def finish():
-            l = l_sc[...][:, :1]
-            has_key = l > 0.0
-            safe_l = jnp.where(has_key, l, 1.0)
-            o_ref[...] = (acc_sc[...] * (1.0 / safe_l)).astype(o_ref.dtype)
-            lse = jnp.where(has_key, m_sc[...][:, :1] + jnp.log(safe_l), -jnp.inf)
-            lse_ref[...] = col_to_row(lse, bq)
+            for g in range(heads):
+                l = l_sc[g][:, :1]
+                has_key = l > 0.0
+                safe_l = jnp.where(has_key, l, 1.0)
+                o_ref[head_of(st, g)] = (acc_sc[g] * (1.0 / safe_l)).astype(o_ref.dtype)
+                lse = jnp.where(has_key, m_sc[g][:, :1] + jnp.log(safe_l), -jnp.inf)
+                lse_ref[g] = col_to_row(lse, bq)
 
         walk_tile(
             st, tab_ref, bounds_ref, tiles=st.q_tiles, steps=st.kv_tiles, init=init, step=step,
@@ -471,20 +489,21 @@ def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
     rows = q.shape[1] if st.flat else q.shape[2]
     tab = kv_step_table(bounds, st)
     q_index, kv_index = q_tile_index_maps(st)
+    heads = st.heads_per_program
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=st.grid("fwd"),
         in_specs=[
-            row_block_spec(st, st.block_q, q_index),
+            row_block_spec(st, st.block_q, q_index, heads),
             row_block_spec(st, st.block_kv, kv_index),
             row_block_spec(st, st.block_kv, kv_index),
         ],
         out_specs=[
-            row_block_spec(st, st.block_q, q_index),
-            stat_block_spec(st.block_q, q_index),
+            row_block_spec(st, st.block_q, q_index, heads),
+            stat_block_spec(st.block_q, q_index, heads),
         ],
-        scratch_shapes=fwd_scratch(st.block_q, st.head_dim),
+        scratch_shapes=fwd_scratch(st.block_q, st.head_dim, heads),
     )
     out, lse = pl.pallas_call(
         _build_fwd_kernel(st),

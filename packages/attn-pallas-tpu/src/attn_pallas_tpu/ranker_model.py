@@ -23,6 +23,10 @@ Per visit, on one TensorCore (a chip's ``cores`` share the parallel grid axes):
   ``STEP_OVERHEAD_S`` (the kernels' grids have ``S_pad / block`` steps on the inner axis
   whatever the bounds). Layout copies outside the kernels (D = 64: the ``[B,H,S,D]``
   transposes) are added at the HBM bandwidth.
+* Programs are counted one per query head (``grids`` at one head a program). The
+  forward and dq kernels run ``RankerStatic.heads_per_program`` heads of one kv head a
+  program, fetching each K / V block once for them; the model does not credit that
+  sharing (its per-visit K / V bytes and per-program Q / O bytes are per head).
 
 Splash attention with the union mask takes one static mask for the whole batch: the
 union over the rows of each row's allowed mask. It visits, for every row and head,
