@@ -294,44 +294,79 @@ def test_grad_d64_no_cap_out_only_deterministic():
 # ------------------------------------------------------------- heads per program
 
 
-@pytest.mark.parametrize("dim", [128, pytest.param(64, marks=pytest.mark.slow)])
-def test_heads_per_program_bitwise(dim, monkeypatch):
+ONE_USER = np.array([[17, 100, 100, 150], [0, 60, 80, 140]], np.int32)
+PACKED = np.array([[[17, 60, 60, 90], [90, 120, 120, 150]],
+                   [[0, 70, 70, 100], [100, 130, 130, 140]]], np.int32)  # fmt: skip
+
+
+def _fwd_and_grads(q, k, v, bounds, cap, seed, *, grads=True):
+    """out, LSE and (``grads``) the three gradients of a loss through out and the LSE,
+    as numpy."""
+    w = jnp.asarray(np.random.default_rng(seed).standard_normal(q.shape), jnp.float32)
+    fwd = ranker_attention(q, k, v, bounds, cap=cap, config=SMALL, return_lse=True,
+                           interpret=INTERPRET)  # fmt: skip
+    got = list(fwd)
+    if grads:
+        loss = _loss(ranker_attention, bounds, w, cap=cap, use_lse=True, config=SMALL,
+                     interpret=INTERPRET)  # fmt: skip
+        got += jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert_no_races()
+    return [np.asarray(x) for x in got]
+
+
+@pytest.mark.parametrize(
+    ("dim", "bounds", "heads"),
+    [(128, PACKED, (4, 1)),
+     pytest.param(128, ONE_USER, (4, 2, 1), marks=pytest.mark.slow),
+     pytest.param(64, PACKED, (4, 2, 1), marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_heads_per_program_bitwise(dim, bounds, heads, monkeypatch):
     """The forward and dq kernels at 4, 2 and 1 query heads a program (Hq 8, Hkv 2: at 2
     a kv head's group spans two programs) give bitwise the same outputs, LSE and
-    gradients, with one-user and packed bounds, NaN in the K / V rows nobody attends and
-    cap; and each matches the reference."""
+    gradients, with NaN in the K / V rows nobody attends, and a cap; those rows change
+    nothing (bitwise the run with them zeroed), and the outputs match the reference."""
     from attn_pallas_tpu import ranker_config
 
     q, k, v = _inputs(6, 2, 150, 8, 2, dim, "bfloat16")
-    poison = jnp.zeros((2, 150, 1, 1), bool).at[0, :17].set(True)
-    k, v = (jnp.where(poison, jnp.nan, x) for x in (k, v))
-    one_user = jnp.array([[17, 100, 100, 150], [0, 60, 80, 140]], jnp.int32)
-    packed = jnp.array([[[17, 60, 60, 90], [90, 120, 120, 150]],
-                        [[0, 70, 70, 100], [100, 130, 130, 140]]], jnp.int32)  # fmt: skip
-    w = jnp.asarray(np.random.default_rng(6).standard_normal(q.shape), jnp.float32)
-    results = {}
-    for heads in (4, 2, 1):
-        monkeypatch.setattr(ranker_config, "MAX_HEADS_PER_PROGRAM", heads)
-        assert ranker_config.heads_per_program(4, 128, 128, dim) == heads
-        for name, bounds in (("one_user", one_user), ("packed", packed)):
-            fwd = ranker_attention(q, k, v, bounds, cap=CAPS["tanh"], config=SMALL,
-                                   return_lse=True, interpret=INTERPRET)  # fmt: skip
-            loss = _loss(ranker_attention, bounds, w, cap=CAPS["tanh"], use_lse=True,
-                         config=SMALL, interpret=INTERPRET)  # fmt: skip
-            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-            results[heads, name] = [np.asarray(x) for x in (*fwd, *grads)]
-            assert_no_races()
-    for name in ("one_user", "packed"):
-        for heads in (2, 1):
-            for a, b in zip(results[4, name], results[heads, name], strict=True):
-                np.testing.assert_array_equal(a, b)
-    assert np.isfinite(results[4, "one_user"][0]).all()
-    q0, k0, v0 = (jnp.where(poison, 0.0, x) if x is not q else x for x in (q, k, v))
-    _check_forward(q0, k0, v0, one_user, cap=CAPS["tanh"])
-    got = np.asarray(results[4, "one_user"][0], np.float32)
-    want = np.asarray(ranker_attention(q0, k0, v0, one_user, cap=CAPS["tanh"], config=SMALL,
-                                       interpret=INTERPRET), np.float32)  # fmt: skip
-    np.testing.assert_array_equal(got, want)  # poisoned rows nobody attends: no effect
+    poison = jnp.zeros((2, 150, 1, 1), bool).at[0, :17].set(True)  # rows no query attends
+    bounds = jnp.asarray(bounds)
+    results = []
+    for h in heads:
+        monkeypatch.setattr(ranker_config, "MAX_HEADS_PER_PROGRAM", h)
+        assert ranker_config.heads_per_program(4, 128, 128, dim) == h
+        bad = [jnp.where(poison, jnp.nan, x) for x in (k, v)]
+        results.append(_fwd_and_grads(q, *bad, bounds, CAPS["tanh"], seed=6))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+    clean = [jnp.where(poison, 0.0, x) for x in (k, v)]
+    for a, b in zip(results[0][:2], _fwd_and_grads(q, *clean, bounds, CAPS["tanh"], seed=6,
+                                                   grads=False), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    want = ref.ranker_attention(*_f32((q, *clean)), bounds, cap=CAPS["tanh"], return_lse=True)
+    assert_ranker_close(q, results[0][:2], want, rtol_l2=TOL["bfloat16"][0],
+                        atol=TOL["bfloat16"][1], lse_atol=LSE_ATOL["bfloat16"])  # fmt: skip
+
+
+@pytest.mark.parametrize("bounds", [PACKED, pytest.param(ONE_USER, marks=pytest.mark.slow)])
+def test_heads_major_layout_bitwise(bounds, monkeypatch):
+    """Where the device lays q out heads-major (as a v5e does at 20 heads), the kernels
+    take the ``[B, H, S, D]`` layout at D = 128: forward, LSE and gradients bitwise those
+    of the ``[B, S, H*D]`` view, 2 heads a program. On the CPU the default layout is
+    row-major, so the view is kept."""
+    from attn_pallas_tpu import ranker_fwd
+    from attn_pallas_tpu._compat import default_major_to_minor
+
+    q, k, v = _inputs(7, 2, 150, 4, 2, 128, "bfloat16")
+    bounds = jnp.asarray(bounds)
+    assert default_major_to_minor(q.shape, q.dtype) == (0, 1, 2, 3)
+    assert not ranker_fwd.heads_major(q)
+    view = _fwd_and_grads(q, k, v, bounds, CAPS["soft_sign"], seed=7)
+    monkeypatch.setattr(ranker_fwd, "default_major_to_minor", lambda shape, dtype: (0, 2, 1, 3))
+    _, st, _ = ranker_fwd.prepare(q, k, v, bounds, sm_scale=None, cap=None, config=SMALL)
+    assert st.heads_major and not st.flat and st.heads_per_program == 2
+    for a, b in zip(view, _fwd_and_grads(q, k, v, bounds, CAPS["soft_sign"], seed=7), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------ step tables

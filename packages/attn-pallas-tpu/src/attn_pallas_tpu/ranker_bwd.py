@@ -84,6 +84,7 @@ from attn_pallas_tpu.ranker_fwd import (
     head_of,
     kernel_shape,
     kv_step_table,
+    masked_kv_step,
     nan_where_attended,
     prepare,
     q_rows,
@@ -114,7 +115,7 @@ def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
 
 
 def _build_dq_kernel(st: RankerStatic):
-    bq, bkv, heads = st.block_q, st.block_kv, st.heads_per_program
+    bq, heads = st.block_q, st.heads_per_program
 
     def kernel(
         # scalar prefetch (SMEM)
@@ -139,10 +140,7 @@ def _build_dq_kernel(st: RankerStatic):
             k, v = k_ref[...], v_ref[...]
             allowed, k_clean, poison = None, k, 0.0
             if masked:  # once for the heads; isolation: no 0 * NaN from unattended K rows
-                kv0 = steps.block_at(j) * bkv
-                allowed = tile_mask(bounds, i * bq, kv0, (bq, bkv), q_axis=0)
-                k_clean, bad = finite_or_zero(k, bkv)
-                poison = nan_where_attended(allowed, bad)
+                allowed, k_clean, poison = masked_kv_step(st, bounds, steps, i, j, k)
             for g in range(heads):
                 head = head_of(st, g)
                 raw = dot(q_ref[head], k, trans_b=True)  # (bq, bkv)

@@ -137,6 +137,7 @@ class RankerStatic(RankerKernelStatic):
     block_kv: int
     packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
     heads_per_program: int = 1  # query heads (of one kv head) per forward / dq program
+    heads_major: bool = False  # the [B, H, S, D] kernel layout at any D (see ``flat``)
 
     @property
     def runs(self) -> int:
@@ -154,8 +155,9 @@ class RankerStatic(RankerKernelStatic):
 
     @property
     def flat(self) -> bool:
-        """``[B, S, H*D]`` view (True) or ``[B, H, S, D]`` transpose (False, D=64)."""
-        return self.head_dim % LANES == 0
+        """``[B, S, H*D]`` view (True) or ``[B, H, S, D]`` transpose (False: D = 64, or
+        ``heads_major``, where the device lays q out heads-major by default)."""
+        return self.head_dim % LANES == 0 and not self.heads_major
 
     def grid(self, kernel: str) -> tuple[int, int, int, int]:
         """The grid of ``kernel`` (``"fwd"``, ``"dq"`` or ``"dkv"``; see ``grids``)."""
@@ -166,7 +168,9 @@ class RankerStatic(RankerKernelStatic):
         return g[kernel]
 
 
-def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerStatic:
+def make_static(
+    problem, config: KernelConfig, packed_users: int = 0, heads_major: bool = False
+) -> RankerStatic:
     group = problem.q_heads // problem.kv_heads
     return RankerStatic(
         **problem.padded(padded_len(problem.seq_len, config.block_q, config.block_kv)),
@@ -176,6 +180,7 @@ def make_static(problem, config: KernelConfig, packed_users: int = 0) -> RankerS
         heads_per_program=heads_per_program(
             group, config.block_q, config.block_kv, problem.head_dim
         ),
+        heads_major=heads_major,
     )
 
 

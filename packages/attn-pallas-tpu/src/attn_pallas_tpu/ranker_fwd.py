@@ -67,9 +67,12 @@ or candidate row has zero steps and writes zeros / ``-inf`` directly.
 Layouts: for ``D % 128 == 0`` q/k/v/out are viewed as ``[B, S, H*D]`` (a free
 reshape), a head is a lane block of width ``D`` and a program's ``Hp`` heads (adjacent:
 query head ``h`` belongs to kv head ``h // (Hq / Hkv)``) one block of width ``Hp * D``;
-for ``D = 64`` (narrower than a lane tile) they are transposed to ``[B, H, S, D]`` by
-XLA outside the kernel. The LSE is stored as ``[B, Hq, 1, S]`` (lane-dense; the column
-of row statistics is transposed once per tile in the kernel).
+for ``D = 64`` (narrower than a lane tile), and where the device lays q out heads-major
+by default (``heads_major``: a TPU does at some head counts, e.g. 20), they are
+transposed to ``[B, H, S, D]`` by XLA outside the kernel (for such a q a free bitcast)
+and a program's heads are a ``[Hp, rows, D]`` block. The LSE is stored as ``[B, Hq, 1,
+S]`` (lane-dense; the column of row statistics is transposed once per tile in the
+kernel).
 
 Any ``S``: k and v are zero-padded to a multiple of ``lcm(block_q, block_kv)``; q and
 the outputs keep their ``S`` rows where ``S >= block_q`` (:func:`q_rows`), the last q
@@ -105,6 +108,7 @@ from attn_common.packed import (
 )
 from attn_common.spec import RankerCall, public_op, ranker_call
 from attn_pallas_tpu import ranker_tuning
+from attn_pallas_tpu._compat import default_major_to_minor
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import resolve_interpret
 from attn_pallas_tpu.ranker_config import (
@@ -128,6 +132,7 @@ __all__ = [
     "head_of",
     "kernel_forward",
     "kv_step_table",
+    "masked_kv_step",
     "program_tile",
     "q_step_table",
     "q_tile_index_maps",
@@ -404,6 +409,17 @@ def read_bounds(bounds_ref, b, packed_users: int = 0):
     return tuple(bounds_ref[b * 4 + t] for t in range(4))
 
 
+def masked_kv_step(st: RankerStatic, bounds, steps: TileSteps, i, j, x):
+    """A q tile's masked step ``j`` (tile ``i``), once for the program's heads: the
+    ``(block_q, block_kv)`` mask, the step's K or V block ``x`` with its non-finite
+    elements zeroed, and the ``(block_q, 1)`` NaN-where-attended poison
+    (``finite_or_zero``, ``nan_where_attended``)."""
+    kv0 = steps.block_at(j) * st.block_kv
+    allowed = tile_mask(bounds, i * st.block_q, kv0, (st.block_q, st.block_kv), q_axis=0)
+    clean, bad = finite_or_zero(x, st.block_kv)
+    return allowed, clean, nan_where_attended(allowed, bad)
+
+
 def scaled_capped(raw, st: RankerStatic):
     """``cap(raw * sm_scale)`` (f32)."""
     return cap_forward(raw * st.sm_scale, st.cap)
@@ -422,7 +438,7 @@ def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
 
 
 def _build_fwd_kernel(st: RankerStatic):
-    bq, bkv, heads = st.block_q, st.block_kv, st.heads_per_program
+    bq, heads = st.block_q, st.heads_per_program
 
     def kernel(
         # scalar prefetch (SMEM)
@@ -449,10 +465,7 @@ def _build_fwd_kernel(st: RankerStatic):
             k, v = k_ref[...], v_ref[...]
             poison = 0.0
             if masked:  # once for the heads; isolation: no 0 * NaN from unattended V rows
-                kv0 = steps.block_at(j) * bkv
-                allowed = tile_mask(bounds, i * bq, kv0, (bq, bkv), q_axis=0)
-                v, bad = finite_or_zero(v, bkv)
-                poison = nan_where_attended(allowed, bad)
+                allowed, v, poison = masked_kv_step(st, bounds, steps, i, j, v)
             for g in range(heads):
                 s = scaled_capped(dot(q_ref[head_of(st, g)], k, trans_b=True), st)
                 if masked:
@@ -535,7 +548,17 @@ def prepare(q, k, v, bounds, *, sm_scale, cap, config):
     clipped, packed_users = normalize_ranker_bounds(
         bounds, batch=problem.batch, seq_len=problem.seq_len, min_users=1
     )
-    return problem, make_static(problem, config, packed_users=packed_users), clipped
+    st = make_static(problem, config, packed_users=packed_users, heads_major=heads_major(q))
+    return problem, st, clipped
+
+
+def heads_major(q) -> bool:
+    """Whether the default device lays ``q [B, S, H, D]`` out heads-major (dims ``(0, 2, 1,
+    3)`` major to minor; a v5e does at ``H`` 5, 12 and 20, not at 2, 4, 16 or 24): the
+    kernels then take the ``[B, H, S, D]`` layout, which that array reaches by a free
+    bitcast, where the ``[B, S, H*D]`` view needs XLA's relayout copies of q, the outputs
+    and the gradients (at phoenix on a v5e, 4.8 ms of a 19.8 ms forward)."""
+    return default_major_to_minor(q.shape, q.dtype) == (0, 2, 1, 3)
 
 
 def kernel_forward(q, k, v, bounds, *, sm_scale, cap, config, interpret, return_lse=True):
