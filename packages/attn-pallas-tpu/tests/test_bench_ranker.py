@@ -48,7 +48,7 @@ def test_sweep_times_exactly_the_tilings_that_fit():
 
 def _row(case, mode, layout="padded", **kw):
     row = dict(case=case, mode=mode, layout=layout, block_q=384, block_kv=384, ms=2.0,
-               device_ms=1.0, kernel_device_ms=0.8, tflops=50.0, peak_fraction=0.25,
+               queued_ms=1.2, device_ms=1.0, kernel_device_ms=0.8, tflops=50.0, peak_fraction=0.25,
                chip_peak_fraction=0.2,
                model_ms=0.7, per_user_us=15.6, xla_ms=4.0, xla_device_ms=3.0,
                err={"out": 2.4e-3, "lse": 1e-7})  # fmt: skip
@@ -87,8 +87,8 @@ def test_report_from_a_synthetic_result(tmp_path):
     lines = md.splitlines()
     fwd = next(ln for ln in lines if ln.startswith("| phoenix | padded | fwd |"))
     cells = [c.strip() for c in fwd.strip("|").split("|")]
-    # wall, device, kernel, TFLOP/s, % peak, % chip, model, per user, XLA device, x XLA
-    assert cells[4:14] == ["2", "1", "0.8", "50", "25", "20", "0.7", "15.6", "3", "3"]
+    # wall, queued, device, kernel, TFLOP/s, % peak, % chip, model, per user, XLA device, x XLA
+    assert cells[4:15] == ["2", "1.2", "1", "0.8", "50", "25", "20", "0.7", "15.6", "3", "3"]
     assert "out 0.0024, lse 1e-07" in fwd
     assert "XLA: XlaRuntimeError: RESOURCE_EXHAUSTED" in md
     assert "| ragged | packed | fwd |" in md and "ValueError: boom" in md
@@ -110,7 +110,7 @@ def test_smoke_suite_times_padded_and_packed_rows(tmp_path):
     by = {(r["layout"], r["mode"]): r for r in rows}
     case = next(c for c in bench_ranker.SMOKE_CASES if c.name == "ragged-smoke")
     for r in rows:
-        assert "error" not in r and r["ms"] > 0 and r["tflops"] > 0, r
+        assert "error" not in r and r["ms"] > 0 and r["queued_ms"] > 0 and r["tflops"] > 0, r
         assert r["peak_fraction"] == pytest.approx(r["tflops"] / result["matmul_tflops"])
         want = r["tflops"] / result["chip_peak_tflops"]
         assert r["chip_peak_fraction"] == pytest.approx(want)

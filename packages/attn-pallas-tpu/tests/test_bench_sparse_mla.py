@@ -32,8 +32,10 @@ def test_smoke_suite_writes_rows_and_reports(tmp_path):
     for r in rows:
         assert "error" not in r, r
         if r["mode"] in ("prefill", "decode"):
-            assert r["ms"] > 0 and r["bound_ms"] > 0 and r["err"] < 2e-2
-    assert (tmp_path / "tpu_sparse_mla.md").read_text().count("| decode-smoke |") == 2
+            assert r["ms"] > 0 and r["queued_ms"] > 0 and r["bound_ms"] > 0
+            assert r["err"] < 2e-2
+    md = (tmp_path / "tpu_sparse_mla.md").read_text()
+    assert md.count("| decode-smoke |") == 2 and "| wall ms | queued ms | device ms |" in md
 
 
 def test_merge_results_replaces_the_rows_it_remeasures():

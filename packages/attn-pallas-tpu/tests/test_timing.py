@@ -1,10 +1,36 @@
-"""``_timing.trace_times``: a profiler trace's TPU lines to the suites' device times."""
+"""``_timing``: a profiler trace's TPU lines to the suites' device times; calls queued
+back to back."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from attn_pallas_tpu._timing import trace_times
+from attn_pallas_tpu._timing import QUEUED_CALLS, queued_ms, trace_times
+
+
+def test_queued_ms_waits_once_per_sample():
+    """A warm-up call waited for, then ``max(iterations, QUEUED_CALLS)`` calls issued with
+    one wait at the end; the time is per call."""
+    calls, waits = [], []
+
+    class Out:
+        def block_until_ready(self):
+            waits.append(len(calls))
+            return self
+
+    def fn(x):
+        calls.append(x)
+        time.sleep(0.002)
+        return Out()
+
+    ms = queued_ms(fn, 7, iterations=3)
+    assert calls == [7] * (1 + QUEUED_CALLS) and waits == [1, 1 + QUEUED_CALLS]
+    assert ms >= 2.0
+    calls.clear(), waits.clear()
+    queued_ms(fn, 7, iterations=QUEUED_CALLS + 2)
+    assert len(calls) == QUEUED_CALLS + 3 and waits == [1, QUEUED_CALLS + 3]
 
 
 def test_trace_times_splits_kernels_from_the_xla_ops_around_them():

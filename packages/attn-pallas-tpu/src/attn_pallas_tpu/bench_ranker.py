@@ -8,8 +8,9 @@ tiling ``config=None`` runs (``ranker_tuning.config_for``: a tuned table's, else
 ``ranker_config.default_config``). Modes: ``fwd`` (the jitted
 op) and ``fwd+bwd`` (the jitted ``jax.grad`` of ``sum(out * dout)`` w.r.t. q, k, v).
 Every row is timed as ``bench_sparse_mla``'s (``attn_pallas_tpu._timing``): ``ms``, wall
-clock, median of ``--iterations`` waited calls after a warm-up; ``device_ms``, the call's
-spans on the TPU in a ``jax.profiler`` trace; ``kernel_device_ms``, its Pallas kernels'
+clock, median of ``--iterations`` waited calls after a warm-up; ``queued_ms``, wall clock
+per call of calls issued back to back with one wait; ``device_ms``, the call's spans on
+the TPU in a ``jax.profiler`` trace; ``kernel_device_ms``, its Pallas kernels'
 share; ``xla_ops_ms``, the XLA ops around them that took longest. ``tflops`` counts
 allowed (query, key) pairs only (``attn_common.ranker_flops``; forward + backward 3.5x
 the forward, the project's convention) over ``device_ms`` where
@@ -273,21 +274,22 @@ def write_report(result: dict, out: Path) -> Path:
         "# TPU ranker attention: results",
         "",
         _suite.report_provenance(result, ".3g")
-        + "measured in the same run. Medians: `wall ms` each call waited for, `device ms` "
-        "the call's spans on the chip (profiler), `kernel ms` its Pallas kernels. TFLOP/s "
+        + "measured in the same run. Medians: `wall ms` each call waited for, `queued ms` "
+        "per call of calls issued back to back with one wait, `device ms` the call's "
+        "spans on the chip (profiler), `kernel ms` its Pallas kernels. TFLOP/s "
         "on allowed pairs (`attn_common.ranker_flops`, fwd+bwd 3.5x) over device ms where "
         "measured (wall clock otherwise); `% peak` of the measured matmul rate, `% chip` of "
         f"the {result.get('chip')} datasheet bf16 peak "
         f"({_f(result.get('chip_peak_tflops'))} TFLOP/s); `model ms` the cost model's "
         "prediction (`ranker_model.predict`).",
         "",
-        "| case | layout | mode | blocks | wall ms | device ms | kernel ms | TFLOP/s | % peak "
-        "| % chip | model ms | per user us | XLA device ms | x XLA | err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | layout | mode | blocks | wall ms | queued ms | device ms | kernel ms | TFLOP/s "
+        "| % peak | % chip | model ms | per user us | XLA device ms | x XLA | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | | {r.get('mode', '')} | | | | | | | | | | | | "
+            lines.append(f"| {r['case']} | | {r.get('mode', '')} | | | | | | | | | | | | | "
                          f"{r['error']} |")  # fmt: skip
             continue
         ms = r.get("device_ms") or r.get("ms")
@@ -300,7 +302,8 @@ def write_report(result: dict, out: Path) -> Path:
         lines.append(
             f"| {r['case']} | {r.get('layout', '')} | {r['mode']} | "
             f"{r.get('block_q')}x{r.get('block_kv')} | {_f(r.get('ms'))} | "
-            f"{_f(r.get('device_ms'))} | {_f(r.get('kernel_device_ms'))} | "
+            f"{_f(r.get('queued_ms'))} | {_f(r.get('device_ms'))} | "
+            f"{_f(r.get('kernel_device_ms'))} | "
             f"{_f(r.get('tflops'))} | {_f(None if peak is None else 100 * peak)} | "
             f"{_f(None if chip is None else 100 * chip)} | "
             f"{_f(r.get('model_ms'))} | {_f(r.get('per_user_us'))} | {_f(xla)} | "
