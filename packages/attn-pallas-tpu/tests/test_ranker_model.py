@@ -40,10 +40,17 @@ def test_visit_counts_match_brute_force(bq, bkv):
     assert c.splash >= c.fwd and c.fwd_masked <= c.fwd
 
 
-def test_splash_ratio_one_for_uniform_bounds_above_one_for_ragged():
+def test_splash_ratio_one_for_uniform_bounds_above_one_for_ragged(monkeypatch):
+    """Uniform bounds: splash with the union mask visits what the kernels visit, so the
+    ratio is 1 at one head a program, and above 1 with the kernels' grouped heads (fewer
+    grid steps, K / V shared). Ragged bounds: above 1 from the visits alone."""
+    from attn_pallas_tpu import ranker_model
+
     chip = TPU_CHIPS["v5e"]
+    grouped = predict(ranker_case("phoenix").scaled(2), chip, block_q=384, block_kv=384)
+    monkeypatch.setattr(ranker_model, "heads_per_program", lambda *a: 1)
     same = predict(ranker_case("phoenix").scaled(2), chip, block_q=384, block_kv=384)
-    assert same.fwd_ratio == pytest.approx(1.0)
+    assert same.fwd_ratio == pytest.approx(1.0) and grouped.fwd_ratio > 1.05
     ragged = predict(ranker_case("ragged").scaled(8), chip, block_q=384, block_kv=384)
     assert ragged.fwd_ratio > 1.05 and ragged.train_ratio > 1.05
     assert 0 < same.fwd_mxu_fraction < 1 and ragged.fwd_s < ragged.splash_fwd_s
@@ -90,3 +97,10 @@ def test_grid_counts_are_the_kernels_grids():
     assert g["fwd"] == g["dq"] == (3, 4, 2, 4) and g["dkv"] == (3, 2, 4, 2 * 2)
     assert (c.q_programs, c.grid_steps_fwd) == (3 * 4 * 2, 3 * 4 * 2 * 4)
     assert (c.kv_programs, c.grid_steps_dkv) == (3 * 2 * 4, 3 * 2 * 4 * 4)
+    # Two query heads a forward / dq program: half the programs and grid steps; the
+    # visits, the dk/dv grid and splash's one-head grid unchanged.
+    c2 = visit_counts(b, seq_len=500, q_heads=4, kv_heads=2, block_q=256, block_kv=128, heads=2)
+    assert grids(3, 4, 2, seq_pad, 256, 128, 2)["fwd"] == (3, 2, 2, 4)
+    assert (c2.q_programs, c2.grid_steps_fwd) == (3 * 2 * 2, 3 * 2 * 2 * 4)
+    assert (c2.fwd, c2.dkv, c2.grid_steps_dkv) == (c.fwd, c.dkv, c.grid_steps_dkv)
+    assert (c2.splash_programs, c2.splash_grid_steps) == (c.q_programs, c.grid_steps_fwd)

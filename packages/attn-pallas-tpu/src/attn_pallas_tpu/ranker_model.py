@@ -23,10 +23,10 @@ Per visit, on one TensorCore (a chip's ``cores`` share the parallel grid axes):
   ``STEP_OVERHEAD_S`` (the kernels' grids have ``S_pad / block`` steps on the inner axis
   whatever the bounds). Layout copies outside the kernels (D = 64: the ``[B,H,S,D]``
   transposes) are added at the HBM bandwidth.
-* Programs are counted one per query head (``grids`` at one head a program). The
-  forward and dq kernels run ``RankerStatic.heads_per_program`` heads of one kv head a
-  program, fetching each K / V block once for them; the model does not credit that
-  sharing (its per-visit K / V bytes and per-program Q / O bytes are per head).
+* The forward and dq kernels run ``heads_per_program`` query heads of one kv head a
+  program (``ranker_config.heads_per_program``, the value the kernels take): their grid
+  steps and programs are counted over that grid, and a K / V block's bytes are shared by
+  the program's heads. The splash comparison keeps one head a program.
 
 Splash attention with the union mask takes one static mask for the whole batch: the
 union over the rows of each row's allowed mask. It visits, for every row and head,
@@ -55,7 +55,13 @@ from attn_common.bounds import (
 )
 from attn_common.suite import RankerCase
 from attn_pallas_tpu.plan import STEP_OVERHEAD_S, TPU_CHIPS, TpuChip
-from attn_pallas_tpu.ranker_config import default_config, grids, padded_len, round_up
+from attn_pallas_tpu.ranker_config import (
+    default_config,
+    grids,
+    heads_per_program,
+    padded_len,
+    round_up,
+)
 
 __all__ = [
     "CAP_OPS",
@@ -80,7 +86,9 @@ class VisitCounts:
 
     ``fwd_*``: (q tile, kv block) visits of the forward and dq kernels; ``dkv_*``:
     (kv tile, query head, q block) visits of the dk/dv kernel; ``*_masked`` of them run
-    the mask. ``splash_*``: the same for splash with the union mask.
+    the mask. ``splash_*``: the same for splash with the union mask. Programs and grid
+    steps are the kernels' (``heads`` query heads a forward / dq program); splash's
+    ``splash_programs`` and ``splash_grid_steps`` are at one head a program.
     """
 
     fwd: int
@@ -93,6 +101,8 @@ class VisitCounts:
     kv_programs: int
     grid_steps_fwd: int
     grid_steps_dkv: int
+    splash_programs: int
+    splash_grid_steps: int
 
 
 def _blocks_of(ranges, n_blocks: int) -> np.ndarray:
@@ -104,16 +114,19 @@ def _blocks_of(ranges, n_blocks: int) -> np.ndarray:
 
 
 def visit_counts(
-    bounds, *, seq_len: int, q_heads: int, kv_heads: int, block_q: int, block_kv: int
-) -> VisitCounts:
-    """Count the kernels' and splash's block visits for concrete bounds ``[B, 4]``."""
+    bounds, *, seq_len: int, q_heads: int, kv_heads: int, block_q: int, block_kv: int,
+    heads: int = 1,
+) -> VisitCounts:  # fmt: skip
+    """Count the kernels' and splash's block visits for concrete bounds ``[B, 4]``
+    (``heads``: the kernels' query heads per forward / dq program)."""
     bounds = np.asarray(
         normalize_bounds(np.asarray(bounds, np.int32), batch=len(bounds), seq_len=seq_len)
     )
     batch = bounds.shape[0]
     # The kernels' padding and grids (ranker_config), so the counts are theirs.
     seq_pad = padded_len(seq_len, block_q, block_kv)
-    grid = grids(batch, q_heads, kv_heads, seq_pad, block_q, block_kv)
+    grid = grids(batch, q_heads, kv_heads, seq_pad, block_q, block_kv, heads)
+    per_head = grids(batch, q_heads, kv_heads, seq_pad, block_q, block_kv)["fwd"]
     nq, nk = seq_pad // block_q, seq_pad // block_kv
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
     q0 = np.arange(nq)[None] * block_q
@@ -148,6 +161,8 @@ def visit_counts(
         kv_programs=math.prod(grid["dkv"][:3]),
         grid_steps_fwd=math.prod(grid["fwd"]),
         grid_steps_dkv=math.prod(grid["dkv"]),
+        splash_programs=math.prod(per_head[:3]),
+        splash_grid_steps=math.prod(per_head),
     )
 
 
@@ -181,8 +196,9 @@ class RankerCost:
         return (self.splash_fwd_s + self.splash_bwd_s) / (self.fwd_s + self.bwd_s)
 
 
-def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool):
-    """(seconds, bound) of one visit on one core; ``kind`` in fwd / dq / dkv."""
+def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool, heads=1):
+    """(seconds, bound) of one visit (one query head) on one core; ``kind`` in fwd / dq /
+    dkv; ``heads`` query heads share a fwd / dq visit's K and V blocks."""
     core_mxu = chip.mxu_flops / chip.cores
     if kind == "fwd":
         fills = (_fill(d, bkv, chip.mxu_dim), _fill(bkv, d, chip.mxu_dim))
@@ -194,7 +210,7 @@ def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool):
     ops = VPU_OPS[kind] + CAP_OPS[cap] + (MASK_OPS if masked else 0)
     vpu = bq * bkv * ops / (chip.vpu_ops / chip.cores)
     # dk/dv: the Q and dO blocks plus the f32 lse / delta rows; else the K and V blocks.
-    bytes_ = 2 * bq * (d * ITEMSIZE + 4) if kind == "dkv" else 2 * bkv * d * ITEMSIZE
+    bytes_ = 2 * bq * (d * ITEMSIZE + 4) if kind == "dkv" else 2 * bkv * d * ITEMSIZE / heads
     hbm = bytes_ / (chip.hbm_bytes_per_s / chip.cores)
     parts = {"MXU": mxu, "VPU": vpu, "HBM": hbm}
     bound = max(parts, key=parts.get)
@@ -204,6 +220,8 @@ def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool):
 def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, seed: int = 0):
     """The model for one suite case on one chip (bf16, the case's cap)."""
     bounds = case.bounds(seed)
+    d, cap = case.head_dim, case.cap.method.value
+    hp = heads_per_program(case.q_heads // case.kv_heads, block_q, block_kv, d)
     c = visit_counts(
         bounds,
         seq_len=case.seq_len,
@@ -211,46 +229,47 @@ def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, see
         kv_heads=case.kv_heads,
         block_q=block_q,
         block_kv=block_kv,
+        heads=hp,
     )
-    d, cap = case.head_dim, case.cap.method.value
     kw = dict(bq=block_q, bkv=block_kv, d=d, cap=cap)
     t = {
-        (kind, m): _visit_seconds(kind, chip, masked=m, **kw)
+        (kind, m, h): _visit_seconds(kind, chip, masked=m, heads=h, **kw)
         for kind in ("fwd", "dq", "dkv")
         for m in (False, True)
+        for h in {1, hp}
     }
     core_bw = chip.hbm_bytes_per_s / chip.cores
-    q_prog = 2 * block_q * d * ITEMSIZE / core_bw  # Q in, O out (dq: Q, dO in; dQ out ~ 3)
+    # Per head: Q in, O out (dq: Q, dO in; dQ out ~ 3); a kernel program has hp heads.
+    q_prog = 2 * block_q * d * ITEMSIZE / core_bw
     kv_prog = 4 * block_kv * d * ITEMSIZE / core_bw  # K, V in; dK, dV out
     layout = 0.0
     if d % 128:  # D = 64: XLA transposes q, k, v (and out) to [B, H, S, D] and back
         elems = case.batch * case.seq_len * d * (2 * case.q_heads + 2 * case.kv_heads)
         layout = 2 * elems * ITEMSIZE / chip.hbm_bytes_per_s
 
-    def visits(kind, total, masked):
-        return (total - masked) * t[(kind, False)][0] + masked * t[(kind, True)][0]
+    def visits(kind, total, masked, heads=hp):
+        return (total - masked) * t[(kind, False, heads)][0] + masked * t[(kind, True, heads)][0]
 
     cores = chip.cores
     step = STEP_OVERHEAD_S
-    fwd = (
-        visits("fwd", c.fwd, c.fwd_masked) + c.q_programs * q_prog + c.grid_steps_fwd * step
-    ) / cores + layout
-    dq = (
-        visits("dq", c.fwd, c.fwd_masked) + 1.5 * c.q_programs * q_prog + c.grid_steps_fwd * step
-    ) / cores
+    q_progs = c.q_programs * hp * q_prog  # the kernels' programs, hp heads each
+    fwd = (visits("fwd", c.fwd, c.fwd_masked) + q_progs + c.grid_steps_fwd * step) / cores
+    fwd += layout
+    dq = (visits("dq", c.fwd, c.fwd_masked) + 1.5 * q_progs + c.grid_steps_fwd * step) / cores
     dkv = (
         visits("dkv", c.dkv, c.dkv_masked) + c.kv_programs * kv_prog + c.grid_steps_dkv * step
     ) / cores
+    s_progs = c.splash_programs * q_prog  # splash: one head a program
     s_fwd = (
-        visits("fwd", c.splash, c.splash_masked) + c.q_programs * q_prog + c.grid_steps_fwd * step
+        visits("fwd", c.splash, c.splash_masked, 1) + s_progs + c.splash_grid_steps * step
     ) / cores + layout
     # Splash's dk/dv pass visits the transpose of the same union block set.
     s_bwd = (
-        visits("dq", c.splash, c.splash_masked)
-        + visits("dkv", c.splash, c.splash_masked)
-        + 1.5 * c.q_programs * q_prog
+        visits("dq", c.splash, c.splash_masked, 1)
+        + visits("dkv", c.splash, c.splash_masked, 1)
+        + 1.5 * s_progs
         + c.kv_programs * kv_prog
-        + (c.grid_steps_fwd + c.grid_steps_dkv) * step
+        + (c.splash_grid_steps + c.grid_steps_dkv) * step
     ) / cores + layout
     eff = ranker_flops(bounds, case.q_heads, d)
     return RankerCost(
@@ -263,7 +282,7 @@ def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, see
         splash_fwd_s=s_fwd,
         splash_bwd_s=s_bwd,
         fwd_mxu_fraction=eff / (fwd * chip.mxu_flops),
-        fwd_bound=t[("fwd", False)][1],
+        fwd_bound=t[("fwd", False, hp)][1],
     )
 
 
