@@ -14,15 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = [
-    "device_ms",
-    "matmul_tflops",
-    "queued_ms",
-    "rel_l2",
-    "timed",
-    "trace_times",
-    "wall_ms",
-]
+__all__ = ["device_ms", "matmul_tflops", "queued_ms", "rel_l2", "timed", "trace_times", "wall_ms"]
 QUEUED_CALLS = 5  # calls a queued_ms sample issues at least
 
 

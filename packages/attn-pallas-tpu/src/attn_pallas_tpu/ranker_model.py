@@ -222,15 +222,8 @@ def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, see
     bounds = case.bounds(seed)
     d, cap = case.head_dim, case.cap.method.value
     hp = heads_per_program(case.q_heads // case.kv_heads, block_q, block_kv, d)
-    c = visit_counts(
-        bounds,
-        seq_len=case.seq_len,
-        q_heads=case.q_heads,
-        kv_heads=case.kv_heads,
-        block_q=block_q,
-        block_kv=block_kv,
-        heads=hp,
-    )
+    c = visit_counts(bounds, seq_len=case.seq_len, q_heads=case.q_heads, kv_heads=case.kv_heads,
+                     block_q=block_q, block_kv=block_kv, heads=hp)  # fmt: skip
     kw = dict(bq=block_q, bkv=block_kv, d=d, cap=cap)
     t = {
         (kind, m, h): _visit_seconds(kind, chip, masked=m, heads=h, **kw)
