@@ -68,3 +68,27 @@ def test_export_fp32_d256_odd_seq():
     q = SD((2, 777, 8, 256), jnp.float32)
     kv = SD((2, 777, 2, 256), jnp.float32)
     export_tpu(g, q, kv, kv, SD((2, 4), jnp.int32), kernels=3)
+
+
+def test_export_heads_major_layout_at_phoenix(monkeypatch):
+    """Where the TPU lays q out heads-major by default (a v5e does at phoenix's 20
+    heads; a CPU never does), the forward and gradient lower with the ``[B, H, S, D]``
+    kernel layout at phoenix's shape: q enters the kernels as ``[64, 20, 1152, 128]``."""
+    from attn_pallas_tpu import ranker_fwd
+
+    case = next(c for c in RANKER_SUITE if c.name == "phoenix")
+    monkeypatch.setattr(ranker_fwd, "default_major_to_minor", lambda shape, dtype: (0, 2, 1, 3))
+
+    def g(q, k, v, bounds):
+        def loss(q, k, v):
+            out, lse = ranker_attention(q, k, v, bounds, cap=case.cap, return_lse=True)
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    exported = export_tpu(g, *_avals(case), kernels=3)
+    heads_major = f"tensor<{case.batch}x{case.q_heads}x{case.seq_len}x{case.head_dim}xbf16>"
+    assert heads_major in exported.mlir_module()
+    dq, dk, _ = exported.out_avals
+    assert dq.shape == (case.batch, case.seq_len, case.q_heads, case.head_dim)
+    assert dk.shape == (case.batch, case.seq_len, case.kv_heads, case.head_dim)
