@@ -272,13 +272,10 @@ class RingWalk:
     def __init__(self, ring: UnitRing, entries, n_steps, *, slots: int):
         self.ring, self.entries, self.n_steps, self.slots = ring, entries, n_steps, slots
 
-    def _dma(self, t, slot, start: bool):
-        """Start, or wait for, step ``t``'s copies: all ``G`` start without a branch, an
-        entry without a unit re-copying the step's first (a step has at least one live
-        entry, and entries are live in order), and one wait takes the slot's bytes."""
-        if not start:
-            self.ring.wait_slot(slot)
-            return
+    def _start(self, t, slot):
+        """Start step ``t``'s copies into ``slot``: all ``G`` without a branch, an entry
+        without a unit re-copying the step's first (a step has at least one live entry,
+        and entries are live in order); one ``wait_slot`` then takes the slot's bytes."""
         entries = self.entries(t)
         first = entries[0][0]
         for e, (addr, _, live) in enumerate(entries):
@@ -290,7 +287,7 @@ class RingWalk:
 
             @pl.when(d < self.n_steps)
             def _(d=d):
-                self._dma(d, d, True)
+                self._start(d, d)
 
     def fill(self):
         """The prologue of :meth:`start_ahead`'s order: steps ``0 .. S - 2``, each
@@ -301,7 +298,7 @@ class RingWalk:
         @pl.when(self.n_steps > 0)
         def _():
             for d in range(self.slots - 1):
-                self._dma(jnp.minimum(jnp.int32(d), last), d, True)
+                self._start(jnp.minimum(jnp.int32(d), last), d)
 
     def start_ahead(self, t):
         """Start step ``t + S - 1`` into its slot, the one step ``t - 1`` read, without a
@@ -310,7 +307,7 @@ class RingWalk:
         :meth:`drain` waits for. After :meth:`fill` only."""
         nxt = t + self.slots - 1
         step = jnp.minimum(nxt, self.n_steps - 1)
-        self._dma(step, jax.lax.rem(nxt, jnp.int32(self.slots)), True)
+        self._start(step, jax.lax.rem(nxt, jnp.int32(self.slots)))
 
     def drain(self):
         """Wait for the spare copies :meth:`start_ahead` started past the last step."""
@@ -318,12 +315,12 @@ class RingWalk:
         @pl.when(self.n_steps > 0)
         def _():
             for d in range(self.slots - 1):
-                self._dma(None, jax.lax.rem(self.n_steps + d, jnp.int32(self.slots)), False)
+                self.ring.wait_slot(jax.lax.rem(self.n_steps + d, jnp.int32(self.slots)))
 
     def wait(self, t):
         """Wait for step ``t``'s copies; returns its slot."""
         slot = jax.lax.rem(t, jnp.int32(self.slots))
-        self._dma(t, slot, False)
+        self.ring.wait_slot(slot)
         return slot
 
     def advance(self, t):
@@ -333,7 +330,7 @@ class RingWalk:
 
         @pl.when(nxt < self.n_steps)
         def _():
-            self._dma(nxt, jax.lax.rem(nxt, jnp.int32(self.slots)), True)
+            self._start(nxt, jax.lax.rem(nxt, jnp.int32(self.slots)))
 
         return self.wait(t)
 
