@@ -11,9 +11,10 @@ values.
   ``heads_per_program``, the kernel layout, the step tables' ``runs``) and ``grids`` (the
   three kernels' grids, which the cost model counts steps over); the scratch of each
   kernel (``fwd_scratch``, ``dq_scratch``, ``dkv_scratch``).
-* Derived, not a knob: ``RankerStatic.heads_per_program`` (from :func:`heads_per_program`),
-  the query heads of one kv head that one forward or dq program computes: the largest divisor of the GQA
-  group, at most ``MAX_HEADS_PER_PROGRAM``, whose VMEM estimate fits.
+* Derived, not a knob: ``RankerStatic.heads_per_program`` (from
+  :func:`heads_per_program`), the query heads of one kv head that one forward or dq
+  program computes: the largest divisor of the GQA group, at most
+  ``MAX_HEADS_PER_PROGRAM``, whose VMEM estimate fits.
 * Heuristic: ``default_config``, the largest block of ``BLOCK_CHOICES`` that pads ``S``
   least, among those whose VMEM estimate (``vmem_bytes``) fits ``VMEM_LIMIT_BYTES``.
 """
