@@ -591,7 +591,8 @@ def write_report(result: dict, out: Path) -> Path:
                 notes.append(f"{key} {v:.3g}" if isinstance(v, float) else f"{key} {v}")
         lines.append(
             f"| {r['case']} | {r['kernel']} | {_f(r.get('ms'))} | {_f(r.get('queued_ms'))} | "
-            f"{_f(r.get('device_ms'))} | {_f(bound)} | {_f(ms / bound if ms and bound else None)} | {_f(xla)} | "
+            f"{_f(r.get('device_ms'))} | {_f(bound)} | "
+            f"{_f(ms / bound if ms and bound else None)} | {_f(xla)} | "
             f"{_f(xla / ms if ms and xla else None)} | {'; '.join(notes)} |"
         )
     return _suite.write_markdown(out, RESULT, lines)
