@@ -97,10 +97,12 @@ def test_grid_counts_are_the_kernels_grids():
     assert g["fwd"] == g["dq"] == (3, 4, 2, 4) and g["dkv"] == (3, 2, 4, 2 * 2)
     assert (c.q_programs, c.grid_steps_fwd) == (3 * 4 * 2, 3 * 4 * 2 * 4)
     assert (c.kv_programs, c.grid_steps_dkv) == (3 * 2 * 4, 3 * 2 * 4 * 4)
-    # Two query heads a forward / dq program: half the programs and grid steps; the
-    # visits, the dk/dv grid and splash's one-head grid unchanged.
+    # Two query heads a forward / dq program and a dk/dv step: half the programs and grid
+    # steps; the visits, the dk/dv programs and splash's one-head grid unchanged.
     c2 = visit_counts(b, seq_len=500, q_heads=4, kv_heads=2, block_q=256, block_kv=128, heads=2)
-    assert grids(3, 4, 2, seq_pad, 256, 128, 2)["fwd"] == (3, 2, 2, 4)
+    g2 = grids(3, 4, 2, seq_pad, 256, 128, 2)
+    assert g2["fwd"] == (3, 2, 2, 4) and g2["dkv"] == (3, 2, 4, 2)
     assert (c2.q_programs, c2.grid_steps_fwd) == (3 * 2 * 2, 3 * 2 * 2 * 4)
-    assert (c2.fwd, c2.dkv, c2.grid_steps_dkv) == (c.fwd, c.dkv, c.grid_steps_dkv)
+    assert (c2.fwd, c2.dkv, c2.kv_programs) == (c.fwd, c.dkv, c.kv_programs)
+    assert c2.grid_steps_dkv == c.grid_steps_dkv // 2
     assert (c2.splash_programs, c2.splash_grid_steps) == (c.q_programs, c.grid_steps_fwd)

@@ -27,10 +27,11 @@ Schedule
   mask (built once a step for the heads) only on steps outside
   ``attn_common.ranker_full_kv_steps``, then ``dQ += dS K`` into the head's f32 VMEM
   accumulator, written (times ``sm_scale``) at the last step.
-* ``dk/dv`` kernel, grid ``(B, Hkv, kv_tiles, group * q_steps)`` (``parallel x 3,
+* ``dk/dv`` kernel, grid ``(B, Hkv, kv_tiles, group / Hp * q_steps)`` (``parallel x 3,
   arbitrary``): a program row owns ``block_kv`` keys of one (batch row, kv head); its
-  K and V tiles are fetched once. The inner axis walks the group's query heads
-  (``g = step // q_steps``) and, per head, the query blocks of
+  K and V tiles are fetched once. The inner axis walks the group's query heads ``Hp``
+  at a time (head block ``step // q_steps``; a masked step's mask built once for them)
+  and, per head block, the query blocks of
   ``attn_common.ranker_q_block_ranges`` (the transpose of the forward's rule) from a
   second scalar-prefetched table; past the tile's count the index maps clamp to the
   head's last visited block. Per step it computes the transposed tiles ``S^T = K Q^T``
@@ -163,20 +164,20 @@ def _build_dq_kernel(st: RankerStatic):
 
 
 def _build_dkv_kernel(st: RankerStatic):
-    bq, bkv = st.block_q, st.block_kv
+    bq, bkv, heads = st.block_q, st.block_kv, st.heads_per_program
     q_steps = st.q_tiles
 
     def kernel(
         # scalar prefetch (SMEM)
         bounds_ref,  # [B * 4] or [B * U * 4] int32: the clipped bounds
         tab_ref,  # [B * kv_tiles * words] int32: each kv tile's query steps (q_step_table)
-        # inputs (VMEM blocks)
+        # inputs (VMEM blocks; head g of a heads block at head_of(st, g))
         k_ref,  # [block_kv, D]: the tile's keys of one kv head
         v_ref,  # [block_kv, D]
-        q_ref,  # [block_q, D]: the step's queries of one head of the group
-        do_ref,  # [block_q, D]
-        lse_ref,  # [1, block_q] f32 (+inf on rows with no key)
-        delta_ref,  # [1, block_q] f32
+        q_ref,  # [block_q, Hp * D] or [Hp, block_q, D]: the step's queries of Hp heads
+        do_ref,  # as q_ref
+        lse_ref,  # [Hp, 1, block_q] f32 (+inf on rows with no key)
+        delta_ref,  # [Hp, 1, block_q] f32
         # outputs
         dk_ref,  # [block_kv, D]
         dv_ref,  # [block_kv, D]
@@ -189,29 +190,30 @@ def _build_dkv_kernel(st: RankerStatic):
             dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
         def step(t, s, steps, bounds, masked: bool):
-            q = q_ref[...]
-            do = do_ref[...]
-            raw = dot(k_ref[...], q, trans_b=True)  # S^T (bkv, bq)
-            dp = dot(v_ref[...], do, trans_b=True)  # dP^T
+            k, v = k_ref[...], v_ref[...]
             allowed = None
-            if masked:
+            if masked:  # once for the heads
                 q0 = steps.block_at(s) * bq
                 allowed = tile_mask(bounds, q0, t * bkv, (bkv, bq), q_axis=1)
-            p, ds = _probs_and_dlogits(raw, lse_ref[...], dp, delta_ref[...], st, allowed)
-            poison = 0.0
-            if masked:  # isolation: no 0 * NaN from Q / dO rows that do not attend a key
-                q, bad_q = finite_or_zero(q, bq)
-                do, bad_do = finite_or_zero(do, bq)
-                poison = nan_where_attended(allowed, jnp.maximum(bad_q, bad_do))
-            dv_acc[...] += dot(p.astype(do.dtype), do) + poison
-            dk_acc[...] += dot(ds.astype(q.dtype), q) + poison
+            for g in range(heads):
+                q, do = q_ref[head_of(st, g)], do_ref[head_of(st, g)]
+                raw = dot(k, q, trans_b=True)  # S^T (bkv, bq)
+                dp = dot(v, do, trans_b=True)  # dP^T
+                p, ds = _probs_and_dlogits(raw, lse_ref[g], dp, delta_ref[g], st, allowed)
+                poison = 0.0
+                if masked:  # isolation: no 0 * NaN from Q / dO rows that do not attend a key
+                    q, bad_q = finite_or_zero(q, bq)
+                    do, bad_do = finite_or_zero(do, bq)
+                    poison = nan_where_attended(allowed, jnp.maximum(bad_q, bad_do))
+                dv_acc[...] += dot(p.astype(do.dtype), do) + poison
+                dk_acc[...] += dot(ds.astype(q.dtype), q) + poison
 
         def finish():
             dk_ref[...] = (dk_acc[...] * st.sm_scale).astype(dk_ref.dtype)
             dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
         walk_tile(
-            st, tab_ref, bounds_ref, tiles=st.kv_tiles, steps=st.group_size * q_steps,
+            st, tab_ref, bounds_ref, tiles=st.kv_tiles, steps=st.group_size // heads * q_steps,
             init=init, step=step, finish=finish, step_of=lambda j: lax.rem(j, jnp.int32(q_steps)),
         )  # fmt: skip
 
@@ -256,14 +258,14 @@ def _bwd_padded(q, k, v, do, lse, delta, bounds, *, st: RankerStatic, interpret)
     def own_index(b, g, t, j, bounds_ref, tab_ref):
         return b, g, t
 
-    def head_q_index(b, g, t, j, bounds_ref, tab_ref):
+    def head_q_index(b, g, t, j, bounds_ref, tab_ref):  # head blocks of Hp heads
         steps = TileSteps(tab_ref, b * st.kv_tiles + t, st.runs)
-        head = g * group + lax.div(j, jnp.int32(q_steps))
+        head = g * (group // heads) + lax.div(j, jnp.int32(q_steps))
         return b, head, steps.clamped_block(lax.rem(j, jnp.int32(q_steps)))
 
     own_spec = row_block_spec(st, st.block_kv, own_index)
-    hq_spec = row_block_spec(st, st.block_q, head_q_index)
-    hstat_spec = stat_block_spec(st.block_q, head_q_index)
+    hq_spec = row_block_spec(st, st.block_q, head_q_index, heads)
+    hstat_spec = stat_block_spec(st.block_q, head_q_index, heads)
     dk, dv = pl.pallas_call(
         _build_dkv_kernel(st),
         grid_spec=pltpu.PrefetchScalarGridSpec(

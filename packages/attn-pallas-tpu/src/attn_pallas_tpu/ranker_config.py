@@ -88,14 +88,14 @@ def padded_len(seq_len: int, block_q: int, block_kv: int) -> int:
 def grids(batch: int, q_heads: int, kv_heads: int, seq_pad: int, block_q: int, block_kv: int,
           heads: int = 1):  # fmt: skip
     """The kernels' grids: ``fwd`` and ``dq`` ``(B, Hq / heads, q_tiles, kv_tiles)``
-    (``heads`` query heads a program), ``dkv`` ``(B, Hkv, kv_tiles, group * q_tiles)``
-    (the group's query heads in turn)."""
+    (``heads`` query heads a program), ``dkv`` ``(B, Hkv, kv_tiles, group / heads *
+    q_tiles)`` (the group's query heads in turn, ``heads`` a step)."""
     q_tiles, kv_tiles = seq_pad // block_q, seq_pad // block_kv
     fwd = (batch, q_heads // heads, q_tiles, kv_tiles)
     return {
         "fwd": fwd,
         "dq": fwd,
-        "dkv": (batch, kv_heads, kv_tiles, q_heads // kv_heads * q_tiles),
+        "dkv": (batch, kv_heads, kv_tiles, q_heads // kv_heads // heads * q_tiles),
     }
 
 
@@ -186,15 +186,15 @@ def make_static(
 
 
 def heads_per_program(group: int, block_q: int, block_kv: int, head_dim: int) -> int:
-    """Query heads a forward / dq program computes: the largest divisor of the GQA
-    ``group`` that is at most ``MAX_HEADS_PER_PROGRAM`` and whose forward and dq VMEM
+    """Query heads a forward / dq program, and a dk/dv step, computes: the largest
+    divisor of the GQA ``group`` that is at most ``MAX_HEADS_PER_PROGRAM`` and whose VMEM
     estimates (``vmem_bytes`` at float32, as ``default_config``) fit
     ``VMEM_LIMIT_BYTES``; 1 when none larger does."""
     for heads in range(min(group, MAX_HEADS_PER_PROGRAM), 1, -1):
         if group % heads:
             continue
         need = vmem_bytes(block_q, block_kv, head_dim, jnp.float32, heads=heads)
-        if max(need["fwd"], need["dq"]) <= VMEM_LIMIT_BYTES:
+        if max(need.values()) <= VMEM_LIMIT_BYTES:
             return heads
     return 1
 
@@ -245,7 +245,7 @@ def vmem_bytes(block_q: int, block_kv: int, head_dim: int, dtype, heads: int = 1
     blocks = {
         "fwd": (2 * h * bq * d + 2 * bkv * d) * item + h * bq * stat,  # q, o; k, v; lse
         "dq": (3 * h * bq * d + 2 * bkv * d) * item + 2 * h * bq * stat,  # q, dO, dq; k, v; stats
-        "dkv": (4 * bkv * d + 2 * bq * d) * item + 2 * bq * stat,  # k, v, dk, dv; q, dO; stats
+        "dkv": (4 * bkv * d + 2 * h * bq * d) * item + 2 * h * bq * stat,  # k, v, dk, dv; q, dO
     }
     scratches = {
         "fwd": fwd_scratch(bq, d, h),
