@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import sys
 import time
 import traceback
@@ -61,11 +60,15 @@ from attn_common import quantize_latent_cache
 from attn_common.paged import copy_pages
 from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.bench_sparse_mla import (
+    DK,
+    DV,
+    ROW_BYTES,
     SM_SCALE,
     distinct_choices,
     jit_call,
     paged_layout,
     rel_l2,
+    script_report,
     script_run,
     speedup_svg,
 )
@@ -73,8 +76,6 @@ from attn_mosaic_gpu.sparse_mla import dequantize_store_first
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "sparse_mla_fp8"
-DK, DV = 576, 512
-BYTES_PER_TOKEN = {"bf16": 2 * DK, "fp8": DV + 4 * 4 + 2 * 64}  # 1152, 656
 HEAD_GROUP = 64  # heads of one program: each reads its rows once
 TARGETS = {16: 1.6, 32: 1.6, 64: 1.4, 128: 1.0}  # FP8 speed-up over bf16 (issue 41)
 
@@ -167,7 +168,7 @@ def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) 
         ("fp8-copy", "fp8", fp8, functools.partial(op, fp8_dequantize=True)),
     )
     for variant, cache, store, fn in variants:
-        gathered = groups * pairs * BYTES_PER_TOKEN[cache]
+        gathered = groups * pairs * ROW_BYTES[cache]
         row = {
             "case": case.name, "variant": variant, "impl": "mosaic-gpu", "cache": cache,
             "heads": case.heads,
@@ -202,17 +203,12 @@ def run_case(case: Case, *, iterations: int, copy_tbps: float, interpret: bool) 
 
 
 def write_reports(result: dict, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{RESULT}.json", out / f"{RESULT}.md", out / f"{RESULT}.svg"]
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    prov, ceil = result["provenance"], result["ceilings"]
-    timing = ", ".join(sorted({r["timing"] for r in result["rows"] if r.get("timing")})) or "none"
+    paths, opening = script_report(result, out, RESULT)
+    ceil = result["ceilings"]
     lines = [
         "# Sparse MLA over a bf16 and an FP8 latent cache (Hopper kernel)",
         "",
-        f"Commit `{prov['commit']}`, {prov['date']}, device {result['device']}; command "
-        f"`{prov['command']}`. Time: {timing} ({'device time' if timing == 'cupti' else 'not a device time'}), "
-        f"median of {result['iterations']} calls after a warm-up, row table included. FP8: the "
+        f"{opening}, row table included. FP8: the "
         "op's default (its path: `on-chip`, the kernel gathers FP8 rows and dequantizes "
         "them; `copy`, XLA dequantizes the cache (ragged: the pages the page table names) into bf16 first, then the bf16 "
         "kernel), then both paths forced. Gather: cache bytes a row-gather kernel reads "

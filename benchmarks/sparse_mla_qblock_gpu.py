@@ -61,10 +61,14 @@ from attn_common import quantize_latent_cache
 from attn_common.picks import decode_picks, distinct_choices, overlapping_picks
 from attn_mosaic_gpu.bench import device_ms
 from attn_mosaic_gpu.bench_sparse_mla import (
+    DK,
+    DV,
+    ROW_BYTES,
     SM_SCALE,
     jit_call,
     paged_layout,
     rel_l2,
+    script_report,
     script_run,
     speedup_svg,
 )
@@ -73,8 +77,6 @@ from attn_mosaic_gpu.sparse_mla_kernel import query_block_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "sparse_mla_qblock_gpu"
-DK, DV = 576, 512
-BYTES_PER_ROW = {"bf16": 2 * DK, "fp8": DV + 4 * 4 + 2 * 64}  # 1152, 656
 PROGRAM_ROWS = 64  # rows of one program's matrices (heads, or a block's queries x heads)
 KERNELS = ("per-query", "qblock", "auto")
 # Issue 56's targets: the blocked kernel over the per-query one.
@@ -217,7 +219,7 @@ def run_case(case: Case, *, iterations: int, ceil: dict, interpret: bool) -> lis
             jitted, call_args = jit_call(scheduled(kernel), args, kw)
             outs[kernel] = jitted(*call_args)
             ms, method = device_ms(jitted, *call_args, iterations=iterations)
-            rate = rows_read * BYTES_PER_ROW[case.cache] / ms / 1e9
+            rate = rows_read * ROW_BYTES[case.cache] / ms / 1e9
             issued = 2.0 * PROGRAM_ROWS * (DK + DV) * rows_read
             row.update(
                 ms=ms, timing=method, tflops=flops / ms / 1e9, gather_tbps=rate,
@@ -268,18 +270,12 @@ def merge(paths: list[Path]) -> dict:
 
 
 def write_reports(result: dict, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{RESULT}.json", out / f"{RESULT}.md", out / f"{RESULT}.svg"]
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
-    prov, ceil = result["provenance"], result["ceilings"]
-    timing = ", ".join(sorted({r["timing"] for r in result["rows"] if r.get("timing")})) or "none"
+    paths, opening = script_report(result, out, RESULT)
+    ceil = result["ceilings"]
     lines = [
         "# Sparse MLA on Hopper: the query-blocked kernel against the per-query one",
         "",
-        f"Commit `{prov['commit']}`, {prov['date']}, device {result['device']}; command "
-        f"`{prov['command']}`. Time: {timing} "
-        f"({'device time' if timing == 'cupti' else 'not a device time'}), median of "
-        f"{result['iterations']} calls after a warm-up, row and union tables included. "
+        f"{opening}, row and union tables included. "
         "Same inputs for the three kernels: `per-query` (today's kernel), `qblock` (the "
         "query-blocked kernel forced; at H > 32 there is none and this is the per-query "
         "kernel) and `auto` (the op's own choice). Union: rows gathered by the blocked "

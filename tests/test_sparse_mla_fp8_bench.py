@@ -30,7 +30,7 @@ def test_cases_are_the_issue_shapes(bench):
     for c in decode:
         assert (c.layout, c.requests, c.num_queries // c.requests) == ("ragged", 128, 2)
         assert (c.top_k_tokens, c.kv_len) == (2048, 32768)
-    assert bench.BYTES_PER_TOKEN == {"bf16": 1152, "fp8": 656}
+    assert bench.ROW_BYTES == {"bf16": 1152, "fp8": 656}
 
 
 def _row(cache, ms, **extra):

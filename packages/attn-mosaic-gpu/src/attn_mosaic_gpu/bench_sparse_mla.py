@@ -96,6 +96,7 @@ from attn_common.cli_args import (
     seed_int,
 )
 from attn_common.dispatch import device_class, load_backend
+from attn_common.fp8_cache import LATENT, PACKED_BYTES, ROPE
 from attn_common.picks import distinct_choices
 from attn_common.sparse_mla import padded_dk
 from attn_common.tables import kv_packing
@@ -109,6 +110,8 @@ RESULT_JSON, RESULT_MD, RESULT_SVG = (
 )
 RESULT_FILES = (RESULT_JSON, RESULT_MD, RESULT_SVG)
 SM_SCALE = 1.0 / math.sqrt(192.0)
+DK, DV = LATENT + ROPE, LATENT  # DeepSeek's latent row: Dk 576, Dv = kv_lora_rank 512
+ROW_BYTES = {"bf16": 2 * DK, "fp8": PACKED_BYTES}  # one gathered row: 1152, 656 bytes
 IMPLS = ("mosaic-gpu", "reference", "none")
 HEAD_GROUP = HEADS_PER_PROGRAM  # heads sharing one read of a key row (bytes estimate)
 WRITE_LOOP_CALLS = 8  # write-back timings: calls per loop that carries the cache
@@ -871,6 +874,23 @@ def script_run(
                   iterations=args.iterations, smoke=args.smoke, ceilings=ceil, rows=[],
                   failed=0)  # fmt: skip
     return args, selected, result
+
+
+def script_report(result: dict, out: Path, name: str) -> tuple[list[Path], str]:
+    """A ``benchmarks/sparse_mla_*.py`` script's report: the paths ``name.{json,md,svg}``
+    under ``out`` with the JSON written, and the Markdown's opening sentence (commit,
+    date, device, command, the timing method and the median's calls)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.{ext}" for ext in ("json", "md", "svg")]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    prov = result["provenance"]
+    timing = ", ".join(sorted({r["timing"] for r in result["rows"] if r.get("timing")})) or "none"
+    kind = "device time" if timing == "cupti" else "not a device time"
+    return paths, (
+        f"Commit `{prov['commit']}`, {prov['date']}, device {result['device']}; command "
+        f"`{prov['command']}`. Time: {timing} ({kind}), median of {result['iterations']} "
+        "calls after a warm-up"
+    )
 
 
 def speedup_svg(path: Path, title: str, names: list[str], series: list, targets: list) -> None:
