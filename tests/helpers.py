@@ -459,7 +459,8 @@ def sparse_mla_flat_case(
     pos[b, 4] = -5  # negative position: causally empty
     idx[0, 5] = num_units - 1  # only the (partial) tail unit, selected K times
     pos[0, 5] = kv_len + 100  # kv_len binds
-    idx[b, 6] = np.array([num_units - 1, -1, num_units + 7, 2**30])[:top_k]
+    edge = np.array([num_units - 1, -1, num_units + 7, 2**30])[:top_k]
+    idx[b, 6] = np.pad(edge, (0, top_k - len(edge)), constant_values=-1)
     pos[b, 6] = 0  # selection entirely after the query: empty
     return q, kv, idx, pos
 
