@@ -106,3 +106,4 @@ def test_grid_counts_are_the_kernels_grids():
     assert (c2.fwd, c2.dkv, c2.kv_programs) == (c.fwd, c.dkv, c.kv_programs)
     assert c2.grid_steps_dkv == c.grid_steps_dkv // 2
     assert (c2.splash_programs, c2.splash_grid_steps) == (c.q_programs, c.grid_steps_fwd)
+    assert c2.splash_grid_steps_dkv == c.splash_grid_steps_dkv == c.grid_steps_dkv

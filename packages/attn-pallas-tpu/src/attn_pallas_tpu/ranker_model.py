@@ -87,8 +87,9 @@ class VisitCounts:
     ``fwd_*``: (q tile, kv block) visits of the forward and dq kernels; ``dkv_*``:
     (kv tile, query head, q block) visits of the dk/dv kernel; ``*_masked`` of them run
     the mask. ``splash_*``: the same for splash with the union mask. Programs and grid
-    steps are the kernels' (``heads`` query heads a forward / dq program); splash's
-    ``splash_programs`` and ``splash_grid_steps`` are at one head a program.
+    steps are the kernels' (``heads`` query heads a forward / dq program and a dk/dv
+    step); splash's ``splash_programs``, ``splash_grid_steps`` and
+    ``splash_grid_steps_dkv`` are at one head a program or step.
     """
 
     fwd: int
@@ -103,6 +104,7 @@ class VisitCounts:
     grid_steps_dkv: int
     splash_programs: int
     splash_grid_steps: int
+    splash_grid_steps_dkv: int
 
 
 def _blocks_of(ranges, n_blocks: int) -> np.ndarray:
@@ -126,7 +128,8 @@ def visit_counts(
     # The kernels' padding and grids (ranker_config), so the counts are theirs.
     seq_pad = padded_len(seq_len, block_q, block_kv)
     grid = grids(batch, q_heads, kv_heads, seq_pad, block_q, block_kv, heads)
-    per_head = grids(batch, q_heads, kv_heads, seq_pad, block_q, block_kv)["fwd"]
+    one_head = grids(batch, q_heads, kv_heads, seq_pad, block_q, block_kv)
+    per_head = one_head["fwd"]
     nq, nk = seq_pad // block_q, seq_pad // block_kv
     hl, hu, cl, cu = (bounds[:, t, None] for t in range(4))
     q0 = np.arange(nq)[None] * block_q
@@ -163,6 +166,7 @@ def visit_counts(
         grid_steps_dkv=math.prod(grid["dkv"]),
         splash_programs=math.prod(per_head[:3]),
         splash_grid_steps=math.prod(per_head),
+        splash_grid_steps_dkv=math.prod(one_head["dkv"]),
     )
 
 
@@ -262,7 +266,7 @@ def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, see
         + visits("dkv", c.splash, c.splash_masked, 1)
         + 1.5 * s_progs
         + c.kv_programs * kv_prog
-        + (c.splash_grid_steps + c.grid_steps_dkv) * step
+        + (c.splash_grid_steps + c.splash_grid_steps_dkv) * step
     ) / cores + layout
     eff = ranker_flops(bounds, case.q_heads, d)
     return RankerCost(
