@@ -68,9 +68,9 @@ SCORE_TEMPORARIES = 5
 # Grid axes: (batch, heads, tiles) parallel; the steps of a tile (the accumulators live
 # across them in VMEM scratch) arbitrary.
 DIMENSION_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
-# Query heads of one kv head per forward / dq program (K / V fetched once for them, a
-# masked step's mask and V cleaning built once, the heads independent work in one step
-# body). v5e at aa1c327 (scratch, forward, 5 heads a program against 1, device ms,
+# Query heads of one kv head per forward / dq program and per dk/dv step (K / V fetched
+# once for them, a masked step's mask and V cleaning built once, the heads independent
+# work in one step body). v5e at aa1c327 (scratch, forward, 5 heads a program against 1, device ms,
 # bitwise equal): phoenix 25.55 -> 19.78, ragged 19.81 -> 15.50, ragged packed 19.02 ->
 # 13.10. Bounded because the step body is unrolled per head; 8 heads not measured.
 MAX_HEADS_PER_PROGRAM = 8
@@ -137,7 +137,7 @@ class RankerStatic(RankerKernelStatic):
     block_q: int
     block_kv: int
     packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
-    heads_per_program: int = 1  # query heads (of one kv head) per forward / dq program
+    heads_per_program: int = 1  # query heads of one kv head: a forward / dq program, a dk/dv step
     heads_major: bool = False  # the [B, H, S, D] kernel layout at any D (see ``flat``)
 
     @property
@@ -231,9 +231,9 @@ def vmem_bytes(block_q: int, block_kv: int, head_dim: int, dtype, heads: int = 1
     """A model of each kernel's VMEM (bytes): its blocks, double-buffered by the Pallas
     pipeline (a ``(1, rows)`` f32 row statistic takes 8 sublanes), its scratch, and
     ``SCORE_TEMPORARIES`` float32 score tiles (once: the heads of a program take their
-    turns). ``heads``: query heads per forward / dq program (their q-side blocks and
-    scratch scale with it). A model: Mosaic's own layouts and temporaries are known only
-    on a TPU."""
+    turns). ``heads``: query heads per forward / dq program and dk/dv step (their
+    q-side blocks and scratch scale with it). A model: Mosaic's own layouts and
+    temporaries are known only on a TPU."""
     item = jnp.dtype(dtype).itemsize
     bq, bkv, d, h = block_q, block_kv, head_dim, heads
     stat = 8 * 4  # bytes per position of a (1, rows) f32 block

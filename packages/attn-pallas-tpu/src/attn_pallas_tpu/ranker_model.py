@@ -24,9 +24,10 @@ Per visit, on one TensorCore (a chip's ``cores`` share the parallel grid axes):
   whatever the bounds). Layout copies outside the kernels (D = 64: the ``[B,H,S,D]``
   transposes) are added at the HBM bandwidth.
 * The forward and dq kernels run ``heads_per_program`` query heads of one kv head a
-  program (``ranker_config.heads_per_program``, the value the kernels take): their grid
-  steps and programs are counted over that grid, and a K / V block's bytes are shared by
-  the program's heads. The splash comparison keeps one head a program.
+  program, and the dk/dv kernel as many a step (``ranker_config.heads_per_program``, the
+  value the kernels take): their grid steps and programs are counted over those grids,
+  and a K / V block's bytes are shared by the program's heads. The splash comparison
+  keeps one head a program.
 
 Splash attention with the union mask takes one static mask for the whole batch: the
 union over the rows of each row's allowed mask. It visits, for every row and head,
@@ -120,7 +121,7 @@ def visit_counts(
     heads: int = 1,
 ) -> VisitCounts:  # fmt: skip
     """Count the kernels' and splash's block visits for concrete bounds ``[B, 4]``
-    (``heads``: the kernels' query heads per forward / dq program)."""
+    (``heads``: the kernels' query heads per forward / dq program and dk/dv step)."""
     bounds = np.asarray(
         normalize_bounds(np.asarray(bounds, np.int32), batch=len(bounds), seq_len=seq_len)
     )
