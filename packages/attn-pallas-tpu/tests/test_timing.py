@@ -7,12 +7,29 @@ import time
 
 import pytest
 
-from attn_pallas_tpu._timing import QUEUED_CALLS, queued_ms, trace_times
+from attn_pallas_tpu._timing import (
+    QUEUED_CALLS,
+    QUEUED_MAX_CALLS,
+    QUEUED_SPAN_MS,
+    queued_calls,
+    queued_ms,
+    trace_times,
+)
+
+
+def test_queued_calls_span_the_round_trip():
+    """At least the iterations and ``QUEUED_CALLS``; short calls queue enough to span
+    ``QUEUED_SPAN_MS`` (bounded), long ones no more than the minimum."""
+    assert queued_calls(450.0, 3) == QUEUED_CALLS  # an XLA reference row
+    assert queued_calls(450.0, QUEUED_CALLS + 4) == QUEUED_CALLS + 4
+    decode = queued_calls(0.7, 3)
+    assert decode * 0.7 >= QUEUED_SPAN_MS and (decode - 1) * 0.7 < QUEUED_SPAN_MS
+    assert queued_calls(0.0, 3) == queued_calls(1e-6, 3) == QUEUED_MAX_CALLS
 
 
 def test_queued_ms_waits_once_per_sample():
-    """A warm-up call waited for, then ``max(iterations, QUEUED_CALLS)`` calls issued with
-    one wait at the end; the time is per call."""
+    """A warm-up call waited for, then ``queued_calls`` calls issued with one wait at the
+    end; the time is per call."""
     calls, waits = [], []
 
     class Out:
@@ -26,11 +43,13 @@ def test_queued_ms_waits_once_per_sample():
         return Out()
 
     ms = queued_ms(fn, 7, iterations=3)
-    assert calls == [7] * (1 + QUEUED_CALLS) and waits == [1, 1 + QUEUED_CALLS]
+    n = len(calls) - 1  # after the warm-up: at least the span of 2 ms calls, bounded
+    assert calls == [7] * (1 + n) and waits == [1, 1 + n]
+    assert QUEUED_CALLS < n <= QUEUED_SPAN_MS / 2.0
     assert ms >= 2.0
     calls.clear(), waits.clear()
-    queued_ms(fn, 7, iterations=QUEUED_CALLS + 2)
-    assert len(calls) == QUEUED_CALLS + 3 and waits == [1, QUEUED_CALLS + 3]
+    queued_ms(fn, 7, iterations=QUEUED_MAX_CALLS + 2)
+    assert len(calls) == QUEUED_MAX_CALLS + 3 and waits == [1, QUEUED_MAX_CALLS + 3]
 
 
 def test_trace_times_splits_kernels_from_the_xla_ops_around_them():

@@ -5,6 +5,7 @@ home, so both suites time the same way."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
@@ -14,8 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["device_ms", "matmul_tflops", "queued_ms", "rel_l2", "timed", "trace_times", "wall_ms"]
-QUEUED_CALLS = 5  # calls a queued_ms sample issues at least
+__all__ = [
+    "device_ms",
+    "matmul_tflops",
+    "queued_calls",
+    "queued_ms",
+    "rel_l2",
+    "timed",
+    "trace_times",
+    "wall_ms",
+]
+QUEUED_CALLS = 5  # calls a queued_ms sample issues at least ...
+# ... and enough to span about this long, so the one wait at its end (a host round trip,
+# 0.6 ms on the v5e machine) adds little to each call: 5 decode calls of 0.7 ms carried
+# 0.12 ms of it each.
+QUEUED_SPAN_MS = 100.0
+QUEUED_MAX_CALLS = 200
 
 
 def wall_ms(fn, *args, iterations: int) -> float:
@@ -31,17 +46,26 @@ def wall_ms(fn, *args, iterations: int) -> float:
 
 def queued_ms(fn, *args, iterations: int) -> float:
     """Wall-clock ms per call of ``fn(*args)`` issued back to back, as a training or
-    serving loop dispatches them: after one waited warm-up call, ``max(iterations,
-    QUEUED_CALLS)`` calls queued with one wait at the end, the total over the calls. The
-    host round trip of a waited call (0.6 ms for a jitted ``x + 1`` on the v5e machine)
-    is paid once per sample, not per call."""
+    serving loop dispatches them: after one waited warm-up call, ``queued_calls`` calls
+    queued with one wait at the end, the total over the calls. The host round trip of a
+    waited call (0.6 ms for a jitted ``x + 1`` on the v5e machine) is paid once per
+    sample, spread over enough calls to be small in each."""
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    calls = max(iterations, QUEUED_CALLS)
+    calls = queued_calls((time.perf_counter() - t0) * 1e3, iterations)
     t0 = time.perf_counter()
     for _ in range(calls - 1):
         fn(*args)  # dropped: its buffers are freed once it has run
     jax.block_until_ready(fn(*args))  # one device queue: the last call finishes last
     return (time.perf_counter() - t0) / calls * 1e3
+
+
+def queued_calls(waited_ms: float, iterations: int) -> int:
+    """Calls a ``queued_ms`` sample issues: at least ``iterations`` and ``QUEUED_CALLS``,
+    and enough calls of ``waited_ms`` (one waited call) to span ``QUEUED_SPAN_MS``, at
+    most ``QUEUED_MAX_CALLS`` for that."""
+    span = min(math.ceil(QUEUED_SPAN_MS / max(waited_ms, 1e-3)), QUEUED_MAX_CALLS)
+    return max(iterations, QUEUED_CALLS, span)
 
 
 def device_ms(fn, *args, iterations: int, top_ops: int = 8) -> dict:

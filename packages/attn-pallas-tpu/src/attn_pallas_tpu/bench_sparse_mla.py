@@ -5,11 +5,12 @@ after the TPU tests).
 Every row is timed in one run, three ways, after a warm-up: ``ms``, wall clock with each
 call waited for, the median of ``--iterations`` calls (on the v5e machine even a jitted
 ``x + 1`` takes 0.6 ms waited: the host round trip); ``queued_ms``, wall clock per call of
-at least 5 calls issued back to back with one wait (as a training or serving loop
-dispatches them: the round trip paid once); and ``device_ms``, the median of the call's
-spans on the TPU in a ``jax.profiler`` trace (what a layer inside a larger jitted step costs),
-with ``kernel_device_ms``, the share of its Pallas kernels, and ``xla_ops_ms``, the XLA
-ops around them that took longest (name and ms per call: what the rest of the call is).
+calls issued back to back for about 100 ms (at least 5) with one wait (as a training
+or serving loop dispatches them: the round trip paid once, spread over the calls); and
+``device_ms``, the median of the call's spans on the TPU in a ``jax.profiler`` trace
+(what a layer inside a larger jitted step costs), with ``kernel_device_ms``, the share
+of its Pallas kernels, and ``xla_ops_ms``, the XLA ops around them that took longest
+(name and ms per call: what the rest of the call is).
 q and the cache reach the jitted call row-major (``row_major``), as arrays made inside a
 step do, not in the layout the runtime gives a fresh ``[1, T, 576]`` array (``T``
 minor on a v5e, which each call would relay out first); the eager row keeps them as made.
