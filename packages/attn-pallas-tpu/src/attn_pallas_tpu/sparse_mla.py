@@ -66,7 +66,6 @@ from attn_pallas_tpu._prep import (
     fp8_copy,
     pad_features,
     program_tables,
-    query_dtype,
     require_tpu_kernels,
     resolve_interpret,
     unit_space,
@@ -242,23 +241,22 @@ def sparse_mla_attention(
 
     def forward(c: SparseMlaCall):
         kv, ragged = fp8_copy(problem, c.kv, c.ragged_kwargs(), fp8_dequantize)
-        return _per_query(
-            problem, c.q, kv, c.indices, c.positions, interpret=interpret, config=cfg, **ragged,
-        )  # fmt: skip
+        space = unit_space(problem, kv, c.indices, c.positions, **ragged)
+        return _per_query(problem, c.q, space, interpret=interpret, config=cfg)
 
     return sparse_mla_result(call, forward, interpret=interpret, config=cfg)
 
 
-def _per_query(problem, q, kv, indices, positions, *, interpret, config, **ragged):
-    """``(out, lse)`` of the per-query path after validation (also the query-blocked
-    wrapper's fallback), at the config's per-query forward tiling."""
+def _per_query(problem, q, space, *, interpret, config):
+    """``(out, lse)`` of the per-query path after validation over the call's unit space
+    (``_prep.unit_space``; the query-blocked wrapper's fallback shares its guard's), at
+    the config's per-query forward tiling."""
     config = config.per_query_forward()
-    space = unit_space(problem, kv, indices, positions, **ragged)
     batch, seq, heads = problem.batch, problem.num_queries, problem.heads
     n = batch * seq
     rb = problem.read_block
     tables, n_pad = program_tables(space, rb, config, n)
-    q_pad = pad_features(q.astype(query_dtype(kv)), space.store.width).reshape(n, heads, -1)
+    q_pad = pad_features(q.astype(space.store.dtype), space.store.width).reshape(n, heads, -1)
     q_pad = jnp.pad(q_pad, ((0, n_pad - n), (0, 0), (0, 0)))
     out, lse = _per_query_call(
         q_pad,

@@ -108,7 +108,6 @@ from attn_pallas_tpu.plan import (
     AUTO_QUERY_BLOCKS,
     MIN_SHARING,
     VMEM_USABLE_FRACTION,
-    block_union_sizes,
     choose_plan,
     distinct_units_per_query,
     host_distinct_units,
@@ -521,10 +520,9 @@ def _forward(call: SparseMlaCall, *, max_rows: int, fp8_dequantize, interpret, c
     q, indices, positions = call.q, call.indices, call.positions
     kv, ragged = fp8_copy(problem, call.kv, call.ragged_kwargs(), fp8_dequantize)
     space = unit_space(problem, kv, indices, positions, **ragged)
-    per_query = functools.partial(
-        _per_query, problem, q, kv, indices, positions, interpret=interpret, config=cfg,
-        **ragged,
-    )  # fmt: skip
+    # The per-query fallback takes the guard's unit space: one lift of the request-local
+    # ids through the page table, not one per branch.
+    per_query = functools.partial(_per_query, problem, q, space, interpret=interpret, config=cfg)
     qb, hb, u_max, explicit = _tiling(call, kv, max_rows=max_rows, cfg=cfg, planned=planned)
     qblock = functools.partial(
         _qblock, problem, q, space, query_block=qb, head_block=hb, u_max=u_max,
@@ -562,7 +560,7 @@ def _backward(
     problem = call.problem
     space = unit_space(problem, call.kv, call.indices, call.positions, **call.ragged_kwargs())
     qb, hb, _, explicit = _tiling(call, call.kv, max_rows=max_rows, cfg=config, planned=planned)
-    unions = block_union_sizes(space.keys, query_block=qb)
+    picks, unions = sorted_picks(space, query_block=qb)  # the guard's and the tables' sort
     take = jnp.max(unions) <= backward_slots(qb, problem.top_k, problem.num_units)
     if not explicit:
         distinct = distinct_units_per_query(jnp.where(space.unit_ok, space.keys, -1))
@@ -571,7 +569,7 @@ def _backward(
     kw = dict(interpret=interpret, config=config)
     return jax.lax.cond(
         take,
-        lambda: blocked_backward(*grads, query_block=qb, head_block=hb, **kw),
+        lambda: blocked_backward(*grads, query_block=qb, head_block=hb, picks=picks, **kw),
         lambda: per_query_backward(*grads, **kw),
     )
 

@@ -368,11 +368,13 @@ def _sum_call(partials, block, used, *, num_blocks: int, dtype, cfg, interpret):
 
 def blocked_backward(
     call: SparseMlaCall, out, lse, d_out, d_lse, *, query_block: int, head_block: int,
-    interpret, config: SparseMlaConfig,
+    interpret, config: SparseMlaConfig, picks=None,
 ):  # fmt: skip
     """``(dq, dkv)`` of a validated call (float32 or bfloat16 cache) through the two
     kernels above, at ``query_block`` x ``head_block`` programs. Exact only where every
-    block's union fits :func:`backward_slots` (the caller checks; a wider union is cut)."""
+    block's union fits :func:`backward_slots` (the caller checks; a wider union is cut).
+    ``picks``: ``_prep.sorted_picks``' first value at ``query_block``, where the caller
+    has it (its guard's sort), so the tables do not sort again."""
     problem = call.problem
     kv = call.kv
     ragged = call.ragged_kwargs()
@@ -383,7 +385,7 @@ def blocked_backward(
     slots = backward_slots(query_block, problem.top_k, problem.num_units)
     tables = union_tables(
         problem, space, query_block=query_block, u_chunk=MEMBER_TILE,
-        n_chunks=slots // MEMBER_TILE, page_indices=ragged["page_indices"],
+        n_chunks=slots // MEMBER_TILE, page_indices=ragged["page_indices"], picks=picks,
     )  # fmt: skip
     dtype = store.dtype
     stats = softmax_stats(out, lse, d_out, d_lse)  # [B, S, H, 2]
