@@ -11,8 +11,10 @@ Preprocessing (plain XLA, outside the kernels): ``delta'`` ``[B, Hq, 1, R]`` f32
 the forward's q rows, ``ranker_fwd.q_rows``: q, dO, the LSE, ``delta'`` and dq keep
 ``S`` rows where one q tile fits, the last tile running past them; k, v, dk and dv are
 padded to ``S_pad``);
-the LSE of rows with no allowed key is replaced by ``+inf`` (so ``exp(y - lse) = 0``,
-never ``-inf - -inf``) and their LSE cotangent by 0, so their gradients are exactly 0.
+the LSE goes in base 2 (``log2(e) * lse``: the kernels take ``p = exp2(log2(e) y -
+log2(e) lse)``, ``log2(e)`` folded into the cap's multiplies), and the LSE of rows with
+no allowed key is replaced by ``+inf`` (so ``p = 0``, never ``-inf - -inf``) and their
+LSE cotangent by 0, so their gradients are exactly 0.
 
 Schedule
 --------
@@ -78,6 +80,7 @@ from attn_pallas_tpu.ranker_config import (
     dq_scratch,
 )
 from attn_pallas_tpu.ranker_fwd import (
+    LOG2E,
     TileSteps,
     dot,
     finite_or_zero,
@@ -102,10 +105,12 @@ from attn_pallas_tpu.ranker_fwd import (
 __all__ = ["ranker_attention_bwd"]
 
 
-def _probs_and_dlogits(raw, lse, dp, delta, st: RankerStatic, allowed):
-    """``p`` and ``ds`` (w.r.t. the raw ``q.k``, before ``sm_scale``) of one tile."""
-    y, dcap = cap_scaled_with_derivative(raw, st.cap, st.sm_scale)
-    p = jnp.exp(y - lse)
+def _probs_and_dlogits(raw, lse2, dp, delta, st: RankerStatic, allowed):
+    """``p`` and ``ds`` (w.r.t. the raw ``q.k``, before ``sm_scale``) of one tile, from
+    the LSE in base 2 (``lse2 = log2(e) * lse``): ``p = exp2(log2(e) y - lse2)``, the
+    ``log2(e)`` folded into the cap's multiplies."""
+    y2, dcap = cap_scaled_with_derivative(raw, st.cap, st.sm_scale, out_scale=LOG2E)
+    p = jnp.exp2(y2 - lse2)
     ds = p * (dp - delta)
     if dcap is not None:
         ds = ds * dcap
@@ -127,7 +132,7 @@ def _build_dq_kernel(st: RankerStatic):
         k_ref,  # [block_kv, D]
         v_ref,  # [block_kv, D]
         do_ref,  # as q_ref
-        lse_ref,  # [Hp, 1, block_q] f32 (+inf on rows with no key)
+        lse_ref,  # [Hp, 1, block_q] f32, log2(e) * LSE (+inf on rows with no key)
         delta_ref,  # [Hp, 1, block_q] f32
         # outputs
         dq_ref,  # as q_ref
@@ -149,7 +154,8 @@ def _build_dq_kernel(st: RankerStatic):
                 lse = row_to_col(lse_ref[g], bq)
                 delta = row_to_col(delta_ref[g], bq)
                 _, ds = _probs_and_dlogits(raw, lse, dp, delta, st, allowed)
-                acc[g] += dot(ds.astype(k.dtype), k_clean) + poison
+                d = dot(ds.astype(k.dtype), k_clean)
+                acc[g] += d + poison if masked else d
 
         def finish():
             for g in range(heads):
@@ -176,7 +182,7 @@ def _build_dkv_kernel(st: RankerStatic):
         v_ref,  # [block_kv, D]
         q_ref,  # [block_q, Hp * D] or [Hp, block_q, D]: the step's queries of Hp heads
         do_ref,  # as q_ref
-        lse_ref,  # [Hp, 1, block_q] f32 (+inf on rows with no key)
+        lse_ref,  # [Hp, 1, block_q] f32, log2(e) * LSE (+inf on rows with no key)
         delta_ref,  # [Hp, 1, block_q] f32
         # outputs
         dk_ref,  # [block_kv, D]
@@ -205,8 +211,9 @@ def _build_dkv_kernel(st: RankerStatic):
                     q, bad_q = finite_or_zero(q, bq)
                     do, bad_do = finite_or_zero(do, bq)
                     poison = nan_where_attended(allowed, jnp.maximum(bad_q, bad_do))
-                dv_acc[...] += dot(p.astype(do.dtype), do) + poison
-                dk_acc[...] += dot(ds.astype(q.dtype), q) + poison
+                dv, dk = dot(p.astype(do.dtype), do), dot(ds.astype(q.dtype), q)
+                dv_acc[...] += dv + poison if masked else dv
+                dk_acc[...] += dk + poison if masked else dk
 
         def finish():
             dk_ref[...] = (dk_acc[...] * st.sm_scale).astype(dk_ref.dtype)
@@ -305,7 +312,7 @@ def ranker_attention_bwd(
     if dlse is not None:
         delta = delta - jnp.where(empty, 0.0, dlse.astype(jnp.float32))
     delta = jnp.where(empty, 0.0, delta)
-    lse = jnp.where(empty, jnp.inf, lse)
+    lse = jnp.where(empty, jnp.inf, lse * LOG2E)  # base 2, as the kernels' exp2 takes it
 
     rows = q_rows(st, seq)
 

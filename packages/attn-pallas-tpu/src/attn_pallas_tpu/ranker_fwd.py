@@ -30,9 +30,10 @@ number of blocks a tile visits is not known at trace time).
   clamped to the tile's last visited block, so the block index does not change and the
   pipeline issues no DMA. Blocks outside the ranges are never fetched.
 * Compute: ``pl.when(j < steps)``; per head, the QK^T product on the MXU (f32
-  accumulation), the scale and cap (``attn_common.cap_forward``), the ranker mask
+  accumulation), the scale, cap and ``log2(e)`` folded into the cap's multiplies
+  (``attn_common.cap_scaled_with_derivative``: logits in base 2), the ranker mask
   (``ranker_mask`` on the tile iotas, built once a step for the ``Hp`` heads) only on
-  steps outside ``[full_lo, full_hi)``, and an online softmax whose running max / sum /
+  steps outside ``[full_lo, full_hi)``, and an ``exp2`` online softmax whose running max / sum /
   f32 accumulator live in VMEM scratch (one slab per head) across the KV axis. The
   heads are independent chains in one step body, so one head's matmuls can overlap
   another's softmax.
@@ -86,6 +87,7 @@ inputs use ``Precision.HIGHEST`` matmuls.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,13 +95,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_common import cap_forward, check_ranker_inputs, ranker_mask
+from attn_common import check_ranker_inputs, ranker_mask
 from attn_common.bounds import (
     ranker_full_kv_steps,
     ranker_full_q_steps,
     ranker_kv_block_ranges,
     ranker_q_block_ranges,
 )
+from attn_common.cap import cap_scaled_with_derivative
 from attn_common.packed import (
     TileRuns,
     normalize_ranker_bounds,
@@ -144,6 +147,8 @@ __all__ = [
 
 # Initial running max: finite, so empty rows never compute -inf - -inf.
 M_INIT = -1e30
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -421,8 +426,11 @@ def masked_kv_step(st: RankerStatic, bounds, steps: TileSteps, i, j, x):
 
 
 def scaled_capped(raw, st: RankerStatic):
-    """``cap(raw * sm_scale)`` (f32)."""
-    return cap_forward(raw * st.sm_scale, st.cap)
+    """``log2(e) * cap(raw * sm_scale)`` (f32): the logit in base 2 for an ``exp2``
+    softmax, ``sm_scale``, the cap's ``1 / c`` and ``log2(e)`` folded into the multiplies
+    the cap takes anyway (the derivative the helper also returns is dead code here)."""
+    y2, _ = cap_scaled_with_derivative(raw, st.cap, st.sm_scale, out_scale=LOG2E)
+    return y2
 
 
 def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
@@ -470,12 +478,13 @@ def _build_fwd_kernel(st: RankerStatic):
                 s = scaled_capped(dot(q_ref[head_of(st, g)], k, trans_b=True), st)
                 if masked:
                     s = jnp.where(allowed, s, -jnp.inf)
-                m_prev = m_sc[g]  # (bq, 128), lane-broadcast
+                m_prev = m_sc[g]  # (bq, 128), lane-broadcast, base 2
                 m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                alpha = jnp.exp(m_prev - m_next)
-                p = jnp.exp(s - m_next[:, :1])
+                alpha = jnp.exp2(m_prev - m_next)
+                p = jnp.exp2(s - m_next[:, :1])
                 l_sc[g] = alpha * l_sc[g] + jnp.sum(p, axis=1, keepdims=True)
-                acc_sc[g] = acc_sc[g] * alpha[:, :1] + dot(p.astype(v.dtype), v) + poison
+                acc = acc_sc[g] * alpha[:, :1] + dot(p.astype(v.dtype), v)
+                acc_sc[g] = acc + poison if masked else acc
                 m_sc[g] = m_next
 
         def finish():
@@ -484,7 +493,7 @@ def _build_fwd_kernel(st: RankerStatic):
                 has_key = l > 0.0
                 safe_l = jnp.where(has_key, l, 1.0)
                 o_ref[head_of(st, g)] = (acc_sc[g] * (1.0 / safe_l)).astype(o_ref.dtype)
-                lse = jnp.where(has_key, m_sc[g][:, :1] + jnp.log(safe_l), -jnp.inf)
+                lse = jnp.where(has_key, (m_sc[g][:, :1] + jnp.log2(safe_l)) * LN2, -jnp.inf)
                 lse_ref[g] = col_to_row(lse, bq)
 
         walk_tile(
