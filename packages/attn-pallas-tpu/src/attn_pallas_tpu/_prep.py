@@ -434,6 +434,27 @@ def union_tables(
     )
 
 
+class UnionStatic(NamedTuple):
+    """What the query-blocked kernels (the forward and the backward's block kernel) are
+    built for, beyond their grid: the store's kind, the softmax scale, ``Dk`` / ``Dv``, the
+    read block ``RB``, the heads a program holds, the config and the interpret mode (a
+    static argument of their jitted calls)."""
+
+    kind: str  # Store.kind
+    sm_scale: float
+    dk: int
+    dv: int
+    rb: int
+    heads_per_group: int
+    cfg: SparseMlaConfig
+    interpret: object  # resolve_interpret's value
+
+    @property
+    def page_dk(self) -> int | None:
+        """``Dk`` where the store's pages carry padding past it (``"pages"``), else ``None``."""
+        return self.dk if self.kind == "pages" else None
+
+
 class UnionGrid(NamedTuple):
     """The query-blocked kernels' grid ``(B, nQB, G, C)`` (batch row, query block, head
     group, union chunk) over :class:`UnionTables`, with the unions scalar-prefetched: its

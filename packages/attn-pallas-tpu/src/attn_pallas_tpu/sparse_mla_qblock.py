@@ -83,6 +83,7 @@ from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     SUBLANE,
     UnionGrid,
+    UnionStatic,
     default_chip,
     fp8_copy,
     from_blocks,
@@ -138,33 +139,27 @@ def _qblock_kernel(
     mem_ref,  # VMEM [1, 1, UC, QB] int8: membership of this chunk's slots
     q_ref,  # VMEM [1, 1, 1, rows, Dk_pad], row = h * QB + q
     *refs,  # HBM store (1 or 2 arrays); o, lse; ring buffers, sems (unit_ring); m, l
-    kind: str,
+    st: UnionStatic,
+    grid: UnionGrid,
     n_store: int,
-    sm_scale: float,
-    dk: int,
-    dv: int,
-    rb: int,
-    heads_per_group: int,
-    n_blocks: int,
-    n_chunks: int,
-    cfg,
-    interpret: bool,
 ):
     # o: VMEM [1, 1, 1, rows, Dv] float32 (doubles as the accumulator); lse: [1, 1, 1, 1,
     # rows] float32; m / l: VMEM [1, rows] float32, the running max and denominator
     # carried across chunks.
     hbm, (o_ref, lse_ref) = refs[:n_store], refs[n_store : n_store + 2]
     m_ref, l_ref = refs[-2:]
-    ring = UnitRing(kind, hbm, refs[n_store + 2 : -3], refs[-3], rb=rb, interpret=interpret)
+    ring = UnitRing(
+        st.kind, hbm, refs[n_store + 2 : -3], refs[-3], rb=st.rb, interpret=bool(st.interpret)
+    )
     u_chunk = kb_ref.shape[-1]
     chunk = pl.program_id(3)
-    union = unions_ref[pl.program_id(0) * n_blocks + pl.program_id(1)]
+    union = unions_ref[pl.program_id(0) * grid.n_blocks + pl.program_id(1)]
     count = jnp.clip(union - chunk * u_chunk, 0, u_chunk)  # slots walked in this chunk
     rows = q_ref.shape[3]
 
     @pl.when(chunk == 0)
     def _():
-        o_ref[0, 0, 0] = jnp.zeros((rows, dv), jnp.float32)
+        o_ref[0, 0, 0] = jnp.zeros((rows, st.dv), jnp.float32)
         m_ref[...] = jnp.full((1, rows), -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros((1, rows), jnp.float32)
 
@@ -172,13 +167,12 @@ def _qblock_kernel(
     def _():
         m_i, l_i = _walk_chunk(
             count, q_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, o_ref, m_ref[0], l_ref[0],
-            sm_scale=sm_scale, dk=dk if kind == "pages" else None, dv=dv, rb=rb,
-            heads_per_group=heads_per_group, cfg=cfg,
+            st,
         )  # fmt: skip
         m_ref[0] = m_i
         l_ref[0] = l_i
 
-    @pl.when(chunk == n_chunks - 1)
+    @pl.when(chunk == grid.n_chunks - 1)
     def _():
         m_i, l_i = m_ref[0], l_ref[0]
         empty = l_i == 0.0
@@ -188,11 +182,13 @@ def _qblock_kernel(
 
 
 def _walk_chunk(
-    count, q_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, o_ref, m_i, l_i, *,
-    sm_scale, dk, dv, rb, heads_per_group, cfg,
+    count, q_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, o_ref, m_i, l_i, st: UnionStatic
 ):  # fmt: skip
     """Online softmax over ``count`` union slots of one chunk, ``G`` slots a step;
     returns the new ``(m, l)``."""
+    sm_scale, dk, dv, rb, heads_per_group, cfg = (
+        st.sm_scale, st.page_dk, st.dv, st.rb, st.heads_per_group, st.cfg
+    )  # fmt: skip
     g = cfg.units_per_step
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
     lim = lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
@@ -243,26 +239,16 @@ def _head_group(heads: int, query_block: int, head_block: int | None, max_rows: 
     return max(fits, default=1)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("kind", "sm_scale", "dk", "dv", "rb", "heads_per_group", "cfg", "interpret"),
-)
-def _qblock_call(
-    q5, arrays, kb, addr, unions, lim, member, *, kind, sm_scale, dk, dv, rb, heads_per_group,
-    cfg, interpret,
-):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("st",))
+def _qblock_call(q5, arrays, kb, addr, unions, lim, member, *, st: UnionStatic):
     batch, n_blocks, groups, rows, dk_pad = q5.shape
     u_chunk = kb.shape[-1]
     n_chunks = kb.shape[1] // n_blocks
     query_block = lim.shape[-1]
-    store = Store(kind, arrays)
-    kernel = functools.partial(
-        _qblock_kernel, kind=kind, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb,
-        heads_per_group=heads_per_group, n_blocks=n_blocks, n_chunks=n_chunks,
-        n_store=len(arrays), cfg=cfg, interpret=bool(interpret),
-    )  # fmt: skip
-
+    store = Store(st.kind, arrays)
     grid = UnionGrid(n_blocks, n_chunks, u_chunk)
+    kernel = functools.partial(_qblock_kernel, st=st, grid=grid, n_store=len(arrays))
+    cfg, rb, dv = st.cfg, st.rb, st.dv
     physical = int(default_chip().vmem_bytes / VMEM_USABLE_FRACTION)  # a core's VMEM
     need = qblock_vmem_bytes(
         cfg.replace(query_block=query_block, u_max=u_chunk), rows=rows, read_block=rb,
@@ -299,7 +285,7 @@ def _qblock_call(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem_limit(need, physical),
         ),
-        interpret=interpret,
+        interpret=st.interpret,
     )(unions, kb, addr, lim, member, q5, *in_hbm(*arrays))
 
 
@@ -600,15 +586,11 @@ def _qblock(
         tables.unions,
         tables.lim,
         tables.member,
-        kind=store.kind,
-        sm_scale=problem.sm_scale,
-        dk=problem.dk,
-        dv=problem.dv,
-        rb=problem.read_block,
-        heads_per_group=head_block,
-        cfg=cfg,
-        interpret=interpret,
-    )
+        st=UnionStatic(
+            store.kind, problem.sm_scale, problem.dk, problem.dv, problem.read_block,
+            head_block, cfg, interpret,
+        ),
+    )  # fmt: skip
     seq = problem.num_queries
     return (
         from_blocks(out, seq, query_block),

@@ -70,6 +70,7 @@ from attn_common.spec import SparseMlaCall
 from attn_pallas_tpu._mxu import mxu_dot
 from attn_pallas_tpu._prep import (
     UnionGrid,
+    UnionStatic,
     default_chip,
     from_blocks,
     pad_features,
@@ -126,21 +127,13 @@ def _block_kernel(
     buf,  # the ring (unit_ring.ring_scratch)
     sems,
     *,
-    kind: str,
-    sm_scale: float,
-    dk: int,
-    dv: int,
-    rb: int,
-    heads_per_group: int,
-    n_blocks: int,
-    n_chunks: int,
-    cfg,
-    interpret: bool,
+    st: UnionStatic,
+    grid: UnionGrid,
 ):
-    ring = UnitRing(kind, (hbm,), (buf,), sems, rb=rb, interpret=interpret)
+    ring = UnitRing(st.kind, (hbm,), (buf,), sems, rb=st.rb, interpret=bool(st.interpret))
     u_chunk = kb_ref.shape[-1]
     chunk = pl.program_id(3)
-    union = unions_ref[pl.program_id(0) * n_blocks + pl.program_id(1)]
+    union = unions_ref[pl.program_id(0) * grid.n_blocks + pl.program_id(1)]
     count = jnp.clip(union - chunk * u_chunk, 0, u_chunk)  # slots walked in this chunk
 
     @pl.when(chunk == 0)
@@ -151,21 +144,23 @@ def _block_kernel(
     def _():
         _walk_chunk(
             count, q_ref, do_ref, st_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, dq_ref,
-            part_ref, sm_scale=sm_scale, dk=dk if kind == "pages" else None, dv=dv, rb=rb,
-            heads_per_group=heads_per_group, cfg=cfg,
+            part_ref, st,
         )  # fmt: skip
 
-    @pl.when(chunk == n_chunks - 1)
+    @pl.when(chunk == grid.n_chunks - 1)
     def _():
-        dq_ref[...] = dq_ref[...] * sm_scale
+        dq_ref[...] = dq_ref[...] * st.sm_scale
 
 
 def _walk_chunk(
     count, q_ref, do_ref, st_ref, kb_ref, addr_ref, lim_ref, mem_ref, ring, dq_ref, part_ref,
-    *, sm_scale, dk, dv, rb, heads_per_group, cfg,
+    st: UnionStatic,
 ):  # fmt: skip
     """``count`` union slots of one chunk, ``G`` a step: ``dq`` accumulated in place, each
     step's partial gradients written to its rows of the chunk's partial block."""
+    sm_scale, dk, dv, rb, heads_per_group, cfg = (
+        st.sm_scale, st.page_dk, st.dv, st.rb, st.heads_per_group, st.cfg
+    )  # fmt: skip
     g = cfg.units_per_step
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
     do = do_ref[0, 0, 0]  # [rows, Dv]
@@ -211,26 +206,16 @@ def _physical() -> int:
     return int(default_chip().vmem_bytes / VMEM_USABLE_FRACTION)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("kind", "sm_scale", "dk", "dv", "rb", "heads_per_group", "cfg", "interpret"),
-)
-def _block_call(
-    q5, do5, st5, array, kb, addr, unions, lim, member, *, kind, sm_scale, dk, dv, rb,
-    heads_per_group, cfg, interpret,
-):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("st",))
+def _block_call(q5, do5, st5, array, kb, addr, unions, lim, member, *, st: UnionStatic):
     batch, n_blocks, groups, rows, dk_pad = q5.shape
     u_chunk = kb.shape[-1]
     n_chunks = kb.shape[1] // n_blocks
     query_block = lim.shape[-1]
-    store = Store(kind, (array,))
-    kernel = functools.partial(
-        _block_kernel, kind=kind, sm_scale=sm_scale, dk=dk, dv=dv, rb=rb,
-        heads_per_group=heads_per_group, n_blocks=n_blocks, n_chunks=n_chunks, cfg=cfg,
-        interpret=bool(interpret),
-    )  # fmt: skip
-
+    store = Store(st.kind, (array,))
     grid = UnionGrid(n_blocks, n_chunks, u_chunk)
+    kernel = functools.partial(_block_kernel, st=st, grid=grid)
+    cfg, rb, dv, interpret = st.cfg, st.rb, st.dv, st.interpret
 
     need = qblock_bwd_vmem_bytes(
         cfg.replace(query_block=query_block, u_max=u_chunk), rows=rows, read_block=rb,
@@ -394,8 +379,9 @@ def blocked_backward(
     st5 = to_blocks(stats, query_block, head_block).swapaxes(-1, -2)  # [B, nQB, G, 2, rows]
     dq5, partials = _block_call(
         q5, do5, st5, array, tables.kb, tables.addr, tables.unions, tables.lim, tables.member,
-        kind=store.kind, sm_scale=problem.sm_scale, dk=problem.dk, dv=dv, rb=rb,
-        heads_per_group=head_block, cfg=config, interpret=interpret,
+        st=UnionStatic(
+            store.kind, problem.sm_scale, problem.dk, dv, rb, head_block, config, interpret
+        ),
     )  # fmt: skip
     # Partial slot (b, block, group, slot) -> its unit's store block.
     n_blocks, groups = q5.shape[1], q5.shape[2]
