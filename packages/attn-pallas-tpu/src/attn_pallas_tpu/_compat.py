@@ -11,6 +11,10 @@ A jax upgrade is a look at this file: each name says what it is for.
   PJRT client (``Device.client.get_default_layout``, what ``jax``'s own layout checks
   call) and converts with ``jax.experimental.layout.Layout.from_pjrt_layout``; ``None``
   where the backend does not say.
+* ``approx_reciprocal(x)``: the TPU's approximate reciprocal (Pallas' ``reciprocal``
+  with ``approx=True``, ``full_range=False``: one EUP instruction, no IEEE edge cases).
+  jax 0.11 exports it as ``pallas.tpu.reciprocal`` and deprecates ``pallas.reciprocal``,
+  the only name jax 0.10.2 has.
 """
 
 from __future__ import annotations
@@ -38,3 +42,13 @@ def default_major_to_minor(shape, dtype) -> tuple[int, ...] | None:
     (``(0, 1, 2, 3)``: row-major), or ``None`` where the backend does not say."""
     name = jax.numpy.dtype(dtype).name
     return _default_major_to_minor(tuple(int(s) for s in shape), name, jax.default_backend())
+
+
+def approx_reciprocal(x):
+    """``1 / x``, approximately, for finite ``x`` away from 0 (the TPU's EUP reciprocal;
+    interpret mode computes it exactly)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    fn = getattr(pltpu, "reciprocal", None) or pl.reciprocal
+    return fn(x, approx=True, full_range=False)

@@ -56,8 +56,9 @@ cap derivative of a garbage logit be). The multiplied operand of each product ov
 positions has its non-finite elements replaced by 0, and every row that attends a row
 holding one gets NaN added to its accumulator: K for ``dQ += dS K`` (queries that attend
 a non-finite key), Q and dO for ``dK += dS^T Q`` and ``dV += P^T dO`` (keys attended by a
-query whose q or dO is non-finite). Full steps are unchanged. Rows with no allowed key
-never see a full step, so their own q and dO never matter either.
+query whose q or dO is non-finite in any of the step's ``Hp`` heads: the flags are
+OR-ed over the heads and the NaN added once a step). Full steps are unchanged. Rows with
+no allowed key never see a full step, so their own q and dO never matter either.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ from attn_pallas_tpu.ranker_fwd import (
     kv_step_table,
     masked_kv_step,
     nan_where_attended,
+    newton_reciprocal,
     prepare,
     q_rows,
     q_step_table,
@@ -109,7 +111,9 @@ def _probs_and_dlogits(raw, lse2, dp, delta, st: RankerStatic, allowed):
     """``p`` and ``ds`` (w.r.t. the raw ``q.k``, before ``sm_scale``) of one tile, from
     the LSE in base 2 (``lse2 = log2(e) * lse``): ``p = exp2(log2(e) y - lse2)``, the
     ``log2(e)`` folded into the cap's multiplies."""
-    y2, dcap = cap_scaled_with_derivative(raw, st.cap, st.sm_scale, out_scale=LOG2E)
+    y2, dcap = cap_scaled_with_derivative(
+        raw, st.cap, st.sm_scale, out_scale=LOG2E, reciprocal=newton_reciprocal
+    )
     p = jnp.exp2(y2 - lse2)
     ds = p * (dp - delta)
     if dcap is not None:
@@ -201,19 +205,23 @@ def _build_dkv_kernel(st: RankerStatic):
             if masked:  # once for the heads
                 q0 = steps.block_at(s) * bq
                 allowed = tile_mask(bounds, q0, t * bkv, (bkv, bq), q_axis=1)
+            bad = None  # (1, bq): query rows non-finite in some head's Q or dO
             for g in range(heads):
                 q, do = q_ref[head_of(st, g)], do_ref[head_of(st, g)]
                 raw = dot(k, q, trans_b=True)  # S^T (bkv, bq)
                 dp = dot(v, do, trans_b=True)  # dP^T
                 p, ds = _probs_and_dlogits(raw, lse_ref[g], dp, delta_ref[g], st, allowed)
-                poison = 0.0
                 if masked:  # isolation: no 0 * NaN from Q / dO rows that do not attend a key
                     q, bad_q = finite_or_zero(q, bq)
                     do, bad_do = finite_or_zero(do, bq)
-                    poison = nan_where_attended(allowed, jnp.maximum(bad_q, bad_do))
-                dv, dk = dot(p.astype(do.dtype), do), dot(ds.astype(q.dtype), q)
-                dv_acc[...] += dv + poison if masked else dv
-                dk_acc[...] += dk + poison if masked else dk
+                    bad_g = jnp.maximum(bad_q, bad_do)
+                    bad = bad_g if bad is None else jnp.maximum(bad, bad_g)
+                dv_acc[...] += dot(p.astype(do.dtype), do)
+                dk_acc[...] += dot(ds.astype(q.dtype), q)
+            if masked:  # the keys that attend a flagged row, once for the heads
+                poison = nan_where_attended(allowed, bad)
+                dv_acc[...] += poison
+                dk_acc[...] += poison
 
         def finish():
             dk_ref[...] = (dk_acc[...] * st.sm_scale).astype(dk_ref.dtype)
