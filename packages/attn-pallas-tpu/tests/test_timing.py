@@ -4,12 +4,14 @@ back to back."""
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 
 from attn_pallas_tpu._timing import (
     QUEUED_CALLS,
     QUEUED_MAX_CALLS,
+    QUEUED_SAMPLES,
     QUEUED_SPAN_MS,
     queued_calls,
     queued_ms,
@@ -27,9 +29,9 @@ def test_queued_calls_span_the_round_trip():
     assert queued_calls(0.0, 3) == queued_calls(1e-6, 3) == QUEUED_MAX_CALLS
 
 
-def test_queued_ms_waits_once_per_sample():
-    """A warm-up call waited for, then ``queued_calls`` calls issued with one wait at the
-    end; the time is per call."""
+def _counting_fn(sleep_s: float):
+    """``fn(x)`` sleeping ``sleep_s``, and the lists of its calls and of the call count
+    at each wait."""
     calls, waits = [], []
 
     class Out:
@@ -39,17 +41,59 @@ def test_queued_ms_waits_once_per_sample():
 
     def fn(x):
         calls.append(x)
-        time.sleep(0.002)
+        time.sleep(sleep_s)
         return Out()
 
+    return fn, calls, waits
+
+
+def test_queued_ms_waits_once_per_sample():
+    """A warm-up call waited for, then ``QUEUED_SAMPLES`` samples of ``queued_calls``
+    calls issued with one wait at the end each; the time is per call."""
+    fn, calls, waits = _counting_fn(0.002)
     ms = queued_ms(fn, 7, iterations=3)
-    n = len(calls) - 1  # after the warm-up: at least the span of 2 ms calls, bounded
-    assert calls == [7] * (1 + n) and waits == [1, 1 + n]
+    n = (len(calls) - 1) // QUEUED_SAMPLES  # a sample: the span of 2 ms calls, bounded
+    assert calls == [7] * (1 + QUEUED_SAMPLES * n)
+    assert waits == [1 + k * n for k in range(QUEUED_SAMPLES + 1)]
     assert QUEUED_CALLS < n <= QUEUED_SPAN_MS / 2.0
     assert ms >= 2.0
     calls.clear(), waits.clear()
     queued_ms(fn, 7, iterations=QUEUED_MAX_CALLS + 2)
-    assert len(calls) == QUEUED_MAX_CALLS + 3 and waits == [1, QUEUED_MAX_CALLS + 3]
+    n = QUEUED_MAX_CALLS + 2
+    assert len(calls) == 1 + QUEUED_SAMPLES * n
+    assert waits == [1 + k * n for k in range(QUEUED_SAMPLES + 1)]
+
+
+def test_queued_ms_is_the_median_sample(monkeypatch):
+    """Per-call times of 1, 9 and 2 ms in the three samples (a fake clock the calls
+    advance): the median, 2 ms, not the mean."""
+    from attn_pallas_tpu import _timing
+
+    clock = [0.0]
+    calls = []
+    monkeypatch.setattr(_timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(_timing.jax, "block_until_ready", lambda x: x)
+    n = queued_calls(1.0, 3)
+    per_sample = (1e-3, 9e-3, 2e-3)
+
+    def fn(x):
+        sample = max(len(calls) - 1, 0) // n
+        clock[0] += 1e-3 if not calls else per_sample[sample]
+        calls.append(x)
+        return x
+
+    assert QUEUED_SAMPLES == 3
+    assert queued_ms(fn, 7, iterations=3) == pytest.approx(2.0)
+    assert len(calls) == 1 + 3 * n
+
+
+def test_queued_ms_takes_one_sample_of_long_calls():
+    """A call of at least ``QUEUED_SPAN_MS / QUEUED_CALLS``: one sample of
+    ``QUEUED_CALLS`` calls (its spread is small against the call)."""
+    fn, calls, waits = _counting_fn(1.05 * QUEUED_SPAN_MS / QUEUED_CALLS / 1e3)
+    ms = queued_ms(fn, 7, iterations=3)
+    assert len(calls) == 1 + QUEUED_CALLS and waits == [1, 1 + QUEUED_CALLS]
+    assert ms >= QUEUED_SPAN_MS / QUEUED_CALLS
 
 
 def test_trace_times_splits_kernels_from_the_xla_ops_around_them():

@@ -31,6 +31,10 @@ QUEUED_CALLS = 5  # calls a queued_ms sample issues at least ...
 # 0.12 ms of it each.
 QUEUED_SPAN_MS = 100.0
 QUEUED_MAX_CALLS = 200
+# Samples whose median queued_ms gives for a call shorter than QUEUED_SPAN_MS /
+# QUEUED_CALLS (one sample for longer ones): one sample of such a call moved by up to
+# 0.15 ms on the v5e machine (host dispatch jitter), a fifth of a decode call.
+QUEUED_SAMPLES = 3
 
 
 def wall_ms(fn, *args, iterations: int) -> float:
@@ -46,18 +50,25 @@ def wall_ms(fn, *args, iterations: int) -> float:
 
 def queued_ms(fn, *args, iterations: int) -> float:
     """Wall-clock ms per call of ``fn(*args)`` issued back to back, as a training or
-    serving loop dispatches them: after one waited warm-up call, ``queued_calls`` calls
-    queued with one wait at the end, the total over the calls. The host round trip of a
-    waited call (0.6 ms for a jitted ``x + 1`` on the v5e machine) is paid once per
-    sample, spread over enough calls to be small in each."""
+    serving loop dispatches them: after one waited warm-up call, samples of
+    ``queued_calls`` calls queued with one wait at the end, each sample's total over its
+    calls; the median of ``QUEUED_SAMPLES`` samples for a call shorter than
+    ``QUEUED_SPAN_MS / QUEUED_CALLS``, else one. The host round trip of a waited call
+    (0.6 ms for a jitted ``x + 1`` on the v5e machine) is paid once per sample, spread
+    over enough calls to be small in each."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    calls = queued_calls((time.perf_counter() - t0) * 1e3, iterations)
-    t0 = time.perf_counter()
-    for _ in range(calls - 1):
-        fn(*args)  # dropped: its buffers are freed once it has run
-    jax.block_until_ready(fn(*args))  # one device queue: the last call finishes last
-    return (time.perf_counter() - t0) / calls * 1e3
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    calls = queued_calls(waited_ms, iterations)
+    samples = QUEUED_SAMPLES if waited_ms * QUEUED_CALLS < QUEUED_SPAN_MS else 1
+    per_call = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(calls - 1):
+            fn(*args)  # dropped: its buffers are freed once it has run
+        jax.block_until_ready(fn(*args))  # one device queue: the last call finishes last
+        per_call.append((time.perf_counter() - t0) / calls * 1e3)
+    return statistics.median(per_call)
 
 
 def queued_calls(waited_ms: float, iterations: int) -> int:

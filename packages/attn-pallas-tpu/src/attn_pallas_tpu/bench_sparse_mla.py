@@ -6,7 +6,8 @@ Every row is timed in one run, three ways, after a warm-up: ``ms``, wall clock w
 call waited for, the median of ``--iterations`` calls (on the v5e machine even a jitted
 ``x + 1`` takes 0.6 ms waited: the host round trip); ``queued_ms``, wall clock per call of
 calls issued back to back for about 100 ms (at least 5) with one wait (as a training
-or serving loop dispatches them: the round trip paid once, spread over the calls); and
+or serving loop dispatches them: the round trip paid once, spread over the calls; the
+median of 3 such samples for calls under 20 ms); and
 ``device_ms``, the median of the call's spans on the TPU in a ``jax.profiler`` trace
 (what a layer inside a larger jitted step costs), with ``kernel_device_ms``, the share
 of its Pallas kernels, and ``xla_ops_ms``, the XLA ops around them that took longest
