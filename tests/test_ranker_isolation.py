@@ -15,7 +15,9 @@ gradients in both. Batch rows never mix, so one call runs every case, one per ro
   users of the row, which share query tiles and key blocks with it, are checked.
 
 Every cap (none, tanh, soft-sign) at D 64 and 128, GQA (4 query heads on 2 kv heads),
-S = 100 (one 128-block for the TPU kernels, two 64-blocks for the Hopper ones).
+S = 100 (one 128-block for the TPU kernels, two 64-blocks for the Hopper ones). And the
+other side of the promise: an attended key with a +Inf logit gives what the reference
+gives (NaN under no cap and soft-sign, finite under tanh), reference and TPU kernels.
 The kernels run in interpret mode: Pallas TPU with race detection, out-of-bounds reads
 raising and uninitialised memory NaN; Mosaic GPU with race detection off a GPU, compiled
 on one.
@@ -215,3 +217,50 @@ def test_poisoned_rows_do_not_leak(backend, cap, head_dim):
         assert np.all(np.isneginf(res["lse"][dead]))
         for name in ("dq", "dk", "dv"):
             assert np.all(res[name][dead] == 0.0), f"{name}: a padding row is not exactly 0"
+
+
+# An attended key whose logit is +Inf (a +Inf feature against a positive q feature): not
+# isolation (the row is attended) but the same promise from the other side: garbage a row
+# attends reaches its output as the reference's IEEE arithmetic gives it. No cap: +Inf -
+# +Inf in the softmax, NaN; tanh: the cap's value, finite; soft-sign: Inf / Inf, NaN. The
+# TPU kernels' soft-sign takes an approximate reciprocal on a chip (interpret mode
+# computes it exactly), so the native run is what checks it there.
+INF_KEY = 10  # a history row every later history row and every candidate attends
+INF_PARAMS = [
+    pytest.param(
+        fn,
+        cap,
+        id=f"{cap}-{name}",
+        marks=() if name == "reference" or cap == "soft_sign" else (pytest.mark.slow,),
+    )
+    for name, fn in (("reference", _reference), ("pallas-tpu", _tpu))
+    for cap in CAPS
+]
+
+
+@pytest.mark.parametrize(("backend", "cap"), INF_PARAMS)
+def test_attended_infinite_logit_as_the_reference(backend, cap):
+    fn = backend()
+    rng = rng_for(sum(map(ord, cap)))
+    q = rng.standard_normal((1, S, Q_HEADS, 64)).astype(np.float32)
+    k = rng.standard_normal((1, S, KV_HEADS, 64)).astype(np.float32)
+    v = rng.standard_normal((1, S, KV_HEADS, 64)).astype(np.float32)
+    q[..., 0] = np.abs(q[..., 0]) + 0.5
+    k[:, INF_KEY, :, 0] = np.inf
+    bounds = np.asarray([[0, 64, 64, S]], np.int32)  # history [0, 64), candidates [64, S)
+
+    def run(f):
+        out, lse = jax.jit(lambda q, k, v: f(q, k, v, bounds, cap=CAPS[cap], return_lse=True))(
+            q, k, v
+        )
+        return np.asarray(out, np.float32), np.asarray(lse, np.float32)
+
+    (out, lse), (want_out, want_lse) = run(fn), run(_reference())
+    attends = np.zeros(S, bool)
+    attends[INF_KEY:] = True  # history rows at or after the key, and every candidate
+    assert np.isnan(want_out[0, attends]).all() == (cap != "tanh"), "reference (test bug)"
+    for name, got, want in (("out", out, want_out), ("lse", lse, want_lse)):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{cap}: {name}")
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"{cap}: {name}")
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5, err_msg=name)

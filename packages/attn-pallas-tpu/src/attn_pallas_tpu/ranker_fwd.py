@@ -439,7 +439,10 @@ def newton_reciprocal(d):
     """``1 / d`` for soft_sign's denominator (``d >= 1 / k > 0``): the EUP's approximate
     reciprocal refined by one Newton step, ``r (2 - d r)`` (three VPU operations; the
     relative error squares, to about f32's rounding), in place of the IEEE divide's
-    longer sequence. A NaN or infinite ``d`` stays non-finite through ``d r``."""
+    longer sequence. A NaN ``d`` gives NaN through ``d r``; an infinite one (an attended
+    +-Inf logit) gives NaN, as IEEE's ``Inf / Inf`` does, where the approximation of
+    ``1 / Inf`` is 0 (tests/test_ranker_isolation.py's attended-Inf case checks it on a
+    chip; interpret mode divides exactly)."""
     r = approx_reciprocal(d)
     return r * (2.0 - d * r)
 
