@@ -31,9 +31,9 @@ QUEUED_CALLS = 5  # calls a queued_ms sample issues at least ...
 # 0.12 ms of it each.
 QUEUED_SPAN_MS = 100.0
 QUEUED_MAX_CALLS = 200
-# Samples whose median queued_ms gives for a call shorter than QUEUED_SPAN_MS /
-# QUEUED_CALLS (one sample for longer ones): one sample of such a call moved by up to
-# 0.15 ms on the v5e machine (host dispatch jitter), a fifth of a decode call.
+# The samples queued_ms takes the median of for a call shorter than QUEUED_SPAN_MS /
+# QUEUED_CALLS (one for longer calls): one sample of such a call moved by up to 0.15 ms
+# on the v5e machine (host dispatch jitter), a fifth of a decode call.
 QUEUED_SAMPLES = 3
 
 

@@ -10,9 +10,8 @@ op) and ``fwd+bwd`` (the jitted ``jax.grad`` of ``sum(out * dout)`` w.r.t. q, k,
 Every row is timed as ``bench_sparse_mla``'s (``attn_pallas_tpu._timing``): ``ms``, wall
 clock, median of ``--iterations`` waited calls after a warm-up; ``queued_ms``, wall clock
 per call of calls issued back to back with one wait (``_timing.queued_ms``);
-``device_ms``, the call's spans on
-the TPU in a ``jax.profiler`` trace; ``kernel_device_ms``, its Pallas kernels'
-share; ``xla_ops_ms``, the XLA ops around them that took longest. ``tflops`` counts
+``device_ms``, the call's spans on the TPU in a ``jax.profiler`` trace;
+``kernel_device_ms``, its Pallas kernels' share; ``xla_ops_ms``, the XLA ops around them that took longest. ``tflops`` counts
 allowed (query, key) pairs only (``attn_common.ranker_flops``; forward + backward 3.5x
 the forward, the project's convention) over ``device_ms`` where
 the trace has it (wall clock otherwise: ``tflops_basis``); ``peak_fraction`` sets it
