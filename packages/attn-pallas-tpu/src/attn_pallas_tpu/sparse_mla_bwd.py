@@ -467,13 +467,17 @@ def softmax_stats(out, lse, d_out, d_lse):
     return jnp.stack([lse_safe, delta], axis=-1)
 
 
-def per_query_backward(call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config):
+def per_query_backward(
+    call: SparseMlaCall, out, lse, d_out, d_lse, *, interpret, config, space=None
+):  # fmt: skip
     """``(dq, dkv)`` through the dq and dKV kernels, of a validated call (float32 or
     bfloat16 cache) from the forward's ``out [B, S, H, Dv]`` and ``lse [B, S, H]``
-    (float32) and their cotangents."""
+    (float32) and their cotangents. ``space``: the call's ``_prep.unit_space``, where the
+    caller has it (the query-blocked backward's guard), so it is not lifted again."""
     problem = call.problem
     kv = call.kv
-    space = unit_space(problem, kv, call.indices, call.positions, **call.ragged_kwargs())
+    if space is None:
+        space = unit_space(problem, kv, call.indices, call.positions, **call.ragged_kwargs())
     batch, seq, heads, rb = problem.batch, problem.num_queries, problem.heads, problem.read_block
     dk, dv, width = problem.dk, problem.dv, space.store.width
     n = batch * seq

@@ -552,7 +552,7 @@ def _backward(
         distinct = distinct_units_per_query(jnp.where(space.unit_ok, space.keys, -1))
         take = take & _shares(unions, distinct, groups=problem.heads // hb)
     grads = (call, out, lse, d_out, d_lse)
-    kw = dict(interpret=interpret, config=config)
+    kw = dict(interpret=interpret, config=config, space=space)  # the guard's, for both
     return jax.lax.cond(
         take,
         lambda: blocked_backward(*grads, query_block=qb, head_block=hb, picks=picks, **kw),

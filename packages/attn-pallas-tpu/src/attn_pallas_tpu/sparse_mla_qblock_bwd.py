@@ -353,17 +353,19 @@ def _sum_call(partials, block, used, *, num_blocks: int, dtype, cfg, interpret):
 
 def blocked_backward(
     call: SparseMlaCall, out, lse, d_out, d_lse, *, query_block: int, head_block: int,
-    interpret, config: SparseMlaConfig, picks=None,
+    interpret, config: SparseMlaConfig, picks=None, space=None,
 ):  # fmt: skip
     """``(dq, dkv)`` of a validated call (float32 or bfloat16 cache) through the two
     kernels above, at ``query_block`` x ``head_block`` programs. Exact only where every
     block's union fits :func:`backward_slots` (the caller checks; a wider union is cut).
-    ``picks``: ``_prep.sorted_picks``' first value at ``query_block``, where the caller
-    has it (its guard's sort), so the tables do not sort again."""
+    ``space`` (the call's ``_prep.unit_space``) and ``picks`` (``_prep.sorted_picks``'
+    first value at ``query_block``): where the caller has them (its guard's), so they
+    are not built again."""
     problem = call.problem
     kv = call.kv
     ragged = call.ragged_kwargs()
-    space = unit_space(problem, kv, call.indices, call.positions, **ragged)
+    if space is None:
+        space = unit_space(problem, kv, call.indices, call.positions, **ragged)
     store = space.store
     (array,) = store.arrays
     batch, seq, rb, dv = problem.batch, problem.num_queries, problem.read_block, problem.dv
