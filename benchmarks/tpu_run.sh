@@ -6,11 +6,12 @@
 # flags: `attn bench sparse-mla --help`). Logs and results go to
 # $OUT (tpu_env.log, tpu_tests.log, tpu_sparse_mla.{json,md,svg} and tpu_bench.log).
 # SUITES (default "sparse-mla") names the benchmark suites to run, in order, after the
-# tests: "sparse-mla" and/or "ranker" (`attn bench ranker`: attn_pallas_tpu.bench_ranker,
-# the ranker suite at full batch, writing tpu_ranker.{json,md,svg} and
-# tpu_bench_ranker.log). Each suite gets this script's arguments and its own
-# BENCH_LIMIT; with both, pass only flags both take (--sweep, --iterations, --smoke;
-# --cases names differ per suite); the tests and both suites at their default limits
+# tests ("none": the tests alone): "sparse-mla" and/or "ranker" (`attn bench ranker`:
+# attn_pallas_tpu.bench_ranker, the ranker suite at full batch, writing
+# tpu_ranker.{json,md} and tpu_bench_ranker.log; the .svg where matplotlib is installed).
+# Each suite gets this script's arguments and its own BENCH_LIMIT; with both, pass only
+# flags both take (--sweep, --iterations, --smoke; --cases names differ per suite); the
+# tests and both suites at their default limits
 # exceed one 10-minute device call, so the ranker suite alone is the second line below.
 # benchmarks/tpu_check.py's ranker rows (reduced batch, wall clock only) are superseded
 # by the ranker suite.
@@ -53,6 +54,7 @@ for suite in ${SUITES:-sparse-mla}; do
   case $suite in
     sparse-mla) log=$OUT/tpu_bench.log ;;
     ranker) log=$OUT/tpu_bench_ranker.log ;;
+    none) continue ;;
     *) echo "SUITES: unknown suite '$suite' (sparse-mla, ranker)"; continue ;;
   esac
   timeout "${BENCH_LIMIT:-330}" python3 -m attn_common.cli bench "$suite" --out "$OUT" "$@" \
