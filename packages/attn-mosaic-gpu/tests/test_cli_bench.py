@@ -217,8 +217,8 @@ class FakeCupti:
     recorded back to back, ``b`` of a call is listed after the next call's ``a`` (a
     conditional's kernel listed late), so equal slices of the record mix calls."""
 
-    def __init__(self, monkeypatch, *, late: bool):
-        self.late, self.calls, self.pending = late, 0, []
+    def __init__(self, monkeypatch, *, late: bool, lost_alone: bool = False):
+        self.late, self.lost_alone, self.calls, self.pending = late, lost_alone, 0, []
         monkeypatch.setattr(bench, "mosaic_gpu_ext", lambda: None)
         monkeypatch.setattr(bench, "cupti_init", self.init)
         monkeypatch.setattr(bench, "cupti_timings", self.timings)
@@ -238,7 +238,8 @@ class FakeCupti:
 
     def timings(self, finalize):
         assert finalize
-        if self.held is not None:
+        alone = len(self.record) == 1  # one call recorded on its own, its late kernel held
+        if self.held is not None and not (self.lost_alone and alone):
             self.record.append(self.held)
         return self.record
 
@@ -249,3 +250,13 @@ def test_cupti_call_ms_per_call_device_time(monkeypatch, late):
     assert bench.cupti_call_ms(fake.fn, (), 4) == [3.0] * 4
     # the warm-up, 4 calls recorded together and, where their slices mix, 4 alone
     assert fake.calls == (9 if late else 5)
+
+
+def test_cupti_call_ms_refuses_a_lone_call_missing_its_late_kernel(monkeypatch):
+    # On the H200 a call recorded alone did not list its conditional's late kernel: its
+    # sum (1 ms here) would pass for the call's time. No CUPTI time; wall clock instead.
+    fake = FakeCupti(monkeypatch, late=True, lost_alone=True)
+    assert bench.cupti_call_ms(fake.fn, (), 4) is None
+    monkeypatch.setattr(bench, "_on_gpu", lambda: True)
+    ms, method = bench.device_ms(fake.fn, iterations=2)
+    assert method == "wallclock" and ms > 0

@@ -86,7 +86,11 @@ def cupti_call_ms(fn, args, iterations: int) -> list[float] | None:
     ``measure`` refuses. Where the branch's kernel is listed after the next call's
     first kernels (the query-blocked op's per-call choice, a ``lax.cond`` of two
     kernels, on the H200), cutting the calls' record into equal slices mixes calls;
-    then each call is recorded on its own, waited for before the next starts.
+    then each call is recorded on its own, waited for before the next starts. A call
+    recorded alone must list as many kernels as a slice of the joint record: on the
+    H200 the lone call's late kernel was not listed at all (the choice at decode, 0.066
+    ms against 0.184 and 0.229 for its two kernels alone), so ``None`` (no CUPTI time;
+    :func:`device_ms` then times wall clock) where one lists fewer.
     """
     mosaic_gpu_ext()  # ImportError without the Mosaic GPU bindings, before any call
     jax.block_until_ready(fn(*args))  # warm-up, outside the record
@@ -109,6 +113,8 @@ def cupti_call_ms(fn, args, iterations: int) -> list[float] | None:
                 jax.block_until_ready(fn(*args))
             finally:
                 calls.append(cupti_timings(True) or [])
+        if any(len(call) != per_call for call in calls):
+            return None
         if not _same_kernels(calls):
             first, other = ([name[:40] for name, _ in c] for c in (calls[0], calls[-1]))
             raise RuntimeError(f"the calls ran different kernels: {first} against {other}")
