@@ -87,10 +87,9 @@ def cupti_call_ms(fn, args, iterations: int) -> list[float] | None:
     first kernels (the query-blocked op's per-call choice, a ``lax.cond`` of two
     kernels, on the H200), cutting the calls' record into equal slices mixes calls;
     then each call is recorded on its own, waited for before the next starts. A call
-    recorded alone must list as many kernels as a slice of the joint record: on the
-    H200 the lone call's late kernel was not listed at all (the choice at decode, 0.066
-    ms against 0.184 and 0.229 for its two kernels alone), so ``None`` (no CUPTI time;
-    :func:`device_ms` then times wall clock) where one lists fewer.
+    recorded alone must list as many kernels as a slice of the joint record (a lone
+    call's late kernel can go unlisted: docs/sparse_mla_gpu.md); where one lists fewer,
+    ``None``: no CUPTI time, and :func:`device_ms` times wall clock.
     """
     mosaic_gpu_ext()  # ImportError without the Mosaic GPU bindings, before any call
     jax.block_until_ready(fn(*args))  # warm-up, outside the record
