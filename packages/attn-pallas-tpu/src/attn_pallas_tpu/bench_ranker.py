@@ -5,16 +5,16 @@ targets are stated in.
 
 Cases: ``attn_common.RANKER_SUITE`` at full batch, bf16, each case's own cap, with the
 tiling ``config=None`` runs (``ranker_tuning.config_for``: a tuned table's, else
-``ranker_config.default_config``). Modes: ``fwd`` (the jitted
-op) and ``fwd+bwd`` (the jitted ``jax.grad`` of ``sum(out * dout)`` w.r.t. q, k, v).
-Every row is timed as ``bench_sparse_mla``'s (``attn_pallas_tpu._timing``): ``ms``, wall
-clock, median of ``--iterations`` waited calls after a warm-up; ``queued_ms``, wall clock
-per call of calls issued back to back with one wait (``_timing.queued_ms``);
-``device_ms``, the call's spans on the TPU in a ``jax.profiler`` trace;
-``kernel_device_ms``, its Pallas kernels' share; ``xla_ops_ms``, the XLA ops around them that took longest. ``tflops`` counts
-allowed (query, key) pairs only (``attn_common.ranker_flops``; forward + backward 3.5x
-the forward, the project's convention) over ``device_ms`` where
-the trace has it (wall clock otherwise: ``tflops_basis``); ``peak_fraction`` sets it
+``ranker_config.default_config``). Modes: ``fwd`` (the jitted op) and ``fwd+bwd`` (the
+jitted ``jax.grad`` of ``sum(out * dout)`` w.r.t. q, k, v). Every row is timed as
+``bench_sparse_mla``'s (``attn_pallas_tpu._timing``): ``ms``, wall clock, median of
+``--iterations`` waited calls after a warm-up; ``queued_ms``, wall clock per call of
+calls issued back to back with one wait (``_timing.queued_ms``); ``device_ms``, the
+call's spans on the TPU in a ``jax.profiler`` trace; ``kernel_device_ms``, its Pallas
+kernels' share; ``xla_ops_ms``, the XLA ops around them that took longest. ``tflops``
+counts allowed (query, key) pairs only (``attn_common.ranker_flops``; forward +
+backward 3.5x the forward, the project's convention) over ``device_ms`` where the
+trace has it (wall clock otherwise: ``tflops_basis``); ``peak_fraction`` sets it
 against the bf16 matmul rate measured in the same run (an 8192^3 product) and
 ``chip_peak_fraction`` against the chip's datasheet bf16 peak (``plan.TPU_CHIPS``, the
 figure docs/tpu_ranker.md's targets use). ``model_ms``
