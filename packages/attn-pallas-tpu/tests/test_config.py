@@ -78,7 +78,7 @@ def _brute_steps(count, qp, g, k):
     return out
 
 
-_steps_jit = jax.jit(query_steps, static_argnames=("qp", "group"))
+_steps_jit = jax.jit(query_steps, static_argnames=("qp", "group", "rb"))
 
 
 @settings(max_examples=40, deadline=None)
@@ -86,16 +86,17 @@ _steps_jit = jax.jit(query_steps, static_argnames=("qp", "group"))
     qp=st.sampled_from([1, 2, 4]),
     g=st.sampled_from([1, 2, 4]),
     counts=st.lists(st.integers(0, 6), min_size=8, max_size=8),
+    lims=st.lists(st.integers(0, 8 * 6 * 16 + 20), min_size=8, max_size=8),
 )
-def test_query_steps_match_brute_force(qp, g, counts):
-    k = 6
+def test_query_steps_match_brute_force(qp, g, counts, lims):
+    k, rb = 6, 16
     count = np.asarray(counts, np.int32)
     addr = np.arange(8 * k, dtype=np.int32).reshape(8, k)
-    kb = addr * 16
-    lim = np.arange(8, dtype=np.int32) + 100
-    t = _steps_jit(addr, kb, count, lim, qp=qp, group=g)
+    kb = addr * rb
+    lim = np.asarray(lims, np.int32)
+    t = _steps_jit(addr, kb, count, lim, qp=qp, group=g, rb=rb)
     meta, steps = np.asarray(t.meta)[:, 0], np.asarray(t.steps)[:, 0]
-    t_max = steps.shape[-1] // 2
+    t_max = steps.shape[-1] // 3
     assert t_max == qp * -(-k // g)
     for p, want in enumerate(_brute_steps(count, qp, g, k)):
         assert meta[p, 0] == len(want)
@@ -103,7 +104,20 @@ def test_query_steps_match_brute_force(qp, g, counts):
         np.testing.assert_array_equal(meta[p, 1 + qp :], lim[p * qp : (p + 1) * qp])
         got = list(zip(steps[p, : len(want)], steps[p, t_max : t_max + len(want)], strict=True))
         assert got == want
-    np.testing.assert_array_equal(np.asarray(t.addr).reshape(8, k), addr)
+        for s, (i, j0) in enumerate(want):  # clean: every entry live, every token < lim
+            n = p * qp + i
+            clean = all(j < count[n] and kb[n, j] + rb <= lim[n] for j in range(j0, j0 + g))
+            assert steps[p, 2 * t_max + s] == int(clean)
+    kg = -(-k // g) * g  # a step's G entries consecutive in the tables
+    got_addr, got_kb = (np.asarray(x).reshape(8, kg) for x in (t.addr, t.kb))
+    for i in range(8):
+        for j in range(kg):
+            live = j < count[i]
+            # past the count: the step's first unit, re-copied without a select, and FAR
+            want = addr[i, j] if live else (addr[i, j // g * g] if j // g * g < count[i] else None)
+            if want is not None:
+                assert got_addr[i, j] == want
+            assert got_kb[i, j] == (kb[i, j] if live else FAR)
 
 
 def test_entry_positions():

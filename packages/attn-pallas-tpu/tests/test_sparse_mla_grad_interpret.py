@@ -46,7 +46,13 @@ import attn_reference as ref
 from attn_common.fp8_cache import quantize_latent_cache
 from attn_common.sparse_mla_xla import xla_sparse_mla
 from attn_common.spec import sparse_mla_call
-from attn_pallas_tpu import sparse_mla, sparse_mla_bwd, sparse_mla_qblock, sparse_mla_qblock_bwd
+from attn_pallas_tpu import (
+    _prep,
+    sparse_mla,
+    sparse_mla_bwd,
+    sparse_mla_qblock,
+    sparse_mla_qblock_bwd,
+)
 from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.plan import block_union_sizes
 from attn_pallas_tpu.sparse_mla_bwd import invert_selection
@@ -146,6 +152,53 @@ def test_forward_walks_its_own_units_per_step(monkeypatch):
         grad_tol=GRAD_TOL["float32"], mass_atol=MASS_ATOL, read_block=16,
     )  # fmt: skip
     assert seen and set(seen) == {4}
+
+
+@pytest.mark.parametrize("mode", ["flat", "ragged"])
+def test_per_query_clean_and_masked_steps(monkeypatch, mode):
+    """2 units a step: steps whose units lie wholly before the query's limit are *clean*
+    (their slot reaches the products as copied) and the others mask their slot in place
+    (``StepWalk.words``), in one program's ring, forward and dq, over a poisoned cache
+    (bf16, so the ragged cache's rows are packed token pairs). The call's step tables
+    hold both kinds of step."""
+    seen = []
+    real = _prep.query_steps
+
+    def spy(*args, **kwargs):
+        t = real(*args, **kwargs)
+        jax.debug.callback(
+            lambda m, s: seen.append((np.asarray(m), np.asarray(s))), t.meta, t.steps
+        )
+        return t
+
+    monkeypatch.setattr(_prep, "query_steps", spy)
+    cfg = SparseMlaConfig(units_per_step=2, forward_units_per_step=2, ring_slots=2,
+                          queries_per_program=4)  # fmt: skip
+    kw = dict(kernel_kw=dict(interpret=INTERPRET, config=cfg), sm_scale=SM_SCALE, dv=DV,
+              grad_tol=GRAD_TOL["bfloat16"], mass_atol=MASS_ATOL)  # fmt: skip
+    if mode == "flat":
+        q, kv, idx, pos = sparse_mla_flat_case(
+            12, dk=DV + ROPE, batch=1, seq=12, heads=2, kv_len=128, rb=16, top_k=5,
+            dtype="bfloat16",
+        )  # fmt: skip
+        keep = attended_rows_flat(idx, pos, kv_len=128, read_block=16)
+        compare_sparse_mla_grads(
+            tpu.sparse_mla_attention, q, poison_rows(kv, keep, seed=12), idx, pos, keep,
+            read_block=16, **kw,
+        )  # fmt: skip
+    else:
+        q, cache, idx, pos, keep, tables = dirty_ragged_grad_case(
+            13, seq_lens=[70, 5, 40], new_lens=[4, 0, 3], extra_pages=[1, 0, 1],
+            page_size=16, heads=2, top_k=4, dk=DV + ROPE, dtype="bfloat16",
+        )  # fmt: skip
+        compare_sparse_mla_grads(tpu.sparse_mla_attention, q, cache, idx, pos, keep, **tables, **kw)
+    flags = [
+        s[p, 0, 2 * (s.shape[-1] // 3) + t]
+        for m, s in seen
+        for p in range(s.shape[0])
+        for t in range(m[p, 0, 0])
+    ]
+    assert 1 in flags and 0 in flags
 
 
 @pytest.mark.parametrize(

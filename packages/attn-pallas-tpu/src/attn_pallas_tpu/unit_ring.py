@@ -134,6 +134,23 @@ class UnitRing:
         for i, b in enumerate(self.bufs):
             pltpu.make_async_copy(b.at[slot], b.at[slot], self.sems.at[jnp.int32(i), slot]).wait()
 
+    @property
+    def storable(self) -> bool:
+        """Whether :meth:`store_words` can write a slot back (not an FP8 store, whose
+        slot :meth:`words` dequantizes into a value)."""
+        return len(self.bufs) == 1
+
+    def store_words(self, slot, words) -> None:
+        """Write ``words`` (as :meth:`words` reads them) back into ``slot``."""
+        (buf,) = self.bufs
+        if self.kind == "rows":
+            buf[slot] = pltpu.bitcast(words, buf.dtype)
+        elif self.interpret:
+            buf[slot] = pltpu.bitcast(words, buf.dtype).reshape(buf.shape[1:])
+        else:
+            view = buf.bitcast(jnp.uint32).at[slot]  # [G PS / pk, 1, D]
+            view.reshape(view.shape[0], view.shape[2])[...] = words
+
     def words(self, slot) -> jax.Array:
         """The slot as uint32 words ``[G * RB / pk, Dk_pad]`` (FP8: dequantized first)."""
         if len(self.bufs) == 2:
@@ -217,10 +234,15 @@ class QuerySteps(NamedTuple):
 
     meta:  ``[P, 1, 1 + 2 QP]``: the program's step count, then ``count`` and ``lim`` of
       each of its queries.
-    steps: ``[P, 1, 2 T]``: per step its query (0..QP-1), then its first unit index;
-      ``T = QP * ceil(K / G)``.
-    addr / kb: ``[P, 1, QP K]``: each query's compacted unit addresses and first token
-      positions (query ``i``'s unit ``j`` at ``i * K + j``).
+    steps: ``[P, 1, 3 T]``: per step its query (0..QP-1), then its first unit index,
+      then whether it is *clean* (1: its ``G`` entries hold units whose every token is
+      ``< lim``, so no row of its slot needs masking); ``T = QP * ceil(K / G)``.
+    addr / kb: ``[P, 1, QP Kg]``: each query's compacted unit addresses and first token
+      positions (query ``i``'s unit ``j`` at ``i * Kg + j``), ``K`` rounded up to ``Kg``,
+      a multiple of ``G``, so a step's ``G`` entries are consecutive. An entry past the
+      query's count holds ``kb = FAR`` and its step's first unit's address, which the
+      step re-copies (its rows are masked): the kernels read both without a branch or
+      a select.
     """
 
     meta: jax.Array
@@ -229,12 +251,19 @@ class QuerySteps(NamedTuple):
     kb: jax.Array
 
 
-def query_steps(addr, kb, count, lim, *, qp: int, group: int) -> QuerySteps:
+def query_steps(addr, kb, count, lim, *, qp: int, group: int, rb: int) -> QuerySteps:
     """Step tables from the compacted per-query lists ``addr, kb [N, K]``, ``count
-    [N]``, ``lim [N]`` (``N`` a multiple of ``qp``): a query's units in steps of
-    ``group``, its steps consecutive, the program's queries in order."""
+    [N]``, ``lim [N]`` (``N`` a multiple of ``qp``) of ``rb``-token units: a query's
+    units in steps of ``group``, its steps consecutive, the program's queries in order."""
     n, k = addr.shape
     p = n // qp
+    k = -(-k // group) * group  # Kg
+    addr, kb = (jnp.pad(x, ((0, 0), (0, k - x.shape[1]))) for x in (addr, kb))
+    j = jnp.arange(k, dtype=jnp.int32)
+    live = j[None, :] < count[:, None]
+    addr = jnp.where(live, addr, addr[:, j // group * group])  # the step's first unit
+    kb = jnp.where(live, kb, FAR)
+    whole = (kb + rb <= lim[:, None]).reshape(n, k // group, group).all(axis=-1)  # [N, Kg/G]
     per_query = (count + group - 1) // group  # [N]
     per_query = per_query.reshape(p, qp)
     ends = jnp.cumsum(per_query, axis=1)  # [P, QP]
@@ -247,7 +276,9 @@ def query_steps(addr, kb, count, lim, *, qp: int, group: int) -> QuerySteps:
     meta = jnp.concatenate([ends[:, -1:], count.reshape(p, qp), lim.reshape(p, qp)], axis=1).astype(
         jnp.int32
     )
-    steps = jnp.concatenate([query, first.astype(jnp.int32)], axis=1)
+    row = jnp.arange(p, dtype=jnp.int32)[:, None] * qp + query  # [P, T]: the query's row
+    clean = whole[row, jnp.minimum(first // group, k // group - 1)].astype(jnp.int32)
+    steps = jnp.concatenate([query, first.astype(jnp.int32), clean], axis=1)
     return QuerySteps(
         meta.reshape(p, 1, -1),
         steps.reshape(p, 1, -1),
@@ -375,7 +406,7 @@ class StepWalk(RingWalk):
     def __init__(self, tables, ring: UnitRing, *, qp: int, top_k: int, group: int, slots: int):
         self.meta, self.steps, self.addr, self.kb = tables
         self.qp, self.k, self.g = qp, top_k, group
-        self.t_max = self.steps.shape[-1] // 2
+        self.t_max = self.steps.shape[-1] // 3
         super().__init__(ring, self._entries, self.meta[0, 0, 0], slots=slots)
 
     def query(self, t):
@@ -383,6 +414,10 @@ class StepWalk(RingWalk):
 
     def first_unit(self, t):
         return self.steps[0, 0, self.t_max + t]
+
+    def clean(self, t):
+        """Whether step ``t``'s slot has no row to mask (:class:`QuerySteps`)."""
+        return self.steps[0, 0, 2 * self.t_max + t] != 0
 
     def count(self, i):
         return self.meta[0, 0, 1 + i]
@@ -395,12 +430,32 @@ class StepWalk(RingWalk):
         return self.first_unit(t) + self.g >= self.count(self.query(t))
 
     def _entries(self, t):
-        i, j0 = self.query(t), self.first_unit(t)
-        count, out = self.count(i), []
-        for e in range(self.g):
-            j = j0 + e
-            live = j < count
-            slot = i * self.k + jnp.minimum(j, self.k - 1)
-            kb = jnp.where(live, self.kb[0, 0, slot], FAR)
-            out.append((self.addr[0, 0, slot], kb, live))
-        return out
+        """Step ``t``'s entries as the tables hold them (:class:`QuerySteps`: an entry
+        past the count already names the step's first unit and ``FAR``): two SMEM loads
+        an entry; ``live`` is ``None``."""
+        base = self.query(t) * self.k + self.first_unit(t)
+        return [(self.addr[0, 0, base + e], self.kb[0, 0, base + e], None) for e in range(self.g)]
+
+    def _start(self, t, slot):
+        for e, (addr, _, _) in enumerate(self.entries(t)):
+            self.ring.start(addr, slot, e)
+
+    def words(self, t, slot, *, rb: int, dtype, lim=None, dk: int | None = None):
+        """:meth:`RingWalk.words`, the rows' mask built and applied only on a step that
+        is not clean, in place in its slot (the slot is read again after it); a clean
+        step's rows go to the products as copied (a paged cache's feature padding is
+        masked either way). An FP8 store masks every step."""
+        if not self.ring.storable:
+            return super().words(t, slot, rb=rb, dtype=dtype, lim=lim, dk=dk)
+        kbs = [kb for _, kb, _ in self.entries(t)]
+        pk = 4 // jnp.dtype(dtype).itemsize  # tokens per word row
+
+        @pl.when(jnp.logical_not(self.clean(t)))
+        def _():
+            words = self.ring.words(slot)
+            pos = entry_positions(kbs, rb=rb, shape=(words.shape[0], 1), axis=0, stride=pk)
+            self.ring.store_words(slot, words & keep_words(pos, FAR if lim is None else lim, pk))
+
+        words = self.ring.words(slot)
+        feat = None if dk is None else feature_words(words.shape[1], dk)
+        return rows_of(words, dtype, feat), kbs
