@@ -157,10 +157,11 @@ def test_forward_walks_its_own_units_per_step(monkeypatch):
 @pytest.mark.parametrize("mode", ["flat", "ragged"])
 def test_per_query_clean_and_masked_steps(monkeypatch, mode):
     """2 units a step: steps whose units lie wholly before the query's limit are *clean*
-    (their slot reaches the products as copied) and the others mask their slot in place
-    (``StepWalk.words``), in one program's ring, forward and dq, over a poisoned cache
-    (bf16, so the ragged cache's rows are packed token pairs). The call's step tables
-    hold both kinds of step."""
+    (their slot reaches the products as copied) and the others mask in place each entry
+    that straddles the limit or lies past it (``StepWalk.words``), in one program's ring,
+    forward and dq, over a poisoned cache (bf16, so the ragged cache's rows are packed
+    token pairs). The call's step tables hold both kinds of step. Fails when either kind
+    of entry goes unmasked."""
     seen = []
     real = _prep.query_steps
 

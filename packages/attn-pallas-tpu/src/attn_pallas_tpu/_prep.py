@@ -356,7 +356,12 @@ def program_tables(space: UnitSpace, rb: int, cfg: SparseMlaConfig, n: int):
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
     tables = query_steps(
-        flat(addr), flat(kb), flat(count), flat(space.lim), qp=qp, group=cfg.units_per_step,
+        flat(addr),
+        flat(kb),
+        flat(count),
+        flat(space.lim),
+        qp=qp,
+        group=cfg.units_per_step,
         rb=rb,
     )
     return tables, n_pad

@@ -136,20 +136,40 @@ class UnitRing:
 
     @property
     def storable(self) -> bool:
-        """Whether :meth:`store_words` can write a slot back (not an FP8 store, whose
-        slot :meth:`words` dequantizes into a value)."""
+        """Whether :meth:`store_entry_words` can write a slot's words back (not an FP8
+        store, whose slot :meth:`words` dequantizes into a value)."""
         return len(self.bufs) == 1
 
-    def store_words(self, slot, words) -> None:
-        """Write ``words`` (as :meth:`words` reads them) back into ``slot``."""
+    def _entry_rows(self) -> int:
+        """Ring rows of one entry (``RB`` rows; a page's ``PS / pk`` packed rows)."""
+        return self.hbm[0].shape[1] if self.kind == "pages" else self.rb
+
+    def entry_words(self, slot, entry: int) -> jax.Array:
+        """Entry ``entry`` of ``slot`` as uint32 words ``[RB / pk, Dk_pad]`` (rows ``[entry
+        * RB / pk, (entry + 1) * RB / pk)`` of :meth:`words`). Not for an FP8 store."""
         (buf,) = self.bufs
+        n = self._entry_rows()
+        rows = pl.ds(entry * n, n)
         if self.kind == "rows":
-            buf[slot] = pltpu.bitcast(words, buf.dtype)
+            return pltpu.bitcast(buf[slot, rows, :], jnp.uint32)
+        if self.interpret:
+            v = buf[slot, rows]  # [PS / pk, pk, D]
+            return pltpu.bitcast(v.reshape(-1, v.shape[-1]), jnp.uint32)
+        view = buf.bitcast(jnp.uint32).at[slot]  # [G PS / pk, 1, D]
+        return view.reshape(view.shape[0], view.shape[2])[rows, :]
+
+    def store_entry_words(self, slot, entry: int, words) -> None:
+        """Write ``words`` (as :meth:`entry_words` reads them) back into the entry."""
+        (buf,) = self.bufs
+        n = self._entry_rows()
+        rows = pl.ds(entry * n, n)
+        if self.kind == "rows":
+            buf[slot, rows, :] = pltpu.bitcast(words, buf.dtype)
         elif self.interpret:
-            buf[slot] = pltpu.bitcast(words, buf.dtype).reshape(buf.shape[1:])
+            buf[slot, rows] = pltpu.bitcast(words, buf.dtype).reshape(n, *buf.shape[2:])
         else:
-            view = buf.bitcast(jnp.uint32).at[slot]  # [G PS / pk, 1, D]
-            view.reshape(view.shape[0], view.shape[2])[...] = words
+            view = buf.bitcast(jnp.uint32).at[slot]
+            view.reshape(view.shape[0], view.shape[2])[rows, :] = words
 
     def words(self, slot) -> jax.Array:
         """The slot as uint32 words ``[G * RB / pk, Dk_pad]`` (FP8: dequantized first)."""
@@ -441,21 +461,37 @@ class StepWalk(RingWalk):
             self.ring.start(addr, slot, e)
 
     def words(self, t, slot, *, rb: int, dtype, lim=None, dk: int | None = None):
-        """:meth:`RingWalk.words`, the rows' mask built and applied only on a step that
-        is not clean, in place in its slot (the slot is read again after it); a clean
-        step's rows go to the products as copied (a paged cache's feature padding is
-        masked either way). An FP8 store masks every step."""
+        """:meth:`RingWalk.words`, masked in place in its slot and only where needed: a
+        clean step's rows go to the products as copied; on a step that is not, each
+        entry holding a token at or past ``lim`` (or no unit) is masked alone, in its own
+        rows of the slot (at most one unit of a query straddles its ``lim``; an entry
+        wholly past it is zeroed without a read). A paged cache's feature padding is
+        masked either way; an FP8 store masks every step as :class:`RingWalk` does."""
         if not self.ring.storable:
             return super().words(t, slot, rb=rb, dtype=dtype, lim=lim, dk=dk)
         kbs = [kb for _, kb, _ in self.entries(t)]
         pk = 4 // jnp.dtype(dtype).itemsize  # tokens per word row
+        lim = FAR if lim is None else lim
 
         @pl.when(jnp.logical_not(self.clean(t)))
         def _():
-            words = self.ring.words(slot)
-            pos = entry_positions(kbs, rb=rb, shape=(words.shape[0], 1), axis=0, stride=pk)
-            self.ring.store_words(slot, words & keep_words(pos, FAR if lim is None else lim, pk))
+            for e, kb in enumerate(kbs):
+                self._mask_entry(slot, e, kb, lim, rb=rb, pk=pk)
 
         words = self.ring.words(slot)
         feat = None if dk is None else feature_words(words.shape[1], dk)
         return rows_of(words, dtype, feat), kbs
+
+    def _mask_entry(self, slot, e: int, kb, lim, *, rb: int, pk: int) -> None:
+        """Zero the tokens at or past ``lim`` of entry ``e`` (first position ``kb``)."""
+
+        @pl.when(kb >= lim)  # no token kept (an entry without a unit has kb = FAR)
+        def _():
+            shape = (rb // pk, self.ring.bufs[0].shape[-1])
+            self.ring.store_entry_words(slot, e, jnp.zeros(shape, jnp.uint32))
+
+        @pl.when(jnp.logical_and(kb < lim, kb + rb > lim))  # straddles lim
+        def _():
+            words = self.ring.entry_words(slot, e)
+            pos = kb + jax.lax.broadcasted_iota(jnp.int32, (words.shape[0], 1), 0) * pk
+            self.ring.store_entry_words(slot, e, words & keep_words(pos, lim, pk))
