@@ -11,8 +11,12 @@ unit), all in SMEM:
 
 * ``meta [1, 1, 1 + 2 QP]``: the step count, then ``count`` and ``lim`` per query (key
   position ``p`` is valid for the query iff ``p < lim``);
-* ``steps [1, 1, 2 T]``: per step its query and first unit index;
-* ``addr, kb [1, 1, QP K]``: each unit's store address and first token position.
+* ``steps [1, 1, 3 T]``: per step its query, first unit index and whether it is
+  *clean* (every entry holds a unit wholly before the query's ``lim``);
+* ``addr, kb [1, 1, QP Kg]``: each unit's store address and first token position, ``K``
+  rounded up to a multiple of ``G``; an entry past the query's count already holds its
+  step's first unit's address and ``kb = FAR``, so reading an entry takes two SMEM loads
+  and no branch or select.
 
 DMA. The store stays in HBM (``unit_ring``: row arrays, or the paged cache read in
 place). Step ``t``'s ``G`` units are copied into ring slot ``t % S`` (entry ``e`` into
@@ -28,12 +32,17 @@ and 2 % slower at 64-token units and 16 heads (docs/experiments.md). A step star
 ``G`` copies without a branch and waits once for the slot's bytes; entries past the
 query's count re-copy the step's first unit, and their rows are masked.
 
-Compute per step, for query ``i``: the slot as 32-bit words (``UnitRing.words``), ANDed
-with the rows' validity (``kb_e + r < lim``: causal, ``kv_len``, entries without a
-unit) and, for a paged cache, the feature padding, then bitcast to the ``[G RB,
-Dk_pad]`` rows: rows a query may not see become exact zeros (they may hold NaN or Inf:
-page tails, unwritten or recycled slots, stale ring rows), so ``0 * NaN`` never reaches
-a product. Scores ``q_i [H, Dk_pad] . rows^T -> [H, G RB]`` in float32 at
+Compute per step, for query ``i``: on a step that is not clean, each entry holding a
+token at or past ``lim`` (causal, ``kv_len``; an entry without a unit has ``kb = FAR``)
+is masked in place in the slot, alone (``StepWalk.words``): zeroed without a read when
+it lies wholly past ``lim``, otherwise its 32-bit words ANDed with ``kb_e + r < lim``
+and stored back; a clean step's slot is taken as copied. Then the slot as 32-bit words
+(``UnitRing.words``), for a paged cache ANDed with the feature padding, bitcast to the
+``[G RB, Dk_pad]`` rows: rows a query may not see are exact zeros (they may hold NaN or
+Inf: page tails, unwritten or recycled slots, stale ring rows), so ``0 * NaN`` never
+reaches a product. On the v5e, masking only where needed took 15-25 % off units of 16
+and 32 at 64 heads (docs/experiments.md). An FP8 store masks every step's dequantized
+rows as values instead. Scores ``q_i [H, Dk_pad] . rows^T -> [H, G RB]`` in float32 at
 ``sm_scale``, ``-inf`` where invalid; an online softmax carried across the query's
 steps. A row that has seen no valid key keeps ``m = -inf`` and uses 0 in the exponent,
 so no ``-inf - -inf`` NaN appears. At the query's last step ``out = acc / l`` (0 where

@@ -16,7 +16,8 @@ none, and two runs are equal bit for bit):
 ``QP`` queries (``parallel``), walking their compacted distinct units (``compact_units``,
 the forward's tables and ``unit_ring.StepWalk``) ``G`` a step through the same VMEM ring.
 Per step: clear the rows the query may not see (``kb + r >= lim``: page tails, future
-tokens; they may hold NaN) and the feature padding, ``s = q k^T [H, G RB]``, ``p``, ``dp
+tokens; they may hold NaN; in place, on steps that are not clean, as the forward does)
+and the feature padding, ``s = q k^T [H, G RB]``, ``p``, ``dp
 = dO v^T``, ``ds``, ``dq += ds k``; at the query's last step ``dq * sm_scale`` is
 written.
 
