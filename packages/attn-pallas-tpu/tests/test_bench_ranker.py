@@ -60,6 +60,7 @@ def test_report_from_a_synthetic_result(tmp_path):
         "commit": "abc1234",
         "device": "TPU v5 lite",
         "jax": "0.10.2",
+        "platform": "PJRT C API TFRT TPU v5 lite Built on Jan 1 2026",
         "matmul_tflops": 197.0,
         "chip": "v5e",
         "chip_peak_tflops": 250.0,
@@ -96,13 +97,14 @@ def test_report_from_a_synthetic_result(tmp_path):
     assert "| 640x640 | 0.9 | 384x384 | 1 | 2 |" in best  # the failed tiling is not counted
     assert "197 TFLOP/s" in md and "v5e datasheet bf16 peak (250 TFLOP/s)" in md
     assert "abc1234" in md
+    assert "jax 0.10.2 (PJRT C API TFRT TPU v5 lite Built on Jan 1 2026), commit" in md
 
 
 @pytest.mark.slow  # interpret-mode kernels, ~50 s
 def test_smoke_suite_times_padded_and_packed_rows(tmp_path):
     assert bench_ranker.main(["--smoke", "--out", str(tmp_path), "--cases", "ragged"]) == 0
     result = json.loads((tmp_path / "tpu_ranker.json").read_text())
-    assert {"commit", "device", "jax", "matmul_tflops"} <= result.keys()
+    assert {"commit", "device", "jax", "platform", "matmul_tflops"} <= result.keys()
     rows = result["rows"]
     assert {(r["layout"], r["mode"]) for r in rows} == {
         (layout, mode) for layout in ("padded", "packed") for mode in ("fwd", "fwd+bwd")

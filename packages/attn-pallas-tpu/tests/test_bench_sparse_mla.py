@@ -26,7 +26,7 @@ def test_smoke_suite_writes_rows_and_reports(tmp_path):
                                   "prefill-random", "eager"]) == 0  # fmt: skip
     result = json.loads((tmp_path / "tpu_sparse_mla.json").read_text())
     rows = result["rows"]
-    assert {"commit", "device", "matmul_tflops"} <= result.keys()
+    assert {"commit", "device", "platform", "matmul_tflops"} <= result.keys()
     kinds = {(r["case"], r["kernel"]) for r in rows}
     assert ("decode-smoke", "per-query") in kinds and ("decode-smoke", "qblock") in kinds
     for r in rows:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+from jax.extend import backend as jax_backend
 
 from attn_common.cli_args import iterations_int, out_path, provenance
 from attn_common.dispatch import device_class
@@ -83,12 +84,14 @@ class Runner:
         self.result, self.write_report = result, write_report
 
     def start(self, chip, **meta) -> None:
-        """The run's metadata (provenance, device, jax, the chip's name, then ``meta``),
-        printed as the first JSON line."""
+        """The run's metadata (provenance, device, jax, the runtime's own version string,
+        the chip's name, then ``meta``), printed as the first JSON line. ``platform`` tells
+        two runs on the same jax apart when the runtime under it (libtpu) differs."""
         self.meta = {
             **provenance(),
             "device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
+            "platform": " ".join(jax_backend.get_backend().platform_version.split()),
             "chip": chip.name,
             **meta,
         }
@@ -222,11 +225,13 @@ class Suite:
 
 
 def report_provenance(result: dict, tflops_format: str) -> str:
-    """How a report begins: the run's device, jax, commit and measured bf16 matmul rate
-    (``tflops_format``: its format spec), up to ``TFLOP/s `` inclusive."""
+    """How a report begins: the run's device, jax (and runtime, where recorded), commit and
+    measured bf16 matmul rate (``tflops_format``: its format spec), up to ``TFLOP/s ``
+    inclusive."""
     tflops = result.get("matmul_tflops", 0)
+    platform = f" ({result['platform']})" if result.get("platform") else ""
     return (
-        f"Device {result.get('device')}, jax {result.get('jax')}, commit "
+        f"Device {result.get('device')}, jax {result.get('jax')}{platform}, commit "
         f"{result.get('commit')}; bf16 matmul {tflops:{tflops_format}} TFLOP/s "
     )
 
