@@ -101,7 +101,7 @@ from attn_pallas_tpu.unit_ring import (
 def _per_query_kernel(
     *refs, n_store: int, kind: str, sm_scale: float, dk: int, dv: int, rb: int, cfg, interpret
 ):
-    # SMEM: meta [1,1,1+2QP], steps [1,1,2T], addr / kb [1,1,QP*K]; VMEM: q [QP,H,Dk_pad];
+    # SMEM: meta [1,1,1+2QP], steps [1,1,3T], addr / kb [1,1,QP*Kg]; VMEM: q [QP,H,Dk_pad];
     # HBM: the store (1 or 2 arrays); out: o [QP,H,Dv] f32, lse [QP,H,1] f32;
     # scratch: ring buffers (1 or 2), DMA semaphores [n_store, S].
     tables, q_ref = refs[:4], refs[4]
