@@ -36,10 +36,10 @@ from helpers import (
     run_interpret,
     sparse_mla_flat_case,
     sparse_mla_loss_grad,
+    tpu_interpret,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.experimental.pallas import tpu as pltpu
 
 import attn_pallas_tpu as tpu
 import attn_reference as ref
@@ -57,9 +57,7 @@ from attn_pallas_tpu.config import SparseMlaConfig
 from attn_pallas_tpu.plan import block_union_sizes
 from attn_pallas_tpu.sparse_mla_bwd import invert_selection
 
-INTERPRET = pltpu.InterpretParams(
-    detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
-)
+INTERPRET = tpu_interpret()
 DV, ROPE = 128, 64
 SM_SCALE = 0.07
 GRAD_TOL = {

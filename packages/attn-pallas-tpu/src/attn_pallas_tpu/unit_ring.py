@@ -326,11 +326,12 @@ class RingWalk:
     def _start(self, t, slot):
         """Start step ``t``'s copies into ``slot``: all ``G`` without a branch, an entry
         without a unit re-copying the step's first (a step has at least one live entry,
-        and entries are live in order); one ``wait_slot`` then takes the slot's bytes."""
+        and entries are live in order; ``live`` is ``None`` where the entries already
+        name that unit); one ``wait_slot`` then takes the slot's bytes."""
         entries = self.entries(t)
         first = entries[0][0]
         for e, (addr, _, live) in enumerate(entries):
-            self.ring.start(jnp.where(live, addr, first), slot, e)
+            self.ring.start(addr if live is None else jnp.where(live, addr, first), slot, e)
 
     def prologue(self):
         """Start steps ``0 .. S - 2`` that exist, for :meth:`advance`."""
@@ -455,10 +456,6 @@ class StepWalk(RingWalk):
         an entry; ``live`` is ``None``."""
         base = self.query(t) * self.k + self.first_unit(t)
         return [(self.addr[0, 0, base + e], self.kb[0, 0, base + e], None) for e in range(self.g)]
-
-    def _start(self, t, slot):
-        for e, (addr, _, _) in enumerate(self.entries(t)):
-            self.ring.start(addr, slot, e)
 
     def words(self, t, slot, *, rb: int, dtype, lim=None, dk: int | None = None):
         """:meth:`RingWalk.words`, masked in place in its slot and only where needed: a
