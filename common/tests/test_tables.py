@@ -66,6 +66,13 @@ def check_block_tables(sel, query_block: int, u_max: int):
     np.testing.assert_array_equal(np.asarray(out.units), units)
     np.testing.assert_array_equal(np.asarray(out.counts), counts)
     np.testing.assert_array_equal(np.asarray(out.member), member)
+    # the packed words: slot u in bit u % 32 of word u // 32, nothing past u_max
+    n_words = -(-u_max // 32)
+    assert out.words.shape == (n_blocks, query_block, n_words) and out.words.dtype == jnp.uint32
+    padded = np.zeros((n_blocks, query_block, n_words * 32), np.uint64)
+    padded[..., :u_max] = member
+    bits = padded.reshape(n_blocks, query_block, n_words, 32) << np.arange(32, dtype=np.uint64)
+    np.testing.assert_array_equal(np.asarray(out.words), bits.sum(-1).astype(np.uint32))
     # padded tail queries select nothing
     tail = n_blocks * query_block - num_tokens
     if tail:

@@ -458,7 +458,8 @@ def test_qblock_vmem_bytes_formula():
     rows, qb, rb = 4096, 32, 64
     cfg = SparseMlaConfig(query_block=qb, u_max=1000)  # u_max 1000 -> a 1024-slot chunk
     gr = cfg.units_per_step * rb
-    blocks = rows * 640 * 2 + rows * 512 * 4 + rows * 4 + 1024 * qb + qb * 4
+    # the membership: 1024 slots = 32 int32 words a query (8-row aligned)
+    blocks = rows * 640 * 2 + rows * 512 * 4 + rows * 4 + 32 * qb * 4 + qb * 4
     ring = cfg.ring_slots * gr * 1280
     expected = 2 * blocks + ring + 5 * gr * rows * 4 + 2 * rows * 512 * 4 + 2 * rows * 4
     assert vmem(rows, qb, 1000, rb) == expected

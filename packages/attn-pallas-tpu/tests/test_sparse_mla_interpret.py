@@ -220,6 +220,28 @@ def test_qblock_exact_for_any_u_max(u_max):
     _check(got, want, "float32")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("u_max", [None, 300])
+def test_qblock_wide_union(u_max):
+    """Unions past 256 slots: a chunk's membership words span several aligned 8-word
+    windows (slot 256 is in the second), in one chunk or in two."""
+    rng = rng_for(11)
+    kv_len, rb, top_k, seq = 6400, 16, 16, 32  # 400 units
+    q = randn(rng, (1, seq, 2, DK), "float32")
+    kv = randn(rng, (1, kv_len, DK), "float32")
+    pos = np.full((1, seq), kv_len - 1, np.int32)
+    idx = np.stack([rng.permutation(kv_len // rb)[:top_k] for _ in range(seq)])[None]
+    idx = idx.astype(np.int32)
+    idx[0, 3, 5] = -1
+    case = (q, kv, idx, pos)
+    assert np.asarray(block_union_sizes(idx, query_block=32)).max() > 256
+    got = _flat_call(
+        sparse_mla_attention_qblock, case, query_block=32, u_max=u_max, interpret=INTERPRET
+    )
+    assert_no_races()
+    _check(got, _flat_call(ref.sparse_mla_attention, case), "float32")
+
+
 # ------------------------------------------------------------------------------------
 # Ragged paged mode
 

@@ -39,7 +39,7 @@ from attn_common.tables import (
     sort_block_selections,
     union_counts,
 )
-from attn_pallas_tpu.config import SparseMlaConfig
+from attn_pallas_tpu.config import MEMBER_TILE, SparseMlaConfig, member_word_rows
 from attn_pallas_tpu.fp8_rows import ROW_BYTES, dequantize_rows, side_rows
 from attn_pallas_tpu.plan import TpuChip, chip_for_device_kind
 from attn_pallas_tpu.unit_ring import Store, query_steps
@@ -380,8 +380,10 @@ class UnionTables(NamedTuple):
     unions: ``[B * nQB]`` true union sizes (scalar-prefetched).
     lim:    ``[B, nQB, 1, QB]`` per query: key positions ``< lim`` are valid (0 past the
             queries).
-    member: ``[B, nQB, C * UC, QB]`` int8, query ``q`` selected slot ``j``'s unit (0 where
-            the unit's physical page is invalid).
+    member: ``[B, nQB, C * W, QB]`` int32 membership words, ``W = member_word_rows(UC)``
+            a chunk: bit ``j % 32`` of row ``j // 32`` of a chunk's ``W`` is set iff query
+            ``q`` selected the chunk's slot ``j``'s unit (0 where the unit's physical page
+            is invalid; rows past ``UC / 32`` are 0).
     """
 
     kb: jax.Array
@@ -428,7 +430,7 @@ def union_tables(
         addr, ok = unit_source(
             tables.units, flat_rows_per_batch=problem.num_units * rb, read_block=rb
         )
-    member = jnp.where(ok[:, :, None, :], tables.member, 0).astype(jnp.int8)
+    member = _chunk_words(tables.words, ok, n_chunks=n_chunks, u_chunk=u_chunk)
     kb = (jnp.maximum(tables.units, 0) * rb).reshape(batch, n_blocks * n_chunks, 1, u_chunk)
     lim = jnp.pad(space.lim, ((0, 0), (0, n_blocks * query_block - seq)))  # padded: lim 0
     return UnionTables(
@@ -436,8 +438,26 @@ def union_tables(
         addr=addr.reshape(batch, n_blocks * n_chunks, 1, u_chunk),
         unions=tables.counts.reshape(batch * n_blocks),
         lim=lim.reshape(batch, n_blocks, 1, query_block),
-        member=member.transpose(0, 1, 3, 2),
+        member=member,
     )
+
+
+def _chunk_words(words, ok, *, n_chunks: int, u_chunk: int):
+    """The kernels' membership words ``[B, nQB, C * W, QB]`` int32 from the tables'
+    ``[B, nQB, QB, C * UC / 32]`` uint32 words and the slots' page validity ``ok [B,
+    nQB, C * UC]`` (packed the same way and ANDed in)."""
+    batch, n_blocks, query_block, n_words = words.shape
+    shift = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, 1, MEMBER_TILE), 3)
+    ok_bits = ok.reshape(batch, n_blocks, n_words, MEMBER_TILE).astype(jnp.uint32) << shift
+    ok_words = jax.lax.reduce(ok_bits, jnp.uint32(0), jax.lax.bitwise_or, (3,))
+    words = (words & ok_words[:, :, None, :]).reshape(
+        batch, n_blocks, query_block, n_chunks, u_chunk // MEMBER_TILE
+    )
+    pad = member_word_rows(u_chunk) - u_chunk // MEMBER_TILE
+    words = jnp.pad(words, ((0, 0),) * 4 + ((0, pad),))
+    words = words.transpose(0, 1, 3, 4, 2)  # [B, nQB, C, W, QB]
+    words = jax.lax.bitcast_convert_type(words, jnp.int32)
+    return words.reshape(batch, n_blocks, n_chunks * member_word_rows(u_chunk), query_block)
 
 
 class UnionStatic(NamedTuple):
@@ -480,7 +500,7 @@ class UnionGrid(NamedTuple):
         last = jnp.maximum(jax.lax.div(union + u - 1, jnp.int32(u)) - 1, 0)
         return jnp.minimum(c, last)
 
-    def per_chunk(self, b, n, g, c, unions_ref):  # membership [B, nQB, C * UC, QB]
+    def per_chunk(self, b, n, g, c, unions_ref):  # membership [B, nQB, C * W, QB]
         return b, n, self.chunk(b, n, c, unions_ref), 0
 
     def per_chunk_smem(self, b, n, g, c, unions_ref):  # unit tables [B, nQB * C, 1, UC]
@@ -502,7 +522,7 @@ class UnionGrid(NamedTuple):
             pl.BlockSpec((1, 1, 1, u), self.per_chunk_smem, memory_space=smem),
             pl.BlockSpec((1, 1, 1, u), self.per_chunk_smem, memory_space=smem),
             pl.BlockSpec((1, 1, 1, query_block), self.per_block),
-            pl.BlockSpec((1, 1, u, query_block), self.per_chunk),
+            pl.BlockSpec((1, 1, member_word_rows(u), query_block), self.per_chunk),
         ]
 
 

@@ -36,16 +36,24 @@ The query-blocked backward (``attn_pallas_tpu.sparse_mla_qblock_bwd``) runs at t
 forward's ``query_block`` / ``head_block``, in chunks of ``MEMBER_TILE`` union slots, with
 the same ring; its partial-gradient buffer is sized by ``BACKWARD_SHARING``.
 
-Fixed by the hardware, not config: ``MEMBER_TILE`` (the int8 sublane tile that aligns the
-query-blocked membership windows).
+Fixed by the layout, not config: ``MEMBER_TILE`` (the 32 union slots of one int32
+membership word, to which the query-blocked chunks align).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-MEMBER_TILE = 32  # int8 sublane tile: membership windows and u_max align to it
-MAX_UNITS_PER_STEP = MEMBER_TILE  # a step's membership rows lie in one int8 tile
+MEMBER_TILE = 32  # union slots a membership word holds: u_max aligns to it
+MAX_UNITS_PER_STEP = MEMBER_TILE  # a step's membership bits lie in one word
+
+
+def member_word_rows(u_chunk: int) -> int:
+    """Rows of a chunk's membership words ``[rows, QB]`` int32: one word per 32 union
+    slots, padded to the 8-row sublane tile (the kernels read aligned 8-row windows)."""
+    return -(-u_chunk // (MEMBER_TILE * 8)) * 8
+
+
 # The heuristic's keys per step and units per step, from v5e sweeps (the latest is
 # docs/results/tpu_sparse_mla_sweep.json): every kernel pays ~0.2-0.7 us a step, so
 # steps of 512 keys; the per-query forward kernel at 1024 keys a step was fastest or
@@ -96,7 +104,7 @@ def _positive(name: str, value) -> int:
 class SparseMlaConfig:
     """Tiling of the TPU sparse-MLA kernels (validated; ``None`` = chosen per call).
 
-    units_per_step: ``G``, a power of two up to 32 (the membership tile).
+    units_per_step: ``G``, a power of two up to 32 (a membership word's slots).
     ring_slots: ``S >= 2`` ring slots of ``G`` units; ``(S - 1) * G`` copies in flight.
     queries_per_program: ``QP`` queries per program of the per-query and dq kernels.
     query_block / head_block / u_max: the query-blocked kernel's ``QB`` (a multiple of
@@ -157,8 +165,8 @@ class SparseMlaConfig:
         return self.units_per_step * read_block
 
     def u_chunk(self) -> int:
-        """The query-blocked chunk width: ``u_max`` rounded up to the membership tile
-        (``u_max`` must be set)."""
+        """The query-blocked chunk width: ``u_max`` rounded up to a membership word's
+        slots (``u_max`` must be set)."""
         if self.u_max is None:
             raise ValueError("u_max: not set")
         return -(-self.u_max // MEMBER_TILE) * MEMBER_TILE
@@ -237,12 +245,12 @@ def qblock_vmem_bytes(
 ) -> int:
     """One query-blocked program (``rows = Hb * QB`` score rows; ``query_block`` and
     ``u_max`` set): double-buffered q ``[rows, Dk_pad]``, the float32 output accumulator
-    ``[rows, Dv]``, LSE, the int8 membership chunk ``[u_chunk, QB]`` and ``lim``; the
+    ``[rows, Dv]``, LSE, the chunk's membership words ``[member_word_rows, QB]`` and ``lim``; the
     ring; the step's score temporaries ``5 x [G * RB, rows]`` float32 and the
     accumulator update ``2 x [rows, Dv]``; the m / l scratch; FP8: the dequantized rows."""
     qb, gr = config.query_block, config.step_rows(read_block)
     blocks = rows * dk_pad * itemsize + rows * dv * 4 + rows * 4
-    blocks += config.u_chunk() * qb + qb * 4
+    blocks += member_word_rows(config.u_chunk()) * qb * 4 + qb * 4
     temps = 5 * gr * rows * 4 + 2 * rows * dv * 4
     if dequantize:
         temps += gr * dk_pad * (4 + 2)

@@ -13,9 +13,9 @@ request-local pages lifted to global page-table slots with
 ``attn_common.lift_ragged_indices``, so a block may straddle requests) go through
 ``_prep.union_tables`` (``attn_common.build_block_unit_tables``) at a width ``C * UC``
 that no union can exceed (``UC`` = ``u_max`` rounded up to 32, ``C = ceil(min(QB * K,
-num_units) / UC)``): per block the sorted union ``units``, the membership ``member[q,
-slot]`` indexed by union slot (scatter-free) and the true union size. Units whose
-physical page is invalid keep their slot but get membership 0. Per query one int32
+num_units) / UC)``): per block the sorted union ``units``, the membership of each
+query by union slot (scatter-free), packed 32 slots to an int32 word, and the true union
+size. Units whose physical page is invalid keep their slot but get membership 0. Per query one int32
 ``lim`` folds the causal bound and the kv length (key position ``p`` valid iff ``p <
 lim``; in ragged mode positions are global, ``key * page_size + r``, and ``lim``
 carries the request's base).
@@ -24,8 +24,9 @@ Grid ``(B, nQB, G, C)``: batch row, query block, head group of ``Hb = H / G`` he
 score rows of one program are ``r = h * QB + q`` for the group's heads ``h``), and the
 union chunk. The union sizes ``[B * nQB]`` are scalar-prefetched. A step gets in SMEM
 its chunk of the union as ``kb`` (first token position of each slot) and ``src`` (first
-store row // 8), ``[B, nQB * C, 1, UC]`` tables; in VMEM the chunk's membership
-``[UC, QB]`` int8, ``lim [1, QB]`` and the group's q rows ``[Hb * QB, Dk_pad]``. The
+store row // 8), ``[B, nQB * C, 1, UC]`` tables; in VMEM the chunk's membership words
+``[W, QB]`` int32 (``W = config.member_word_rows(UC)``: ``UC / 32`` rounded up to 8),
+``lim [1, QB]`` and the group's q rows ``[Hb * QB, Dk_pad]``. The
 chunk axis is sequential (``arbitrary``) and innermost: the output block, resident
 across it, is the accumulator, and the running max ``m`` and denominator ``l`` live in
 VMEM scratch, initialised at chunk 0 and turned into ``out``/``lse`` at chunk ``C - 1``.
@@ -45,9 +46,11 @@ cache's store is two arrays with a ring each, dequantized in VMEM after the wait
 Compute per step, key-major: ``s = k [G RB, Dk_pad] . q^T -> [G RB, rows]`` (keys on
 sublanes, score rows on lanes), so the per-query membership and ``lim`` are lane rows
 broadcast over each slot's keys and no dynamic lane slicing is needed. The step's ``G``
-membership rows come from one aligned 32-row window of the int8 membership (int8 tiles
-are (32, 128): a dynamic sublane offset must be provably a multiple of 32; ``G`` divides
-32) and an iota select each. The online softmax reduces over axis 0; a row that has seen no
+slots share one membership word row (``G`` divides 32), read from its aligned 8-row
+window (a dynamic sublane offset must be a multiple of the 32-bit tile's 8 rows) by an
+iota select; each slot's bit and ``lim`` give one lane row ``room`` (``lim - kb`` where
+the query selected the slot, else 0), and key ``r`` of the slot is valid iff ``r <
+room`` (``unit_ring.slot_rooms``). The online softmax reduces over axis 0; a row that has seen no
 valid key keeps ``m = -inf`` and uses 0 in the exponent (``exp(-inf - 0) = 0``, never
 ``-inf - -inf``). The float32 output block is the accumulator. The output is
 ``acc / l`` (exactly 0 for an empty row) and the LSE ``m + log(l)`` (natural log,
@@ -125,9 +128,8 @@ from attn_pallas_tpu.unit_ring import (
     UnionWalk,
     UnitRing,
     in_hbm,
-    lane_tile,
-    member_rows,
     ring_scratch,
+    slot_rooms,
 )
 
 
@@ -136,7 +138,7 @@ def _qblock_kernel(
     kb_ref,  # SMEM [1, 1, 1, UC]: first token position of each slot of this chunk
     addr_ref,  # SMEM [1, 1, 1, UC]: store address of each slot of this chunk
     lim_ref,  # VMEM [1, 1, 1, QB] int32: key positions < lim are valid, per query
-    mem_ref,  # VMEM [1, 1, UC, QB] int8: membership of this chunk's slots
+    mem_ref,  # VMEM [1, 1, W, QB] int32: membership words of this chunk's slots
     q_ref,  # VMEM [1, 1, 1, rows, Dk_pad], row = h * QB + q
     *refs,  # HBM store (1 or 2 arrays); o, lse; ring buffers, sems (unit_ring); m, l
     st: UnionStatic,
@@ -191,7 +193,7 @@ def _walk_chunk(
     )  # fmt: skip
     g = cfg.units_per_step
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
-    lim = lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
+    lim = lim_ref[0, 0]  # [1, QB]
     walk = UnionWalk(ring, kb_ref, addr_ref, count, group=g, slots=cfg.ring_slots)
     walk.prologue()
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
@@ -208,11 +210,11 @@ def _walk_chunk(
         finite = jnp.isfinite(values.astype(jnp.float32))  # Mosaic's is_finite takes f32
         values = jnp.where(finite, values, jnp.zeros_like(values))
         s = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [G RB, rows]
-        members = member_rows(mem_ref, t * g, g, heads_per_group)
-        pieces = []
-        for e, (member, kb) in enumerate(zip(members, kbs, strict=True)):
-            valid = (member > 0) & ((kb + key_row) < lim)  # [RB, rows]
-            pieces.append(jnp.where(valid, s[e * rb : (e + 1) * rb] * sm_scale, -jnp.inf))
+        rooms = slot_rooms(mem_ref, t * g, kbs, lim, heads_per_group)  # [1, rows] each
+        pieces = [
+            jnp.where(key_row < room, s[e * rb : (e + 1) * rb] * sm_scale, -jnp.inf)
+            for e, room in enumerate(rooms)
+        ]  # [RB, rows] each
         s = pieces[0] if g == 1 else jnp.concatenate(pieces, axis=0)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=0))  # [rows]
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)

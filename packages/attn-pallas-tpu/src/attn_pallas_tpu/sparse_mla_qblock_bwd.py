@@ -93,9 +93,8 @@ from attn_pallas_tpu.unit_ring import (
     UnionWalk,
     UnitRing,
     in_hbm,
-    lane_tile,
-    member_rows,
     ring_scratch,
+    slot_rooms,
 )
 
 
@@ -117,7 +116,7 @@ def _block_kernel(
     kb_ref,  # SMEM [1, 1, 1, UC]: first token position of each slot of this chunk
     addr_ref,  # SMEM [1, 1, 1, UC]: store address of each slot of this chunk
     lim_ref,  # VMEM [1, 1, 1, QB] int32
-    mem_ref,  # VMEM [1, 1, UC, QB] int8
+    mem_ref,  # VMEM [1, 1, W, QB] int32 membership words
     q_ref,  # VMEM [1, 1, 1, rows, Dk_pad], row = h * QB + q
     do_ref,  # VMEM [1, 1, 1, rows, Dv]
     st_ref,  # VMEM [1, 1, 1, 2, rows] float32: lse (0 where -inf), delta
@@ -165,7 +164,7 @@ def _walk_chunk(
     q = q_ref[0, 0, 0]  # [rows, Dk_pad]
     do = do_ref[0, 0, 0]  # [rows, Dv]
     lse, delta = st_ref[0, 0, 0, 0:1, :], st_ref[0, 0, 0, 1:2, :]  # [1, rows] each
-    lim = lane_tile(lim_ref[0, 0], heads_per_group)  # [1, rows]
+    lim = lim_ref[0, 0]  # [1, QB]
     walk = UnionWalk(ring, kb_ref, addr_ref, count, group=g, slots=cfg.ring_slots)
     walk.prologue()
     key_row = jax.lax.broadcasted_iota(jnp.int32, (rb, 1), 0)
@@ -173,11 +172,8 @@ def _walk_chunk(
     def body(t, carry):
         slot = walk.advance(t)
         kv, kbs = walk.words(t, slot, rb=rb, dtype=q.dtype, dk=dk)  # [G RB, Dk_pad]
-        members = member_rows(mem_ref, t * g, g, heads_per_group)
-        valid = [
-            (member > 0) & ((kb + key_row) < lim)  # [RB, rows]
-            for member, kb in zip(members, kbs, strict=True)
-        ]
+        rooms = slot_rooms(mem_ref, t * g, kbs, lim, heads_per_group)  # [1, rows] each
+        valid = [key_row < room for room in rooms]  # [RB, rows] each
         valid = valid[0] if g == 1 else jnp.concatenate(valid, axis=0)  # [G RB, rows]
         s = mxu_dot(kv, q, (((1,), (1,)), ((), ())))  # [G RB, rows]
         # Rows off the valid set may hold NaN (and so their s and dp): select, never

@@ -205,18 +205,26 @@ def lane_tile(x, times: int):
     return x if times == 1 else jnp.concatenate([x] * times, axis=1)
 
 
-def member_rows(mem_ref, j, g: int, heads_per_group: int) -> list:
-    """The query-blocked kernels' membership lane rows ``[1, rows]`` of union slots ``j ..
-    j + g - 1`` (``j`` a multiple of ``g``, ``g`` dividing the int8 tile) from the chunk's
-    ``[1, 1, UC, QB]`` int8 block: one aligned 32-row window, then an iota select per
-    slot (a dynamic sublane offset into int8 must be a multiple of its 32-row tile)."""
-    j0 = pl.multiple_of(jax.lax.div(j, jnp.int32(MEMBER_TILE)) * MEMBER_TILE, MEMBER_TILE)
-    win = mem_ref[0, 0, pl.ds(j0, MEMBER_TILE), :].astype(jnp.int32)  # [32, QB]
-    win_row = jax.lax.broadcasted_iota(jnp.int32, (MEMBER_TILE, 1), 0)
+def slot_rooms(mem_ref, j, kbs, lim, heads_per_group: int) -> list:
+    """The query-blocked kernels' per-slot limits, ``[1, rows]`` int32 lane rows for union
+    slots ``j .. j + g - 1`` of the chunk (``g = len(kbs)`` divides 32 and ``j``): key
+    ``r`` of slot ``e`` is valid for a score row iff ``r < room``, where ``room = lim -
+    kbs[e]`` if the row's query selected the slot, else 0. ``mem_ref``: the chunk's
+    ``[1, 1, W, QB]`` int32 membership words (bit ``j % 32`` of row ``j // 32``), read as
+    the aligned 8-row window holding row ``j // 32`` and a select; ``lim`` ``[1, QB]``.
+    Built at ``QB`` lanes, then tiled over the heads."""
+    w = jax.lax.div(j, jnp.int32(MEMBER_TILE))
+    w0 = pl.multiple_of(jax.lax.div(w, jnp.int32(8)) * 8, 8)
+    win = mem_ref[0, 0, pl.ds(w0, 8), :]  # [8, QB]
+    win_row = jax.lax.broadcasted_iota(jnp.int32, (8, 1), 0)
+    low = jnp.iinfo(jnp.int32).min  # below or equal to every word: max picks the row
+    word = jnp.max(jnp.where(win_row == w - w0, win, low), axis=0, keepdims=True)  # [1, QB]
+    bit0 = j - w * MEMBER_TILE
     out = []
-    for e in range(g):
-        row = jnp.max(jnp.where(win_row == j - j0 + e, win, 0), axis=0, keepdims=True)
-        out.append(lane_tile(row, heads_per_group))
+    for e, kb in enumerate(kbs):
+        bit = jnp.left_shift(jnp.int32(1), bit0 + e)  # a scalar: bit 31 is INT32_MIN
+        member = (word & bit) != 0
+        out.append(lane_tile(jnp.where(member, lim - kb, 0), heads_per_group))
     return out
 
 
