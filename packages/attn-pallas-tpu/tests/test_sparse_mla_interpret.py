@@ -220,8 +220,7 @@ def test_qblock_exact_for_any_u_max(u_max):
     _check(got, want, "float32")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("u_max", [None, 300])
+@pytest.mark.parametrize("u_max", [pytest.param(None, marks=pytest.mark.slow), 300])
 def test_qblock_wide_union(u_max):
     """Unions past 256 slots: a chunk's membership words span several aligned 8-word
     windows (slot 256 is in the second), in one chunk or in two."""
