@@ -8,7 +8,7 @@ pages a request owns is given by the ragged tables (see the ragged paged mode in
 row is ``[c_kv | k_rope | 0 ...]``, ``D = Dk_pad = padded_dk(kv_lora_rank + rope)``.
 
 ``paged_write_back(cache, rows, loc)`` writes ``cache[loc[t]] = rows[t]`` in increasing
-``t`` (a slot listed twice keeps the last row: ``attn_common.keep_last_writes``);
+``t`` (a slot listed twice keeps the last row: ``attn_common.tables.keep_last_writes``);
 ``prefill_write_and_attend_ragged`` builds the rows with :func:`latent_rows`, writes
 them, then runs ragged sparse MLA over the cache. Every backend validates their inputs
 here, before tracing, so they reject the same calls with the same errors.

@@ -144,7 +144,7 @@ def fast_reciprocal_tile(d):
     predicated multiplies around the MUFU op, 3 of a thread's ~15 instructions per
     score in the soft_sign forward (``benchmarks/kernel_dump.py --loops``). The ``ftz``
     form is the bare MUFU op. The kernels' denominators are at least ``1 / (scale *
-    log2 e)`` (soft_sign's ``d / k``, ``attn_common.cap_scaled_with_derivative``), far
+    log2 e)`` (soft_sign's ``d / k``, ``attn_common.cap.cap_scaled_with_derivative``), far
     above the subnormals, so the results are bitwise those of ``fast_reciprocal``.
     One ``rcp.approx.ftz.f32`` per element (a multiply less) measured slower in the
     phoenix forward on an H200, 1.52 against 1.47 ms (docs/experiments.md).

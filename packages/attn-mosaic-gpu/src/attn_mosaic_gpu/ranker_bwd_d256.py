@@ -13,7 +13,7 @@ memory):
   query rows of one (batch row, query head) and, for ``D = 256``, one of ``d_split = 2``
   halves of the head dim of dQ (``S`` and ``dP`` are recomputed per half; the half of K
   that dQ needs is TMA-loaded separately). It TMA-loads Q, dO, lse and delta' once, then walks the
-  KV blocks of ``attn_common.ranker_kv_block_ranges`` (the forward's visit-once rule):
+  KV blocks of ``attn_common.bounds.ranker_kv_block_ranges`` (the forward's visit-once rule):
   per step it TMA-loads K and V, computes ``S = Q K^T`` and ``dP = dO V^T`` by wgmma,
   the cap, the mask (``attn_common.ranker_mask`` on the tile iotas, on every step), P and
   dS, writes dS to shared memory and accumulates ``dQ += dS K`` (a fresh accumulator
@@ -24,7 +24,7 @@ memory):
   fresh wgmma results added to them fit the register file; ``S^T`` and ``dP^T`` are
   recomputed per half). It loads K and V once,
   loops over the group's query heads and, for each, over the query blocks of
-  ``attn_common.ranker_q_block_ranges``: ``S^T = K Q^T``, ``dP^T = V dO^T``, P^T and
+  ``attn_common.bounds.ranker_q_block_ranges``: ``S^T = K Q^T``, ``dP^T = V dO^T``, P^T and
   dS^T to shared memory, ``dV += P^T dO``, ``dK += dS^T Q``. dK/dV accumulate in f32
   registers across the group's heads and blocks in a fixed order: GQA gradients are per
   kv head, with no per-query-head copies and no atomics, so the result is deterministic

@@ -20,7 +20,7 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   Within a step: the mask predicate is built while S is in flight, ``P`` is computed
   after ``wgmma.wait_group 1`` (S landed, dP still running), and in dk/dv ``dS^T`` is
   formed while dV's wgmma runs. The cap and its derivative come from
-  ``attn_common.cap_scaled_with_derivative`` (constants folded, the derivative from the
+  ``attn_common.cap.cap_scaled_with_derivative`` (constants folded, the derivative from the
   same terms). The ring has 2 slots for D=128 and 4 for D=64 (``pipelined_stages``);
   the overlap and the fold are measured in ``docs/results/ranker_bwd_sweep.md``.
 
@@ -37,7 +37,7 @@ query rows; dk/dv: key rows) and runs three warpgroups (``num_threads=3``):
   After the last step it writes its f32 accumulators (scaled) into its fixed buffers
   (Q / K, V are dead by then) and TMA-stores them. The mask
   (``attn_common.ranker_mask`` on the tile iotas) is skipped on the steps
-  ``attn_common.ranker_full_kv_steps`` / ``ranker_full_q_steps`` prove fully allowed
+  ``attn_common.bounds.ranker_full_kv_steps`` / ``ranker_full_q_steps`` prove fully allowed
   for the WG's rows (most history steps).
 * WG2 (memory, ``setmaxnreg 40``): TMA-loads the streamed operands of every step into a
   ring of ``num_stages`` slots (dq: K and V blocks of the tile's

@@ -27,7 +27,7 @@ owns ``2 * block_q`` query rows of one (batch row, query head) and runs three wa
   ``num_stages`` steps are issued at once; step ``s + num_stages`` waits on the slot's
   ``k_free`` / ``v_free`` barriers before reusing it.
 
-The KV steps are ``attn_common.ranker_kv_block_ranges`` of the program's ``2 * block_q``
+The KV steps are ``attn_common.bounds.ranker_kv_block_ranges`` of the program's ``2 * block_q``
 rows: the history blocks merged with the blocks holding the tile's candidates' own keys,
 so a block shared by both runs is visited once. Both compute WGs walk the same steps (the
 mask handles the rows), which keeps every barrier's arrival count static. Bounds are read
@@ -79,7 +79,7 @@ yet gives ``exp2(-inf - m) = 0`` and ``exp2(m - m) = 1`` rather than
 divide is guarded) and ``lse = -inf``; otherwise ``lse = (m + log2(l)) * ln(2)``.
 The softmax is bound by instruction issue as much as by the MUFU (docs/ranker_gpu.md),
 so it spends few FMA-pipe instructions per score: the cap's constants are folded
-(``attn_common.cap_scaled_with_derivative``), the row max runs on the raw scores (every
+(``attn_common.cap.cap_scaled_with_derivative``), the row max runs on the raw scores (every
 cap is increasing, so ``max(cap(x)) = cap(max(x))``) and each exponent is one FMA after
 the cap's last multiply. ``config.exp2_fma_cols`` / ``rcp_fma_cols`` key columns of each
 tile compute ``exp2`` / soft_sign's reciprocal on the FMA pipe instead

@@ -3,8 +3,9 @@
 ``sparse_mla_attention`` takes the validated call of ``attn_common.spec.sparse_mla_call``, turns the
 selection (flat unit ids or ragged request-local pages, ``read_block = 1`` for the
 token-level selections of DeepSeek V3.2's indexer) into a per-query row table with
-``attn_common.sparse_mla_units`` + ``selected_rows`` (causal bound, ``kv_len``, ``-1``,
-out-of-range ids and duplicates all resolved there, outside the kernel; the tables of
+``attn_common.sparse_mla_rows.sparse_mla_units`` + ``selected_rows`` (causal bound,
+``kv_len``, ``-1``, out-of-range ids and duplicates all resolved there, outside the
+kernel; the tables of
 token-level selections by the one-CTA-per-query kernel of ``row_sort``), and runs the
 gather-attend kernel of ``sparse_mla_kernel`` (over a bf16 cache, or an
 ``Fp8LatentCache`` whose three arrays the row ids index alike, dequantized on chip, or
@@ -19,8 +20,9 @@ its own selection by a membership mask. ``sparse_mla_attention_qblock`` runs it;
 a GPU. ``scheduled("auto")`` is the per-call choice meant to replace that
 (``_prefer_blocked``: the union of ``PROBE_BLOCKS`` sampled blocks against the
 queries' own rows, on the device, under ``jit``: overlapping picks take the blocked
-kernel, random ones the per-query kernel), benchmarked beside both kernels. ``paged_write_back`` is the XLA scatter (``attn_common.scatter_write_back``),
-and the two ``prefill_write_and_attend_ragged`` wrappers compose it with the kernel,
+kernel, random ones the per-query kernel), benchmarked beside both kernels.
+``paged_write_back`` is the XLA scatter (``attn_common.paged.scatter_write_back``), and
+the two ``prefill_write_and_attend_ragged`` wrappers compose it with the kernel,
 which reads their ``ql`` and ``qpe`` apart (no joined copy of Q).
 """
 

@@ -89,7 +89,7 @@ def tune(
     progress: Callable[[str], None] = print,
     timer: Callable | None = None,
 ) -> dict:
-    """Sweep the knobs for each ``attn_common.RankerCase`` and return a table.
+    """Sweep the knobs for each ``attn_common.suite.RankerCase`` and return a table.
 
     Returns ``{"format", "entries": [...], "trials": [...]}``: one entry per case key
     (forward config, backward knobs, the measured ms) and every timed trial. Runs on a

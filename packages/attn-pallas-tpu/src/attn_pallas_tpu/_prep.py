@@ -288,9 +288,9 @@ def host_unit_keys(
     K]``, computed in numpy from host values (device arrays are copied to the host).
 
     Flat: ids outside ``[0, num_units)`` are ``-1``. Ragged: request-local pages lifted to
-    global page-table slots (``attn_common.lift_ragged_indices``), ``-1`` where the page
-    is outside the request's extent or the page table, or its physical page is outside
-    ``[0, num_pages)``. Ids are cast to int32 first, as the jnp path does.
+    global page-table slots (``attn_common.sparse_mla.lift_ragged_indices``), ``-1`` where
+    the page is outside the request's extent or the page table, or its physical page is
+    outside ``[0, num_pages)``. Ids are cast to int32 first, as the jnp path does.
     """
     idx = np.asarray(indices).astype(np.int32, copy=False)
     if not problem.ragged:
@@ -394,9 +394,10 @@ class UnionTables(NamedTuple):
 
 
 def sorted_picks(space: UnitSpace, *, query_block: int):
-    """Per batch row, each query block's picks sorted (``attn_common.sort_block_selections``,
-    ``[B, nQB, QB * K]`` twice) and the blocks' union sizes ``[B, nQB]``: one sort that
-    both a jitted call's guard and :func:`union_tables` use."""
+    """Per batch row, each query block's picks sorted
+    (``attn_common.tables.sort_block_selections``, ``[B, nQB, QB * K]`` twice) and the
+    blocks' union sizes ``[B, nQB]``: one sort that both a jitted call's guard and
+    :func:`union_tables` use."""
     picks = jax.vmap(lambda keys: sort_block_selections(keys, query_block=query_block))(space.keys)
     return picks, union_counts(picks[0])
 

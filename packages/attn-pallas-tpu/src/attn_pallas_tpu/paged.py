@@ -5,7 +5,7 @@ in place. The XLA scatter it replaces goes through a flat ``[slots, D]`` view of
 pool, which costs full-cache relayout copies on TPU; here the pool is input/output
 aliased and only the new rows move.
 
-Schedule (one program). ``attn_common.build_write_runs`` splits ``loc`` into maximal
+Schedule (one program). ``attn_common.tables.build_write_runs`` splits ``loc`` into maximal
 contiguous runs (a chunked prefill of one request is one run; a ragged batch about one
 run per request and page boundary) and each run into three table entries: unaligned
 head tokens, the word-aligned middle, tail tokens. The table ``[3 * r_cap * 4]`` int32
@@ -22,7 +22,7 @@ legal where a single packed token row is not).
    their own run), so step 2 overlaps step 1 without a race.
 3. Wait for every word run (same descriptors, rebuilt from the table).
 
-``loc`` is first reduced by ``attn_common.keep_last_writes``: a slot listed more than once
+``loc`` is first reduced by ``attn_common.tables.keep_last_writes``: a slot listed more than once
 keeps only its last row, so no two runs ever write the same slot and the result never
 depends on DMA order (it is ``cache[loc[t]] = rows[t]`` applied in increasing ``t``).
 
@@ -174,7 +174,7 @@ def paged_write_back(call: WriteBackCall) -> jax.Array:
     """``cache[loc[t]] = rows[t]`` for every valid ``loc[t]``, in place; returns the cache.
 
     Donate the cache (``jax.jit(..., donate_argnums=...)``) for a true in-place update.
-    ``r_cap``: run-table size (static); default ``attn_common.default_write_run_cap``;
+    ``r_cap``: run-table size (static); default ``attn_common.tables.default_write_run_cap``;
     more contiguous runs than this fall back to the XLA scatter (bit-identical). An
     ``Fp8LatentCache`` is written by the XLA scatter (``write_back_by_scatter``: the new
     rows quantized, nothing else read); a ``TpuFp8LatentCache`` likewise, with the new

@@ -21,24 +21,24 @@ Schedule
 * ``dq`` kernel, grid ``(B, Hq / Hp, q_tiles, kv_steps)`` (``parallel x 3,
   arbitrary``): the forward's schedule, ``Hp`` query heads of one kv head a program
   (``RankerStatic.heads_per_program``). The same scalar-prefetched table of
-  ``attn_common.ranker_kv_block_ranges`` drives the K/V index maps (visit-once blocks,
+  ``attn_common.bounds.ranker_kv_block_ranges`` drives the K/V index maps (visit-once blocks,
   fetched once for the ``Hp`` heads; steps past the tile's count clamp to its last
   block, so no DMA is issued, and ``pl.when`` skips them). Q, dO, lse and delta' are
   fetched once per ``(b, h, i)``. Per step and head: ``S = Q K^T``, ``dP = dO V^T`` on
-  the MXU, the cap and its derivative (``attn_common.cap_scaled_with_derivative``), the
+  the MXU, the cap and its derivative (``attn_common.cap.cap_scaled_with_derivative``), the
   mask (built once a step for the heads) only on steps outside
-  ``attn_common.ranker_full_kv_steps``, then ``dQ += dS K`` into the head's f32 VMEM
+  ``attn_common.bounds.ranker_full_kv_steps``, then ``dQ += dS K`` into the head's f32 VMEM
   accumulator, written (times ``sm_scale``) at the last step.
 * ``dk/dv`` kernel, grid ``(B, Hkv, kv_tiles, group / Hp * q_steps)`` (``parallel x 3,
   arbitrary``): a program row owns ``block_kv`` keys of one (batch row, kv head); its
   K and V tiles are fetched once. The inner axis walks the group's query heads ``Hp``
   at a time (head block ``step // q_steps``; a masked step's mask built once for them)
   and, per head block, the query blocks of
-  ``attn_common.ranker_q_block_ranges`` (the transpose of the forward's rule) from a
+  ``attn_common.bounds.ranker_q_block_ranges`` (the transpose of the forward's rule) from a
   second scalar-prefetched table; past the tile's count the index maps clamp to the
   head's last visited block. Per step it computes the transposed tiles ``S^T = K Q^T``
   and ``dP^T = V dO^T`` (so the lse / delta' rows broadcast along sublanes, no
-  transpose), the mask only on steps outside ``attn_common.ranker_full_q_steps``, and
+  transpose), the mask only on steps outside ``attn_common.bounds.ranker_full_q_steps``, and
   ``dV += P^T dO``, ``dK += dS^T Q`` into f32 VMEM accumulators, written at the last
   step. GQA gradients are summed over the group's heads inside the kernel: there are
   no per-query-head dK/dV copies and no atomics.

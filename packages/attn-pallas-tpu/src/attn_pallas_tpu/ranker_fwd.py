@@ -16,10 +16,10 @@ divisor of the GQA group, up to 8, whose VMEM estimate fits) in one batch row, a
 number of blocks a tile visits is not known at trace time).
 
 * Tables (built outside the kernel by plain ``jnp``, ``kv_step_table``): for every
-  ``(b, i)`` the visit-once KV block ranges of ``attn_common.ranker_kv_block_ranges``
+  ``(b, i)`` the visit-once KV block ranges of ``attn_common.bounds.ranker_kv_block_ranges``
   (two runs: the history blocks merged with the blocks of the tile's own candidates, so
   a block shared by both is visited once) and the steps ``[full_lo, full_hi)`` of
-  ``attn_common.ranker_full_kv_steps`` whose block every row of the tile may attend in
+  ``attn_common.bounds.ranker_full_kv_steps`` whose block every row of the tile may attend in
   full. The table and the clipped bounds are scalar-prefetched into SMEM
   (``pltpu.PrefetchScalarGridSpec``).
 * Who loads what: the Pallas pipeline DMAs the ``Hp`` heads' Q tiles once per ``(b, h,
@@ -31,7 +31,7 @@ number of blocks a tile visits is not known at trace time).
   pipeline issues no DMA. Blocks outside the ranges are never fetched.
 * Compute: ``pl.when(j < steps)``; per head, the QK^T product on the MXU (f32
   accumulation), the scale, cap and ``log2(e)`` folded into the cap's multiplies
-  (``attn_common.cap_scaled_with_derivative``: logits in base 2), the ranker mask
+  (``attn_common.cap.cap_scaled_with_derivative``: logits in base 2), the ranker mask
   (``ranker_mask`` on the tile iotas, built once a step for the ``Hp`` heads) only on
   steps outside ``[full_lo, full_hi)``, and an ``exp2`` online softmax whose running max / sum /
   f32 accumulator live in VMEM scratch (one slab per head) across the KV axis. The

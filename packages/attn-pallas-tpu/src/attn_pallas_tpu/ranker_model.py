@@ -2,7 +2,7 @@
 
 Everything is counted per **block visit** (one ``block_q x block_kv`` tile of one query
 head of one batch row) from the same block ranges the kernels use
-(``attn_common.ranker_kv_block_ranges`` / ``ranker_q_block_ranges`` and the full-block
+(``attn_common.bounds.ranker_kv_block_ranges`` / ``ranker_q_block_ranges`` and the full-block
 steps). Chip figures are ``attn_pallas_tpu.plan.TPU_CHIPS`` (v5e, v5p, v6e). All
 numbers are assumptions of the model, not measurements (docs/tpu_ranker.md).
 

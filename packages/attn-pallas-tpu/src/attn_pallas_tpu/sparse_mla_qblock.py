@@ -10,8 +10,8 @@ online softmax over ``Hb * QB`` score rows.
 
 Preprocessing (plain ``jnp``, outside the kernel). Unit keys (flat: unit ids; ragged:
 request-local pages lifted to global page-table slots with
-``attn_common.lift_ragged_indices``, so a block may straddle requests) go through
-``_prep.union_tables`` (``attn_common.build_block_unit_tables``) at a width ``C * UC``
+``attn_common.sparse_mla.lift_ragged_indices``, so a block may straddle requests) go through
+``_prep.union_tables`` (``attn_common.tables.build_block_unit_tables``) at a width ``C * UC``
 that no union can exceed (``UC`` = ``u_max`` rounded up to 32, ``C = ceil(min(QB * K,
 num_units) / UC)``): per block the sorted union ``units``, the membership of each
 query by union slot (scatter-free), packed 32 slots to an int32 word, and the true union
@@ -308,7 +308,7 @@ def sparse_mla_attention_qblock(
       ``head_block=None`` (the default) plans the tiling automatically (below).
     u_max: union slots per chunk (rounded up to 32): a block's union is streamed in
       chunks of this many units with the softmax carried across chunks, so it is a
-      VMEM/speed knob only. ``None``: ``attn_common.resolve_u_max``.
+      VMEM/speed knob only. ``None``: ``attn_common.tables.resolve_u_max``.
     head_block / max_rows: heads per program; default the largest divisor of ``H`` with
       ``head_block * query_block <= max_rows``. Each head group re-reads the union.
     config: an ``attn_pallas_tpu.config.SparseMlaConfig`` for the ring (units per step,
