@@ -223,22 +223,27 @@ def test_qblock_exact_for_any_u_max(u_max):
 @pytest.mark.parametrize("u_max", [pytest.param(None, marks=pytest.mark.slow), 300])
 def test_qblock_wide_union(u_max):
     """Unions past 256 slots: a chunk's membership words span several aligned 8-word
-    windows (slot 256 is in the second), in one chunk or in two."""
+    windows (slot 256 is in the second), in one chunk or in two; causal limits inside
+    the picked units, NaN / Inf in every row no query attends."""
     rng = rng_for(11)
     kv_len, rb, top_k, seq = 6400, 16, 16, 32  # 400 units
     q = randn(rng, (1, seq, 2, DK), "float32")
     kv = randn(rng, (1, kv_len, DK), "float32")
-    pos = np.full((1, seq), kv_len - 1, np.int32)
+    pos = rng.integers(kv_len // 2, kv_len, size=(1, seq)).astype(np.int32)
     idx = np.stack([rng.permutation(kv_len // rb)[:top_k] for _ in range(seq)])[None]
     idx = idx.astype(np.int32)
+    idx[0, :, 0] = pos[0] // rb  # each query's own unit straddles its limit
     idx[0, 3, 5] = -1
-    case = (q, kv, idx, pos)
     assert np.asarray(block_union_sizes(idx, query_block=32)).max() > 256
+    keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=rb)
+    assert (~keep).any() and keep.any()
+    dirty = jnp.asarray(poison_rows(kv, keep, seed=11))
     got = _flat_call(
-        sparse_mla_attention_qblock, case, query_block=32, u_max=u_max, interpret=INTERPRET
-    )
+        sparse_mla_attention_qblock, (q, dirty, idx, pos), query_block=32, u_max=u_max,
+        interpret=INTERPRET,
+    )  # fmt: skip
     assert_no_races()
-    _check(got, _flat_call(ref.sparse_mla_attention, case), "float32")
+    _check(got, _flat_call(ref.sparse_mla_attention, (q, kv, idx, pos)), "float32")
 
 
 # ------------------------------------------------------------------------------------
