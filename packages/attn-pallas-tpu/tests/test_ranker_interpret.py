@@ -103,6 +103,56 @@ def _check_forward(q, k, v, bounds, *, cap, config=SMALL, **kw):
 # ------------------------------------------------------------------------ forward
 
 
+@pytest.mark.parametrize(
+    "cap, bounded",
+    [
+        (CapParams(CapMethod.TANH, 30.0), True),
+        (CapParams(CapMethod.SOFT_SIGN, 35.0), True),  # 2C = 101: the rule's edge
+        (CapParams(CapMethod.TANH, 36.0), False),  # 2C = 103.9: a running max
+        (CapParams(CapMethod.SOFT_SIGN, 80.0), False),
+    ],
+    ids=["tanh30", "soft_sign35", "tanh36", "soft_sign80"],
+)
+def test_forward_softmax_offset_at_extreme_logits(cap, bounded):
+    """The forward's softmax at a fixed offset (``RankerStatic.softmax_offset``, capped
+    logits within ``BOUNDED_ERROR_BITS``) or a running max, at logits pinned to the cap's
+    floor (every p at its smallest, 2^-2C), its ceiling, both in one row, and random, over
+    V of magnitude 1e-10 (batch row 0) and 1e3 (row 1): out within float32 tolerance of
+    the reference plus, on the fixed offset, the documented absolute bound 2^(2C - 126)
+    (products below float32's smallest normal flush), LSE within 1e-5 relative."""
+    from attn_pallas_tpu.ranker_config import BOUNDED_ERROR_BITS, LOG2E, RankerStatic
+
+    seq, dim = 256, 128
+    static = RankerStatic(1, seq, 1, 1, dim, dim**-0.5, cap, block_q=128, block_kv=128)
+    c2 = cap.value * LOG2E
+    assert (static.softmax_offset is not None) == bounded
+    assert bounded == (2 * c2 <= 126 - BOUNDED_ERROR_BITS)
+    rng = np.random.default_rng(7)
+    k = rng.normal(size=(2, seq, 1, dim)).astype(np.float32)
+    k[..., 0] = rng.uniform(1.0, 1.5, size=(2, seq, 1))  # > 0: q's sign pins the logits
+    k[..., 1] = np.where(np.arange(seq) < 128, 1.2, -1.2)[:, None]
+    q = rng.normal(size=(2, seq, 1, dim)).astype(np.float32)
+    q[:, :192] = 0.0
+    q[:, :64, :, 0] = -1e4  # rows 0-63: every logit at the floor
+    q[:, 64:128, :, 0] = 1e4  # rows 64-127: at the ceiling
+    q[:, 128:192, :, 1] = 1e4  # rows 128-191: the ceiling on keys 0-127, the floor after
+    v = rng.normal(size=(2, seq, 1, dim)).astype(np.float32)
+    v[0] *= 1e-10
+    v[1] *= 1e3
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    bounds = jnp.array([[0, seq, seq, seq]] * 2, jnp.int32)
+    out, lse = ranker_attention(q, k, v, bounds, cap=cap, config=SMALL, return_lse=True,
+                                interpret=INTERPRET)  # fmt: skip
+    assert_no_races()
+    want, want_lse = ref.ranker_attention(q, k, v, bounds, cap=cap, return_lse=True)
+    flush = 2.0 ** (2 * c2 - 126) if bounded else 0.0
+    for b in range(2):
+        scale = float(jnp.max(jnp.abs(v[b])))
+        err = float(jnp.max(jnp.abs(out[b] - want[b])))
+        assert err <= 2e-4 * scale + flush, (b, err, scale, flush)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-4)
+
+
 def test_forward_d64_out_only_broadcast_bounds_bf16():
     """D=64 (the transposed layout), bf16, no cap; ``[4]`` bounds broadcast; out only."""
     q, k, v = _inputs(1, 1, 150, 1, 1, 64, "bfloat16")

@@ -152,7 +152,7 @@ def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot,
 
 
 def _row_key(row: dict) -> tuple:
-    return row.get("case"), row.get("kernel"), row.get("mode"), row.get("role")
+    return row.get("case"), row.get("kernel"), row.get("mode"), row.get("role"), row.get("layout")
 
 
 def merge_results(base: dict, run: dict) -> dict:

@@ -459,8 +459,27 @@ def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
 # ----------------------------------------------------------------------------- kernel
 
 
+def online_softmax_update(s, v, m_prev, l_prev, acc_prev):
+    """One step of the running-max ``exp2`` softmax: base-2 logits ``s (bq, bkv)`` (-inf
+    where masked), the step's V block, and the head's running max and sum ``(bq, 128)``
+    (lane-broadcast) and f32 accumulator; returns the three updated."""
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, :1])
+    l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    return m_next, l_next, acc_prev * alpha[:, :1] + dot(p.astype(v.dtype), v)
+
+
+def bounded_softmax_update(s, v, offset: float, l_prev, acc_prev):
+    """One step of the softmax at a fixed offset (``RankerStatic.softmax_offset``, the
+    capped logits' bound): ``p = 2^(s - offset) <= 1`` needs no row max, so nothing waits
+    on a reduction over the tile and nothing is rescaled; returns the sum and accumulator."""
+    p = jnp.exp2(s - offset)
+    return l_prev + jnp.sum(p, axis=1, keepdims=True), acc_prev + dot(p.astype(v.dtype), v)
+
+
 def _build_fwd_kernel(st: RankerStatic):
-    bq, heads = st.block_q, st.heads_per_program
+    bq, heads, offset = st.block_q, st.heads_per_program, st.softmax_offset
 
     def kernel(
         # scalar prefetch (SMEM)
@@ -479,7 +498,7 @@ def _build_fwd_kernel(st: RankerStatic):
         acc_sc,  # [Hp, block_q, D] f32
     ):
         def init():
-            m_sc[...] = jnp.full(m_sc.shape, M_INIT, jnp.float32)
+            m_sc[...] = jnp.full(m_sc.shape, M_INIT if offset is None else offset, jnp.float32)
             l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
             acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
@@ -492,14 +511,11 @@ def _build_fwd_kernel(st: RankerStatic):
                 s = scaled_capped(dot(q_ref[head_of(st, g)], k, trans_b=True), st)
                 if masked:
                     s = jnp.where(allowed, s, -jnp.inf)
-                m_prev = m_sc[g]  # (bq, 128), lane-broadcast, base 2
-                m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                alpha = jnp.exp2(m_prev - m_next)
-                p = jnp.exp2(s - m_next[:, :1])
-                l_sc[g] = alpha * l_sc[g] + jnp.sum(p, axis=1, keepdims=True)
-                acc = acc_sc[g] * alpha[:, :1] + dot(p.astype(v.dtype), v)
+                if offset is None:
+                    m_sc[g], l_sc[g], acc = online_softmax_update(s, v, m_sc[g], l_sc[g], acc_sc[g])
+                else:  # m_sc holds the offset throughout
+                    l_sc[g], acc = bounded_softmax_update(s, v, offset, l_sc[g], acc_sc[g])
                 acc_sc[g] = acc + poison if masked else acc
-                m_sc[g] = m_next
 
         def finish():
             for g in range(heads):
