@@ -62,6 +62,20 @@ def test_merge_results_replaces_the_rows_it_remeasures():
     assert base["command"] == "first"  # the base is not modified
 
 
+def test_merge_results_keeps_the_ranker_layouts_apart():
+    """The ranker suite's padded and packed rows of one case and mode are two rows: a
+    re-run replaces each by its own."""
+    from attn_pallas_tpu._suite import merge_results
+
+    rows = [{"case": "ragged", "mode": "fwd", "layout": lay, "ms": ms}
+            for lay, ms in (("padded", 1.0), ("packed", 2.0))]  # fmt: skip
+    run = {"commit": "b", "rows": [dict(r, ms=r["ms"] / 2) for r in rows]}
+    got = merge_results({"commit": "a", "rows": rows}, run)["rows"]
+    assert [(r["layout"], r["ms"], r["commit"]) for r in got] == [
+        ("padded", 0.5, "b"), ("packed", 1.0, "b"),
+    ]  # fmt: skip
+
+
 def test_report_merge_into_rewrites_the_results_beside_it(tmp_path, capsys):
     """``--report RUN.json --merge-into RESULTS.json`` merges and rewrites the JSON, its
     .md and .svg; ``--merge-into`` alone is refused in one line."""

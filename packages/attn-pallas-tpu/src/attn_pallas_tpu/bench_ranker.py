@@ -282,6 +282,7 @@ def write_report(result: dict, out: Path) -> Path:
         f"the {result.get('chip')} datasheet bf16 peak "
         f"({_f(result.get('chip_peak_tflops'))} TFLOP/s); `model ms` the cost model's "
         "prediction (`ranker_model.predict`).",
+        *(["", result["note"]] if result.get("note") else []),
         "",
         "| case | layout | mode | blocks | wall ms | queued ms | device ms | kernel ms | TFLOP/s "
         "| % peak | % chip | model ms | per user us | XLA device ms | x XLA | err |",
@@ -298,6 +299,8 @@ def write_report(result: dict, out: Path) -> Path:
         err_s = ", ".join(f"{k} {v:.2g}" for k, v in err.items()) if err else ""
         if xla is None and r.get("xla_error"):
             err_s = f"XLA: {r['xla_error'][:60]}"
+        if r.get("commit"):  # rows merged from several runs name their own
+            err_s = f"commit {r['commit'][:7]}; {err_s}"
         peak, chip = r.get("peak_fraction"), r.get("chip_peak_fraction")
         lines.append(
             f"| {r['case']} | {r.get('layout', '')} | {r['mode']} | "

@@ -37,6 +37,13 @@ number of blocks a tile visits is not known at trace time).
   f32 accumulator live in VMEM scratch (one slab per head) across the KV axis. The
   heads are independent chains in one step body, so one head's matmuls can overlap
   another's softmax.
+* Bounded logits: where the cap bounds the base-2 logits to ``(-C, C)``, ``C = c
+  log2(e)``, with ``2C <= 126 - BOUNDED_ERROR_BITS`` (``RankerStatic.softmax_offset``),
+  the softmax takes the fixed offset ``C`` (:func:`bounded_softmax_update`): ``p = 2^(y
+  - C) <= 1``, no row max (a reduction over the whole score tile that every ``p`` would
+  wait on) and no rescale. ``p >= 2^-2C``, so a product ``p v`` flushes below
+  float32's smallest normal only for ``|v| < 2^(2C - 126)``: at most that much absolute
+  error in ``out``. The LSE is ``C + log2(l)``.
 * At the last KV step the program normalises and writes its whole O tile and its LSE
   row (also when it had no step), so every element of the outputs is written.
 
@@ -60,7 +67,7 @@ run with every row it does not attend zeroed, bitwise, and a poisoned row never 
 another user of a packed row. The backward kernels do the same for their operands.
 
 Empty rows stay NaN-free: the running max starts at a large finite negative number
-(``-1e30``), so a row that has seen no allowed key gives ``exp(-inf - m) = 0`` and
+(``-1e30``; the bounded path has no running max, and ``2^(-inf - C) = 0``), so a row that has seen no allowed key gives ``exp(-inf - m) = 0`` and
 ``exp(m - m) = 1``, never ``exp(-inf - -inf)``; at the end ``l == 0`` marks an empty row,
 whose divide is guarded, giving ``out = 0`` and ``lse = -inf``. A q tile with no history
 or candidate row has zero steps and writes zeros / ``-inf`` directly.
