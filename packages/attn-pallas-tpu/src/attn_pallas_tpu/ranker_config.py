@@ -82,10 +82,11 @@ MAX_HEADS_PER_PROGRAM = 8
 # max (``RankerStatic.softmax_offset``) where that costs an absolute error in ``out`` of at
 # most 2^-BOUNDED_ERROR_BITS: base-2 logits lie in (-C, C), C = c log2(e), so p = 2^(y - C)
 # >= 2^-2C, and a product p v flushes below float32's smallest normal 2^-126 only for |v| <
-# 2^(2C - 126) (the running max keeps p_max = 1); the lost terms are at most 2^(2C - 126)
-# of the row's weight. So the rule is 2C <= 126 - BOUNDED_ERROR_BITS (c <= 35.3). v5e,
-# device ms, at 5b28703 against the running max (the long case, tanh cap 30): forward
-# 20.72 -> 14.55 (kernel 18.66 -> 12.49); out within 3e-3 rel L2 of it (bf16 P rounding).
+# 2^(2C - 126) (the running max keeps p_max = 1); every attended p is at least 2^-2C, so
+# the row's sum holds at least 2^-2C per lost term and out moves by at most 2^(2C - 126).
+# So the rule is 2C <= 126 - BOUNDED_ERROR_BITS (c <= 35.3). v5e, device ms, at 5b28703
+# against the running max (the long case, tanh cap 30): forward 20.72 -> 14.55 (kernel
+# 18.66 -> 12.49); out within 3e-3 rel L2 of it (bf16 P rounding).
 BOUNDED_ERROR_BITS = 24
 LOG2E = math.log2(math.e)
 

@@ -67,8 +67,9 @@ run with every row it does not attend zeroed, bitwise, and a poisoned row never 
 another user of a packed row. The backward kernels do the same for their operands.
 
 Empty rows stay NaN-free: the running max starts at a large finite negative number
-(``-1e30``; the bounded path has no running max, and ``2^(-inf - C) = 0``), so a row that has seen no allowed key gives ``exp(-inf - m) = 0`` and
-``exp(m - m) = 1``, never ``exp(-inf - -inf)``; at the end ``l == 0`` marks an empty row,
+(``-1e30``), so a row that has seen no allowed key gives ``exp(-inf - m) = 0`` and
+``exp(m - m) = 1``, never ``exp(-inf - -inf)`` (the bounded path's ``2^(-inf - C)`` is
+0 too); at the end ``l == 0`` marks an empty row,
 whose divide is guarded, giving ``out = 0`` and ``lse = -inf``. A q tile with no history
 or candidate row has zero steps and writes zeros / ``-inf`` directly.
 
