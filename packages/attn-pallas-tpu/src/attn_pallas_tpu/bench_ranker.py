@@ -285,7 +285,7 @@ def write_report(result: dict, out: Path) -> Path:
         *(["", result["note"]] if result.get("note") else []),
         "",
         "| case | layout | mode | blocks | wall ms | queued ms | device ms | kernel ms | TFLOP/s "
-        "| % peak | % chip | model ms | per user us | XLA device ms | x XLA | err |",
+        "| % peak | % chip | model ms | per user us | XLA device ms | x XLA | notes |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

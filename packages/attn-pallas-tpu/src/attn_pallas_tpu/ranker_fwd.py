@@ -125,6 +125,7 @@ from attn_pallas_tpu._prep import resolve_interpret
 from attn_pallas_tpu.ranker_config import (
     DIMENSION_SEMANTICS,
     LANES,
+    LOG2E,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     VMEM_LIMIT_BYTES,
@@ -155,7 +156,6 @@ __all__ = [
 
 # Initial running max: finite, so empty rows never compute -inf - -inf.
 M_INIT = -1e30
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
