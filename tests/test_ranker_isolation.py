@@ -41,7 +41,7 @@ POISONS = (np.nan, np.inf, -np.inf, 1e30)
 CAPS = {
     "none": None,
     "tanh": CapParams(CapMethod.TANH, 5.0),
-    "soft_sign": CapParams(CapMethod.SOFT_SIGN, 8.0),
+    "soft_sign": CapParams(CapMethod.SOFT_SIGN, 80.0),  # the suite's; the TPU "row" softmax
 }
 # Packed rows of U = 3 slots: users sharing query tiles and key blocks, gaps, a user with
 # a gap between history and candidates, candidates before the history, an empty slot,

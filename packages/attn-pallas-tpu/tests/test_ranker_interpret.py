@@ -153,6 +153,131 @@ def test_forward_softmax_offset_at_extreme_logits(cap, bounded):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-4)
 
 
+ROW_CAP = CapParams(CapMethod.SOFT_SIGN, 80.0)  # 2C = 231: the "row" softmax
+
+
+def _row_fast_path(q, k, v, bounds, cap):
+    """The ``"row"`` softmax's kernel alone (no second run): ``(out, lse)`` at ``S``."""
+    from attn_pallas_tpu.ranker_fwd import (
+        _fwd_padded,
+        attended_key_norms,
+        from_kernel_layout,
+        q_rows,
+        to_kernel_layout,
+    )
+
+    problem, st, clipped = prepare(q, k, v, bounds, sm_scale=None, cap=cap, config=SMALL)
+    assert st.softmax == "row"
+    rows = q_rows(st, problem.seq_len)
+    out, lse = _fwd_padded(
+        to_kernel_layout(q, st, rows), to_kernel_layout(k, st), to_kernel_layout(v, st),
+        clipped, attended_key_norms(k, clipped, rows), st=st, interpret=INTERPRET,
+    )  # fmt: skip
+    assert_no_races()
+    out = from_kernel_layout(out, st, problem.q_heads, problem.seq_len)
+    return out, lse[:, :, 0, : problem.seq_len]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forward_row_offset_serves_rows_bitwise_isolated(dtype):
+    """A soft_sign 80 cap (``2C = 231``) takes the ``"row"`` softmax: each query row's
+    offset from ``|q_i|`` and the largest norm of the keys it attends. On random inputs
+    whose unattended rows hold NaN / Inf / 1e30 (every conformance row of MIXED_BOUNDS,
+    GQA 5:1) the kernel serves every row itself (no NaN LSE), the public forward gives its
+    results bit for bit and matches the reference, and zeroing every unattended row
+    changes no bit: the offsets read only what a row attends."""
+    q, k, v = _inputs(5, 6, MIXED_SEQ, 5, 1, 128, dtype)
+    bounds = jnp.asarray(MIXED_BOUNDS)
+    pos = np.arange(MIXED_SEQ)
+    attended = np.asarray(ranker_mask(pos, pos, *(MIXED_BOUNDS[:, t, None] for t in range(4))))
+    assert not attended.all() and attended.any()
+    junk = np.array([np.nan, np.inf, -np.inf, 1e30], np.float32)
+    nobody = ~attended[..., None, None]
+    poisoned = [
+        jnp.asarray(np.where(nobody, junk[(pos[:, None, None] + n) % 4], np.asarray(x, np.float32)))
+        .astype(dtype)
+        for n, x in enumerate((q, k, v))
+    ]  # fmt: skip
+    zeroed = [jnp.asarray(np.where(nobody, 0.0, np.asarray(x, np.float32))).astype(dtype)
+              for x in (q, k, v)]  # fmt: skip
+    fast = _row_fast_path(*poisoned, bounds, ROW_CAP)
+    assert not np.isnan(np.asarray(fast[1])).any(), "a row the kernel should serve was not"
+    got = _check_forward(*poisoned, bounds, cap=ROW_CAP)
+    clean = ranker_attention(*zeroed, bounds, cap=ROW_CAP, config=SMALL, return_lse=True,
+                             interpret=INTERPRET)  # fmt: skip
+    for a, b, c in zip(fast, got, clean, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_forward_row_offset_runs_unserved_rows_again():
+    """Rows whose logits all sit at a soft_sign 80 cap's floor while their bound sits at
+    its ceiling (``2C = 231`` apart, past ``row_floor_bits``): the kernel marks exactly
+    those attended rows (NaN LSE), and the public forward takes them from a running-max
+    run (reference-close, bitwise the running-max kernel's) and every other row from the
+    kernel, bit for bit; an attended NaN reaches the output as NaN either way."""
+    import dataclasses
+
+    from attn_pallas_tpu import ranker_fwd
+
+    seq, dim = 256, 128
+    rng = np.random.default_rng(11)
+    k = rng.normal(size=(1, seq, 1, dim)).astype(np.float32)
+    k[..., 0] = rng.uniform(1.0, 1.5, size=(1, seq, 1))  # > 0: q's sign pins the logits
+    q = rng.normal(size=(1, seq, 1, dim)).astype(np.float32)
+    q[:, :64, :, 0] = -1e4  # rows 0-63 (history): every logit at the floor
+    q[:, 200, :, 3] = np.nan  # an attended NaN (a candidate's own query)
+    v = rng.normal(size=(1, seq, 1, dim)).astype(np.float32)
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    bounds = jnp.array([[0, 160, 160, 230]], jnp.int32)  # rows 230-255 padding
+    fast_out, fast_lse = _row_fast_path(q, k, v, bounds, ROW_CAP)
+    redo = np.isnan(np.asarray(fast_lse))[0, 0]
+    assert redo[:64].all() and redo[200] and redo.sum() == 65, np.flatnonzero(redo)
+    out, lse = ranker_attention(q, k, v, bounds, cap=ROW_CAP, config=SMALL, return_lse=True,
+                                interpret=INTERPRET)  # fmt: skip
+    assert_no_races()
+    real_make_static = ranker_fwd.make_static
+
+    def running(*a, **kw):
+        return dataclasses.replace(real_make_static(*a, **kw), running_max=True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ranker_fwd, "make_static", running)
+        run_out, run_lse = ranker_attention(q, k, v, bounds, cap=ROW_CAP, config=SMALL,
+                                            return_lse=True, interpret=INTERPRET)  # fmt: skip
+    for got, fast, run, axis in ((out, fast_out, run_out, 1), (lse, fast_lse, run_lse, 2)):
+        got, fast, run = (np.asarray(x) for x in (got, fast, run))
+        np.testing.assert_array_equal(np.compress(redo, got, axis), np.compress(redo, run, axis))
+        np.testing.assert_array_equal(np.compress(~redo, got, axis), np.compress(~redo, fast, axis))
+    want, want_lse = ref.ranker_attention(q, k, v, bounds, cap=ROW_CAP, return_lse=True)
+    ok = np.ones(seq, bool)
+    ok[200] = False
+    assert np.isnan(np.asarray(out)[0, 200]).all() and np.isnan(np.asarray(want)[0, 200]).all()
+    atol = 2e-4 * float(jnp.max(jnp.abs(v)))  # as the extreme-logits test: pinned logits
+    np.testing.assert_allclose(np.asarray(out)[:, ok], np.asarray(want)[:, ok], atol=atol)
+    np.testing.assert_allclose(np.asarray(lse)[..., ok], np.asarray(want_lse)[..., ok], rtol=1e-5)
+
+
+def test_attends_any_is_the_mask_diagonal():
+    """``ranker_fwd.attends_any``'s rule, a row attends some key iff it attends itself,
+    against the mask over every key, for random and packed bounds."""
+    from attn_pallas_tpu.ranker_fwd import attends_any
+
+    rng = np.random.default_rng(3)
+    pos = np.arange(64)
+    for _ in range(50):
+        row = np.sort(rng.integers(0, 65, size=4))
+        row = row[[0, 1, 2, 3]] if rng.random() < 0.5 else row[[2, 3, 0, 1]]
+        full = np.asarray(ranker_mask(pos[:, None], pos[None, :], *row)).any(axis=1)
+        diag = np.asarray(attends_any(tuple(int(x) for x in row), 0, 64))[:, 0]
+        np.testing.assert_array_equal(diag, full, err_msg=str(row))
+    packed = np.array([[3, 20, 20, 30], [30, 41, 50, 60], [41, 41, 45, 48]], np.int32)
+    users = tuple(tuple(int(x) for x in user) for user in packed)
+    full = np.asarray(ranker_mask_packed(pos[:, None], pos[None, :], packed)).any(axis=1)
+    diag = np.asarray(attends_any(users, 0, 64))[:, 0]
+    np.testing.assert_array_equal(diag, full)
+
+
 def test_forward_d64_out_only_broadcast_bounds_bf16():
     """D=64 (the transposed layout), bf16, no cap; ``[4]`` bounds broadcast; out only."""
     q, k, v = _inputs(1, 1, 150, 1, 1, 64, "bfloat16")
@@ -291,6 +416,26 @@ def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
         mx, bound = np.abs(g - r).max(), 5 * tol * np.abs(r).max()
         assert mx <= bound, f"{name}: max-abs {mx:.3g} > {bound:.3g}"
     return got
+
+
+def test_padding_past_a_whole_q_tile():
+    """A tiling whose ``S_pad`` (``lcm(block_q, block_kv)``) runs a whole q tile past
+    ``S`` (S 300, 128 x 256: S_pad 512, q tile 3 starts at 384) pads q: no kernel reads a
+    q block past the array (interpret mode raises on it); forward and gradients match
+    the reference."""
+    q, k, v = _inputs(6, 1, 300, 2, 1, 128, "float32")
+    bounds = jnp.array([[0, 200, 200, 290]], jnp.int32)
+    wide = KernelConfig(block_q=128, block_kv=256)
+    _check_forward(q, k, v, bounds, cap=None, config=wide)
+    w = jnp.ones(q.shape, jnp.float32)
+    loss = _loss(ranker_attention, bounds, w, cap=None, use_lse=True, config=wide,
+                 interpret=INTERPRET)  # fmt: skip
+    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert_no_races()
+    want = jax.grad(_loss(ref.ranker_attention, bounds, w, cap=None, use_lse=True),
+                    argnums=(0, 1, 2))(q, k, v)  # fmt: skip
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, rtol_l2=GRAD_TOL["float32"], atol=5 * GRAD_TOL["float32"])
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,12 @@ values.
 * Derived, not knobs: ``RankerStatic.heads_per_program`` (from
   :func:`heads_per_program`), the query heads of one kv head that one forward or dq
   program computes: the largest divisor of the GQA group, at most
-  ``MAX_HEADS_PER_PROGRAM``, whose VMEM estimate fits; ``RankerStatic.softmax_offset``,
-  the fixed offset of the forward's softmax where the cap bounds the logits tightly
-  enough (``BOUNDED_ERROR_BITS``), else ``None`` (a running max).
+  ``MAX_HEADS_PER_PROGRAM``, whose VMEM estimate fits; ``RankerStatic.softmax``, how the
+  forward's softmax offsets its logits: ``"fixed"`` at the cap's bound where it is tight
+  enough (``BOUNDED_ERROR_BITS``; ``softmax_offset``), ``"row"`` at a bound per query row
+  for other tanh / soft_sign caps (``row_floor_bits``: the rows it may not serve, which
+  the wrapper then runs again with a running max), ``"running"`` (no cap, or
+  ``running_max``) a running max.
 * Heuristic: ``default_config``, the largest block of ``BLOCK_CHOICES`` that pads ``S``
   least, among those whose VMEM estimate (``vmem_bytes``) fits ``VMEM_LIMIT_BYTES``.
 """
@@ -39,6 +42,8 @@ __all__ = [
     "DIMENSION_SEMANTICS",
     "LANES",
     "MAX_HEADS_PER_PROGRAM",
+    "ROW_BOUND_MARGIN",
+    "ROW_BOUND_SLACK",
     "SCORE_TEMPORARIES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
@@ -88,6 +93,16 @@ MAX_HEADS_PER_PROGRAM = 8
 # against the running max (the long case, tanh cap 30): forward 20.72 -> 14.55 (kernel
 # 18.66 -> 12.49); out within 3e-3 rel L2 of it (bf16 P rounding).
 BOUNDED_ERROR_BITS = 24
+# Other tanh / soft_sign caps offset each query row at a bound of its logits, ``cap(|q_i|
+# max_j |k_j| sm_scale)`` in base 2 plus ROW_BOUND_MARGIN (Cauchy-Schwarz over the keys
+# row i attends; the margin covers the rounding of the dot products and of the bound), so
+# p <= 1 again. A row's logits may sit far below its bound: the kernel serves the row only
+# where its sum l >= 2^-RankerStatic.row_floor_bits (then every lost term, a p or p v below
+# 2^-126, moves out by at most 2^-126 max(1, |v|) / l, and the row's at most S_pad of them by
+# 2^-BOUNDED_ERROR_BITS max(1, |v|)) and marks the others (NaN LSE), which the wrapper then
+# takes from a running-max run (``ranker_fwd.forward_or_again``).
+ROW_BOUND_MARGIN = 1.0
+ROW_BOUND_SLACK = 2.0**-8  # relative, on |q| max |k|: the dot's and the norms' f32 rounding
 LOG2E = math.log2(math.e)
 
 
@@ -154,17 +169,38 @@ class RankerStatic(RankerKernelStatic):
     packed_users: int = 0  # U of packed bounds [B, U, 4]; 0: one user per row, [B, 4]
     heads_per_program: int = 1  # query heads of one kv head: a forward / dq program, a dk/dv step
     heads_major: bool = False  # the [B, H, S, D] kernel layout at any D (see ``flat``)
+    running_max: bool = False  # the forward's softmax takes a running max whatever the cap
 
     @property
-    def softmax_offset(self) -> float | None:
-        """The forward's fixed base-2 softmax offset ``C = c log2(e)`` of a tanh or
-        soft_sign cap ``c`` with ``2C <= 126 - BOUNDED_ERROR_BITS`` (``ranker_fwd``: ``p =
-        2^(y - C)``, no running max), else ``None``."""
+    def cap_bound(self) -> float | None:
+        """``C = c log2(e)``, the bound of a tanh or soft_sign cap's base-2 logits
+        (``|y| < C``), else ``None``."""
         cap = self.cap
         if cap is None or cap.method is CapMethod.NONE:
             return None
-        bound = cap.value * LOG2E
-        return bound if 2 * bound <= 126 - BOUNDED_ERROR_BITS else None
+        return cap.value * LOG2E
+
+    @property
+    def softmax(self) -> str:
+        """How the forward's softmax offsets the base-2 logits ``y`` (``ranker_fwd``):
+        ``"fixed"``, at ``C`` for a cap with ``2C <= 126 - BOUNDED_ERROR_BITS`` (``p = 2^(y
+        - C)``); ``"row"``, at a bound of each query row's logits for the other caps; or
+        ``"running"``, at a running max (no cap, or ``running_max``)."""
+        bound = self.cap_bound
+        if bound is None or self.running_max:
+            return "running"
+        return "fixed" if 2 * bound <= 126 - BOUNDED_ERROR_BITS else "row"
+
+    @property
+    def softmax_offset(self) -> float | None:
+        """The fixed offset ``C`` where ``softmax == "fixed"``, else ``None``."""
+        return self.cap_bound if self.softmax == "fixed" else None
+
+    @property
+    def row_floor_bits(self) -> int:
+        """``T``: on the ``"row"`` softmax a row is served where its sum ``l >= 2^-T``, ``T
+        = 126 - BOUNDED_ERROR_BITS - ceil(log2 S_pad)`` (``ROW_BOUND_MARGIN``'s comment)."""
+        return 126 - BOUNDED_ERROR_BITS - math.ceil(math.log2(self.seq_pad))
 
     @property
     def runs(self) -> int:

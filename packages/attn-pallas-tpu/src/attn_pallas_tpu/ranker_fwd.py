@@ -44,6 +44,17 @@ number of blocks a tile visits is not known at trace time).
   wait on) and no rescale. ``p >= 2^-2C``, so a product ``p v`` flushes below
   float32's smallest normal only for ``|v| < 2^(2C - 126)``: at most that much absolute
   error in ``out``. The LSE is ``C + log2(l)``.
+* Other tanh / soft_sign caps (``softmax == "row"``) take a fixed offset per query row:
+  at the first step each head's ``m_i = cap(|q_i| kmax_i sm_scale)`` in base 2 (plus
+  ``ROW_BOUND_MARGIN``; :func:`row_offset`), ``kmax_i`` the largest ``|k_j|`` over the
+  keys query ``i`` attends (XLA, :func:`attended_key_norms`; a ``(1, block_q)`` row per
+  tile), so ``p <= 1`` by Cauchy-Schwarz, again with no row max, and the offset reads
+  only what the row attends (isolation stays bitwise). A row whose logits sit far below
+  its bound would lose its ``p`` to float32's range: the last step writes a NaN LSE for
+  an attended row whose sum is below ``2^-row_floor_bits``, and where one does the
+  wrapper (:func:`forward_or_again`) runs the call again with a running max and takes
+  those rows from it (a ``lax.cond`` on the device; under ``vmap``, a select that runs
+  both). A NaN the inputs put in an attended row takes the same way, to the same NaN.
 * At the last KV step the program normalises and writes its whole O tile and its LSE
   row (also when it had no step), so every element of the outputs is written.
 
@@ -84,16 +95,18 @@ S]`` (lane-dense; the column of row statistics is transposed once per tile in th
 kernel).
 
 Any ``S``: k and v are zero-padded to a multiple of ``lcm(block_q, block_kv)``; q and
-the outputs keep their ``S`` rows where ``S >= block_q`` (:func:`q_rows`), the last q
-tile partly past them (Pallas reads unspecified rows there and drops their writes; a
-query row's scores, softmax and output depend on that row alone, so they touch no real
-row), else they are padded too and the outputs sliced. Padding keys are never allowed
+the outputs keep their ``S`` rows where ``S >= block_q`` and only the last q tile runs
+past ``S`` (:func:`q_rows`), that tile partly past them (Pallas reads unspecified rows
+there and drops their writes; a query row's scores, softmax and output depend on that
+row alone, so they touch no real row), else they are padded too and the outputs
+sliced. Padding keys are never allowed
 because bounds are clipped to ``[0, S]`` (``attn_common.normalize_bounds``). fp32
 inputs use ``Precision.HIGHEST`` matmuls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -126,6 +139,8 @@ from attn_pallas_tpu.ranker_config import (
     DIMENSION_SEMANTICS,
     LANES,
     LOG2E,
+    ROW_BOUND_MARGIN,
+    ROW_BOUND_SLACK,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     VMEM_LIMIT_BYTES,
@@ -183,10 +198,12 @@ def from_kernel_layout(y, st: RankerStatic, heads: int, seq_len: int):
 
 def q_rows(st: RankerStatic, seq_len: int) -> int:
     """Rows of q and of the forward's outputs in the kernel layout: ``S`` where at least
-    one q tile fits in it (the last tile may run past ``S``), else ``S_pad``. Skipping the
-    pad skips XLA's pad of q and slice of the output, and the relayouts around them (at
-    64 x 1152, H 20, 640-row tiles on a v5e: 7.8 ms of a 28 ms forward)."""
-    return seq_len if seq_len >= st.block_q else st.seq_pad
+    one q tile fits in it and only the last tile runs past ``S`` (``S_pad``, a multiple of
+    ``lcm(block_q, block_kv)``, can leave whole q tiles past it), else ``S_pad``. Skipping
+    the pad skips XLA's pad of q and slice of the output, and the relayouts around them
+    (at 64 x 1152, H 20, 640-row tiles on a v5e: 7.8 ms of a 28 ms forward)."""
+    fits = seq_len >= st.block_q and st.seq_pad - st.block_q < seq_len
+    return seq_len if fits else st.seq_pad
 
 
 def kernel_shape(st: RankerStatic, heads: int, rows: int | None = None) -> tuple[int, ...]:
@@ -478,16 +495,40 @@ def online_softmax_update(s, v, m_prev, l_prev, acc_prev):
     return m_next, l_next, acc_prev * alpha[:, :1] + dot(p.astype(v.dtype), v)
 
 
-def bounded_softmax_update(s, v, offset: float, l_prev, acc_prev):
-    """One step of the softmax at a fixed offset (``RankerStatic.softmax_offset``, the
-    capped logits' bound): ``p = 2^(s - offset) <= 1`` needs no row max, so nothing waits
-    on a reduction over the tile and nothing is rescaled; returns the sum and accumulator."""
+def bounded_softmax_update(s, v, offset, l_prev, acc_prev):
+    """One step of the softmax at a fixed offset (a float, ``RankerStatic.softmax_offset``,
+    or a ``(bq, 1)`` column, :func:`row_offset`), a bound of the logits: ``p = 2^(s -
+    offset) <= 1`` needs no row max, so nothing waits on a reduction over the tile and
+    nothing is rescaled; returns the sum and accumulator."""
     p = jnp.exp2(s - offset)
     return l_prev + jnp.sum(p, axis=1, keepdims=True), acc_prev + dot(p.astype(v.dtype), v)
 
 
+def row_offset(q, kmax, st: RankerStatic):
+    """The ``"row"`` softmax's ``(bq, 1)`` offsets of a head's q tile ``(bq, D)``, ``kmax``
+    ``(bq, 1)``: the base-2 ``cap(|q_i| kmax_i sm_scale)`` (``kmax`` inflated by
+    ``ROW_BOUND_SLACK``) plus ``ROW_BOUND_MARGIN``, at most the cap's ``C`` plus the
+    margin, which a non-finite ``q_i`` or ``kmax_i`` takes (rows past ``S`` hold
+    unspecified values)."""
+    q = q.astype(jnp.float32)
+    raw = jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True)) * (kmax * (1.0 + ROW_BOUND_SLACK))
+    top = st.cap_bound + ROW_BOUND_MARGIN
+    m = scaled_capped(raw, st) + ROW_BOUND_MARGIN
+    return jnp.where(m < top, m, top)
+
+
+def attends_any(bounds, q0, rows: int):
+    """``(rows, 1)``: whether query ``q0 + r`` attends any key. A row that attends one
+    attends itself (a history row the history, a candidate itself), so this is the mask's
+    diagonal."""
+    ids = (q0 + lax.broadcasted_iota(jnp.int32, (rows, LANES), 0))[:, :1]
+    if bounds and isinstance(bounds[0], tuple):  # packed
+        return ranker_mask_users(ids, ids, bounds)
+    return ranker_mask(ids, ids, *bounds)
+
+
 def _build_fwd_kernel(st: RankerStatic):
-    bq, heads, offset = st.block_q, st.heads_per_program, st.softmax_offset
+    bq, heads, softmax, offset = st.block_q, st.heads_per_program, st.softmax, st.softmax_offset
 
     def kernel(
         # scalar prefetch (SMEM)
@@ -497,16 +538,25 @@ def _build_fwd_kernel(st: RankerStatic):
         q_ref,  # [block_q, Hp * D] or [Hp, block_q, D]: the tile's queries of Hp heads
         k_ref,  # [block_kv, D]: the step's keys of their kv head
         v_ref,  # [block_kv, D]
-        # outputs
-        o_ref,  # as q_ref
-        lse_ref,  # [Hp, 1, block_q] f32, natural log
-        # scratch (fwd_scratch), one slab per head
-        m_sc,  # [Hp, block_q, 128] f32: running max, lane-broadcast
-        l_sc,  # [Hp, block_q, 128] f32: running sum
-        acc_sc,  # [Hp, block_q, D] f32
+        *refs,  # the "row" softmax's kmax_ref, then the outputs and the scratch:
+        # kmax_ref,  [1, block_q] f32: the tile's rows of attended_key_norms
+        # o_ref,  as q_ref
+        # lse_ref,  [Hp, 1, block_q] f32, natural log
+        # m_sc,  [Hp, block_q, 128] f32: running max or offsets, lane-broadcast
+        # l_sc,  [Hp, block_q, 128] f32: running sum
+        # acc_sc,  [Hp, block_q, D] f32
     ):
+        kmax_ref = refs[0] if softmax == "row" else None
+        o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[softmax == "row" :]
+
         def init():
-            m_sc[...] = jnp.full(m_sc.shape, M_INIT if offset is None else offset, jnp.float32)
+            if softmax == "row":
+                kmax = row_to_col(kmax_ref[...], bq)
+                for g in range(heads):
+                    m = row_offset(q_ref[head_of(st, g)], kmax, st)
+                    m_sc[g] = jnp.broadcast_to(m, (bq, LANES))
+            else:
+                m_sc[...] = jnp.full(m_sc.shape, M_INIT if offset is None else offset, jnp.float32)
             l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
             acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
@@ -519,19 +569,26 @@ def _build_fwd_kernel(st: RankerStatic):
                 s = scaled_capped(dot(q_ref[head_of(st, g)], k, trans_b=True), st)
                 if masked:
                     s = jnp.where(allowed, s, -jnp.inf)
-                if offset is None:
+                if softmax == "running":
                     m_sc[g], l_sc[g], acc = online_softmax_update(s, v, m_sc[g], l_sc[g], acc_sc[g])
-                else:  # m_sc holds the offset throughout
-                    l_sc[g], acc = bounded_softmax_update(s, v, offset, l_sc[g], acc_sc[g])
+                else:  # m_sc holds the offsets throughout
+                    off = offset if softmax == "fixed" else m_sc[g][:, :1]
+                    l_sc[g], acc = bounded_softmax_update(s, v, off, l_sc[g], acc_sc[g])
                 acc_sc[g] = acc + poison if masked else acc
 
         def finish():
+            if softmax == "row":
+                bounds = read_bounds(bounds_ref, pl.program_id(0), st.packed_users)
+                attends = attends_any(bounds, pl.program_id(2) * bq, bq)
+                floor = 2.0**-st.row_floor_bits
             for g in range(heads):
                 l = l_sc[g][:, :1]
                 has_key = l > 0.0
                 safe_l = jnp.where(has_key, l, 1.0)
                 o_ref[head_of(st, g)] = (acc_sc[g] * (1.0 / safe_l)).astype(o_ref.dtype)
                 lse = jnp.where(has_key, (m_sc[g][:, :1] + jnp.log2(safe_l)) * LN2, -jnp.inf)
+                if softmax == "row":  # NaN: an attended row this offset cannot serve
+                    lse = jnp.where(attends & jnp.logical_not(l >= floor), jnp.nan, lse)
                 lse_ref[g] = col_to_row(lse, bq)
 
         walk_tile(
@@ -543,13 +600,16 @@ def _build_fwd_kernel(st: RankerStatic):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
+def _fwd_padded(q, k, v, bounds, kmax, *, st: RankerStatic, interpret):
     """q/k/v in kernel layout (q at ``q_rows``, k / v at ``S_pad`` rows); bounds clipped
-    int32 ``[B, 4]`` (or ``[B, U, 4]``). Returns (out, lse) at q's rows."""
+    int32 ``[B, 4]`` (or ``[B, U, 4]``); ``kmax`` the ``"row"`` softmax's
+    :func:`attended_key_norms` at q's rows (else ``None``). Returns (out, lse) at q's
+    rows."""
     rows = q.shape[1] if st.flat else q.shape[2]
     tab = kv_step_table(bounds, st)
     q_index, kv_index = q_tile_index_maps(st)
     heads = st.heads_per_program
+    row = st.softmax == "row"
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -558,6 +618,7 @@ def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
             row_block_spec(st, st.block_q, q_index, heads),
             row_block_spec(st, st.block_kv, kv_index),
             row_block_spec(st, st.block_kv, kv_index),
+            *([kv_stat_block_spec(st, q_index)] if row else []),
         ],
         out_specs=[
             row_block_spec(st, st.block_q, q_index, heads),
@@ -577,8 +638,63 @@ def _fwd_padded(q, k, v, bounds, *, st: RankerStatic, interpret):
             vmem_limit_bytes=VMEM_LIMIT_BYTES,
         ),
         interpret=interpret,
-    )(bounds.reshape(-1), tab, q, k, v)
+    )(bounds.reshape(-1), tab, q, k, v, *([kmax] if row else []))
     return out, lse
+
+
+def kv_stat_block_spec(st: RankerStatic, q_index) -> pl.BlockSpec:
+    """Block ``(1, block_q)`` of a ``[B, Hkv, 1, rows]`` f32 per-query statistic of the
+    program's kv head (``attended_key_norms``), at the program's q tile."""
+    head_blocks = st.group_size // st.heads_per_program  # head blocks per kv head
+
+    def kv_stat_map(*args):
+        b, head, blk = q_index(*args)
+        return (b, lax.div(head, jnp.int32(head_blocks)), 0, blk)
+
+    return pl.BlockSpec((None, None, 1, st.block_q), kv_stat_map)
+
+
+def attended_key_norms(k, bounds, rows: int):
+    """``[B, Hkv, 1, rows]`` f32: for query ``i``, the largest ``|k_j|`` of each kv head
+    over the keys ``j`` that ``i`` attends (0 where none; ``rows >= S`` positions): its
+    user's history, and its own key if it is a candidate. Only what ``i`` attends enters,
+    so other users' rows and rows nobody attends, which may hold anything, do not.
+    ``k [B, S, Hkv, D]``, ``bounds`` clipped ``[B, 4]`` or ``[B, U, 4]`` (users disjoint)."""
+    users = bounds if bounds.ndim == 3 else bounds[:, None, :]
+    pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+    norms = jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1))  # [B, S, Hkv]
+    kmax = jnp.zeros_like(norms)
+    for u in range(users.shape[1]):
+        hl, hu, cl, cu = (users[:, u, t][:, None] for t in range(4))
+        hist = (pos >= hl) & (pos < hu)  # [B, S]
+        cand = (pos >= cl) & (pos < cu)
+        in_hist = jnp.max(jnp.where(hist[..., None], norms, 0.0), axis=1, keepdims=True)
+        kmax = jnp.maximum(kmax, jnp.where((hist | cand)[..., None], in_hist, 0.0))
+        kmax = jnp.maximum(kmax, jnp.where(cand[..., None], norms, 0.0))
+    kmax = jnp.pad(kmax, ((0, 0), (0, rows - k.shape[1]), (0, 0)))
+    return kmax.transpose(0, 2, 1)[:, :, None, :]
+
+
+def forward_or_again(q, k, v, bounds, kmax, *, st: RankerStatic, interpret):
+    """``_fwd_padded``; on the ``"row"`` softmax, where the offsets left an attended row
+    unserved (a NaN in its LSE), the call again with a running max, whose results those
+    rows take (``lax.cond`` on the device: the second kernel runs only then). Per row, so
+    a row's result never depends on another row's data."""
+    out, lse = _fwd_padded(q, k, v, bounds, kmax, st=st, interpret=interpret)
+    if st.softmax != "row":
+        return out, lse
+
+    def again():
+        running = dataclasses.replace(st, running_max=True)
+        out2, lse2 = _fwd_padded(q, k, v, bounds, None, st=running, interpret=interpret)
+        redo = jnp.isnan(lse)  # [B, Hq, 1, rows]
+        if st.flat:  # [B, rows, Hq * D]
+            redo_rows = jnp.repeat(redo[:, :, 0, :].transpose(0, 2, 1), st.head_dim, axis=2)
+        else:  # [B, Hq, rows, D]
+            redo_rows = redo[:, :, 0, :, None]
+        return jnp.where(redo_rows, out2, out), jnp.where(redo, lse2, lse)
+
+    return lax.cond(jnp.isnan(lse).any(), again, lambda: (out, lse))
 
 
 def prepare(q, k, v, bounds, *, sm_scale, cap, config):
@@ -612,11 +728,14 @@ def kernel_forward(q, k, v, bounds, *, sm_scale, cap, config, interpret, return_
     """The forward kernel on inputs ``ranker_call`` checked (the ``kernel_vjp`` forward):
     ``(out, lse)``, or ``out`` alone without ``return_lse``."""
     problem, st, clipped = prepare(q, k, v, bounds, sm_scale=sm_scale, cap=cap, config=config)
-    out, lse = _fwd_padded(
+    out, lse = forward_or_again(
         to_kernel_layout(q, st, q_rows(st, problem.seq_len)),
         to_kernel_layout(k, st),
         to_kernel_layout(v, st),
         clipped,
+        attended_key_norms(k, clipped, q_rows(st, problem.seq_len))
+        if st.softmax == "row"
+        else None,
         st=st,
         interpret=resolve_interpret(interpret),
     )
