@@ -9,9 +9,11 @@ on empty rows, out exactly 0 there) and the gradients of a loss whose LSE term i
 enough that a dropped LSE cotangent fails. Conformance cases (those of the Hopper
 kernel's tests): unaligned bounds, a block shared by history and candidates, gaps, empty
 history / candidates / rows, candidates overlapping the history, every cap, GQA 5:1, odd
-S, D = 64 / 128 / 256, bf16 and fp32. The step tables are also checked against brute
-force: each tile's index map visits exactly the blocks holding an allowed pair, each
-once, with one DMA per visited block, and the unmasked steps are fully allowed. Packed
+S, D = 64 / 128 / 256, bf16 and fp32; the softmax's fixed offset, its row offsets (rows
+served, bitwise isolated, or taken from the running-max run) and the running max. The
+step tables are also checked against brute force: each tile's index map visits exactly
+the blocks holding an allowed pair, each once, with one DMA per visited block, and the
+unmasked steps are fully allowed. Packed
 bounds ``[B, U, 4]`` (several users per row; the last section): gradients, the packed
 step tables against brute force, overlapping users refused.
 
@@ -178,7 +180,7 @@ def _row_fast_path(q, k, v, bounds, cap):
     return out, lse[:, :, 0, : problem.seq_len]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_forward_row_offset_serves_rows_bitwise_isolated(dtype):
     """A soft_sign 80 cap (``2C = 231``) takes the ``"row"`` softmax: each query row's
     offset from ``|q_i|`` and the largest norm of the keys it attends. On random inputs
@@ -418,15 +420,18 @@ def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
     return got
 
 
-def test_padding_past_a_whole_q_tile():
+@pytest.mark.parametrize("grads", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_padding_past_a_whole_q_tile(grads):
     """A tiling whose ``S_pad`` (``lcm(block_q, block_kv)``) runs a whole q tile past
     ``S`` (S 300, 128 x 256: S_pad 512, q tile 3 starts at 384) pads q: no kernel reads a
-    q block past the array (interpret mode raises on it); forward and gradients match
-    the reference."""
+    q block past the array (interpret mode raises on it); the forward (and the gradients,
+    the dq kernel's q reads) match the reference."""
     q, k, v = _inputs(6, 1, 300, 2, 1, 128, "float32")
     bounds = jnp.array([[0, 200, 200, 290]], jnp.int32)
     wide = KernelConfig(block_q=128, block_kv=256)
     _check_forward(q, k, v, bounds, cap=None, config=wide)
+    if not grads:
+        return
     w = jnp.ones(q.shape, jnp.float32)
     loss = _loss(ranker_attention, bounds, w, cap=None, use_lse=True, config=wide,
                  interpret=INTERPRET)  # fmt: skip
