@@ -98,10 +98,9 @@ Any ``S``: k and v are zero-padded to a multiple of ``lcm(block_q, block_kv)``; 
 the outputs keep their ``S`` rows where ``S >= block_q`` and only the last q tile runs
 past ``S`` (:func:`q_rows`), that tile partly past them (Pallas reads unspecified rows
 there and drops their writes; a query row's scores, softmax and output depend on that
-row alone, so they touch no real row), else they are padded too and the outputs
-sliced. Padding keys are never allowed
-because bounds are clipped to ``[0, S]`` (``attn_common.normalize_bounds``). fp32
-inputs use ``Precision.HIGHEST`` matmuls.
+row alone, so they touch no real row), else they are padded too and the outputs sliced.
+Padding keys are never allowed because bounds are clipped to ``[0, S]``
+(``attn_common.normalize_bounds``). fp32 inputs use ``Precision.HIGHEST`` matmuls.
 """
 
 from __future__ import annotations
