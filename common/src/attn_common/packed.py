@@ -87,7 +87,6 @@ __all__ = [
     "packed_q_block_ranges",
     "packed_query_table",
     "packed_runs_per_tile",
-    "packed_segments",
     "packed_step_list",
     "packed_step_table",
     "packed_users",
@@ -270,21 +269,14 @@ def _first_user(member, values, default=0):
     return jnp.where(member.any(axis=1), picked, default)
 
 
-def packed_segments(bounds, seq_len: int) -> tuple[jax.Array, jax.Array]:
-    """bool ``([B, U, seq_len], [B, U, seq_len])``: whether each position of each row is
-    in user ``u``'s history, and in its candidates. ``bounds`` ``[B, U, 4]`` normalized."""
-    bounds = jnp.asarray(bounds, jnp.int32)
-    pos = jnp.arange(seq_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    hl, hu, cl, cu = (bounds[..., t, None] for t in range(4))  # [B, U, 1]
-    return (pos >= hl) & (pos < hu), (pos >= cl) & (pos < cu)
-
-
 def _positions(bounds, seq_len: int):
     bounds = jnp.asarray(bounds, jnp.int32)
-    in_hist, in_cand = packed_segments(bounds, seq_len)  # [B, U, S]
-    pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
-    self_pos = jnp.where(in_cand.any(axis=1), pos, -1)  # [B, S]
-    return tuple(bounds[..., t] for t in range(4)), in_hist, in_cand, self_pos
+    pos = jnp.arange(seq_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    hl, hu, cl, cu = (bounds[..., t] for t in range(4))  # [B, U]
+    in_hist = (pos >= hl[..., None]) & (pos < hu[..., None])  # [B, U, S]
+    in_cand = (pos >= cl[..., None]) & (pos < cu[..., None])
+    self_pos = jnp.where(in_cand.any(axis=1), pos[:, 0], -1)  # [B, S]
+    return (hl, hu, cl, cu), in_hist, in_cand, self_pos
 
 
 def packed_query_table(bounds, seq_len: int) -> jax.Array:

@@ -126,7 +126,6 @@ from attn_common.cap import cap_scaled_with_derivative
 from attn_common.packed import (
     TileRuns,
     normalize_ranker_bounds,
-    packed_segments,
     packed_step_table,
     ranker_mask_users,
 )
@@ -661,12 +660,17 @@ def attended_key_norms(k, bounds, rows: int):
     so other users' rows and rows nobody attends, which may hold anything, do not.
     ``k [B, S, Hkv, D]``, ``bounds`` clipped ``[B, 4]`` or ``[B, U, 4]`` (users disjoint)."""
     users = bounds if bounds.ndim == 3 else bounds[:, None, :]
-    in_hist, in_cand = (x[..., None] for x in packed_segments(users, k.shape[1]))  # [B,U,S,1]
+    pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
     norms = jnp.sqrt(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1))  # [B, S, Hkv]
-    hist_max = jnp.max(jnp.where(in_hist, norms[:, None], 0.0), axis=2, keepdims=True)
-    own_hist = jnp.max(jnp.where(in_hist | in_cand, hist_max, 0.0), axis=1)  # [B, S, Hkv]
-    own_key = jnp.where(jnp.any(in_cand, axis=1), norms, 0.0)
-    kmax = jnp.pad(jnp.maximum(own_hist, own_key), ((0, 0), (0, rows - k.shape[1]), (0, 0)))
+    kmax = jnp.zeros_like(norms)
+    for u in range(users.shape[1]):
+        hl, hu, cl, cu = (users[:, u, t][:, None] for t in range(4))
+        hist = (pos >= hl) & (pos < hu)  # [B, S]
+        cand = (pos >= cl) & (pos < cu)
+        in_hist = jnp.max(jnp.where(hist[..., None], norms, 0.0), axis=1, keepdims=True)
+        kmax = jnp.maximum(kmax, jnp.where((hist | cand)[..., None], in_hist, 0.0))
+        kmax = jnp.maximum(kmax, jnp.where(cand[..., None], norms, 0.0))
+    kmax = jnp.pad(kmax, ((0, 0), (0, rows - k.shape[1]), (0, 0)))
     return kmax.transpose(0, 2, 1)[:, :, None, :]
 
 
