@@ -1008,6 +1008,25 @@ def gpu_bench_script(name: str):
     return bench
 
 
+def check_script_reports(bench, result: dict, out, *, row_keys: set, md_row: str) -> None:
+    """A GPU benchmark script's ``write_reports(result, out)``: the JSON, Markdown and SVG
+    named after the script, the JSON with ``result``'s commit and every row carrying
+    ``row_keys``, the Markdown with ``md_row``, the commit and the timing basis."""
+    import json
+
+    stem = bench.RESULT
+    paths = bench.write_reports(result, out)
+    assert [p.name for p in paths] == [f"{stem}.{x}" for x in ("json", "md", "svg")]
+    data = json.loads(paths[0].read_text())
+    assert data["commit"] == result["commit"]
+    for row in data["rows"]:
+        assert row_keys <= set(row)
+    md = paths[1].read_text()
+    assert md_row in md
+    assert result["commit"] in md and "cupti (device time)" in md
+    assert paths[2].read_text().startswith("<svg")
+
+
 def wrapper_query_grads(fn, *, dv: int, sm_scale: float, **kw):
     """Gradients of ``sum(out)`` of a ``prefill_write_and_attend_ragged`` ``fn`` with
     respect to its query parts ``ql`` and ``qpe`` (bf16), on one fixed small case: two
