@@ -67,7 +67,8 @@ def test_export_gradient(case):
 
 
 def test_export_fp32_d256_odd_seq():
-    """fp32 (HIGHEST-precision matmuls) and D=256 at an odd S also lower."""
+    """fp32 (HIGHEST-precision matmuls) and D=256 at an odd S also lower (no cap: the
+    ``"row"`` softmax, whose ``lax.cond`` holds the running-max forward too)."""
 
     def g(q, k, v, bounds):
         def loss(q, k, v):
@@ -77,7 +78,7 @@ def test_export_fp32_d256_odd_seq():
 
     q = SD((2, 777, 8, 256), jnp.float32)
     kv = SD((2, 777, 2, 256), jnp.float32)
-    export_tpu(g, q, kv, kv, SD((2, 4), jnp.int32), kernels=3)
+    export_tpu(g, q, kv, kv, SD((2, 4), jnp.int32), kernels=4)
 
 
 def test_export_heads_major_layout_at_phoenix(monkeypatch):

@@ -212,9 +212,12 @@ def test_forward_row_offset_serves_rows_bitwise_isolated(dtype):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
-def test_forward_row_offset_runs_unserved_rows_again():
-    """Rows whose logits all sit at a soft_sign 80 cap's floor while their bound sits at
-    its ceiling (``2C = 231`` apart, past ``row_floor_bits``): the kernel marks exactly
+@pytest.mark.parametrize("cap", [ROW_CAP, None], ids=["soft_sign80", "none"])
+def test_forward_row_offset_runs_unserved_rows_again(cap):
+    """Rows whose logits all sit far below their bound (past ``row_floor_bits``): under a
+    soft_sign 80 cap, logits at the cap's floor while the bound sits at its ceiling
+    (``2C = 231`` apart); with no cap, queries whose norm lies along a direction no key
+    has (bound ``|q| kmax sm_scale`` near 1e4, logits near 1). The kernel marks exactly
     those attended rows (NaN LSE), and the public forward takes them from a running-max
     run (reference-close, bitwise the running-max kernel's) and every other row from the
     kernel, bit for bit; an attended NaN reaches the output as NaN either way."""
@@ -225,17 +228,21 @@ def test_forward_row_offset_runs_unserved_rows_again():
     seq, dim = 256, 128
     rng = np.random.default_rng(11)
     k = rng.normal(size=(1, seq, 1, dim)).astype(np.float32)
-    k[..., 0] = rng.uniform(1.0, 1.5, size=(1, seq, 1))  # > 0: q's sign pins the logits
     q = rng.normal(size=(1, seq, 1, dim)).astype(np.float32)
-    q[:, :64, :, 0] = -1e4  # rows 0-63 (history): every logit at the floor
+    if cap is None:  # rows 0-63 (history): |q| ~ 1e4 along dim 0, where no key reaches
+        k[..., 0] = 0.0
+        q[:, :64, :, 0] = 1e4
+    else:  # k > 0 along dim 0, so q's sign pins rows 0-63's logits at the floor
+        k[..., 0] = rng.uniform(1.0, 1.5, size=(1, seq, 1))
+        q[:, :64, :, 0] = -1e4
     q[:, 200, :, 3] = np.nan  # an attended NaN (a candidate's own query)
     v = rng.normal(size=(1, seq, 1, dim)).astype(np.float32)
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     bounds = jnp.array([[0, 160, 160, 230]], jnp.int32)  # rows 230-255 padding
-    fast_out, fast_lse = _row_fast_path(q, k, v, bounds, ROW_CAP)
+    fast_out, fast_lse = _row_fast_path(q, k, v, bounds, cap)
     redo = np.isnan(np.asarray(fast_lse))[0, 0]
     assert redo[:64].all() and redo[200] and redo.sum() == 65, np.flatnonzero(redo)
-    out, lse = ranker_attention(q, k, v, bounds, cap=ROW_CAP, config=SMALL, return_lse=True,
+    out, lse = ranker_attention(q, k, v, bounds, cap=cap, config=SMALL, return_lse=True,
                                 interpret=INTERPRET)  # fmt: skip
     assert_no_races()
     real_make_static = ranker_fwd.make_static
@@ -245,13 +252,13 @@ def test_forward_row_offset_runs_unserved_rows_again():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ranker_fwd, "make_static", running)
-        run_out, run_lse = ranker_attention(q, k, v, bounds, cap=ROW_CAP, config=SMALL,
+        run_out, run_lse = ranker_attention(q, k, v, bounds, cap=cap, config=SMALL,
                                             return_lse=True, interpret=INTERPRET)  # fmt: skip
     for got, fast, run, axis in ((out, fast_out, run_out, 1), (lse, fast_lse, run_lse, 2)):
         got, fast, run = (np.asarray(x) for x in (got, fast, run))
         np.testing.assert_array_equal(np.compress(redo, got, axis), np.compress(redo, run, axis))
         np.testing.assert_array_equal(np.compress(~redo, got, axis), np.compress(~redo, fast, axis))
-    want, want_lse = ref.ranker_attention(q, k, v, bounds, cap=ROW_CAP, return_lse=True)
+    want, want_lse = ref.ranker_attention(q, k, v, bounds, cap=cap, return_lse=True)
     ok = np.ones(seq, bool)
     ok[200] = False
     assert np.isnan(np.asarray(out)[0, 200]).all() and np.isnan(np.asarray(want)[0, 200]).all()

@@ -186,11 +186,14 @@ class RankerStatic(RankerKernelStatic):
     def softmax(self) -> str:
         """How the forward's softmax offsets the base-2 logits ``y`` (``ranker_fwd``):
         ``"fixed"``, at ``C`` for a cap with ``2C <= 126 - BOUNDED_ERROR_BITS`` (``p = 2^(y
-        - C)``); ``"row"``, at a bound of each query row's logits for the other caps; or
-        ``"running"``, at a running max (no cap, or ``running_max``)."""
+        - C)``); ``"row"``, at a bound of each query row's logits, for the other caps and
+        no cap; or ``"running"``, at a running max (``running_max``: the second run of
+        ``ranker_fwd.forward_or_again``, and A/B runs)."""
         bound = self.cap_bound
-        if bound is None or self.running_max:
+        if self.running_max:
             return "running"
+        if bound is None:
+            return "row"
         return "fixed" if 2 * bound <= 126 - BOUNDED_ERROR_BITS else "row"
 
     @property

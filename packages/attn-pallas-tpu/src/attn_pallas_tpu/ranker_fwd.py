@@ -33,8 +33,9 @@ number of blocks a tile visits is not known at trace time).
   accumulation), the scale, cap and ``log2(e)`` folded into the cap's multiplies
   (``attn_common.cap.cap_scaled_with_derivative``: logits in base 2), the ranker mask
   (``ranker_mask`` on the tile iotas, built once a step for the ``Hp`` heads) only on
-  steps outside ``[full_lo, full_hi)``, and an ``exp2`` online softmax whose running max / sum /
-  f32 accumulator live in VMEM scratch (one slab per head) across the KV axis. The
+  steps outside ``[full_lo, full_hi)``, and an ``exp2`` softmax whose offsets (or, where
+  ``softmax == "running"``, running max) / sum / f32 accumulator live in VMEM scratch
+  (one slab per head) across the KV axis. The
   heads are independent chains in one step body, so one head's matmuls can overlap
   another's softmax.
 * Bounded logits: where the cap bounds the base-2 logits to ``(-C, C)``, ``C = c
@@ -44,8 +45,9 @@ number of blocks a tile visits is not known at trace time).
   wait on) and no rescale. ``p >= 2^-2C``, so a product ``p v`` flushes below
   float32's smallest normal only for ``|v| < 2^(2C - 126)``: at most that much absolute
   error in ``out``. The LSE is ``C + log2(l)``.
-* Other tanh / soft_sign caps (``softmax == "row"``) take a fixed offset per query row:
-  at the first step each head's ``m_i = cap(|q_i| kmax_i sm_scale)`` in base 2 (plus
+* No cap and the other tanh / soft_sign caps (``softmax == "row"``) take a fixed offset
+  per query row: at the first step each head's ``m_i = cap(|q_i| kmax_i sm_scale)`` in
+  base 2 (the identity for no cap; plus
   ``ROW_BOUND_MARGIN``; :func:`row_offset`), ``kmax_i`` the largest ``|k_j|`` over the
   keys query ``i`` attends (XLA, :func:`attended_key_norms`; a ``(1, block_q)`` row per
   tile), so ``p <= 1`` by Cauchy-Schwarz, again with no row max, and the offset reads
@@ -506,13 +508,15 @@ def bounded_softmax_update(s, v, offset, l_prev, acc_prev):
 def row_offset(q, kmax, st: RankerStatic):
     """The ``"row"`` softmax's ``(bq, 1)`` offsets of a head's q tile ``(bq, D)``, ``kmax``
     ``(bq, 1)``: the base-2 ``cap(|q_i| kmax_i sm_scale)`` (``kmax`` inflated by
-    ``ROW_BOUND_SLACK``) plus ``ROW_BOUND_MARGIN``, at most the cap's ``C`` plus the
-    margin, which a non-finite ``q_i`` or ``kmax_i`` takes (rows past ``S`` hold
-    unspecified values)."""
+    ``ROW_BOUND_SLACK``) plus ``ROW_BOUND_MARGIN``. Under a cap it is at most the cap's
+    ``C`` plus the margin, which a non-finite ``q_i`` or ``kmax_i`` takes (rows past ``S``
+    hold unspecified values); with no cap such a row's offset is ``+inf``: every ``p`` of
+    it 0 (NaN where the logit is NaN or ``+inf``), so an attended one is run again and a
+    row that attends nothing keeps its zero sum."""
     q = q.astype(jnp.float32)
     raw = jnp.sqrt(jnp.sum(q * q, axis=1, keepdims=True)) * (kmax * (1.0 + ROW_BOUND_SLACK))
-    top = st.cap_bound + ROW_BOUND_MARGIN
     m = scaled_capped(raw, st) + ROW_BOUND_MARGIN
+    top = jnp.inf if st.cap_bound is None else st.cap_bound + ROW_BOUND_MARGIN
     return jnp.where(m < top, m, top)
 
 
