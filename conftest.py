@@ -39,10 +39,15 @@ def pytest_configure(config):
     """The quick tier: a run that deselects the tests marked slow (``-m "not slow"``, as
     tests-cpu and CI do) also runs the property tests with fewer hypothesis examples
     (``helpers.tier_examples``); tests-cpu-full, with no marker filter, runs them all.
-    ``ATTN_TEST_TIER=full`` or ``quick`` set by hand wins."""
+    ``ATTN_TEST_TIER=full`` or ``quick`` set by hand wins. The interpreters' host
+    callbacks get their arguments boxed cheaply (``helpers.interpret_callbacks_take_numpy``:
+    JAX's boxing was 10-12 % of the interpret-mode test files' time, docs/design.md)."""
     if "ATTN_TEST_TIER" not in os.environ:
         quick = "not slow" in (config.getoption("markexpr", "") or "")
         os.environ["ATTN_TEST_TIER"] = "quick" if quick else "full"
+    from helpers import interpret_callbacks_take_numpy
+
+    interpret_callbacks_take_numpy()
 
 
 _PACKAGES = Path(__file__).resolve().parent / "packages"

@@ -917,6 +917,79 @@ def races_detected() -> bool:
     )
 
 
+def interpret_callbacks_take_numpy() -> bool:
+    """Box the Pallas interpreters' host-callback arguments cheaply: for the test session
+    (the root conftest).
+
+    Pallas interpret mode runs every load, store, copy, semaphore and barrier of a kernel
+    as a ``jax.experimental.io_callback``, and jax 0.11's implementation ``device_put``s
+    every argument onto the CPU device before the callback, most of them int32 scalars
+    (ids, tokens) that the callback turns straight back into Python ints. Profiles of
+    interpret-mode tests put a third of their time there. Instead:
+
+    * the Mosaic TPU interpreter's callbacks, which compute the same on numpy arrays,
+      get XLA's arrays as numpy arrays, each copied (XLA lends its buffers only for the
+      call);
+    * the Mosaic GPU interpreter's callbacks, which require JAX arrays (``_to_int``), get
+      JAX arrays as before, but each integer or bool scalar value is boxed once and
+      reused (JAX arrays are immutable);
+    * every other callback (the tests' own) goes through JAX's implementation.
+
+    Private JAX (``jax._src.callback.io_callback_impl``): where it is absent or takes
+    other keywords, nothing is replaced and the tests run at the old speed. Returns
+    whether it is replaced."""
+    import inspect
+
+    import jax
+    from jax import tree_util
+    from jax._src import callback as jax_callback
+
+    original = getattr(jax_callback, "io_callback_impl", None)
+    if original is None or getattr(original, "takes_numpy", False):
+        return original is not None
+    expected = ["args", "result_avals", "callback", "sharding", "ordered"]
+    if list(inspect.signature(original).parameters) != expected:
+        return False
+    scalars: dict = {}
+
+    def module_of(callback) -> str:
+        func = getattr(callback, "callback_func", None)
+        func = getattr(func, "func", func)  # a functools.partial's function
+        return getattr(func, "__module__", "") or ""
+
+    def boxed(a, cpu):
+        a = np.asarray(a)
+        if a.ndim or a.dtype.kind not in "biu":
+            return jax.device_put(a, cpu)
+        key = (a.dtype.str, a.item())
+        if key not in scalars:
+            scalars[key] = jax.device_put(a, cpu)
+        return scalars[key]
+
+    def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+        module = module_of(callback)
+        if module.startswith(_TPU_INTERPRETER):
+            args = tuple(np.array(a) for a in args)
+        elif module.startswith(_GPU_INTERPRETER):
+            cpu = jax.local_devices(backend="cpu")[0]
+            args = tuple(boxed(a, cpu) for a in args)
+        else:
+            return original(
+                *args, result_avals=result_avals, callback=callback, sharding=sharding,
+                ordered=ordered,
+            )  # fmt: skip
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return tree_util.tree_map(np.asarray, callback(*args))
+
+    io_callback_impl.takes_numpy = True
+    jax_callback.io_callback_impl = io_callback_impl
+    return True
+
+
+_TPU_INTERPRETER = "jax._src.pallas.mosaic.interpret"
+_GPU_INTERPRETER = "jax._src.pallas.mosaic_gpu.interpret"
+
+
 def assert_no_races() -> None:
     assert not races_detected(), "interpret mode's race detector reported a data race"
 
