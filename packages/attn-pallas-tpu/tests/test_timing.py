@@ -102,6 +102,7 @@ def test_trace_times_splits_kernels_from_the_xla_ops_around_them():
         "XLA Modules": [("jit_f", 4_000_000), ("jit_f", 5_000_000), ("jit_f", 9_000_000)],
         "XLA Ops": [
             ("%custom-call.1 = (f32[8,512]{1,0}) custom-call(%a), custom_call_target=", 3e6),
+            ("%custom-call.2 = (bf16[8,64]{1,0}) custom-call(%b), custom_call_target=", 6e5),
             ("%custom-call.1 = (f32[8,512]{1,0}) custom-call(%a), custom_call_target=", 3e6),
             (copy, 600_000),
             (copy, 900_000),
@@ -111,7 +112,17 @@ def test_trace_times_splits_kernels_from_the_xla_ops_around_them():
     }
     got = trace_times(lines, iterations=3, top_ops=2)
     assert got["device_ms"] == pytest.approx(5.0)  # the median span
-    assert got["kernel_device_ms"] == pytest.approx(2.0)  # 6 ms over 3 calls
+    assert got["kernel_device_ms"] == pytest.approx(2.2)  # 6.6 ms over 3 calls
+    assert got["kernel_ops_ms"] == [  # each kernel apart, in the trace's first order
+        [
+            "%custom-call.1 = (f32[8,512]{1,0}) custom-call(%a), custom_call_target=",
+            pytest.approx(2.0),
+        ],
+        [
+            "%custom-call.2 = (bf16[8,64]{1,0}) custom-call(%b), custom_call_target=",
+            pytest.approx(0.2),
+        ],
+    ]
     assert (
         got["xla_ops_ms"]
         == [  # by time, the same op's events summed, names cut
@@ -126,6 +137,7 @@ def test_trace_times_without_a_tpu_plane():
         "device_ms": None,
         "kernel_device_ms": None,
         "xla_ops_ms": None,
+        "kernel_ops_ms": None,
     }
 
 

@@ -86,8 +86,10 @@ def device_ms(fn, *args, iterations: int, top_ops: int = 8) -> dict:
     of its Pallas kernels' ops (custom calls) on the "XLA Ops" line, and ``xla_ops_ms``,
     the ``top_ops`` other ops that took longest, ``[name, ms per call]`` with the name
     cut to 160 characters (an op's HLO text: its shapes and layouts say what a copy or
-    a transpose moves); ``None`` where the trace has no TPU plane (interpret mode, a
-    CPU)."""
+    a transpose moves), and ``kernel_ops_ms``, each Pallas kernel's ``[name, ms per
+    call]`` the same way, in the order the trace first lists them (a forward + backward
+    call's forward, dq and dk / dv kernels apart: their output shapes tell them apart);
+    ``None`` where the trace has no TPU plane (interpret mode, a CPU)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -109,19 +111,18 @@ def trace_times(lines: dict, *, iterations: int, top_ops: int = 8) -> dict:
     ns), ...]}`` of ``iterations`` calls."""
     spans = [ns for _, ns in lines.get("XLA Modules", ())]
     if not spans:
-        return {"device_ms": None, "kernel_device_ms": None, "xla_ops_ms": None}
+        return dict.fromkeys(("device_ms", "kernel_device_ms", "xla_ops_ms", "kernel_ops_ms"))
     per_call = statistics.median(spans) if len(spans) == iterations else sum(spans) / iterations
-    kernels, others = 0, {}
+    kernels, others = {}, {}
     for name, ns in lines.get("XLA Ops", ()):
-        if " custom-call(" in name:
-            kernels += ns
-        else:
-            others[name[:160]] = others.get(name[:160], 0) + ns
+        ops = kernels if " custom-call(" in name else others
+        ops[name[:160]] = ops.get(name[:160], 0) + ns
     top = sorted(others.items(), key=lambda kv: -kv[1])[:top_ops]
     return {
         "device_ms": per_call / 1e6,
-        "kernel_device_ms": kernels / iterations / 1e6,
+        "kernel_device_ms": sum(kernels.values()) / iterations / 1e6,
         "xla_ops_ms": [[name, ns / iterations / 1e6] for name, ns in top],
+        "kernel_ops_ms": [[name, ns / iterations / 1e6] for name, ns in kernels.items()],
     }
 
 
