@@ -35,11 +35,9 @@ number of blocks a tile visits is not known at trace time).
   (``ranker_mask`` on the tile iotas, built once a step for the ``Hp`` heads) only on
   steps outside ``[full_lo, full_hi)``, and an ``exp2`` softmax whose offsets (or, where
   ``softmax == "running"``, running max) / sum / f32 accumulator live in VMEM scratch
-  (one slab per head) across the KV axis. The sum is kept lane-partial, ``(block_q,
-  128)`` (:func:`lane_sums`: the step's 128-lane column blocks of ``p`` added on the
-  VPU), and reduced across lanes once, at the tile's last step, not every step for
-  every head. The heads are independent chains in one step body, so one head's matmuls
-  can overlap another's softmax.
+  (one slab per head) across the KV axis. The
+  heads are independent chains in one step body, so one head's matmuls can overlap
+  another's softmax.
 * Bounded logits: where the cap bounds the base-2 logits to ``(-C, C)``, ``C = c
   log2(e)``, with ``2C <= 126 - BOUNDED_ERROR_BITS`` (``RankerStatic.softmax_offset``),
   the softmax takes the fixed offset ``C`` (:func:`bounded_softmax_update`): ``p = 2^(y
@@ -487,23 +485,14 @@ def tile_mask(bounds, q0, kv0, shape, *, q_axis: int):
 # ----------------------------------------------------------------------------- kernel
 
 
-def lane_sums(p):
-    """``(bq, bkv) -> (bq, 128)``: the sum of ``p``'s 128-lane column blocks, whose lanes
-    add up to ``p``'s row sums. VPU adds only: the cross-lane reduction a row sum takes
-    (XLU work every step, for every head) waits for the end of the tile."""
-    parts = [p[:, c : c + LANES] for c in range(0, p.shape[1], LANES)]
-    return functools.reduce(jnp.add, parts)
-
-
 def online_softmax_update(s, v, m_prev, l_prev, acc_prev):
     """One step of the running-max ``exp2`` softmax: base-2 logits ``s (bq, bkv)`` (-inf
-    where masked), the step's V block, the head's running max ``(bq, 128)``
-    (lane-broadcast), its running sum ``(bq, 128)`` (lane-partial, :func:`lane_sums`) and
-    its f32 accumulator; returns the three updated."""
+    where masked), the step's V block, and the head's running max and sum ``(bq, 128)``
+    (lane-broadcast) and f32 accumulator; returns the three updated."""
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp2(m_prev - m_next)
     p = jnp.exp2(s - m_next[:, :1])
-    l_next = alpha * l_prev + lane_sums(p)
+    l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     return m_next, l_next, acc_prev * alpha[:, :1] + dot(p.astype(v.dtype), v)
 
 
@@ -511,9 +500,9 @@ def bounded_softmax_update(s, v, offset, l_prev, acc_prev):
     """One step of the softmax at a fixed offset (a float, ``RankerStatic.softmax_offset``,
     or a ``(bq, 1)`` column, :func:`row_offset`), a bound of the logits: ``p = 2^(s -
     offset) <= 1`` needs no row max, so nothing waits on a reduction over the tile and
-    nothing is rescaled; returns the (lane-partial) sum and the accumulator."""
+    nothing is rescaled; returns the sum and accumulator."""
     p = jnp.exp2(s - offset)
-    return l_prev + lane_sums(p), acc_prev + dot(p.astype(v.dtype), v)
+    return l_prev + jnp.sum(p, axis=1, keepdims=True), acc_prev + dot(p.astype(v.dtype), v)
 
 
 def row_offset(q, kmax, st: RankerStatic):
@@ -557,7 +546,7 @@ def _build_fwd_kernel(st: RankerStatic):
         # o_ref,  as q_ref
         # lse_ref,  [Hp, 1, block_q] f32, natural log
         # m_sc,  [Hp, block_q, 128] f32: running max or offsets, lane-broadcast
-        # l_sc,  [Hp, block_q, 128] f32: running sum, lane-partial (lane_sums)
+        # l_sc,  [Hp, block_q, 128] f32: running sum
         # acc_sc,  [Hp, block_q, D] f32
     ):
         kmax_ref = refs[0] if softmax == "row" else None
@@ -596,7 +585,7 @@ def _build_fwd_kernel(st: RankerStatic):
                 attends = attends_any(bounds, pl.program_id(2) * bq, bq)
                 floor = 2.0**-st.row_floor_bits
             for g in range(heads):
-                l = jnp.sum(l_sc[g], axis=1, keepdims=True)
+                l = l_sc[g][:, :1]
                 has_key = l > 0.0
                 safe_l = jnp.where(has_key, l, 1.0)
                 o_ref[head_of(st, g)] = (acc_sc[g] * (1.0 / safe_l)).astype(o_ref.dtype)
