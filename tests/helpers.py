@@ -1081,6 +1081,19 @@ def gpu_bench_script(name: str):
     return bench
 
 
+def script_result(rows: list, *, command: str = "x", **extra) -> dict:
+    """A benchmark script's result as the scripts write it, around ``rows``: commit
+    abc1234 on an H200, 10 iterations; ``extra`` adds or replaces top-level keys."""
+    return {
+        "provenance": {"commit": "abc1234", "command": command, "date": "d"},
+        "commit": "abc1234",
+        "device": "H200",
+        "iterations": 10,
+        "rows": rows,
+        **extra,
+    }
+
+
 def check_script_reports(bench, result: dict, out, *, row_keys: set, md_row: str) -> None:
     """A GPU benchmark script's ``write_reports(result, out)``: the JSON, Markdown and SVG
     named after the script, the JSON with ``result``'s commit and every row carrying

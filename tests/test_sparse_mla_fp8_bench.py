@@ -5,7 +5,7 @@ interpret mode at tiny shapes."""
 from __future__ import annotations
 
 import pytest
-from helpers import check_script_reports, gpu_bench_script
+from helpers import check_script_reports, gpu_bench_script, script_result
 
 bench = gpu_bench_script("sparse_mla_fp8")
 
@@ -38,13 +38,8 @@ def _row(cache, ms, **extra):
 
 
 def test_reports(bench, tmp_path):
-    result = {
-        "provenance": {"commit": "abc1234", "command": "x", "date": "d"},
-        "commit": "abc1234",
-        "device": "H200",
-        "iterations": 10,
-        "ceilings": {"copy_tbps": 4.0},
-        "rows": [
+    result = script_result(
+        [
             _row("bf16", 2.0, variant="bf16"),
             _row(
                 "fp8",
@@ -58,7 +53,8 @@ def test_reports(bench, tmp_path):
             _row("fp8", 2.4, variant="fp8-on-chip"),
             _row("fp8", 1.6, variant="fp8-copy"),
         ],
-    }
+        ceilings={"copy_tbps": 4.0},
+    )
     check_script_reports(
         bench,
         result,

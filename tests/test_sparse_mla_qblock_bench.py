@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import check_script_reports, gpu_bench_script
+from helpers import check_script_reports, gpu_bench_script, script_result
 
 bench = gpu_bench_script("sparse_mla_qblock_gpu")
+CEILINGS = {"copy_tbps": 4.0, "matmul_bf16_tflops": 800.0}
 
 
 def test_cases_are_the_issue_shapes(bench):
@@ -39,19 +40,15 @@ def _row(kernel, ms, **extra):
 
 
 def test_reports(bench, tmp_path):
-    result = {
-        "provenance": {"commit": "abc1234", "command": "x", "date": "d"},
-        "commit": "abc1234",
-        "device": "H200",
-        "iterations": 10,
-        "smoke": False,
-        "ceilings": {"copy_tbps": 4.0, "matmul_bf16_tflops": 800.0},
-        "rows": [
+    result = script_result(
+        [
             _row("per-query", 2.0),
             _row("qblock", 1.0, speedup_vs_per_query=2.0, target_speedup=2.5),
             _row("auto", 1.0, speedup_vs_per_query=2.0),
         ],
-    }
+        smoke=False,
+        ceilings=CEILINGS,
+    )
     check_script_reports(
         bench,
         result,
@@ -75,9 +72,7 @@ def test_smoke_runs(bench, tmp_path):
 
 def test_merge_keeps_each_case_from_one_run(bench, tmp_path):
     def result(command, rows):
-        return {"provenance": {"commit": "abc1234", "command": command, "date": "d"},
-                "commit": "abc1234", "device": "H200", "iterations": 10, "smoke": False,
-                "ceilings": {"copy_tbps": 4.0, "matmul_bf16_tflops": 800.0}, "rows": rows}  # fmt: skip
+        return script_result(rows, command=command, smoke=False, ceilings=CEILINGS)
 
     first = result("a", [_row("per-query", 2.0), _row("qblock", 1.0),
                          {**_row("per-query", 3.0), "case": "decode-x2-h16"}])  # fmt: skip
