@@ -40,14 +40,14 @@ def pytest_configure(config):
     tests-cpu and CI do) also runs the property tests with fewer hypothesis examples
     (``helpers.tier_examples``); tests-cpu-full, with no marker filter, runs them all.
     ``ATTN_TEST_TIER=full`` or ``quick`` set by hand wins. The interpreters' host
-    callbacks get their arguments boxed cheaply (``helpers.interpret_callbacks_take_numpy``:
+    callbacks get their arguments boxed cheaply (``helpers.box_interpret_callbacks_cheaply``:
     JAX's boxing was 10-12 % of the interpret-mode test files' time, docs/design.md)."""
     if "ATTN_TEST_TIER" not in os.environ:
         quick = "not slow" in (config.getoption("markexpr", "") or "")
         os.environ["ATTN_TEST_TIER"] = "quick" if quick else "full"
-    from helpers import interpret_callbacks_take_numpy
+    from helpers import box_interpret_callbacks_cheaply
 
-    interpret_callbacks_take_numpy()
+    box_interpret_callbacks_cheaply()
 
 
 _PACKAGES = Path(__file__).resolve().parent / "packages"

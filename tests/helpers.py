@@ -917,7 +917,7 @@ def races_detected() -> bool:
     )
 
 
-def interpret_callbacks_take_numpy() -> bool:
+def box_interpret_callbacks_cheaply() -> bool:
     """Box the Pallas interpreters' host-callback arguments cheaply: for the test session
     (the root conftest).
 
@@ -945,7 +945,7 @@ def interpret_callbacks_take_numpy() -> bool:
     from jax._src import callback as jax_callback
 
     original = getattr(jax_callback, "io_callback_impl", None)
-    if original is None or getattr(original, "takes_numpy", False):
+    if original is None or getattr(original, "boxes_cheaply", False):
         return original is not None
     expected = ["args", "result_avals", "callback", "sharding", "ordered"]
     if list(inspect.signature(original).parameters) != expected:
@@ -981,7 +981,7 @@ def interpret_callbacks_take_numpy() -> bool:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return tree_util.tree_map(np.asarray, callback(*args))
 
-    io_callback_impl.takes_numpy = True
+    io_callback_impl.boxes_cheaply = True
     jax_callback.io_callback_impl = io_callback_impl
     return True
 
