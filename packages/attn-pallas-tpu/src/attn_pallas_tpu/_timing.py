@@ -88,7 +88,7 @@ def device_ms(fn, *args, iterations: int, top_ops: int = 8) -> dict:
     cut to 160 characters (an op's HLO text: its shapes and layouts say what a copy or
     a transpose moves), and ``kernel_ops_ms``, each Pallas kernel's ``[name, ms per
     call]`` the same way, in the order the trace first lists them (a forward + backward
-    call's forward, dq and dk / dv kernels apart: their output shapes tell them apart);
+    call's three kernels apart: their output shapes tell them apart);
     ``None`` where the trace has no TPU plane (interpret mode, a CPU)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
