@@ -968,17 +968,17 @@ def box_interpret_callbacks_cheaply() -> bool:
 
     def io_callback_impl(*args, result_avals, callback, sharding, ordered):
         module = module_of(callback)
-        if module.startswith(_TPU_INTERPRETER):
-            args = tuple(np.array(a) for a in args)
-        elif module.startswith(_GPU_INTERPRETER):
-            cpu = jax.local_devices(backend="cpu")[0]
-            args = tuple(boxed(a, cpu) for a in args)
-        else:
+        if not module.startswith((_TPU_INTERPRETER, _GPU_INTERPRETER)):
             return original(
                 *args, result_avals=result_avals, callback=callback, sharding=sharding,
                 ordered=ordered,
             )  # fmt: skip
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        cpu = jax.local_devices(backend="cpu")[0]
+        if module.startswith(_TPU_INTERPRETER):
+            args = tuple(np.array(a) for a in args)
+        else:
+            args = tuple(boxed(a, cpu) for a in args)
+        with jax.default_device(cpu):
             return tree_util.tree_map(np.asarray, callback(*args))
 
     io_callback_impl.boxes_cheaply = True

@@ -1,6 +1,6 @@
 """The test session's setup by the root conftest: the two tiers (the quick one, ``-m "not
 slow"``, runs each property test with a quarter of its hypothesis examples, at least 10;
-the full one runs them all), and interpret mode's host callbacks taking numpy arguments."""
+the full one runs them all), and the Pallas interpreters' host callbacks boxed cheaply."""
 
 import jax
 import jax.numpy as jnp
