@@ -76,6 +76,25 @@ def test_merge_results_keeps_the_ranker_layouts_apart():
     ]  # fmt: skip
 
 
+def test_merge_results_keeps_each_sweep_tiling():
+    """A ranker sweep's rows of one case and mode differ by tiling only: a re-run
+    replaces each tiling's row by its own and keeps the suite row apart."""
+    from attn_pallas_tpu._suite import merge_results
+
+    def row(bq, bkv, ms, **kw):
+        return {"case": "long", "mode": "fwd+bwd", "layout": "padded", "block_q": bq,
+                "block_kv": bkv, "ms": ms, **kw}  # fmt: skip
+
+    base = {"commit": "a", "rows": [row(640, 640, 9.0), row(640, 640, 9.0, sweep=True),
+                                    row(640, 512, 8.0, sweep=True)]}  # fmt: skip
+    run = {"commit": "b", "rows": [row(640, 512, 7.0, sweep=True), row(512, 512, 6.0, sweep=True)]}
+    got = merge_results(base, run)["rows"]
+    assert [(r["block_kv"], r.get("sweep", False), r["ms"], r.get("commit")) for r in got] == [
+        (640, False, 9.0, None), (640, True, 9.0, None), (512, True, 7.0, "b"),
+        (512, True, 6.0, "b"),
+    ]  # fmt: skip
+
+
 def test_report_merge_into_rewrites_the_results_beside_it(tmp_path, capsys):
     """``--report RUN.json --merge-into RESULTS.json`` merges and rewrites the JSON, its
     .md and .svg; ``--merge-into`` alone is refused in one line."""

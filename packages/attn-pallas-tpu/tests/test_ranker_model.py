@@ -107,3 +107,55 @@ def test_grid_counts_are_the_kernels_grids():
     assert c2.grid_steps_dkv == c.grid_steps_dkv // 2
     assert (c2.splash_programs, c2.splash_grid_steps) == (c.q_programs, c.grid_steps_fwd)
     assert c2.splash_grid_steps_dkv == c.splash_grid_steps_dkv == c.grid_steps_dkv
+
+
+def test_kernel_ms_names_the_three_kernels_of_a_results_row():
+    """The trace's op names of a forward + backward call (as bench_ranker records them):
+    the forward, dk/dv (two outputs) and dq; XLA's own custom calls are not kernels."""
+    from attn_pallas_tpu.ranker_model import kernel_ms
+
+    row = {"kernel_ops_ms": [
+        ["%custom-call.2 = bf16[64,1152,4,128]{3,2,1,0} custom-call(bf16[16,1152,4,128]", 0.0],
+        ["%jvp_jit__fwd_padded__.1 = (bf16[64,20,1152,128]{3,2,1,0}, f32[64,20,1,1152]{3,2,1,0})"
+         " custom-call(s32[256]{0} %copy-done.1", 8.8],
+        ["%transpose_jvp_jit__bwd_padded___.3 = (bf16[64,4,1152,128]{3,2,1,0}, "
+         "bf16[64,4,1152,128]{3,2,1,0}) custom-call(s32[256]{0} %copy-done.3", 11.2],
+        ["%transpose_jvp_jit__bwd_padded___.2 = bf16[64,20,1152,128]{3,2,1,0} "
+         "custom-call(s32[256]{0} %copy-done.11, s32[1024]{0}", 9.2],
+    ]}  # fmt: skip
+    assert kernel_ms(row) == {"fwd": 8.8, "dkv": 11.2, "dq": 9.2}
+    assert kernel_ms({"mode": "fwd+bwd"}) == {}
+
+
+def test_refit_recovers_the_times_of_known_constants():
+    """Kernel times the model itself gives with known constants, over a few tilings of
+    two shapes: the fit, started from other constants, reproduces every one within 2 %
+    (the constants need not be identifiable, the times must be)."""
+    from attn_pallas_tpu import ranker_model as m
+
+    chip = TPU_CHIPS["v5e"]
+    truth = m.ModelConstants(
+        mxu_efficiency={"fwd": 0.9, "dq": 0.7, "dkv": 0.95},
+        vpu_ops={"fwd": 12.0, "dq": 6.0, "dkv": 20.0},
+        acc_ops={"fwd": 8.0, "dq": 30.0, "dkv": 1.0},
+        mask_ops=15.0, visit_s=0.05e-6, step_s=0.4e-6,
+    )  # fmt: skip
+    samples = []
+    for name, scale in (("phoenix", 4), ("long", 2)):
+        case = ranker_case(name).scaled(scale)
+        for bq, bkv in ((128, 128), (256, 128), (128, 256), (256, 256), (384, 384), (512, 256)):
+            pred = predict(case, chip, block_q=bq, block_kv=bkv, const=truth)
+            times = {"fwd": (pred.fwd_s - _layout(pred)) * 1e3, "dq": pred.dq_s * 1e3,
+                     "dkv": pred.dkv_s * 1e3}  # fmt: skip
+            samples.append((case, bq, bkv, times))
+    start = m.ModelConstants.of_vector([1.0] * 3 + [5.0] * 6 + [5.0, 0.2e-6, 0.2e-6])
+    const, fitted = m.refit(samples, chip, start=start)
+    assert len(fitted) == 3 * len(samples)
+    ratios = np.array([pred / ms for *_, ms, pred in fitted])
+    assert np.all(np.abs(ratios - 1) < 0.02), ratios
+    assert const != start
+
+
+def _layout(cost):
+    """The D = 64 layout copies ``predict`` adds to the forward (none at D = 128)."""
+    return cost.bwd_s - cost.dq_s - cost.dkv_s

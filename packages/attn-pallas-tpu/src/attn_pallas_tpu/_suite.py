@@ -152,13 +152,18 @@ def run_suite(args, *, runner_cls, cases, smoke_cases, write_report, write_plot,
 
 
 def _row_key(row: dict) -> tuple:
-    return row.get("case"), row.get("kernel"), row.get("mode"), row.get("role"), row.get("layout")
+    """A row's identity for merging: a sweep row's also names its tiling."""
+    tiling = (row.get("block_q"), row.get("block_kv")) if row.get("sweep") else None
+    return (
+        row.get("case"), row.get("kernel"), row.get("mode"), row.get("role"), row.get("layout"),
+        tiling,
+    )  # fmt: skip
 
 
 def merge_results(base: dict, run: dict) -> dict:
     """``base`` (a results JSON) with ``run``'s rows merged in, for re-measuring some
     cases of a suite: each of ``run``'s rows replaces ``base``'s row of the same case,
-    kernel, mode and role in its place (new ones are appended) and names ``run``'s
+    kernel, mode, role and layout (a sweep row's tiling too) in its place (new ones are appended) and names ``run``'s
     commit; ``base``'s commands and dates become lists with ``run``'s appended. Rows
     ``run`` does not re-measure are kept as they are."""
     commit = run.get("commit")

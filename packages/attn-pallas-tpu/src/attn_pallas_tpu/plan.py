@@ -108,7 +108,6 @@ __all__ = [
     "PER_QUERY_COSTS",
     "QBLOCK_COSTS",
     "STATIC_U_MAX_CAP",
-    "STEP_OVERHEAD_S",
     "TPU_CHIPS",
     "VMEM_USABLE_FRACTION",
     "PlanShape",
@@ -155,7 +154,6 @@ QBLOCK_COSTS = {
     "query": 17.0e-9,  # a query: its tables and its block's share
     "query_head": 16.1e-9,  # a (query, head) pair: q in, the output out of score-row order
 }
-STEP_OVERHEAD_S = 0.35e-6  # per grid step (the ranker model's too)
 DEQUANT_OPS_PER_VALUE = 4  # FP8 cache: VPU ops per dequantized value (once per unit)
 AUTO_QUERY_BLOCKS = (8, 16, 32, 64, 128, 256)  # query blocks the automatic tiling compares
 VMEM_USABLE_FRACTION = 0.75  # of the physical VMEM per TensorCore

@@ -11,16 +11,17 @@ Per visit, on one TensorCore (a chip's ``cores`` share the parallel grid axes):
 * MXU: the forward does ``QK^T`` and ``PV`` (``4 * bq * bkv * D`` flops); the dq kernel
   ``QK^T, dO V^T, dS K`` (6), the dk/dv kernel ``K Q^T, V dO^T, P^T dO, dS^T Q`` (8), at
   the core's bf16 peak times the MXU fill ``K / ceil_mxu(K) * N / ceil_mxu(N)`` of each
-  matmul (a 128-wide contraction or output fills half of v6e's 256x256 array).
-* VPU: ``VPU_OPS`` float32 ops per score element (scale, max, subtract, exp, sum, casts;
-  the cap adds ``CAP_OPS``; a step outside the full-block range adds ``MASK_OPS`` for
-  the iotas, the ranker predicate and the select), at the core's VPU rate.
+  matmul (a 128-wide contraction or output fills half of v6e's 256x256 array) times the
+  kernel's fitted ``mxu_efficiency``.
+* VPU: ``vpu_ops`` float32 ops per score element (the cap adds ``CAP_OPS``; a step
+  outside the full-block range adds ``mask_ops``) and ``acc_ops`` per accumulator element
+  (``bq x D`` in the forward and dq, ``2 x bkv x D`` in dk/dv), at the core's VPU rate.
 * HBM: the K and V blocks (forward, dq) or the Q and dO blocks plus the LSE / delta rows
   (dk/dv) at the core's share of the bandwidth. The tiles a program keeps for all its
   steps (Q and O; K, V, dK, dV) are counted once per program.
 * A visit costs ``max(MXU, VPU, HBM)`` (the Pallas pipeline overlaps the next block's
-  DMA with this block's compute); every grid step, visited or skipped, costs
-  ``STEP_OVERHEAD_S`` (the kernels' grids have ``S_pad / block`` steps on the inner axis
+  DMA with this block's compute) plus ``visit_s``; every grid step, visited or skipped,
+  costs ``step_s`` (the kernels' grids have ``S_pad / block`` steps on the inner axis
   whatever the bounds). Layout copies outside the kernels (D = 64: the ``[B,H,S,D]``
   transposes) are added at the HBM bandwidth.
 * The forward and dq kernels run ``heads_per_program`` query heads of one kv head a
@@ -28,6 +29,10 @@ Per visit, on one TensorCore (a chip's ``cores`` share the parallel grid axes):
   value the kernels take): their grid steps and programs are counted over those grids,
   and a K / V block's bytes are shared by the program's heads. The splash comparison
   keeps one head a program.
+
+The constants in ``FITTED`` are least-squares fits (:func:`refit`) to each kernel's
+device time on a v5e over tiling sweeps (docs/tpu_ranker.md, "Cost model"); on other
+chips the same constants are scaled by that chip's rates, which is an assumption.
 
 Splash attention with the union mask takes one static mask for the whole batch: the
 union over the rows of each row's allowed mask. It visits, for every row and head,
@@ -55,7 +60,7 @@ from attn_common.bounds import (
     ranker_q_block_ranges,
 )
 from attn_common.suite import RankerCase
-from attn_pallas_tpu.plan import STEP_OVERHEAD_S, TPU_CHIPS, TpuChip
+from attn_pallas_tpu.plan import TPU_CHIPS, TpuChip
 from attn_pallas_tpu.ranker_config import (
     default_config,
     grids,
@@ -66,18 +71,68 @@ from attn_pallas_tpu.ranker_config import (
 
 __all__ = [
     "CAP_OPS",
-    "MASK_OPS",
-    "VPU_OPS",
+    "FITTED",
+    "KERNELS",
+    "ModelConstants",
     "RankerCost",
     "VisitCounts",
+    "kernel_ms",
     "predict",
+    "refit",
     "suite_table",
     "visit_counts",
 ]
 
-VPU_OPS = {"fwd": 6, "dq": 10, "dkv": 11}  # float32 VPU ops per score element
-CAP_OPS = {"none": 0, "tanh": 3, "soft_sign": 6}  # extra per score (per pass)
-MASK_OPS = 10  # iotas, the ranker predicate, the select
+KERNELS = ("fwd", "dq", "dkv")
+CAP_OPS = {"none": 0, "tanh": 3, "soft_sign": 6}  # extra per score (assumed, not fitted)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConstants:
+    """The model's free constants (per kernel where keyed by ``KERNELS``)."""
+
+    mxu_efficiency: dict  # fraction of the MXU peak a visit's matmuls run at
+    vpu_ops: dict  # float32 VPU ops per score element
+    acc_ops: dict  # VPU ops per accumulator element per visit
+    mask_ops: float  # extra ops per score element on a visit that runs the mask
+    visit_s: float  # fixed seconds per visit (one query head)
+    step_s: float  # seconds per grid step, visited or skipped
+
+    def vector(self) -> list[float]:
+        return [
+            *(self.mxu_efficiency[k] for k in KERNELS),
+            *(self.vpu_ops[k] for k in KERNELS),
+            *(self.acc_ops[k] for k in KERNELS),
+            self.mask_ops,
+            self.visit_s,
+            self.step_s,
+        ]
+
+    @classmethod
+    def of_vector(cls, p) -> ModelConstants:
+        p = [float(x) for x in p]
+        return cls(
+            mxu_efficiency=dict(zip(KERNELS, p[0:3], strict=True)),
+            vpu_ops=dict(zip(KERNELS, p[3:6], strict=True)),
+            acc_ops=dict(zip(KERNELS, p[6:9], strict=True)),
+            mask_ops=p[9],
+            visit_s=p[10],
+            step_s=p[11],
+        )
+
+
+# FITTED_BEGIN (written by scripts/ranker_cost.py --refit from the v5e
+# results of 19b546d, 7efc522; the fit's error against them: docs/tpu_ranker.md, "Cost model")
+FITTED = ModelConstants(
+    mxu_efficiency={"fwd": 0.979, "dq": 0.8385, "dkv": 1.0},
+    vpu_ops={"fwd": 10.87, "dq": 0.0, "dkv": 23.93},
+    acc_ops={"fwd": 10.02, "dq": 40.03, "dkv": 0.0},
+    mask_ops=11.45,
+    visit_s=4.443e-08,
+    step_s=4.042e-07,
+)
+# FITTED_END
+
 ITEMSIZE = 2  # bf16 (the suite's dtype)
 
 
@@ -177,8 +232,9 @@ def _fill(k: int, n: int, mxu: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RankerCost:
-    """Predicted seconds on one chip; ``mxu_fraction``: effective FLOPs on allowed pairs
-    (``attn_common.ranker_flops``) / (time x the chip's bf16 peak)."""
+    """Predicted seconds on one chip (``dq_s`` and ``dkv_s`` the backward's two kernels,
+    ``bwd_s`` with the layout copies); ``mxu_fraction``: effective FLOPs on allowed
+    pairs (``attn_common.ranker_flops``) / (time x the chip's bf16 peak)."""
 
     case: str
     chip: str
@@ -190,6 +246,8 @@ class RankerCost:
     splash_bwd_s: float
     fwd_mxu_fraction: float
     fwd_bound: str
+    dq_s: float = 0.0
+    dkv_s: float = 0.0
 
     @property
     def fwd_ratio(self) -> float:
@@ -201,10 +259,10 @@ class RankerCost:
         return (self.splash_fwd_s + self.splash_bwd_s) / (self.fwd_s + self.bwd_s)
 
 
-def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool, heads=1):
+def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool, heads, const):
     """(seconds, bound) of one visit (one query head) on one core; ``kind`` in fwd / dq /
     dkv; ``heads`` query heads share a fwd / dq visit's K and V blocks."""
-    core_mxu = chip.mxu_flops / chip.cores
+    core_mxu = chip.mxu_flops / chip.cores * const.mxu_efficiency[kind]
     if kind == "fwd":
         fills = (_fill(d, bkv, chip.mxu_dim), _fill(bkv, d, chip.mxu_dim))
     elif kind == "dq":
@@ -212,27 +270,34 @@ def _visit_seconds(kind: str, chip: TpuChip, *, bq, bkv, d, cap, masked: bool, h
     else:
         fills = (_fill(d, bq, chip.mxu_dim),) * 2 + (_fill(bq, d, chip.mxu_dim),) * 2
     mxu = sum(2 * bq * bkv * d / (core_mxu * f) for f in fills)
-    ops = VPU_OPS[kind] + CAP_OPS[cap] + (MASK_OPS if masked else 0)
-    vpu = bq * bkv * ops / (chip.vpu_ops / chip.cores)
+    ops = const.vpu_ops[kind] + CAP_OPS[cap] + (const.mask_ops if masked else 0)
+    acc = d * (2 * bkv if kind == "dkv" else bq)  # accumulator elements updated a visit
+    vpu = (bq * bkv * ops + acc * const.acc_ops[kind]) / (chip.vpu_ops / chip.cores)
     # dk/dv: the Q and dO blocks plus the f32 lse / delta rows; else the K and V blocks.
     bytes_ = 2 * bq * (d * ITEMSIZE + 4) if kind == "dkv" else 2 * bkv * d * ITEMSIZE / heads
     hbm = bytes_ / (chip.hbm_bytes_per_s / chip.cores)
     parts = {"MXU": mxu, "VPU": vpu, "HBM": hbm}
     bound = max(parts, key=parts.get)
-    return parts[bound], bound
+    return parts[bound] + const.visit_s, bound
 
 
-def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, seed: int = 0):
-    """The model for one suite case on one chip (bf16, the case's cap)."""
+def _counts(case: RankerCase, block_q: int, block_kv: int, seed: int = 0):
+    """(bounds, heads a program, ``visit_counts``) of a suite case at one tiling."""
     bounds = case.bounds(seed)
-    d, cap = case.head_dim, case.cap.method.value
-    hp = heads_per_program(case.q_heads // case.kv_heads, block_q, block_kv, d)
+    hp = heads_per_program(case.q_heads // case.kv_heads, block_q, block_kv, case.head_dim)
     c = visit_counts(bounds, seq_len=case.seq_len, q_heads=case.q_heads, kv_heads=case.kv_heads,
                      block_q=block_q, block_kv=block_kv, heads=hp)  # fmt: skip
-    kw = dict(bq=block_q, bkv=block_kv, d=d, cap=cap)
+    return bounds, hp, c
+
+
+def _seconds(case: RankerCase, chip: TpuChip, block_q, block_kv, hp, c, const) -> dict:
+    """Predicted seconds of each kernel (``KERNELS``), of splash's forward and backward
+    (``splash_fwd``, ``splash_bwd``) and of the D = 64 layout copies (``layout``)."""
+    d, cap = case.head_dim, case.cap.method.value
+    kw = dict(bq=block_q, bkv=block_kv, d=d, cap=cap, const=const)
     t = {
-        (kind, m, h): _visit_seconds(kind, chip, masked=m, heads=h, **kw)
-        for kind in ("fwd", "dq", "dkv")
+        (kind, m, h): _visit_seconds(kind, chip, masked=m, heads=h, **kw)[0]
+        for kind in KERNELS
         for m in (False, True)
         for h in {1, hp}
     }
@@ -246,42 +311,112 @@ def predict(case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, see
         layout = 2 * elems * ITEMSIZE / chip.hbm_bytes_per_s
 
     def visits(kind, total, masked, heads=hp):
-        return (total - masked) * t[(kind, False, heads)][0] + masked * t[(kind, True, heads)][0]
+        return (total - masked) * t[(kind, False, heads)] + masked * t[(kind, True, heads)]
 
-    cores = chip.cores
-    step = STEP_OVERHEAD_S
+    cores, step = chip.cores, const.step_s
     q_progs = c.q_programs * hp * q_prog  # the kernels' programs, hp heads each
-    fwd = (visits("fwd", c.fwd, c.fwd_masked) + q_progs + c.grid_steps_fwd * step) / cores
-    fwd += layout
-    dq = (visits("dq", c.fwd, c.fwd_masked) + 1.5 * q_progs + c.grid_steps_fwd * step) / cores
-    dkv = (
-        visits("dkv", c.dkv, c.dkv_masked) + c.kv_programs * kv_prog + c.grid_steps_dkv * step
-    ) / cores
     s_progs = c.splash_programs * q_prog  # splash: one head a program
-    s_fwd = (
-        visits("fwd", c.splash, c.splash_masked, 1) + s_progs + c.splash_grid_steps * step
-    ) / cores + layout
-    # Splash's dk/dv pass visits the transpose of the same union block set.
-    s_bwd = (
-        visits("dq", c.splash, c.splash_masked, 1)
-        + visits("dkv", c.splash, c.splash_masked, 1)
-        + 1.5 * s_progs
-        + c.kv_programs * kv_prog
-        + (c.splash_grid_steps + c.splash_grid_steps_dkv) * step
-    ) / cores + layout
-    eff = ranker_flops(bounds, case.q_heads, d)
+    return {
+        "fwd": (visits("fwd", c.fwd, c.fwd_masked) + q_progs + c.grid_steps_fwd * step) / cores,
+        "dq": (visits("dq", c.fwd, c.fwd_masked) + 1.5 * q_progs + c.grid_steps_fwd * step) / cores,
+        "dkv": (
+            visits("dkv", c.dkv, c.dkv_masked) + c.kv_programs * kv_prog + c.grid_steps_dkv * step
+        )
+        / cores,
+        "splash_fwd": (
+            visits("fwd", c.splash, c.splash_masked, 1) + s_progs + c.splash_grid_steps * step
+        )
+        / cores
+        + layout,
+        # Splash's dk/dv pass visits the transpose of the same union block set.
+        "splash_bwd": (
+            visits("dq", c.splash, c.splash_masked, 1)
+            + visits("dkv", c.splash, c.splash_masked, 1)
+            + 1.5 * s_progs
+            + c.kv_programs * kv_prog
+            + (c.splash_grid_steps + c.splash_grid_steps_dkv) * step
+        )
+        / cores
+        + layout,
+        "layout": layout,
+    }
+
+
+def predict(
+    case: RankerCase, chip: TpuChip, *, block_q: int, block_kv: int, seed: int = 0,
+    const: ModelConstants | None = None,
+) -> RankerCost:  # fmt: skip
+    """The model for one suite case on one chip (bf16, the case's cap), with ``const``
+    (default ``FITTED``)."""
+    const = FITTED if const is None else const
+    bounds, hp, c = _counts(case, block_q, block_kv, seed)
+    sec = _seconds(case, chip, block_q, block_kv, hp, c, const)
+    fwd = sec["fwd"] + sec["layout"]
+    kw = dict(bq=block_q, bkv=block_kv, d=case.head_dim, cap=case.cap.method.value, const=const)
     return RankerCost(
         case=case.name,
         chip=chip.name,
         block_q=block_q,
         block_kv=block_kv,
         fwd_s=fwd,
-        bwd_s=dq + dkv + layout,
-        splash_fwd_s=s_fwd,
-        splash_bwd_s=s_bwd,
-        fwd_mxu_fraction=eff / (fwd * chip.mxu_flops),
-        fwd_bound=t[("fwd", False, hp)][1],
+        bwd_s=sec["dq"] + sec["dkv"] + sec["layout"],
+        splash_fwd_s=sec["splash_fwd"],
+        splash_bwd_s=sec["splash_bwd"],
+        fwd_mxu_fraction=ranker_flops(bounds, case.q_heads, case.head_dim) / (fwd * chip.mxu_flops),
+        fwd_bound=_visit_seconds("fwd", chip, masked=False, heads=hp, **kw)[1],
+        dq_s=sec["dq"],
+        dkv_s=sec["dkv"],
     )
+
+
+def kernel_ms(row: dict) -> dict:
+    """Each kernel's device ms (``KERNELS``) in a forward + backward results row's
+    ``kernel_ops_ms`` (bench_ranker): the forward's op is named after ``_fwd_padded``,
+    and of the backward's two the dk/dv kernel is the one with two outputs; ``{}``
+    without per-kernel times."""
+    out = {}
+    for name, ms in row.get("kernel_ops_ms") or ():
+        head = name.split(" custom-call(")[0].split(" = ", 1)[-1]
+        if "fwd_padded" in name:
+            out["fwd"] = ms
+        elif "bwd_padded" in name:
+            out["dkv" if head.startswith("(") and head.count("[") == 2 else "dq"] = ms
+    return out
+
+
+def refit(samples, chip: TpuChip, start: ModelConstants | None = None):
+    """Least-squares fit of the model's constants to measured kernel times.
+
+    ``samples``: ``(case, block_q, block_kv, {kernel: ms})`` (:func:`kernel_ms` of a
+    results row). Minimises the squared log ratio of predicted to measured time over
+    every (sample, kernel) with ``scipy.optimize.least_squares`` within physical bounds
+    (efficiencies in (0.05, 1], nonnegative ops and overheads). Returns the fitted
+    ``ModelConstants`` and ``[(case, block_q, block_kv, kernel, measured ms, predicted
+    ms)]`` at the fit."""
+    from scipy.optimize import least_squares
+
+    prepared = []
+    for case, bq, bkv, times in samples:
+        _, hp, c = _counts(case, bq, bkv)
+        prepared.append((case, bq, bkv, hp, c, times))
+
+    def predicted(p):
+        const = ModelConstants.of_vector(p)
+        out = []
+        for case, bq, bkv, hp, c, times in prepared:
+            sec = _seconds(case, chip, bq, bkv, hp, c, const)
+            out += [(case.name, bq, bkv, k, ms, sec[k] * 1e3) for k, ms in times.items()]
+        return out
+
+    def residuals(p):
+        return np.array([math.log(pred / ms) for *_, ms, pred in predicted(p)])
+
+    scale = np.array([1.0] * 10 + [1e-6, 1e-6])  # the overheads fitted in microseconds
+    lower = [0.05] * 3 + [0.0] * 9
+    upper = [1.0] * 3 + [500.0] * 7 + [100.0, 100.0]
+    x0 = np.clip(np.array((start or FITTED).vector()) / scale, lower, upper)
+    fit = least_squares(lambda x: residuals(x * scale), x0, bounds=(lower, upper))
+    return ModelConstants.of_vector(fit.x * scale), predicted(fit.x * scale)
 
 
 def suite_table(tiling=default_config, cases=RANKER_SUITE, chips=("v5e", "v5p", "v6e")):
