@@ -122,14 +122,14 @@ class ModelConstants:
 
 
 # FITTED_BEGIN (written by scripts/ranker_cost.py --refit from the v5e
-# results of 19b546d, 7efc522; the fit's error against them: docs/tpu_ranker.md, "Cost model")
+# results of 19b546d, 7efc522, 7f48303; the fit's error against them: docs/tpu_ranker.md, "Cost model")
 FITTED = ModelConstants(
-    mxu_efficiency={"fwd": 0.979, "dq": 0.8385, "dkv": 1.0},
-    vpu_ops={"fwd": 10.87, "dq": 0.0, "dkv": 23.93},
-    acc_ops={"fwd": 10.02, "dq": 40.03, "dkv": 0.0},
-    mask_ops=11.45,
-    visit_s=4.443e-08,
-    step_s=4.042e-07,
+    mxu_efficiency={"fwd": 0.9803, "dq": 0.8283, "dkv": 1.0},
+    vpu_ops={"fwd": 11.12, "dq": 0.0, "dkv": 17.0},
+    acc_ops={"fwd": 4.651, "dq": 33.44, "dkv": 0.0},
+    mask_ops=17.66,
+    visit_s=2.295e-08,
+    step_s=4.914e-07,
 )
 # FITTED_END
 
