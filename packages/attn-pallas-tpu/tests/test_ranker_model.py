@@ -127,12 +127,19 @@ def test_kernel_ms_names_the_three_kernels_of_a_results_row():
     assert kernel_ms({"mode": "fwd+bwd"}) == {}
 
 
-def test_refit_recovers_the_times_of_known_constants():
+def test_refit_recovers_the_times_of_known_constants(monkeypatch):
     """Kernel times the model itself gives with known constants, over a few tilings of
     two shapes: the fit, started from other constants, reproduces every one within 2 %
     (the constants need not be identifiable, the times must be)."""
     from attn_pallas_tpu import ranker_model as m
 
+    counted, count = {}, m._counts  # count each tiling once for the truth and the fit
+
+    def once(case, bq, bkv, seed=0):
+        key = (case, bq, bkv, seed)
+        return counted[key] if key in counted else counted.setdefault(key, count(*key))
+
+    monkeypatch.setattr(m, "_counts", once)
     chip = TPU_CHIPS["v5e"]
     truth = m.ModelConstants(
         mxu_efficiency={"fwd": 0.9, "dq": 0.7, "dkv": 0.95},
@@ -141,9 +148,9 @@ def test_refit_recovers_the_times_of_known_constants():
         mask_ops=15.0, visit_s=0.05e-6, step_s=0.4e-6,
     )  # fmt: skip
     samples = []
-    for name, scale in (("phoenix", 4), ("long", 2)):
+    for name, scale in (("phoenix", 8), ("long", 8)):
         case = ranker_case(name).scaled(scale)
-        for bq, bkv in ((128, 128), (256, 128), (128, 256), (256, 256), (384, 384), (512, 256)):
+        for bq, bkv in ((128, 128), (256, 128), (128, 256), (384, 384)):
             pred = predict(case, chip, block_q=bq, block_kv=bkv, const=truth)
             times = {"fwd": (pred.fwd_s - _layout(pred)) * 1e3, "dq": pred.dq_s * 1e3,
                      "dkv": pred.dkv_s * 1e3}  # fmt: skip
