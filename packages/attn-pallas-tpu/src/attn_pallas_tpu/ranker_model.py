@@ -122,7 +122,7 @@ class ModelConstants:
 
 
 # FITTED_BEGIN (written by scripts/ranker_cost.py --refit from the v5e
-# results of 19b546d, 7efc522, 7f48303; the fit's error against them: docs/tpu_ranker.md, "Cost model")
+# results of 19b546d, 7efc522, 7f48303, 9aead3e; the fit's error against them: docs/tpu_ranker.md, "Cost model")
 FITTED = ModelConstants(
     mxu_efficiency={"fwd": 0.9803, "dq": 0.8283, "dkv": 1.0},
     vpu_ops={"fwd": 11.12, "dq": 0.0, "dkv": 17.0},
