@@ -22,7 +22,6 @@ attn-pallas-tpu package is not installed it is imported from this checkout.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -48,11 +47,12 @@ from attn_pallas_tpu.plan import TPU_CHIPS  # noqa: E402
 from attn_pallas_tpu.ranker_fwd import default_config  # noqa: E402
 
 
-def samples_of(paths) -> tuple[list, list[str]]:
+def samples_of(paths) -> tuple[list, list[str], dict]:
     """The refit's samples from results JSONs: ``(case, block_q, block_kv, {kernel:
     ms})`` of every forward + backward padded row with per-kernel times (a later file's
-    row replaces an earlier one of the same case and tiling), and the files' commits."""
-    by_key, commits = {}, []
+    row replaces an earlier one of the same case and tiling), the files' commits, and
+    each case's suite tiling (its row that is not a sweep row)."""
+    by_key, commits, suite = {}, [], {}
     for path in paths:
         result = json.loads(Path(path).read_text())
         for row in result["rows"]:
@@ -62,14 +62,24 @@ def samples_of(paths) -> tuple[list, list[str]]:
             key = (row["case"], row["block_q"], row["block_kv"])
             by_key[key] = (ranker_case(row["case"]), *key[1:], times)
             commits.append(row.get("commit", result.get("commit")))
-    return list(by_key.values()), sorted(set(filter(None, commits)))
+            if not row.get("sweep"):
+                suite[row["case"]] = key[1:]
+    return list(by_key.values()), sorted(set(filter(None, commits))), suite
+
+
+def _g(x: float) -> str:
+    """4 significant digits; what the fit left at its zero bound is 0."""
+    return "0.0" if abs(x) < 1e-9 else repr(float(f"{x:.4g}"))
+
+
+def rounded(const):
+    """``const`` as ranker_model.py will hold it (:func:`constants_source`'s digits)."""
+    return ranker_model.ModelConstants.of_vector([float(_g(x)) for x in const.vector()])
 
 
 def constants_source(const) -> str:
     """``FITTED = ModelConstants(...)`` as ranker_model.py spells it."""
-
-    def g(x):  # 4 significant digits; what the fit left at its zero bound is 0
-        return "0.0" if abs(x) < 1e-9 else repr(float(f"{x:.4g}"))
+    g = _g
 
     def d(values):
         return "{" + ", ".join(f'"{k}": {g(values[k])}' for k in ranker_model.KERNELS) + "}"
@@ -86,7 +96,7 @@ def constants_source(const) -> str:
     )
 
 
-def fit_table(fitted: list, defaults: dict, commits: list[str]) -> str:
+def fit_table(fitted: list, suite: dict, commits: list[str]) -> str:
     """Markdown: measured against predicted ms per kernel at each case's suite tiling,
     then the ratio's spread per kernel over every fitted tiling."""
     lines = [
@@ -96,7 +106,7 @@ def fit_table(fitted: list, defaults: dict, commits: list[str]) -> str:
         "|---|---|---|---:|---:|---:|",
     ]
     for case, bq, bkv, kernel, ms, pred in fitted:
-        if defaults.get(case) == (bq, bkv):
+        if suite.get(case) == (bq, bkv):
             lines.append(
                 f"| {case} | {bq} x {bkv} | {kernel} | {ms:.3f} | {pred:.3f} | {pred / ms:.2f} |"
             )
@@ -118,18 +128,17 @@ def write_between(path: Path, begin: str, end: str, text: str, sep: str = "\n") 
 
 
 def refit(paths, write_docs: bool) -> None:
-    samples, commits = samples_of(paths)
+    """Fit, write ``FITTED`` into ranker_model.py and take it for this process."""
+    samples, commits, suite = samples_of(paths)
     if not samples:
         raise SystemExit(f"ranker_cost.py: no forward + backward rows with kernel times in {paths}")
     const, fitted = ranker_model.refit(samples, TPU_CHIPS["v5e"])
+    const = rounded(const)
     source = constants_source(const)
     print(source, end="")
     write_between(MODEL, "# FITTED_BEGIN", "# FITTED_END", _fit_comment(commits) + source, "")
-    defaults = {}
-    for case, *_ in samples:
-        cfg = default_config(case.seq_len, case.head_dim)
-        defaults[case.name] = (cfg.block_q, cfg.block_kv)
-    table = fit_table(fitted, defaults, commits)
+    ranker_model.FITTED = const  # the suite table below prices with it
+    table = fit_table(fitted, suite, commits)
     print(table, end="")
     if write_docs:
         write_between(DOC, FIT_BEGIN, FIT_END, table)
@@ -153,7 +162,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.refit:
         refit(args.refit, args.write_docs)
-        importlib.reload(ranker_model)  # the suite table below with the constants written
     table = ranker_model.format_table(ranker_model.suite_table(default_config))
     print(table, end="")
     if args.write_docs:
