@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable
 
 import jax
@@ -62,7 +63,8 @@ class Backend:
     read_block_1: bool = True
     paged: bool = True
     config: object = None
-    # Ranker head dims with a backward kernel of their own (the default tier runs each).
+    # Ranker head dims with a backward kernel of their own: test_grad's first case of each
+    # is ``slow`` only in interpret mode (``slow_off_accelerator``), the others always.
     grad_kernel_head_dims: tuple[int, ...] = ()
     # Sparse MLA over an FP8 latent cache (attn_common.Fp8LatentCache) in its kernels.
     fp8: bool = False
@@ -78,6 +80,11 @@ class Backend:
     # 10 s per run for the Hopper kernels and 1 s for the TPU ones, plus one compile of
     # 15-25 s, on the shared 2-core machine at load 5).
     grad_examples: int = 4
+    # At most this many generated examples per test in the quick tier off the accelerator
+    # (``examples``; None: as in the full tier). Hopper's: 0, its interpreter took about
+    # 2 s per ranker forward example here; the reference and TPU kernels draw the quick
+    # tier's examples.
+    quick_examples: int | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -125,6 +132,7 @@ RANKER = (
         dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256),
         packed_head_dims=(64, 128), grad_kernel_head_dims=(64, 256),
         config=KernelConfig(block_q=64, block_kv=64, num_stages=2), grad_examples=2,
+        quick_examples=0,
     ),
     Backend(
         "pallas-tpu", "attn_pallas_tpu", PALLAS_TPU_INSTALL, "tpu", tpu_interpret,
@@ -171,12 +179,29 @@ def runs_natively(backend) -> bool:
     return backend.native is not None and jax.default_backend() == backend.native
 
 
-def examples(backend, small: int) -> dict:
+def slow_off_accelerator(backend) -> list:
+    """The marks of a case the quick tier leaves out in interpret mode but keeps where the
+    backend's kernels run natively (cheap there; ``benchmarks/tpu_run.sh`` selects
+    ``-m "not slow or fp8"`` on a TPU): ``slow`` off the accelerator, none on it."""
+    return [] if runs_natively(backend) else [pytest.mark.slow]
+
+
+def quick_tier() -> bool:
+    """This run is the quick tier (``-m "not slow"``; the root conftest.py sets
+    ``ATTN_TEST_TIER``, as for ``helpers.tier_examples``)."""
+    return os.environ.get("ATTN_TEST_TIER") == "quick"
+
+
+def examples(backend, small: int, quick: int | None = None) -> dict:
     """Hypothesis settings for a test's budget: ``NATIVE_EXAMPLES`` generated examples
     for a kernel on its own accelerator, ``small`` elsewhere (interpret mode; the
-    reference on the CPU); ``small == 0``: the explicit edge-case example only."""
+    reference on the CPU), in the quick tier at most ``quick`` (``None``: no cap) and the
+    backend's ``quick_examples``; 0: the explicit edge-case example only."""
     if runs_natively(backend):
         return {"max_examples": NATIVE_EXAMPLES}
+    if quick_tier():
+        caps = (quick, backend.quick_examples)
+        small = min([small, *(c for c in caps if c is not None)])
     if small == 0:
         return {"max_examples": 1, "phases": (Phase.explicit,)}
     return {"max_examples": small}

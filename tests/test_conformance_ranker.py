@@ -13,15 +13,24 @@ Hypothesis draws the bounds (unaligned, empty segments, padding, values outside
 shape, unused slots) and fresh random inputs at fixed small shapes, so a kernel compiles
 once per test and each example only runs it. Each test runs an explicit example of the
 edge cases first; the forward tests then two derandomized examples (CI is reproducible;
-the first is hypothesis's simplest, all-empty bounds), the fixed-case gradient tests none
-off the accelerator (a backward took 45-55 s per run in interpret mode on the shared
-2-core machine) and ``NATIVE_EXAMPLES`` on it; the ``slow`` cases add dtypes and shapes. The drawn gradient tests (``test_grad_drawn``) run
-the backward at a smaller shape (B1 S96, two tiles of 64 with one partly padding, or one
-of 128 mostly padding) with hypothesis-drawn packed or plain bounds and inputs:
-``Backend.grad_examples`` generated examples off the accelerator. Where the kernel runs
-natively they are not generated: there ``test_grad`` and ``test_grad_packed`` already draw
-``NATIVE_EXAMPLES`` bounds per case from the same strategies, so the drawn test would only
-add compiles to the GPU suite.
+the first is hypothesis's simplest, all-empty bounds; none for the Hopper kernels in the
+quick tier, ``Backend.quick_examples``), the fixed-case gradient tests none off the
+accelerator (a backward took 45-55 s per run in interpret mode on the shared 2-core
+machine) and ``NATIVE_EXAMPLES`` on it; the ``slow`` cases add dtypes and shapes. The
+drawn gradient tests (``test_grad_drawn``) run the backward at a smaller shape (B1 S96,
+two tiles of 64 with one partly padding, or one of 128 mostly padding) with
+hypothesis-drawn packed or plain bounds and inputs: ``Backend.grad_examples`` generated
+examples off the accelerator. Where the kernel runs natively they are not generated:
+there ``test_grad`` and ``test_grad_packed`` already draw ``NATIVE_EXAMPLES`` bounds per
+case from the same strategies, so the drawn test would only add compiles to the GPU suite.
+
+The quick tier (``-m "not slow"``) runs each backend at the first case it takes through
+``test_forward_packed`` (packed users, hypothesis-drawn bounds) and ``test_grad`` (plain
+bounds, the edge-case example), each compiling its own programs: the plain-bounds forward
+runs there as the gradient's primal (its ``out`` and LSE feed the backward). The plain
+forward's own test, the packed and drawn gradients, the other cases (dtypes, head dims
+with a backward kernel of their own: Hopper's D=256, TPU's D=128) are ``slow``; where the
+kernels run natively the plain forward and those head dims' gradients are not.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from conformance import (
     params,
     reference_f32,
     runs_natively,
+    slow_off_accelerator,
 )
 from helpers import (
     assert_ranker_close,
@@ -77,11 +87,13 @@ CASES = [
 ]
 
 
-def _cases(grad: bool = False, packed: bool = False):
-    """(backend, case) pairs the backend supports. The default tier runs the first
-    supported case of each backend and, for gradients of plain rows, the first case of
-    each head dim with a backward kernel of its own (Hopper: D=256 is not pipelined;
-    TPU: D=64 is transposed); the others are ``slow``."""
+def _cases(grad: bool = False, packed: bool = False, quick: bool = True):
+    """(backend, case) pairs the backend supports. The quick tier runs the first
+    supported case of each backend (none where ``quick`` is False); where the kernels
+    run natively it also runs the first case (``quick`` or not) and, for gradients of
+    plain rows, the first case of each head dim with a backward kernel of its own
+    (Hopper: D=256 is not pipelined; TPU: D=64 is transposed); the others are ``slow``
+    (``conformance.slow_off_accelerator``)."""
     out = []
     for backend in RANKER:
         first = True
@@ -94,8 +106,12 @@ def _cases(grad: bool = False, packed: bool = False):
             ok = ok and (dims is None or dim in dims)
             if not ok:
                 continue
-            default = first or dim in kernel_dims
-            marks = [] if default else [pytest.mark.slow]
+            if first and quick:
+                marks = []
+            elif first or dim in kernel_dims:
+                marks = slow_off_accelerator(backend)
+            else:
+                marks = [pytest.mark.slow]
             first = False
             kernel_dims.discard(dim)
             out.append(
@@ -307,8 +323,10 @@ def _check_drawn(backend, case, layout: str, check_case, small: int) -> None:
     check()
 
 
-@pytest.mark.parametrize(("backend", "case"), _cases())
+@pytest.mark.parametrize(("backend", "case"), _cases(quick=False))
 def test_forward(backend, case):
+    """``slow`` in interpret mode: the quick tier runs the plain-bounds forward as
+    ``test_grad``'s primal and the forward's own checks in ``test_forward_packed``."""
     backend.require()
     _check_drawn(backend, case, "plain", check_forward, 2)
 
@@ -326,8 +344,8 @@ def test_grad(backend, case):
 
 
 def _grad_packed_cases():
-    """As ``_cases(grad=True, packed=True)``, all ``slow``: the default tier checks packed
-    gradients in ``test_grad_drawn`` (smaller shape, drawn bounds)."""
+    """As ``_cases(grad=True, packed=True)``, all ``slow`` (so is ``test_grad_drawn``,
+    which checks packed gradients at a smaller shape with drawn bounds)."""
     return [
         pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
         for p in _cases(grad=True, packed=True)
@@ -340,9 +358,10 @@ def test_grad_packed(backend, case):
     _check_drawn(backend, case, "packed", check_grad, 0)
 
 
-# Drawn gradients: (layout, cap, case). The default tier runs packed rows with the soft
-# cap (several users per row, unaligned, gaps, padding, unused slots); ``slow`` adds plain
-# bounds, the other caps and a larger shape (GQA 2:1, D 128, three tiles of 64).
+# Drawn gradients: (layout, cap, case), all ``slow`` (the quick tier checks gradients in
+# ``test_grad``): packed rows with the soft cap (several users per row, unaligned, gaps,
+# padding, unused slots), plain bounds, the other caps and a larger shape (GQA 2:1,
+# D 128, three tiles of 64).
 # Tolerances are GRAD_TOL's: bf16 inputs against the float32 reference on the same
 # (upcast) inputs. The gradients come back in bf16, whose rounding alone (2^-9 relative
 # per element) gives a rel L2 error of about 2.5e-3; measured with the edge-case and
@@ -352,11 +371,11 @@ def test_grad_packed(backend, case):
 # dq/dk by more than 10x the tolerance) each give errors of order 1; max-abs is bounded at
 # 5x the tolerance times the largest reference gradient.
 DRAWN_GRAD = [
-    ("packed", "soft_sign", ("bfloat16", 64, "soft_sign", 1, 96, 2, 1), []),
-    ("plain", "soft_sign", ("bfloat16", 64, "soft_sign", 1, 96, 2, 1), [pytest.mark.slow]),
-    ("packed", "tanh", ("bfloat16", 64, "tanh", 1, 96, 2, 1), [pytest.mark.slow]),
-    ("packed", "none", ("bfloat16", 64, "none", 1, 96, 2, 1), [pytest.mark.slow]),
-    ("packed", "tanh", ("bfloat16", 128, "tanh", 2, 200, 4, 2), [pytest.mark.slow]),
+    ("packed", "soft_sign", ("bfloat16", 64, "soft_sign", 1, 96, 2, 1)),
+    ("plain", "soft_sign", ("bfloat16", 64, "soft_sign", 1, 96, 2, 1)),
+    ("packed", "tanh", ("bfloat16", 64, "tanh", 1, 96, 2, 1)),
+    ("packed", "none", ("bfloat16", 64, "none", 1, 96, 2, 1)),
+    ("packed", "tanh", ("bfloat16", 128, "tanh", 2, 200, 4, 2)),
 ]
 
 
@@ -365,7 +384,7 @@ def _drawn_grad_cases():
     for backend in RANKER:
         if runs_natively(backend):
             continue  # test_grad / test_grad_packed draw their bounds there (docstring)
-        for layout, cap, case, marks in DRAWN_GRAD:
+        for layout, cap, case in DRAWN_GRAD:
             dtype, dim = case[:2]
             dims = backend.packed_head_dims if layout == "packed" else None
             if not (backend.grad and backend.takes(dtype=dtype, head_dim=dim, cap=cap)):
@@ -373,7 +392,7 @@ def _drawn_grad_cases():
             if layout == "packed" and not (backend.packed and (dims is None or dim in dims)):
                 continue
             name = f"{backend}-{layout}-{cap}-d{dim}-s{case[4]}"
-            out.append(pytest.param(backend, layout, case, id=name, marks=marks))
+            out.append(pytest.param(backend, layout, case, id=name, marks=pytest.mark.slow))
     return out
 
 

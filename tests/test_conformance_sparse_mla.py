@@ -16,8 +16,9 @@ nothing selected, positions before, inside and past the cache), the ragged metad
 (request lengths, new tokens per request, shuffled physical pages) and fresh random
 inputs at fixed small shapes; every cache row no query attends holds NaN or +-Inf (and
 the paged cache's feature padding NaN), so a kernel reading one fails. Examples are few
-and derandomized; the reference's ``_qblock`` twin and more examples are in the ``slow``
-tier.
+and derandomized. The quick tier (``-m "not slow"``) runs each backend once per mode at
+its first dtype (``QUICK``), with at most one generated example; the other functions,
+read blocks and dtypes are ``slow``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import EXAMPLES, OUT_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
+from conformance import (
+    EXAMPLES,
+    OUT_TOL,
+    SPARSE_LSE_ATOL,
+    SPARSE_MLA,
+    examples,
+    reference_f32,
+    slow_off_accelerator,
+)
 from helpers import (
     assert_sparse_mla_close,
     attended_rows_flat,
@@ -54,11 +63,22 @@ FLAT = {16: (1, 8, 2, 88, 4), 1: (1, 4, 2, 160, 136)}
 PAGE, PAGES_PER_REQUEST, NUM_Q, SPARE_PAGES, RAGGED_TOP_K, RAGGED_HEADS = 16, 3, 12, 2, 4, 2
 
 
+# The quick tier's case of each backend per mode, at its first dtype: (function,
+# read_block). Hopper's per-query kernel (what ``sparse_mla_attention`` runs) flat at token
+# level (read_block=1, which the TPU kernels do not take), its query-blocked kernel
+# ragged paged (5.7 s in interpret mode here against the per-query kernel's 25.5 s).
+QUICK = {
+    "flat": {"reference": (FNS[0], 16), "pallas-tpu": (FNS[0], 16), "mosaic-gpu": (FNS[0], 1)},
+    "ragged": {"reference": (FNS[0], 16), "pallas-tpu": (FNS[0], 16), "mosaic-gpu": (FNS[1], 16)},
+}
+
+
 def _cases(mode: str):
-    """(backend, function, dtype, read_block) the backend supports; the first of each
-    backend runs in the default tier with the plain function; the ``_qblock`` twins and
-    other dtypes are ``slow``, except where the twin is a kernel of its own (the TPU's
-    and Hopper's query-blocked kernels)."""
+    """(backend, function, dtype, read_block) the backend supports; ``QUICK``'s run in the
+    quick tier, the others (``_qblock`` twins, read blocks, dtypes) are ``slow``, except
+    where the kernels run natively: there the first dtype of each function that is a
+    kernel of its own (not the reference's ``_qblock`` twin) is not
+    (``conformance.slow_off_accelerator``)."""
     out = []
     for backend in SPARSE_MLA:
         blocks = [16] if mode == "ragged" else [16, 1]
@@ -68,8 +88,12 @@ def _cases(mode: str):
             for i, dtype in enumerate(backend.dtypes):
                 for fn in FNS:
                     own_kernel = fn == FNS[0] or backend.name != "reference"
-                    slow = i > 0 or not own_kernel
-                    marks = [pytest.mark.slow] if slow else []
+                    if i == 0 and QUICK[mode][backend.name] == (fn, rb):
+                        marks = []
+                    elif i == 0 and own_kernel:
+                        marks = slow_off_accelerator(backend)
+                    else:
+                        marks = [pytest.mark.slow]
                     name = f"{backend}-{fn.removeprefix('sparse_mla_attention') or 'plain'}"
                     ident = f"{name}-{dtype}-rb{rb}"
                     out.append(pytest.param(backend, fn, dtype, rb, id=ident, marks=marks))
@@ -133,8 +157,9 @@ def flat_selection(draw, *, batch, seq, kv_len, rb, top_k):
 
 
 def _examples(backend):
-    """Hypothesis settings with the backend's example budget."""
-    return settings(EXAMPLES, **examples(backend, backend.sparse_examples))
+    """Hypothesis settings with the backend's example budget, at most one generated
+    example in the quick tier."""
+    return settings(EXAMPLES, **examples(backend, backend.sparse_examples, quick=1))
 
 
 @pytest.mark.parametrize(("backend", "fn", "dtype", "rb"), _cases("flat"))

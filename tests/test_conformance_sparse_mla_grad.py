@@ -18,8 +18,13 @@ shapes fits its partial buffer: the blocked kernels run, not the per-query fallb
 with one generated example in interpret mode; Hopper's is the query-blocked forward
 (blocks of 32 queries at these 2 heads) under the per-query backward. The reference's own
 gradient is checked against float64 finite differences in ``test_sparse_mla_grad.py``.
-Kernel cases other than TPU's are ``slow`` (the Hopper interpreter, and the package
-tests cover them in the default tier).
+
+The quick tier (``-m "not slow"``) runs the reference's and TPU's plain op, flat at unit
+level and ragged paged, each on its explicit edge case only (every example compiles its
+own programs: 8-18 s each for TPU's ops in interpret mode here) except the reference's
+flat one, which draws one example besides. The query-blocked twins, token level (``read_block=1``) and every Hopper
+case are ``slow`` (the Hopper interpreter; the package tests cover its backward); where
+the TPU kernels run natively their query-blocked twin is not.
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import GRAD_TOL, SPARSE_LSE_ATOL, SPARSE_MLA, examples, reference_f32
+from conformance import (
+    GRAD_TOL,
+    SPARSE_LSE_ATOL,
+    SPARSE_MLA,
+    examples,
+    reference_f32,
+    slow_off_accelerator,
+)
 from helpers import (
     attended_rows_flat,
     poison_rows,
@@ -62,11 +74,14 @@ QBLOCK = ("sparse_mla_attention_qblock", {"query_block": 8})
 PLAIN = ("sparse_mla_attention", {})
 
 
-def _budget(backend, op) -> int:
-    """Generated examples off the accelerator: the query-blocked twin takes one (its
-    backward also has fixed edge cases in the package's tests); natively every op takes
+def _budget(backend, op, mode: str) -> dict:
+    """Hypothesis settings off the accelerator: the query-blocked twin takes one generated
+    example (its backward also has fixed edge cases in the package's tests), the quick
+    tier none but in the reference's flat case (one); natively every op takes
     ``NATIVE_EXAMPLES``."""
-    return min(1, backend.sparse_examples) if op == QBLOCK else backend.sparse_examples
+    small = min(1, backend.sparse_examples) if op == QBLOCK else backend.sparse_examples
+    quick = 1 if backend.name == "reference" and mode == "flat" else 0
+    return examples(backend, small, quick=quick)
 
 
 def _cases(mode: str):
@@ -76,10 +91,15 @@ def _cases(mode: str):
             if rb == 1 and not backend.read_block_1:
                 continue
             dtype = backend.dtypes[-1]  # bf16 where the backend takes it (the kernels' case)
-            slow = backend.name == "mosaic-gpu" or (backend.name == "pallas-tpu" and rb == 1)
-            marks = [pytest.mark.slow] if slow else []
             ops = [PLAIN, QBLOCK] if backend.name != "reference" and rb > 1 else [PLAIN]
+            slow = backend.name == "mosaic-gpu" or (backend.name == "pallas-tpu" and rb == 1)
             for op in ops:
+                if slow:
+                    marks = [pytest.mark.slow]
+                elif rb == 1 or op == QBLOCK:  # run natively (slow_off_accelerator)
+                    marks = slow_off_accelerator(backend)
+                else:
+                    marks = []
                 name = f"{backend}-{op[0].removeprefix('sparse_mla_attention') or 'plain'}"
                 ident = f"{name}-{dtype}-rb{rb}"
                 out.append(pytest.param(backend, op, dtype, rb, id=ident, marks=marks))
@@ -127,7 +147,7 @@ def test_flat_grad(backend, op, dtype, rb):
     batch, seq, heads, kv_len, top_k = FLAT[rb]
     dv, rope = backend.sparse_dims
 
-    @settings(EXAMPLES, **examples(backend, _budget(backend, op)))
+    @settings(EXAMPLES, **_budget(backend, op, "flat"))
     @given(
         sel=flat_selection(batch=batch, seq=seq, kv_len=kv_len, rb=rb, top_k=top_k),
         seed=st.integers(0, 2**31 - 1),
@@ -149,7 +169,7 @@ def test_ragged_grad(backend, op, dtype, rb):
     backend.require()
     dv, rope = backend.sparse_dims
 
-    @settings(EXAMPLES, **examples(backend, _budget(backend, op)))
+    @settings(EXAMPLES, **_budget(backend, op, "ragged"))
     @given(layout=ragged_layout(), seed=st.integers(0, 2**31 - 1))
     @example(layout=layout_dict([5, 0, 7], [40, 3, 7], [10, 3, 7, 0, 8, 1, 5, 9, 2, 4, 6]), seed=1)
     def check(layout, seed):

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# ~6 s on 2 cores: the format's error bound is checked quickly by
+# common/tests/test_fp8_cache.py::test_error_bound, the quoted table by the test below.
+@pytest.mark.slow
 def test_script_runs_and_fp8_error_is_bounded(tmp_path):
     with load_script(ROOT / "benchmarks" / "fp8_cache_error.py", "fp8_cache_error") as script:
         args = ["--tokens", "512", "--queries", "4", "--heads", "2", "--top-k", "128"]

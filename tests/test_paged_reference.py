@@ -43,6 +43,21 @@ EXTRA_PAGES = [1, 0, 2, 0, 1]
 
 CASES = [(16, "bfloat16"), (16, "float32"), (32, "bfloat16"), (32, "float32")]
 CASE_IDS = [f"ps{p}-{d}" for p, d in CASES]
+# Each page size x dtype compiles the ops again: the quick tier (-m "not slow") runs the
+# write tests at two of them (each page size and each dtype once), the full tier at all.
+QUICK_CASES = [(16, "bfloat16"), (32, "float32")]
+
+
+def _cases_with(values, quick=QUICK_CASES):
+    """``(page_size, dtype, value)`` for CASES x ``values``; outside ``quick``: slow."""
+    return [
+        pytest.param(
+            page_size, dtype, x, id=f"ps{page_size}-{dtype}-{x}",
+            marks=() if (page_size, dtype) in quick else pytest.mark.slow,
+        )
+        for page_size, dtype in CASES
+        for x in values
+    ]  # fmt: skip
 
 
 def _pk(dtype: str) -> int:
@@ -196,8 +211,7 @@ def _write_case(seed, page_size, dtype, rows_dtype):
     return cache, rows, loc.astype(np.int32)
 
 
-@pytest.mark.parametrize("rows_dtype", ["float32", "same"])
-@pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("page_size", "dtype", "rows_dtype"), _cases_with(["float32", "same"]))
 def test_paged_write_back_random(page_size, dtype, rows_dtype):
     rows_dtype = dtype if rows_dtype == "same" else rows_dtype
     cache, rows, loc = _write_case(70, page_size, dtype, rows_dtype)
@@ -264,8 +278,11 @@ def _new_token_slots(layout, page_size):
     return np.asarray(slots, np.int32)
 
 
-@pytest.mark.parametrize("kpe_rank", [2, 3])
-@pytest.mark.parametrize(("page_size", "dtype"), CASES, ids=CASE_IDS)
+# Quick at one page size and dtype (the others are those of the attention and write-back
+# tests above).
+@pytest.mark.parametrize(
+    ("page_size", "dtype", "kpe_rank"), _cases_with([2, 3], quick=[(16, "bfloat16")])
+)
 def test_prefill_write_and_attend(page_size, dtype, kpe_rank):
     layout, cache, _, idx, _ = make_case(80, page_size, dtype)
     rng = rng_for(81)

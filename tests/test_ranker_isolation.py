@@ -111,15 +111,17 @@ BACKENDS = {
     ),
 }
 CAP_DIMS = [("none", 64), ("tanh", 128), ("soft_sign", 64)]
-# Interpret mode costs ~20 s (TPU) and ~35 s (Mosaic GPU) of one core per call: the
-# kernels' second and third cap are marked slow (-m "not slow" keeps one per kernel).
+# Interpret mode costs ~20 s (TPU) and ~35 s (Mosaic GPU) of one core per call: -m "not
+# slow" keeps one cap per backend, the kernels' first, the reference's second (another cap
+# and head dim than the TPU kernels'); the others are marked slow.
+QUICK_CAP = {"reference": 1, "pallas-tpu": 0, "mosaic-gpu": 0}
 PARAMS = [
     pytest.param(
         fn,
         cap,
         dim,
         id=f"{cap}-{dim}-{name}",
-        marks=(*marks, *((pytest.mark.slow,) if name != "reference" and n else ())),
+        marks=(*marks, *((pytest.mark.slow,) if n != QUICK_CAP[name] else ())),
     )
     for name, (fn, marks) in BACKENDS.items()
     for n, (cap, dim) in enumerate(CAP_DIMS)
@@ -224,14 +226,17 @@ def test_poisoned_rows_do_not_leak(backend, cap, head_dim):
 # attends reaches its output as the reference's IEEE arithmetic gives it. No cap: +Inf -
 # +Inf in the softmax, NaN; tanh: the cap's value, finite; soft-sign: Inf / Inf, NaN. The
 # TPU kernels' soft-sign takes an approximate reciprocal on a chip (interpret mode
-# computes it exactly), so the native run is what checks it there.
+# computes it exactly), so the native run is what checks it there: -m "not slow" runs that
+# case on a TPU (benchmarks/tpu_run.sh), the others are ``slow`` (the quick tier's
+# isolation check is test_poisoned_rows_do_not_leak).
 INF_KEY = 10  # a history row every later history row and every candidate attends
+ON_TPU = jax.default_backend() == "tpu"
 INF_PARAMS = [
     pytest.param(
         fn,
         cap,
         id=f"{cap}-{name}",
-        marks=() if name == "reference" or cap == "soft_sign" else (pytest.mark.slow,),
+        marks=() if ON_TPU and name == "pallas-tpu" and cap == "soft_sign" else pytest.mark.slow,
     )
     for name, fn in (("reference", _reference), ("pallas-tpu", _tpu))
     for cap in CAPS

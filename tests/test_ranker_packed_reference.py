@@ -58,6 +58,9 @@ CAPS = {
     "tanh": CapParams(CapMethod.TANH, 2.0),
     "soft_sign80": CapParams(CapMethod.SOFT_SIGN, 80.0),
 }
+# Each new shape, dtype or cap compiles the reference again (~2-3 s on 2 cores): the
+# quick tier (-m "not slow") keeps the cases that no other quick test covers.
+SLOW = pytest.mark.slow
 
 
 def _check(q, k, v, bounds, *, cap=None, sm_scale=None, dtype="float32"):
@@ -69,12 +72,19 @@ def _check(q, k, v, bounds, *, cap=None, sm_scale=None, dtype="float32"):
     return out, lse
 
 
-@pytest.mark.parametrize("cap_name", list(CAPS))
+# Quick: the strongest cap (tanh 2.0); the packed rows are independent of the cap
+# method, each of which test_ranker_reference.py checks quickly.
+@pytest.mark.parametrize(
+    "cap_name", [pytest.param("none", marks=SLOW), "tanh", pytest.param("soft_sign80", marks=SLOW)]
+)
 def test_packed_edge_cases_gqa5(cap_name):
     q, k, v = ranker_inputs(21, 3, S, 10, 2, 64)
     _check(q, k, v, PACKED_37, cap=CAPS[cap_name], sm_scale=1.0)
 
 
+# bf16 is checked quickly by test_ranker_reference.py::test_shapes_dtypes, the [1, U, 4]
+# broadcast by common/tests/test_packed_bounds.py::test_normalize_packed_forms.
+@SLOW
 def test_packed_bf16_and_broadcast_row():
     q, k, v = ranker_inputs(22, 3, S, 4, 2, 64, "bfloat16")
     _check(q, k, v, PACKED_37, cap=CAPS["soft_sign80"], dtype="bfloat16")
@@ -84,6 +94,7 @@ def test_packed_bf16_and_broadcast_row():
     assert_close(out, want[0], rtol_l2=1e-5, atol=3e-5)
 
 
+@SLOW  # the oracle checks (assert_ranker_close) of test_packed_edge_cases_gqa5 cover it
 def test_empty_rows_exact_and_finite():
     q, k, v = ranker_inputs(24, 3, S, 4, 2, 64)
     out, lse = ranker_attention(q, k, v, PACKED_37, return_lse=True)
@@ -96,6 +107,7 @@ def test_empty_rows_exact_and_finite():
         assert np.all(np.isfinite(lse[b][:, has_key]))
 
 
+@SLOW  # ~4 s; the forms' normalization: test_packed_bounds.py::test_normalize_packed_forms
 def test_one_user_forms_agree():
     """[B, 4], [B, 1, 4] and [B, U, 4] with one used slot give identical results."""
     q, k, v = ranker_inputs(25, 3, S, 4, 2, 64)
@@ -130,7 +142,12 @@ def _extents(bounds_row):
     return ext
 
 
+# ~12 s each on 2 cores: in the full tier. Quick, the packed users' values and gradients
+# are checked against the packed oracle (test_packed_edge_cases_gqa5,
+# test_grads_float64_vs_packed_oracle_deterministic), and another user's rows poisoned
+# change nothing (tests/test_ranker_isolation.py, "other_user", on the reference).
 @pytest.mark.parametrize("row", [0, 1])
+@SLOW
 def test_packed_row_equals_users_alone(row):
     """Outputs, LSE and gradients of each user are the same packed or alone (padding and
     other users' tokens around it change nothing)."""
@@ -221,6 +238,10 @@ def test_overlapping_users_refused_on_host():
         ranker_attention(q, k, v, OVERLAPPING)
 
 
+# ~5 s on 2 cores: the same checks (overlap, out of range) under jit and checkify are
+# checked quickly by common/tests/test_packed_bounds.py::test_check_packed_bounds_checkify,
+# the ranker's debug_checks by test_reference_validation.py::test_ranker_checkify_bounds.
+@SLOW
 def test_debug_checks_report_overlap_under_jit():
     q, k, v = ranker_inputs(51, 1, S, 2, 2, 16)
 
@@ -237,6 +258,10 @@ def test_debug_checks_report_overlap_under_jit():
     assert "out of range" in err.get()
 
 
+# ~3 s on 2 cores: bounds as data (one compile) are checked quickly by
+# test_ranker_reference.py::test_traced_bounds_one_compile, packed bounds against the
+# oracle by test_packed_edge_cases_gqa5.
+@SLOW
 def test_traced_packed_bounds_one_compile():
     q, k, v = ranker_inputs(52, 3, S, 4, 2, 16)
 
@@ -252,6 +277,10 @@ def test_traced_packed_bounds_one_compile():
     assert jit_cache_size(f) == 1
 
 
+# ~3 s on 2 cores: the front door's dispatch is checked quickly by
+# common/tests/test_dispatch.py, packed bounds through the reference's own entry point
+# (the same spec) by test_packed_edge_cases_gqa5.
+@SLOW
 def test_front_door_runs_packed_on_reference():
     q, k, v = ranker_inputs(53, 3, S, 4, 2, 16)
     out = front_door(q, k, v, PACKED_37)
@@ -282,6 +311,9 @@ def test_hopper_supports_packed_for_pipelined_head_dims():
         mgpu.ranker_attention(qf, qf, qf, jnp.zeros((2, 3, 4), jnp.int32), interpret=True)
 
 
+# ~12 s on 2 cores; pack_users' gather / scatter and their gradients are checked quickly
+# by common/tests/test_packing.py, the packed rows as above.
+@SLOW
 def test_pack_users_training_step_matches_unpacked():
     """A jitted gradient through ``pack_users``' gather -> ranker attention -> scatter, on
     flat per-user features: the loss and the gradients of the flat q, k, v equal those of

@@ -31,6 +31,9 @@ CAPS = {
     "tanh2": CapParams(CapMethod.TANH, 2.0),
     "soft_sign2": CapParams(CapMethod.SOFT_SIGN, 2.0),
 }
+# Each new (shape, dtype, cap, sm_scale) compiles the reference again (~2 s on 2 cores):
+# the quick tier (-m "not slow") keeps a few of each grid, the full tier runs them all.
+SLOW = pytest.mark.slow
 
 
 # Bounds for B = 4 rows of S = 37 (nothing is a multiple of a block size).
@@ -70,8 +73,20 @@ def _check_against_oracle(
     return out, lse, want_out, want_lse
 
 
-@pytest.mark.parametrize("cap_name", list(CAPS))
-@pytest.mark.parametrize("case", list(BOUNDS_37))
+# Quick: every bounds pattern under soft_sign2 (one compile per cap); the forward with no
+# cap and with tanh is checked against the oracle quickly by test_bounds_forms_agree and
+# test_traced_bounds_one_compile (tanh30, four of these patterns), test_shapes_dtypes.
+QUICK_BOUNDS_CAPS = ("soft_sign2",)
+
+
+@pytest.mark.parametrize(
+    "case, cap_name",
+    [
+        pytest.param(case, cap, marks=() if cap in QUICK_BOUNDS_CAPS else SLOW, id=f"{case}-{cap}")
+        for case in BOUNDS_37
+        for cap in CAPS
+    ],
+)
 def test_bounds_cases_gqa5(case, cap_name):
     """Every bounds pattern x every cap; GQA 5:1 (Hq=10, Hkv=2), D=64, S=37."""
     q, k, v = ranker_inputs(1, 4, S37, 10, 2, 64)
@@ -89,6 +104,7 @@ def test_small_cap_matters():
     assert np.linalg.norm(plain - capped) > 0.1 * np.linalg.norm(plain)
 
 
+@SLOW  # the oracle checks (assert_ranker_close) of test_bounds_cases_gqa5 cover it quickly
 def test_empty_rows_exact():
     """Padding / gap / empty-segment rows: out exactly 0 and lse exactly -inf."""
     q, k, v = ranker_inputs(3, 4, S37, 10, 2, 64)
@@ -123,9 +139,19 @@ def _bounds_for(seq: int, batch: int, rng) -> np.ndarray:
     return np.asarray(rows, np.int32)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("cap_name", ["none", "tanh30", "soft_sign80"])
-@pytest.mark.parametrize("shape", list(SHAPES))
+# Quick: bfloat16, GQA, S = 130 (float32 at S = 37 and every cap method: the tests above).
+QUICK_SHAPES = {("gqa5_d64_s130", "tanh30", "bfloat16")}
+
+
+@pytest.mark.parametrize(
+    "shape, cap_name, dtype",
+    [
+        pytest.param(shape, cap, dtype, marks=() if (shape, cap, dtype) in QUICK_SHAPES else SLOW)
+        for dtype in ("float32", "bfloat16")
+        for cap in ("none", "tanh30", "soft_sign80")
+        for shape in SHAPES
+    ],
+)
 def test_shapes_dtypes(shape, cap_name, dtype):
     batch, seq, hq, hkv, dim = SHAPES[shape]
     q, k, v = ranker_inputs(4, batch, seq, hq, hkv, dim, dtype)
@@ -133,6 +159,7 @@ def test_shapes_dtypes(shape, cap_name, dtype):
     _check_against_oracle(q, k, v, bounds, cap=CAPS[cap_name], dtype=dtype)
 
 
+@SLOW  # float32 and bfloat16 inputs are checked quickly by test_shapes_dtypes
 def test_float16_inputs():
     q, k, v = ranker_inputs(6, 2, S37, 4, 2, 64, np.float16)
     bounds = np.asarray([[0, 20, 20, 33], [3, 9, 12, 37]], np.int32)
@@ -143,7 +170,9 @@ def test_float16_inputs():
     assert_lse_close(lse, want_lse, atol=1e-4)
 
 
+# An explicit sm_scale (1.0) is checked quickly by test_bounds_cases_gqa5.
 @pytest.mark.parametrize("sm_scale", [0.05, 0.3, 2.0])
+@SLOW
 def test_explicit_sm_scale(sm_scale):
     q, k, v = ranker_inputs(7, 4, S37, 10, 2, 64)
     bounds = np.asarray(BOUNDS_37["unaligned_per_row"], np.int32)
@@ -243,14 +272,10 @@ def _loss_fn(bounds, cap, w_out, w_lse, sm_scale=None):
     return loss
 
 
-@pytest.mark.parametrize(
-    "cap_name",
-    [
-        pytest.param("none", marks=pytest.mark.slow),
-        "tanh2",
-        pytest.param("soft_sign2", marks=pytest.mark.slow),
-    ],
-)
+# Finite differences (~3-6 s each on 2 cores): the gradient is checked quickly against the
+# oracle's hand-derived backward by test_grads_vs_analytic_oracle_float64[tanh2].
+@pytest.mark.parametrize("cap_name", ["none", "tanh2", "soft_sign2"])
+@SLOW
 def test_check_grads_float64(cap_name):
     with jax.enable_x64(True):
         q, k, v = (jnp.asarray(x, jnp.float64) for x in ranker_inputs(12, *GRAD_SHAPE))
@@ -262,12 +287,13 @@ def test_check_grads_float64(cap_name):
         check_grads(loss, (q, k, v), order=1, modes=["rev"])
 
 
-# ~4 s each on 2 cores: soft_sign80 stays in the quick subset.
-SLOW = pytest.mark.slow
-
-
+# ~3-6 s each on 2 cores: tanh2 stays quick (no cap is the same backward with an identity
+# cap; the caps' own derivatives: common/tests/test_cap.py); soft_sign80 is checked
+# quickly against the packed oracle's backward (test_ranker_packed_reference.py::
+# test_grads_float64_vs_packed_oracle_deterministic; one-user bounds run as [B, 1, 4]).
 @pytest.mark.parametrize(
-    "cap_name", [pytest.param("none", marks=SLOW), pytest.param("tanh2", marks=SLOW), "soft_sign80"]
+    "cap_name",
+    [pytest.param("none", marks=SLOW), "tanh2", pytest.param("soft_sign80", marks=SLOW)],
 )
 def test_grads_vs_analytic_oracle_float64(cap_name):
     """jax.grad of the reference == the oracle's hand-derived float64 backward."""
@@ -301,6 +327,9 @@ def test_grads_float32_vs_oracle_gqa5():
         assert_close(np.asarray(g), w, rtol_l2=1e-5, atol=1e-4, name=f"d{name}")
 
 
+# The exact zeros are checked quickly by test_ranker_packed_reference.py::
+# test_grads_float64_vs_packed_oracle_deterministic (padding rows, keys nobody reads).
+@SLOW
 def test_zero_grads_for_empty_rows_and_unread_keys():
     """float64: no NaN anywhere; rows with no key and keys nobody reads get exactly 0."""
     bounds = np.asarray([[2, 6, 9, 11], [0, 0, 0, 0], [5, 12, 0, 3]], np.int32)
@@ -366,11 +395,16 @@ def test_phoenix_memory_bound(which):
     assert seconds < 60, f"{which}: compile took {seconds:.1f} s"
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_query_chunks_with_padding_match_one_chunk(monkeypatch, packed):
+# Quick: the values of packed rows (a forward compile per chunking); the gradients (~12 s
+# each on 2 cores: the backward of the chunked map) in the full tier, one-user bounds
+# there too (they are lifted to [B, 1, 4] and run the same chunked code as packed ones).
+@pytest.mark.parametrize("grads", [False, pytest.param(True, marks=SLOW)], ids=["values", "grads"])
+@pytest.mark.parametrize("packed", [pytest.param(False, marks=SLOW), True])
+def test_query_chunks_with_padding_match_one_chunk(monkeypatch, packed, grads):
     """The reference bounds memory by running queries in chunks; when the chunk does not
     divide S the last chunk is padded. Forced here (a tiny chunk budget: chunk 8 of S=45,
-    three padding rows) and compared with the one-chunk run, values and gradients."""
+    three padding rows) and compared with the one-chunk run: values, and with ``grads``
+    (values through ``value_and_grad``) the gradients too."""
     import attn_reference.ranker as ref_ranker
 
     rng = np.random.default_rng(7)
@@ -387,12 +421,20 @@ def test_query_chunks_with_padding_match_one_chunk(monkeypatch, packed):
         out, lse = ranker_attention(q, k, v, bounds, cap=cap, return_lse=True)
         return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
 
-    (_, (want_out, want_lse)), want_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    def run():
+        """``((out, lse), grads or None)``."""
+        if not grads:
+            return ranker_attention(q, k, v, bounds, cap=cap, return_lse=True), None
+        (_, out_lse), g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+        return out_lse, g
+
+    (want_out, want_lse), want_g = run()
     monkeypatch.setattr(ref_ranker, "_CHUNK_ELEMENTS", b * hq * s * 8)
     assert ref_ranker._query_chunk(b, hq, s) == 8  # 6 chunks, the last one 3 rows short
-    (_, (got_out, got_lse)), got_g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    (got_out, got_lse), got_g = run()
     np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(want_lse))
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5, atol=1e-6)
-    for got, want in zip(got_g, want_g, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    if grads:
+        for got, want in zip(got_g, want_g, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -38,6 +38,9 @@ from attn_reference import sparse_mla_attention
 SCALE = 0.3
 EPS = 1e-5  # central differences in float64: truncation ~EPS^2, rounding ~1e-16 / EPS
 GRAD_RTOL = 2e-5  # rel L2 of the float32 reference gradient against float64 differences
+# Each new shape compiles a forward and a backward (~2-4 s on 2 cores): the quick tier
+# (-m "not slow") keeps the cases that no other quick test covers.
+SLOW = pytest.mark.slow
 
 
 def _weights(rng, out_shape, lse_shape):
@@ -121,7 +124,8 @@ def _flat_inputs(seed, rb):
     return q, kv, idx, pos
 
 
-@pytest.mark.parametrize("rb", [4, 1], ids=["units", "tokens"])
+# tokens (read_block 1: the same gather with one-token units) in the full tier.
+@pytest.mark.parametrize("rb", [4, pytest.param(1, marks=SLOW)], ids=["units", "tokens"])
 def test_flat_gradient_matches_finite_differences_elementwise(rb):
     """Every element of dq and dkv (out and lse weighted) against float64 differences of
     the oracle; the edge cases (-1, duplicates, out of range, empty queries, kv_len
@@ -166,7 +170,11 @@ def _dedupe_by_hand(idx):
     return out
 
 
+# ~2 s each on 2 cores (a compile of the doubled selection): in the full tier; quick, the
+# finite-difference test's inputs hold duplicates, and the forward's set semantics are
+# checked by test_sparse_mla_reference.py::test_duplicates_and_order_are_a_set.
 @pytest.mark.parametrize("rb", [4, 1], ids=["units", "tokens"])
+@SLOW
 def test_duplicates_contribute_once(rb):
     """Every id listed twice (and shuffled): the gradients of the deduplicated selection,
     bit for bit (the reference drops later copies before gathering)."""
@@ -197,7 +205,7 @@ def test_empty_queries_get_zero_gradient():
     assert np.all(dkv[0, 3:] == 0.0) and np.abs(dkv[0, :3, :DV]).min() > 0
 
 
-@pytest.mark.parametrize("rb", [4, 1], ids=["units", "tokens"])
+@pytest.mark.parametrize("rb", [4, pytest.param(1, marks=SLOW)], ids=["units", "tokens"])
 def test_flat_unattended_rows_nan_get_exact_zero_gradient(rb):
     """Rows no query attends hold NaN/+Inf/-Inf: their gradient is exactly 0, and every
     output and gradient is bit-identical to the clean cache's (the poison is selected
@@ -274,7 +282,7 @@ def _saved_forward_grad(q, kv, idx, pos, w_out, w_lse, *, chunk=None, **kw):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))(q, kv)
 
 
-@pytest.mark.parametrize("rb", [4, 1], ids=["units", "tokens"])
+@pytest.mark.parametrize("rb", [4, pytest.param(1, marks=SLOW)], ids=["units", "tokens"])
 def test_saved_forward_backward_matches_reference(rb, monkeypatch):
     """The backward from the saved ``out``/``lse`` equals the reference's VJP: float32
     within rounding (in one chunk and in 2-query chunks), bfloat16 within the bf16
@@ -303,6 +311,9 @@ def test_saved_forward_backward_matches_reference(rb, monkeypatch):
         assert np.all(rows[~keep.reshape(-1)] == 0.0) and (~keep).any()
 
 
+# ~5 s on 2 cores: the saved-forward backward is checked quickly in flat mode
+# (test_saved_forward_backward_matches_reference).
+@SLOW
 def test_saved_forward_backward_ragged_dirty_cache():
     """Ragged paged, NaN in unattended rows and in the feature padding: the backward from
     the saved forward equals the reference's VJP; those rows and features get 0."""
@@ -368,6 +379,10 @@ def _fd_directions(f, x, grad, rng, n):
         assert abs(got - want) <= GRAD_RTOL * 10 * max(abs(want), 1.0), (got, want)
 
 
+# The ragged paged tests (~3-5 s each on 2 cores, a compile each) are in the full tier:
+# the gradient, its exact zeros on a dirty cache and the mass are checked quickly in flat
+# mode, the ragged paged forward against the oracle by test_paged_reference.py.
+@SLOW
 def test_ragged_gradient_matches_finite_differences():
     """Ragged paged: directional differences of the oracle along random directions of q
     and of the whole paged cache (feature padding included: its gradient is 0)."""
@@ -382,6 +397,7 @@ def test_ragged_gradient_matches_finite_differences():
     assert np.all(np.asarray(dcache)[..., DV + ROPE :] == 0.0)
 
 
+@SLOW
 def test_ragged_unattended_rows_nan_get_exact_zero_gradient():
     q, cache, idx, pos, tables, layout = _ragged_case(20)
     num_pages = layout["num_pages"]
@@ -428,7 +444,7 @@ def _mass_oracle_flat(q, kv, idx, pos, rb):
     return mass
 
 
-@pytest.mark.parametrize("rb", [4, 1], ids=["units", "tokens"])
+@pytest.mark.parametrize("rb", [4, pytest.param(1, marks=SLOW)], ids=["units", "tokens"])
 def test_attn_mass_matches_oracle_and_is_stop_gradient(rb):
     q, kv, idx, pos = _flat_inputs(23, rb)
     out, lse, mass = sparse_mla_attention(
@@ -462,6 +478,8 @@ def test_attn_mass_matches_oracle_and_is_stop_gradient(rb):
     assert not np.asarray(dq).any() and not np.asarray(dkv).any()
 
 
+@SLOW  # see test_ragged_gradient_matches_finite_differences; empty work (K = 0) forward:
+# test_sparse_mla_reference.py::test_empty_work_gives_zeros
 def test_attn_mass_ragged_and_empty_work():
     q, cache, idx, pos, tables, layout = _ragged_case(24)
     call = _ragged_call(idx, pos, tables, return_attn_mass=True)
@@ -495,6 +513,10 @@ def test_return_attn_mass_is_checked():
 # ---------------------------------------------------------------- hypothesis cases
 
 
+# ~18 s on 2 cores (a compile per example): the same checks run quickly on fixed inputs
+# (test_flat_gradient_matches_finite_differences_elementwise,
+# test_flat_unattended_rows_nan_get_exact_zero_gradient, test_attn_mass_matches_oracle_...).
+@SLOW
 @settings(
     max_examples=6,
     deadline=None,

@@ -63,9 +63,18 @@ def _check(out, lse, want_out, want_lse, *, tol=F32_TOL):
 SMALL = {"batch": 2, "seq": 19, "dk": 40, "num_tokens": 45, "top_k": 4, "read_block": 16}
 
 
+# Each heads x dtype compiles the reference again (~1-2 s on 2 cores): the quick tier
+# (-m "not slow") keeps each heads value and each dtype once.
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize(
+    "heads, dtype",
+    [
+        pytest.param(1, "float32", marks=pytest.mark.slow),
+        (1, "bfloat16"),
+        (4, "float32"),
+        pytest.param(4, "bfloat16", marks=pytest.mark.slow),
+    ],
+)
 def test_flat_small_dims(heads, dtype, causal):
     """Dk=40, Dv=32, T=45 (last unit of 16 has 13 tokens), -1/dups/out-of-range ids."""
     q, kv, idx, pos = flat_inputs(20 + heads, heads=heads, dtype=dtype, causal=causal, **SMALL)
@@ -84,7 +93,7 @@ def test_flat_small_dims(heads, dtype, causal):
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(out))
 
 
-@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("heads", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_flat_mla_dims(heads):
     """Dk=576, Dv=512 (the defaults kv_lora_rank=512, read_block=128), small T=300."""
     q, kv, idx, pos = flat_inputs(

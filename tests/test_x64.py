@@ -15,6 +15,9 @@ dispatch JAX operations from their callback threads, and with more eager work qu
 behind a running kernel on a 2-core machine both can wait on each other for good (seen
 here: two test workers idle in ``_deallocate_barrier``'s slicing while the main thread
 dispatched the backward's ops).
+
+The quick tier (``-m "not slow"``) checks each op once, on the reference; the kernels'
+interpret-mode runs and the lowerings are ``slow`` (``nox -s tests-cpu-full`` runs them).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: the helpers beside it
-from conformance import RANKER, SPARSE_MLA, params
+from conformance import RANKER, SPARSE_MLA, slow_off_accelerator
 from helpers import attended_rows_flat, poison_rows, randn, rng_for, run_interpret
 
 from attn_common import CapMethod, CapParams
@@ -143,6 +146,15 @@ def _with_x64(tmp_path, kind: str, *names: str) -> list[np.ndarray]:
         return [f[f"a{i}"].view(jnp.dtype(str(f[f"d{i}"]))) for i in range(count)]
 
 
+def _params(backends):
+    """``pytest.param`` per backend, the kernels ``slow`` in interpret mode: one check per
+    op, the reference's, in the quick tier (``conformance.slow_off_accelerator``)."""
+    return [
+        pytest.param(b, id=b.name, marks=() if b.name == "reference" else slow_off_accelerator(b))
+        for b in backends
+    ]
+
+
 def _assert_same(plain, wide):
     assert len(plain) == len(wide)
     for a, b in zip(plain, wide, strict=True):
@@ -150,7 +162,7 @@ def _assert_same(plain, wide):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("backend", params(SPARSE_MLA))
+@pytest.mark.parametrize("backend", _params(SPARSE_MLA))
 def test_sparse_mla_same_bits_under_x64(backend, tmp_path):
     backend.require()
     plain = sparse_mla_run(backend)
@@ -158,12 +170,13 @@ def test_sparse_mla_same_bits_under_x64(backend, tmp_path):
     assert np.isfinite(plain[-1]).all()  # the dirty rows stay out of the cache gradient
 
 
-@pytest.mark.parametrize("backend", params(RANKER))
+@pytest.mark.parametrize("backend", _params(RANKER))
 def test_ranker_same_bits_under_x64(backend, tmp_path):
     backend.require()
     _assert_same(ranker_run(backend), _with_x64(tmp_path, "ranker", backend.name))
 
 
+@pytest.mark.slow  # one lowering per package: 6 s (TPU) and 20 s (CUDA) here
 @pytest.mark.parametrize(("package", "platform"), KERNEL_PACKAGES)
 def test_kernels_lower_under_x64(package, platform, tmp_path):
     pytest.importorskip(package, reason=f"{package} is not installed")

@@ -130,9 +130,14 @@ def test_run_ranker_small(tmp_path, capsys):
     assert doc["provenance"]["command"].startswith("attn run ranker")
 
 
+def _stand_in(q, k, v, bounds, **kwargs):
+    """A ranker attention stand-in for the tests of the command around it."""
+    return q * 2
+
+
 def test_run_times_fwd_bwd_once_not_plus_forward(monkeypatch):
-    """fwd+bwd is the time of one value_and_grad call, never forward + that call."""
-    pytest.importorskip("attn_reference")
+    """fwd+bwd is the time of one value_and_grad call, never forward + that call. A
+    stand-in backend, unchecked, keeps this quick (test_run_ranker_small runs the real one)."""
     timed = []
 
     def fake_times(fn, *args, repeats=3, keep=None, warmup=True):
@@ -141,6 +146,8 @@ def test_run_times_fwd_bwd_once_not_plus_forward(monkeypatch):
         return [1.0, 2.0, 6.0]
 
     monkeypatch.setattr(cli, "_times", fake_times)
+    monkeypatch.setattr(cli, "select_backend", lambda *a, **k: ("stand-in", _stand_in))
+    monkeypatch.setattr(cli, "_reference_fn", lambda *a: None)
     row = cli.run_ranker(small=True, implementation="reference", iterations=3)
     assert len(timed) == 2
     assert row["fwd"] == row["fwd+bwd"] == {"min_s": 1.0, "median_s": 2.0, "max_s": 6.0, "n": 3}
@@ -149,7 +156,10 @@ def test_run_times_fwd_bwd_once_not_plus_forward(monkeypatch):
 
 
 def test_run_failed_check_exits_non_zero(monkeypatch, capsys):
-    pytest.importorskip("attn_reference")
+    """A stand-in backend, checked at tolerance 0, keeps this quick (test_run_ranker_small
+    runs the real one)."""
+    monkeypatch.setattr(cli, "select_backend", lambda *a, **k: ("stand-in", _stand_in))
+    monkeypatch.setattr(cli, "_reference_fn", lambda *a: None)
     monkeypatch.setattr(cli, "RANKER_TOL", 0.0)
     assert cli.main(["run", "ranker", "--small", "--iterations", "1"]) == 1
     captured = capsys.readouterr()

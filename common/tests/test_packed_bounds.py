@@ -43,7 +43,15 @@ from attn_common.packed import (
 )
 
 BLOCKS = (4, 8, 16, 32)
-SETTINGS = property_settings(150)
+
+
+def _examples(full: int, quick: int = 3) -> int:
+    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
+    slow"), fewer than tier_examples' quarter: each example compiles for its own shapes."""
+    return quick if tier_examples(full) < full else full
+
+
+SETTINGS = settings(property_settings(150), max_examples=_examples(150))
 
 
 def _cdiv(a, b):
@@ -276,6 +284,9 @@ _legacy_full_kv = jax.jit(ranker_full_kv_steps, static_argnums=7)
 _legacy_full_q = jax.jit(ranker_full_q_steps, static_argnums=7)
 
 
+# ~4 s on 2 cores: U = 1 is among the draws of the brute-force tests above (runs and
+# full steps), which check it quickly.
+@pytest.mark.slow
 @SETTINGS
 @given(problems())
 def test_one_user_agrees_with_ranker_block_ranges(p):
@@ -302,7 +313,10 @@ def test_one_user_agrees_with_ranker_block_ranges(p):
 # batched, jit, kernel-style scalar use
 
 
-@pytest.mark.parametrize("which", ["kv", "q"])
+# q in the full tier (~3.5 s on 2 cores): batching under jit is checked quickly by kv, the
+# query-block runs and full steps by test_runs_match_brute_force[q] and
+# test_full_q_steps_sound_and_complete.
+@pytest.mark.parametrize("which", ["kv", pytest.param("q", marks=pytest.mark.slow)])
 def test_batched_tables_under_jit(which):
     rng = np.random.default_rng(5)
     seq_len, batch, users, block, tile = 150, 6, 3, 8, 16
@@ -323,16 +337,19 @@ def test_batched_tables_under_jit(which):
 
     r, lo, hi = tables(jnp.asarray(bounds))
     assert r.starts.shape == (batch, t0.shape[1], 2 * users)
+    # the tables on the host, and the one-tile full steps jitted once: the loop below
+    # then runs no eager op per table entry (only block_at's)
+    starts, steps, lo, hi = (np.asarray(x) for x in (r.starts, r.steps, lo, hi))
+    want = _full_kv if which == "kv" else _full_q
     for b in range(batch):
         allowed = allowed_np(seq_len, bounds[b].tolist())
         for t in range(t0.shape[1]):
-            one = PackedBlockRanges(r.starts[b, t], r.steps[b, t])
+            one = PackedBlockRanges(starts[b, t], steps[b, t])
             assert [int(one.block_at(s)) for s in range(int(one.total_steps))] == visited(one)
             s0, s1 = t * tile, (t + 1) * tile
             part = allowed[s0:s1] if which == "kv" else allowed[:, s0:s1].T
             expected = set((np.nonzero(part.any(axis=0))[0] // block).tolist())
             check_visit(visited(one), expected, _cdiv(seq_len, block))
-            want = packed_full_kv_steps if which == "kv" else packed_full_q_steps
             w_lo, w_hi = want(one, bounds[b], s0, s1, block)
             assert (int(lo[b, t]), int(hi[b, t])) == (int(w_lo), int(w_hi))
 
@@ -356,7 +373,7 @@ def test_block_at_with_traced_scalars_in_loop():
 # normalization, mask, overlap rule
 
 
-@settings(max_examples=tier_examples(80), deadline=None)
+@settings(max_examples=_examples(80), deadline=None)
 @given(st.integers(1, 30), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_normalize_packed(seq_len, batch, num_users, data):
     raw = np.asarray(
@@ -417,7 +434,7 @@ def test_normalize_packed_rejects(bounds, exc):
 _mask = jax.jit(ranker_mask_packed)
 
 
-@settings(max_examples=tier_examples(60), deadline=None)
+@settings(max_examples=_examples(60), deadline=None)
 @given(st.sampled_from([1, 7, 24]), st.data())
 def test_mask_packed_matches_brute_force(seq_len, data):
     users = data.draw(packed_rows(seq_len))
@@ -562,7 +579,9 @@ def test_position_tables_known_row():
     )
 
 
-@pytest.mark.parametrize("keys", [False, True])
+# keys=True in the full tier: its runs and full steps (packed_q_block_ranges /
+# packed_full_q_steps) are checked quickly against brute force above.
+@pytest.mark.parametrize("keys", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_step_list_matches_step_table(keys):
     """packed_step_list holds the same visits (in order) and unmasked steps as the runs
     of packed_step_table, read back through TileSteps / TileRuns."""
@@ -576,7 +595,10 @@ def test_step_list_matches_step_table(keys):
         rows.append(cuts[rng.permutation(users)])
     bounds = jnp.asarray(np.asarray(rows, np.int32))
     kw = dict(tile=tile, num_tiles=seq_len // tile, block=block, sub_tiles=2, keys=keys)
-    table, steps = packed_step_table(bounds, **kw), packed_step_list(bounds, **kw)
+    # built under jit, as for a kernel (one compile instead of every op eagerly), and read
+    # back on the host
+    build = jax.jit(lambda b: (packed_step_table(b, **kw), packed_step_list(b, **kw)))
+    table, steps = (np.asarray(x) for x in build(bounds))
     assert steps.shape == (batch, seq_len // tile, 1 + 4 + seq_len // block)
     for b in range(batch):
         for t in range(seq_len // tile):

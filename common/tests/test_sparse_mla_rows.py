@@ -44,6 +44,13 @@ from attn_reference import sparse_mla_attention
 BLOCKS = (1, 8, 64)
 RAGGED_Q, RAGGED_SEQS, RAGGED_SLOTS = 24, 4, 32  # padded ragged shapes (see below)
 
+
+def _examples(full: int, quick: int = 3) -> int:
+    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
+    slow"), fewer than tier_examples' quarter: each example compiles for its own shapes."""
+    return quick if tier_examples(full) < full else full
+
+
 _jit_rows = jax.jit(selected_rows, static_argnames=("read_block", "block", "num_rows"))
 
 
@@ -223,7 +230,10 @@ def test_token_rows_with_and_without_repeats(repeats, num_rows):
     _check(got, sets, row_table_width(k, 1, 64))
 
 
-@settings(max_examples=tier_examples(80), deadline=None)
+# ~5 s on 2 cores: in the full tier; the flat and ragged units below are UnitRows too,
+# through the same selected_rows, checked quickly against brute force by the next two.
+@pytest.mark.slow
+@settings(max_examples=_examples(80), deadline=None)
 @given(unit_rows(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
 def test_unit_rows_vs_brute_force(p, block, num_rows, scatter):
     units, rb = p  # rows below 6 + 6 * 5 + 5 <= 64
@@ -276,7 +286,7 @@ def flat_oracle(idx, pos, num_tokens: int, read_block: int) -> list[set[int]]:
     return sets
 
 
-@settings(max_examples=tier_examples(80), deadline=None)
+@settings(max_examples=_examples(80), deadline=None)
 @given(flat_problems(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
 def test_flat_vs_brute_force(p, block, num_rows, scatter):
     idx, pos, num_tokens, rb = p  # 8 queries, rows below 2 * 40
@@ -352,7 +362,7 @@ def _pad(x, size: int, fill: int) -> np.ndarray:
     return np.concatenate([x, np.full((size - len(x), *x.shape[1:]), fill, x.dtype)])
 
 
-@settings(max_examples=tier_examples(60), deadline=None)
+@settings(max_examples=_examples(60), deadline=None)
 @given(ragged_problems(), st.sampled_from(BLOCKS), st.booleans())
 def test_ragged_vs_brute_force(p, block, scatter):
     layout, idx, pos, page_size = p
@@ -376,6 +386,9 @@ def test_ragged_vs_brute_force(p, block, scatter):
     _check(got, want, width)
 
 
+# ~2.5 s on 2 cores: the jitted tables are checked quickly by the brute-force tests above,
+# the eager ones by test_example and test_flat_attention_over_rows_equals_reference.
+@pytest.mark.slow
 def test_jit_equals_eager():
     rng = rng_for(3)
     idx = rng.integers(-2, 12, (2, 7, 5)).astype(np.int32)
@@ -426,7 +439,8 @@ def _compare(out, lse, want_out, want_lse):
     assert np.all(out[empty] == 0) and np.all(want_out[empty] == 0)
 
 
-@pytest.mark.parametrize("read_block", [1, 16])
+# read_block 16 in the full tier; its rows are checked quickly by test_flat_vs_brute_force.
+@pytest.mark.parametrize("read_block", [1, pytest.param(16, marks=pytest.mark.slow)])
 def test_flat_attention_over_rows_equals_reference(read_block):
     rng = rng_for(10 + read_block)
     batch, seq, heads, dk, dv, num_tokens, top_k = 2, 9, 3, 40, 32, 45, 6
@@ -453,6 +467,10 @@ def test_flat_attention_over_rows_equals_reference(read_block):
     )
 
 
+# ~5.5 s on 2 cores: attention over the rows is checked quickly in flat mode
+# (test_flat_attention_over_rows_equals_reference), the ragged rows by
+# test_ragged_vs_brute_force.
+@pytest.mark.slow
 def test_ragged_attention_over_rows_equals_reference():
     page_size, dv, dk_pad = 16, 32, 128
     layout, cache, q, idx, pos = sparse_mla_ragged_case(

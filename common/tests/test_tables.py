@@ -26,6 +26,13 @@ from attn_common.tables import (
     union_counts,
 )
 
+
+def _examples(full: int, quick: int) -> int:
+    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
+    slow"), fewer than tier_examples' quarter: each example compiles for its own shapes."""
+    return quick if tier_examples(full) < full else full
+
+
 _tables_jit = jax.jit(build_block_unit_tables, static_argnames=("query_block", "u_max"))
 _runs_jit = jax.jit(build_write_runs, static_argnames=("kv_packing", "r_cap"))
 
@@ -114,13 +121,25 @@ def unit_problems(draw):
     return sel, query_block, u_max
 
 
-@property_settings(30)
+# ~2 s an example on 2 cores (each compiles its shapes): 2 in the quick tier, where
+# test_block_unit_tables_fixed_shape_many_inputs checks many more inputs at one shape.
+@settings(property_settings(30), max_examples=_examples(30, 2))
 @given(unit_problems())
 def test_block_unit_tables_match_brute_force(p):
     check_block_tables(*p)
 
 
-@pytest.mark.parametrize("query_block, u_max", [(4, 5), (4, 12), (4, 2), (16, 12)])
+# Quick: a lossy u_max (4, 5); the others in the full tier (~2.5 s each on 2 cores), where
+# test_block_unit_tables_match_brute_force draws lossless and wider ones too.
+@pytest.mark.parametrize(
+    "query_block, u_max",
+    [
+        (4, 5),
+        pytest.param(4, 12, marks=pytest.mark.slow),
+        pytest.param(4, 2, marks=pytest.mark.slow),
+        pytest.param(16, 12, marks=pytest.mark.slow),
+    ],
+)
 def test_block_unit_tables_fixed_shape_many_inputs(query_block, u_max):
     """Many random inputs at one shape (one compile): duplicates, -1, other negatives."""
     rng = np.random.default_rng(query_block * 100 + u_max)
@@ -131,6 +150,9 @@ def test_block_unit_tables_fixed_shape_many_inputs(query_block, u_max):
         check_block_tables(sel, query_block, u_max)
 
 
+# ~4.5 s on 2 cores (every op compiled eagerly): the tables are checked quickly against
+# brute force by the two tests above (jitted; a lossy u_max in the fixed-shape one).
+@pytest.mark.slow
 def test_block_unit_tables_eager_example():
     sel = np.array(
         [
@@ -368,14 +390,24 @@ def loc_problems(draw, bucket=True):
     return loc.astype(np.int32), pk, r_cap
 
 
-@pytest.mark.slow  # ~10 s on 2 cores; the fixed examples below stay in the quick subset
-@property_settings(50)
+# ~0.8 s an example on 2 cores: 5 in the quick tier, with the fixed examples below.
+@settings(property_settings(50), max_examples=_examples(50, 5))
 @given(loc_problems())
 def test_write_runs_match_scatter(p):
     check_write_runs(*p)
 
 
-@pytest.mark.parametrize("length, pk", [(1, 2), (3, 4), (7, 1), (13, 2), (13, 4)])
+# Quick: each kv_packing once (7, 1), (13, 4) and (1, 2); the rest in the full tier.
+@pytest.mark.parametrize(
+    "length, pk",
+    [
+        (1, 2),
+        pytest.param(3, 4, marks=pytest.mark.slow),
+        (7, 1),
+        pytest.param(13, 2, marks=pytest.mark.slow),
+        (13, 4),
+    ],
+)
 def test_write_runs_odd_lengths(length, pk):
     rng = np.random.default_rng(length * 10 + pk)
     for r_cap in (1, length + 3):
@@ -429,7 +461,10 @@ def test_write_runs_exactly_r_cap_runs():
     assert int(out.num_runs) == 4
 
 
-@pytest.mark.parametrize("pk", [1, 2, 4])
+# pk 1 and 4 in the full tier; quick, pk 2 here and test_write_runs_match_scatter's draws.
+@pytest.mark.parametrize(
+    "pk", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_write_runs_overflow(pk):
     loc = (np.arange(24) * 3).astype(np.int32)  # every token its own run
     out = check_write_runs(loc, pk, 5)
@@ -453,7 +488,7 @@ def test_write_runs_reversed_is_many_runs():
 # keep_last_writes
 
 
-@settings(max_examples=tier_examples(60), deadline=None)
+@settings(max_examples=_examples(60, 5), deadline=None)
 @given(
     loc=st.lists(st.integers(min_value=-3, max_value=12), min_size=0, max_size=24),
     num_slots=st.integers(min_value=1, max_value=12),

@@ -45,6 +45,9 @@ def _compiled(fan):
     return jax.jit(lambda d, i: segment_sum_fixed_order(d, i, SEGMENTS, fan_in=fan))
 
 
+@pytest.mark.slow  # ~18 s (four fan-ins compiled): exact sums stay in the quick tier in
+# test_max_count_bounds_the_levels, dropped ids in test_empty_inputs, and the deterministic
+# backward's sums against the reference in test_sparse_mla_grad_cpu.py
 @settings(max_examples=tier_examples(40), deadline=None)
 @given(
     live=st.integers(0, ROWS),
@@ -103,6 +106,9 @@ def test_a_segment_depends_only_on_its_rows_in_order():
     np.testing.assert_array_equal(mixed[0], changed[0])
 
 
+@pytest.mark.slow  # ~7 s (100,000 rows): the quick tier's sums are exact in
+# test_max_count_bounds_the_levels and bitwise reproducible in
+# test_a_segment_depends_only_on_its_rows_in_order
 def test_float_rows_match_float64_and_repeat_bitwise():
     rng = np.random.default_rng(2)
     ids = rng.integers(0, 300, size=100_000).astype(np.int32)

@@ -7,8 +7,8 @@ every axis a kernel names comes from ``attn_mosaic_gpu._axes`` (prefix ``attn_mg
 Here, for every kernel (``tests/kernel_axes_check.py``'s cases):
 
 * its traced axis names are ``_axes`` names, and the source names no axis otherwise;
-* lowered for CUDA under ``shard_map`` over a mesh named like plain kernel axes, the
-  sparse-MLA kernels and the row sort read no device index (one device, in process);
+* (slow) lowered for CUDA under ``shard_map`` over a mesh named like plain kernel axes,
+  the sparse-MLA kernels and the row sort read no device index (one device, in process);
 * (slow) on two CPU devices, every kernel lowers to the same modules under such a mesh
   as unsharded, and to different ones under a mesh of the prefixed names (the
   comparison sees the hazard).
@@ -127,6 +127,8 @@ def test_kernel_sources_name_axes_through_axes_module():
     assert launching == KERNEL_MODULES, launching ^ KERNEL_MODULES
 
 
+@pytest.mark.slow  # ~8 s: the quick tier checks the rule itself (every traced kernel axis
+# prefixed: test_every_kernel_traces_only_prefixed_axes, and the sources statically)
 def test_sparse_kernels_read_no_device_index_under_a_plain_mesh(check):
     """Lowered for CUDA under ``shard_map`` over a one-device mesh named like plain
     kernel axes (``program``, ``wg``, ``query``, ...), the sparse-MLA forward and

@@ -124,6 +124,9 @@ def test_grad_lone_tiles_owner_wg1_single_step():
     _check_grads(q, k, v, bounds, cap=TANH, seed=8)
 
 
+@pytest.mark.slow  # 8-11 s each (two lowerings): in the quick tier the persistent dq kernel
+# lowers in test_pipelined_smem_bytes_is_what_mosaic_allocates[128-3-132-0] and the knob
+# reaches it through ranker_attention in test_kernel_axis_names_are_namespaced
 @pytest.mark.parametrize(
     "name,bounds_shape",
     [("phoenix", (64, 4)), ("phoenix-packed", (64, 8, 4)), ("small-d64", (128, 4))],
@@ -181,10 +184,15 @@ LOWERING_SHAPES = [
 ]
 
 
+# The quick tier lowers small-d64 (the pipelined kernels) and d256 (its own dk/dv kernel);
+# the pipelined kernels at D=128 lower in test_pipelined_smem_bytes_is_what_mosaic_allocates;
+# the suite's other shapes (~4-5 s each) are slow.
 @pytest.mark.parametrize(
     "name,batch,seq,q_heads,kv_heads,head_dim,cap,dtype",
-    LOWERING_SHAPES,
-    ids=[s[0] for s in LOWERING_SHAPES],
+    [
+        pytest.param(*s, id=s[0], marks=() if s[0] in ("small-d64", "d256") else pytest.mark.slow)
+        for s in LOWERING_SHAPES
+    ],
 )
 # The out-only loss lowers the same three kernels as out+lse (~4 s each): slow.
 @pytest.mark.parametrize(
@@ -224,11 +232,11 @@ def test_backward_fits_shared_memory(head_dim, dtype):
 @pytest.mark.parametrize(
     "head_dim,stages,dq_programs,users",
     [
-        (64, 2, 0, 0),
-        (64, 3, 0, 2),
-        (64, 4, 132, 0),
-        (128, 2, 0, 2),
-        (128, 2, 132, 0),
+        pytest.param(64, 2, 0, 0, marks=pytest.mark.slow),
+        pytest.param(64, 3, 0, 2, marks=pytest.mark.slow),
+        pytest.param(64, 4, 132, 0, marks=pytest.mark.slow),
+        (128, 2, 0, 2),  # packed rows
+        pytest.param(128, 2, 132, 0, marks=pytest.mark.slow),
         (128, 3, 132, 0),  # 231,624 bytes: 824 under the limit
     ],
 )
@@ -397,6 +405,9 @@ def test_kernel_config_has_no_backward_tile_fields():
         KernelConfig(block_kv_bwd=128)
 
 
+@pytest.mark.slow  # ~5 s each: packed rows' dq and dk/dv kernels lower in the quick
+# tier in test_pipelined_smem_bytes_is_what_mosaic_allocates[128-2-0-2], the forward's in
+# test_ranker_fwd_cpu.py's test_smem_bytes_is_what_mosaic_allocates (users=2)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cross_lowering_packed_grad_cuda(head_dim):
     """Packed bounds [B, 8, 4] at the phoenix shape: forward, dq and dk/dv lower to three

@@ -264,10 +264,15 @@ def _mosaic_gpu_calls(mlir_text: str) -> int:
     return len(re.findall(r"stablehlo\.custom_call @mosaic_gpu\w*\(", mlir_text))
 
 
+# Quick: phoenix (D=128, the LSE) and d256; the suite's other shapes are slow (D=64 and
+# persistent programs lower in the quick tier in test_tuning.py's
+# test_package_table_forward_configs_lower[one-user]).
 @pytest.mark.parametrize(
     "name,batch,seq,q_heads,kv_heads,head_dim,cap,return_lse,dtype",
-    LOWERING_SHAPES,
-    ids=[s[0] for s in LOWERING_SHAPES],
+    [
+        pytest.param(*s, id=s[0], marks=() if s[0] in ("phoenix", "d256") else pytest.mark.slow)
+        for s in LOWERING_SHAPES
+    ],
 )
 def test_cross_lowering_cuda(name, batch, seq, q_heads, kv_heads, head_dim, cap, return_lse, dtype):
     def f(q, k, v, bounds):
@@ -290,6 +295,9 @@ def test_cross_lowering_cuda(name, batch, seq, q_heads, kv_heads, head_dim, cap,
         assert out_avals[1].dtype == jnp.float32
 
 
+@pytest.mark.slow  # ~15 s in all: the package table's configs (persistent programs, 240
+# registers, D 64 and 128) lower in the quick tier in test_tuning.py's
+# test_package_table_forward_configs_lower[one-user], with the same register check
 @pytest.mark.parametrize(
     "head_dim,config",
     [
@@ -332,11 +340,16 @@ def test_cross_lowering_configs(head_dim, config):
 
 @pytest.mark.parametrize(
     "head_dim,cap,config",
-    [
-        (128, PHOENIX_CAP, KernelConfig(64, 128, 2, exp2_fma_cols=64, rcp_fma_cols=64)),
+    [  # one split in the quick tier (exp2 and the reciprocal both on the FMA pipe)
+        pytest.param(
+            128,
+            PHOENIX_CAP,
+            KernelConfig(64, 128, 2, exp2_fma_cols=64, rcp_fma_cols=64),
+            marks=pytest.mark.slow,
+        ),
         (128, PHOENIX_CAP, KernelConfig(64, 128, 2, exp2_fma_cols=128, rcp_fma_cols=8)),
-        (128, TANH, KernelConfig(64, 128, 2, exp2_fma_cols=40)),
-        (64, None, KernelConfig(64, 128, 4, exp2_fma_cols=32)),
+        pytest.param(128, TANH, KernelConfig(64, 128, 2, exp2_fma_cols=40), marks=pytest.mark.slow),
+        pytest.param(64, None, KernelConfig(64, 128, 4, exp2_fma_cols=32), marks=pytest.mark.slow),
     ],
     ids=["ss-64-64", "ss-128-8", "tanh-40", "d64-none-32"],
 )

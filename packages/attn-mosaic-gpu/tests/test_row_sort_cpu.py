@@ -147,7 +147,14 @@ def test_kernel_refuses(keys):
         distinct_sorted_rows(keys)
 
 
-@pytest.mark.parametrize("size,width", [(300, 320), (2048, 2112), (256, 256)])
+@pytest.mark.parametrize(
+    "size,width",
+    [  # one fallback in the quick tier (a width the kernel does not take)
+        pytest.param(300, 320, marks=pytest.mark.slow),
+        (2048, 2112),
+        pytest.param(256, 256, marks=pytest.mark.slow),
+    ],
+)
 def test_token_rows_falls_back_to_xla(size, width):
     """Widths or ``K`` the kernel does not take go to ``attn_common``'s table."""
     keys = np.random.default_rng(size).integers(0, 5000, (6, size)).astype(np.int32)
@@ -168,6 +175,9 @@ def test_cross_lowers_at_benchmark_shape():
     assert "mosaic_gpu" in text and "stablehlo.sort" not in text
 
 
+@pytest.mark.slow  # ~7 s: in the quick tier the front door's token-level call lowers with
+# the table kernel in test_sparse_mla_qblock_cpu.py's test_cross_lowers_flat_token_level
+# (three Mosaic GPU calls: the row sort and both attention kernels)
 def test_front_door_sorts_token_rows_in_the_kernel():
     """The Hopper op's token-level row table lowers with the table kernel, not XLA's sort
     or its conditional compaction (two Mosaic GPU calls: the table and the attention)."""

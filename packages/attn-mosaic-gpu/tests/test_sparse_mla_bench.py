@@ -53,6 +53,8 @@ def test_case_list(bench):
         bench.select_cases(["nope"], False)
 
 
+@pytest.mark.slow  # the same smoke run as test_cli_bench.py's quick
+# test_bench_sparse_mla_smoke_off_gpu (attn bench sparse-mla), through the script
 def test_smoke_run(script, tmp_path):
     """The documented CPU command of the script, end to end."""
     t0 = time.perf_counter()
@@ -245,7 +247,8 @@ def test_carried_calls_feed_each_new_cache_to_the_next(bench, calls):
     np.testing.assert_array_equal(np.asarray(cache), np.arange(4.0))
 
 
-@pytest.mark.parametrize("chunk", [5, 512])
+# chunk 5: several chunks and a short last one; 512 (the whole case in one chunk) is slow
+@pytest.mark.parametrize("chunk", [5, pytest.param(512, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["flat", "paged"])
 def test_xla_baseline_equals_reference(bench, mode, chunk):
     inputs = bench.make_inputs(_small_case(bench, mode), seed=4)

@@ -82,6 +82,9 @@ def _flat(fn, case, *, rb=16, **kw):
     )
 
 
+@pytest.mark.slow  # ~31 s: the quick tier's flat per-query kernel runs in
+# test_sparse_mla_grad_cpu.py's test_flat_gradients_through_the_kernel[tokens] (and the
+# conformance suite's test_flat[mosaic-gpu-plain-bfloat16-rb16])
 def test_flat_units_vs_reference():
     """The case has empty queries, -1 and duplicate units; the config passed."""
     case = flat_case(1)
@@ -92,6 +95,8 @@ def test_flat_units_vs_reference():
     _check(got, want)
 
 
+@pytest.mark.slow  # ~11 s: the quick tier's query-blocked kernel against the reference
+# is test_sparse_mla_qblock_cpu.py's test_op_vs_reference[2]
 def test_qblock_twin_vs_reference_and_knobs_checked():
     """The query-blocked kernel (3 heads padded to 4: blocks of 16 queries, one partly
     padded) on a case with a duplicate and a triplicate id and empty queries."""
@@ -188,8 +193,13 @@ def test_write_back_bit_identical_and_prefill_wrapper():
 
 
 @pytest.mark.parametrize("lag", [1, 3, 8])
-@pytest.mark.parametrize("groups", [1, 2, 3])
-@pytest.mark.parametrize("tokens", [1, 7, 8, 17, 64])
+@pytest.mark.parametrize("groups", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+# 8 and 64 tokens (whole chunks only) and 3 head groups in the slow tier: 17 tokens have
+# whole chunks and a short one, 2 head groups the order between groups.
+@pytest.mark.parametrize(
+    "tokens", [1, 7, pytest.param(8, marks=pytest.mark.slow), 17,
+               pytest.param(64, marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_lagged_launch_order(lag, groups, tokens):
     """The launch order runs every (head group, token) once; within each chunk of
     ``lag`` tokens (the last one shorter) all of head group ``g`` before ``g + 1``, so a
@@ -233,8 +243,8 @@ def test_kernel_two_head_groups_and_partial_pairs():
     """128 heads (two programs per token), counts that end inside a block and a pair
     (race detection on: the one-way exchange reuses its P and max buffers every pair)."""
     rng = np.random.default_rng(5)
-    tokens, heads, kp, store_rows = 3, 128, 256, 300
-    counts = np.array([256, 129, 63], np.int32)
+    tokens, heads, kp, store_rows = 2, 128, 256, 300
+    counts = np.array([129, 63], np.int32)
     rows = random_row_table(rng, counts, kp, store_rows)
     q = jnp.asarray(rng.standard_normal((tokens, heads, DK)), jnp.bfloat16)
     store = rng.standard_normal((store_rows, 200)).astype(np.float32)
@@ -243,6 +253,8 @@ def test_kernel_two_head_groups_and_partial_pairs():
     _rows_vs_float64(q, store, rows, counts)
 
 
+@pytest.mark.slow  # ~26 s: the quick tier reads Q's rope apart against the reference in
+# test_write_back_bit_identical_and_prefill_wrapper (the wrapper's kernel reads ql, qpe)
 def test_kernel_reads_q_rope_apart():
     """Q's rope features given as their own array (what the prefill wrapper passes, so
     as not to copy Q joining them) give the bits of the joined Q; 80 heads, so both
@@ -265,6 +277,8 @@ def test_kernel_reads_q_rope_apart():
         sparse_mla_rows_attention(q[..., :DV], *args, sm_scale=SM_SCALE, dv=DV, q_rope=q[..., :32])
 
 
+@pytest.mark.slow  # ~34 s: the rescale is unconditional; the quick tier's
+# test_kernel_two_head_groups_and_partial_pairs moves the running max over pairs too
 def test_kernel_running_max_moves():
     """Scores whose row maxima rise from pair to pair by small steps and by large ones
     (keys scaled up along the selection), fall (the first pair holds every maximum) or
@@ -341,7 +355,7 @@ def test_refuses_what_the_kernel_does_not_take():
         assert SparseMlaKernelConfig(64, 1, "one_way") == SparseMlaKernelConfig()
 
 
-@pytest.mark.parametrize("dv", [512, 128])
+@pytest.mark.parametrize("dv", [pytest.param(512, marks=pytest.mark.slow), 128])
 def test_smem_bytes_is_what_mosaic_allocates(monkeypatch, dv):
     """``sparse_mla_config.forward_smem_bytes`` / ``backward_smem_bytes`` (what
     ``MAX_DV`` and the dv check rest on) equal Mosaic GPU's own count of each kernel's
@@ -408,6 +422,10 @@ def _export(fn, *shapes):
     return export_mosaic_gpu(fn, *(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
 
 
+# Quick: the per-query kernel lowers in test_sparse_mla_qblock_cpu.py's
+# test_cross_lowers_flat_token_level (with the row sort and the blocked kernel) and in
+# test_cross_lowers_prefill_wrapper_without_joining_q below.
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", [128, 64])
 def test_cross_lowers_flat_token_level(heads):
     """H=128 (and 64), 4096 tokens, top-2048 tokens of an 8K flat cache: the row-sort
@@ -428,6 +446,8 @@ def test_cross_lowers_flat_token_level(heads):
     )
 
 
+@pytest.mark.slow  # the ragged paged call lowers in the quick tier through the wrapper
+# (test_cross_lowers_prefill_wrapper_without_joining_q)
 def test_cross_lowers_ragged_paged():
     tokens, page, pages, top_k, requests = 4096, 64, 4 * 128 + 8, 32, 4
 

@@ -109,6 +109,9 @@ def _random_cache(rng, grid) -> Fp8LatentCache:
 # The kernel on its own
 
 
+@pytest.mark.slow  # interpret mode at Dv = 512, two runs (~25 s): the quick tier runs the
+# kernel on chip over a dirty FP8 cache against the reference in
+# test_q_gradient_over_fp8_cache
 def test_kernel_fp8_rows_bitwise_as_bf16_rows():
     """Row counts 256 (two full pairs), 63 (inside a block) and 0 (nothing: out 0, LSE
     -inf); ``-1`` after each count; every unlisted store row dirty; race detection.
@@ -414,6 +417,7 @@ def test_cross_lowers_flat_prefill(heads):
     )
 
 
+@pytest.mark.slow  # the quick tier lowers the FP8 call in test_cross_lowers_flat_prefill[16]
 def test_cross_lowers_ragged_decode():
     """128 requests x 2 query tokens, each selecting 32 pages of 64 tokens (2048 tokens)
     of its 32K."""
@@ -515,6 +519,9 @@ def _kernel_module(store) -> str:
         return fingerprint.lowered_kernels(attend, args)
 
 
+@pytest.mark.slow  # ~5 s: in the quick tier the FP8 kernel's code is pinned by
+# tests/test_kernel_fingerprint.py (sparse-mla-fp8-kernel-h64) and lowers for CUDA in
+# test_cross_lowers_flat_prefill[16]
 def test_lowered_kernel_registers_and_copies():
     """The FP8 kernel's module: the bf16 kernel's registers (232 / 232 / 40); the memory
     WG's ``cp.async`` copies (per thread and row of a part: two 16-byte FP8 chunks, the

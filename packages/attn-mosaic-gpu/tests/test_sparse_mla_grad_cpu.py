@@ -53,7 +53,11 @@ def _compare(q, kv, idx, pos, keep_rows, **kw):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("rb", [16, 1], ids=["units", "tokens"])
+# units (28 s) in the slow tier: the quick tier's [tokens] runs the same forward and
+# backward kernels (and the conformance suite runs the unit-level forward).
+@pytest.mark.parametrize(
+    "rb", [pytest.param(16, marks=pytest.mark.slow), 1], ids=["units", "tokens"]
+)
 def test_flat_gradients_through_the_kernel(rb):
     """Flat mode, dirty cache: gradients equal the reference's, unattended rows get 0."""
     if rb > 1:
@@ -112,8 +116,13 @@ def test_prefill_wrapper_gradient_reaches_the_split_query():
     )  # fmt: skip
 
 
+# One lowering in the quick tier (h64: the atomics path, which interpret mode cannot
+# run); h128 and the deterministic path (parts and fixed-order sums, the path interpret
+# mode takes in test_flat_gradients_through_the_kernel) are slow.
 @pytest.mark.parametrize(
-    "heads, deterministic", [(128, False), (64, False), (128, True)],
+    "heads, deterministic",
+    [pytest.param(128, False, marks=pytest.mark.slow), (64, False),
+     pytest.param(128, True, marks=pytest.mark.slow)],
     ids=["h128", "h64", "h128-deterministic"],
 )  # fmt: skip
 def test_grad_cross_lowers_for_cuda(heads, deterministic):

@@ -89,6 +89,8 @@ def row_tables(draw):
     return rows, counts, qb
 
 
+@pytest.mark.slow  # ~19 s: in the quick tier the union tables feed the blocked kernel
+# against the reference (test_op_vs_reference[2], query blocks of 32)
 @settings(max_examples=20, deadline=None, derandomize=True, database=None)
 @given(row_tables())
 def test_block_union_matches_numpy(table):
@@ -133,6 +135,8 @@ def test_query_block_for():
 # The per-call choice
 
 
+@pytest.mark.slow  # ~11 s (a 32K cache's units on XLA): a performance choice, not a
+# kernel path; the quick tier traces and lowers it in test_cross_lowers_flat_token_level
 @pytest.mark.parametrize(
     ("picks", "heads", "blocked"),
     [("overlap", 16, True), ("overlap", 32, True), ("random", 16, False), ("random", 32, False)],
@@ -159,6 +163,8 @@ def test_choice_follows_the_overlap(picks, heads, blocked):
 # Interpret mode
 
 
+@pytest.mark.slow  # ~27 s: the quick tier's blocked kernel runs against the reference in
+# test_op_vs_reference[2] (-1, duplicate, out-of-range ids, empty queries)
 def test_kernel_union_vs_per_query_dirty_store():
     """Union counts 256 (two full pairs), 63 and 0; every unlisted store row NaN/Inf."""
     rng = np.random.default_rng(8)
@@ -257,7 +263,10 @@ def test_cross_lowers_flat_token_level():
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+# bf16 in the slow tier: the blocked kernel's bf16 lowering is test_cross_lowers_flat_token_level.
+@pytest.mark.parametrize(
+    "fp8", [pytest.param(False, marks=pytest.mark.slow), True], ids=["bf16", "fp8"]
+)
 def test_cross_lowers_ragged_decode(fp8):
     """128 requests x 2 tokens, 32 pages of 64 of 8K each, H 32 (blocks of 2)."""
     requests, per, page, top_k = 128, 2, 64, 32

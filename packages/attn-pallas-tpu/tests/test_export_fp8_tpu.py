@@ -66,20 +66,19 @@ def _check(exported, form: str, grid: tuple[int, ...]) -> None:
         assert "tensor<" + "x".join(map(str, grid)) + "x4xf32>" not in exported.mlir_module()
 
 
-CASES = pytest.mark.parametrize(
-    ("kernel", "heads", "form"), list(itertools.product(KERNELS, (16, 128), FORMS))
-)
-# Ragged: the plain form in the slow tier (its side rows are built as in flat mode).
-RAGGED_CASES = pytest.mark.parametrize(
-    ("kernel", "heads", "form"),
-    [
-        pytest.param(k, h, f, marks=[pytest.mark.slow] if f == "fp8" else [])
-        for k, h, f in itertools.product(KERNELS, (16, 128), FORMS)
-    ],
-)
+def _cases(*quick):
+    """Both kernels, heads 16 and 128, both stored forms: the ``quick`` ones in the
+    default tier (each kernel and each form lowered once), the rest slow."""
+    return pytest.mark.parametrize(
+        ("kernel", "heads", "form"),
+        [
+            pytest.param(*case, marks=[] if case in quick else [pytest.mark.slow])
+            for case in itertools.product(KERNELS, (16, 128), FORMS)
+        ],
+    )
 
 
-@CASES
+@_cases(("per_query", 16, "fp8"), ("qblock", 16, "tpu"))
 def test_export_flat_prefill(kernel, heads, form):
     fn, count = KERNELS[kernel]
     exported = export_tpu(
@@ -104,24 +103,35 @@ def _ragged(kernel, num_q, heads, num_seqs, form):
     _check(exported, form, (num_pages, UNIT))
 
 
-@RAGGED_CASES
+# Ragged: the TPU form quick (the plain form's side rows are built as in flat mode).
+@_cases(("qblock", 16, "tpu"))
 def test_export_ragged_prefill(kernel, heads, form):
     _ragged(kernel, PREFILL_Q, heads, PREFILL_SEQS, form)
 
 
-@RAGGED_CASES
+@_cases(("per_query", 16, "tpu"))
 def test_export_ragged_decode(kernel, heads, form):
     _ragged(kernel, DECODE_SEQS * DECODE_Q_PER_SEQ, heads, DECODE_SEQS, form)
 
 
-@pytest.mark.parametrize(
-    ("fn", "count"),
-    [
-        (functools.partial(prefill_write_and_attend_ragged, **IN_VMEM), 1),
-        (functools.partial(prefill_write_and_attend_ragged_qblock, **IN_VMEM), 2),
-    ],
+WRAPPERS = (
+    functools.partial(prefill_write_and_attend_ragged, **IN_VMEM),
+    functools.partial(prefill_write_and_attend_ragged_qblock, **IN_VMEM),
 )
-@pytest.mark.parametrize("form", FORMS)
+QUICK_WRAPPERS = {(0, "fp8"), (1, "tpu")}  # each wrapper and each form once, the rest slow
+
+
+@pytest.mark.parametrize(
+    ("fn", "count", "form"),
+    [
+        pytest.param(
+            fn, n + 1, form, id=f"{form}-fn{n}-{n + 1}",
+            marks=[] if (n, form) in QUICK_WRAPPERS else [pytest.mark.slow],
+        )
+        for form in FORMS
+        for n, fn in enumerate(WRAPPERS)
+    ],
+)  # fmt: skip
 def test_export_write_then_attend(fn, count, form):
     """The write is the XLA scatter of the quantized rows; the attention the kernel."""
     heads, num_pages = 16, PREFILL_SEQS * (T // UNIT) + 8
@@ -134,7 +144,7 @@ def test_export_write_then_attend(fn, count, form):
     _check(exported, form, (num_pages, UNIT))
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("kernel", [pytest.param("per_query", marks=pytest.mark.slow), "qblock"])
 def test_export_copy_path(kernel):
     """The default at the flat prefill shape: the cache's bf16 rows copied by XLA, then
     the bf16 kernels (no kernel takes an FP8 array)."""

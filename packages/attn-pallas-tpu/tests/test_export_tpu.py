@@ -48,13 +48,22 @@ QBLOCK = {
 VARIANTS = {"per_query": (sparse_mla_attention, {}, 1)} | {
     f"qblock_{k}": (sparse_mla_attention_qblock, kw, n) for k, (kw, n) in QBLOCK.items()
 }
-# Every variant, 64- and 128-token units, 16 and 128 heads.
-EXPORT_CASES = pytest.mark.parametrize(
-    ("kernel", "unit", "heads"), list(itertools.product(VARIANTS, (64, 128), (16, 128)))
-)
 
 
-@EXPORT_CASES
+def _export_cases(*quick):
+    """Every variant, 64- and 128-token units, 16 and 128 heads; the ``quick`` ones (the
+    per-query kernel and the automatic tiling, which lowers both kernels) in the default
+    tier, the other tilings and shapes slow."""
+    return pytest.mark.parametrize(
+        ("kernel", "unit", "heads"),
+        [
+            pytest.param(*case, marks=[] if case in quick else [pytest.mark.slow])
+            for case in itertools.product(VARIANTS, (64, 128), (16, 128))
+        ],
+    )
+
+
+@_export_cases(("per_query", 64, 128), ("qblock_auto", 128, 16))
 def test_export_flat(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
     kv = SD((1, T_FLAT, DK), BF16)
@@ -65,7 +74,7 @@ def test_export_flat(kernel, unit, heads):
     )
 
 
-@EXPORT_CASES
+@_export_cases(("per_query", 128, 16), ("qblock_auto", 64, 128))
 def test_export_ragged(kernel, unit, heads):
     fn, extra, count = VARIANTS[kernel]
     kw = dict(sm_scale=0.04, read_block=unit, page_size=unit, return_lse=True, **extra)
@@ -77,7 +86,7 @@ def test_export_ragged(kernel, unit, heads):
     )
 
 
-@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("page_size", [64, pytest.param(128, marks=pytest.mark.slow)])
 def test_export_paged_write_back(page_size):
     export_tpu(
         functools.partial(paged_write_back, page_size=page_size),

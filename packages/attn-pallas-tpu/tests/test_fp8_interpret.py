@@ -349,6 +349,9 @@ def test_tpu_layout_holds_the_same_cache():
 # ------------------------------------------------------------- the bf16 copy path
 
 
+# Slow (~13 s): the quick tier checks the copied rows (test_dequantized_rows_*), when the
+# copy is taken (test_copy_path_choice) and the bf16 kernels elsewhere.
+@pytest.mark.slow
 def test_copy_path_flat_per_query():
     """``fp8_dequantize=True`` (XLA copies the cache's bf16 rows, ``dequantize_rows``,
     then the bf16 kernel) and the default, which takes the copy at this shape: the bits

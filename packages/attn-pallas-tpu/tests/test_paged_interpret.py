@@ -50,7 +50,7 @@ def _case(seed, dtype, loc):
     return jnp.asarray(cache), jnp.asarray(rows), jnp.asarray(np.asarray(loc, np.int32))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_write_back_overlapping_runs_last_write_wins(dtype):
     """Runs that overlap (a re-sent chunk, a repeated slot): the last row of each slot
     wins, as a sequential write would; never DMA order."""
@@ -75,7 +75,9 @@ def test_write_back_overlapping_runs_last_write_wins(dtype):
 LOC = [*range(17, 26), -1, 3, 10_000, *range(40, 51), -1, 66, *range(80, 85), 95]
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(d, marks=pytest.mark.slow) if d == "float32" else d for d in DTYPES]
+)
 def test_write_back_bit_identical(dtype):
     cache, rows, loc = _case(1, dtype, LOC)
     # Traced loc: the slot past the cache is dropped (host values are refused).
@@ -87,7 +89,7 @@ def test_write_back_bit_identical(dtype):
     assert not np.array_equal(_bits(got), _bits(cache))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("int8", marks=pytest.mark.slow)])
 def test_write_back_kernel_path_directly(dtype):
     """The DMA kernel alone (no lax.cond): word runs plus token read-modify-writes."""
     cache, rows, loc = _case(2, dtype, LOC)
@@ -112,7 +114,7 @@ def test_write_back_kernel_path_directly(dtype):
     np.testing.assert_array_equal(_bits(out.reshape(cache.shape)), _bits(want))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_write_back_fragmented_loc_falls_back(dtype):
     """More runs than r_cap: the scatter fallback, still bit-identical."""
     loc = list(range(0, 90, 3))  # 30 single-token runs

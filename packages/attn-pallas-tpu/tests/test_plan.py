@@ -116,6 +116,9 @@ def host_key_arrays(draw):
     return keys
 
 
+# Slow (~9 s, a compile per drawn shape): the quick tier compares the same counts at the
+# benchmark shapes (test_host_counts_at_the_benchmark_shapes) and at the edges.
+@pytest.mark.slow
 @settings(
     max_examples=tier_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -18,7 +18,12 @@ bounds ``[B, U, 4]`` (several users per row; the last section): gradients, the p
 step tables against brute force, overlapping users refused.
 
 Shapes are small (interpret mode executes every op one by one; a kernel compiles in a
-few seconds and a grid step costs ~35 ms on the CPU). Tests over ~5 s are ``slow``.
+few seconds and a grid step costs ~35 ms on the CPU). The quick tier runs one case of
+each path: against the reference, the forward at the fixed offset (soft_sign 35), the
+``"row"`` softmax over poisoned rows (GQA 5:1, every conformance row), its running-max
+rerun, the gradients at D = 64 with k / v padded and the packed gradients (a cap, GQA
+2:1); the step tables against brute force. The other dtypes, caps, tilings, layouts,
+heads-per-program counts and padding cases are ``slow``.
 """
 
 from __future__ import annotations
@@ -108,10 +113,11 @@ def _check_forward(q, k, v, bounds, *, cap, config=SMALL, **kw):
 @pytest.mark.parametrize(
     "cap, bounded",
     [
-        (CapParams(CapMethod.TANH, 30.0), True),
+        pytest.param(CapParams(CapMethod.TANH, 30.0), True, marks=pytest.mark.slow),
         (CapParams(CapMethod.SOFT_SIGN, 35.0), True),  # 2C = 101: the rule's edge
-        (CapParams(CapMethod.TANH, 36.0), False),  # 2C = 103.9: a running max
-        (CapParams(CapMethod.SOFT_SIGN, 80.0), False),
+        # 2C = 103.9: a running max (quick: test_forward_row_offset_runs_unserved_rows_again)
+        pytest.param(CapParams(CapMethod.TANH, 36.0), False, marks=pytest.mark.slow),
+        pytest.param(CapParams(CapMethod.SOFT_SIGN, 80.0), False, marks=pytest.mark.slow),
     ],
     ids=["tanh30", "soft_sign35", "tanh36", "soft_sign80"],
 )
@@ -212,7 +218,9 @@ def test_forward_row_offset_serves_rows_bitwise_isolated(dtype):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
-@pytest.mark.parametrize("cap", [ROW_CAP, None], ids=["soft_sign80", "none"])
+@pytest.mark.parametrize(
+    "cap", [pytest.param(ROW_CAP, marks=pytest.mark.slow), None], ids=["soft_sign80", "none"]
+)
 def test_forward_row_offset_runs_unserved_rows_again(cap):
     """Rows whose logits all sit far below their bound (past ``row_floor_bits``): under a
     soft_sign 80 cap, logits at the cap's floor while the bound sits at its ceiling
@@ -287,6 +295,7 @@ def test_attends_any_is_the_mask_diagonal():
     np.testing.assert_array_equal(diag, full)
 
 
+@pytest.mark.slow  # D = 64 quick: test_gradient_pads_q_only_below_one_tile
 def test_forward_d64_out_only_broadcast_bounds_bf16():
     """D=64 (the transposed layout), bf16, no cap; ``[4]`` bounds broadcast; out only."""
     q, k, v = _inputs(1, 1, 150, 1, 1, 64, "bfloat16")
@@ -299,6 +308,7 @@ def test_forward_d64_out_only_broadcast_bounds_bf16():
     assert np.all(got[:, :3] == 0.0) and np.all(got[:, 121:] == 0.0)
 
 
+@pytest.mark.slow  # ~9 s: two interpreted forwards
 def test_forward_entry_takes_the_spec():
     """``ranker_fwd.ranker_attention_fwd`` is built on the spec: ``ranker_call``'s
     signature, its refusals, and the public op's forward bit for bit."""
@@ -317,6 +327,8 @@ def test_forward_entry_takes_the_spec():
         ranker_attention_fwd(q, k, v, bounds, cap="tanh")
 
 
+# Slow: the quick gradient case below lowers this forward too (no q-shaped pad in it).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("seq", "dim", "q_padded"),
     [(150, 128, False), (150, 64, False), (100, 128, True), (256, 128, False)],
@@ -427,7 +439,8 @@ def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
     return got
 
 
-@pytest.mark.parametrize("grads", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a 128 x 256 tiling
+@pytest.mark.parametrize("grads", [False, True])
 def test_padding_past_a_whole_q_tile(grads):
     """A tiling whose ``S_pad`` (``lcm(block_q, block_kv)``) runs a whole q tile past
     ``S`` (S 300, 128 x 256: S_pad 512, q tile 3 starts at 384) pads q: no kernel reads a
@@ -451,7 +464,12 @@ def test_padding_past_a_whole_q_tile(grads):
 
 
 @pytest.mark.parametrize(
-    ("seq", "dim", "q_padded"), [(150, 128, False), (150, 64, False), (100, 128, True)]
+    ("seq", "dim", "q_padded"),
+    [
+        pytest.param(150, 128, False, marks=pytest.mark.slow),
+        (150, 64, False),
+        pytest.param(100, 128, True, marks=pytest.mark.slow),
+    ],
 )
 def test_gradient_pads_q_only_below_one_tile(seq, dim, q_padded):
     """The backward keeps q, dO, the LSE, delta' and dq at ``S`` rows as the forward
@@ -521,6 +539,7 @@ def _fwd_and_grads(q, k, v, bounds, cap, seed, *, grads=True):
     return [np.asarray(x) for x in got]
 
 
+@pytest.mark.slow  # ~30 s; packed gradients quick: test_packed_grads_match_reference_deterministic
 @pytest.mark.parametrize(
     ("dim", "bounds", "heads"),
     [(128, PACKED, (4, 1)),
@@ -559,7 +578,8 @@ def test_heads_per_program_bitwise(dim, bounds, heads, monkeypatch):
                         atol=TOL["bfloat16"][1], lse_atol=LSE_ATOL["bfloat16"])  # fmt: skip
 
 
-@pytest.mark.parametrize("bounds", [PACKED, pytest.param(ONE_USER, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~24 s; the layout's lowering quick: test_ranker_export_tpu
+@pytest.mark.parametrize("bounds", [PACKED, ONE_USER])
 def test_heads_major_layout_bitwise(bounds, monkeypatch):
     """Where the device lays q out heads-major (as a v5e does at 20 heads), the kernels
     take the ``[B, H, S, D]`` layout at D = 128: forward, LSE and gradients bitwise those
@@ -705,7 +725,6 @@ def _packed_inputs(seed):
     return _inputs(seed, 2, PACKED_SEQ, 2, 1, 128, "float32")
 
 
-@pytest.mark.slow  # ~24 s in interpret mode
 def test_packed_grads_match_reference_deterministic():
     q, k, v = _packed_inputs(1)
     w = jnp.asarray(np.random.default_rng(7).standard_normal(q.shape), jnp.float32)

@@ -80,8 +80,10 @@ def _compare(kernel, q, kv, idx, pos, keep_rows, **kw):
     )  # fmt: skip
 
 
-# Both forward kernels feed the same backward kernels: the default tier runs each forward
-# once per mode and dtype at most; the rest is slow.
+# Both forward kernels feed the same backward kernels: the default tier runs the per-query
+# op over the flat cache (float32) and the query-blocked op's own backward over the paged
+# cache (test_qblock_backward_over_the_paged_cache, bfloat16); the other modes, dtypes,
+# knobs, schedules and bitwise repeats are slow.
 _SLOW = pytest.mark.slow
 
 
@@ -89,8 +91,8 @@ _SLOW = pytest.mark.slow
     ("kernel", "dtype"),
     [
         ("per_query", "float32"),
-        ("per_query", "bfloat16"),
-        ("qblock", "bfloat16"),
+        pytest.param("per_query", "bfloat16", marks=_SLOW),
+        pytest.param("qblock", "bfloat16", marks=_SLOW),
         pytest.param("qblock", "float32", marks=_SLOW),
     ],
 )
@@ -105,9 +107,8 @@ def test_flat_gradients_through_the_kernels(kernel, dtype):
     assert np.all(dq[0, [3, 4, 6]] == 0.0) and np.any(dq[0, [0, 1, 2, 5, 7]] != 0.0)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "heads"), [("float32", 8), pytest.param("bfloat16", 16, marks=_SLOW)]
-)
+@_SLOW
+@pytest.mark.parametrize(("dtype", "heads"), [("float32", 8), ("bfloat16", 16)])
 def test_dkv_stacks_pairs_when_heads_fill_tiles(dtype, heads):
     """H a multiple of the sublane tile: the dKV step stacks several (block, query) pairs'
     query rows (3 here, so chunks end in partial steps whose stale ring rows must stay
@@ -126,6 +127,7 @@ def test_dkv_stacks_pairs_when_heads_fill_tiles(dtype, heads):
     )  # fmt: skip
 
 
+@_SLOW
 def test_forward_walks_its_own_units_per_step(monkeypatch):
     """``forward_units_per_step`` is the per-query forward's ``G`` (4 units a step here,
     the last step of most queries partial) and the backward keeps ``units_per_step`` (1):
@@ -152,6 +154,7 @@ def test_forward_walks_its_own_units_per_step(monkeypatch):
     assert seen and set(seen) == {4}
 
 
+@_SLOW
 @pytest.mark.parametrize("mode", ["flat", "ragged"])
 def test_per_query_clean_and_masked_steps(monkeypatch, mode):
     """2 units a step: steps whose units lie wholly before the query's limit are *clean*
@@ -200,14 +203,12 @@ def test_per_query_clean_and_masked_steps(monkeypatch, mode):
     assert 1 in flags and 0 in flags
 
 
+@_SLOW
 @pytest.mark.parametrize(
     ("kernel", "dtype"),
-    [("per_query", "float32")]
-    + [
-        pytest.param(k, d, marks=_SLOW)
-        for k, d in [("per_query", "bfloat16"), ("qblock", "float32"), ("qblock", "bfloat16")]
-    ],
-)
+    [("per_query", "float32"), ("per_query", "bfloat16"), ("qblock", "float32"),
+     ("qblock", "bfloat16")],
+)  # fmt: skip
 def test_ragged_gradients_through_the_kernels(kernel, dtype):
     q, cache, idx, pos, keep, tables = dirty_ragged_grad_case(
         5, seq_lens=[37, 5, 20], new_lens=[4, 0, 3], extra_pages=[1, 0, 1], page_size=16,
@@ -227,7 +228,9 @@ EXPORTED = {
 }
 
 
-@pytest.mark.parametrize("kernel", list(EXPORTED))
+@pytest.mark.parametrize(
+    "kernel", [pytest.param(k, marks=_SLOW) if k == "qblock_qb64" else k for k in EXPORTED]
+)
 def test_grad_cross_lowers_for_tpu(kernel):
     """``jax.grad`` through out and lse, plus the mass: 512 tokens, 128 heads, top-16
     units of 128 tokens of a 16K flat cache, Dk 576 / Dv 512."""
@@ -239,6 +242,7 @@ def test_grad_cross_lowers_for_tpu(kernel):
     assert text.count("tpu_custom_call") == forward + backward
 
 
+@_SLOW  # ~12 s: the forward and backward kernels interpreted
 def test_integer_inputs_get_float0_cotangents():
     """``jax.vjp`` over every positional input of the kernel path: ``float0`` for the
     indices and positions (the custom_vjp gives the integer tables no cotangent)."""
@@ -331,6 +335,7 @@ def _flat_grads(kernel="per_query", dtype="bfloat16"):
     return [np.asarray(g) for g in grads]
 
 
+@_SLOW
 def test_gradients_bitwise_reproducible(monkeypatch):
     """Two runs equal bit for bit although the second one's dKV grid cuts each block's
     pairs into chunks of 2 (several chunks per block: the float32 sums cross program
@@ -358,7 +363,8 @@ def _nan_gradients(monkeypatch, module, name: str):
     monkeypatch.setattr(module, name, nan)
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=_SLOW)])
+@_SLOW  # ~25 s; quick: test_qblock_backward_over_the_paged_cache
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_qblock_backward_walks_block_unions(monkeypatch, dtype):
     """The query-blocked op's gradients come from its own kernels (the per-query backward
     returns NaN here): 2 query blocks of 16 (the last one partial), 2 head groups, unions
@@ -410,7 +416,8 @@ def _shared_case(seed: int, *, shared: bool):
     return q, poison_rows(kv, keep, seed=seed), idx, pos, keep
 
 
-@pytest.mark.parametrize("shared", [True, pytest.param(False, marks=_SLOW)])
+@_SLOW
+@pytest.mark.parametrize("shared", [True, False])
 def test_qblock_backward_under_automatic_tiling(monkeypatch, shared):
     """Under ``jax.grad`` the automatic tiling (no ``query_block``) decides at run time:
     blocks whose picks repeat take the blocked backward (the per-query one returns NaN
@@ -426,6 +433,7 @@ def test_qblock_backward_under_automatic_tiling(monkeypatch, shared):
     )  # fmt: skip
 
 
+@_SLOW
 def test_qblock_backward_falls_back_past_its_slots(monkeypatch):
     """A union wider than the partial buffer takes the per-query backward (the blocked one
     returns NaN here), decided at run time."""
@@ -438,6 +446,7 @@ def test_qblock_backward_falls_back_past_its_slots(monkeypatch):
     _compare("qblock", q, poison_rows(kv, keep, seed=3), idx, pos, keep, read_block=16)
 
 
+@_SLOW
 def test_qblock_gradients_bitwise_reproducible(monkeypatch):
     """The blocked backward twice, the second time with the sum kernel writing one store
     block a program: equal bit for bit (each store block's partials are added in the same
@@ -459,7 +468,9 @@ def test_sum_span_divides_the_store():
 
 # The production shape of issue 40: S 4096, 2048 selected tokens per query from a 32K
 # flat cache, Dk 576 / Dv 512. The TPU kernels need read_block % 16 == 0, so token-level
-# selections (read_block 1) are not theirs: 2048 tokens as 128 units of 16.
+# selections (read_block 1) are not theirs: 2048 tokens as 128 units of 16. Slow: the
+# quick tier cross-lowers the same kernels in test_grad_cross_lowers_for_tpu.
+@_SLOW
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("kernel", ["per_query", "qblock_auto"])
 def test_grad_cross_lowers_at_the_production_shape(kernel, heads):
@@ -484,6 +495,7 @@ def test_prefill_wrapper_gradient_reaches_the_query_parts():
     )  # fmt: skip
 
 
+@_SLOW
 @pytest.mark.parametrize(("page", "heads"), [(16, 64), (64, 128)])
 @pytest.mark.parametrize("kernel", ["per_query", "qblock_auto"])
 def test_ragged_grad_cross_lowers_at_the_production_shape(kernel, page, heads):

@@ -123,6 +123,9 @@ def test_flat_out_only():
         assert_close(np.asarray(out), np.asarray(want), **TOL["float32"])
 
 
+# Slow: the quick tier's poisoned caches are in test_sparse_mla_grad_interpret.py, its
+# full and partial steps in test_kernels_wait_for_every_copy_they_start.
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["per_query", "qblock_qb8"])
 def test_ring_full_and_partial_steps(kernel):
     """Queries selecting 0-9 distinct units, 4 units a step: full steps and partial ones
@@ -150,7 +153,13 @@ def test_ring_full_and_partial_steps(kernel):
 
 @pytest.mark.parametrize(
     ("op", "slots"),
-    [("per_query", 2), ("per_query", 3), ("per_query", 5), ("qblock", 2), ("qblock", 4)],
+    [
+        pytest.param("per_query", 2, marks=pytest.mark.slow),
+        ("per_query", 3),  # the default ring
+        pytest.param("per_query", 5, marks=pytest.mark.slow),
+        ("qblock", 2),
+        pytest.param("qblock", 4, marks=pytest.mark.slow),
+    ],
 )
 def test_kernels_wait_for_every_copy_they_start(op, slots, capfd):
     """Run with DMAs executed when started, a copy nobody waits for leaves its
@@ -220,7 +229,8 @@ def test_qblock_exact_for_any_u_max(u_max):
     _check(got, want, "float32")
 
 
-@pytest.mark.parametrize("u_max", [pytest.param(None, marks=pytest.mark.slow), 300])
+@pytest.mark.slow
+@pytest.mark.parametrize("u_max", [None, 300])
 def test_qblock_wide_union(u_max):
     """Unions past 256 slots: a chunk's membership words span several aligned 8-word
     windows (slot 256 is in the second), in one chunk or in two; causal limits inside
@@ -324,6 +334,9 @@ def test_ragged_invalid_physical_page():
         _check(got, want, "float32")
 
 
+# Slow: the quick tier runs the ragged query-blocked kernel in
+# test_qblock_under_jit_with_traced_tables (and its backward over the paged cache).
+@pytest.mark.slow
 @pytest.mark.parametrize("u_max", [1, 64])
 def test_ragged_qblock_chunked_u_max(u_max):
     case = ragged_case(12, 16, "float32")
