@@ -16,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import gpu_interpret, tpu_interpret
+from helpers import gpu_interpret, quick_tier, tpu_interpret
 from hypothesis import HealthCheck, Phase, settings
 
 from attn_common import KernelConfig
@@ -184,12 +183,6 @@ def slow_off_accelerator(backend) -> list:
     backend's kernels run natively (cheap there; ``benchmarks/tpu_run.sh`` selects
     ``-m "not slow or fp8"`` on a TPU): ``slow`` off the accelerator, none on it."""
     return [] if runs_natively(backend) else [pytest.mark.slow]
-
-
-def quick_tier() -> bool:
-    """This run is the quick tier (``-m "not slow"``; the root conftest.py sets
-    ``ATTN_TEST_TIER``, as for ``helpers.tier_examples``)."""
-    return os.environ.get("ATTN_TEST_TIER") == "quick"
 
 
 def examples(backend, small: int, quick: int | None = None) -> dict:

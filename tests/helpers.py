@@ -32,14 +32,22 @@ def sds(shape, dtype=BF16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def tier_examples(n: int) -> int:
-    """Hypothesis examples for a property test: ``n`` in the full tier (tests-cpu-full:
-    no marker filter), a quarter of them, at least 10, in the quick tier (``-m "not
-    slow"``: tests-cpu and CI), where each example is only a cost per change; the root
+def quick_tier() -> bool:
+    """This run is the quick tier (``-m "not slow"``: tests-cpu and CI); the root
     conftest.py sets ``ATTN_TEST_TIER`` from the run's marker filter."""
     import os
 
-    return max(min(n, 10), n // 4) if os.environ.get("ATTN_TEST_TIER") == "quick" else n
+    return os.environ.get("ATTN_TEST_TIER") == "quick"
+
+
+def tier_examples(n: int, quick: int | None = None) -> int:
+    """Hypothesis examples for a property test: ``n`` in the full tier (tests-cpu-full:
+    no marker filter); in the quick tier, where each example is only a cost per change,
+    ``quick`` (for tests whose examples compile or run eager JAX ops), else a quarter of
+    ``n``, at least 10."""
+    if not quick_tier():
+        return n
+    return min(n, quick) if quick is not None else max(min(n, 10), n // 4)
 
 
 def property_settings(n: int):

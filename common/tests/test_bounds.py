@@ -23,13 +23,6 @@ from attn_common import (
     ranker_mask,
 )
 
-
-def _examples(full: int, quick: int = 5) -> int:
-    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
-    slow"), fewer than tier_examples' quarter: each example runs eager JAX ops."""
-    return quick if tier_examples(full) < full else full
-
-
 # --------------------------------------------------------------------------------------
 # oracle
 
@@ -51,7 +44,7 @@ def mask_brute(seq_len, bounds):
 # ranker_mask
 
 
-@settings(max_examples=_examples(150), deadline=None)
+@settings(max_examples=tier_examples(150, quick=5), deadline=None)
 @given(st.sampled_from([1, 5, 21]), st.data())
 def test_ranker_mask_matches_predicate(seq_len, data):
     b = tuple(data.draw(st.integers(-3, seq_len + 3)) for _ in range(4))
@@ -111,7 +104,7 @@ def normalize_np(raw, seq_len):
     return np.stack([hl, np.maximum(hu, hl), cl, np.maximum(cu, cl)], axis=-1)
 
 
-@settings(max_examples=_examples(100), deadline=None)
+@settings(max_examples=tier_examples(100, quick=5), deadline=None)
 @given(
     st.integers(1, 40),
     st.integers(1, 5),
@@ -300,7 +293,7 @@ def bounds_from_ids_brute(ids):
     return np.array(out, np.int64).reshape(len(ids), 4)
 
 
-@settings(max_examples=_examples(80), deadline=None)
+@settings(max_examples=tier_examples(80, quick=5), deadline=None)
 @given(st.sampled_from([1, 4]), st.sampled_from([1, 2, 9, 30]), st.data())
 def test_from_segment_ids_matches_brute_force(batch, seq_len, data):
     ids = np.stack([data.draw(segment_rows(seq_len)) for _ in range(batch)])

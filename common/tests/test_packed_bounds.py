@@ -45,13 +45,7 @@ from attn_common.packed import (
 BLOCKS = (4, 8, 16, 32)
 
 
-def _examples(full: int, quick: int = 3) -> int:
-    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
-    slow"), fewer than tier_examples' quarter: each example compiles for its own shapes."""
-    return quick if tier_examples(full) < full else full
-
-
-SETTINGS = settings(property_settings(150), max_examples=_examples(150))
+SETTINGS = settings(property_settings(150), max_examples=tier_examples(150, quick=3))
 
 
 def _cdiv(a, b):
@@ -373,7 +367,7 @@ def test_block_at_with_traced_scalars_in_loop():
 # normalization, mask, overlap rule
 
 
-@settings(max_examples=_examples(80), deadline=None)
+@settings(max_examples=tier_examples(80, quick=3), deadline=None)
 @given(st.integers(1, 30), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_normalize_packed(seq_len, batch, num_users, data):
     raw = np.asarray(
@@ -434,7 +428,7 @@ def test_normalize_packed_rejects(bounds, exc):
 _mask = jax.jit(ranker_mask_packed)
 
 
-@settings(max_examples=_examples(60), deadline=None)
+@settings(max_examples=tier_examples(60, quick=3), deadline=None)
 @given(st.sampled_from([1, 7, 24]), st.data())
 def test_mask_packed_matches_brute_force(seq_len, data):
     users = data.draw(packed_rows(seq_len))

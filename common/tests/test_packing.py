@@ -14,12 +14,6 @@ from attn_common.packed import validate_packed_bounds
 from attn_common.packing import PackedUsers, pack_users
 
 
-def _examples(full: int, quick: int = 10) -> int:
-    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
-    slow"), fewer than tier_examples' quarter: each example is a cost per change."""
-    return quick if tier_examples(full) < full else full
-
-
 def check_packing(p: PackedUsers, hist, cand, seq_len, cap=None):
     hist, cand = np.asarray(hist), np.broadcast_to(np.asarray(cand), np.shape(hist))
     n = len(hist)
@@ -60,7 +54,7 @@ def check_packing(p: PackedUsers, hist, cand, seq_len, cap=None):
     assert 0 < p.efficiency <= 1 or total == 0
 
 
-@settings(max_examples=_examples(200), deadline=None)
+@settings(max_examples=tier_examples(200, quick=10), deadline=None)
 @given(
     st.integers(1, 64),
     st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=0, max_size=40),
@@ -193,7 +187,7 @@ def _jax_gather_scatter(p, flat, packed):
     return p.gather(flat, fill=0.0), p.scatter(packed, fill=0.0)
 
 
-@settings(max_examples=_examples(12, 5), deadline=None)
+@settings(max_examples=tier_examples(12, quick=5), deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(0, 7), st.sampled_from([4, 9]))
 def test_jax_path_matches_numpy_under_jit(seed, n, seq_len):
     rng = np.random.default_rng(seed)

@@ -45,12 +45,6 @@ BLOCKS = (1, 8, 64)
 RAGGED_Q, RAGGED_SEQS, RAGGED_SLOTS = 24, 4, 32  # padded ragged shapes (see below)
 
 
-def _examples(full: int, quick: int = 3) -> int:
-    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
-    slow"), fewer than tier_examples' quarter: each example compiles for its own shapes."""
-    return quick if tier_examples(full) < full else full
-
-
 _jit_rows = jax.jit(selected_rows, static_argnames=("read_block", "block", "num_rows"))
 
 
@@ -233,7 +227,7 @@ def test_token_rows_with_and_without_repeats(repeats, num_rows):
 # ~5 s on 2 cores: in the full tier; the flat and ragged units below are UnitRows too,
 # through the same selected_rows, checked quickly against brute force by the next two.
 @pytest.mark.slow
-@settings(max_examples=_examples(80), deadline=None)
+@settings(max_examples=tier_examples(80, quick=3), deadline=None)
 @given(unit_rows(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
 def test_unit_rows_vs_brute_force(p, block, num_rows, scatter):
     units, rb = p  # rows below 6 + 6 * 5 + 5 <= 64
@@ -286,7 +280,7 @@ def flat_oracle(idx, pos, num_tokens: int, read_block: int) -> list[set[int]]:
     return sets
 
 
-@settings(max_examples=_examples(80), deadline=None)
+@settings(max_examples=tier_examples(80, quick=3), deadline=None)
 @given(flat_problems(), st.sampled_from(BLOCKS), st.sampled_from(NUM_ROWS), st.booleans())
 def test_flat_vs_brute_force(p, block, num_rows, scatter):
     idx, pos, num_tokens, rb = p  # 8 queries, rows below 2 * 40
@@ -362,7 +356,7 @@ def _pad(x, size: int, fill: int) -> np.ndarray:
     return np.concatenate([x, np.full((size - len(x), *x.shape[1:]), fill, x.dtype)])
 
 
-@settings(max_examples=_examples(60), deadline=None)
+@settings(max_examples=tier_examples(60, quick=3), deadline=None)
 @given(ragged_problems(), st.sampled_from(BLOCKS), st.booleans())
 def test_ragged_vs_brute_force(p, block, scatter):
     layout, idx, pos, page_size = p

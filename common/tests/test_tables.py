@@ -26,13 +26,6 @@ from attn_common.tables import (
     union_counts,
 )
 
-
-def _examples(full: int, quick: int) -> int:
-    """Hypothesis examples: ``full`` in the full tier, ``quick`` in the quick tier (-m "not
-    slow"), fewer than tier_examples' quarter: each example compiles for its own shapes."""
-    return quick if tier_examples(full) < full else full
-
-
 _tables_jit = jax.jit(build_block_unit_tables, static_argnames=("query_block", "u_max"))
 _runs_jit = jax.jit(build_write_runs, static_argnames=("kv_packing", "r_cap"))
 
@@ -123,7 +116,7 @@ def unit_problems(draw):
 
 # ~2 s an example on 2 cores (each compiles its shapes): 2 in the quick tier, where
 # test_block_unit_tables_fixed_shape_many_inputs checks many more inputs at one shape.
-@settings(property_settings(30), max_examples=_examples(30, 2))
+@settings(property_settings(30), max_examples=tier_examples(30, quick=2))
 @given(unit_problems())
 def test_block_unit_tables_match_brute_force(p):
     check_block_tables(*p)
@@ -391,7 +384,7 @@ def loc_problems(draw, bucket=True):
 
 
 # ~0.8 s an example on 2 cores: 5 in the quick tier, with the fixed examples below.
-@settings(property_settings(50), max_examples=_examples(50, 5))
+@settings(property_settings(50), max_examples=tier_examples(50, quick=5))
 @given(loc_problems())
 def test_write_runs_match_scatter(p):
     check_write_runs(*p)
@@ -488,7 +481,7 @@ def test_write_runs_reversed_is_many_runs():
 # keep_last_writes
 
 
-@settings(max_examples=_examples(60, 5), deadline=None)
+@settings(max_examples=tier_examples(60, quick=5), deadline=None)
 @given(
     loc=st.lists(st.integers(min_value=-3, max_value=12), min_size=0, max_size=24),
     num_slots=st.integers(min_value=1, max_value=12),
