@@ -57,7 +57,7 @@ import numpy as np
 from attn_common.cli import MIN_XLA_CPU_THREADS
 from attn_common.cli_args import provenance
 from attn_mosaic_gpu.bench import device_ms, kernel_breakdown
-from attn_mosaic_gpu.bench_sparse_mla import distinct_choices, rel_l2, xla_sparse_mla
+from attn_mosaic_gpu.bench_sparse_mla import distinct_choices, rel_l2, write_json, xla_sparse_mla
 
 DK, DV = 576, 512
 BWD_FACTOR = 3.53  # forward + backward FLOPs over forward FLOPs (issue 40)
@@ -226,8 +226,7 @@ def mode_rows(cases: list[dict]) -> list[dict]:
 
 
 def write_reports(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sparse_mla_train.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(result, out, "sparse_mla_train")
     lines = [
         "# Sparse-MLA training step",
         "",

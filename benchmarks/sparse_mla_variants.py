@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import sys
 from fnmatch import fnmatch
 from pathlib import Path
@@ -34,7 +33,7 @@ from attn_common.cli_args import provenance
 from attn_common.sparse_mla_rows import selected_rows, sparse_mla_units
 from attn_mosaic_gpu import sparse_mla_kernel
 from attn_mosaic_gpu.bench import device_ms
-from attn_mosaic_gpu.bench_sparse_mla import CASES, make_inputs, rel_l2
+from attn_mosaic_gpu.bench_sparse_mla import CASES, make_inputs, rel_l2, write_json
 from attn_mosaic_gpu.sparse_mla_kernel import SparseMlaKernelConfig
 
 VARIANTS = {"64-row split": {}}  # the kernel as it ships (SparseMlaKernelConfig())
@@ -136,8 +135,7 @@ def run(cases, variants: dict, baseline, iterations: int, rounds: int = 1) -> li
 
 
 def write_reports(data: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sparse_mla_variants.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_json(data, out, "sparse_mla_variants")
     lines = [
         f"Commit {data.get('commit')} ({data['device']}); command: `{data['command']}`.",
         "",

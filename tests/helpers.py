@@ -150,6 +150,27 @@ def check_ranker_against_oracle(oracle, q, k, v, bounds, got, *, cap, sm_scale, 
     return want
 
 
+def check_ranker_bounds_as_data(oracle, q, k, v, cases: dict, *, cap=None) -> None:
+    """Bounds are data: one jitted reference ``ranker_attention(q, k, v, bounds, cap=cap,
+    return_lse=True)`` serves every ``bounds`` of ``cases`` (name -> bounds) with a single
+    compile, each ``(out, lse)`` within 1e-5 rel L2 and 3e-5 max-abs (out) and 1e-4 (LSE)
+    of ``oracle`` (a float64 ranker oracle) on the same bounds."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from attn_reference import ranker_attention
+
+    f = jax.jit(functools.partial(ranker_attention, cap=cap, return_lse=True))
+    for name, bounds in cases.items():
+        out, lse = f(q, k, v, jnp.asarray(np.ascontiguousarray(bounds)))
+        want_out, want_lse = oracle(q, k, v, bounds, **oracle_cap_args(cap))
+        assert_close(out, want_out, rtol_l2=1e-5, atol=3e-5, name=name)
+        assert_lse_close(lse, want_lse, atol=1e-4, name=name)
+    assert jit_cache_size(f) == 1
+
+
 def assert_sparse_mla_close(got, want, *, rtol_l2: float, atol: float, lse_atol: float):
     """Sparse-MLA ``(out, lse)`` against ``want``: both float32, ``out`` by
     ``assert_close``, ``lse`` by ``assert_lse_close``, rows with no key exactly 0."""
@@ -181,6 +202,54 @@ def poison_allocator(nbytes: int) -> None:
     x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
     x.block_until_ready()
     del x
+
+
+# The Hopper sparse-MLA GPU tests' problem: DeepSeek V3.2's latent (value) width, key
+# width (latent + 64 RoPE features) and softmax scale; paged caches hold 64-token pages
+# of bf16 rows padded to 640 features.
+GPU_MLA_DV, GPU_MLA_DK = 512, 576
+GPU_MLA_SM_SCALE = 1.0 / np.sqrt(192.0)
+
+
+def gpu_sparse_mla_flat(fn, case, rb: int, **kw):
+    """``fn`` (a ``sparse_mla_attention``) on the flat case ``(q, kv, idx, pos)`` with
+    ``read_block=rb`` at :data:`GPU_MLA_SM_SCALE`, returning ``(out, lse)``."""
+    q, kv, idx, pos = case
+    return fn(q, kv, idx, pos, sm_scale=GPU_MLA_SM_SCALE, read_block=rb, return_lse=True, **kw)
+
+
+def gpu_sparse_mla_ragged(fn, case, page_size: int = 64, **kw):
+    """``fn`` on a ragged case ``(layout, cache, q, idx, positions)``
+    (:func:`sparse_mla_ragged_call`) at the GPU tests' scale and latent width."""
+    return sparse_mla_ragged_call(
+        fn, case, page_size, sm_scale=GPU_MLA_SM_SCALE, dv=GPU_MLA_DV, **kw
+    )
+
+
+def gpu_prefill_wrapper_outputs(kernel_fn, reference_fn, case, *, seed: int):
+    """``kernel_fn`` and ``reference_fn`` (a backend's and the reference's
+    ``prefill_write_and_attend_ragged``) on the GPU tests' ragged case ``(layout, cache,
+    q, idx, positions)`` (64-token pages), each query's new latent and RoPE row
+    (``rng_for(seed)``) written at its own position. The two new caches must be equal bit
+    for bit; returns ``(out, want_out)``."""
+    layout, cache, q, idx, positions = case
+    page, dv = 64, GPU_MLA_DV
+    rng = rng_for(seed)
+    num_q = q.shape[1]
+    base = layout["cu_kv_lens"][layout["q_seq_id"]] // page
+    slot_page = layout["page_indices"][base + positions // page]
+    loc = (slot_page * page + positions % page).astype(np.int32)
+    ql, qpe = q[0, :, :, :dv], q[0, :, :, dv:]
+    kvc, kpe = randn(rng, (num_q, dv), "bfloat16"), randn(rng, (num_q, 64), "bfloat16")
+    args = (ql, qpe, kvc, kpe, cache, idx, positions, loc, layout["seq_lens"],
+            layout["cu_q_lens"], layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
+    kw = dict(kv_lora_rank=dv, page_size=page, sm_scale=GPU_MLA_SM_SCALE)
+    out, new_cache = kernel_fn(*args, **kw)
+    want_out, want_cache = reference_fn(*args, **kw)
+    np.testing.assert_array_equal(
+        np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
+    )
+    return out, want_out
 
 
 # --------------------------------------------------------------------------------------
@@ -286,6 +355,23 @@ def random_page_selection(rng: np.random.Generator, layout, top_k: int, page_siz
     return sel.astype(np.int32)
 
 
+def ragged_layout_cache_q(
+    rng: np.random.Generator, *, seq_lens, new_lens, extra_pages, page_size: int, heads: int,
+    dk: int, dk_pad: int, dtype: str,
+):  # fmt: skip
+    """``(layout, cache, q)`` drawn from ``rng`` in that order: a ``build_ragged_layout``
+    (shuffled physical pages), a random paged cache ``[num_pages, page_size // pk, pk,
+    dk_pad]`` (``pk`` = 2 tokens per packed row in bf16, else 1) and random queries
+    ``[1, S, heads, dk]``."""
+    layout = build_ragged_layout(
+        rng, seq_lens=seq_lens, new_lens=new_lens, extra_pages=extra_pages, page_size=page_size
+    )
+    pk = 2 if dtype == "bfloat16" else 1
+    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, dk_pad), dtype)
+    q = randn(rng, (1, int(layout["q_seq_id"].shape[0]), heads, dk), dtype)
+    return layout, cache, q
+
+
 def sparse_mla_ragged_case(
     seed: int, *, seq_lens, new_lens, extra_pages, page_size: int, heads: int, top_k: int,
     dk: int, dk_pad: int, dtype: str,
@@ -295,13 +381,11 @@ def sparse_mla_ragged_case(
     from ``random_page_selection``, query 3 with nothing selected, and queries 5 and the
     last with positions 40 past their request's kv length (``seq_lens`` then binds)."""
     rng = rng_for(seed)
-    layout = build_ragged_layout(
-        rng, seq_lens=seq_lens, new_lens=new_lens, extra_pages=extra_pages, page_size=page_size
-    )
-    pk = 2 if dtype == "bfloat16" else 1
-    cache = randn(rng, (layout["num_pages"], page_size // pk, pk, dk_pad), dtype)
-    num_q = int(sum(new_lens))
-    q = randn(rng, (1, num_q, heads, dk), dtype)
+    layout, cache, q = ragged_layout_cache_q(
+        rng, seq_lens=seq_lens, new_lens=new_lens, extra_pages=extra_pages,
+        page_size=page_size, heads=heads, dk=dk, dk_pad=dk_pad, dtype=dtype,
+    )  # fmt: skip
+    num_q = q.shape[1]
     idx = random_page_selection(rng, layout, top_k, page_size)
     idx[3] = -1  # a query with nothing selected
     positions = layout["positions"].copy()

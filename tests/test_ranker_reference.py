@@ -12,6 +12,7 @@ from helpers import (
     assert_close,
     assert_lse_close,
     check_ranker_against_oracle,
+    check_ranker_bounds_as_data,
     jit_cache_size,
     oracle_cap_args,
     ranker_inputs,
@@ -232,18 +233,9 @@ def test_config_and_interpret_accepted():
 def test_traced_bounds_one_compile():
     """Bounds are data: one jitted function serves different bound values."""
     q, k, v = ranker_inputs(11, 4, S37, 10, 2, 64)
-
-    @jax.jit
-    def f(q, k, v, bounds):
-        return ranker_attention(q, k, v, bounds, return_lse=True, cap=CAPS["tanh30"])
-
-    for case in ("unaligned_per_row", "overlap_h_c", "out_of_range", "all_padding"):
-        bounds = np.asarray(BOUNDS_37[case], np.int32)
-        out, lse = f(q, k, v, bounds)
-        want_out, want_lse = ranker_oracle(q, k, v, bounds, cap_method="tanh", cap_value=30.0)
-        assert_close(out, want_out, rtol_l2=1e-5, atol=3e-5, name=case)
-        assert_lse_close(lse, want_lse, atol=1e-4, name=case)
-    assert jit_cache_size(f) == 1
+    names = ("unaligned_per_row", "overlap_h_c", "out_of_range", "all_padding")
+    cases = {case: np.asarray(BOUNDS_37[case], np.int32) for case in names}
+    check_ranker_bounds_as_data(ranker_oracle, q, k, v, cases, cap=CAPS["tanh30"])
 
     # The un-jitted entry point: new bound values do not retrace the inner jit.
     ranker_attention(q, k, v, np.asarray(BOUNDS_37["mixed"], np.int32), cap=CAPS["tanh30"])

@@ -26,26 +26,28 @@ import pytest
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
 
+from helpers import GPU_MLA_DK as DK
+from helpers import GPU_MLA_DV as DV
+from helpers import GPU_MLA_SM_SCALE as SM_SCALE
 from helpers import (
     GPU_SPARSE_MLA_TOL,
     assert_close,
     attended_rows_flat,
-    build_ragged_layout,
     check_gpu_sparse_mla,
+    gpu_prefill_wrapper_outputs,
+    gpu_sparse_mla_flat,
+    gpu_sparse_mla_ragged,
     poison_allocator,
     poison_ragged_case,
     poison_rows,
+    ragged_layout_cache_q,
     randn,
     random_page_selection,
     rng_for,
-    sparse_mla_ragged_call,
 )
 
 import attn_mosaic_gpu as gpu
 import attn_reference as ref
-
-DV, DK = 512, 576
-SM_SCALE = 1.0 / np.sqrt(192.0)
 
 
 def _token_case(seed, *, seq, heads, kv_len, top_k):
@@ -64,21 +66,16 @@ def _token_case(seed, *, seq, heads, kv_len, top_k):
     return q, kv, idx, pos
 
 
-def _flat(fn, case, rb, **kw):
-    q, kv, idx, pos = case
-    return fn(q, kv, idx, pos, sm_scale=SM_SCALE, read_block=rb, return_lse=True, **kw)
-
-
 @pytest.mark.parametrize(
     "heads,top_k,kv_len", [(128, 2048, 8192), (64, 1000, 4096), (16, 333, 2000)]
 )
 def test_flat_token_level(heads, top_k, kv_len):
     case = _token_case(heads + top_k, seq=48, heads=heads, kv_len=kv_len, top_k=top_k)
-    want = _flat(ref.sparse_mla_attention, case, 1)
+    want = gpu_sparse_mla_flat(ref.sparse_mla_attention, case, 1)
     keep = attended_rows_flat(case[2], case[3], kv_len=kv_len, read_block=1)
     dirty = (case[0], poison_rows(case[1], keep, seed=heads), case[2], case[3])
     poison_allocator(48 * heads * DV * 4)
-    got = _flat(gpu.sparse_mla_attention, dirty, 1)
+    got = gpu_sparse_mla_flat(gpu.sparse_mla_attention, dirty, 1)
     check_gpu_sparse_mla(got, want)
 
 
@@ -91,57 +88,40 @@ def test_flat_units_batch2():
     idx = rng.integers(-1, kv_len // rb + 3, size=(batch, seq, top_k)).astype(np.int32)
     idx[:, :, 1] = idx[:, :, 0]  # duplicates
     case = (q, kv, idx, pos)
-    want = _flat(ref.sparse_mla_attention, case, rb)
+    want = gpu_sparse_mla_flat(ref.sparse_mla_attention, case, rb)
     keep = attended_rows_flat(idx, pos, kv_len=kv_len, read_block=rb)
-    got = _flat(gpu.sparse_mla_attention, (q, poison_rows(kv, keep, seed=5), idx, pos), rb)
+    got = gpu_sparse_mla_flat(
+        gpu.sparse_mla_attention, (q, poison_rows(kv, keep, seed=5), idx, pos), rb
+    )
     check_gpu_sparse_mla(got, want)
 
 
 def _ragged_case(seed, page_size=64, heads=128, top_k=32):
     rng = rng_for(seed)
-    layout = build_ragged_layout(
-        rng,
-        seq_lens=[3000, 700, 2048, 90],
-        new_lens=[40, 30, 25, 20],
-        extra_pages=[2, 0, 1, 3],
-        page_size=page_size,
-    )
-    cache = randn(rng, (layout["num_pages"], page_size // 2, 2, 640), "bfloat16")
-    num_q = int(layout["q_seq_id"].shape[0])
-    q = randn(rng, (1, num_q, heads, DK), "bfloat16")
+    layout, cache, q = ragged_layout_cache_q(
+        rng, seq_lens=[3000, 700, 2048, 90], new_lens=[40, 30, 25, 20],
+        extra_pages=[2, 0, 1, 3], page_size=page_size, heads=heads, dk=DK, dk_pad=640,
+        dtype="bfloat16",
+    )  # fmt: skip
     idx = random_page_selection(rng, layout, top_k, page_size)
     idx[7] = -1
     return layout, cache, q, idx, layout["positions"].copy()
 
 
-def _ragged(fn, case, page_size=64, **kw):
-    return sparse_mla_ragged_call(fn, case, page_size, sm_scale=SM_SCALE, dv=DV, **kw)
-
-
 def test_ragged_paged_dirty_cache():
     case = _ragged_case(11)
-    want = _ragged(ref.sparse_mla_attention, case)
+    want = gpu_sparse_mla_ragged(ref.sparse_mla_attention, case)
     dirty = poison_ragged_case(case, 64, dk=DK, seed=11)
-    got = _ragged(gpu.sparse_mla_attention, dirty)
+    got = gpu_sparse_mla_ragged(gpu.sparse_mla_attention, dirty)
     check_gpu_sparse_mla(got, want)
 
 
 def test_prefill_wrapper_and_write_back():
-    layout, cache, q, idx, positions = _ragged_case(12, heads=64)
-    rng = rng_for(12)
-    num_q = q.shape[1]
-    local = positions
-    slot_page = layout["page_indices"][layout["cu_kv_lens"][layout["q_seq_id"]] // 64 + local // 64]
-    loc = (slot_page * 64 + local % 64).astype(np.int32)
-    ql, qpe = q[0, :, :, :DV], q[0, :, :, DV:]
-    kvc, kpe = randn(rng, (num_q, DV), "bfloat16"), randn(rng, (num_q, 64), "bfloat16")
-    args = (ql, qpe, kvc, kpe, cache, idx, positions, loc, layout["seq_lens"],
-            layout["cu_q_lens"], layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
-    kw = dict(kv_lora_rank=DV, page_size=64, sm_scale=SM_SCALE)
-    out, new_cache = gpu.prefill_write_and_attend_ragged(*args, **kw)
-    want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
-    np.testing.assert_array_equal(
-        np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
+    out, want_out = gpu_prefill_wrapper_outputs(
+        gpu.prefill_write_and_attend_ragged,
+        ref.prefill_write_and_attend_ragged,
+        _ragged_case(12, heads=64),
+        seed=12,
     )
     assert np.isfinite(np.asarray(out)).all()
     assert_close(np.asarray(out), np.asarray(want_out), **GPU_SPARSE_MLA_TOL)
@@ -159,7 +139,7 @@ def test_dispatch_picks_hopper_kernel():
 
 def test_deterministic():
     case = _token_case(4, seq=16, heads=128, kv_len=4096, top_k=2048)
-    a = _flat(gpu.sparse_mla_attention, case, 1)
-    b = _flat(gpu.sparse_mla_attention, case, 1)
+    a = gpu_sparse_mla_flat(gpu.sparse_mla_attention, case, 1)
+    b = gpu_sparse_mla_flat(gpu.sparse_mla_attention, case, 1)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

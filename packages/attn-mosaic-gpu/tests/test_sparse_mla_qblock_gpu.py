@@ -29,18 +29,23 @@ import pytest
 if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU (jax.default_backend() != 'gpu')", allow_module_level=True)
 
+from helpers import GPU_MLA_DK as DK
+from helpers import GPU_MLA_DV as DV
+from helpers import GPU_MLA_SM_SCALE as SM_SCALE
 from helpers import (
     GPU_SPARSE_MLA_TOL,
     assert_close,
     attended_rows_flat,
-    build_ragged_layout,
     check_gpu_sparse_mla,
+    gpu_prefill_wrapper_outputs,
+    gpu_sparse_mla_flat,
+    gpu_sparse_mla_ragged,
     poison_allocator,
     poison_ragged_case,
     poison_rows,
+    ragged_layout_cache_q,
     randn,
     rng_for,
-    sparse_mla_ragged_call,
 )
 
 import attn_mosaic_gpu as gpu
@@ -48,9 +53,6 @@ import attn_reference as ref
 from attn_common import dequantize_latent_cache, quantize_latent_cache
 from attn_common.picks import decode_picks, overlapping_picks
 from attn_mosaic_gpu.sparse_mla import scheduled
-
-DV, DK = 512, 576
-SM_SCALE = 1.0 / np.sqrt(192.0)
 
 
 def _overlap_case(seed, *, seq, heads, kv_len, rb, top_k):
@@ -70,21 +72,16 @@ def _overlap_case(seed, *, seq, heads, kv_len, rb, top_k):
     return q, kv, idx[None], pos[None]
 
 
-def _flat(fn, case, rb, **kw):
-    q, kv, idx, pos = case
-    return fn(q, kv, idx, pos, sm_scale=SM_SCALE, read_block=rb, return_lse=True, **kw)
-
-
 @pytest.mark.parametrize("heads", [8, 12, 16, 32])
 @pytest.mark.parametrize("op", ["qblock", "auto"])
 def test_flat_overlapping_dirty(op, heads):
     rb, seq, kv_len = 16, 61, 6000  # 61 queries: the last block partly padded
     case = _overlap_case(heads, seq=seq, heads=heads, kv_len=kv_len, rb=rb, top_k=40)
-    want = _flat(ref.sparse_mla_attention, case, rb)
+    want = gpu_sparse_mla_flat(ref.sparse_mla_attention, case, rb)
     keep = attended_rows_flat(case[2], case[3], kv_len=kv_len, read_block=rb)
     dirty = (case[0], poison_rows(case[1], keep, seed=heads), case[2], case[3])
     poison_allocator(seq * heads * DV * 4)
-    check_gpu_sparse_mla(_flat(scheduled(op), dirty, rb), want)
+    check_gpu_sparse_mla(gpu_sparse_mla_flat(scheduled(op), dirty, rb), want)
 
 
 def test_flat_token_level_random_picks():
@@ -98,7 +95,8 @@ def test_flat_token_level_random_picks():
     idx[0, 1, ::5] = -1
     case = (q, kv, idx, pos)
     check_gpu_sparse_mla(
-        _flat(gpu.sparse_mla_attention_qblock, case, 1), _flat(ref.sparse_mla_attention, case, 1)
+        gpu_sparse_mla_flat(gpu.sparse_mla_attention_qblock, case, 1),
+        gpu_sparse_mla_flat(ref.sparse_mla_attention, case, 1),
     )
 
 
@@ -107,30 +105,23 @@ def _decode_case(seed, *, heads, tokens, page_size=64, top_k=32):
     their page picks (``decode_picks``), shuffled pages."""
     rng = rng_for(seed)
     seq_lens = [3000, 700, 2048, 4000, 1500, 128, 2600, 900]
-    layout = build_ragged_layout(
+    layout, cache, q = ragged_layout_cache_q(
         rng, seq_lens=seq_lens, new_lens=[tokens] * 8, extra_pages=[1, 0, 2, 0, 1, 0, 0, 3],
-        page_size=page_size,
+        page_size=page_size, heads=heads, dk=DK, dk_pad=640, dtype="bfloat16",
     )  # fmt: skip
-    cache = randn(rng, (layout["num_pages"], page_size // 2, 2, 640), "bfloat16")
-    num_q = int(layout["q_seq_id"].shape[0])
-    q = randn(rng, (1, num_q, heads, DK), "bfloat16")
     pos = layout["positions"].copy()
     idx = decode_picks(np.random.default_rng(seed), pos, unit=page_size, k=top_k, tokens=tokens)
     idx[4] = -1
     return layout, cache, q, idx, pos
 
 
-def _ragged(fn, case, **kw):
-    return sparse_mla_ragged_call(fn, case, 64, sm_scale=SM_SCALE, dv=DV, **kw)
-
-
 @pytest.mark.parametrize("tokens", [2, 4])
 def test_ragged_decode_dirty(tokens):
     case = _decode_case(30 + tokens, heads=16, tokens=tokens)
-    want = _ragged(ref.sparse_mla_attention, case)
+    want = gpu_sparse_mla_ragged(ref.sparse_mla_attention, case)
     dirty = poison_ragged_case(case, 64, dk=DK, seed=tokens)
     for op in (gpu.sparse_mla_attention_qblock, scheduled("auto")):
-        check_gpu_sparse_mla(_ragged(op, dirty), want)
+        check_gpu_sparse_mla(gpu_sparse_mla_ragged(op, dirty), want)
 
 
 def test_fp8_cache():
@@ -142,30 +133,23 @@ def test_fp8_cache():
     fp8 = quantize_latent_cache(rows)  # on the (pages, page) grid
     bf16 = jnp.pad(dequantize_latent_cache(fp8).astype(jnp.bfloat16), ((0, 0),) * 2 + ((0, 64),))
     bf16 = bf16.reshape(cache.shape)
-    got = _ragged(gpu.sparse_mla_attention_qblock, (layout, fp8, q, idx, pos), fp8_dequantize=False)
-    same = _ragged(gpu.sparse_mla_attention_qblock, (layout, bf16, q, idx, pos))
+    got = gpu_sparse_mla_ragged(
+        gpu.sparse_mla_attention_qblock, (layout, fp8, q, idx, pos), fp8_dequantize=False
+    )
+    same = gpu_sparse_mla_ragged(gpu.sparse_mla_attention_qblock, (layout, bf16, q, idx, pos))
     for a, b in zip(got, same, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    check_gpu_sparse_mla(got, _ragged(ref.sparse_mla_attention, (layout, bf16, q, idx, pos)))
+    check_gpu_sparse_mla(
+        got, gpu_sparse_mla_ragged(ref.sparse_mla_attention, (layout, bf16, q, idx, pos))
+    )
 
 
 def test_prefill_wrapper():
-    layout, cache, q, idx, positions = _decode_case(50, heads=16, tokens=4)
-    rng = rng_for(50)
-    num_q = q.shape[1]
-    slot_page = layout["page_indices"][
-        layout["cu_kv_lens"][layout["q_seq_id"]] // 64 + positions // 64
-    ]
-    loc = (slot_page * 64 + positions % 64).astype(np.int32)
-    ql, qpe = q[0, :, :, :DV], q[0, :, :, DV:]
-    kvc, kpe = randn(rng, (num_q, DV), "bfloat16"), randn(rng, (num_q, 64), "bfloat16")
-    args = (ql, qpe, kvc, kpe, cache, idx, positions, loc, layout["seq_lens"],
-            layout["cu_q_lens"], layout["cu_kv_lens"], layout["page_indices"])  # fmt: skip
-    kw = dict(kv_lora_rank=DV, page_size=64, sm_scale=SM_SCALE)
-    out, new_cache = gpu.prefill_write_and_attend_ragged_qblock(*args, **kw)
-    want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
-    np.testing.assert_array_equal(
-        np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
+    out, want_out = gpu_prefill_wrapper_outputs(
+        gpu.prefill_write_and_attend_ragged_qblock,
+        ref.prefill_write_and_attend_ragged,
+        _decode_case(50, heads=16, tokens=4),
+        seed=50,
     )
     assert_close(np.asarray(out), np.asarray(want_out), **GPU_SPARSE_MLA_TOL)
 

@@ -876,13 +876,20 @@ def script_run(
     return args, selected, result
 
 
+def write_json(result: dict, out: Path, name: str) -> Path:
+    """A benchmark script's ``result`` written to ``out/name.json`` (``out`` created,
+    one-space indents, a final newline); the path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
 def script_report(result: dict, out: Path, name: str) -> tuple[list[Path], str]:
     """A ``benchmarks/sparse_mla_*.py`` script's report: the paths ``name.{json,md,svg}``
     under ``out`` with the JSON written, and the Markdown's opening sentence (commit,
     date, device, command, the timing method and the median's calls)."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.{ext}" for ext in ("json", "md", "svg")]
-    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths = [write_json(result, out, name), *(out / f"{name}.{ext}" for ext in ("md", "svg"))]
     prov = result["provenance"]
     timing = ", ".join(sorted({r["timing"] for r in result["rows"] if r.get("timing")})) or "none"
     kind = "device time" if timing == "cupti" else "not a device time"
