@@ -14,6 +14,7 @@ float32 at HIGHEST precision on the upcast inputs (``reference_f32``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -207,12 +208,25 @@ def params(backends):
 
 def reference_f32(fn, *args, **kwargs):
     """``fn`` (an ``attn_reference`` function) on float32 copies of the float arguments,
-    at HIGHEST matmul precision."""
+    at HIGHEST matmul precision, jitted: the positional and array keyword arguments are
+    traced, the others static (one compile per function, shapes and static arguments,
+    against one per operation and shape run eagerly; the tests compare its results within
+    tolerances)."""
     up = [
         jnp.asarray(a, jnp.float32)
         if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
         else a
         for a in args
     ]
+    arrays = {k: a for k, a in kwargs.items() if hasattr(a, "shape")}
+    static = tuple(
+        sorted(((k, a) for k, a in kwargs.items() if k not in arrays), key=lambda item: item[0])
+    )
     with jax.default_matmul_precision("highest"):
-        return fn(*up, **kwargs)
+        return _jitted(fn, static)(*up, **arrays)
+
+
+@functools.cache
+def _jitted(fn, static: tuple):
+    """``fn`` with the keyword arguments ``static`` ((name, value) pairs) bound, jitted."""
+    return jax.jit(functools.partial(fn, **dict(static)))

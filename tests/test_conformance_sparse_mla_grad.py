@@ -106,6 +106,16 @@ def _cases(mode: str):
     return out
 
 
+def _reference_grads(q, kv, idx, pos, w_out, w_lse, *, dv: int, **kw):
+    """The reference's :func:`helpers.sparse_mla_loss_grad` at ``(q, kv)``, the selection
+    and the loss weights as arguments: ``reference_f32`` jits it once per shape and
+    static keywords, for every example and backend."""
+    grad = sparse_mla_loss_grad(
+        ref.sparse_mla_attention, idx, pos, w_out, w_lse, sm_scale=SM_SCALE, dv=dv, **kw
+    )
+    return grad(q, kv)
+
+
 def _check(backend, op, dtype, q, kv, idx, pos, keep_rows, **kw):
     dv = backend.sparse_dims[0]
     rng = rng_for(7)
@@ -121,9 +131,7 @@ def _check(backend, op, dtype, q, kv, idx, pos, keep_rows, **kw):
     if kv.ndim == 4:  # the paged cache: a float32 one holds one token per packed row
         kv32 = kv32.reshape(kv.shape[0], -1, 1, kv.shape[-1])
     (want_dq, want_dkv), (_, _, want_mass) = reference_f32(
-        lambda q, kv: grad(ref.sparse_mla_attention, idx, pos, w_out, w_lse, **kw)(q, kv),
-        q,
-        kv32,
+        _reference_grads, q, kv32, idx, pos, w_out, w_lse, dv=dv, **kw
     )
     want_dkv = np.asarray(want_dkv).reshape(kv.shape)  # same row order
     tol = GRAD_TOL[dtype]

@@ -28,6 +28,7 @@ heads-per-program counts and padding cases are ``slow``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 
@@ -392,6 +393,14 @@ def _loss(fn, bounds, w, *, cap, use_lse, **kw):
     return loss
 
 
+@functools.partial(jax.jit, static_argnames=("cap", "use_lse"))
+def _reference_grads(q, k, v, bounds, w, *, cap, use_lse):
+    """The reference's ``(dq, dk, dv)`` of :func:`_loss`, jitted."""
+    return jax.grad(_loss(ref.ranker_attention, bounds, w, cap=cap, use_lse=use_lse), (0, 1, 2))(
+        q, k, v
+    )
+
+
 def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
     dtype = jnp.dtype(q.dtype).name
     w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
@@ -402,14 +411,10 @@ def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
     jax.block_until_ready(got)
     assert_no_races()
     up = _f32((q, k, v))
-    want = jax.grad(_loss(ref.ranker_attention, bounds, w, cap=cap, use_lse=use_lse), (0, 1, 2))(
-        *up
-    )
+    want = _reference_grads(*up, bounds, w, cap=cap, use_lse=use_lse)
     tol = GRAD_TOL[dtype]
     if use_lse:
-        without = jax.grad(
-            _loss(ref.ranker_attention, bounds, w, cap=cap, use_lse=False), (0, 1, 2)
-        )(*up)
+        without = _reference_grads(*up, bounds, w, cap=cap, use_lse=False)
         for name, r, r0 in zip(("dq", "dk"), want[:2], without[:2], strict=True):
             r, r0 = np.asarray(r, np.float64), np.asarray(r0, np.float64)
             moved = np.linalg.norm(r - r0) / np.linalg.norm(r)
@@ -741,7 +746,7 @@ def test_packed_grads_match_reference_deterministic():
     got = jax.block_until_ready(kernel(q, k, v))
     again = jax.block_until_ready(kernel(q, k, v))
     assert_no_races()
-    want = jax.grad(loss(ref.ranker_attention), (0, 1, 2))(q, k, v)
+    want = jax.jit(jax.grad(loss(ref.ranker_attention), (0, 1, 2)))(q, k, v)
     for name, g, g2, r in zip(("dq", "dk", "dv"), got, again, want, strict=True):
         assert np.all(np.isfinite(np.asarray(g))), name
         assert np.array_equal(np.asarray(g), np.asarray(g2)), f"{name}: not deterministic"
