@@ -7,6 +7,7 @@ Comparisons use the relative L2 error and the max-abs error; NaN never passes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -155,8 +156,6 @@ def check_ranker_bounds_as_data(oracle, q, k, v, cases: dict, *, cap=None) -> No
     return_lse=True)`` serves every ``bounds`` of ``cases`` (name -> bounds) with a single
     compile, each ``(out, lse)`` within 1e-5 rel L2 and 3e-5 max-abs (out) and 1e-4 (LSE)
     of ``oracle`` (a float64 ranker oracle) on the same bounds."""
-    import functools
-
     import jax
     import jax.numpy as jnp
 
