@@ -59,6 +59,12 @@ def test_patch_fails_loudly_on_a_moved_anchor(floors):
         floors.patched("attn_pallas_tpu.ranker_fwd", [("no such line\n", "")])
 
 
+def test_kernels_are_the_longest_custom_calls_in_trace_order(floors):
+    ops = [["dq", 3.0], ["slice", 1e-6], ["dkv", 5.0], ["copy", 2e-6]]
+    assert floors.largest_in_order(ops, 2) == [3.0, 5.0]
+    assert floors.largest_in_order([["tiny", 1e-6], ["fwd", 8.0]], 1) == [8.0]
+
+
 def test_report_shares(floors, tmp_path):
     base = dict(case="c", block_q=384, block_kv=384, heads_per_program=5, layout="[B, H, S, D]",
                 allowed_flops_fwd=1e12, visited_flops_fwd=2e12)  # fmt: skip
