@@ -22,10 +22,12 @@ The variants are built here by patching the kernels' source text into separate m
 (the package has no such knob); an anchor that a kernel change moves fails loudly.
 
     python benchmarks/tpu_ranker_floors.py --out $OUT [--cases phoenix long] [--smoke]
+    python benchmarks/tpu_ranker_floors.py --out DIR --merge RUN0.json RUN1.json
 
 (with ``common/src``, ``packages/attn-reference/src`` and ``packages/attn-pallas-tpu/src``
 on ``PYTHONPATH``, as ``benchmarks/tpu_run.sh`` sets it). ``--smoke``: two-row cases in
-interpret mode, any machine (no times). Writes ``<out>/tpu_ranker_floors.{json,md}``.
+interpret mode, any machine (no times). Writes ``<out>/tpu_ranker_floors.{json,md}``;
+``--merge`` writes them from several runs' JSON, a later run's cases replacing an earlier's.
 """
 
 from __future__ import annotations
@@ -147,22 +149,35 @@ def case_inputs(name: str, smoke: bool):
     return case, (q, k, v, jnp.asarray(case.bounds(0)), do)
 
 
-def largest_in_order(ops: list, n: int) -> list[float]:
-    """The ms of the ``n`` longest of ``[[name, ms], ...]`` custom calls, in trace order:
-    the Pallas kernels (a call may hold other, microsecond custom calls)."""
+def pallas_kernels(ops: list, n: int) -> list[list]:
+    """The ``n`` longest of ``[[name, ms], ...]`` custom calls (the Pallas kernels: a call
+    may hold other, microsecond custom calls), in trace order."""
     top = sorted(range(len(ops)), key=lambda i: -ops[i][1])[:n]
-    return [ops[i][1] for i in sorted(top)]
+    return [ops[i] for i in sorted(top)]
 
 
-def kernel_times(fn, args, smoke: bool, kernels: int) -> list[float] | None:
-    """The device ms per call (profiler) of ``fn``'s ``kernels`` Pallas kernels, in trace
-    order; None in smoke."""
+def backward_kernels(ops: list) -> dict:
+    """``{"dq": ms, "dk/dv": ms}`` of a backward call's two kernels, told apart by their
+    results: dk/dv's is a tuple (``= (`` in the HLO text), dq's one array. XLA may
+    schedule either first."""
+    kernels = pallas_kernels(ops, 2)
+    pairs = [
+        name.split(" custom-call(")[0].split(" = ", 1)[1].startswith("(") for name, _ in kernels
+    ]
+    if sorted(pairs) != [False, True]:
+        raise RuntimeError(f"cannot tell dq from dk/dv: {[name for name, _ in kernels]}")
+    return {("dk/dv" if pair else "dq"): ms for pair, (_, ms) in zip(pairs, kernels, strict=True)}
+
+
+def kernel_ops(fn, args, smoke: bool) -> list | None:
+    """``fn``'s custom calls, ``[[name, device ms per call], ...]`` in trace order
+    (profiler); None in smoke (interpret mode has no device trace)."""
     from attn_pallas_tpu._timing import device_ms
 
     jax.block_until_ready(fn(*args))
     if smoke:
         return None
-    return largest_in_order(device_ms(fn, *args, iterations=5)["kernel_ops_ms"], kernels)
+    return device_ms(fn, *args, iterations=5)["kernel_ops_ms"]
 
 
 def run_case(name: str, fwd, bwd, smoke: bool, emit) -> None:
@@ -193,21 +208,20 @@ def run_case(name: str, fwd, bwd, smoke: bool, emit) -> None:
     for variant in FWD_VARIANTS:
         fwd.FLOOR = variant
         jax.clear_caches()
-        ms = kernel_times(
-            lambda *a: fwd._fwd_padded(*a, st=st, interpret=interpret), fargs, smoke, 1
-        )
-        emit(**base, kernel="fwd", floor=variant, ms=ms[0] if ms else None)
+        ops = kernel_ops(lambda *a: fwd._fwd_padded(*a, st=st, interpret=interpret), fargs, smoke)
+        emit(**base, kernel="fwd", floor=variant, ms=pallas_kernels(ops, 1)[0][1] if ops else None)
     bwd_call = bwd.ranker_attention_bwd
     for variant in BWD_VARIANTS:
         bwd.FLOOR = variant
         jax.clear_caches()
-        ms = kernel_times(
+        ops = kernel_ops(
             lambda q, k, v, b, o, l, do: bwd_call(q, k, v, b, o, l, do, cap=case.cap,
                                                   config=config, interpret=interpret),
-            (q, k, v, bounds, out, lse, do), smoke, 2,
+            (q, k, v, bounds, out, lse, do), smoke,
         )  # fmt: skip
-        emit(**base, kernel="dq", floor=variant, ms=ms[0] if ms else None)
-        emit(**base, kernel="dk/dv", floor=variant, ms=ms[1] if ms else None)
+        ms = backward_kernels(ops) if ops else {}
+        for kernel in ("dq", "dk/dv"):
+            emit(**base, kernel=kernel, floor=variant, ms=ms.get(kernel))
     fwd.FLOOR = bwd.FLOOR = "full"
 
 
@@ -232,17 +246,35 @@ def xla_matmuls(emit) -> None:
                      tflops=2 * n * t * t * d / ms / 1e9)  # fmt: skip
 
 
+def merge(paths: list[Path]) -> dict:
+    """One result from several runs' JSON: a later run's rows replace an earlier run's
+    rows of the same case (the XLA matmuls count as one case); each row keeps its run's
+    matmul rate, and ``runs`` lists every run's provenance and rate."""
+    runs, rows = [], []
+    for i, path in enumerate(paths):
+        run = json.loads(Path(path).read_text())
+        runs.append({k: v for k, v in run.items() if k not in ("rows", "runs")})
+        new = [dict(r, run=i, matmul_tflops=run["matmul_tflops"]) for r in run["rows"]]
+        cases = {r.get("case", "xla matmul") for r in new}
+        rows = [r for r in rows if r.get("case", "xla matmul") not in cases] + new
+    return {"runs": runs, "device": runs[-1]["device"], "jax": runs[-1]["jax"], "rows": rows}
+
+
 def write_markdown(result: dict, out: Path) -> None:
-    rate = result["matmul_tflops"]
+    runs = result.get("runs", [result])
     lines = [
         "# TPU ranker kernels: floors",
         "",
-        f"Device {result['device']}, jax {result['jax']}, commit {result['commit']}, "
-        f"`{result['command']}`; bf16 matmul {rate:.1f} TFLOP/s measured in the same run. "
-        "Kernel device ms (profiler, median of 5 calls) with the step body cut to its "
+        f"Device {result['device']}, jax {result['jax']}. "
+        + " ".join(
+            f"Run {i}: commit {run['commit']}, `{run['command']}`, {run['date']}, bf16 "
+            f"matmul {run['matmul_tflops']:.1f} TFLOP/s measured in the same run."
+            for i, run in enumerate(runs)
+        )
+        + " Kernel device ms (profiler, median of 5 calls) with the step body cut to its "
         "matrix products (mxu), its score chain (vpu, forward only) or nothing (grid: the "
-        "grid's steps and DMAs); `% rate` the forward's allowed-pair FLOPs over its time "
-        "as a share of the matmul rate (dq 1.5x and dk/dv 2x the forward's FLOPs: "
+        "grid's steps and DMAs); `% rate` the kernel's allowed-pair FLOPs over its time "
+        "as a share of its run's matmul rate (dq 1.5x and dk/dv 2x the forward's FLOPs: "
         "3 and 4 products a pair against 2), `visited %` the same on the pairs its tiles visit.",
         "",
         "| case | tiling | kernel | full | mxu | vpu | grid | full % rate | mxu % rate "
@@ -256,8 +288,9 @@ def write_markdown(result: dict, out: Path) -> None:
     for (case, kernel), floors in by.items():
         r = floors["full"]
         ms = {f: floors[f]["ms"] for f in floors}
+        rate = r.get("matmul_tflops") or result["matmul_tflops"]
 
-        def pct(flops, f, ms=ms):
+        def pct(flops, f, ms=ms, rate=rate):
             t = ms.get(f)
             return f"{100 * flops / (t * 1e9) / rate:.1f}" if flops and t else ""
 
@@ -280,6 +313,7 @@ def write_markdown(result: dict, out: Path) -> None:
               "|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["rows"]:
         if r["kernel"] == "xla matmul":
+            rate = r.get("matmul_tflops") or result["matmul_tflops"]
             lines.append(f"| {r['op']} | {r['head_dim']} | {r['tile']} | {r['ms']:.4f} | "
                          f"{r['tflops']:.1f} | {100 * r['tflops'] / rate:.1f} |")  # fmt: skip
     (out / "tpu_ranker_floors.md").write_text("\n".join(lines) + "\n")
@@ -294,8 +328,15 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", nargs="+",
                         default=["phoenix", "long", "small-d64", "ragged", "ragged-packed"])  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="two-row cases, interpret mode")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="RUN_JSON",
+                        help="write one report from these runs' JSON (later runs' cases win)")  # fmt: skip
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merged = merge(args.merge)
+        (args.out / "tpu_ranker_floors.json").write_text(json.dumps(merged, indent=1))
+        write_markdown(merged, args.out)
+        return
     result = {
         **provenance(argv),
         "device": jax.devices()[0].device_kind,

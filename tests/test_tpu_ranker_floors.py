@@ -3,6 +3,8 @@ variant lowers for a TPU, and the report's shares are the rows' FLOPs over their
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,10 +61,16 @@ def test_patch_fails_loudly_on_a_moved_anchor(floors):
         floors.patched("attn_pallas_tpu.ranker_fwd", [("no such line\n", "")])
 
 
-def test_kernels_are_the_longest_custom_calls_in_trace_order(floors):
-    ops = [["dq", 3.0], ["slice", 1e-6], ["dkv", 5.0], ["copy", 2e-6]]
-    assert floors.largest_in_order(ops, 2) == [3.0, 5.0]
-    assert floors.largest_in_order([["tiny", 1e-6], ["fwd", 8.0]], 1) == [8.0]
+def test_kernels_are_the_longest_custom_calls_told_apart_by_their_results(floors):
+    dkv = "%custom-call.3 = (bf16[2,4,1152,128]{3,2,1,0}, bf16[2,4,1152,128]{3,2,1,0}) custom-call(bf16"
+    dq = "%custom-call.4 = bf16[2,20,1152,128]{3,2,1,0} custom-call(bf16[2,20,1152,128]{3,2,1,0} %q"
+    tiny = "%custom-call.1 = s32[8]{0} custom-call(s32[8]{0} %b)"
+    ops = [[dkv, 5.0], [tiny, 1e-6], [dq, 3.0]]
+    assert floors.pallas_kernels(ops, 2) == [[dkv, 5.0], [dq, 3.0]]
+    assert floors.backward_kernels(ops) == {"dq": 3.0, "dk/dv": 5.0}
+    assert floors.backward_kernels([[dq, 3.0], [dkv, 5.0]]) == {"dq": 3.0, "dk/dv": 5.0}
+    with pytest.raises(RuntimeError, match="cannot tell"):
+        floors.backward_kernels([[dq, 3.0], [dq, 5.0]])
 
 
 def test_report_shares(floors, tmp_path):
@@ -74,7 +82,7 @@ def test_report_shares(floors, tmp_path):
     ]
     rows.append(dict(kernel="xla matmul", op="qk", head_dim=64, tile=640, batch=1, ms=0.5,
                      tflops=50.0))  # fmt: skip
-    result = dict(device="TPU v5 lite", jax="x", commit="abc", command="cmd", matmul_tflops=200.0,
+    result = dict(device="TPU v5 lite", jax="x", commit="abc", command="cmd", date="d", matmul_tflops=200.0,
                   rows=rows)  # fmt: skip
     floors.write_markdown(result, tmp_path)
     md = (tmp_path / "tpu_ranker_floors.md").read_text()
@@ -87,3 +95,21 @@ def test_report_shares(floors, tmp_path):
     assert "| dq | 10.00 |  |  |  | 75.0 |  | 150.0 |  |" in md
     assert "| qk | 64 | 640 | 0.5000 | 50.0 | 25.0 |" in md
     assert np.isfinite(result["matmul_tflops"])
+
+
+def test_merge_keeps_the_later_runs_cases_and_each_rows_rate(floors, tmp_path):
+    def run(commit, rate, cases):
+        rows = [dict(case=c, kernel="fwd", floor="full", ms=1.0) for c in cases]
+        return dict(commit=commit, command="c", date="d", device="TPU v5 lite", jax="x",
+                    matmul_tflops=rate, rows=rows)  # fmt: skip
+
+    paths = []
+    for i, r in enumerate((run("a", 100.0, ["p", "q"]), run("b", 200.0, ["q"]))):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    merged = floors.merge(paths)
+    assert [(r["case"], r["run"], r["matmul_tflops"]) for r in merged["rows"]] == [
+        ("p", 0, 100.0),
+        ("q", 1, 200.0),
+    ]
+    assert [r["commit"] for r in merged["runs"]] == ["a", "b"]
