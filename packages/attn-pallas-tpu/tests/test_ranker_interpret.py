@@ -95,11 +95,15 @@ def _f32(xs):
     return [x.astype(jnp.float32) for x in xs]
 
 
-def _check_forward(q, k, v, bounds, *, cap, config=SMALL, **kw):
+def _check_forward(q, k, v, bounds, *, cap, config=SMALL, forward=None, **kw):
+    """``forward``: the public forward at these arguments, jitted, where the test calls
+    it more than once (one compile)."""
     dtype = jnp.dtype(q.dtype).name
-    out, lse = ranker_attention(
-        q, k, v, bounds, cap=cap, config=config, return_lse=True, interpret=INTERPRET, **kw
-    )
+    if forward is None:
+        forward = functools.partial(
+            ranker_attention, cap=cap, config=config, return_lse=True, interpret=INTERPRET, **kw
+        )
+    out, lse = forward(q, k, v, bounds)
     jax.block_until_ready((out, lse))
     assert_no_races()
     want = ref.ranker_attention(*_f32((q, k, v)), bounds, cap=cap, return_lse=True, **kw)
@@ -166,7 +170,8 @@ ROW_CAP = CapParams(CapMethod.SOFT_SIGN, 80.0)  # 2C = 231: the "row" softmax
 
 
 def _row_fast_path(q, k, v, bounds, cap):
-    """The ``"row"`` softmax's kernel alone (no second run): ``(out, lse)`` at ``S``."""
+    """The ``"row"`` softmax's kernel alone (no second run): ``(out, lse)`` at ``S``
+    (callers check for races: under ``jax.jit`` this runs at trace time)."""
     from attn_pallas_tpu.ranker_fwd import (
         _fwd_padded,
         attended_key_norms,
@@ -182,7 +187,6 @@ def _row_fast_path(q, k, v, bounds, cap):
         to_kernel_layout(q, st, rows), to_kernel_layout(k, st), to_kernel_layout(v, st),
         clipped, attended_key_norms(k, clipped, rows), st=st, interpret=INTERPRET,
     )  # fmt: skip
-    assert_no_races()
     out = from_kernel_layout(out, st, problem.q_heads, problem.seq_len)
     return out, lse[:, :, 0, : problem.seq_len]
 
@@ -209,11 +213,20 @@ def test_forward_row_offset_serves_rows_bitwise_isolated(dtype):
     ]  # fmt: skip
     zeroed = [jnp.asarray(np.where(nobody, 0.0, np.asarray(x, np.float32))).astype(dtype)
               for x in (q, k, v)]  # fmt: skip
-    fast = _row_fast_path(*poisoned, bounds, ROW_CAP)
+    # The fast path and the public forward each jitted (the public one compiled once for
+    # both runs): eager operations around the kernel would round differently from fused
+    # ones, so both sides run as one program each, as a user's jitted call does.
+    fast = jax.jit(functools.partial(_row_fast_path, cap=ROW_CAP))(*poisoned, bounds)
+    jax.block_until_ready(fast)
+    assert_no_races()
     assert not np.isnan(np.asarray(fast[1])).any(), "a row the kernel should serve was not"
-    got = _check_forward(*poisoned, bounds, cap=ROW_CAP)
-    clean = ranker_attention(*zeroed, bounds, cap=ROW_CAP, config=SMALL, return_lse=True,
-                             interpret=INTERPRET)  # fmt: skip
+    forward = jax.jit(
+        functools.partial(
+            ranker_attention, cap=ROW_CAP, config=SMALL, return_lse=True, interpret=INTERPRET
+        )
+    )
+    got = _check_forward(*poisoned, bounds, cap=ROW_CAP, forward=forward)
+    clean = forward(*zeroed, bounds)
     for a, b, c in zip(fast, got, clean, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
@@ -249,6 +262,7 @@ def test_forward_row_offset_runs_unserved_rows_again(cap):
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     bounds = jnp.array([[0, 160, 160, 230]], jnp.int32)  # rows 230-255 padding
     fast_out, fast_lse = _row_fast_path(q, k, v, bounds, cap)
+    assert_no_races()
     redo = np.isnan(np.asarray(fast_lse))[0, 0]
     assert redo[:64].all() and redo[200] and redo.sum() == 65, np.flatnonzero(redo)
     out, lse = ranker_attention(q, k, v, bounds, cap=cap, config=SMALL, return_lse=True,
@@ -401,13 +415,25 @@ def _reference_grads(q, k, v, bounds, w, *, cap, use_lse):
     )
 
 
-def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0):
-    dtype = jnp.dtype(q.dtype).name
-    w = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
+def _grad_weights(q, seed):
+    return jnp.asarray(np.random.default_rng(seed + 100).standard_normal(q.shape), jnp.float32)
+
+
+def _kernel_grads(bounds, w, *, cap, use_lse=True):
+    """The kernels' jitted ``(dq, dk, dv)`` of :func:`_loss`."""
     kernel_loss = _loss(
         ranker_attention, bounds, w, cap=cap, use_lse=use_lse, config=SMALL, interpret=INTERPRET
     )
-    got = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))(q, k, v)
+    return jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2)))
+
+
+def _check_grads(q, k, v, bounds, *, cap, use_lse=True, seed=0, compiled=None):
+    """``compiled``: the ``jax.stages.Compiled`` of ``_kernel_grads`` at these inputs
+    (weights ``_grad_weights(q, seed)``), where the test has lowered it already."""
+    dtype = jnp.dtype(q.dtype).name
+    w = _grad_weights(q, seed)
+    grads = compiled if compiled is not None else _kernel_grads(bounds, w, cap=cap, use_lse=use_lse)
+    got = grads(q, k, v)
     jax.block_until_ready(got)
     assert_no_races()
     up = _f32((q, k, v))
@@ -482,15 +508,14 @@ def test_gradient_pads_q_only_below_one_tile(seq, dim, q_padded):
     fits; the gradients match the reference and are exactly 0 where nothing is allowed."""
     q, k, v = _inputs(5, 2, seq, 2, 1, dim, "float32")
     bounds = jnp.array([[0, seq // 2, seq // 2, seq], [3, seq - 9, seq - 9, seq - 1]], jnp.int32)
-    w = jnp.ones(q.shape, jnp.float32)
-    loss = _loss(ranker_attention, bounds, w, cap=None, use_lse=True, config=SMALL,
-                 interpret=INTERPRET)  # fmt: skip
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    # The gradient checked below, lowered once: its HLO read here, then compiled and run.
+    lowered = _kernel_grads(bounds, _grad_weights(q, seq), cap=None).lower(q, k, v)
+    hlo = lowered.as_text()
     pads = {line.split("->")[-1].strip() for line in hlo.splitlines() if "stablehlo.pad" in line}
     seq_pad = -(-seq // 128) * 128
     assert any(f"tensor<2x{seq_pad}x2x{dim}xf32>" in p for p in pads) == q_padded, pads
     assert any(f"tensor<2x{seq_pad}x1x{dim}xf32>" in p for p in pads), pads
-    _check_grads(q, k, v, bounds, cap=None, seed=seq)
+    _check_grads(q, k, v, bounds, cap=None, seed=seq, compiled=lowered.compile())
 
 
 @pytest.mark.slow
@@ -620,6 +645,27 @@ def _brute_blocks(row, lo, hi, block, seq, *, q_side):
     return {int(p) // block for p in np.nonzero(hit)[0]}, allowed
 
 
+@functools.partial(jax.jit, static_argnums=(1,))
+def _tables(clipped, st):
+    """``kv_step_table`` and ``q_step_table``, jitted: one compile each per shape and
+    static (run eagerly, their operations compiled one by one: ~6 s of the test)."""
+    return kv_step_table(clipped, st), q_step_table(clipped, st)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _tile_walks(tab, tiles: int, steps: int):
+    """Every tile's ``TileSteps`` as the kernels read it (traced table words): total,
+    clamped block of each of ``steps`` grid steps, full_lo, full_hi and the block at each
+    step, ``[tiles, ...]``."""
+
+    def walk(tile):
+        walk = TileSteps(tab, tile)
+        j = jnp.arange(steps)
+        return walk.total, walk.clamped_block(j), walk.full_lo, walk.full_hi, walk.block_at(j)
+
+    return jax.vmap(walk)(jnp.arange(tiles))
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_step_tables_visit_once_one_dma_per_block(seed):
     """Index maps driven by the tables: each tile's clamped block sequence covers exactly
@@ -637,19 +683,20 @@ def test_step_tables_visit_once_one_dma_per_block(seed):
             q, q, q, jnp.asarray(bounds), sm_scale=None, cap=None, config=config
         )
         clipped = np.asarray(clipped)
+        kv_tab, q_tab = _tables(clipped, st)
         for tab, tiles, block, other, q_side in (
-            (kv_step_table(clipped, st), st.q_tiles, st.block_q, st.block_kv, True),
-            (q_step_table(clipped, st), st.kv_tiles, st.block_kv, st.block_q, False),
+            (kv_tab, st.q_tiles, st.block_q, st.block_kv, True),
+            (q_tab, st.kv_tiles, st.block_kv, st.block_q, False),
         ):
-            tab = np.asarray(tab)
             steps_max = st.seq_pad // other
+            walks = [np.asarray(w) for w in _tile_walks(tab, batch * tiles, steps_max)]
             for b in range(batch):
                 row = tuple(int(x) for x in clipped[b])
                 for t in range(tiles):
-                    steps = TileSteps(tab, b * tiles + t)
-                    total = int(steps.total)
+                    total, blocks, full_lo, full_hi, block_at = (w[b * tiles + t] for w in walks)
+                    total = int(total)
                     assert total <= steps_max
-                    seq_blocks = [int(steps.clamped_block(j)) for j in range(steps_max)]
+                    seq_blocks = [int(x) for x in blocks]
                     visited = seq_blocks[:total]
                     want, allowed = _brute_blocks(
                         row, t * block, (t + 1) * block, other, st.seq_pad, q_side=q_side
@@ -657,8 +704,8 @@ def test_step_tables_visit_once_one_dma_per_block(seed):
                     assert sorted(visited) == sorted(want) and len(set(visited)) == total
                     dmas = 1 + sum(a != c for a, c in itertools.pairwise(seq_blocks))
                     assert dmas == max(total, 1)
-                    for j in range(int(steps.full_lo), int(steps.full_hi)):
-                        blk = int(steps.block_at(j))
+                    for j in range(int(full_lo), int(full_hi)):
+                        blk = int(block_at[j])
                         tile = (
                             allowed[:, blk * other : (blk + 1) * other]
                             if q_side
