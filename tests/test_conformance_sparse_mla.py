@@ -23,6 +23,9 @@ read blocks and dtypes are ``slow``.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -101,14 +104,27 @@ def _cases(mode: str):
 
 
 def _call(backend, fn_name: str, dv: int, **static):
-    """The backend's function, called on host arrays (not under jit: the Hopper flat case
-    ran 31 s per example under jit against 20 s eagerly in interpret mode here)."""
+    """The backend's function on host arrays: jitted, one compile per shape for every
+    example (run eagerly, each of its operations around the kernel compiles on its own:
+    ~60 in a TPU case), except Hopper's, called eagerly (its flat case ran 31 s per
+    example under jit against 20 s eagerly in interpret mode here)."""
+    if backend.name == "mosaic-gpu":
+        return _eager_call(backend, fn_name, dv, **static)
+    return _jitted_call(backend, fn_name, dv, tuple(sorted(static.items())))
+
+
+def _eager_call(backend, fn_name: str, dv: int, **static):
     fn = getattr(backend.module(), fn_name)
     kw = backend.call_kwargs()
     return lambda q, kv, idx, pos, tables: fn(
         q, kv, idx, pos, sm_scale=SM_SCALE, kv_lora_rank=dv, return_lse=True,
         **tables, **static, **kw,
     )  # fmt: skip
+
+
+@functools.cache
+def _jitted_call(backend, fn_name: str, dv: int, static: tuple):
+    return jax.jit(_eager_call(backend, fn_name, dv, **dict(static)))
 
 
 def _check(got, want, dtype):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -116,16 +117,34 @@ def _reference_grads(q, kv, idx, pos, w_out, w_lse, *, dv: int, **kw):
     return grad(q, kv)
 
 
+@functools.cache
+def _kernel_grads(backend, name: str, static: tuple):
+    """The backend's :func:`helpers.sparse_mla_loss_grad` with the selection, the loss
+    weights and the array keywords (ragged tables) as arguments, jitted once per
+    function and static keywords: every example of a shape reuses one compile."""
+    fn = getattr(backend.module(), name)
+    static = dict(static)
+
+    @jax.jit
+    def grads(q, kv, idx, pos, w_out, w_lse, tables):
+        return sparse_mla_loss_grad(
+            fn, idx, pos, w_out, w_lse, sm_scale=SM_SCALE, dv=backend.sparse_dims[0],
+            **tables, **static, **backend.call_kwargs(),
+        )(q, kv)  # fmt: skip
+
+    return grads
+
+
 def _check(backend, op, dtype, q, kv, idx, pos, keep_rows, **kw):
     dv = backend.sparse_dims[0]
     rng = rng_for(7)
     w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], dv)), jnp.float32)
     w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
     name, knobs = op
-    fn = getattr(backend.module(), name)
-    grad = functools.partial(sparse_mla_loss_grad, sm_scale=SM_SCALE, dv=dv)
+    tables = {k: a for k, a in kw.items() if hasattr(a, "shape")}
+    static = tuple(sorted({**{k: a for k, a in kw.items() if k not in tables}, **knobs}.items()))
     (dq, dkv), (_, _, mass) = run_interpret(
-        grad(fn, idx, pos, w_out, w_lse, **kw, **knobs, **backend.call_kwargs()), q, kv
+        _kernel_grads(backend, name, static), q, kv, idx, pos, w_out, w_lse, tables
     )
     kv32 = np.asarray(kv, np.float32)
     if kv.ndim == 4:  # the paged cache: a float32 one holds one token per packed row
