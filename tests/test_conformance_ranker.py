@@ -225,13 +225,17 @@ def _grad(backend, cap: str, shape: tuple):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), w
 
 
+# Jitted: one compile per shape for every example (eagerly, one per operation).
+_mask_packed = jax.jit(ranker_mask_packed)
+
+
 def _allowed(bounds, seq):
     """bool ``[B, S, S]``: query i may attend key j (plain or packed bounds)."""
     b = np.asarray(bounds)
     if b.ndim == 2:
         b = b[:, None]
     pos = np.arange(seq)
-    return np.asarray(ranker_mask_packed(pos[None, :, None], pos[None, None, :], b[:, None, None]))
+    return np.asarray(_mask_packed(pos[None, :, None], pos[None, None, :], b[:, None, None]))
 
 
 def check_forward(backend, case, bounds, seed):
