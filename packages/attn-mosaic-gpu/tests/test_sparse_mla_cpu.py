@@ -179,7 +179,10 @@ def test_write_back_bit_identical_and_prefill_wrapper():
             layout["cu_q_lens"], cu_kv, layout["page_indices"])  # fmt: skip
     kw = dict(kv_lora_rank=DV, page_size=16, sm_scale=SM_SCALE)
     out, new_cache = _run(gpu.prefill_write_and_attend_ragged, *args, **kw)
-    want_out, want_cache = ref.prefill_write_and_attend_ragged(*args, **kw)
+    # The reference jitted: one compile (eagerly, one per operation).
+    want_out, want_cache = jax.jit(functools.partial(ref.prefill_write_and_attend_ragged, **kw))(
+        *args
+    )
     np.testing.assert_array_equal(
         np.asarray(new_cache).view(np.uint16), np.asarray(want_cache).view(np.uint16)
     )
