@@ -414,8 +414,8 @@ def test_chosen_config_fits_vmem_at_production_shape(chip):
     pool = rng.choice(num_units, size=top_k, replace=False)
     keys = np.where(rng.random((1, seq, top_k)) < 0.95, pool, rng.integers(0, num_units, top_k))
     keys = keys.astype(np.int32)
-    distinct = np.asarray(distinct_units_per_query(keys))
-    unions = {qb: np.asarray(block_union_sizes(keys, query_block=qb)) for qb in (8, 32, 256)}
+    distinct = np.asarray(_distinct_jit(keys))
+    unions = {qb: np.asarray(_unions_jit(keys, query_block=qb)) for qb in (8, 32, 256)}
     plan = choose_plan(
         distinct_per_query=distinct,
         union_sizes=unions,
@@ -444,13 +444,13 @@ def test_jnp_seconds_match_numpy_model_under_jit(chip):
     keys = rng.integers(-1, 300, size=(2, 100, 16)).astype(np.int32)
     keys[:, 1::2] = keys[:, ::2]  # some sharing
     args = dict(heads=128, read_block=64, top_k=16, chip=chip, **SHAPE)
-    distinct = distinct_units_per_query(keys)
+    distinct = _distinct_jit(keys)
     want = predict_per_query(distinct_per_query=np.asarray(distinct), **args).predicted_s
     got = jax.jit(lambda d: per_query_seconds(d, **args))(distinct)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
     for qb, hb, u_max in [(8, 128, 64), (32, 16, 96), (16, 32, 1000)]:
-        unions = block_union_sizes(keys, query_block=qb)
+        unions = _unions_jit(keys, query_block=qb)
         cfg = dict(query_block=qb, head_block=hb, u_max=u_max, num_units=300, **args)
         want = predict_qblock(union_sizes=np.asarray(unions), **cfg).predicted_s
         got = jax.jit(lambda u, cfg=cfg: qblock_seconds(u, **cfg))(unions)
