@@ -184,6 +184,18 @@ def kernel_ops(fn, args, smoke: bool) -> list | None:
     return device_ms(fn, *args, iterations=5)["kernel_ops_ms"]
 
 
+def forward_args(fwd, q, k, v, bounds, *, cap, config):
+    """``(static, args)`` of the forward kernel's ``_fwd_padded(*args, st=static)`` as
+    ``kernel_forward`` builds them: q, k, v in the kernel layout, the clipped bounds and
+    the row softmax's key norms (else ``None``)."""
+    problem, st, clipped = fwd.prepare(q, k, v, bounds, sm_scale=None, cap=cap, config=config)
+    rows = fwd.q_rows(st, problem.seq_len)
+    kmax = fwd.attended_key_norms(k, clipped, rows) if st.softmax == "row" else None
+    layout = (fwd.to_kernel_layout(q, st, rows), fwd.to_kernel_layout(k, st),
+              fwd.to_kernel_layout(v, st))  # fmt: skip
+    return st, (*layout, clipped, kmax)
+
+
 def run_case(name: str, fwd, bwd, smoke: bool, emit) -> None:
     from attn_pallas_tpu.bench_ranker import Runner, allowed_flops
     from attn_pallas_tpu.ranker_model import visit_counts
@@ -191,11 +203,8 @@ def run_case(name: str, fwd, bwd, smoke: bool, emit) -> None:
     case, (q, k, v, bounds, do) = case_inputs(name, smoke)
     config = Runner.config_for(case)
     interpret = fwd.resolve_interpret(True) if smoke else False
-    problem, st, clipped = fwd.prepare(q, k, v, bounds, sm_scale=None, cap=case.cap, config=config)
-    rows = fwd.q_rows(st, problem.seq_len)
-    kmax = fwd.attended_key_norms(k, clipped, rows) if st.softmax == "row" else None
-    fargs = (*(fwd.to_kernel_layout(x, st, r) for x, r in ((q, rows), (k, None), (v, None))),
-             clipped, kmax)  # fmt: skip
+    st, fargs = forward_args(fwd, q, k, v, bounds, cap=case.cap, config=config)
+    clipped = fargs[3]
     out, lse = fwd.kernel_forward(q, k, v, bounds, sm_scale=None, cap=case.cap, config=config,
                                   interpret=interpret)  # fmt: skip
     base = dict(case=name, block_q=config.block_q, block_kv=config.block_kv,
